@@ -1,0 +1,80 @@
+"""moe-dispatch: token dispatch and combine for expert-parallel MoE inference.
+
+The names exported here are the contract engines and backend plugins code against.
+"""
+
+from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, RunnerInfo
+from .capabilities import Capabilities, DtypeDecision, Fallback, Limits
+from .codecs import Codec, Quantized, make_codec
+from .dispatcher import Dispatcher, create_dispatcher
+from .dtypes import DispatchDtype, Layout, Mode
+from .errors import (
+    BackendUnavailableError,
+    CapacityError,
+    CommunicationError,
+    ConfigMismatchError,
+    InvalidInputError,
+    InvalidSpecError,
+    MoEDispatchError,
+    PluginError,
+    UnsupportedDtypeError,
+)
+from .experts import ExpertKernel, ExpertWeights, TorchExperts, reference_moe
+from .hints import QuantHints
+from .hookspecs import API_VERSION, hookimpl
+from .layer import MoELayer, moe_forward
+from .output import DispatchOutput
+from .plugins import BackendInfo, PluginHost, available_backends, get_backend
+from .resolution import DtypeFallbackWarning, Resolution, Step, resolve_output_dtype
+from .spec import DispatchSpec, add_cli_args
+from .wire import WireFormat
+
+__all__ = [
+    "API_VERSION",
+    "Backend",
+    "BackendDispatcher",
+    "BackendInfo",
+    "BackendUnavailableError",
+    "BufferSize",
+    "Capabilities",
+    "CapacityError",
+    "Codec",
+    "CommunicationError",
+    "ConfigMismatchError",
+    "DispatchContext",
+    "DispatchDtype",
+    "DispatchOutput",
+    "DispatchSpec",
+    "Dispatcher",
+    "DtypeDecision",
+    "DtypeFallbackWarning",
+    "ExpertKernel",
+    "ExpertWeights",
+    "Fallback",
+    "InvalidInputError",
+    "InvalidSpecError",
+    "Layout",
+    "Limits",
+    "MoEDispatchError",
+    "MoELayer",
+    "Mode",
+    "PluginError",
+    "PluginHost",
+    "QuantHints",
+    "Quantized",
+    "Resolution",
+    "RunnerInfo",
+    "Step",
+    "TorchExperts",
+    "UnsupportedDtypeError",
+    "WireFormat",
+    "add_cli_args",
+    "available_backends",
+    "create_dispatcher",
+    "get_backend",
+    "hookimpl",
+    "make_codec",
+    "moe_forward",
+    "reference_moe",
+    "resolve_output_dtype",
+]

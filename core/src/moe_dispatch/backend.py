@@ -1,0 +1,202 @@
+"""What a backend plugin implements.
+
+A ``Backend`` describes itself (name, capabilities, ``probe``), validates dtypes, sizes its
+buffers, and creates a ``BackendDispatcher`` for one spec on one process group. The core's
+``Dispatcher`` calls that object directly: no plugin-manager call on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from .capabilities import Capabilities, DtypeDecision
+from .dtypes import DispatchDtype
+from .errors import CapacityError, InvalidSpecError
+from .output import DispatchOutput
+from .spec import DispatchSpec
+
+if TYPE_CHECKING:
+    from .codecs import Codec
+    from .distributed.comm import Comm
+    from .resolution import Resolution
+
+
+@dataclass(frozen=True)
+class BufferSize:
+    """Bytes a dispatcher needs, dispatch and combine accounted separately (combine is BF16
+    even when dispatch is FP8, so one cannot stand in for the other)."""
+
+    dispatch_bytes: int
+    combine_bytes: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dispatch_bytes + self.combine_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dispatch_bytes": self.dispatch_bytes,
+            "combine_bytes": self.combine_bytes,
+            "total_bytes": self.total_bytes,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class DispatchContext:
+    """Everything ``Backend.create`` gets: the spec with its resolved dtype, the group
+    wrapped in a byte-counting ``Comm``, and the codec of the wire format."""
+
+    spec: DispatchSpec
+    resolution: "Resolution"
+    comm: "Comm"
+    codec: "Codec"
+    buffer_size: BufferSize
+    device: torch.device
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def dtype(self) -> DispatchDtype:
+        return self.resolution.dtype
+
+    @property
+    def local_experts(self) -> int:
+        return self.spec.local_experts(self.world_size)
+
+
+@runtime_checkable
+class BackendDispatcher(Protocol):
+    """One spec on one group. Holds no state of a call: everything combine needs travels
+    in ``DispatchOutput.handle``."""
+
+    def dispatch(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchOutput: ...
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor: ...
+
+
+class Backend:
+    """Base class of dispatch backends. Subclasses set ``name`` and ``capabilities`` and
+    implement ``buffer_size`` and ``create``; the rest has table-driven defaults."""
+
+    name: str = ""
+    capabilities: Capabilities
+    description: str = ""
+    #: What to install or configure when ``probe()`` says the backend cannot run here.
+    install_hint: str = ""
+
+    def probe(self) -> str | None:
+        """None if the backend can run on this machine, else why not."""
+        return None
+
+    def default_dtype(self, spec: DispatchSpec) -> DispatchDtype | None:
+        """Resolution step 6: this backend's default wire dtype."""
+        return self.capabilities.default_dtype
+
+    def validate_dtype(self, dtype: DispatchDtype, spec: DispatchSpec) -> DtypeDecision:
+        """Accept ``dtype``, replace it by a recorded fallback, or reject it."""
+        return self.capabilities.decide(spec.mode, dtype)
+
+    def check_spec(self, spec: DispatchSpec, world_size: int) -> None:
+        """Raise a typed error when ``spec`` exceeds this backend's declared limits."""
+        caps = self.capabilities
+        if spec.mode not in caps.dtypes:
+            raise InvalidSpecError(
+                f"backend {self.name!r} does not support this mode",
+                parameter="mode",
+                value=spec.mode.value,
+                allowed=", ".join(m.value for m in caps.modes),
+            )
+        if caps.world_sizes is not None and world_size not in caps.world_sizes:
+            raise InvalidSpecError(
+                f"backend {self.name!r} does not support this EP size",
+                parameter="world_size",
+                value=world_size,
+                allowed=", ".join(map(str, sorted(caps.world_sizes))),
+            )
+        spec.local_experts(world_size)
+        lim = caps.limits_for(spec.mode)
+        t = spec.num_max_dispatch_tokens_per_rank
+        if lim.max_tokens_per_rank is not None and t > lim.max_tokens_per_rank:
+            raise CapacityError(
+                f"backend {self.name!r} ({spec.mode.value}) handles at most {lim.max_tokens_per_rank} tokens per rank",
+                parameter="num_max_dispatch_tokens_per_rank",
+                value=t,
+                allowed=f"1..{lim.max_tokens_per_rank}",
+            )
+        h = spec.hidden_size
+        if lim.hidden_sizes is not None and h not in lim.hidden_sizes:
+            raise InvalidSpecError(
+                f"backend {self.name!r} ({spec.mode.value}) kernels are built for fixed hidden sizes",
+                parameter="hidden_size",
+                value=h,
+                allowed=", ".join(map(str, sorted(lim.hidden_sizes))),
+            )
+        if h % lim.hidden_multiple or (lim.min_hidden is not None and h < lim.min_hidden) or (
+            lim.max_hidden is not None and h > lim.max_hidden
+        ):
+            raise InvalidSpecError(
+                f"backend {self.name!r} ({spec.mode.value}) does not support this hidden size",
+                parameter="hidden_size",
+                value=h,
+                allowed=f"multiples of {lim.hidden_multiple} in [{lim.min_hidden or 1}, {lim.max_hidden or 'inf'}]",
+            )
+        if lim.max_top_k is not None and spec.top_k > lim.max_top_k:
+            raise InvalidSpecError(
+                f"backend {self.name!r} ({spec.mode.value}) supports at most top-{lim.max_top_k}",
+                parameter="top_k",
+                value=spec.top_k,
+                allowed=f"1..{lim.max_top_k}",
+            )
+
+    def buffer_size(self, spec: DispatchSpec, world_size: int) -> BufferSize:
+        """Bytes needed for ``spec`` (its ``output_dtype`` already resolved) on
+        ``world_size`` ranks, dispatch and combine separately."""
+        raise NotImplementedError
+
+    def create(self, ctx: DispatchContext) -> BackendDispatcher:
+        """Build the per-layer dispatcher. Called once, at creation, on every rank."""
+        raise NotImplementedError
+
+    def fused_forward(
+        self,
+        dispatcher: Any,
+        layer: Any,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Dispatch, experts and combine in one call (only if ``capabilities.fused_forward``)."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused forward")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """An expert-kernel family and the wire dtype it needs (resolution step 5).
+
+    :param needs: the dtype its kernels must receive (None: any).
+    :param reason: why, as the resolution trail shows it.
+    """
+
+    name: str
+    needs: DispatchDtype | None
+    reason: str = ""
+
+
+__all__ = ["Backend", "BackendDispatcher", "BufferSize", "DispatchContext", "RunnerInfo"]

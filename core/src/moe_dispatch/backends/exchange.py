@@ -1,0 +1,231 @@
+"""The exchange both reference backends run on ``torch.distributed``.
+
+Normal mode: exchange per-rank counts (the one host sync), then one all-to-all of wire
+rows, one per (token, destination rank) pair: the quantized payload followed by routing
+metadata (per-slot local expert ids and weights). The receiver expands them into rows per
+(token, local expert), grouped by expert (PACKED). ``send_to_all_ranks`` turns the sparse
+selection into the all-gather the ``allgather`` backend does.
+
+Low-latency mode: every rank all-gathers ``capacity`` fixed slots (no host sync, so the
+call is capturable in a CUDA graph on NCCL), and scatters its local (token, expert) pairs
+into the MASKED layout ``[E_local, capacity·world, H]``. A fixed-size exchange cannot know
+which slots are empty without a host sync, so both backends move the same bytes here.
+
+Combine, both modes: the destination weights each row (fp32) and sums a token's local
+rows in ascending expert order; the BF16 partial goes back with the reverse exchange and
+the source sums ranks in ascending order in fp32. The order is fixed, so results are
+bit-identical run to run (CPU ``index_add_`` adds in index order; on CUDA set
+``torch.use_deterministic_algorithms(True)`` for the same guarantee).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backend import DispatchContext
+from ..dtypes import Layout, Mode
+from ..output import DispatchOutput, group_list_from_counts
+
+
+@dataclass(frozen=True, slots=True)
+class NormalHandle:
+    owner: object
+    pair_token: torch.Tensor  # [P] source token of each sent pair, in (rank, token) order
+    send_counts: list[int]
+    recv_counts: list[int]
+    num_tokens: int
+    num_received: int
+    row_token: torch.Tensor  # [rows] received-token index of each expanded row
+    row_weight: torch.Tensor  # [rows] fp32 routing weight of each row
+
+
+@dataclass(frozen=True, slots=True)
+class MaskedHandle:
+    owner: object
+    num_tokens: int
+    entry_slot: torch.Tensor  # [M] gathered slot of each (slot, k) entry, expert-major
+    entry_row: torch.Tensor  # [M] flat masked row of each entry (clamped to 0 when invalid)
+    entry_weight: torch.Tensor  # [M] fp32 weight, 0 for entries of other ranks
+    entry_valid: torch.Tensor  # [M] bool
+
+
+class ReferenceDispatcher:
+    """Dispatch and combine of the ``torch`` and ``allgather`` backends."""
+
+    def __init__(self, ctx: DispatchContext, *, send_to_all_ranks: bool) -> None:
+        spec = ctx.spec
+        self.comm = ctx.comm
+        self.codec = ctx.codec
+        self.rank = ctx.rank
+        self.world = ctx.world_size
+        self.local_experts = ctx.local_experts
+        self.top_k = spec.top_k
+        self.hidden = spec.hidden_size
+        self.capacity = spec.num_max_dispatch_tokens_per_rank
+        self.group_list_type = spec.group_list_type
+        self.dtype = ctx.dtype
+        self.global_scale = spec.quant.input_global_scale
+        self.send_to_all_ranks = send_to_all_ranks
+        self.payload_width = ctx.codec.wire.bytes_per_token
+        self.meta_width = 8 * spec.top_k  # k int32 expert ids + k fp32 weights
+        self.sections = (("payload", self.payload_width), ("metadata", self.meta_width))
+        self.low_latency = spec.mode is Mode.LOW_LATENCY
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        if self.low_latency:
+            return self._dispatch_masked(hidden_states, topk_ids, topk_weights)
+        return self._dispatch_packed(hidden_states, topk_ids, topk_weights)
+
+    def _rows(self, payload: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        meta = torch.cat([ids.to(torch.int32).view(torch.uint8), weights.view(torch.uint8)], dim=1)
+        return torch.cat([payload, meta], dim=1)
+
+    def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
+        pw, k = self.payload_width, self.top_k
+        q = self.codec.from_bytes(rows[:, :pw])
+        ids = rows[:, pw : pw + 4 * k].contiguous().view(torch.int32)
+        weights = rows[:, pw + 4 * k :].contiguous().view(torch.float32)
+        return q, ids, weights
+
+    def _dispatch_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        R, El, k = self.world, self.local_experts, self.top_k
+        T = x.shape[0]
+        ids = topk_ids.to(torch.int64)
+        dest = torch.where(ids >= 0, ids // El, R)  # R marks "no expert"
+        if self.send_to_all_ranks:
+            in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
+        else:
+            in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device)
+            in_rank.scatter_(1, dest, True)
+            in_rank = in_rank[:, :R]
+        pairs = in_rank.t().nonzero()  # sorted by rank, then token
+        pair_rank, pair_token = pairs[:, 0], pairs[:, 1]
+        send_counts_t = in_rank.sum(dim=0)
+
+        on_dest = dest[pair_token] == pair_rank[:, None]
+        local_ids = torch.where(on_dest, ids[pair_token] - pair_rank[:, None] * El, -1)
+        weights = torch.where(on_dest, topk_weights[pair_token], 0.0)
+        payload = self.codec.encode(x)[pair_token]
+        send = self._rows(payload, local_ids, weights)
+
+        recv_counts = self.comm.exchange_counts(send_counts_t).tolist()  # the host sync
+        send_counts = send_counts_t.tolist()
+        recv = self.comm.all_to_all(send, send_counts, recv_counts, self.sections)
+        q, rids, rweights = self._split_rows(recv)
+
+        # Expand to rows per (token, local expert), grouped by expert, token order within.
+        flat = rids.reshape(-1)
+        slots = (flat >= 0).nonzero().squeeze(1)
+        experts = flat[slots].to(torch.int64)
+        order = torch.sort(experts, stable=True).indices
+        row_slot = slots[order]
+        row_token = torch.div(row_slot, k, rounding_mode="floor")
+        counts = torch.bincount(experts, minlength=El)
+        hidden = q.data.index_select(0, row_token)
+        scale = None if q.scale is None else q.scale.index_select(0, row_token)
+        handle = NormalHandle(
+            owner=self,
+            pair_token=pair_token,
+            send_counts=send_counts,
+            recv_counts=recv_counts,
+            num_tokens=T,
+            num_received=recv.shape[0],
+            row_token=row_token,
+            row_weight=rweights.reshape(-1)[row_slot],
+        )
+        return DispatchOutput(
+            hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts, self.group_list_type),
+            self.group_list_type, Layout.PACKED, self.dtype, handle, self.global_scale,
+        )
+
+    def _dispatch_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        R, El, k, C = self.world, self.local_experts, self.top_k, self.capacity
+        T = x.shape[0]
+        send = x.new_zeros((C, self.payload_width + self.meta_width), dtype=torch.uint8)
+        send[:T] = self._rows(self.codec.encode(x), topk_ids, topk_weights.float())
+        if T < C:  # empty slots route nowhere
+            send[T:, self.payload_width : self.payload_width + 4 * k] = 255  # int32 -1
+        recv = self.comm.all_gather(send, self.sections)
+        q, gids, gweights = self._split_rows(recv)
+
+        first = self.rank * El
+        local = gids.reshape(-1).to(torch.int64) - first
+        valid = (local >= 0) & (local < El)
+        key = torch.where(valid, local, El)
+        ones = torch.ones_like(key)
+        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, ones)
+        order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
+        sorted_key = key[order]
+        start = torch.cumsum(counts_ext, 0) - counts_ext
+        position = torch.arange(key.numel(), device=x.device) - start[sorted_key]
+        entry_valid = sorted_key < El
+        rows_per_expert = R * C
+        trash = El * rows_per_expert
+        entry_row = torch.where(entry_valid, sorted_key * rows_per_expert + position, trash)
+        entry_slot = torch.div(order, k, rounding_mode="floor")
+
+        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert)
+        scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert)
+        handle = MaskedHandle(
+            owner=self,
+            num_tokens=T,
+            entry_slot=entry_slot,
+            entry_row=torch.where(entry_valid, entry_row, 0),
+            entry_weight=torch.where(entry_valid, gweights.reshape(-1)[order], 0.0),
+            entry_valid=entry_valid,
+        )
+        return DispatchOutput(
+            hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts_ext[:El], self.group_list_type),
+            self.group_list_type, Layout.MASKED, self.dtype, handle, self.global_scale,
+        )
+
+    # -- combine ----------------------------------------------------------------------------
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        handle = dispatch_output.handle
+        if isinstance(handle, MaskedHandle):
+            return self._combine_masked(expert_output, handle)
+        return self._combine_packed(expert_output, handle)
+
+    def _combine_packed(self, y: torch.Tensor, h: NormalHandle) -> torch.Tensor:
+        H = self.hidden
+        weighted = y.float() * h.row_weight.unsqueeze(1)
+        partial = torch.zeros(h.num_received, H, dtype=torch.float32, device=y.device)
+        partial.index_add_(0, h.row_token, weighted)
+        back = self.comm.all_to_all(
+            partial.to(torch.bfloat16).view(torch.uint8), h.recv_counts, h.send_counts, (("combine", 2 * H),)
+        )
+        out = torch.zeros(h.num_tokens, H, dtype=torch.float32, device=y.device)
+        out.index_add_(0, h.pair_token, back.view(torch.bfloat16).float())
+        return out.to(torch.bfloat16)
+
+    def _combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> torch.Tensor:
+        R, C, H = self.world, self.capacity, self.hidden
+        rows = y.reshape(-1, H).index_select(0, h.entry_row).float() * h.entry_weight.unsqueeze(1)
+        rows = torch.where(h.entry_valid.unsqueeze(1), rows, 0.0)  # padding rows may hold anything
+        partial = torch.zeros(R * C, H, dtype=torch.float32, device=y.device)
+        partial.index_add_(0, h.entry_slot, rows)
+        back = self.comm.all_to_all(partial.to(torch.bfloat16).view(torch.uint8), None, None, (("combine", 2 * H),))
+        slot = torch.arange(R * C, device=y.device) % C
+        out = torch.zeros(C, H, dtype=torch.float32, device=y.device)
+        out.index_add_(0, slot, back.view(torch.bfloat16).float())
+        return out[: h.num_tokens].to(torch.bfloat16)
+
+
+def _scatter_rows(
+    src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int, rows_per_expert: int
+) -> torch.Tensor:
+    """Rows ``src[src_index]`` written at ``dest_row`` of a zeroed ``[experts, rows_per_expert, ...]``
+    buffer; entries of other ranks all land on one extra trash row that is cut off."""
+    raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_copy_
+    tail = raw.shape[1:]
+    buf = raw.new_zeros((trash + 1, *tail))
+    buf.index_copy_(0, dest_row, raw.index_select(0, src_index))
+    return buf[:trash].view(src.dtype).view(experts, rows_per_expert, *tail)
+
+
+__all__ = ["MaskedHandle", "NormalHandle", "ReferenceDispatcher"]

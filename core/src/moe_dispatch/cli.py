@@ -1,0 +1,186 @@
+"""The ``moe-dispatch`` command: backends, explain, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .dtypes import DispatchDtype, Mode
+from .errors import MoEDispatchError
+from .hints import QuantHints
+from .plugins import default_host
+from .presets import DEMO_SCALE, PRESETS, get_preset
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    host = default_host()
+    infos = host.available_backends()
+    if args.json:
+        payload = {
+            "schema": 1,
+            "backends": [i.to_dict() for i in infos],
+            "allow_list_unmatched": host.allow_list_unmatched,
+        }
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return 0
+    print(f"{'name':<20} {'distribution':<32} {'available':<9} reason / modes")
+    for info in infos:
+        dist = f"{info.distribution or '-'} {info.version or ''}".strip()
+        if info.available and info.capabilities:
+            modes = "; ".join(f"{m}: {', '.join(d)}" for m, d in info.capabilities["modes"].items())
+            detail = modes
+        else:
+            detail = info.reason or ""
+        print(f"{info.name:<20} {dist:<32} {'yes' if info.available else 'no':<9} {detail}")
+    for name in host.allow_list_unmatched:
+        print(f"{name:<20} {'-':<32} {'no':<9} named in MOE_DISPATCH_PLUGINS but not installed")
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from .resolution import resolve_output_dtype
+    from .spec import DispatchSpec
+
+    host = default_host()
+    backend = host.get_backend(args.backend)
+    preset = get_preset(args.preset)
+    quant = QuantHints.from_dict(json.loads(args.quant)) if args.quant else QuantHints()
+    spec = DispatchSpec(
+        hidden_size=args.hidden or preset.hidden_size,
+        num_experts=args.experts or preset.num_experts,
+        top_k=args.top_k or preset.top_k,
+        num_max_dispatch_tokens_per_rank=args.tokens,
+        mode=args.mode,
+        output_dtype=args.dtype,
+        quant=quant,
+        runner=args.runner,
+    )
+    backend.check_spec(spec, args.world_size)
+    resolution = resolve_output_dtype(spec, backend, strict=args.strict, runners=host.runners())
+    resolved = spec.with_dtype(resolution.dtype)
+    wire = resolved.wire_format()
+    buffers = backend.buffer_size(resolved, args.world_size)
+    reason = host.probe(backend)
+    if args.json:
+        print(json.dumps({
+            "spec": spec.to_dict(),
+            "world_size": args.world_size,
+            "resolution": resolution.to_dict(),
+            "wire_bytes_per_token": wire.bytes_per_token,
+            "buffer_size": buffers.to_dict(),
+            "available": reason is None,
+            "reason": reason,
+        }, indent=2))
+        return 0
+    print(f"spec: H={spec.hidden_size} E={spec.num_experts} top-{spec.top_k} T={spec.num_max_dispatch_tokens_per_rank} "
+          f"mode={spec.mode.value} on {args.world_size} ranks")
+    print(resolution)
+    print(f"wire: {wire.bytes_per_token:,} bytes per token ({wire.ratio_to_bf16:.3f} of bf16); "
+          f"combine {wire.combine_bytes_per_token:,} bytes (bf16)")
+    print(f"buffers: dispatch {buffers.dispatch_bytes:,} B, combine {buffers.combine_bytes:,} B, "
+          f"total {buffers.total_bytes:,} B")
+    for note in buffers.notes:
+        print(f"  {note}")
+    if reason:
+        print(f"note: backend {backend.name!r} cannot run on this machine: {reason}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    preset = get_preset(args.preset)
+    scale = args.scale if args.scale is not None else DEMO_SCALE.get(preset.name, 1)
+    if scale > 1:
+        preset = preset.scaled(scale)
+    dtypes = [DispatchDtype.parse(d) for d in args.dtype] if args.dtype else None
+    modes = [Mode.parse(m) for m in args.mode] if args.mode else None
+    if args.launcher == "torchrun":
+        return _demo_torchrun(preset, args, dtypes, modes)
+    results = run_demo(
+        preset,
+        world_size=args.world_size,
+        tokens_per_rank=args.tokens,
+        dtypes=[d for d in dtypes if d] if dtypes else None,
+        modes=modes,
+        backend=args.backend,
+    )
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _demo_torchrun(preset, args, dtypes, modes) -> int:  # type: ignore[no-untyped-def]
+    """Under torchrun: this process is one rank; rendezvous comes from the environment."""
+    import torch.distributed as dist
+
+    from .demo import DemoCase, format_table, run_case, summarize
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    try:
+        for mode in modes or list(Mode):
+            for dtype in [d for d in dtypes if d] if dtypes else list(DispatchDtype):
+                mine = run_case(rank, world, DemoCase(preset, dtype, mode, args.tokens, args.backend))
+                gathered: list = [None] * world
+                dist.all_gather_object(gathered, mine)
+                results.append(summarize(gathered))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(f"moe-dispatch demo under torchrun: {preset.name}, {world} ranks")
+        print(format_table(results, world))
+        print(f"all cases within tolerance: {all(r.ok for r in results)}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-dispatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("backends", help="list backends, whether they run here, and why not")
+    p.add_argument("--json", action="store_true", help="stable JSON for scripts (schema 1)")
+    p.set_defaults(func=_cmd_backends)
+
+    p = sub.add_parser("explain", help="show how the wire dtype is chosen and the buffer sizes")
+    p.add_argument("--backend", required=True)
+    p.add_argument("--dtype", default="auto", choices=["auto", *(d.value for d in DispatchDtype)])
+    p.add_argument("--quant", default=None, help='quant hints as JSON, e.g. \'{"dispatcher_output_dtype": "int8"}\'')
+    p.add_argument("--mode", default="normal", choices=[m.value for m in Mode])
+    p.add_argument("--runner", default=None)
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=128, help="num_max_dispatch_tokens_per_rank")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--strict", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("demo", help="run a MoE layer on local CPU ranks for every dtype and mode")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--dtype", action="append", help="only this dtype (repeatable)")
+    p.add_argument("--mode", action="append", help="only this mode (repeatable)")
+    p.add_argument("--launcher", default="local", choices=["local", "torchrun"],
+                   help="local: spawn --world-size gloo ranks; torchrun: this process is one rank")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except MoEDispatchError as exc:
+        print(f"moe-dispatch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

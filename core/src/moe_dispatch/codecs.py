@@ -1,0 +1,319 @@
+"""Reference quantize / dequantize for every wire dtype, and their byte encoding.
+
+Each codec follows what the vendor kernels produce, so a plugin can compare its kernel's
+output against these bit for bit:
+
+- FP8: e4m3 per token per 128 channels, as DeepEP's low-latency dispatch kernel does it
+  (DeepEP ``csrc/legacy/kernels/internode_ll.cu``, pre-V2): the block amax is floored at 1e-4,
+  the stored scale is amax/448; with UE8M0 the scale is rounded up to a power of two.
+- INT8: symmetric per token, scale amax/127, round half to even (torch_npu
+  ``npu_dynamic_quant`` semantics).
+- NVFP4: FlashInfer's definition (``flashinfer/fp4_quantization.py`` and the reference in
+  ``tests/utils_fp4.py`` at fb28d72): block scale ``gs·amax/6`` cast to e4m3, values scaled by
+  ``gs/scale``, clamped to ±6 and rounded to the e2m1 grid; two values per byte, element
+  2i in the low nibble.
+
+On the wire a token is one row of bytes: the data, then the scales (fp32 little-endian; one
+exponent byte for UE8M0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .dtypes import DispatchDtype
+from .errors import InvalidInputError, InvalidSpecError
+from .wire import FP8_BLOCK, NVFP4_BLOCK, WireFormat
+
+FP8_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-4
+INT8_MAX = 127.0
+INT8_AMAX_FLOOR = 1e-10
+E2M1_MAX = 6.0
+# Magnitudes of the e2m1 codes 0..7.
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Activations in a wire dtype. ``scale`` is None for BF16; for NVFP4 it holds the
+    e4m3 block scales and the global scale lives on the codec."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+
+
+class Codec:
+    """Quantizes ``[..., H]`` activations to one wire format and back."""
+
+    def __init__(self, wire: WireFormat) -> None:
+        self.wire = wire
+
+    @property
+    def dtype(self) -> DispatchDtype:
+        return self.wire.dtype
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        raise NotImplementedError
+
+    def dequantize(self, q: Quantized) -> torch.Tensor:
+        """Back to fp32."""
+        raise NotImplementedError
+
+    def data_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...] | None:
+        return None
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8."""
+        return self.to_bytes(self.quantize(x))
+
+    def to_bytes(self, q: Quantized) -> torch.Tensor:
+        data = q.data.contiguous().view(torch.uint8)
+        if q.scale is None:
+            return data
+        return torch.cat([data, self._scale_to_bytes(q.scale)], dim=-1)
+
+    def from_bytes(self, rows: torch.Tensor) -> Quantized:
+        data_bytes = self.wire.data_bytes
+        data = rows[..., :data_bytes].contiguous().view(self.data_dtype())
+        if self.wire.scale_bytes == 0:
+            return Quantized(data, None)
+        return Quantized(data, self._scale_from_bytes(rows[..., data_bytes:].contiguous()))
+
+    def _scale_to_bytes(self, scale: torch.Tensor) -> torch.Tensor:
+        return scale.contiguous().view(torch.uint8).reshape(*scale.shape[: self._scale_lead_dims(scale)], -1)
+
+    def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _scale_lead_dims(self, scale: torch.Tensor) -> int:
+        return scale.dim() - 1
+
+
+class BF16Codec(Codec):
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        return Quantized(x.to(torch.bfloat16), None)
+
+    def dequantize(self, q: Quantized) -> torch.Tensor:
+        return q.data.float()
+
+    def data_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+
+class FP8Codec(Codec):
+    """e4m3 data ``[..., H]`` and fp32 scales ``[..., H/128]`` (powers of two with UE8M0)."""
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        blocks = x.float().unflatten(-1, (-1, FP8_BLOCK))
+        amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+        scale = amax / FP8_MAX
+        if self.wire.ue8m0:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return Quantized(q.flatten(-2), scale.squeeze(-1))
+
+    def dequantize(self, q: Quantized) -> torch.Tensor:
+        assert q.scale is not None
+        blocks = q.data.float().unflatten(-1, (-1, FP8_BLOCK))
+        return (blocks * q.scale.unsqueeze(-1)).flatten(-2)
+
+    def data_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        return (*lead, self.wire.hidden // FP8_BLOCK)
+
+    def _scale_to_bytes(self, scale: torch.Tensor) -> torch.Tensor:
+        if not self.wire.ue8m0:
+            return super()._scale_to_bytes(scale)
+        # UE8M0: the biased exponent of a power-of-two scale, one byte per 128 channels.
+        exponent = torch.frexp(scale).exponent - 1 + 127
+        return exponent.clamp(0, 254).to(torch.uint8)
+
+    def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.wire.ue8m0:
+            return torch.exp2(raw.float() - 127.0)
+        return raw.view(torch.float32)
+
+
+class INT8Codec(Codec):
+    """int8 data ``[..., H]`` and one fp32 scale per token ``[...]``."""
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        xf = x.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
+        scale = amax / INT8_MAX
+        q = torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return Quantized(q, scale.squeeze(-1))
+
+    def dequantize(self, q: Quantized) -> torch.Tensor:
+        assert q.scale is not None
+        return q.data.float() * q.scale.unsqueeze(-1)
+
+    def data_dtype(self) -> torch.dtype:
+        return torch.int8
+
+    def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        return lead
+
+    def _scale_lead_dims(self, scale: torch.Tensor) -> int:
+        return scale.dim()
+
+    def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.view(torch.float32).squeeze(-1)
+
+
+class NVFP4Codec(Codec):
+    """Packed e2m1 ``[..., H/2]`` uint8 and e4m3 block scales ``[..., H/16]`` (linear layout),
+    with one fp32 global scale for the whole dispatcher."""
+
+    def __init__(self, wire: WireFormat, global_scale: float) -> None:
+        super().__init__(wire)
+        check_global_scale(global_scale)
+        self.global_scale = float(global_scale)
+
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        gs = torch.tensor(self.global_scale, dtype=torch.float32, device=x.device)
+        blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        # Clamp before the e4m3 cast: a too-large global scale must not produce NaN scales.
+        scale = (gs * (amax / E2M1_MAX)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+        scale_f = scale.float()
+        inv = torch.where(scale_f == 0, torch.zeros_like(scale_f), gs / scale_f)
+        scaled = (blocks * inv).clamp(-E2M1_MAX, E2M1_MAX)
+        codes = _e2m1_codes(scaled).flatten(-2)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        return Quantized(packed, scale.squeeze(-1))
+
+    def dequantize(self, q: Quantized) -> torch.Tensor:
+        assert q.scale is not None
+        values = e2m1_unpack(q.data)
+        blocks = values.unflatten(-1, (-1, NVFP4_BLOCK))
+        return (blocks * (q.scale.float().unsqueeze(-1) / self.global_scale)).flatten(-2)
+
+    def data_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        return (*lead, self.wire.hidden // NVFP4_BLOCK)
+
+    def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.view(torch.float8_e4m3fn)
+
+
+def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """Round to the e2m1 grid, ties to even (FlashInfer's ``cast_to_fp4``), as 4-bit codes."""
+    a = scaled.abs()
+    magnitude = (
+        (a > 0.25).to(torch.int32)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    return magnitude | ((scaled < 0).to(torch.int32) << 3)
+
+
+def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., n]`` → fp32 ``[..., 2n]``, low nibble first."""
+    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=packed.device)
+    p = packed.to(torch.int64)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)
+    return table[codes]
+
+
+def check_global_scale(global_scale: object, parameter: str = "input_global_scale") -> float:
+    """NVFP4's global scale must be one positive finite number (a 0-dim or 1-element tensor
+    is accepted, as sglang passes it)."""
+    value = global_scale
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InvalidSpecError(
+                "NVFP4 needs one scalar global scale for the whole dispatch",
+                parameter=parameter,
+                value=value,
+                allowed="a positive finite float or a 1-element tensor",
+            )
+        value = float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSpecError(
+            "must be a number", parameter=parameter, value=global_scale, allowed="a positive finite float"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidSpecError(
+            "must be positive and finite", parameter=parameter, value=value, allowed="a positive finite float"
+        )
+    return float(value)
+
+
+def nvfp4_global_scale(amax: float) -> float:
+    """FlashInfer's convention for the activation global scale: 448·6/amax."""
+    return FP8_MAX * E2M1_MAX / max(float(amax), 1e-12)
+
+
+def make_codec(wire: WireFormat, global_scale: float | None = None) -> Codec:
+    if wire.dtype is DispatchDtype.BF16:
+        return BF16Codec(wire)
+    if wire.dtype is DispatchDtype.FP8:
+        return FP8Codec(wire)
+    if wire.dtype is DispatchDtype.INT8:
+        return INT8Codec(wire)
+    if global_scale is None:
+        raise InvalidSpecError(
+            "NVFP4 dispatch needs a global scale",
+            parameter="quant.input_global_scale",
+            value=None,
+            allowed="a positive finite float (FlashInfer's convention: 448*6/amax of the activations)",
+        )
+    return NVFP4Codec(wire, global_scale)
+
+
+_TORCH_DTYPE_OF = {
+    DispatchDtype.BF16: torch.bfloat16,
+    DispatchDtype.FP8: torch.float8_e4m3fn,
+    DispatchDtype.INT8: torch.int8,
+    DispatchDtype.NVFP4: torch.uint8,
+}
+
+
+def torch_dtype_of(dtype: DispatchDtype) -> torch.dtype:
+    """The tensor dtype of dispatched activations in ``dtype``."""
+    return _TORCH_DTYPE_OF[dtype]
+
+
+def dispatch_dtype_of(tensor: torch.Tensor, parameter: str = "hidden_states") -> DispatchDtype:
+    """Which wire dtype a dispatched activation tensor is in, from its tensor dtype."""
+    for dtype, tdtype in _TORCH_DTYPE_OF.items():
+        if tensor.dtype == tdtype:
+            return dtype
+    raise InvalidInputError(
+        "is not a dispatched activation dtype",
+        parameter=parameter,
+        value=tensor,
+        allowed="bfloat16, float8_e4m3fn, int8, uint8 (packed NVFP4)",
+    )
+
+
+__all__ = [
+    "BF16Codec",
+    "Codec",
+    "FP8Codec",
+    "INT8Codec",
+    "NVFP4Codec",
+    "Quantized",
+    "check_global_scale",
+    "dispatch_dtype_of",
+    "e2m1_unpack",
+    "make_codec",
+    "nvfp4_global_scale",
+    "torch_dtype_of",
+]

@@ -1,0 +1,5 @@
+"""Process groups: the byte-counting ``Comm`` wrapper and the local rank spawner."""
+
+from .comm import Comm, Traffic
+
+__all__ = ["Comm", "Traffic"]

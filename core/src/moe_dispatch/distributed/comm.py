@@ -1,0 +1,135 @@
+"""The process-group calls the reference backends make, with the bytes counted at each.
+
+Every tensor crosses as raw bytes (uint8 rows), so the same code runs on gloo, NCCL and
+HCCL whatever the wire dtype (gloo has no float8). Bytes are counted per category at the
+call: ``payload`` (activations and their scales), ``metadata`` (routing: ids, weights,
+counts) and ``combine`` (the BF16 rows sent back). A rank counts what it sends, including
+the share it sends to itself, so totals compare directly with ``WireFormat`` × pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommunicationError, InvalidSpecError
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank has sent, by category, and how many collectives it entered."""
+
+    payload_bytes: int = 0
+    metadata_bytes: int = 0
+    combine_bytes: int = 0
+    collectives: int = 0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def copy(self) -> "Traffic":
+        return Traffic(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+Section = tuple[str, int]  # (category, bytes per row)
+
+
+class Comm:
+    """A process group (or none, for one process) with counted, byte-level collectives."""
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        elif group is not None:
+            raise InvalidSpecError(
+                "a process group was given but torch.distributed is not initialized",
+                parameter="group",
+                value=group,
+                allowed="None (one process) or a group of an initialized torch.distributed",
+            )
+        else:
+            self.group = None
+            self.rank = 0
+            self.world_size = 1
+        self.traffic = Traffic()
+
+    @property
+    def backend_name(self) -> str:
+        if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+            return "local"
+        return str(dist.get_backend(self.group))
+
+    def _count(self, rows: int, sections: Sequence[Section]) -> None:
+        t = self.traffic
+        t.collectives += 1
+        for category, width in sections:
+            nbytes = rows * width
+            if category == "payload":
+                t.payload_bytes += nbytes
+            elif category == "metadata":
+                t.metadata_bytes += nbytes
+            elif category == "combine":
+                t.combine_bytes += nbytes
+            else:  # pragma: no cover - programming error
+                raise ValueError(f"unknown traffic category {category!r}")
+
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int] | None,
+        recv_counts: list[int] | None,
+        sections: Sequence[Section],
+    ) -> torch.Tensor:
+        """Rows of ``send`` (uint8 ``[N, W]``) go to ranks in ``send_counts`` slices; the
+        received rows come back rank by rank. None counts split evenly (fixed-size)."""
+        self._count(send.shape[0], sections)
+        if self.world_size == 1:
+            return send
+        rows = sum(recv_counts) if recv_counts is not None else send.shape[0]
+        out = send.new_empty((rows, *send.shape[1:]))
+        self._run(
+            "all_to_all_single",
+            lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group),
+        )
+        return out
+
+    def all_gather(self, send: torch.Tensor, sections: Sequence[Section]) -> torch.Tensor:
+        """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
+        what every destination receives from this rank: ``world_size`` copies."""
+        self._count(send.shape[0] * self.world_size, sections)
+        if self.world_size == 1:
+            return send
+        out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        self._run("all_gather", lambda: gather(out, send, group=self.group))
+        return out
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets."""
+        raw = counts.to(torch.int64).view(torch.uint8).reshape(self.world_size, 8)
+        got = self.all_to_all(raw, None, None, [("metadata", 8)])
+        return got.reshape(-1).view(torch.int64)
+
+    def _run(self, name: str, call) -> None:  # type: ignore[no-untyped-def]
+        try:
+            call()
+        except (RuntimeError, dist.DistError) as exc:
+            raise CommunicationError(
+                f"{name} failed on rank {self.rank} of {self.world_size}: another rank probably failed, "
+                f"stalled or disagreed on the call ({exc})"
+            ) from exc
+
+
+__all__ = ["Comm", "Traffic"]

@@ -1,0 +1,189 @@
+"""Local ranks: a pool of gloo processes on this machine, reused across many tasks.
+
+Rendezvous goes through a file (no listening socket) and gloo's pairs connect over the
+loopback interface only. Each worker keeps its process group for the pool's lifetime, so
+a test suite or the demo pays the start-up (process spawn, ``import torch``) once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One rank's result of a task: its value, or the exception it raised."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+
+
+class RanksFailed(Exception):
+    """Some ranks raised; ``outcomes`` has every rank's result or error."""
+
+    def __init__(self, outcomes: list[Outcome]) -> None:
+        self.outcomes = outcomes
+        failed = [o for o in outcomes if not o.ok]
+        detail = "\n".join(f"--- rank {o.rank} ---\n{o.traceback.rstrip()}" for o in failed)
+        super().__init__(f"{len(failed)} of {len(outcomes)} ranks failed:\n{detail}")
+
+    @property
+    def errors(self) -> dict[int, BaseException | None]:
+        return {o.rank: o.error for o in self.outcomes if not o.ok}
+
+
+class RanksTimedOut(Exception):
+    """Some ranks did not answer within the timeout; the pool was shut down."""
+
+
+def _worker(rank: int, world_size: int, store_path: str, timeout_s: float, threads: int, conn: Connection) -> None:
+    # This is our own child process: pin gloo to loopback before it creates its device.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        while True:
+            try:
+                task = conn.recv()
+            except EOFError:
+                break
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                value = fn(rank, world_size, *args, **kwargs)
+                conn.send(("ok", value, None, ""))
+            except BaseException as exc:  # report, keep serving
+                tb = traceback.format_exc()
+                try:
+                    conn.send(("err", None, exc, tb))
+                except Exception:  # unpicklable exception
+                    conn.send(("err", None, RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks as worker processes. ``map(fn, *args)`` runs
+    ``fn(rank, world_size, *args)`` on every rank and returns the results in rank order.
+    ``fn`` must be importable by name (a module-level function)."""
+
+    def __init__(
+        self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_rank: int | None = None
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        self._dir = tempfile.TemporaryDirectory(prefix="moe-dispatch-ranks-")
+        store = os.path.join(self._dir.name, "store")
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, world_size, store, timeout_s, threads, child), daemon=True
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def try_map(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Outcome]:
+        """Run ``fn`` on every rank; every rank's outcome, errors included."""
+        if not self.alive:
+            raise RanksTimedOut("the rank pool is closed or a worker died; create a new pool")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        deadline = timeout_s if timeout_s is not None else self.timeout_s + 30.0
+        pending = dict(enumerate(self._conns))
+        outcomes: dict[int, Outcome] = {}
+        import time
+
+        end = time.monotonic() + deadline
+        while pending:
+            ready = wait(list(pending.values()), timeout=max(0.0, end - time.monotonic()))
+            if not ready:
+                missing = sorted(pending)
+                self.close(force=True)
+                raise RanksTimedOut(f"ranks {missing} did not finish {fn.__name__} within {deadline:.0f} s")
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        status, value, error, tb = conn.recv()
+                    except EOFError:
+                        code = self._procs[rank].exitcode
+                        status, value, error, tb = "err", None, RuntimeError(f"rank {rank} died"), f"exit code {code}"
+                    outcomes[rank] = Outcome(rank, status == "ok", value, error, tb)
+                    del pending[rank]
+        return [outcomes[r] for r in range(self.world_size)]
+
+    def map(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn`` on every rank; the values in rank order, or ``RanksFailed``."""
+        outcomes = self.try_map(fn, *args, timeout_s=timeout_s, **kwargs)
+        if not all(o.ok for o in outcomes):
+            raise RanksFailed(outcomes)
+        return [o.value for o in outcomes]
+
+    def close(self, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if not force and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        self._dir.cleanup()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Start ``world_size`` local ranks, run ``fn(rank, world_size, *args)`` on each, stop them."""
+    with RankPool(world_size) as pool:
+        return pool.map(fn, *args, **kwargs)
+
+
+__all__ = ["Outcome", "RankPool", "RanksFailed", "RanksTimedOut", "run_local"]

@@ -1,0 +1,103 @@
+"""Typed errors. Every message names the parameter, the value seen and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MoEDispatchError(Exception):
+    """Base class of every error this library raises on purpose.
+
+    ``parameter``, ``value`` and ``allowed`` are kept as attributes so an engine can
+    turn them into its own flag names; ``str()`` reads as one sentence.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        parameter: str | None = None,
+        value: Any = None,
+        allowed: str | None = None,
+    ) -> None:
+        self.parameter = parameter
+        self.value = value
+        self.allowed = allowed
+        parts = []
+        if parameter is not None:
+            parts.append(f"{parameter}={_short(value)}: {message}")
+        else:
+            parts.append(message)
+        if allowed:
+            parts.append(f"allowed: {allowed}")
+        super().__init__("; ".join(parts))
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Keep parameter/value/allowed when an error crosses a process boundary.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type, args: tuple, state: dict) -> "MoEDispatchError":  # type: ignore[type-arg]
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+def _short(value: Any) -> str:
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+class InvalidSpecError(MoEDispatchError, ValueError):
+    """A ``DispatchSpec`` (or a CLI flag that builds one) is inconsistent."""
+
+
+class InvalidInputError(MoEDispatchError, ValueError):
+    """A tensor handed to dispatch, combine or the experts has the wrong shape, dtype,
+    device or values. Raised before any data is touched or any collective entered."""
+
+
+class UnsupportedDtypeError(MoEDispatchError):
+    """The backend rejects the wire dtype, or a fallback happened under ``strict=True``."""
+
+
+class CapacityError(MoEDispatchError):
+    """A batch or a spec exceeds a capacity: ``num_max_dispatch_tokens_per_rank`` or a
+    backend limit (hidden sizes, top-k, buffer bytes)."""
+
+
+class BackendUnavailableError(MoEDispatchError):
+    """The backend is unknown, its plugin failed to load, or it cannot run here."""
+
+
+class PluginError(MoEDispatchError):
+    """A plugin is malformed: misspelt hook, incompatible API version, duplicate name."""
+
+
+class ConfigMismatchError(MoEDispatchError):
+    """Ranks of one group were configured differently."""
+
+
+class CommunicationError(MoEDispatchError, RuntimeError):
+    """A collective failed or timed out, usually because another rank failed or stalled."""
+
+
+__all__ = [
+    "BackendUnavailableError",
+    "CapacityError",
+    "CommunicationError",
+    "ConfigMismatchError",
+    "InvalidInputError",
+    "InvalidSpecError",
+    "MoEDispatchError",
+    "PluginError",
+    "UnsupportedDtypeError",
+]

@@ -1,0 +1,85 @@
+"""The hooks a backend plugin implements, documented in the style of pytest's ``hookspec.py``.
+
+A plugin is a module named by an entry point in the ``moe_dispatch.backends`` group. It
+declares the core API it was written for and implements one or both hooks::
+
+    import moe_dispatch as md
+
+    MOE_DISPATCH_API = 1
+
+    @md.hookimpl
+    def moe_dispatch_register_backends(register):
+        register(MyBackend())
+
+Plugins import ``hookimpl`` from ``moe_dispatch``, never from pluggy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar, cast
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .backend import Backend, RunnerInfo
+
+PROJECT = "moe_dispatch"
+
+#: The core API version. A plugin states the one it was written for in its module-level
+#: ``MOE_DISPATCH_API``; the host refuses a plugin whose version it does not support.
+API_VERSION = 1
+SUPPORTED_API_VERSIONS = frozenset({1})
+
+F = TypeVar("F", bound=Callable[..., Any])
+hookspec = pluggy.HookspecMarker(PROJECT)
+_hookimpl = pluggy.HookimplMarker(PROJECT)
+#: Mark a plugin's hook implementations. Typed so decorated functions keep their signature.
+hookimpl = cast(Callable[[F], F], _hookimpl)
+
+
+class RegisterBackend(Protocol):
+    def __call__(self, backend: "Backend") -> None: ...
+
+
+class RegisterRunner(Protocol):
+    def __call__(self, runner: "RunnerInfo") -> None: ...
+
+
+# -- registration -------------------------------------------------------------------------
+
+
+@hookspec
+def moe_dispatch_register_backends(register: RegisterBackend) -> None:
+    """Register the dispatch backends this plugin provides.
+
+    Called once per plugin when the plugin host loads, before any dispatcher is created.
+    Registration must be cheap and must not touch the hardware: import vendor libraries
+    lazily, in ``Backend.probe`` and ``Backend.create``.
+
+    :param register: call ``register(backend)`` once per ``Backend`` instance. A name
+        registered by two distributions is an error that names both.
+    :returns: nothing; results go through ``register``.
+    """
+
+
+@hookspec
+def moe_dispatch_register_runners(register: RegisterRunner) -> None:
+    """Register expert-kernel families (runners) and the wire dtype each needs.
+
+    Resolution step 5 reads these: a spec whose ``runner`` names a family that needs BF16
+    (because its kernels quantize internally) gets BF16 unless an earlier step decided.
+
+    :param register: call ``register(RunnerInfo(name, needs, reason))`` per family.
+    :returns: nothing; results go through ``register``.
+    """
+
+
+__all__ = [
+    "API_VERSION",
+    "PROJECT",
+    "SUPPORTED_API_VERSIONS",
+    "hookimpl",
+    "hookspec",
+    "moe_dispatch_register_backends",
+    "moe_dispatch_register_runners",
+]

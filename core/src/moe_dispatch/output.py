@@ -1,0 +1,64 @@
+"""``DispatchOutput``: what dispatch hands to the experts, the same for every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dtypes import DispatchDtype, Layout
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchOutput:
+    """Rows per (token, local expert), grouped by local expert, not weighted.
+
+    :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]``
+        in the wire dtype's tensor dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
+    :param hidden_states_scale: FP8 ``[..., H/128]`` fp32; INT8 ``[...]`` fp32 per row;
+        NVFP4 ``[..., H/16]`` e4m3 block scales in linear layout; None for BF16.
+    :param topk_ids: / :param topk_weights: the caller's own routing, kept for combine.
+    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or cumulative end
+        offsets (type 0). In MASKED layout, expert e's first counts[e] rows are valid.
+    :param global_scale: NVFP4's global scale (dequant = e2m1 · block_scale / global_scale).
+    :param handle: backend-private state that combine needs. Everything of one call lives
+        here, never on the dispatcher, so several dispatches may be in flight.
+    """
+
+    hidden_states: torch.Tensor
+    hidden_states_scale: torch.Tensor | None
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    group_list: torch.Tensor
+    group_list_type: int
+    layout: Layout
+    dtype: DispatchDtype
+    handle: Any
+    global_scale: float | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Row capacity of ``hidden_states`` (valid rows only in PACKED layout)."""
+        if self.layout is Layout.PACKED:
+            return int(self.hidden_states.shape[0])
+        return int(self.hidden_states.shape[0] * self.hidden_states.shape[1])
+
+    def expert_counts(self) -> torch.Tensor:
+        """Per-expert valid row counts, whichever group_list type is in use."""
+        return group_counts(self.group_list, self.group_list_type)
+
+
+def group_counts(group_list: torch.Tensor, group_list_type: int) -> torch.Tensor:
+    """Per-group counts from a group list of either type."""
+    if group_list_type == 1:
+        return group_list
+    return torch.diff(group_list, prepend=group_list.new_zeros(1))
+
+
+def group_list_from_counts(counts: torch.Tensor, group_list_type: int) -> torch.Tensor:
+    counts = counts.to(torch.int64)
+    return counts if group_list_type == 1 else torch.cumsum(counts, 0)
+
+
+__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts"]

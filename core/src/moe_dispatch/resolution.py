@@ -1,0 +1,247 @@
+"""Choosing the wire dtype, with a recorded reason for every step.
+
+Order (first match wins): explicit > ``MOE_DISPATCH_OUTPUT_DTYPE`` > deprecated
+``SGLANG_DEEPEP_BF16_DISPATCH`` > quant hints > runner > backend default > FP8; then the
+backend validates. A pure function of its arguments: the only outside state it reads is
+the ``env`` mapping it is given, and it writes none.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from .dtypes import DispatchDtype
+from .errors import InvalidSpecError, UnsupportedDtypeError
+from .spec import DispatchSpec
+
+if TYPE_CHECKING:
+    from .backend import Backend, RunnerInfo
+
+ENV_OUTPUT_DTYPE = "MOE_DISPATCH_OUTPUT_DTYPE"
+ENV_SGLANG_BF16 = "SGLANG_DEEPEP_BF16_DISPATCH"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+class DtypeFallbackWarning(UserWarning):
+    """The backend replaced the requested wire dtype by another one."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One consulted source: what it said and what became of it."""
+
+    source: str
+    value: str
+    note: str
+    decided: bool = False
+
+    def __str__(self) -> str:
+        mark = "→" if self.decided else " "
+        return f"{mark} {self.source:<34} {self.value:<8} {self.note}"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The chosen wire dtype and how it was chosen.
+
+    :param dtype: what crosses the wire.
+    :param requested: what the chain chose before the backend validated it.
+    :param steps: every source consulted, in order, and the validation.
+    :param fallback_reason: set when the backend replaced ``requested``.
+    """
+
+    dtype: DispatchDtype
+    requested: DispatchDtype
+    backend: str
+    steps: tuple[Step, ...]
+    fallback_reason: str | None = None
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.fallback_reason is not None
+
+    def __str__(self) -> str:
+        head = f"wire dtype {self.dtype.value} for backend {self.backend!r}"
+        if self.is_fallback:
+            head += f" (fallback from {self.requested.value})"
+        return "\n".join([head, *(f"  {s}" for s in self.steps)])
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "dtype": self.dtype.value,
+            "requested": self.requested.value,
+            "backend": self.backend,
+            "fallback_reason": self.fallback_reason,
+            "steps": [
+                {"source": s.source, "value": s.value, "note": s.note, "decided": s.decided} for s in self.steps
+            ],
+        }
+
+
+def resolve_output_dtype(
+    spec: DispatchSpec,
+    backend: "Backend",
+    *,
+    env: Mapping[str, str] | None = None,
+    strict: bool = False,
+    runners: "Mapping[str, RunnerInfo] | None" = None,
+) -> Resolution:
+    """Choose the wire dtype for ``spec`` on ``backend``.
+
+    :param env: the environment to read (``os.environ`` when None); never written.
+    :param strict: a fallback raises ``UnsupportedDtypeError`` instead of warning.
+    :param runners: known expert-kernel families (the plugin registry's when None).
+    :raises UnsupportedDtypeError: the backend rejects the dtype, or falls back under strict.
+    :raises InvalidSpecError: a bad env value, unknown runner, or a dtype the spec cannot use.
+    """
+    env = os.environ if env is None else env
+    steps: list[Step] = []
+    chosen = _choose(spec, backend, env, runners, steps)
+    decision = backend.validate_dtype(chosen, spec)
+    fallback_reason = None
+    if decision.kind == "accept":
+        steps.append(Step(f"validate:{backend.name}", chosen.value, "accepted", True))
+        final = chosen
+    elif decision.kind == "fallback":
+        fallback_reason = decision.reason
+        final = decision.dtype
+        steps.append(
+            Step(f"validate:{backend.name}", final.value, f"fallback from {chosen.value}: {decision.reason}", True)
+        )
+        if strict:
+            raise UnsupportedDtypeError(
+                f"backend {backend.name!r} would fall back to {final.value} ({decision.reason}) and strict=True",
+                parameter="output_dtype",
+                value=chosen.value,
+                allowed=_accepted(backend, spec),
+            )
+        warnings.warn(
+            f"moe-dispatch: backend {backend.name!r} sends {final.value} instead of {chosen.value}: {decision.reason}",
+            DtypeFallbackWarning,
+            stacklevel=3,
+        )
+    else:
+        raise UnsupportedDtypeError(
+            f"backend {backend.name!r} rejects it: {decision.reason}",
+            parameter="output_dtype",
+            value=chosen.value,
+            allowed=_accepted(backend, spec),
+        )
+    _check_usable(spec, final)
+    return Resolution(final, chosen, backend.name, tuple(steps), fallback_reason)
+
+
+def _choose(
+    spec: DispatchSpec,
+    backend: "Backend",
+    env: Mapping[str, str],
+    runners: "Mapping[str, RunnerInfo] | None",
+    steps: list[Step],
+) -> DispatchDtype:
+    if spec.output_dtype is not None:
+        steps.append(Step("explicit (spec.output_dtype)", spec.output_dtype.value, "set by the caller", True))
+        return spec.output_dtype
+    steps.append(Step("explicit (spec.output_dtype)", "auto", "not set"))
+
+    raw = env.get(ENV_OUTPUT_DTYPE)
+    if raw is not None:
+        dtype = DispatchDtype.parse(raw, parameter=ENV_OUTPUT_DTYPE)
+        if dtype is not None:
+            steps.append(Step(f"env {ENV_OUTPUT_DTYPE}", dtype.value, "set in the environment", True))
+            return dtype
+        steps.append(Step(f"env {ENV_OUTPUT_DTYPE}", "auto", "set to auto"))
+    else:
+        steps.append(Step(f"env {ENV_OUTPUT_DTYPE}", "-", "not set"))
+
+    legacy = env.get(ENV_SGLANG_BF16)
+    if legacy is not None:
+        text = legacy.strip().lower()
+        if text in _TRUE:
+            warnings.warn(
+                f"{ENV_SGLANG_BF16} is deprecated; set {ENV_OUTPUT_DTYPE}=bf16 or pass output_dtype='bf16'",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            steps.append(Step(f"env {ENV_SGLANG_BF16}", "bf16", f"deprecated; use {ENV_OUTPUT_DTYPE}=bf16", True))
+            return DispatchDtype.BF16
+        if text not in _FALSE:
+            raise InvalidSpecError(
+                "is not a boolean", parameter=ENV_SGLANG_BF16, value=legacy, allowed="1/0, true/false"
+            )
+        steps.append(Step(f"env {ENV_SGLANG_BF16}", "off", "set but false (deprecated)"))
+    else:
+        steps.append(Step(f"env {ENV_SGLANG_BF16}", "-", "not set"))
+
+    if spec.quant.input_global_scale is not None:
+        steps.append(Step("quant.input_global_scale", "nvfp4", "a global scale asks for NVFP4 dispatch", True))
+        return DispatchDtype.NVFP4
+    if spec.quant.dispatcher_output_dtype is not None:
+        dtype = spec.quant.dispatcher_output_dtype
+        steps.append(Step("quant.dispatcher_output_dtype", dtype.value, "the layer's quant method needs it", True))
+        return dtype
+    steps.append(Step("quant hints", "-", "no dtype hint"))
+
+    if spec.runner is not None:
+        info = _lookup_runner(spec.runner, runners)
+        if info.needs is not None:
+            steps.append(Step(f"runner {info.name}", info.needs.value, info.reason or "the kernel needs it", True))
+            return info.needs
+        steps.append(Step(f"runner {info.name}", "any", info.reason or "accepts every dtype"))
+    else:
+        steps.append(Step("runner", "-", "not set"))
+
+    default = backend.default_dtype(spec)
+    if default is not None:
+        steps.append(Step(f"backend default ({backend.name})", default.value, "the backend's default", True))
+        return default
+    steps.append(Step(f"backend default ({backend.name})", "-", "none"))
+    steps.append(Step("library default", "fp8", "FP8 halves the bytes of BF16", True))
+    return DispatchDtype.FP8
+
+
+def _lookup_runner(name: str, runners: "Mapping[str, RunnerInfo] | None") -> "RunnerInfo":
+    if runners is None:
+        from .plugins import default_host
+
+        runners = default_host().runners()
+    info = runners.get(name)
+    if info is None:
+        close = difflib.get_close_matches(name, list(runners), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidSpecError(
+            f"unknown expert runner{hint}; a plugin registers its runners",
+            parameter="runner",
+            value=name,
+            allowed=", ".join(sorted(runners)) or "none registered",
+        )
+    return info
+
+
+def _accepted(backend: "Backend", spec: DispatchSpec) -> str:
+    caps = backend.capabilities
+    accepted = sorted(d.value for d in caps.dtypes.get(spec.mode, ()))
+    fallbacks = [f"{d.value}→{f.to.value}" for (m, d), f in caps.fallbacks.items() if m is spec.mode]
+    text = ", ".join(accepted) or "none"
+    if fallbacks:
+        text += " (fallbacks: " + ", ".join(fallbacks) + ")"
+    return f"{text} in {spec.mode.value} mode"
+
+
+def _check_usable(spec: DispatchSpec, dtype: DispatchDtype) -> None:
+    """The resolved dtype must fit the spec: block divisibility, NVFP4's global scale."""
+    spec.wire_format(dtype)
+    if dtype is DispatchDtype.NVFP4 and spec.quant.input_global_scale is None:
+        raise InvalidSpecError(
+            "NVFP4 dispatch needs a global scale",
+            parameter="quant.input_global_scale",
+            value=None,
+            allowed="a positive finite float (FlashInfer's convention: 448*6/amax)",
+        )
+
+
+__all__ = ["DtypeFallbackWarning", "Resolution", "Step", "resolve_output_dtype"]
