@@ -74,20 +74,21 @@ class Codec:
         return self.to_bytes(self.quantize(x))
 
     def to_bytes(self, q: Quantized) -> torch.Tensor:
-        data = q.data.contiguous().view(torch.uint8)
+        data = as_bytes(q.data)
         if q.scale is None:
             return data
         return torch.cat([data, self._scale_to_bytes(q.scale)], dim=-1)
 
     def from_bytes(self, rows: torch.Tensor) -> Quantized:
         data_bytes = self.wire.data_bytes
-        data = rows[..., :data_bytes].contiguous().view(self.data_dtype())
+        data = from_bytes(rows[..., :data_bytes], self.data_dtype())
         if self.wire.scale_bytes == 0:
             return Quantized(data, None)
-        return Quantized(data, self._scale_from_bytes(rows[..., data_bytes:].contiguous()))
+        return Quantized(data, self._scale_from_bytes(rows[..., data_bytes:]))
 
     def _scale_to_bytes(self, scale: torch.Tensor) -> torch.Tensor:
-        return scale.contiguous().view(torch.uint8).reshape(*scale.shape[: self._scale_lead_dims(scale)], -1)
+        lead = self._scale_lead_dims(scale)
+        return as_bytes(scale if lead == scale.dim() - 1 else scale.unsqueeze(-1))
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -140,7 +141,7 @@ class FP8Codec(Codec):
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         if self.wire.ue8m0:
             return torch.exp2(raw.float() - 127.0)
-        return raw.view(torch.float32)
+        return from_bytes(raw, torch.float32)
 
 
 class INT8Codec(Codec):
@@ -167,7 +168,7 @@ class INT8Codec(Codec):
         return scale.dim()
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
-        return raw.view(torch.float32).squeeze(-1)
+        return from_bytes(raw, torch.float32).squeeze(-1)
 
 
 class NVFP4Codec(Codec):
@@ -205,7 +206,23 @@ class NVFP4Codec(Codec):
         return (*lead, self.wire.hidden // NVFP4_BLOCK)
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
-        return raw.view(torch.float8_e4m3fn)
+        return from_bytes(raw, torch.float8_e4m3fn)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The last dim of ``t`` reinterpreted as uint8 (empty tensors included)."""
+    width = t.shape[-1] * t.element_size()
+    if t.numel() == 0:
+        return torch.empty(*t.shape[:-1], width, dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 rows reinterpreted as ``dtype`` along the last dim (empty tensors included)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.numel() == 0:
+        return torch.empty(*raw.shape[:-1], raw.shape[-1] // size, dtype=dtype, device=raw.device)
+    return raw.contiguous().view(dtype)
 
 
 def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:

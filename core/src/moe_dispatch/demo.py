@@ -92,7 +92,7 @@ def run_case(rank: int, world_size: int, case: DemoCase) -> DemoResult:
         case,
         spec.wire_format().bytes_per_token,
         relative_error(out, ref),
-        statistics.median(times),
+        statistics.median(times) if times else 0.0,
         first.payload_bytes,
         first.metadata_bytes,
         first.combine_bytes,

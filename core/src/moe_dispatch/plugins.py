@@ -240,7 +240,7 @@ class PluginHost:
         if entry is not None:
             return entry[0]
         if name in self._conflicts:
-            owners = " and ".join(p.label() for p in self._conflicts[name])
+            owners = " and ".join(sorted(p.label() for p in self._conflicts[name]))
             raise PluginError(
                 f"two distributions register this backend name: {owners}; uninstall one, or limit "
                 f"{ENV_PLUGINS} to one of them",
@@ -277,7 +277,7 @@ class PluginHost:
 
     def info(self, name: str) -> BackendInfo:
         if name in self._conflicts:
-            owners = " and ".join(p.label() for p in self._conflicts[name])
+            owners = " and ".join(sorted(p.label() for p in self._conflicts[name]))
             return BackendInfo(name, None, None, False, f"registered by both {owners}", None)
         backend, record = self._backends[name]
         reason = self.probe(backend)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import DispatchContext
+from ..codecs import as_bytes, from_bytes
 from ..dtypes import Layout, Mode
 from ..output import DispatchOutput, group_list_from_counts
 
@@ -81,14 +82,14 @@ class ReferenceDispatcher:
         return self._dispatch_packed(hidden_states, topk_ids, topk_weights)
 
     def _rows(self, payload: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        meta = torch.cat([ids.to(torch.int32).view(torch.uint8), weights.view(torch.uint8)], dim=1)
+        meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights)], dim=1)
         return torch.cat([payload, meta], dim=1)
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
         pw, k = self.payload_width, self.top_k
         q = self.codec.from_bytes(rows[:, :pw])
-        ids = rows[:, pw : pw + 4 * k].contiguous().view(torch.int32)
-        weights = rows[:, pw + 4 * k :].contiguous().view(torch.float32)
+        ids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
+        weights = from_bytes(rows[:, pw + 4 * k :], torch.float32)
         return q, ids, weights
 
     def _dispatch_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
@@ -197,10 +198,10 @@ class ReferenceDispatcher:
         partial = torch.zeros(h.num_received, H, dtype=torch.float32, device=y.device)
         partial.index_add_(0, h.row_token, weighted)
         back = self.comm.all_to_all(
-            partial.to(torch.bfloat16).view(torch.uint8), h.recv_counts, h.send_counts, (("combine", 2 * H),)
+            as_bytes(partial.to(torch.bfloat16)), h.recv_counts, h.send_counts, (("combine", 2 * H),)
         )
         out = torch.zeros(h.num_tokens, H, dtype=torch.float32, device=y.device)
-        out.index_add_(0, h.pair_token, back.view(torch.bfloat16).float())
+        out.index_add_(0, h.pair_token, from_bytes(back, torch.bfloat16).float())
         return out.to(torch.bfloat16)
 
     def _combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> torch.Tensor:
@@ -209,10 +210,10 @@ class ReferenceDispatcher:
         rows = torch.where(h.entry_valid.unsqueeze(1), rows, 0.0)  # padding rows may hold anything
         partial = torch.zeros(R * C, H, dtype=torch.float32, device=y.device)
         partial.index_add_(0, h.entry_slot, rows)
-        back = self.comm.all_to_all(partial.to(torch.bfloat16).view(torch.uint8), None, None, (("combine", 2 * H),))
+        back = self.comm.all_to_all(as_bytes(partial.to(torch.bfloat16)), None, None, (("combine", 2 * H),))
         slot = torch.arange(R * C, device=y.device) % C
         out = torch.zeros(C, H, dtype=torch.float32, device=y.device)
-        out.index_add_(0, slot, back.view(torch.bfloat16).float())
+        out.index_add_(0, slot, from_bytes(back, torch.bfloat16).float())
         return out[: h.num_tokens].to(torch.bfloat16)
 
 

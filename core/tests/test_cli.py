@@ -1,0 +1,62 @@
+"""The ``moe-dispatch`` command as a user runs it."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+EXE = [sys.executable, "-m", "moe_dispatch"]
+
+
+def run(*args, env=None, timeout=120):
+    return subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_backends_json_is_parseable_and_lists_the_builtins():
+    p = run("backends", "--json")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["schema"] == 1
+    names = {b["name"]: b for b in data["backends"]}
+    assert names["torch"]["available"] and names["allgather"]["available"]
+    assert set(names["torch"]["capabilities"]["modes"]) == {"normal", "low_latency"}
+
+
+def test_explain_prints_the_trail_and_buffers():
+    p = run("explain", "--backend", "torch", "--quant", '{"dispatcher_output_dtype": "int8"}', "--mode", "low_latency")
+    assert p.returncode == 0, p.stderr
+    assert "quant.dispatcher_output_dtype" in p.stdout and "int8" in p.stdout
+    assert "7,172 bytes per token" in p.stdout and "buffers: dispatch" in p.stdout
+
+
+def test_explain_reports_a_typo_as_an_error_not_a_traceback():
+    p = run("explain", "--backend", "torch", "--quant", '{"dispather_output_dtype": "int8"}')
+    assert p.returncode == 2 and "did you mean dispatcher_output_dtype" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_demo_runs_on_local_ranks():
+    p = run("demo", "--world-size", "2", "--dtype", "int8", "--mode", "low_latency", "--tokens", "16")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all cases within tolerance: True" in p.stdout
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+                    reason="torchrun is not installed")
+def test_demo_under_torchrun_uses_env_rendezvous():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    p = subprocess.run(
+        [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "moe_dispatch", "demo", "--launcher", "torchrun", "--dtype", "fp8", "--tokens", "16"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all cases within tolerance: True" in p.stdout

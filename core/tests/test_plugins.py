@@ -1,0 +1,136 @@
+"""The plugin host: built-ins through the hook, entry points one at a time, typed failures.
+
+Fixture plugins are real distributions: a module plus a ``.dist-info`` with METADATA and
+``entry_points.txt`` on ``sys.path``, found by ``importlib.metadata`` like any installed one.
+"""
+
+import importlib
+import io
+import os
+import textwrap
+
+import pytest
+
+import moe_dispatch as md
+from moe_dispatch.plugins import PluginHost
+
+GOOD = '''
+import moe_dispatch as md
+from moe_dispatch.backends.builtin import TorchBackend
+
+MOE_DISPATCH_API = 1
+
+class Renamed(TorchBackend):
+    name = "{name}"
+
+@md.hookimpl
+def moe_dispatch_register_backends(register):
+    register(Renamed())
+'''
+
+
+def make_dist(root, dist, module, source, ep_name=None):
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[moe_dispatch.backends]\n{ep_name or module} = {module}\n")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    return tmp_path
+
+
+def test_builtins_register_through_the_hook():
+    host = PluginHost(load_entry_points=False)
+    assert {"torch", "allgather"} <= set(host.backend_names())
+    record = next(p for p in host.plugins if p.builtin)
+    assert record.ok and record.distribution == "moe-dispatch"
+    assert host.runners()["cutlass"].needs is md.DispatchDtype.BF16
+
+
+def test_a_broken_plugin_is_listed_and_the_others_load(site):
+    make_dist(site, "fx-good", "fx_good", GOOD.format(name="fx-good"))
+    make_dist(site, "fx-broken", "fx_broken", "import not_a_module_anywhere\n")
+    host = PluginHost(env={})
+    assert "fx-good" in host.backend_names()
+    infos = {i.name: i for i in host.available_backends()}
+    assert infos["fx_broken"].available is False and "not_a_module_anywhere" in infos["fx_broken"].reason
+    with pytest.raises(md.BackendUnavailableError, match="failed to load") as info:
+        host.get_backend("fx_broken")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_two_distributions_with_one_name_is_an_error_naming_both(site):
+    make_dist(site, "fx-one", "fx_one", GOOD.format(name="dup"))
+    make_dist(site, "fx-two", "fx_two", GOOD.format(name="dup"))
+    host = PluginHost(env={})
+    with pytest.raises(md.PluginError, match="fx-one 1.0 and fx-two 1.0"):
+        host.get_backend("dup")
+    assert not {i.name: i for i in host.available_backends()}["dup"].available
+
+
+def test_incompatible_api_version_names_both_versions(site):
+    make_dist(site, "fx-old", "fx_old", GOOD.format(name="old").replace("MOE_DISPATCH_API = 1", "MOE_DISPATCH_API = 99"))
+    host = PluginHost(env={})
+    failure = next(p for p in host.failures() if p.name == "fx_old")
+    assert "core API 99" in failure.error and "implements API 1" in failure.error
+    assert "old" not in host.backend_names()
+
+
+def test_misspelt_hook_is_rejected_with_a_suggestion(site):
+    source = GOOD.format(name="typo").replace("def moe_dispatch_register_backends", "def moe_dispatch_register_backend")
+    make_dist(site, "fx-typo", "fx_typo", source)
+    host = PluginHost(env={})
+    failure = next(p for p in host.failures() if p.name == "fx_typo")
+    assert "did you mean moe_dispatch_register_backends" in failure.error
+
+
+def test_a_plugin_raising_while_registering_leaves_nothing_behind(site):
+    source = GOOD.format(name="half") + "\n@md.hookimpl\ndef moe_dispatch_register_runners(register):\n    raise RuntimeError('boom')\n"
+    make_dist(site, "fx-half", "fx_half", source)
+    host = PluginHost(env={})
+    assert "half" not in host.backend_names()
+    assert "boom" in next(p for p in host.failures() if p.name == "fx_half").error
+
+
+def test_a_probe_that_raises_makes_the_backend_unavailable_not_the_host(site):
+    source = GOOD.format(name="probing") + "\nRenamed.probe = lambda self: 1 / 0\n"
+    make_dist(site, "fx-probe", "fx_probe", source)
+    host = PluginHost(env={})
+    info = {i.name: i for i in host.available_backends()}["probing"]
+    assert not info.available and "ZeroDivisionError" in info.reason
+    with pytest.raises(md.BackendUnavailableError, match="ZeroDivisionError"):
+        md.create_dispatcher("probing", md.DispatchSpec(128, 8, 2), host=host)
+
+
+def test_allow_list_limits_external_plugins(site):
+    make_dist(site, "fx-a", "fx_a", GOOD.format(name="a"))
+    make_dist(site, "fx-b", "fx_b", GOOD.format(name="b"))
+    only_a = PluginHost(env={"MOE_DISPATCH_PLUGINS": "fx-a,not-installed"})
+    assert "a" in only_a.backend_names() and "b" not in only_a.backend_names()
+    assert only_a.allow_list_unmatched == ["not-installed"]
+    none = PluginHost(env={"MOE_DISPATCH_PLUGINS": ""})
+    assert {"torch", "allgather"} == set(none.backend_names())
+
+
+def test_trace_shows_hook_calls(site):
+    make_dist(site, "fx-t", "fx_t", GOOD.format(name="traced"))
+    out = io.StringIO()
+    PluginHost(env={}, trace=out)
+    assert "call fx_t.moe_dispatch_register_backends" in out.getvalue()
+
+
+def test_unknown_backend_suggests_the_nearest():
+    with pytest.raises(md.BackendUnavailableError, match="did you mean 'torch'"):
+        PluginHost(load_entry_points=False).get_backend("torhc")
+
+
+def test_host_does_not_touch_the_environment(site):
+    before = dict(os.environ)
+    make_dist(site, "fx-env", "fx_env", GOOD.format(name="env"))
+    PluginHost(env={"MOE_DISPATCH_PLUGINS": "fx-env"})
+    assert dict(os.environ) == before

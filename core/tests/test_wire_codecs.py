@@ -1,0 +1,155 @@
+"""Wire sizes and the reference codecs: exact bytes, round trips, adversarial data."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import moe_dispatch as md
+from moe_dispatch.codecs import FP8_MAX, e2m1_unpack, make_codec, nvfp4_global_scale
+from moe_dispatch.wire import WireFormat
+
+D = md.DispatchDtype
+
+
+def test_bytes_per_token_for_deepseek_hidden():
+    h = 7168
+    assert WireFormat(D.BF16, h).bytes_per_token == 14336
+    assert WireFormat(D.FP8, h).bytes_per_token == 7392
+    assert WireFormat(D.FP8, h, ue8m0=True).bytes_per_token == 7224
+    assert WireFormat(D.INT8, h).bytes_per_token == 7172
+    assert WireFormat(D.NVFP4, h).bytes_per_token == 4032
+    assert WireFormat(D.FP8, h).combine_bytes_per_token == 14336
+
+
+@pytest.mark.parametrize("dtype,hidden,block", [(D.FP8, 200, 128), (D.NVFP4, 40, 16)])
+def test_hidden_not_divisible_by_block_is_a_typed_error(dtype, hidden, block):
+    with pytest.raises(md.InvalidSpecError, match=f"multiple of {block}") as info:
+        WireFormat(dtype, hidden)
+    assert info.value.parameter == "hidden_size" and info.value.value == hidden
+
+
+def _codec(dtype, x, ue8m0=False):
+    gs = nvfp4_global_scale(x.float().abs().max().item()) if dtype is D.NVFP4 else None
+    return make_codec(WireFormat(dtype, x.shape[-1], ue8m0=ue8m0), gs)
+
+
+BOUND = {D.BF16: 0.01, D.FP8: 0.07, D.INT8: 0.02, D.NVFP4: 0.2}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    blocks=st.integers(1, 4),
+    dtype=st.sampled_from(list(D)),
+    ue8m0=st.booleans(),
+    scale=st.sampled_from([1e-6, 1.0, 1e3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_trip_through_wire_bytes(rows, blocks, dtype, ue8m0, scale, seed):
+    ue8m0 = ue8m0 and dtype is D.FP8
+    x = (torch.randn(rows, 128 * blocks, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+    codec = _codec(dtype, x, ue8m0) if rows else make_codec(WireFormat(dtype, 128 * blocks, ue8m0=ue8m0), 1.0)
+    q = codec.quantize(x)
+    wire = codec.to_bytes(q)
+    assert wire.dtype == torch.uint8 and wire.shape == (rows, codec.wire.bytes_per_token)
+    back = codec.from_bytes(wire)
+    assert torch.equal(codec.dequantize(back), codec.dequantize(q))
+    y = codec.dequantize(back)
+    assert torch.isfinite(y).all()
+    if rows:
+        err = (y - x.float()).norm() / x.float().norm()
+        assert err <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(D))
+def test_adversarial_inputs_stay_finite_and_exact_where_they_should(dtype):
+    h = 256
+    zeros = torch.zeros(2, h, dtype=torch.bfloat16)
+    huge = torch.full((2, h), 3.0e38, dtype=torch.bfloat16) * torch.sign(torch.randn(2, h)).to(torch.bfloat16)
+    outlier = torch.randn(4, h).to(torch.bfloat16) * 0.01
+    outlier[:, ::16] = 1000.0  # one outlier in every 16-block and every 128-block
+    for x in (zeros, huge, outlier):
+        gs = nvfp4_global_scale(x.float().abs().max().item())
+        codec = make_codec(WireFormat(dtype, h), gs)
+        y = codec.dequantize(codec.from_bytes(codec.encode(x)))
+        assert torch.isfinite(y).all(), (dtype, x[0, :4])
+    codec = make_codec(WireFormat(dtype, h), 1.0)
+    assert torch.equal(codec.dequantize(codec.quantize(zeros)), zeros.float())
+    # the outliers themselves survive (they set their block's scale)
+    gs = nvfp4_global_scale(1000.0)
+    y = make_codec(WireFormat(dtype, h), gs).dequantize(make_codec(WireFormat(dtype, h), gs).quantize(outlier))
+    assert torch.allclose(y[:, ::16], outlier[:, ::16].float(), rtol=0.02)
+
+
+def test_fp8_scale_is_block_amax_over_448_and_ue8m0_is_a_power_of_two():
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    x[0, 5] = 3.5
+    x[0, 200] = -0.75
+    q = make_codec(WireFormat(D.FP8, 256)).quantize(x)
+    assert q.scale.tolist() == [[pytest.approx(3.5 / FP8_MAX), pytest.approx(0.75 / FP8_MAX)]]
+    assert q.data.float()[0, 5] == FP8_MAX
+    q8 = make_codec(WireFormat(D.FP8, 256, ue8m0=True)).quantize(x)
+    for s, amax in zip(q8.scale.flatten().tolist(), (3.5, 0.75)):
+        assert amax / FP8_MAX <= s < 2 * amax / FP8_MAX and math.log2(s) == int(math.log2(s))
+
+
+def test_int8_is_symmetric_per_token_with_scale_amax_over_127():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    q = make_codec(WireFormat(D.INT8, 4)).quantize(x)
+    assert q.data.tolist()[0] == [64, -127, 32, 0]  # round half to even: 63.5 -> 64, 31.75 -> 32
+    assert q.scale[0].item() == pytest.approx(2.0 / 127)
+    assert q.data.tolist()[1] == [0, 0, 0, 0]
+
+
+def _flashinfer_style_reference(x: torch.Tensor, gs: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's documented NVFP4 semantics, element by element in plain Python."""
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    values, scales = [], []
+    for row in x.float().tolist():
+        vrow, srow = [], []
+        for b in range(0, len(row), 16):
+            block = row[b : b + 16]
+            sf = torch.tensor(gs * max(abs(v) for v in block) / 6.0).to(torch.float8_e4m3fn).float().item()
+            srow.append(sf)
+            inv = 0.0 if sf == 0 else gs / sf
+            for v in block:
+                a = min(abs(v * inv), 6.0)
+                # ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
+                best = min(range(8), key=lambda i: (abs(grid[i] - a), i % 2))
+                vrow.append(math.copysign(grid[best], v) if grid[best] else 0.0)
+        values.append(vrow)
+        scales.append(srow)
+    return torch.tensor(values), torch.tensor(scales)
+
+
+def test_nvfp4_matches_flashinfer_semantics_and_packs_low_nibble_first():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 64, generator=g) * 2).to(torch.bfloat16)
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # exact ties
+    gs = nvfp4_global_scale(x.float().abs().max().item())
+    codec = make_codec(WireFormat(D.NVFP4, 64), gs)
+    q = codec.quantize(x)
+    ref_values, ref_scales = _flashinfer_style_reference(x, gs)
+    assert torch.equal(q.scale.float(), ref_scales)
+    assert torch.equal(e2m1_unpack(q.data).abs(), ref_values.abs())
+    byte = q.data[1, 0].item()
+    assert e2m1_unpack(torch.tensor([byte], dtype=torch.uint8)).tolist() == e2m1_unpack(q.data[1, :1]).tolist()
+    assert (byte & 0x7) == _code(ref_values[1, 0].item()) and ((byte >> 4) & 0x7) == _code(ref_values[1, 1].item())
+
+
+def _code(v: float) -> int:
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    return grid.index(abs(v))  # magnitude bits; bit 3 is the sign
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_nvfp4_global_scale_must_be_positive_finite(bad):
+    with pytest.raises(md.InvalidSpecError, match="input_global_scale"):
+        md.QuantHints(input_global_scale=bad)
+
+
+def test_nvfp4_codec_needs_a_global_scale():
+    with pytest.raises(md.InvalidSpecError, match="global scale"):
+        make_codec(WireFormat(D.NVFP4, 64))
