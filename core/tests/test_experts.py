@@ -1,0 +1,52 @@
+"""The torch reference experts: every wire dtype, both layouts, both group-list types,
+BF16 and W8A8 weights, against the dense fp32 reference."""
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.accuracy import TOLERANCES, relative_error
+from moe_dispatch.codecs import nvfp4_global_scale
+from moe_dispatch.experts import quantize_weights_w8a8
+from moe_dispatch.routing import random_expert_weights, random_routing
+
+H, E, K, I, T = 256, 8, 3, 96, 24
+
+
+@pytest.mark.parametrize("w8a8", [False, True])
+@pytest.mark.parametrize("group_list_type", [0, 1])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("dtype", list(md.DispatchDtype))
+def test_forward_matches_the_dense_reference(dtype, mode, group_list_type, w8a8):
+    g = torch.Generator().manual_seed(2)
+    weights = random_expert_weights(E, H, I, generator=g)
+    if w8a8:
+        weights = quantize_weights_w8a8(weights)
+        assert weights.w13_weight.dtype == torch.int8 and weights.w13_weight_scale.shape == (E, 2 * I)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(T, E, K, generator=g, drop_prob=0.1)
+    quant = md.QuantHints(input_global_scale=nvfp4_global_scale(x.float().abs().max().item())) \
+        if dtype is md.DispatchDtype.NVFP4 else md.QuantHints()
+    spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode, output_dtype=dtype,
+                           quant=quant, group_list_type=group_list_type)
+    d = md.create_dispatcher("torch", spec, env={})
+    out = md.MoELayer(d, md.TorchExperts(), weights)(x, ids, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert relative_error(out, md.reference_moe(x, ids, w, weights)) <= TOLERANCES[dtype]
+
+
+def test_experts_reject_inconsistent_group_lists():
+    g = torch.Generator().manual_seed(0)
+    weights = random_expert_weights(2, H, I, generator=g)
+    rows = torch.randn(5, H).to(torch.bfloat16)
+    experts = md.TorchExperts()
+    with pytest.raises(md.InvalidInputError, match="counts sum"):
+        experts.apply_without_routing_weights(weights, rows, None, 1, torch.tensor([1, 1]), torch.bfloat16)
+    with pytest.raises(md.InvalidInputError) as info:
+        experts.apply_without_routing_weights(weights, rows, None, 1, torch.tensor([5]), torch.bfloat16)
+    assert info.value.parameter == "group_list"
+    with pytest.raises(md.InvalidInputError, match="scales"):
+        experts.apply_without_routing_weights(weights, rows.to(torch.int8), None, 1, torch.tensor([2, 3]), torch.bfloat16)
+    with pytest.raises(md.InvalidInputError) as info:
+        experts.apply_without_routing_weights(weights, rows.float(), None, 1, torch.tensor([2, 3]), torch.bfloat16)
+    assert info.value.parameter == "hidden_states"
