@@ -87,14 +87,10 @@ class Codec:
         return Quantized(data, self._scale_from_bytes(rows[..., data_bytes:]))
 
     def _scale_to_bytes(self, scale: torch.Tensor) -> torch.Tensor:
-        lead = self._scale_lead_dims(scale)
-        return as_bytes(scale if lead == scale.dim() - 1 else scale.unsqueeze(-1))
+        return as_bytes(scale)
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def _scale_lead_dims(self, scale: torch.Tensor) -> int:
-        return scale.dim() - 1
 
 
 class BF16Codec(Codec):
@@ -164,8 +160,8 @@ class INT8Codec(Codec):
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return lead
 
-    def _scale_lead_dims(self, scale: torch.Tensor) -> int:
-        return scale.dim()
+    def _scale_to_bytes(self, scale: torch.Tensor) -> torch.Tensor:
+        return as_bytes(scale.unsqueeze(-1))  # one scale per token: a width-1 last dim
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         return from_bytes(raw, torch.float32).squeeze(-1)
@@ -219,9 +215,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 rows reinterpreted as ``dtype`` along the last dim (empty tensors included)."""
-    size = torch.empty(0, dtype=dtype).element_size()
     if raw.numel() == 0:
-        return torch.empty(*raw.shape[:-1], raw.shape[-1] // size, dtype=dtype, device=raw.device)
+        return torch.empty(*raw.shape[:-1], raw.shape[-1] // dtype.itemsize, dtype=dtype, device=raw.device)
     return raw.contiguous().view(dtype)
 
 

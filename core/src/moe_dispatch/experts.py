@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from .codecs import make_codec, dispatch_dtype_of
+from .codecs import Quantized, dispatch_dtype_of, make_codec
 from .dtypes import DispatchDtype
 from .errors import InvalidInputError
 from .output import group_counts
@@ -170,8 +170,6 @@ def dequantize_rows(
             allowed="DispatchOutput.global_scale",
         )
     codec = make_codec(WireFormat(dtype, hidden), global_scale)
-    from .codecs import Quantized
-
     return codec.dequantize(Quantized(hidden_states, scale))
 
 

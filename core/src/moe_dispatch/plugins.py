@@ -240,7 +240,7 @@ class PluginHost:
         if entry is not None:
             return entry[0]
         if name in self._conflicts:
-            owners = " and ".join(sorted(p.label() for p in self._conflicts[name]))
+            owners = self._owners(name)
             raise PluginError(
                 f"two distributions register this backend name: {owners}; uninstall one, or limit "
                 f"{ENV_PLUGINS} to one of them",
@@ -263,6 +263,9 @@ class PluginHost:
             f"unknown backend{hint}{extra}", parameter="backend", value=name, allowed=", ".join(known) or "none"
         )
 
+    def _owners(self, name: str) -> str:
+        return " and ".join(sorted(p.label() for p in self._conflicts[name]))
+
     def probe(self, backend: Backend) -> str | None:
         """``backend.probe()``, cached; an exception becomes the reason it is unavailable."""
         if backend.name not in self._probes:
@@ -277,7 +280,7 @@ class PluginHost:
 
     def info(self, name: str) -> BackendInfo:
         if name in self._conflicts:
-            owners = " and ".join(sorted(p.label() for p in self._conflicts[name]))
+            owners = self._owners(name)
             return BackendInfo(name, None, None, False, f"registered by both {owners}", None)
         backend, record = self._backends[name]
         reason = self.probe(backend)

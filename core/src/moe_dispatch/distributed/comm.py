@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..codecs import as_bytes, from_bytes
 from ..errors import CommunicationError, InvalidSpecError
 
 
@@ -118,9 +119,9 @@ class Comm:
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets."""
-        raw = counts.to(torch.int64).view(torch.uint8).reshape(self.world_size, 8)
+        raw = as_bytes(counts.to(torch.int64).unsqueeze(1))  # one 8-byte row per rank
         got = self.all_to_all(raw, None, None, [("metadata", 8)])
-        return got.reshape(-1).view(torch.int64)
+        return from_bytes(got, torch.int64).squeeze(1)
 
     def _run(self, name: str, call) -> None:  # type: ignore[no-untyped-def]
         try:
