@@ -25,3 +25,28 @@ def test_console_script_and_extras():
 
 def test_package_is_typed():
     assert (Path(moe_dispatch.__file__).parent / "py.typed").exists()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "plugins" / "_template"
+
+
+def test_the_kit_is_a_pytest_plugin_of_the_core():
+    eps = metadata.distribution("moe-dispatch").entry_points
+    assert {(ep.group, ep.name, ep.value) for ep in eps} >= {("pytest11", "moe_dispatch", "moe_dispatch.testing.plugin")}
+
+
+def test_the_template_is_installed_and_discovered_through_its_entry_point():
+    dist = metadata.distribution("moe-dispatch-example")
+    assert [(ep.group, ep.name) for ep in dist.entry_points] == [("moe_dispatch.backends", "example")]
+    host = moe_dispatch.PluginHost(env={})
+    record = next(p for p in host.plugins if p.name == "example")
+    assert record.ok and record.distribution == "moe-dispatch-example" and not record.builtin
+    assert host.info("example").status == "available"
+
+
+def test_the_walkthrough_shows_the_template_verbatim():
+    doc = (ROOT / "docs" / "writing-a-backend.md").read_text()
+    for path in ["pyproject.toml", "src/moe_dispatch_example/__init__.py", "src/moe_dispatch_example/backend.py",
+                 "src/moe_dispatch_example/dispatcher.py", "tests/test_conformance.py"]:
+        assert (TEMPLATE / path).read_text().rstrip("\n") in doc, f"docs/writing-a-backend.md is out of date for {path}"

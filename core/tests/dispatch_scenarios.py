@@ -8,19 +8,8 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.codecs import make_codec, nvfp4_global_scale
-from moe_dispatch.experts import dequantize_rows
 from moe_dispatch.routing import random_routing
-
-
-class IdentityExperts:
-    """Each expert returns its input (dequantized, in bf16): combine must then give the
-    weighted sum of each token's received copies."""
-
-    needs_dispatch_dtype = None
-
-    def apply_without_routing_weights(self, layer, hidden_states, hidden_states_scale, group_list_type, group_list,
-                                      output_dtype, *, global_scale=None):
-        return dequantize_rows(hidden_states, hidden_states_scale, layer, global_scale).to(output_dtype)
+from moe_dispatch.testing import IdentityExperts
 
 
 def global_inputs(p: dict, world: int):

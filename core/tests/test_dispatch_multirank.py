@@ -34,37 +34,37 @@ def cases(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
-def test_combine_of_dispatch_is_the_weighted_sum_of_each_tokens_copies(pools, case):
+def test_combine_of_dispatch_is_the_weighted_sum_of_each_tokens_copies(moe_rank_pools, case):
     """Identity experts: every token comes back once per routed expert, weighted, bit-exact
     against the sequential reference (same codec), for every dtype, mode and backend."""
     world, p = case
-    results = pools.get(world).map(conservation, p)
+    results = moe_rank_pools.get(world).map(conservation, p)
     for rank, r in enumerate(results):
         assert r["bit_equal"], (rank, r["max_diff"], p)
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in md.DispatchDtype])
 @pytest.mark.parametrize("world", [2, 4])
-def test_payload_bytes_equal_wire_format_times_pairs(pools, dtype, world):
+def test_payload_bytes_equal_wire_format_times_pairs(moe_rank_pools, dtype, world):
     base = {"seed": 7, "tokens": [9, 0, 5, 12][:world], "hidden": 256, "experts": 4 * world, "top_k": 3,
             "dtype": dtype, "drop": 0.2}
-    normal = pools.get(world).map(conservation, {**base, "mode": "normal"})
+    normal = moe_rank_pools.get(world).map(conservation, {**base, "mode": "normal"})
     for r in normal:
         assert r["payload"] == r["wire"] * r["pairs"]
         assert r["metadata"] == 8 * 3 * r["pairs"] + 8 * world  # ids + weights per pair, counts per rank
-    gathered = pools.get(world).map(conservation, {**base, "mode": "normal", "backend": "allgather"})
+    gathered = moe_rank_pools.get(world).map(conservation, {**base, "mode": "normal", "backend": "allgather"})
     for r in gathered:
         assert r["payload"] == r["wire"] * r["tokens"] * world
-    low_latency = pools.get(world).map(conservation, {**base, "mode": "low_latency"})
+    low_latency = moe_rank_pools.get(world).map(conservation, {**base, "mode": "low_latency"})
     for r in low_latency:
         assert r["payload"] == r["wire"] * r["capacity"] * world
         assert r["combine"] == 2 * 256 * r["capacity"] * world
 
 
-def test_backends_and_modes_agree_bit_for_bit(pools):
+def test_backends_and_modes_agree_bit_for_bit(moe_rank_pools):
     p = {"seed": 11, "tokens": [7, 3, 0, 8], "hidden": 128, "experts": 16, "top_k": 4, "dtype": "fp8"}
     outs = [
-        [r["result"] for r in pools.get(4).map(conservation, {**p, "mode": mode, "backend": backend})]
+        [r["result"] for r in moe_rank_pools.get(4).map(conservation, {**p, "mode": mode, "backend": backend})]
         for mode in ("normal", "low_latency")
         for backend in ("torch", "allgather")
     ]
@@ -72,15 +72,15 @@ def test_backends_and_modes_agree_bit_for_bit(pools):
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
 
 
-def test_two_dispatchers_interleaved_in_one_process(pools):
+def test_two_dispatchers_interleaved_in_one_process(moe_rank_pools):
     p = {"seed": 5, "tokens": [6, 4], "hidden": 128, "experts": 8, "top_k": 2}
-    assert pools.get(2).map(interleaved, p) == [True, True]
+    assert moe_rank_pools.get(2).map(interleaved, p) == [True, True]
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("dtype", list(md.DispatchDtype))
-def test_demo_layer_on_four_ranks_is_within_the_stated_tolerance(pools, dtype, mode):
+def test_demo_layer_on_four_ranks_is_within_the_stated_tolerance(moe_rank_pools, dtype, mode):
     preset = get_preset("qwen3-30b-a3b").scaled(DEMO_SCALE["qwen3-30b-a3b"])
     case = DemoCase(preset, dtype, md.Mode.parse(mode), 32, iterations=0)
-    result = summarize(pools.get(4).map(run_case, case))
+    result = summarize(moe_rank_pools.get(4).map(run_case, case))
     assert result.ok, (dtype, mode, result.relative_error)

@@ -6,7 +6,10 @@ Fixture plugins are real distributions: a module plus a ``.dist-info`` with META
 
 import importlib
 import io
+import json
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -30,11 +33,21 @@ def moe_dispatch_register_backends(register):
 
 
 def make_dist(root, dist, module, source, ep_name=None):
+    """Install ``module`` as distribution ``dist`` the way pip lays it out in site-packages:
+    the module, and a ``.dist-info`` with METADATA, entry points, RECORD and INSTALLER."""
     (root / f"{module}.py").write_text(textwrap.dedent(source))
     info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[moe_dispatch.backends]\n{ep_name or module} = {module}\n")
+    files = {
+        "METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n",
+        "entry_points.txt": f"[moe_dispatch.backends]\n{ep_name or module} = {module}\n",
+        "top_level.txt": f"{module}\n",
+        "INSTALLER": "pip\n",
+    }
+    for name, text in files.items():
+        (info / name).write_text(text)
+    record = [f"{module}.py,,"] + [f"{info.name}/{name},," for name in [*files, "RECORD"]]
+    (info / "RECORD").write_text("\n".join(record) + "\n")
 
 
 @pytest.fixture
@@ -134,3 +147,65 @@ def test_host_does_not_touch_the_environment(site):
     make_dist(site, "fx-env", "fx_env", GOOD.format(name="env"))
     PluginHost(env={"MOE_DISPATCH_PLUGINS": "fx-env"})
     assert dict(os.environ) == before
+
+
+UNAVAILABLE = GOOD + """
+Renamed.probe = lambda self: "needs the frobnicator accelerator"
+Renamed.install_hint = "pip install frobnicator-runtime"
+"""
+
+
+def _cli(site, *args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **(env_extra or {})}
+    env.pop("MOE_DISPATCH_PLUGINS", None)
+    return subprocess.run([sys.executable, "-m", "moe_dispatch", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_backends_command_survives_a_broken_plugin_and_says_what_to_install(site):
+    make_dist(site, "fx-broken-cli", "fx_broken_cli", "raise ImportError('libfrob.so: cannot open shared object')\n")
+    make_dist(site, "fx-missing-hw", "fx_missing_hw", UNAVAILABLE.format(name="frob"))
+    run = _cli(site, "backends")
+    assert run.returncode == 0, run.stderr
+    lines = {line.split()[0]: line for line in run.stdout.splitlines() if line.strip()}
+    assert "broken" in lines["fx_broken_cli"] and "libfrob.so" in lines["fx_broken_cli"]
+    assert "unavailable" in lines["frob"] and "needs the frobnicator accelerator" in lines["frob"]
+    assert "to install: pip install frobnicator-runtime" in run.stdout
+    assert "available" in lines["torch"]
+
+
+def test_backends_json_is_the_documented_schema(site):
+    make_dist(site, "fx-broken-json", "fx_broken_json", "import not_a_module_anywhere\n")
+    make_dist(site, "fx-missing-json", "fx_missing_json", UNAVAILABLE.format(name="frob-json"))
+    run = _cli(site, "backends", "--json")
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched"} and doc["schema"] == 1
+    assert set(doc["core"]) == {"version", "api_version"}
+    keys = {"name", "distribution", "version", "status", "available", "reason", "install_hint", "description",
+            "capabilities", "error"}
+    by_name = {b["name"]: b for b in doc["backends"]}
+    assert all(set(b) == keys for b in doc["backends"])
+    assert by_name["fx_broken_json"]["status"] == "broken" and "ModuleNotFoundError" in by_name["fx_broken_json"]["error"]
+    assert by_name["frob-json"]["status"] == "unavailable"
+    assert by_name["frob-json"]["install_hint"] == "pip install frobnicator-runtime"
+    assert by_name["torch"]["status"] == "available" and by_name["torch"]["capabilities"]["modes"]["normal"]
+    plugins = {p["name"]: p for p in doc["plugins"]}
+    assert plugins["fx_broken_json"]["ok"] is False and plugins["fx_missing_json"]["distribution"] == "fx-missing-json"
+
+
+def test_trace_variable_traces_the_command(site):
+    make_dist(site, "fx-trace-cli", "fx_trace_cli", GOOD.format(name="traced-cli"))
+    run = _cli(site, "backends", env_extra={"MOE_DISPATCH_TRACE_PLUGINS": "1"})
+    assert run.returncode == 0
+    assert "moe-dispatch trace: call fx_trace_cli.moe_dispatch_register_backends" in run.stderr
+    assert "moe-dispatch trace: probe traced-cli: available" in run.stderr
+
+
+def test_a_broken_plugin_named_at_creation_raises_with_its_traceback(site):
+    make_dist(site, "fx-broken-create", "fx_broken_create", "def f():\n    raise OSError('driver mismatch')\nf()\n")
+    host = PluginHost(env={})
+    with pytest.raises(md.BackendUnavailableError) as info:
+        md.create_dispatcher("fx_broken_create", md.DispatchSpec(128, 8, 2), host=host)
+    assert "Traceback" in str(info.value) and "driver mismatch" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)

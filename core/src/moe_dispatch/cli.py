@@ -5,42 +5,62 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Sequence
 
 from .dtypes import DispatchDtype, Mode
 from .errors import MoEDispatchError
 from .hints import QuantHints
-from .plugins import default_host
+from .plugins import PluginHost, default_host
 from .presets import DEMO_SCALE, PRESETS, get_preset
+
+
+#: Version of ``moe-dispatch backends --json`` output; bumped only for an incompatible change.
+BACKENDS_JSON_SCHEMA = 1
+
+
+def backends_report(host: "PluginHost") -> dict[str, object]:
+    """The ``backends --json`` document (schema in docs/cli.md)."""
+    from . import hookspecs
+    from .plugins import core_version
+
+    return {
+        "schema": BACKENDS_JSON_SCHEMA,
+        "core": {"version": core_version(), "api_version": hookspecs.API_VERSION},
+        "backends": [i.to_dict() for i in host.available_backends()],
+        "plugins": [
+            {"name": p.name, "module": p.module, "distribution": p.distribution, "version": p.version,
+             "builtin": p.builtin, "ok": p.ok, "error": p.error}
+            for p in host.plugins
+        ],
+        "allow_list_unmatched": host.allow_list_unmatched,
+    }
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
     host = default_host()
-    infos = host.available_backends()
     if args.json:
-        payload = {
-            "schema": 1,
-            "backends": [i.to_dict() for i in infos],
-            "allow_list_unmatched": host.allow_list_unmatched,
-        }
-        print(json.dumps(payload, indent=2, sort_keys=True))
+        print(json.dumps(backends_report(host), indent=2, sort_keys=True))
         return 0
-    print(f"{'name':<20} {'distribution':<32} {'available':<9} reason / modes")
-    for info in infos:
+    print(f"{'name':<20} {'distribution':<34} {'status':<12} modes / why not")
+    for info in host.available_backends():
         dist = f"{info.distribution or '-'} {info.version or ''}".strip()
         if info.available and info.capabilities:
-            modes = "; ".join(f"{m}: {', '.join(d)}" for m, d in info.capabilities["modes"].items())
-            detail = modes
+            detail = "; ".join(f"{m}: {', '.join(d)}" for m, d in info.capabilities["modes"].items())
         else:
             detail = info.reason or ""
-        print(f"{info.name:<20} {dist:<32} {'yes' if info.available else 'no':<9} {detail}")
+        print(f"{info.name:<20} {dist:<34} {info.status:<12} {detail}")
+        if info.install_hint:
+            print(f"{'':<20} {'':<34} {'':<12} to install: {info.install_hint}")
     for name in host.allow_list_unmatched:
-        print(f"{name:<20} {'-':<32} {'no':<9} named in MOE_DISPATCH_PLUGINS but not installed")
+        print(f"{name:<20} {'-':<34} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed")
+    if any(i.status == "broken" for i in host.available_backends()):
+        print("\nbroken plugins are skipped; `moe-dispatch backends --json` has their tracebacks")
     return 0
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .resolution import resolve_output_dtype
+    from .resolution import DtypeFallbackWarning, resolve_output_dtype
     from .spec import DispatchSpec
 
     host = default_host()
@@ -58,7 +78,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         runner=args.runner,
     )
     backend.check_spec(spec, args.world_size)
-    resolution = resolve_output_dtype(spec, backend, strict=args.strict, runners=host.runners())
+    with warnings.catch_warnings():  # the trail below shows the fallback
+        warnings.simplefilter("ignore", DtypeFallbackWarning)
+        resolution = resolve_output_dtype(spec, backend, strict=args.strict, runners=host.runners())
     resolved = spec.with_dtype(resolution.dtype)
     wire = resolved.wire_format()
     buffers = backend.buffer_size(resolved, args.world_size)

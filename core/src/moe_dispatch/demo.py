@@ -145,11 +145,16 @@ def run_demo(
     """Spawn local ranks, run every (dtype, mode) case, print progress and a table."""
     from .distributed.local import RankPool
 
-    cases = [
-        DemoCase(preset, dtype, mode, tokens_per_rank, backend)
-        for mode in (modes or list(Mode))
-        for dtype in (dtypes or list(DispatchDtype))
-    ]
+    from .plugins import default_host
+
+    caps = default_host().get_backend(backend).capabilities
+    cases, skipped = [], []
+    for mode in modes or list(Mode):
+        for dtype in dtypes or list(DispatchDtype):
+            if dtype in caps.dtypes.get(mode, ()):
+                cases.append(DemoCase(preset, dtype, mode, tokens_per_rank, backend))
+            else:
+                skipped.append(f"{mode.value}/{dtype.value}")
     print(
         f"moe-dispatch demo: {preset.name} (H={preset.hidden_size}, E={preset.num_experts}, top-{preset.top_k}, "
         f"I={preset.intermediate_size}), {world_size} local gloo ranks, {tokens_per_rank} tokens per rank, "
@@ -157,6 +162,8 @@ def run_demo(
         file=out,
         flush=True,
     )
+    if skipped:
+        print(f"  skipped (not in the backend's capabilities.dtypes): {', '.join(skipped)}", file=out, flush=True)
     started = time.perf_counter()
     results = []
     with RankPool(world_size) as pool:

@@ -67,23 +67,33 @@ class PluginRecord:
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """What ``moe-dispatch backends`` shows for one backend (stable JSON via ``to_dict``)."""
+    """What ``moe-dispatch backends`` shows for one backend (stable JSON via ``to_dict``).
+
+    :param status: ``available`` (runs here), ``unavailable`` (``probe()`` gave ``reason``;
+        ``install_hint`` says what to install), ``broken`` (its plugin failed to load;
+        ``error`` has the traceback) or ``conflict`` (two distributions register the name).
+    """
 
     name: str
     distribution: str | None
     version: str | None
-    available: bool
+    status: str
     reason: str | None
     capabilities: dict[str, Any] | None
     install_hint: str = ""
     description: str = ""
     error: str | None = None
 
+    @property
+    def available(self) -> bool:
+        return self.status == "available"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "distribution": self.distribution,
             "version": self.version,
+            "status": self.status,
             "available": self.available,
             "reason": self.reason,
             "install_hint": self.install_hint or None,
@@ -281,24 +291,22 @@ class PluginHost:
     def info(self, name: str) -> BackendInfo:
         if name in self._conflicts:
             owners = self._owners(name)
-            return BackendInfo(name, None, None, False, f"registered by both {owners}", None)
+            return BackendInfo(name, None, None, "conflict", f"registered by both {owners}", None)
         backend, record = self._backends[name]
         reason = self.probe(backend)
-        if reason and backend.install_hint:
-            reason = f"{reason}; {backend.install_hint}"
         return BackendInfo(
             name=name,
             distribution=record.distribution,
             version=record.version,
-            available=reason is None,
+            status="available" if reason is None else "unavailable",
             reason=reason,
             capabilities=backend.capabilities.to_dict(),
-            install_hint=backend.install_hint,
+            install_hint=backend.install_hint if reason is not None else "",
             description=backend.description,
         )
 
     def available_backends(self) -> list[BackendInfo]:
-        """Every registered backend, then every plugin that failed to load (as unavailable)."""
+        """Every registered backend, then every plugin that failed to load (as broken)."""
         infos = [self.info(name) for name in self.backend_names()]
         for failed in self.failures():
             last = (failed.error or "").strip().splitlines()[-1:] or ["unknown error"]
@@ -307,7 +315,7 @@ class PluginHost:
                     name=failed.name,
                     distribution=failed.distribution,
                     version=failed.version,
-                    available=False,
+                    status="broken",
                     reason=f"plugin failed to load: {last[0]}",
                     capabilities=None,
                     error=failed.error,

@@ -1,0 +1,32 @@
+"""The conformance kit: the suite every backend passes, and the fixtures to write more tests.
+
+``BackendConformance`` is the suite (subclass it, set ``backend_name``); the pytest plugin in
+``moe_dispatch.testing.plugin`` (loaded automatically through the ``pytest11`` entry point)
+provides ``moe_rank_pools``, ``moe_dense_reference`` and ``moe_routing``. See
+``docs/writing-a-backend.md``.
+"""
+
+from ..experts import reference_moe as dense_reference
+from ..routing import random_routing
+from .cases import Case, GlobalBatch, KitShape, Routing, Target, standard_routings
+from .conformance import WORLD_SIZES, BackendConformance
+from .experts import IdentityExperts, ScaledIdentityExperts, ScaledLayer, expert_factor
+from .pools import RankPools
+
+__all__ = [
+    "WORLD_SIZES",
+    "BackendConformance",
+    "Case",
+    "GlobalBatch",
+    "IdentityExperts",
+    "KitShape",
+    "RankPools",
+    "Routing",
+    "ScaledIdentityExperts",
+    "ScaledLayer",
+    "Target",
+    "dense_reference",
+    "expert_factor",
+    "random_routing",
+    "standard_routings",
+]

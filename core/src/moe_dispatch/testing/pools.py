@@ -1,0 +1,34 @@
+"""Local gloo rank pools shared by a whole test session, one per world size."""
+
+from __future__ import annotations
+
+from ..distributed.local import RankPool
+
+#: Seconds a collective may wait before gloo gives up; generous for a loaded CI machine.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RankPools:
+    """``get(world_size)`` returns a live pool of that many local ranks, starting it on first
+    use and again after a test killed one (a timeout closes the pool it happened in)."""
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            if pool is not None:
+                pool.close(force=True)
+            pool = RankPool(world_size, timeout_s=self.timeout_s)
+            self._pools[world_size] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close(force=not pool.alive)
+        self._pools.clear()
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankPools"]

@@ -1,0 +1,346 @@
+"""The checks the kit runs on every local rank.
+
+Each function runs as ``fn(rank, world_size, ...)`` inside a ``RankPool`` worker and returns
+plain data: a list of problems (empty when the rank saw none) or a measurement. Problems are
+sentences that name the case, so a failing test prints what went wrong on which rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from ..accuracy import relative_error
+from ..codecs import make_codec
+from ..dtypes import DispatchDtype, Layout
+from ..errors import MoEDispatchError
+from ..experts import TorchExperts, reference_moe
+from ..layer import moe_forward
+from ..output import DispatchOutput
+from ..routing import random_expert_weights
+from .cases import Case, GlobalBatch
+from .experts import ScaledIdentityExperts, ScaledLayer, expert_factor
+
+#: Per-token relative error allowed between combine and the fp32 sum of the same
+#: dequantized rows: the BF16 rounding of partial sums, nothing else.
+COMBINE_RTOL = 1e-2
+
+
+def _expected_counts(ids: torch.Tensor, rank: int, local_experts: int) -> torch.Tensor:
+    first = rank * local_experts
+    mine = ids[(ids >= first) & (ids < first + local_experts)] - first
+    return torch.bincount(mine, minlength=local_experts)
+
+
+def _valid_rows(out: DispatchOutput, deq: torch.Tensor, expert: int, counts: torch.Tensor) -> torch.Tensor:
+    if out.layout is Layout.MASKED:
+        return deq[expert, : int(counts[expert])]
+    start = int(counts[:expert].sum())
+    return deq[start : start + int(counts[expert])]
+
+
+def _check_output_contract(case: Case, rank: int, out: DispatchOutput, dtype: DispatchDtype, codec: Any,
+                           expected: torch.Tensor) -> list[str]:
+    """The DispatchOutput means the same for every backend; returns what differs."""
+    problems = []
+    H, El = case.shape.hidden_size, case.shape.local_experts
+    probe = codec.quantize(torch.zeros(1, H))
+    if out.dtype is not dtype:
+        problems.append(f"DispatchOutput.dtype is {out.dtype}, the dispatcher resolved {dtype}")
+    if out.hidden_states.dtype != probe.data.dtype:
+        problems.append(f"hidden_states dtype {out.hidden_states.dtype}, {dtype.value} travels as {probe.data.dtype}")
+    if out.group_list_type != case.group_list_type:
+        problems.append(f"group_list_type {out.group_list_type}, the spec asked for {case.group_list_type}")
+    if tuple(out.group_list.shape) != (El,):
+        problems.append(f"group_list shape {tuple(out.group_list.shape)}, expected ({El},): one entry per local expert")
+    width = tuple(probe.data.shape[1:])
+    counts = out.expert_counts().cpu()
+    if out.layout is Layout.PACKED:
+        if out.hidden_states.dim() != 2 or tuple(out.hidden_states.shape[1:]) != width:
+            problems.append(f"PACKED hidden_states shape {tuple(out.hidden_states.shape)}, expected [rows, {width[0]}]")
+        elif out.hidden_states.shape[0] != int(expected.sum()):
+            problems.append(f"PACKED has {out.hidden_states.shape[0]} rows for {int(expected.sum())} (token, expert) pairs")
+    elif out.layout is Layout.MASKED:
+        shape = tuple(out.hidden_states.shape)
+        if len(shape) != 3 or shape[0] != El or shape[2:] != width or shape[1] < int(expected.max()):
+            problems.append(f"MASKED hidden_states shape {shape}, expected [{El}, >= max count, {width[0]}]")
+    if probe.scale is not None:
+        lead = tuple(out.hidden_states.shape[:-1])
+        want = tuple(codec.scale_shape(lead))
+        got = None if out.hidden_states_scale is None else tuple(out.hidden_states_scale.shape)
+        if got != want:
+            problems.append(f"hidden_states_scale shape {got}, {dtype.value} needs {want}")
+    if not torch.equal(counts.to(torch.int64), expected.to(torch.int64)):
+        problems.append(f"rank {rank} received per-expert counts {counts.tolist()}, the routing sends {expected.tolist()}")
+    return problems
+
+
+def _dispatch_and_combine(case: Case, rank: int, batch: GlobalBatch, dispatcher: Any) -> tuple[DispatchOutput, torch.Tensor]:
+    x, ids, w = batch.local(rank)
+    out = dispatcher.dispatch(x, ids, w)
+    layer = ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
+    rows = ScaledIdentityExperts().apply_without_routing_weights(
+        layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16,
+        global_scale=out.global_scale,
+    )
+    return out, dispatcher.combine(rows, out)
+
+
+def _combine_reference(case: Case, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, codec: Any) -> torch.Tensor:
+    """fp32 ``Σ_j w_j · factor(e_j) · dequantize(x)`` per token."""
+    deq = codec.dequantize(codec.quantize(x)).to(torch.bfloat16).float() if x.numel() else x.float()
+    factors = torch.tensor([expert_factor(e, case.num_experts) for e in range(case.num_experts)])
+    coef = torch.where(ids >= 0, w.float() * factors[ids.clamp(min=0)], 0.0).sum(dim=1)
+    return deq * coef[:, None]
+
+
+def check_conservation(rank: int, world_size: int, cases: list[Case]) -> list[str]:
+    """Every (token, expert) pair arrives once at the right expert, and combine returns each
+    token's weighted sum; the inputs are left as they were."""
+    problems: list[str] = []
+    for case in cases:
+        batch = case.inputs()
+        dispatcher = case.target.create(case.spec(batch))
+        dtype = dispatcher.output_dtype
+        codec = make_codec(dispatcher.spec.wire_format(), dispatcher.spec.quant.input_global_scale)
+        x, ids, w = batch.local(rank)
+        before = (x.clone(), ids.clone(), w.clone())
+        out, result = _dispatch_and_combine(case, rank, batch, dispatcher)
+        label = f"[{case.label()}, rank {rank}]"
+        expected = _expected_counts(batch.topk_ids, rank, case.shape.local_experts)
+        problems += [f"{label} {p}" for p in _check_output_contract(case, rank, out, dtype, codec, expected)]
+        if not problems:
+            problems += [f"{label} {p}" for p in _check_rows(case, rank, batch, out, codec, expected)]
+        if tuple(result.shape) != tuple(x.shape) or result.dtype != torch.bfloat16:
+            problems.append(f"{label} combine returned {tuple(result.shape)} {result.dtype}, expected {tuple(x.shape)} bf16")
+            continue
+        ref = _combine_reference(case, x, ids, w, codec)
+        routed = (ids >= 0).any(dim=1)
+        if bool((result[~routed] != 0).any()):
+            problems.append(f"{label} tokens with every id -1 must come back as exact zeros")
+        if bool(routed.any()):
+            err = ((result[routed].float() - ref[routed]).norm(dim=1) / ref[routed].norm(dim=1).clamp(min=1e-12))
+            worst = int(err.argmax())
+            if float(err[worst]) > COMBINE_RTOL:
+                problems.append(f"{label} combine differs from the weighted sum by {float(err[worst]):.3g} "
+                                f"(relative) on a token routed to {ids[routed][worst].tolist()}; allowed {COMBINE_RTOL}")
+        if not all(torch.equal(a, b) for a, b in zip((x, ids, w), before)):
+            problems.append(f"{label} dispatch or combine modified its input tensors in place")
+    return problems
+
+
+def _check_rows(case: Case, rank: int, batch: GlobalBatch, out: DispatchOutput, codec: Any,
+                expected: torch.Tensor) -> list[str]:
+    """Each local expert's rows, summed, equal the sum of the tokens routed to it."""
+    if not int(expected.sum()):
+        return []
+    from ..experts import dequantize_rows
+
+    deq = dequantize_rows(out.hidden_states, out.hidden_states_scale, case.shape.hidden_size, out.global_scale).double()
+    source = codec.dequantize(codec.quantize(batch.x)).double()
+    first = rank * case.shape.local_experts
+    problems = []
+    for e in range(case.shape.local_experts):
+        tokens = (batch.topk_ids == first + e).any(dim=1)
+        want = source[tokens].sum(dim=0)
+        got = _valid_rows(out, deq, e, expected).sum(dim=0)
+        err = (got - want).norm().item() / max(want.norm().item(), 1e-12)
+        if err > COMBINE_RTOL:
+            problems.append(f"local expert {e} received rows that are not the tokens routed to it "
+                            f"(sums differ by {err:.3g} relative)")
+    return problems
+
+
+def check_forward(rank: int, world_size: int, case: Case, intermediate: int = 128) -> float:
+    """Relative error of a whole MoE forward (torch reference experts) against the dense
+    fp32 single-process reference on this rank's tokens."""
+    batch = case.inputs()
+    dispatcher = case.target.create(case.spec(batch))
+    g = torch.Generator().manual_seed(case.seed + 1)
+    weights = random_expert_weights(case.num_experts, case.shape.hidden_size, intermediate, generator=g)
+    local = weights.slice(rank * case.shape.local_experts, case.shape.local_experts)
+    x, ids, w = batch.local(rank)
+    out = moe_forward(dispatcher, TorchExperts(), local, x, ids, w)
+    return relative_error(out, reference_moe(x, ids, w, weights))
+
+
+def check_repeatable(rank: int, world_size: int, case: Case) -> list[str]:
+    """The same inputs give the same bits: twice on one dispatcher, and on a new one."""
+    batch = case.inputs()
+    first = case.target.create(case.spec(batch))
+    results = [_dispatch_and_combine(case, rank, batch, first)[1] for _ in range(2)]
+    results.append(_dispatch_and_combine(case, rank, batch, case.target.create(case.spec(batch)))[1])
+    problems = []
+    if not torch.equal(results[0], results[1]):
+        problems.append(f"[{case.label()}, rank {rank}] the same dispatcher gave different bits for the same inputs")
+    if not torch.equal(results[0], results[2]):
+        problems.append(f"[{case.label()}, rank {rank}] a new dispatcher gave different bits for the same inputs")
+    return problems
+
+
+def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> list[str]:
+    """Two dispatches in flight on one dispatcher, and a second dispatcher interleaved,
+    combine to what each gives alone."""
+    a_batch, b_batch = case.inputs(), second.inputs()
+    a = case.target.create(case.spec(a_batch))
+    b = second.target.create(second.spec(b_batch))
+    layer_a = ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
+    layer_b = ScaledLayer.for_rank(second.shape.hidden_size, second.num_experts, rank, second.shape.local_experts)
+    experts = ScaledIdentityExperts()
+
+    def finish(d: Any, layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
+        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                     out.group_list_type, out.group_list, torch.bfloat16,
+                                                     global_scale=out.global_scale)
+        return d.combine(rows, out)
+
+    xa, xb = a_batch.local(rank), b_batch.local(rank)
+    alone = [finish(a, layer_a, a.dispatch(*xa)), finish(a, layer_a, a.dispatch(*xb)), finish(b, layer_b, b.dispatch(*xb))]
+    first, second_out = a.dispatch(*xa), a.dispatch(*xb)  # two in flight on one dispatcher
+    other = b.dispatch(*xb)  # and one on another dispatcher
+    got = [None, finish(a, layer_a, second_out), finish(b, layer_b, other)]
+    got[0] = finish(a, layer_a, first)
+    names = ["the first of two in flight", "the second of two in flight", "the interleaved second dispatcher"]
+    return [f"[{case.label()}, rank {rank}] {name} differs from running alone"
+            for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]
+
+
+def check_environment(rank: int, world_size: int, cases: list[Case]) -> list[str]:
+    """Creating, dispatching and combining leave ``os.environ`` exactly as it was."""
+    before = dict(os.environ)
+    for case in cases:
+        batch = case.inputs()
+        _dispatch_and_combine(case, rank, batch, case.target.create(case.spec(batch)))
+    after = dict(os.environ)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return [f"rank {rank}: os.environ changed: {', '.join(changed)}"] if changed else []
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def _bad_dispatch_inputs(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int
+                         ) -> list[tuple[str, str, Callable[[], tuple[Any, Any, Any]]]]:
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[0] = float("nan")
+        return t
+
+    def dup(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[0, 1] = t[0, 0]
+        return t
+
+    cases = [
+        ("hidden_states float32", "hidden_states", lambda: (x.float(), ids, w)),
+        ("hidden_states with the wrong hidden size", "hidden_states", lambda: (x[:, :-16], ids, w)),
+        ("hidden_states 1-D", "hidden_states", lambda: (x[0], ids, w)),
+        ("hidden_states with NaN", "hidden_states", lambda: (nan(x), ids, w)),
+        ("topk_ids float", "topk_ids", lambda: (x, ids.float(), w)),
+        ("topk_ids out of range", "topk_ids", lambda: (x, torch.full_like(ids, num_experts), w)),
+        ("topk_ids -2", "topk_ids", lambda: (x, torch.full_like(ids, -2), w)),
+        ("topk_ids naming one expert twice", "topk_ids", lambda: (x, dup(ids), w)),
+        ("topk_ids with fewer tokens", "topk_ids", lambda: (x, ids[:-1], w)),
+        ("topk_weights bf16", "topk_weights", lambda: (x, ids, w.bfloat16())),
+        ("topk_weights with NaN", "topk_weights", lambda: (x, ids, nan(w))),
+        ("topk_weights with a slot missing", "topk_weights", lambda: (x, ids, w[:, :-1])),
+    ]
+    if ids.shape[1] < 2:  # a duplicate needs two slots
+        cases = [c for c in cases if "twice" not in c[0]]
+    return cases
+
+
+def check_bad_inputs(rank: int, world_size: int, case: Case) -> list[str]:
+    """Each bad input raises a typed error naming the parameter, before any data is
+    touched; then a good call still works (nothing was left half-done)."""
+    batch = case.inputs()
+    d = case.target.create(case.spec(batch))
+    x, ids, w = batch.local(rank)
+    problems = []
+    snapshot = [t.clone() for t in (x, ids, w)]
+    for name, parameter, build in _bad_dispatch_inputs(x, ids, w, case.num_experts):
+        try:
+            d.dispatch(*build())
+        except MoEDispatchError as exc:
+            if exc.parameter != parameter:
+                problems.append(f"dispatch with {name}: error names {exc.parameter!r}, expected {parameter!r}")
+        except Exception as exc:  # noqa: BLE001 - an untyped error is the finding
+            problems.append(f"dispatch with {name}: raised untyped {type(exc).__name__}: {exc}")
+        else:
+            problems.append(f"dispatch with {name}: no error")
+    out, _ = _dispatch_and_combine(case, rank, batch, d)  # a good call after the bad ones
+    good = torch.zeros(out.hidden_states.shape[:-1] + (case.shape.hidden_size,), dtype=torch.bfloat16)
+    other = case.target.create(case.spec(batch))
+    for name, parameter, call in [
+        ("expert_output float32", "expert_output", lambda: d.combine(good.float(), out)),
+        ("expert_output with the wrong hidden size", "expert_output", lambda: d.combine(good[..., :-16], out)),
+        ("another dispatcher's DispatchOutput", "dispatch_output", lambda: other.combine(good, out)),
+    ]:
+        try:
+            call()
+        except MoEDispatchError as exc:
+            if exc.parameter != parameter:
+                problems.append(f"combine with {name}: error names {exc.parameter!r}, expected {parameter!r}")
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"combine with {name}: raised untyped {type(exc).__name__}: {exc}")
+        else:
+            problems.append(f"combine with {name}: no error")
+    if not all(torch.equal(a, b) for a, b in zip((x, ids, w), snapshot)):
+        problems.append("a rejected call modified the caller's tensors")
+    return [f"[{case.label()}, rank {rank}] {p}" for p in problems]
+
+
+def check_capacity(rank: int, world_size: int, case: Case) -> list[str]:
+    """A batch above ``num_max_dispatch_tokens_per_rank`` is a ``CapacityError`` naming it."""
+    from ..errors import CapacityError
+
+    batch = case.inputs()
+    d = case.target.create(case.spec(batch))
+    x, ids, w = batch.local(rank)
+    more = case.shape.tokens_per_rank + 1 - x.shape[0]
+    big = (torch.cat([x, x[:1].expand(more, -1)]), torch.cat([ids, ids[:1].expand(more, -1)]),
+           torch.cat([w, w[:1].expand(more, -1)]))
+    try:
+        d.dispatch(*big)
+    except CapacityError as exc:
+        if exc.parameter != "num_max_dispatch_tokens_per_rank":
+            return [f"rank {rank}: CapacityError names {exc.parameter!r}, not num_max_dispatch_tokens_per_rank"]
+        return []
+    except Exception as exc:  # noqa: BLE001
+        return [f"rank {rank}: {more + x.shape[0]} tokens with capacity {case.shape.tokens_per_rank} raised "
+                f"{type(exc).__name__}: {exc}, not CapacityError"]
+    return [f"rank {rank}: {more + x.shape[0]} tokens with capacity {case.shape.tokens_per_rank} were accepted"]
+
+
+def measure_traffic(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, int]]:
+    """Bytes this rank sent per dispatch and per combine, as the core's ``Comm`` counted
+    them (zero for a backend that moves data through its own transport)."""
+    sizes = []
+    for case in cases:
+        batch = case.inputs()
+        d = case.target.create(case.spec(batch))
+        before = d.traffic.copy()
+        x, ids, w = batch.local(rank)
+        out = d.dispatch(x, ids, w)
+        mid = d.traffic.copy()
+        d.combine(torch.zeros(out.hidden_states.shape[:-1] + (case.shape.hidden_size,), dtype=torch.bfloat16), out)
+        sent = mid - before
+        back = d.traffic - mid
+        sizes.append({"dispatch": sent.payload_bytes + sent.metadata_bytes,
+                      "combine": back.combine_bytes + back.metadata_bytes})
+    return sizes
+
+
+__all__ = [
+    "COMBINE_RTOL",
+    "check_bad_inputs",
+    "check_capacity",
+    "check_conservation",
+    "check_environment",
+    "check_forward",
+    "check_in_flight",
+    "check_repeatable",
+    "measure_traffic",
+]

@@ -1,0 +1,126 @@
+"""Backends with one deliberate bug each: the conformance kit must fail every one of them.
+
+They are the torch backend with a single change, so any failure the kit reports comes from
+that change. Module-level classes, so local ranks can unpickle them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.backends.exchange import ReferenceDispatcher
+
+
+class DoubleWeight(TorchBackend):
+    """Applies the top-k weights twice."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+
+        class Twice(ReferenceDispatcher):
+            def combine(self, y, out):
+                return inner.combine(y, out) * 2
+
+        twice = Twice.__new__(Twice)
+        twice.__dict__.update(inner.__dict__)
+        return twice
+
+
+class DropsLastRow(TorchBackend):
+    """Loses the last (token, expert) row of every dispatch in normal mode."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        real = inner.dispatch
+
+        def dispatch(x, ids, w):
+            out = real(x, ids, w)
+            if out.layout is md.Layout.PACKED and out.hidden_states.shape[0]:
+                counts = out.expert_counts().clone()
+                last = int((counts > 0).nonzero().max())
+                counts[last] -= 1
+                hidden = out.hidden_states.clone()
+                hidden[int(counts.sum()):] = 0
+                gl = counts if out.group_list_type == 1 else torch.cumsum(counts, 0)
+                out = dataclasses.replace(out, hidden_states=hidden, group_list=gl)
+            return out
+
+        inner.dispatch = dispatch
+        return inner
+
+
+class SmallBuffer(TorchBackend):
+    """Sizes the dispatch buffer with one byte per element, whatever the wire dtype."""
+
+    def buffer_size(self, spec, world_size):
+        size = super().buffer_size(spec, world_size)
+        return md.BufferSize(spec.num_max_dispatch_tokens_per_rank * spec.hidden_size, size.combine_bytes)
+
+
+class WritesEnvironment(TorchBackend):
+    """Passes configuration through os.environ, like sglang's INT8 flag."""
+
+    def create(self, ctx):
+        os.environ["MOE_KIT_MUTANT_DTYPE"] = ctx.dtype.value
+        return super().create(ctx)
+
+
+class KeepsLastCall(TorchBackend):
+    """Keeps the last dispatch's handle on the dispatcher and combines with it."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        real_dispatch, real_combine = inner.dispatch, inner.combine
+        state = {}
+
+        def dispatch(x, ids, w):
+            out = real_dispatch(x, ids, w)
+            state["last"] = out
+            return out
+
+        def combine(y, out):
+            last = state["last"]
+            if last.hidden_states.shape != y.shape:
+                return real_combine(y, out)
+            return real_combine(y, last)
+
+        inner.dispatch, inner.combine = dispatch, combine
+        return inner
+
+
+class NoisyCombine(TorchBackend):
+    """Sums in an order that changes from call to call."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        real = inner.combine
+        calls = [0]
+
+        def combine(y, out):
+            calls[0] += 1
+            result = real(y, out)
+            return result + (calls[0] % 2) * torch.finfo(torch.bfloat16).eps * result
+
+        inner.combine = combine
+        return inner
+
+
+_FP8_ONLY = dataclasses.replace(
+    TorchBackend.capabilities,
+    dtypes={m: frozenset({md.DispatchDtype.BF16, md.DispatchDtype.FP8}) for m in md.Mode},
+    fallbacks={(m, md.DispatchDtype.INT8): md.Fallback(md.DispatchDtype.FP8, "no INT8 kernels") for m in md.Mode},
+)
+
+
+class TableDisagrees(TorchBackend):
+    """Declares INT8 → FP8 but its validate_dtype accepts INT8."""
+
+    capabilities = _FP8_ONLY
+
+    def validate_dtype(self, dtype, spec):
+        return md.DtypeDecision("accept", dtype)

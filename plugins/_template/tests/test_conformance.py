@@ -1,0 +1,5 @@
+from moe_dispatch.testing import BackendConformance
+
+
+class TestExampleBackend(BackendConformance):
+    backend_name = "example"
