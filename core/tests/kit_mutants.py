@@ -84,10 +84,7 @@ class KeepsLastCall(TorchBackend):
             return out
 
         def combine(y, out):
-            last = state["last"]
-            if last.hidden_states.shape != y.shape:
-                return real_combine(y, out)
-            return real_combine(y, last)
+            return real_combine(y, state["last"])
 
         inner.dispatch, inner.combine = dispatch, combine
         return inner

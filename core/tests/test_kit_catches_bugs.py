@@ -16,7 +16,7 @@ MUTANTS = {
     "DropsLastRow": "test_dispatch_combine_conserves_tokens and 2-normal-bf16",
     "SmallBuffer": "test_buffer_size_covers_the_traffic and 2-normal-fp8",
     "WritesEnvironment": "test_environment_is_untouched",
-    "KeepsLastCall": "test_two_dispatches_in_flight and 2",
+    "KeepsLastCall": "test_two_dispatches_in_flight and 2-low_latency",
     "NoisyCombine": "test_same_inputs_same_bits and 2-normal",
     "TableDisagrees": "test_dtype_validation_table and normal-int8",
 }

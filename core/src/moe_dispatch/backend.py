@@ -27,21 +27,36 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BufferSize:
     """Bytes a dispatcher needs, dispatch and combine accounted separately (combine is BF16
-    even when dispatch is FP8, so one cannot stand in for the other)."""
+    even when dispatch is FP8, so one cannot stand in for the other).
+
+    :param allocated_bytes: what the backend really allocates, when that is not the sum:
+        a vendor buffer shared by dispatch and combine (DeepEP) takes the larger of the two,
+        plus whatever its layout adds. Must cover each of them.
+    """
 
     dispatch_bytes: int
     combine_bytes: int
     notes: tuple[str, ...] = ()
+    allocated_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.allocated_bytes is not None and self.allocated_bytes < max(self.dispatch_bytes, self.combine_bytes):
+            raise ValueError(
+                f"allocated_bytes {self.allocated_bytes:,} is smaller than dispatch ({self.dispatch_bytes:,}) "
+                f"or combine ({self.combine_bytes:,})"
+            )
 
     @property
     def total_bytes(self) -> int:
-        return self.dispatch_bytes + self.combine_bytes
+        """Bytes allocated: ``allocated_bytes`` when given, else dispatch + combine."""
+        return self.allocated_bytes if self.allocated_bytes is not None else self.dispatch_bytes + self.combine_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "dispatch_bytes": self.dispatch_bytes,
             "combine_bytes": self.combine_bytes,
             "total_bytes": self.total_bytes,
+            "shared": self.allocated_bytes is not None,
             "notes": list(self.notes),
         }
 

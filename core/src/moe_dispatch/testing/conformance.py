@@ -402,25 +402,27 @@ class BackendConformance:
         case = self._case(world_size, m, dtype, standard_routings(world_size, self._shape(m).tokens_per_rank)[1], seed=5)
         _fail([p for per_rank in moe_rank_pools.get(world_size).map(ranks.check_repeatable, case) for p in per_rank])
 
+    @pytest.mark.parametrize("mode", _MODES)
     @pytest.mark.parametrize("world_size", WORLD_SIZES)
-    def test_two_dispatches_in_flight(self, moe_rank_pools: Any, world_size: int) -> None:
+    def test_two_dispatches_in_flight(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
         """Two dispatches on one dispatcher before either is combined (two-batch overlap),
-        combined in reverse order, plus a second dispatcher of another dtype interleaved,
-        give what each gives alone.
+        combined in reverse order, plus a second dispatcher (the other mode, or another
+        dtype) interleaved, give what each gives alone.
 
         Troubleshooting: everything combine needs must travel in ``DispatchOutput.handle``;
         a dispatcher that keeps the last call's layout or buffers on ``self`` fails here.
         """
+        m = Mode.parse(mode)
         self._require_world(world_size)
+        self._require_mode(m)
         self._require_runnable()
-        mode = self.capabilities.modes[0]
-        accepted = self._accepted(mode)
-        other_mode = self.capabilities.modes[-1]
+        accepted = self._accepted(m)
+        other_mode = next((o for o in self.capabilities.modes if o is not m), m)
         other = [d for d in self._accepted(other_mode) if d is not accepted[0]] or self._accepted(other_mode)
-        T = self._shape(mode).tokens_per_rank
-        routing = standard_routings(world_size, T)[1]
-        first = self._case(world_size, mode, accepted[0], routing, seed=7)
-        second = self._case(world_size, other_mode, other[0], routing, seed=8, group_list_type=0)
+        routing = standard_routings(world_size, self._shape(m).tokens_per_rank)[1]
+        other_routing = standard_routings(world_size, self._shape(other_mode).tokens_per_rank)[0]
+        first = self._case(world_size, m, accepted[0], routing, seed=7)
+        second = self._case(world_size, other_mode, other[0], other_routing, seed=8, group_list_type=0)
         _fail([p for per_rank in moe_rank_pools.get(world_size).map(ranks.check_in_flight, first, second)
                for p in per_rank])
 

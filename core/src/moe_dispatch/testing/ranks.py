@@ -8,6 +8,7 @@ sentences that name the case, so a failing test prints what went wrong on which 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -183,7 +184,7 @@ def check_repeatable(rank: int, world_size: int, case: Case) -> list[str]:
 def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> list[str]:
     """Two dispatches in flight on one dispatcher, and a second dispatcher interleaved,
     combine to what each gives alone."""
-    a_batch, b_batch = case.inputs(), second.inputs()
+    a_batch, a2_batch, b_batch = case.inputs(), replace(case, seed=case.seed + 100).inputs(), second.inputs()
     a = case.target.create(case.spec(a_batch))
     b = second.target.create(second.spec(b_batch))
     layer_a = ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
@@ -196,12 +197,14 @@ def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> lis
                                                      global_scale=out.global_scale)
         return d.combine(rows, out)
 
-    xa, xb = a_batch.local(rank), b_batch.local(rank)
-    alone = [finish(a, layer_a, a.dispatch(*xa)), finish(a, layer_a, a.dispatch(*xb)), finish(b, layer_b, b.dispatch(*xb))]
-    first, second_out = a.dispatch(*xa), a.dispatch(*xb)  # two in flight on one dispatcher
+    xa, xa2, xb = a_batch.local(rank), a2_batch.local(rank), b_batch.local(rank)
+    alone = [finish(a, layer_a, a.dispatch(*xa)), finish(a, layer_a, a.dispatch(*xa2)),
+             finish(b, layer_b, b.dispatch(*xb))]
+    first, second_out = a.dispatch(*xa), a.dispatch(*xa2)  # two in flight on one dispatcher
     other = b.dispatch(*xb)  # and one on another dispatcher
-    got = [None, finish(a, layer_a, second_out), finish(b, layer_b, other)]
-    got[0] = finish(a, layer_a, first)
+    got_b = finish(b, layer_b, other)
+    got_second = finish(a, layer_a, second_out)
+    got = [finish(a, layer_a, first), got_second, got_b]
     names = ["the first of two in flight", "the second of two in flight", "the interleaved second dispatcher"]
     return [f"[{case.label()}, rank {rank}] {name} differs from running alone"
             for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]

@@ -1,0 +1,106 @@
+"""The adapter: DeepEP's V1 ``Buffer`` calls, converted to the moe-dispatch contract.
+
+Normal mode. DeepEP returns one row per (token, destination rank) with local top-k ids (-1
+for experts of other ranks), and its combine only adds. The adapter expands the rows to one
+per (token, local expert), grouped by expert (an ``index_select`` of rows·H wire bytes),
+and at combine weights each expert row and sums a token's rows in fp32 (rows·H
+multiply-adds) before the vendor's add-only combine sends one BF16 row per token back.
+
+Low-latency mode. DeepEP's masked ``[E_local, R·T, H]`` receive layout is the contract's
+MASKED layout as it is (no copy; the FP8 scales stay column-major, which the contract
+allows), ``recv_count`` becomes the group list, and the vendor's combine applies the top-k
+weights itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import moe_dispatch as md
+
+
+@dataclass(frozen=True)
+class NormalHandle:
+    owner: object
+    vendor_handle: tuple
+    row_token: torch.Tensor  # [rows] received-token index of each expert row
+    row_weight: torch.Tensor  # [rows] fp32 weight of each expert row
+    num_received: int
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    owner: object
+    vendor_handle: tuple
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+class DeepEPDispatcher:
+    def __init__(self, ctx: md.DispatchContext, buffer: Any, dispatch_config: Any, combine_config: Any) -> None:
+        self.buffer = buffer
+        self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
+        self.local_experts = ctx.local_experts
+        self.dispatch_config, self.combine_config = dispatch_config, combine_config
+        self.low_latency = ctx.spec.mode is md.Mode.LOW_LATENCY
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
+        if self.low_latency:
+            return self._dispatch_low_latency(x, topk_ids, topk_weights)
+        return self._dispatch_normal(x, topk_ids, topk_weights)
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
+        h = dispatch_output.handle
+        if isinstance(h, LowLatencyHandle):
+            combined, _, _ = self.buffer.low_latency_combine(expert_output, h.topk_ids, h.topk_weights, h.vendor_handle)
+            return combined
+        weighted = expert_output.float() * h.row_weight.unsqueeze(1)
+        partial = torch.zeros(h.num_received, self.spec.hidden_size, dtype=torch.float32, device=expert_output.device)
+        partial.index_add_(0, h.row_token, weighted)  # a token's rows in ascending expert order
+        combined, _, _ = self.buffer.combine(partial.to(torch.bfloat16), h.vendor_handle, config=self.combine_config)
+        return combined
+
+    def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> md.DispatchOutput:
+        counts = counts.to(torch.int64)
+        group_list = counts if self.spec.group_list_type == 1 else torch.cumsum(counts, 0)
+        return md.DispatchOutput(hidden, scale, topk_ids, topk_weights, group_list, self.spec.group_list_type, layout,
+                                 self.dtype, handle, self.spec.quant.input_global_scale)
+
+    def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
+        ids = topk_ids.to(torch.int64)
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
+        if self.dtype is md.DispatchDtype.FP8:
+            q = self.codec.quantize(x)
+            vendor_x: Any = (q.data, q.scale)
+        else:
+            vendor_x = x
+        recv_x, recv_ids, recv_weights, _, handle, _ = self.buffer.dispatch(
+            vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
+            topk_weights=topk_weights.float(), config=self.dispatch_config)
+        data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        k = recv_ids.shape[1]
+        flat = recv_ids.reshape(-1)
+        slots = (flat >= 0).nonzero().squeeze(1)
+        experts = flat[slots]
+        order = torch.sort(experts, stable=True).indices
+        row_slot = slots[order]
+        row_token = torch.div(row_slot, k, rounding_mode="floor")
+        counts = torch.bincount(experts, minlength=self.local_experts)
+        handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(), data.shape[0])
+        return self._output(data.index_select(0, row_token), None if scale is None else scale.index_select(0, row_token),
+                            counts, md.Layout.PACKED, topk_ids, topk_weights, handle_out)
+
+    def _dispatch_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                              ) -> md.DispatchOutput:
+        ids = topk_ids.to(torch.int64)
+        recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
+            x, ids, self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts,
+            use_fp8=self.dtype is md.DispatchDtype.FP8)
+        data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights,
+                            LowLatencyHandle(self, handle, ids, topk_weights.float()))

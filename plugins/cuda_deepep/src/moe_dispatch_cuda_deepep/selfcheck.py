@@ -1,0 +1,98 @@
+"""Checks that run on every rank, on the emulator in the tests and on real DeepEP on a GPU
+(``scripts/run_on_gpu.py``): what crossed the wire, and agreement with the ``torch`` backend."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.routing import random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+
+from .backend import DeepEPBackend
+from .vendor import REAL
+
+
+@dataclass(frozen=True)
+class WireCheck:
+    """One rank's view of one dispatch: the dtype the dispatcher resolved, what the vendor
+    call received, and the payload bytes expected for that dtype."""
+
+    resolved: str
+    vendor_x_dtype: str
+    vendor_use_fp8: bool | None
+    vendor_payload_bytes: int
+    expected_payload_bytes: int
+
+
+def _batch(spec: md.DispatchSpec, rank: int, world: int, tokens: int, device: torch.device, seed: int = 0):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world * tokens, spec.hidden_size, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(world * tokens, spec.num_experts, spec.top_k, generator=g, drop_prob=0.1)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    return x[mine].to(device), ids[mine].to(device), w[mine].to(device), ids
+
+
+def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 2048,
+              tokens: int = 8) -> WireCheck:
+    """Dispatch once and report what the vendor call got (``Buffer.calls`` on the emulator)."""
+    spec = md.DispatchSpec(hidden, 4 * world, 3, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", md.DtypeFallbackWarning)  # INT8 → FP8 is the point of one case
+        d = md.create_dispatcher(DeepEPBackend(vendor_module), spec, env={})
+    device = torch.device("cuda" if vendor_module == REAL else "cpu")
+    x, ids, w, all_ids = _batch(d.spec, rank, world, tokens, device)
+    d.dispatch(x, ids, w)
+    call = d.backend_dispatcher.buffer.calls[-1]
+    wire = d.spec.wire_format().bytes_per_token
+    local = d.spec.local_experts(world)
+    if d.spec.mode is md.Mode.LOW_LATENCY:
+        expected = tokens * world * wire  # every token slot to every rank (the emulator's all-gather)
+    else:
+        pairs = sum(len({int(e) // local for e in row if e >= 0}) for row in ids.tolist())
+        expected = pairs * wire
+    return WireCheck(d.output_dtype.value, str(call.x_dtype), call.use_fp8, call.payload_bytes, expected)
+
+
+def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
+                     experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20) -> dict:
+    """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
+    the relative difference, and the median time per round trip of each."""
+    device = torch.device("cuda" if vendor_module == REAL else "cpu")
+    spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
+                           mode=mode, output_dtype=dtype)
+    deepep = md.create_dispatcher(DeepEPBackend(vendor_module), spec, env={})
+    reference = md.create_dispatcher("torch", spec, env={})
+    x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=1)
+    layer = ScaledLayer.for_rank(hidden, spec.num_experts, rank, experts_per_rank)
+    experts = ScaledIdentityExperts()
+
+    def round_trip(d: md.Dispatcher) -> torch.Tensor:
+        out = d.dispatch(x, ids, w)
+        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                     out.group_list_type, out.group_list, torch.bfloat16)
+        return d.combine(rows, out)
+
+    results, times = {}, {}
+    for name, d in (("cuda_deepep", deepep), ("torch", reference)):
+        results[name] = round_trip(d)
+        samples = []
+        for _ in range(iterations):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            round_trip(d)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+        times[name] = sorted(samples)[len(samples) // 2] if samples else 0.0
+    diff = (results["cuda_deepep"].float() - results["torch"].float()).norm() / results["torch"].float().norm()
+    return {"relative_difference": float(diff), "seconds": times}
+
+
+__all__ = ["WireCheck", "agree_with_torch", "wire_seen"]
