@@ -7,6 +7,7 @@ from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, Ru
 from .capabilities import Capabilities, DtypeDecision, Fallback, Limits
 from .codecs import Codec, Quantized, make_codec
 from .dispatcher import Dispatcher, create_dispatcher
+from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype, Layout, Mode
 from .errors import (
     BackendUnavailableError,
@@ -39,6 +40,7 @@ __all__ = [
     "Capabilities",
     "CapacityError",
     "Codec",
+    "Comm",
     "CommunicationError",
     "ConfigMismatchError",
     "DispatchContext",
@@ -66,6 +68,7 @@ __all__ = [
     "RunnerInfo",
     "Step",
     "TorchExperts",
+    "Traffic",
     "UnsupportedDtypeError",
     "WireFormat",
     "add_cli_args",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import as_bytes, from_bytes
-from ..errors import CommunicationError, InvalidSpecError
+from ..errors import CommunicationError, InvalidInputError, InvalidSpecError
 
 
 @dataclass
@@ -46,7 +46,14 @@ Section = tuple[str, int]  # (category, bytes per row)
 
 
 class Comm:
-    """A process group (or none, for one process) with counted, byte-level collectives."""
+    """A process group (or none, for one process) with counted, byte-level collectives.
+
+    Backends get one as ``DispatchContext.comm``. Every call takes uint8 rows ``[N, W]`` and
+    ``sections``: ``(category, bytes per row)`` pairs that split each row's W columns into
+    ``"payload"`` (activations and their scales), ``"metadata"`` (routing) and ``"combine"``
+    (rows sent back), so ``Dispatcher.traffic`` can report each. With world size 1 the calls
+    return their input.
+    """
 
     def __init__(self, group: "dist.ProcessGroup | None" = None) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -83,8 +90,11 @@ class Comm:
                 t.metadata_bytes += nbytes
             elif category == "combine":
                 t.combine_bytes += nbytes
-            else:  # pragma: no cover - programming error
-                raise ValueError(f"unknown traffic category {category!r}")
+            else:
+                raise InvalidInputError(
+                    "unknown traffic category", parameter="sections", value=category,
+                    allowed="payload, metadata, combine",
+                )
 
     def all_to_all(
         self,

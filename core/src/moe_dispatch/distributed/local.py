@@ -102,6 +102,8 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
+        #: False once a task failed on some rank: its process group may be mid-collective.
+        self.healthy = True
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -147,6 +149,8 @@ class RankPool:
                         status, value, error, tb = "err", None, RuntimeError(f"rank {rank} died"), f"exit code {code}"
                     outcomes[rank] = Outcome(rank, status == "ok", value, error, tb)
                     del pending[rank]
+        if not all(o.ok for o in outcomes.values()):
+            self.healthy = False
         return [outcomes[r] for r in range(self.world_size)]
 
     def map(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:

@@ -10,7 +10,8 @@ DEFAULT_TIMEOUT_S = 60.0
 
 class RankPools:
     """``get(world_size)`` returns a live pool of that many local ranks, starting it on first
-    use and again after a test killed one (a timeout closes the pool it happened in)."""
+    use and again after a task failed in it (a rank that raised may have left the others in
+    a collective, so the next test gets fresh processes rather than a knock-on failure)."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
@@ -18,7 +19,7 @@ class RankPools:
 
     def get(self, world_size: int) -> RankPool:
         pool = self._pools.get(world_size)
-        if pool is None or not pool.alive:
+        if pool is None or not pool.alive or not pool.healthy:
             if pool is not None:
                 pool.close(force=True)
             pool = RankPool(world_size, timeout_s=self.timeout_s)

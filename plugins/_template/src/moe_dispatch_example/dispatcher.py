@@ -75,7 +75,9 @@ class ExampleDispatcher:
         H, C = self.spec.hidden_size, self.spec.num_max_dispatch_tokens_per_rank
         weighted = expert_output.float() * h.row_weight.unsqueeze(1)
         partial = torch.zeros(self.world * C, H, dtype=torch.float32, device=expert_output.device)
-        partial.index_add_(0, h.row_slot, weighted)  # rows in slot order: a fixed summation order
+        # CPU index_add_ adds rows in index order; on CUDA it is ordered only under
+        # torch.use_deterministic_algorithms(True), which engines that need repeatable bits set.
+        partial.index_add_(0, h.row_slot, weighted)
         rows = partial.to(torch.bfloat16).view(torch.uint8)
         back = self.comm.all_to_all(rows, None, None, (("combine", 2 * H),))  # slot block r goes to rank r
         parts = back.view(torch.bfloat16).float().view(self.world, C, H)
