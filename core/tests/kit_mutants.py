@@ -13,7 +13,6 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.backends.builtin import TorchBackend
-from moe_dispatch.backends.exchange import ReferenceDispatcher
 
 
 class DoubleWeight(TorchBackend):
@@ -21,14 +20,9 @@ class DoubleWeight(TorchBackend):
 
     def create(self, ctx):
         inner = super().create(ctx)
-
-        class Twice(ReferenceDispatcher):
-            def combine(self, y, out):
-                return inner.combine(y, out) * 2
-
-        twice = Twice.__new__(Twice)
-        twice.__dict__.update(inner.__dict__)
-        return twice
+        real = inner.combine
+        inner.combine = lambda y, out: real(y, out) * 2
+        return inner
 
 
 class DropsLastRow(TorchBackend):

@@ -42,8 +42,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(backends_report(host), indent=2, sort_keys=True))
         return 0
+    infos = host.available_backends()
     print(f"{'name':<20} {'distribution':<34} {'status':<12} modes / why not")
-    for info in host.available_backends():
+    for info in infos:
         dist = f"{info.distribution or '-'} {info.version or ''}".strip()
         if info.available and info.capabilities:
             detail = "; ".join(f"{m}: {', '.join(d)}" for m, d in info.capabilities["modes"].items())
@@ -54,7 +55,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             print(f"{'':<20} {'':<34} {'':<12} to install: {info.install_hint}")
     for name in host.allow_list_unmatched:
         print(f"{name:<20} {'-':<34} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed")
-    if any(i.status == "broken" for i in host.available_backends()):
+    if any(i.status == "broken" for i in infos):
         print("\nbroken plugins are skipped; `moe-dispatch backends --json` has their tracebacks")
     return 0
 

@@ -56,9 +56,21 @@ def group_counts(group_list: torch.Tensor, group_list_type: int) -> torch.Tensor
     return torch.diff(group_list, prepend=group_list.new_zeros(1))
 
 
+def rows_by_expert(local_ids: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows per (token, local expert), grouped by expert: from received rows' local top-k
+    ids ``[N, k]`` (-1 for experts elsewhere), the flat slot ``n·k + j`` of each output row
+    (expert-major, row order within an expert) and the per-expert counts.
+    ``row_slot // k`` is each output row's received row."""
+    flat = local_ids.reshape(-1)
+    slots = (flat >= 0).nonzero().squeeze(1)
+    experts = flat[slots].to(torch.int64)
+    order = torch.sort(experts, stable=True).indices
+    return slots[order], torch.bincount(experts, minlength=num_local_experts)
+
+
 def group_list_from_counts(counts: torch.Tensor, group_list_type: int) -> torch.Tensor:
     counts = counts.to(torch.int64)
     return counts if group_list_type == 1 else torch.cumsum(counts, 0)
 
 
-__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts"]
+__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts", "rows_by_expert"]

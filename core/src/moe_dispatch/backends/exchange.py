@@ -27,7 +27,7 @@ import torch
 from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
 from ..dtypes import Layout, Mode
-from ..output import DispatchOutput, group_list_from_counts
+from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,13 +119,8 @@ class ReferenceDispatcher:
         q, rids, rweights = self._split_rows(recv)
 
         # Expand to rows per (token, local expert), grouped by expert, token order within.
-        flat = rids.reshape(-1)
-        slots = (flat >= 0).nonzero().squeeze(1)
-        experts = flat[slots].to(torch.int64)
-        order = torch.sort(experts, stable=True).indices
-        row_slot = slots[order]
+        row_slot, counts = rows_by_expert(rids, El)
         row_token = torch.div(row_slot, k, rounding_mode="floor")
-        counts = torch.bincount(experts, minlength=El)
         hidden = q.data.index_select(0, row_token)
         scale = None if q.scale is None else q.scale.index_select(0, row_token)
         handle = NormalHandle(

@@ -42,6 +42,11 @@ _MODES = [m.value for m in Mode]
 _DTYPES = [d.value for d in DispatchDtype]
 
 
+def _run_on_ranks(pools: Any, world_size: int, check: Callable[..., list[str]], *args: Any) -> None:
+    """Run a ``ranks.check_*`` on every rank; fail with every rank's problems."""
+    _fail([p for per_rank in pools.get(world_size).map(check, *args) for p in per_rank])
+
+
 def _fail(problems: list[str]) -> None:
     if problems:
         pytest.fail("\n".join(problems[:20]) + (f"\n... and {len(problems) - 20} more" if len(problems) > 20 else ""))
@@ -362,7 +367,7 @@ class BackendConformance:
         T = self._shape(m).tokens_per_rank
         cases = [self._case(world_size, m, d, r, seed=i, group_list_type=i % 2)
                  for i, r in enumerate(standard_routings(world_size, T))]
-        _fail([p for per_rank in moe_rank_pools.get(world_size).map(ranks.check_conservation, cases) for p in per_rank])
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_conservation, cases)
 
     @pytest.mark.parametrize("dtype", _DTYPES)
     @pytest.mark.parametrize("mode", _MODES)
@@ -403,7 +408,7 @@ class BackendConformance:
         self._require_runnable()
         dtype = self._accepted(m)[0]
         case = self._case(world_size, m, dtype, standard_routings(world_size, self._shape(m).tokens_per_rank)[1], seed=5)
-        _fail([p for per_rank in moe_rank_pools.get(world_size).map(ranks.check_repeatable, case) for p in per_rank])
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_repeatable, case)
 
     @pytest.mark.parametrize("mode", _MODES)
     @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -426,8 +431,7 @@ class BackendConformance:
         other_routing = standard_routings(world_size, self._shape(other_mode).tokens_per_rank)[0]
         first = self._case(world_size, m, accepted[0], routing, seed=7)
         second = self._case(world_size, other_mode, other[0], other_routing, seed=8, group_list_type=0)
-        _fail([p for per_rank in moe_rank_pools.get(world_size).map(ranks.check_in_flight, first, second)
-               for p in per_rank])
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_in_flight, first, second)
 
     # -- errors -------------------------------------------------------------------------------------
 
@@ -447,7 +451,7 @@ class BackendConformance:
         self._require_runnable()
         world = min(w for w in self.world_sizes if self.capabilities.world_sizes is None or w in self.capabilities.world_sizes)
         case = self._case(world, m, self._accepted(m)[0], seed=9)
-        _fail([p for per_rank in moe_rank_pools.get(world).map(ranks.check_bad_inputs, case) for p in per_rank])
+        _run_on_ranks(moe_rank_pools, world, ranks.check_bad_inputs, case)
 
     @pytest.mark.parametrize("mode", _MODES)
     def test_capacity_error_at_dispatch(self, moe_rank_pools: Any, mode: str) -> None:
@@ -462,7 +466,7 @@ class BackendConformance:
         self._require_runnable()
         world = 2 if 2 in self.world_sizes else self.world_sizes[0]
         case = self._case(world, m, self._accepted(m)[0])
-        _fail([p for per_rank in moe_rank_pools.get(world).map(ranks.check_capacity, case) for p in per_rank])
+        _run_on_ranks(moe_rank_pools, world, ranks.check_capacity, case)
 
     @pytest.mark.parametrize("mode", _MODES)
     def test_declared_limits_are_enforced_at_creation(self, mode: str) -> None:
@@ -515,7 +519,7 @@ class BackendConformance:
         self._require_runnable()
         world = 2 if 2 in self.world_sizes else self.world_sizes[0]
         cases = [self._case(world, m, d) for m in self.capabilities.modes for d in self._accepted(m)]
-        _fail([p for per_rank in moe_rank_pools.get(world).map(ranks.check_environment, cases) for p in per_rank])
+        _run_on_ranks(moe_rank_pools, world, ranks.check_environment, cases)
 
     # -- the guard --------------------------------------------------------------------------------
 

@@ -16,8 +16,8 @@ import torch
 from ..accuracy import relative_error
 from ..codecs import make_codec
 from ..dtypes import DispatchDtype, Layout
-from ..errors import MoEDispatchError
-from ..experts import TorchExperts, reference_moe
+from ..errors import CapacityError, MoEDispatchError
+from ..experts import TorchExperts, dequantize_rows, reference_moe
 from ..layer import moe_forward
 from ..output import DispatchOutput
 from ..routing import random_expert_weights
@@ -78,15 +78,22 @@ def _check_output_contract(case: Case, rank: int, out: DispatchOutput, dtype: Di
     return problems
 
 
-def _dispatch_and_combine(case: Case, rank: int, batch: GlobalBatch, dispatcher: Any) -> tuple[DispatchOutput, torch.Tensor]:
-    x, ids, w = batch.local(rank)
-    out = dispatcher.dispatch(x, ids, w)
-    layer = ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
+def _scaled_layer(case: Case, rank: int) -> ScaledLayer:
+    return ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
+
+
+def _combine_scaled(dispatcher: Any, layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
+    """Scaled-identity experts on a dispatch output, then combine."""
     rows = ScaledIdentityExperts().apply_without_routing_weights(
         layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16,
         global_scale=out.global_scale,
     )
-    return out, dispatcher.combine(rows, out)
+    return dispatcher.combine(rows, out)
+
+
+def _dispatch_and_combine(case: Case, rank: int, batch: GlobalBatch, dispatcher: Any) -> tuple[DispatchOutput, torch.Tensor]:
+    out = dispatcher.dispatch(*batch.local(rank))
+    return out, _combine_scaled(dispatcher, _scaled_layer(case, rank), out)
 
 
 def _combine_reference(case: Case, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, codec: Any) -> torch.Tensor:
@@ -137,8 +144,6 @@ def _check_rows(case: Case, rank: int, batch: GlobalBatch, out: DispatchOutput, 
     """Each local expert's rows, summed, equal the sum of the tokens routed to it."""
     if not int(expected.sum()):
         return []
-    from ..experts import dequantize_rows
-
     deq = dequantize_rows(out.hidden_states, out.hidden_states_scale, case.shape.hidden_size, out.global_scale).double()
     source = codec.dequantize(codec.quantize(batch.x)).double()
     first = rank * case.shape.local_experts
@@ -187,24 +192,15 @@ def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> lis
     a_batch, a2_batch, b_batch = case.inputs(), replace(case, seed=case.seed + 100).inputs(), second.inputs()
     a = case.target.create(case.spec(a_batch))
     b = second.target.create(second.spec(b_batch))
-    layer_a = ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
-    layer_b = ScaledLayer.for_rank(second.shape.hidden_size, second.num_experts, rank, second.shape.local_experts)
-    experts = ScaledIdentityExperts()
-
-    def finish(d: Any, layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
-        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                     out.group_list_type, out.group_list, torch.bfloat16,
-                                                     global_scale=out.global_scale)
-        return d.combine(rows, out)
-
+    layer_a, layer_b = _scaled_layer(case, rank), _scaled_layer(second, rank)
     xa, xa2, xb = a_batch.local(rank), a2_batch.local(rank), b_batch.local(rank)
-    alone = [finish(a, layer_a, a.dispatch(*xa)), finish(a, layer_a, a.dispatch(*xa2)),
-             finish(b, layer_b, b.dispatch(*xb))]
+    alone = [_combine_scaled(a, layer_a, a.dispatch(*xa)), _combine_scaled(a, layer_a, a.dispatch(*xa2)),
+             _combine_scaled(b, layer_b, b.dispatch(*xb))]
     first, second_out = a.dispatch(*xa), a.dispatch(*xa2)  # two in flight on one dispatcher
     other = b.dispatch(*xb)  # and one on another dispatcher
-    got_b = finish(b, layer_b, other)
-    got_second = finish(a, layer_a, second_out)
-    got = [finish(a, layer_a, first), got_second, got_b]
+    got_b = _combine_scaled(b, layer_b, other)
+    got_second = _combine_scaled(a, layer_a, second_out)
+    got = [_combine_scaled(a, layer_a, first), got_second, got_b]
     names = ["the first of two in flight", "the second of two in flight", "the interleaved second dispatcher"]
     return [f"[{case.label()}, rank {rank}] {name} differs from running alone"
             for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]
@@ -297,8 +293,6 @@ def check_bad_inputs(rank: int, world_size: int, case: Case) -> list[str]:
 
 def check_capacity(rank: int, world_size: int, case: Case) -> list[str]:
     """A batch above ``num_max_dispatch_tokens_per_rank`` is a ``CapacityError`` naming it."""
-    from ..errors import CapacityError
-
     batch = case.inputs()
     d = case.target.create(case.spec(batch))
     x, ids, w = batch.local(rank)

@@ -43,6 +43,15 @@ def capabilities(emulated: bool) -> md.Capabilities:
     )
 
 
+def _normal_hints(spec: md.DispatchSpec, world_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(NVL, RDMA) size hints as (dispatch, combine): dispatch with the wire dtype's hidden
+    bytes (FP8: H, its scales are in DeepEP's reserved columns), combine with BF16's 2·H."""
+    dcfg, ccfg = sizes.dispatch_config(world_size), sizes.combine_config(world_size)
+    d_bytes, c_bytes = spec.hidden_size * (1 if spec.output_dtype is F8 else 2), 2 * spec.hidden_size
+    return ((dcfg.nvl_buffer_size_hint(d_bytes, world_size), ccfg.nvl_buffer_size_hint(c_bytes, world_size)),
+            (dcfg.rdma_buffer_size_hint(d_bytes, world_size), ccfg.rdma_buffer_size_hint(c_bytes, world_size)))
+
+
 class DeepEPBackend(md.Backend):
     """DeepEP's V1 ``Buffer`` on CUDA (or, with ``vendor_module=EMULATOR``, its CPU emulator).
 
@@ -82,11 +91,7 @@ class DeepEPBackend(md.Backend):
                        "BF16 whatever the dispatch dtype",),
                 allocated_bytes=sizes.low_latency_rdma_size_hint(t, h, world_size, e),
             )
-        dcfg, ccfg = sizes.dispatch_config(world_size), sizes.combine_config(world_size)
-        d_bytes = spec.hidden_size * (1 if spec.output_dtype is F8 else 2)
-        c_bytes = 2 * spec.hidden_size
-        nvl = (dcfg.nvl_buffer_size_hint(d_bytes, world_size), ccfg.nvl_buffer_size_hint(c_bytes, world_size))
-        rdma = (dcfg.rdma_buffer_size_hint(d_bytes, world_size), ccfg.rdma_buffer_size_hint(c_bytes, world_size))
+        nvl, rdma = _normal_hints(spec, world_size)
         return md.BufferSize(
             nvl[0] + rdma[0], nvl[1] + rdma[1],
             notes=(f"NVL {max(nvl):,} B + RDMA {max(rdma):,} B, shared by dispatch and combine (combine is BF16)",),
@@ -97,10 +102,8 @@ class DeepEPBackend(md.Backend):
         """What to pass to ``Buffer(num_nvl_bytes=, num_rdma_bytes=)``."""
         if spec.mode is LL:
             return 0, self.buffer_size(spec, world_size).total_bytes
-        dcfg, ccfg = sizes.dispatch_config(world_size), sizes.combine_config(world_size)
-        d_bytes, c_bytes = spec.hidden_size * (1 if spec.output_dtype is F8 else 2), 2 * spec.hidden_size
-        return (max(dcfg.nvl_buffer_size_hint(d_bytes, world_size), ccfg.nvl_buffer_size_hint(c_bytes, world_size)),
-                max(dcfg.rdma_buffer_size_hint(d_bytes, world_size), ccfg.rdma_buffer_size_hint(c_bytes, world_size)))
+        nvl, rdma = _normal_hints(spec, world_size)
+        return max(nvl), max(rdma)
 
     def create(self, ctx: md.DispatchContext) -> DeepEPDispatcher:
         options: dict[str, Any] = ctx.options

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.output import group_list_from_counts, rows_by_expert
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,7 @@ class DeepEPDispatcher:
 
     def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> md.DispatchOutput:
-        counts = counts.to(torch.int64)
-        group_list = counts if self.spec.group_list_type == 1 else torch.cumsum(counts, 0)
+        group_list = group_list_from_counts(counts, self.spec.group_list_type)
         return md.DispatchOutput(hidden, scale, topk_ids, topk_weights, group_list, self.spec.group_list_type, layout,
                                  self.dtype, handle, self.spec.quant.input_global_scale)
 
@@ -83,14 +83,8 @@ class DeepEPDispatcher:
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
             topk_weights=topk_weights.float(), config=self.dispatch_config)
         data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        k = recv_ids.shape[1]
-        flat = recv_ids.reshape(-1)
-        slots = (flat >= 0).nonzero().squeeze(1)
-        experts = flat[slots]
-        order = torch.sort(experts, stable=True).indices
-        row_slot = slots[order]
-        row_token = torch.div(row_slot, k, rounding_mode="floor")
-        counts = torch.bincount(experts, minlength=self.local_experts)
+        row_slot, counts = rows_by_expert(recv_ids, self.local_experts)
+        row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
         handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(), data.shape[0])
         return self._output(data.index_select(0, row_token), None if scale is None else scale.index_select(0, row_token),
                             counts, md.Layout.PACKED, topk_ids, topk_weights, handle_out)

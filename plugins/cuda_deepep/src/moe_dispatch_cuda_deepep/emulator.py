@@ -17,13 +17,13 @@ Each call is recorded in ``Buffer.calls`` so tests can see what crossed the wire
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.codecs import as_bytes, from_bytes
 from moe_dispatch.distributed.comm import Comm
 
 from . import sizes
@@ -58,11 +58,6 @@ class VendorCall:
     x_dtype: torch.dtype
     use_fp8: bool | None
     payload_bytes: int
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    width = t.element_size() * math.prod(t.shape[1:])
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
 
 
 def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,23 +158,23 @@ class Buffer:
         mine = (ids >= 0) & (ids // local == dest[:, None])
         recv_ids = torch.where(mine, ids - dest[:, None] * local, -1)
         weights = torch.where(mine, topk_weights[token], 0.0)
-        columns = [_as_bytes(data[token])] + ([_as_bytes(scales[token])] if scales is not None else [])
+        columns = [as_bytes(data[token])] + ([as_bytes(scales[token])] if scales is not None else [])
         payload = sum(c.shape[1] for c in columns)
-        rows = torch.cat(columns + [_as_bytes(recv_ids), _as_bytes(weights.float()), _as_bytes(token[:, None])], dim=1)
+        rows = torch.cat(columns + [as_bytes(recv_ids), as_bytes(weights.float()), as_bytes(token[:, None])], dim=1)
         send_counts = num_tokens_per_rank.tolist()
         recv_counts = self.comm.exchange_counts(num_tokens_per_rank.to(torch.int64)).tolist()
         got = self.comm.all_to_all(rows, send_counts, recv_counts, (("payload", payload), ("metadata", 12 * k + 8)))
         self.calls.append(VendorCall("dispatch", data.dtype, scales is not None, rows.shape[0] * payload))
         m, dw = got.shape[0], h * data.element_size()
-        recv_data = got[:, :dw].contiguous().view(data.dtype)
+        recv_data = from_bytes(got[:, :dw], data.dtype)
         at = dw
         recv_scales = None
         if scales is not None:
-            recv_scales = got[:, at : at + 4 * (h // 128)].contiguous().view(torch.float32)
+            recv_scales = from_bytes(got[:, at : at + 4 * (h // 128)], torch.float32)
             at += 4 * (h // 128)
-        recv_topk_idx = got[:, at : at + 8 * k].contiguous().view(torch.int64)
-        recv_topk_weights = got[:, at + 8 * k : at + 12 * k].contiguous().view(torch.float32)
-        recv_src_idx = got[:, at + 12 * k :].contiguous().view(torch.int64).squeeze(1).to(torch.int32)
+        recv_topk_idx = from_bytes(got[:, at : at + 8 * k], torch.int64)
+        recv_topk_weights = from_bytes(got[:, at + 8 * k : at + 12 * k], torch.float32)
+        recv_src_idx = from_bytes(got[:, at + 12 * k :], torch.int64).squeeze(1).to(torch.int32)
         counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local)
         per_expert = [-(-int(c) // expert_alignment) * expert_alignment for c in counts]
         recv_x = (recv_data, recv_scales) if scales is not None else recv_data
@@ -196,8 +191,8 @@ class Buffer:
         config = config or self.get_combine_config(self.group_size)
         self._check_nvl(config, x.shape[1] * 2, "combine")
         _, send_counts, recv_counts, _, is_token_in_rank, token = handle
-        back = self.comm.all_to_all(_as_bytes(x), recv_counts, send_counts, (("combine", 2 * x.shape[1]),))
-        rows = back.view(torch.bfloat16).float()
+        back = self.comm.all_to_all(as_bytes(x), recv_counts, send_counts, (("combine", 2 * x.shape[1]),))
+        rows = from_bytes(back, torch.bfloat16).float()
         out = torch.zeros(is_token_in_rank.shape[0], x.shape[1], dtype=torch.float32)
         out.index_add_(0, token, rows)
         if bias is not None:
@@ -205,8 +200,8 @@ class Buffer:
                 out += b.float()
         combined_weights = None
         if topk_weights is not None:
-            wb = self.comm.all_to_all(_as_bytes(topk_weights.float()), recv_counts, send_counts,
-                                      (("metadata", 4 * topk_weights.shape[1]),)).view(torch.float32)
+            wb = from_bytes(self.comm.all_to_all(as_bytes(topk_weights.float()), recv_counts, send_counts,
+                                                 (("metadata", 4 * topk_weights.shape[1]),)), torch.float32)
             combined_weights = torch.zeros(is_token_in_rank.shape[0], topk_weights.shape[1]).index_add_(0, token, wb)
         return out.to(torch.bfloat16), combined_weights, EventOverlap()
 
@@ -231,18 +226,18 @@ class Buffer:
         local = num_experts // R
         if use_fp8:
             data, inv = _quantize_fp8(x, round_scale)
-            columns = [_as_bytes(data), _as_bytes(inv)]  # scales cross as fp32 even for UE8M0
+            columns = [as_bytes(data), as_bytes(inv)]  # scales cross as fp32 even for UE8M0
         else:
-            columns = [_as_bytes(x)]
+            columns = [as_bytes(x)]
         payload = sum(c.shape[1] for c in columns)
         slots = torch.zeros(T, payload + 8 * k, dtype=torch.uint8)
         ids = torch.full((T, k), -1, dtype=torch.int64)
         ids[:n] = topk_idx
         slots[:n, :payload] = torch.cat(columns, dim=1)
-        slots[:, payload:] = _as_bytes(ids)
+        slots[:, payload:] = as_bytes(ids)
         got = self.comm.all_gather(slots, (("payload", payload), ("metadata", 8 * k)))
         self.calls.append(VendorCall("low_latency_dispatch", x.dtype, use_fp8, n * payload * R))
-        gids = got[:, payload:].contiguous().view(torch.int64)  # [R·T, k]
+        gids = from_bytes(got[:, payload:], torch.int64)  # [R·T, k]
         first = self.rank * local
         hits = ((gids >= first) & (gids < first + local)).nonzero()  # (slot, j), slot = src_rank·T + token
         expert = gids[hits[:, 0], hits[:, 1]] - first
@@ -262,14 +257,14 @@ class Buffer:
                 begin = int(position[sel].min()) if count else 0
                 layout_range[e, r] = (count << 32) | begin
         if use_fp8:
-            fp8 = got[:, : h].contiguous().view(torch.float8_e4m3fn)
-            inv = got[:, h:payload].contiguous().view(torch.float32)
+            fp8 = from_bytes(got[:, :h], torch.float8_e4m3fn)
+            inv = from_bytes(got[:, h:payload], torch.float32)
             recv_data = torch.zeros(local, R * T, h, dtype=torch.float8_e4m3fn)
             recv_data.view(torch.uint8)[expert, position] = fp8.view(torch.uint8)[slot]
             if use_ue8m0:  # four exponent bytes per int32, column-major [E_l, R·T, H/512]
                 exps = (torch.log2(inv[slot]).round().to(torch.int32) + 127).to(torch.uint8)
                 packed = torch.zeros(local, h // 512, R * T, dtype=torch.int32)
-                packed.transpose(1, 2)[expert, position] = exps.view(-1, h // 512, 4).contiguous().view(torch.int32).squeeze(-1)
+                packed.transpose(1, 2)[expert, position] = from_bytes(exps, torch.int32)  # 4 bytes → 1 int32
                 recv_scales = packed.transpose(1, 2)
             else:  # fp32 inverse scales, column-major [E_l, R·T, H/128]
                 scales = torch.zeros(local, h // 128, R * T, dtype=torch.float32)
@@ -277,7 +272,7 @@ class Buffer:
                 recv_scales = scales.transpose(1, 2)
             recv_x: Any = (recv_data, recv_scales)
         else:
-            bf16 = got[:, :payload].contiguous().view(torch.bfloat16)
+            bf16 = from_bytes(got[:, :payload], torch.bfloat16)
             recv_x = torch.zeros(local, R * T, h, dtype=torch.bfloat16)
             recv_x[expert, position] = bf16[slot]
         handle = (src_info, layout_range, T, h, num_experts)
@@ -302,9 +297,9 @@ class Buffer:
                 if count:
                     rows = slice(begin, begin + count)
                     blocks[r, src_info[e, rows].long(), e] = x[e, rows]
-        back = self.comm.all_to_all(_as_bytes(blocks.view(R * T, local * h)), None, None,
+        back = self.comm.all_to_all(as_bytes(blocks.view(R * T, local * h)), None, None,
                                     (("combine", 2 * local * h),))
-        got = back.view(torch.bfloat16).view(R, T, local, h).float()
+        got = from_bytes(back, torch.bfloat16).view(R, T, local, h).float()
         n = topk_idx.shape[0]
         result = torch.zeros(n, h, dtype=torch.float32)
         for j in range(topk_idx.shape[1]):
