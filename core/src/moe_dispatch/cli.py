@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_explain)
 
-    p = sub.add_parser("demo", help="run a MoE layer on local CPU ranks for every dtype and mode")
+    p = sub.add_parser("demo", help="run a MoE layer on local CPU ranks for every dtype and mode the backend accepts")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
