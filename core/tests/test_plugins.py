@@ -167,11 +167,14 @@ def test_backends_command_survives_a_broken_plugin_and_says_what_to_install(site
     make_dist(site, "fx-missing-hw", "fx_missing_hw", UNAVAILABLE.format(name="frob"))
     run = _cli(site, "backends")
     assert run.returncode == 0, run.stderr
-    lines = {line.split()[0]: line for line in run.stdout.splitlines() if line.strip()}
+    backends, runners = run.stdout.split("\nrunner ")
+    lines = {line.split()[0]: line for line in backends.splitlines() if line.strip()}
     assert "broken" in lines["fx_broken_cli"] and "libfrob.so" in lines["fx_broken_cli"]
     assert "unavailable" in lines["frob"] and "needs the frobnicator accelerator" in lines["frob"]
     assert "to install: pip install frobnicator-runtime" in run.stdout
     assert "available" in lines["torch"]
+    runner_lines = {line.split()[0]: line for line in runners.splitlines()[1:] if line.strip()}
+    assert runner_lines["cutlass"].split()[1] == "bf16" and "any backend" in runner_lines["torch"]
 
 
 def test_backends_json_is_the_documented_schema(site):
@@ -180,7 +183,11 @@ def test_backends_json_is_the_documented_schema(site):
     run = _cli(site, "backends", "--json")
     assert run.returncode == 0, run.stderr
     doc = json.loads(run.stdout)
-    assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched"} and doc["schema"] == 1
+    assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched", "runners"}
+    assert doc["schema"] == 1
+    cutlass = next(r for r in doc["runners"] if r["name"] == "cutlass")
+    assert cutlass == {"name": "cutlass", "needs": "bf16", "accepts": None, "backends": None, "available": None,
+                       "reason": None}
     assert set(doc["core"]) == {"version", "api_version"}
     keys = {"name", "distribution", "version", "status", "available", "reason", "install_hint", "description",
             "capabilities", "error"}

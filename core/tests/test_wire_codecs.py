@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.codecs import FP8_MAX, e2m1_unpack, make_codec, nvfp4_global_scale
+from moe_dispatch.codecs import FP8_MAX, Quantized, e2m1_unpack, make_codec, nvfp4_global_scale, pack_ue8m0, unpack_ue8m0
 from moe_dispatch.wire import WireFormat
 
 D = md.DispatchDtype
@@ -95,6 +95,36 @@ def test_fp8_scale_is_block_amax_over_448_and_ue8m0_is_a_power_of_two():
         assert amax / FP8_MAX <= s < 2 * amax / FP8_MAX and math.log2(s) == int(math.log2(s))
 
 
+@pytest.mark.parametrize("hidden", [256, 2560, 7168])
+def test_ue8m0_scales_pack_four_exponents_per_word_low_byte_first(hidden):
+    x = torch.randn(5, hidden).to(torch.bfloat16) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    codec = make_codec(WireFormat(D.FP8, hidden, ue8m0=True))
+    q = codec.quantize(x)
+    packed = pack_ue8m0(q.scale)
+    groups = hidden // 128
+    assert packed.dtype == torch.int32 and packed.shape == (5, -(-groups // 4))
+    first = (int(packed[0, 0]) & 0xFF) - 127  # group 0 is the low byte of word 0
+    assert 2.0**first == q.scale[0, 0].item()
+    assert torch.equal(unpack_ue8m0(packed, groups), q.scale)
+    # A column-major view (DeepEP's TMA layout) unpacks the same, and the codec reads it.
+    col = packed.t().contiguous().t()
+    assert torch.equal(unpack_ue8m0(col, groups), q.scale)
+    assert torch.equal(codec.dequantize(Quantized(q.data, col)), codec.dequantize(q))
+    with pytest.raises(md.InvalidInputError, match="int32 words"):
+        unpack_ue8m0(packed.float(), groups)
+
+
+def test_ue8m0_on_a_backend_without_it_is_refused_at_creation():
+    class NoUE8M0(md.Backend):
+        name = "no_ue8m0"
+        capabilities = md.Capabilities(dtypes={md.Mode.NORMAL: frozenset({D.BF16, D.FP8})}, default_dtype=D.FP8)
+
+    spec = md.DispatchSpec(256, 4, 2, output_dtype="fp8", quant=md.QuantHints(fp8_ue8m0_scales=True))
+    with pytest.raises(md.InvalidSpecError) as info:
+        md.create_dispatcher(NoUE8M0(), spec, env={})
+    assert info.value.parameter == "quant.fp8_ue8m0_scales" and "no_ue8m0" in str(info.value)
+
+
 def test_int8_is_symmetric_per_token_with_scale_amax_over_127():
     x = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
     q = make_codec(WireFormat(D.INT8, 4)).quantize(x)
@@ -103,25 +133,25 @@ def test_int8_is_symmetric_per_token_with_scale_amax_over_127():
     assert q.data.tolist()[1] == [0, 0, 0, 0]
 
 
-def _flashinfer_style_reference(x: torch.Tensor, gs: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer's documented NVFP4 semantics, element by element in plain Python."""
-    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    values, scales = [], []
-    for row in x.float().tolist():
-        vrow, srow = [], []
-        for b in range(0, len(row), 16):
-            block = row[b : b + 16]
-            sf = torch.tensor(gs * max(abs(v) for v in block) / 6.0).to(torch.float8_e4m3fn).float().item()
-            srow.append(sf)
-            inv = 0.0 if sf == 0 else gs / sf
-            for v in block:
-                a = min(abs(v * inv), 6.0)
-                # ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
-                best = min(range(8), key=lambda i: (abs(grid[i] - a), i % 2))
-                vrow.append(math.copysign(grid[best], v) if grid[best] else 0.0)
-        values.append(vrow)
-        scales.append(srow)
-    return torch.tensor(values), torch.tensor(scales)
+def _flashinfer_reference(x: torch.Tensor, gs: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's pure-torch NVFP4 reference (``tests/test_helpers/utils_fp4.py`` at 014327ab:
+    ``ref_fp4_quant`` with ``get_reciprocal`` and ``cast_to_fp4``), written from its
+    definition: fp32 ops in its order, thresholds of its e2m1 cast."""
+
+    def reciprocal(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(t == 0, torch.zeros_like(t), 1.0 / t)
+
+    g = torch.tensor(gs, dtype=torch.float32)
+    blocks = x.float().reshape(x.shape[0], -1, 16)
+    vec_max = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = (g * (vec_max * reciprocal(torch.tensor(6.0)))).to(torch.float8_e4m3fn).float()
+    output_scale = reciprocal(scale * reciprocal(g))
+    clipped = torch.clamp(blocks * output_scale, -6.0, 6.0).reshape(x.shape)
+    a = clipped.abs()
+    # cast_to_fp4: <=0.25→0, <0.75→0.5, <=1.25→1, <1.75→1.5, <=2.5→2, <3.5→3, <=5→4, else 6
+    magnitude = torch.where(a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(
+        a < 1.75, 1.5, torch.where(a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0, 6.0)))))))
+    return torch.sign(clipped) * magnitude, scale.squeeze(-1)
 
 
 def test_nvfp4_matches_flashinfer_semantics_and_packs_low_nibble_first():
@@ -131,12 +161,26 @@ def test_nvfp4_matches_flashinfer_semantics_and_packs_low_nibble_first():
     gs = nvfp4_global_scale(x.float().abs().max().item())
     codec = make_codec(WireFormat(D.NVFP4, 64), gs)
     q = codec.quantize(x)
-    ref_values, ref_scales = _flashinfer_style_reference(x, gs)
+    ref_values, ref_scales = _flashinfer_reference(x, gs)
     assert torch.equal(q.scale.float(), ref_scales)
     assert torch.equal(e2m1_unpack(q.data).abs(), ref_values.abs())
     byte = q.data[1, 0].item()
-    assert e2m1_unpack(torch.tensor([byte], dtype=torch.uint8)).tolist() == e2m1_unpack(q.data[1, :1]).tolist()
     assert (byte & 0x7) == _code(ref_values[1, 0].item()) and ((byte >> 4) & 0x7) == _code(ref_values[1, 1].item())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), spread=st.floats(1e-3, 1e3), rows=st.integers(1, 17), blocks=st.integers(1, 24),
+       gs_factor=st.sampled_from([1.0, 0.5, 0.01]))
+def test_nvfp4_codec_is_bit_equal_to_flashinfers_reference_on_random_data(seed, spread, rows, blocks, gs_factor):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 16 * blocks, generator=g) * spread * torch.rand(rows, 1, generator=g)).to(torch.bfloat16)
+    gs = nvfp4_global_scale(max(x.float().abs().max().item(), 1e-6)) * gs_factor
+    q = make_codec(WireFormat(D.NVFP4, 16 * blocks), gs).quantize(x)
+    ref_values, ref_scales = _flashinfer_reference(x, gs)
+    assert torch.equal(q.scale.view(torch.uint8), ref_scales.to(torch.float8_e4m3fn).view(torch.uint8))
+    values = e2m1_unpack(q.data)
+    assert torch.equal(values.abs(), ref_values.abs())
+    assert torch.equal(values[ref_values != 0].sign(), ref_values[ref_values != 0].sign())
 
 
 def _code(v: float) -> int:

@@ -8,12 +8,12 @@ buffers, and creates a ``BackendDispatcher`` for one spec on one process group. 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
 from .capabilities import Capabilities, DtypeDecision
-from .dtypes import DispatchDtype
+from .dtypes import DispatchDtype, Mode
 from .errors import CapacityError, InvalidSpecError
 from .output import DispatchOutput
 from .spec import DispatchSpec
@@ -203,15 +203,40 @@ class Backend:
 
 @dataclass(frozen=True)
 class RunnerInfo:
-    """An expert-kernel family and the wire dtype it needs (resolution step 5).
+    """An expert-kernel family, the wire dtype it needs (resolution step 5), and the
+    combinations it works in, checked when a dispatcher is created for ``spec.runner``.
 
-    :param needs: the dtype its kernels must receive (None: any).
+    :param needs: the dtype it asks for when no earlier step decided (None: any).
     :param reason: why, as the resolution trail shows it.
+    :param accepts: every dtype its kernels can consume (None: any), e.g. BF16 and NVFP4
+        for a kernel that quantizes BF16 itself but also takes NVFP4 rows.
+    :param backends: the dispatch backends and modes whose output it consumes (None: any),
+        e.g. ``{"cuda_deepep": frozenset({Mode.LOW_LATENCY})}``.
+    :param probe: None when its kernels can run here, else why not (``moe-dispatch backends``
+        shows it); cheap, and must not raise.
     """
 
     name: str
     needs: DispatchDtype | None
     reason: str = ""
+    accepts: frozenset[DispatchDtype] | None = None
+    backends: Mapping[str, frozenset[Mode]] | None = None
+    probe: Callable[[], str | None] | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        try:
+            why_not = self.probe() if self.probe is not None else None
+        except Exception as exc:  # noqa: BLE001 - a probe that raises is a reason, not a crash
+            why_not = f"probe raised {type(exc).__name__}: {exc}"
+        return {
+            "name": self.name,
+            "needs": None if self.needs is None else self.needs.value,
+            "accepts": None if self.accepts is None else sorted(d.value for d in self.accepts),
+            "backends": None if self.backends is None else {
+                b: sorted(m.value for m in modes) for b, modes in sorted(self.backends.items())},
+            "available": None if self.probe is None else why_not is None,  # None: the runner has no probe
+            "reason": why_not,
+        }
 
 
 __all__ = ["Backend", "BackendDispatcher", "BufferSize", "DispatchContext", "RunnerInfo"]

@@ -34,6 +34,7 @@ def backends_report(host: "PluginHost") -> dict[str, object]:
             for p in host.plugins
         ],
         "allow_list_unmatched": host.allow_list_unmatched,
+        "runners": [info.to_dict() for _, info in sorted(host.runners().items())],
     }
 
 
@@ -43,20 +44,30 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print(json.dumps(backends_report(host), indent=2, sort_keys=True))
         return 0
     infos = host.available_backends()
-    print(f"{'name':<20} {'distribution':<34} {'status':<12} modes / why not")
-    for info in infos:
-        dist = f"{info.distribution or '-'} {info.version or ''}".strip()
+    dists = [f"{i.distribution or '-'} {i.version or ''}".strip() for i in infos]
+    w = max([34, *(len(d) + 1 for d in dists)])
+    print(f"{'name':<20} {'distribution':<{w}} {'status':<12} modes / why not")
+    for info, dist in zip(infos, dists):
         if info.available and info.capabilities:
             detail = "; ".join(f"{m}: {', '.join(d)}" for m, d in info.capabilities["modes"].items())
         else:
             detail = info.reason or ""
-        print(f"{info.name:<20} {dist:<34} {info.status:<12} {detail}")
+        print(f"{info.name:<20} {dist:<{w}} {info.status:<12} {detail}")
         if info.install_hint:
-            print(f"{'':<20} {'':<34} {'':<12} to install: {info.install_hint}")
+            print(f"{'':<20} {'':<{w}} {'':<12} to install: {info.install_hint}")
     for name in host.allow_list_unmatched:
-        print(f"{name:<20} {'-':<34} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed")
+        print(f"{name:<20} {'-':<{w}} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed")
     if any(i.status == "broken" for i in infos):
         print("\nbroken plugins are skipped; `moe-dispatch backends --json` has their tracebacks")
+    print(f"\n{'runner':<20} {'needs':<6} {'takes':<24} {'runs here':<10} behind")
+    for name, runner in sorted(host.runners().items()):
+        r = runner.to_dict()
+        takes = ", ".join(r["accepts"]) if r["accepts"] else "any"
+        behind = "; ".join(f"{b} ({'/'.join(m)})" for b, m in r["backends"].items()) if r["backends"] else "any backend"
+        here = {True: "yes", False: "no", None: "-"}[r["available"]]
+        print(f"{name:<20} {r['needs'] or 'any':<6} {takes:<24} {here:<10} {behind}")
+        if r["reason"]:
+            print(f"{'':<20} {'':<6} {'':<24} {'':<10} why not: {r['reason']}")
     return 0
 
 

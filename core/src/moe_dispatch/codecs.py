@@ -118,8 +118,11 @@ class FP8Codec(Codec):
 
     def dequantize(self, q: Quantized) -> torch.Tensor:
         assert q.scale is not None
+        scale = q.scale
+        if scale.dtype == torch.int32:  # UE8M0 packed four per word, as DeepEP/DeepGEMM hand it over
+            scale = unpack_ue8m0(scale, self.wire.hidden // FP8_BLOCK)
         blocks = q.data.float().unflatten(-1, (-1, FP8_BLOCK))
-        return (blocks * q.scale.unsqueeze(-1)).flatten(-2)
+        return (blocks * scale.unsqueeze(-1)).flatten(-2)
 
     def data_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn
@@ -138,6 +141,31 @@ class FP8Codec(Codec):
         if self.wire.ue8m0:
             return torch.exp2(raw.float() - 127.0)
         return from_bytes(raw, torch.float32)
+
+
+def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scales ``[..., G]`` → int32 ``[..., ceil(G/4)]``, four biased exponent
+    bytes per word, group ``4i`` in the low byte (DeepGEMM's SM100 scale format, which DeepEP's
+    low-latency dispatch emits with ``use_ue8m0``). Missing groups in the last word are zero."""
+    exponent = (torch.frexp(scale.float()).exponent - 1 + 127).clamp(0, 254).to(torch.uint8)
+    pad = -exponent.shape[-1] % 4
+    if pad:
+        exponent = torch.nn.functional.pad(exponent, (0, pad))
+    return from_bytes(exponent, torch.int32)
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of ``pack_ue8m0``: int32 ``[..., ceil(G/4)]`` → fp32 ``[..., G]``. Works on
+    column-major (MN-major) views too."""
+    if packed.dtype != torch.int32 or packed.shape[-1] != -(-groups // 4):
+        raise InvalidInputError(
+            f"packed UE8M0 scales for {groups} groups need {-(-groups // 4)} int32 words per row",
+            parameter="hidden_states_scale",
+            value=packed,
+            allowed=f"int32 [..., {-(-groups // 4)}]",
+        )
+    exponent = as_bytes(packed)[..., :groups]
+    return torch.exp2(exponent.float() - 127.0)
 
 
 class INT8Codec(Codec):
@@ -180,10 +208,11 @@ class NVFP4Codec(Codec):
         gs = torch.tensor(self.global_scale, dtype=torch.float32, device=x.device)
         blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
         amax = blocks.abs().amax(dim=-1, keepdim=True)
-        # Clamp before the e4m3 cast: a too-large global scale must not produce NaN scales.
-        scale = (gs * (amax / E2M1_MAX)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-        scale_f = scale.float()
-        inv = torch.where(scale_f == 0, torch.zeros_like(scale_f), gs / scale_f)
+        # FlashInfer's order of operations, for bit-equal results: sf = gs·(amax·(1/6)), then
+        # the quantizing multiplier 1/(sf·(1/gs)). Clamp before the e4m3 cast: a too-large
+        # global scale must not produce NaN scales.
+        scale = (gs * (amax * _reciprocal(torch.tensor(E2M1_MAX)))).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+        inv = _reciprocal(scale.float() * _reciprocal(gs))
         scaled = (blocks * inv).clamp(-E2M1_MAX, E2M1_MAX)
         codes = _e2m1_codes(scaled).flatten(-2)
         packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
@@ -203,6 +232,11 @@ class NVFP4Codec(Codec):
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         return from_bytes(raw, torch.float8_e4m3fn)
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """1/x in fp32, 0 where x is 0 (an all-zero block quantizes to zeros)."""
+    return torch.where(x == 0, torch.zeros_like(x), 1.0 / x)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -327,5 +361,7 @@ __all__ = [
     "e2m1_unpack",
     "make_codec",
     "nvfp4_global_scale",
+    "pack_ue8m0",
+    "unpack_ue8m0",
     "torch_dtype_of",
 ]

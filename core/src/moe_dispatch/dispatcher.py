@@ -11,7 +11,7 @@ from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext
 from .codecs import make_codec
 from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype
-from .errors import BackendUnavailableError, CapacityError
+from .errors import BackendUnavailableError, CapacityError, InvalidSpecError
 from .output import DispatchOutput
 from .plugins import PluginHost, default_host
 from .resolution import Resolution, resolve_output_dtype
@@ -133,6 +133,13 @@ def create_dispatcher(
     backend_obj.check_spec(spec, comm.world_size)
     resolution = resolve_output_dtype(spec, backend_obj, env=env, strict=strict, runners=host.runners())
     resolved = spec.with_dtype(resolution.dtype)
+    if resolved.wire_format().ue8m0 and not backend_obj.capabilities.fp8_ue8m0:
+        raise InvalidSpecError(
+            f"backend {backend_obj.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
+            parameter="quant.fp8_ue8m0_scales",
+            value=True,
+            allowed="False for this backend",
+        )
     codec = make_codec(resolved.wire_format(), resolved.quant.input_global_scale)
     buffers = backend_obj.buffer_size(resolved, comm.world_size)
     limit = backend_obj.capabilities.limits_for(resolved.mode).max_buffer_bytes

@@ -16,7 +16,10 @@ class DispatchOutput:
 
     :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]``
         in the wire dtype's tensor dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
-    :param hidden_states_scale: FP8 ``[..., H/128]`` fp32; INT8 ``[...]`` fp32 per row;
+    :param hidden_states_scale: FP8 ``[..., H/128]`` fp32, or with ``fp8_ue8m0_scales`` either
+        that (powers of two) or int32 ``[..., ceil(H/512)]`` with four exponent bytes per word
+        (``codecs.pack_ue8m0``; what DeepEP hands DeepGEMM on SM100), possibly column-major;
+        INT8 ``[...]`` fp32 per row;
         NVFP4 ``[..., H/16]`` e4m3 block scales in linear layout; None for BF16.
     :param topk_ids: / :param topk_weights: the caller's own routing, kept for combine.
     :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or cumulative end
@@ -68,9 +71,19 @@ def rows_by_expert(local_ids: torch.Tensor, num_local_experts: int) -> tuple[tor
     return slots[order], torch.bincount(experts, minlength=num_local_experts)
 
 
+def sum_weighted_rows(expert_rows: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor,
+                      num_tokens: int) -> torch.Tensor:
+    """fp32 ``[num_tokens, H]``: each expert row times its routing weight, added into its
+    received token in row order. For vendors whose combine only adds (DeepEP normal mode,
+    FlashInfer's MoE all-to-all): the weights are applied, and a token's local experts
+    summed, before the vendor call."""
+    out = torch.zeros(num_tokens, expert_rows.shape[-1], dtype=torch.float32, device=expert_rows.device)
+    return out.index_add_(0, row_token, expert_rows.float() * row_weight.unsqueeze(1))
+
+
 def group_list_from_counts(counts: torch.Tensor, group_list_type: int) -> torch.Tensor:
     counts = counts.to(torch.int64)
     return counts if group_list_type == 1 else torch.cumsum(counts, 0)
 
 
-__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts", "rows_by_expert"]
+__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts", "rows_by_expert", "sum_weighted_rows"]

@@ -133,7 +133,31 @@ def resolve_output_dtype(
             allowed=_accepted(backend, spec),
         )
     _check_usable(spec, final)
+    if spec.runner is not None:
+        _check_runner(spec, backend, final, _lookup_runner(spec.runner, runners), steps)
     return Resolution(final, chosen, backend.name, tuple(steps), fallback_reason)
+
+
+def _check_runner(spec: DispatchSpec, backend: "Backend", dtype: DispatchDtype, info: "RunnerInfo",
+                  steps: list[Step]) -> None:
+    """The runner's declared combinations: the backends and modes it consumes, and the dtypes."""
+    if info.backends is not None and spec.mode not in info.backends.get(backend.name, frozenset()):
+        combos = ", ".join(f"{b} ({'/'.join(sorted(m.value for m in modes))})" for b, modes in sorted(info.backends.items()))
+        raise InvalidSpecError(
+            f"runner {info.name!r} does not run behind backend {backend.name!r} in {spec.mode.value} mode",
+            parameter="runner",
+            value=info.name,
+            allowed=combos,
+        )
+    if info.accepts is not None and dtype not in info.accepts:
+        raise InvalidSpecError(
+            f"runner {info.name!r} cannot consume {dtype.value} rows",
+            parameter="output_dtype",
+            value=dtype.value,
+            allowed=", ".join(sorted(d.value for d in info.accepts)),
+        )
+    steps.append(Step(f"runner {info.name}", dtype.value, f"consumes {dtype.value} behind {backend.name} "
+                                                           f"({spec.mode.value})"))
 
 
 def _choose(

@@ -14,7 +14,7 @@ from moe_dispatch_cuda_deepep import sizes
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.emulator import Buffer
 from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch, wire_seen
-from moe_dispatch_cuda_deepep.vendor import EMULATOR
+from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4, detect
 
 H = 7168
 
@@ -92,9 +92,35 @@ def test_the_resolved_dtype_is_what_reaches_the_vendor(moe_rank_pools, mode, dty
         assert seen.vendor_payload_bytes == seen.expected_payload_bytes
 
 
+def test_nvfp4_reaches_a_hybrid_deepep_in_low_latency_only(moe_rank_pools):
+    assert detect(EMULATOR_NVFP4).has_nvfp4 and not detect(EMULATOR).has_nvfp4
+    for seen in moe_rank_pools.get(2).map(wire_seen, "low_latency", "nvfp4", EMULATOR_NVFP4, 2048, 8):
+        assert seen.resolved == "nvfp4" and seen.output_scale_dtype == "torch.float8_e4m3fn"
+        assert seen.vendor_payload_bytes == seen.expected_payload_bytes == 8 * 2 * (1024 + 128)
+    hybrid, v1 = DeepEPBackend(EMULATOR_NVFP4), DeepEPBackend(EMULATOR)
+    ll = md.DispatchSpec(H, 64, 8, mode="low_latency", quant=md.QuantHints(input_global_scale=100.0))
+    assert md.resolve_output_dtype(ll, hybrid, env={}).dtype is md.DispatchDtype.NVFP4
+    with pytest.raises(md.UnsupportedDtypeError, match="use_nvfp4"):
+        md.resolve_output_dtype(ll, v1, env={})
+    with pytest.raises(md.UnsupportedDtypeError, match="normal-mode NVFP4"):
+        md.resolve_output_dtype(md.DispatchSpec(H, 64, 8, quant=md.QuantHints(input_global_scale=100.0)), hybrid,
+                                env={})
+
+
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
-def test_the_gpu_script_check_runs_on_the_emulator(moe_rank_pools, mode):
-    results = moe_rank_pools.get(2).map(agree_with_torch, mode, "fp8", EMULATOR, 2048, 4, 4, 16, 1)
+def test_ue8m0_scales_reach_the_experts_packed_four_per_word(moe_rank_pools, mode):
+    for seen in moe_rank_pools.get(2).map(wire_seen, mode, "fp8", EMULATOR, 2048, 8, True):
+        assert seen.vendor_use_fp8 in (True, None) and seen.output_scale_dtype == "torch.int32"
+        assert seen.vendor_payload_bytes == seen.expected_payload_bytes
+        # Normal mode: one exponent byte per 128 channels on the wire (2048 + 16 per token, not
+        # 2048 + 64); LL messages keep fp32 scales and pack on arrival.
+        assert seen.expected_payload_bytes % (2048 + (16 if mode == "normal" else 64)) == 0
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_the_gpu_script_check_runs_on_the_emulator(moe_rank_pools, mode, ue8m0):
+    results = moe_rank_pools.get(2).map(agree_with_torch, mode, "fp8", EMULATOR, 2048, 4, 4, 16, 1, ue8m0)
     assert all(r["relative_difference"] < 1e-2 for r in results), results
 
 

@@ -8,6 +8,7 @@ same adapter on ``moe_dispatch_cuda_deepep.emulator``.
 import moe_dispatch as md
 
 from .backend import DeepEPBackend
+from .deep_gemm import DeepGemmExperts, DeepGemmLayer, runner_probe
 
 MOE_DISPATCH_API = 1
 
@@ -19,7 +20,12 @@ def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
 
 @md.hookimpl
 def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
-    register(md.RunnerInfo("deep_gemm", md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations"))
+    # Block-FP8 layers need FP8 rows (the default); a BF16 layer's DeepGemmExperts.quant_hints()
+    # asks for BF16, which resolution takes before the runner's default.
+    register(md.RunnerInfo("deep_gemm", md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
+                           accepts=frozenset({md.DispatchDtype.FP8, md.DispatchDtype.BF16}),
+                           backends={"cuda_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},
+                           probe=runner_probe))
 
 
-__all__ = ["DeepEPBackend", "MOE_DISPATCH_API"]
+__all__ = ["DeepEPBackend", "DeepGemmExperts", "DeepGemmLayer", "MOE_DISPATCH_API"]

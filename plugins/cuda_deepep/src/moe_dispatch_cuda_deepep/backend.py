@@ -13,7 +13,7 @@ from moe_dispatch.environ import restored_environ
 from . import sizes
 from .dispatcher import DeepEPDispatcher
 from .emulator import LOW_LATENCY_HIDDEN_SIZES
-from .vendor import EMULATOR, INSTALL_HINT, REAL, VendorInfo, detect
+from .vendor import INSTALL_HINT, REAL, VendorInfo, detect
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
 N, LL = md.Mode.NORMAL, md.Mode.LOW_LATENCY
@@ -24,14 +24,17 @@ LOW_LATENCY_MAX_TOKENS = 511
 LOW_LATENCY_MAX_TOPK = 11
 
 
-def capabilities(emulated: bool) -> md.Capabilities:
+def capabilities(emulated: bool, nvfp4: bool = False) -> md.Capabilities:
+    """``nvfp4``: the installed DeepEP's ``low_latency_dispatch`` takes ``use_nvfp4`` (hybrid-ep)."""
     int8 = "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element"
+    no_nvfp4 = ("this DeepEP's low_latency_dispatch has no use_nvfp4 (NVFP4 dispatch is on DeepEP's hybrid-ep "
+                "branch)" if not nvfp4 else "DeepEP's normal-mode NVFP4 (hybrid-ep HybridEPBuffer) is not driven")
     return md.Capabilities(
-        dtypes={N: frozenset({B, F8}), LL: frozenset({B, F8})},
+        dtypes={N: frozenset({B, F8}), LL: frozenset({B, F8, F4} if nvfp4 else {B, F8})},
         fallbacks={(N, I8): md.Fallback(F8, int8), (LL, I8): md.Fallback(F8, int8)},
-        rejections={F4: "DeepEP's V1 Buffer has no NVFP4 dispatch (low-latency NVFP4 is on DeepEP's hybrid-ep "
-                        "branch, which this adapter does not drive yet)"},
+        rejections={F4: no_nvfp4},
         default_dtype=F8,
+        fp8_ue8m0=True,
         cuda_graph_modes=frozenset({LL}),
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
@@ -66,7 +69,15 @@ class DeepEPBackend(md.Backend):
 
     def __init__(self, vendor_module: str = REAL) -> None:
         self.vendor_module = vendor_module
-        self.capabilities = capabilities(vendor_module == EMULATOR)
+        self._capabilities: md.Capabilities | None = None
+
+    @property
+    def capabilities(self) -> md.Capabilities:  # type: ignore[override]
+        """Read on first use, not at registration: NVFP4 depends on the DeepEP installed."""
+        if self._capabilities is None:
+            info = self.vendor()
+            self._capabilities = capabilities(info.emulated, info.has_nvfp4)
+        return self._capabilities
 
     def vendor(self) -> VendorInfo:
         return detect(self.vendor_module)

@@ -10,6 +10,14 @@ Low-latency mode. DeepEP's masked ``[E_local, R·T, H]`` receive layout is the c
 MASKED layout as it is (no copy; the FP8 scales stay column-major, which the contract
 allows), ``recv_count`` becomes the group list, and the vendor's combine applies the top-k
 weights itself.
+
+UE8M0 (``QuantHints(fp8_ue8m0_scales=True)``, DeepGEMM on SM100): both modes hand over
+int32 scales with four exponent bytes per word (``moe_dispatch.codecs.pack_ue8m0``); LL asks
+DeepEP for them (``round_scale=use_ue8m0=True``), normal mode packs them before dispatch.
+
+NVFP4 (low-latency, a DeepEP from the hybrid-ep branch): ``use_nvfp4`` with the layer's
+``x_global_scale``; DeepEP returns the data expert-last and the scales swizzled 128×4, so the
+adapter permutes the data (a view) and unswizzles the scales to the contract's linear rows.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.output import group_list_from_counts, rows_by_expert
+from moe_dispatch.codecs import pack_ue8m0
+from moe_dispatch.scale_layouts import from_mma_view
+from moe_dispatch.output import group_list_from_counts, rows_by_expert, sum_weighted_rows
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class DeepEPDispatcher:
         self.local_experts = ctx.local_experts
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
         self.low_latency = ctx.spec.mode is md.Mode.LOW_LATENCY
+        self.ue8m0 = ctx.codec.wire.ue8m0
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         if self.low_latency:
@@ -58,9 +69,7 @@ class DeepEPDispatcher:
         if isinstance(h, LowLatencyHandle):
             combined, _, _ = self.buffer.low_latency_combine(expert_output, h.topk_ids, h.topk_weights, h.vendor_handle)
             return combined
-        weighted = expert_output.float() * h.row_weight.unsqueeze(1)
-        partial = torch.zeros(h.num_received, self.spec.hidden_size, dtype=torch.float32, device=expert_output.device)
-        partial.index_add_(0, h.row_token, weighted)  # a token's rows in ascending expert order
+        partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
         combined, _, _ = self.buffer.combine(partial.to(torch.bfloat16), h.vendor_handle, config=self.combine_config)
         return combined
 
@@ -75,7 +84,9 @@ class DeepEPDispatcher:
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
         if self.dtype is md.DispatchDtype.FP8:
             q = self.codec.quantize(x)
-            vendor_x: Any = (q.data, q.scale)
+            # UE8M0: DeepEP carries the scale columns as opaque 4-byte words, so pack four
+            # exponents per int32 (H/128 bytes per token, not 4·H/128).
+            vendor_x: Any = (q.data, pack_ue8m0(q.scale) if self.ue8m0 else q.scale)
         else:
             vendor_x = x
         recv_x, recv_ids, recv_weights, _, handle, _ = self.buffer.dispatch(
@@ -92,9 +103,20 @@ class DeepEPDispatcher:
     def _dispatch_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                               ) -> md.DispatchOutput:
         ids = topk_ids.to(torch.int64)
-        recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-            x, ids, self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts,
-            use_fp8=self.dtype is md.DispatchDtype.FP8)
-        data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
+        if self.dtype is md.DispatchDtype.NVFP4:
+            gs = torch.tensor(self.spec.quant.input_global_scale, dtype=torch.float32, device=x.device)
+            recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
+                x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gs)
+            packed, mma = recv_x
+            # Expert-last [R·T, H/2, E_l] → MASKED [E_l, R·T, H/2] (a view); scales from the
+            # swizzled MMA layout back to linear rows (a copy of E_l·R·T·H/16 bytes).
+            data = packed.permute(2, 0, 1)
+            scale = from_mma_view(mma, data.shape[1], self.spec.hidden_size // 16)
+        else:
+            recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
+                x, ids, T, E, use_fp8=self.dtype is md.DispatchDtype.FP8, round_scale=self.ue8m0,
+                use_ue8m0=self.ue8m0)
+            data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights,
                             LowLatencyHandle(self, handle, ids, topk_weights.float()))

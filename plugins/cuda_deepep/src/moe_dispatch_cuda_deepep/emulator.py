@@ -147,7 +147,9 @@ class Buffer:
         if scales is None:
             assert data.dtype == torch.bfloat16
         else:
-            assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32 and scales.shape == (n, h // 128)
+            # deep_ep.cpp: fp32 per 128 channels, or int32 (UE8M0 packed four per word); any columns.
+            assert data.dtype == torch.float8_e4m3fn and scales.dtype in (torch.float32, torch.int32)
+            assert scales.dim() == 2 and scales.shape[0] == n
         config = config or self.get_dispatch_config(self.group_size)
         self._check_nvl(config, h * data.element_size(), "dispatch")
         R, k = self.group_size, topk_idx.shape[1]
@@ -170,8 +172,8 @@ class Buffer:
         at = dw
         recv_scales = None
         if scales is not None:
-            recv_scales = from_bytes(got[:, at : at + 4 * (h // 128)], torch.float32)
-            at += 4 * (h // 128)
+            recv_scales = from_bytes(got[:, at : at + 4 * scales.shape[1]], scales.dtype)
+            at += 4 * scales.shape[1]
         recv_topk_idx = from_bytes(got[:, at : at + 8 * k], torch.int64)
         recv_topk_weights = from_bytes(got[:, at + 8 * k : at + 12 * k], torch.float32)
         recv_src_idx = from_bytes(got[:, at + 12 * k :], torch.int64).squeeze(1).to(torch.int32)
@@ -238,24 +240,7 @@ class Buffer:
         got = self.comm.all_gather(slots, (("payload", payload), ("metadata", 8 * k)))
         self.calls.append(VendorCall("low_latency_dispatch", x.dtype, use_fp8, n * payload * R))
         gids = from_bytes(got[:, payload:], torch.int64)  # [R·T, k]
-        first = self.rank * local
-        hits = ((gids >= first) & (gids < first + local)).nonzero()  # (slot, j), slot = src_rank·T + token
-        expert = gids[hits[:, 0], hits[:, 1]] - first
-        order = torch.sort(expert, stable=True).indices
-        slot, expert = hits[order, 0], expert[order]
-        recv_count = torch.bincount(expert, minlength=local).to(torch.int32)
-        start = torch.cumsum(recv_count.long(), 0) - recv_count.long()
-        position = torch.arange(slot.numel()) - start[expert]
-        src_info = torch.full((local, R * T), -1, dtype=torch.int32)
-        src_info[expert, position] = (slot % T).to(torch.int32)
-        src_rank = slot // T
-        layout_range = torch.zeros(local, R, dtype=torch.int64)
-        for e in range(local):  # (count, begin) per source rank, packed: count in the high word
-            for r in range(R):
-                sel = (expert == e) & (src_rank == r)
-                count = int(sel.sum())
-                begin = int(position[sel].min()) if count else 0
-                layout_range[e, r] = (count << 32) | begin
+        slot, expert, position, recv_count = self._place_received(gids, local)
         if use_fp8:
             fp8 = from_bytes(got[:, :h], torch.float8_e4m3fn)
             inv = from_bytes(got[:, h:payload], torch.float32)
@@ -275,9 +260,40 @@ class Buffer:
             bf16 = from_bytes(got[:, :payload], torch.bfloat16)
             recv_x = torch.zeros(local, R * T, h, dtype=torch.bfloat16)
             recv_x[expert, position] = bf16[slot]
-        handle = (src_info, layout_range, T, h, num_experts)
+        handle = self._low_latency_handle(slot, expert, position, local, T, h, num_experts)
         hook: Callable[[], None] = lambda: None  # noqa: E731
         return recv_x, recv_count, handle, EventOverlap(), hook
+
+    def _place_received(self, gids: torch.Tensor, local: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each (received slot, local expert) lands in the masked layout: the slot
+        (src_rank·T + token), its local expert, its position in that expert's block, and
+        the per-expert counts. Rows of an expert in slot order."""
+        first = self.rank * local
+        hits = ((gids >= first) & (gids < first + local)).nonzero()
+        expert = gids[hits[:, 0], hits[:, 1]] - first
+        order = torch.sort(expert, stable=True).indices
+        slot, expert = hits[order, 0], expert[order]
+        recv_count = torch.bincount(expert, minlength=local).to(torch.int32)
+        start = torch.cumsum(recv_count.long(), 0) - recv_count.long()
+        return slot, expert, torch.arange(slot.numel()) - start[expert], recv_count
+
+    def _low_latency_handle(self, slot: torch.Tensor, expert: torch.Tensor, position: torch.Tensor, local: int,
+                            T: int, h: int, num_experts: int) -> tuple:
+        """DeepEP's LL handle: each received row's source token, and (count, begin) per
+        (local expert, source rank) packed with the count in the high word."""
+        R = self.group_size
+        src_info = torch.full((local, R * T), -1, dtype=torch.int32)
+        src_info[expert, position] = (slot % T).to(torch.int32)
+        src_rank = slot // T
+        layout_range = torch.zeros(local, R, dtype=torch.int64)
+        for e in range(local):
+            for r in range(R):
+                sel = (expert == e) & (src_rank == r)
+                count = int(sel.sum())
+                begin = int(position[sel].min()) if count else 0
+                layout_range[e, r] = (count << 32) | begin
+        return (src_info, layout_range, T, h, num_experts)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,

@@ -26,6 +26,7 @@ class WireCheck:
     vendor_use_fp8: bool | None
     vendor_payload_bytes: int
     expected_payload_bytes: int
+    output_scale_dtype: str | None
 
 
 def _batch(spec: md.DispatchSpec, rank: int, world: int, tokens: int, device: torch.device, seed: int = 0):  # noqa: ANN202
@@ -37,9 +38,11 @@ def _batch(spec: md.DispatchSpec, rank: int, world: int, tokens: int, device: to
 
 
 def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 2048,
-              tokens: int = 8) -> WireCheck:
+              tokens: int = 8, ue8m0: bool = False) -> WireCheck:
     """Dispatch once and report what the vendor call got (``Buffer.calls`` on the emulator)."""
-    spec = md.DispatchSpec(hidden, 4 * world, 3, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
+    gs = 448.0 * 6.0 / 5.0 if dtype == "nvfp4" else None  # NVFP4's global scale for activations up to ~5
+    spec = md.DispatchSpec(hidden, 4 * world, 3, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype,
+                           quant=md.QuantHints(fp8_ue8m0_scales=ue8m0, input_global_scale=gs))
     import warnings
 
     with warnings.catch_warnings():
@@ -47,25 +50,31 @@ def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str =
         d = md.create_dispatcher(DeepEPBackend(vendor_module), spec, env={})
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
     x, ids, w, all_ids = _batch(d.spec, rank, world, tokens, device)
-    d.dispatch(x, ids, w)
+    out = d.dispatch(x, ids, w)
     call = d.backend_dispatcher.buffer.calls[-1]
     wire = d.spec.wire_format().bytes_per_token
     local = d.spec.local_experts(world)
     if d.spec.mode is md.Mode.LOW_LATENCY:
-        expected = tokens * world * wire  # every token slot to every rank (the emulator's all-gather)
+        # Every token slot to every rank (the emulator's all-gather). LL messages carry fp32
+        # scales even with UE8M0: the kernel packs the exponents on the receiving side.
+        wire = md.WireFormat(d.output_dtype, hidden).bytes_per_token
+        expected = tokens * world * wire
     else:
         pairs = sum(len({int(e) // local for e in row if e >= 0}) for row in ids.tolist())
         expected = pairs * wire
-    return WireCheck(d.output_dtype.value, str(call.x_dtype), call.use_fp8, call.payload_bytes, expected)
+    scale = out.hidden_states_scale
+    return WireCheck(d.output_dtype.value, str(call.x_dtype), call.use_fp8, call.payload_bytes, expected,
+                     None if scale is None else str(scale.dtype))
 
 
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
-                     experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20) -> dict:
+                     experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
+                     ue8m0: bool = False) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
     the relative difference, and the median time per round trip of each."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
     spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, output_dtype=dtype)
+                           mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0))
     deepep = md.create_dispatcher(DeepEPBackend(vendor_module), spec, env={})
     reference = md.create_dispatcher("torch", spec, env={})
     x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=1)

@@ -9,6 +9,8 @@ from types import ModuleType
 
 REAL = "deep_ep"
 EMULATOR = "moe_dispatch_cuda_deepep.emulator"
+#: The emulator of a DeepEP built from the hybrid-ep branch (NVFP4 low-latency dispatch).
+EMULATOR_NVFP4 = "moe_dispatch_cuda_deepep.emulator_nvfp4"
 INSTALL_HINT = ("DeepEP builds from source with NVSHMEM: see https://github.com/deepseek-ai/DeepEP "
                 "(`pip install --no-build-isolation .` in its checkout), on a CUDA machine")
 
@@ -45,4 +47,4 @@ def detect(module_name: str = REAL) -> VendorInfo:
         nvfp4 = "use_nvfp4" in inspect.signature(buffer.low_latency_dispatch).parameters
     return VendorInfo(module_name, module, None, has_v1_buffer=buffer is not None,
                       has_elastic_buffer=hasattr(module, "ElasticBuffer"), has_nvfp4=nvfp4,
-                      emulated=module_name == EMULATOR)
+                      emulated=module_name in (EMULATOR, EMULATOR_NVFP4))

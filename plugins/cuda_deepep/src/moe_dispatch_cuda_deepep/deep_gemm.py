@@ -1,0 +1,510 @@
+"""DeepGEMM as the expert kernel between DeepEP's dispatch and combine (runner ``deep_gemm``).
+
+``DeepGemmExperts`` implements the core's ``ExpertKernel``: gmm1 (``w13``, gate rows then up
+rows) → SwiGLU → gmm2 (``w2``) per local expert on DeepGEMM's grouped GEMMs, rows in place,
+no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, sglang's
+``*_weight_scale_inv``) take FP8 rows with per-(row, 128) scales; BF16 weights take BF16 rows.
+
+- PACKED ``[rows, H]`` goes through the contiguous GEMM, whose layout needs every expert's rows
+  in segments aligned to ``get_mk_alignment_for_contiguous_layout()`` (128) with ``m_indices``
+  naming each row's expert (-1 for padding). The kernel reads the counts on the host (one
+  sync; normal mode has synced for the layout already), copies the rows into a zero-padded
+  buffer (rows·(H + scale) bytes written into at most rows + 127·E_local rows), runs both
+  GEMMs on the padded rows and gathers the output rows back (rows·H·2 bytes).
+- MASKED ``[E_local, capacity, H]`` goes through the masked GEMM as it is, with
+  ``masked_m`` = the counts and no host sync (CUDA-graph safe). ``expected_m`` is only a
+  tile-size hint: ``layer.expected_m`` when set (``sglang_expected_m``), else the capacity.
+  Rows past an expert's count are zeroed with one ``where`` over the output, whatever
+  DeepGEMM left there.
+
+Between the GEMMs the FP8 path re-quantizes SwiGLU's output per row and 128 channels with
+scale ``max(amax, 1e-10)/448`` (sglang ``per_token_group_quant_fp8`` /
+``silu_and_mul_masked_post_quant_fwd``), rounded up to powers of two for a UE8M0 layer, packed
+four per int32 when the dispatched scales came packed (DeepGEMM's SM100 format).
+
+The DeepGEMM generation installed is found by its attributes (``detect``): 2.x
+(deepseek-ai/DeepGEMM ``csrc/apis/gemm.hpp``, ``deep_gemm/__init__.py``; PR #112 and later)
+has ``m_grouped_fp8_gemm_nt_{contiguous,masked}`` (early alias ``fp8_m_grouped_gemm_nt_masked``)
+and later ``m_grouped_bf16_gemm_nt_*``; v1 (``deep_gemm/jit_kernels/m_grouped_gemm.py``) has
+``m_grouped_gemm_fp8_fp8_bf16_nt_*`` and no BF16. Calls pass the first arguments positionally:
+the newest versions renamed ``m_indices`` to ``grouped_layout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import itertools
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.codecs import FP8_MAX, pack_ue8m0
+from moe_dispatch.experts import dequantized_weights, swiglu
+from moe_dispatch.output import group_counts
+
+REAL = "deep_gemm"
+EMULATOR = "moe_dispatch_cuda_deepep.deep_gemm_emulator"
+INSTALL_HINT = ("DeepGEMM is not on the package index: build it from source on a CUDA machine (SM90/SM100), see "
+                "https://github.com/deepseek-ai/DeepGEMM (`git clone --recursive`, then `./install.sh` or "
+                "`pip install --no-build-isolation .` in the checkout)")
+BLOCK = 128
+WEIGHT_KINDS = ("block_fp8", "bf16")
+#: Block amax floor of DeepGEMM's ``per_block_cast_to_fp8`` (weights) and of sglang's
+#: ``per_token_group_quant_fp8`` (the intermediate activations).
+WEIGHT_AMAX_FLOOR, ACT_AMAX_FLOOR = 1e-4, 1e-10
+
+_V2_CONTIGUOUS = ("m_grouped_fp8_gemm_nt_contiguous", "fp8_m_grouped_gemm_nt_contiguous")
+_V2_MASKED = ("m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked")
+_V1_CONTIGUOUS, _V1_MASKED = "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_masked"
+_ALIGNMENT = ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout")
+
+
+def _first(module: Any, names: tuple[str, ...]) -> Callable[..., Any] | None:
+    for name in names:
+        fn = getattr(module, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+@dataclass(frozen=True)
+class DeepGemmInfo:
+    """The DeepGEMM found: its module (None when missing), generation ("v1", "v2", or None when
+    it has no grouped GEMM we know) and whether it has BF16 grouped GEMMs."""
+
+    module_name: str
+    module: Any
+    generation: str | None
+    has_bf16: bool
+    error: str | None = None
+
+    def describe(self) -> str:
+        if self.module is None:
+            return f"{self.module_name} is not importable ({self.error})"
+        if self.generation is None:
+            return (f"{self.module_name}: no known grouped GEMM API (neither 2.x m_grouped_fp8_gemm_nt_* "
+                    f"nor v1 {_V1_MASKED})")
+        version = getattr(self.module, "__version__", "")
+        bf16 = "with" if self.has_bf16 else "without"
+        return f"DeepGEMM {version} ({self.generation} API) {bf16} BF16 grouped GEMMs".replace("  ", " ")
+
+
+def detect(module: str | ModuleType | Any = REAL) -> DeepGemmInfo:
+    """Import ``module`` (or take a module-like object) and read which API generation it has."""
+    if isinstance(module, str):
+        name = module
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # a missing or broken vendor library is a reason, not a crash
+            return DeepGemmInfo(name, None, None, False, f"{type(exc).__name__}: {exc}")
+    else:
+        name = getattr(module, "__name__", type(module).__name__)
+    if _first(module, _V2_MASKED) is not None:
+        return DeepGemmInfo(name, module, "v2", hasattr(module, "m_grouped_bf16_gemm_nt_masked"))
+    if hasattr(module, _V1_MASKED):
+        return DeepGemmInfo(name, module, "v1", False)
+    return DeepGemmInfo(name, module, None, False)
+
+
+def runner_probe(module: str = REAL) -> str | None:
+    """Why the ``deep_gemm`` runner cannot run here (None: it can), without importing DeepGEMM
+    (its import initializes its CUDA JIT): the package and a CUDA device."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{module} is not installed; {INSTALL_HINT}"
+    if module == REAL and not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+# -- weights ----------------------------------------------------------------------------------------
+
+
+def _pow2_ceil(scale: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(scale)))
+
+
+def quantize_block_fp8(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, N, K]`` → e4m3 ``[E, N, K]`` and fp32 ``[E, N/128, K/128]``: scale = block amax/448
+    (DeepGEMM ``per_block_cast_to_fp8``; rounded up to a power of two with ``ue8m0``)."""
+    e, n, k = w.shape
+    blocks = w.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp_min(WEIGHT_AMAX_FLOOR) / FP8_MAX
+    if ue8m0:
+        scale = _pow2_ceil(scale)
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(e, n, k)
+    return q, scale.reshape(e, n // BLOCK, k // BLOCK)
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+
+
+@dataclass(frozen=True)
+class DeepGemmLayer:
+    """A layer's local experts as DeepGEMM takes them (sglang's attribute names).
+
+    ``block_fp8``: ``w13_weight`` e4m3 ``[E, 2I, H]`` with ``w13_weight_scale_inv`` fp32
+    ``[E, 2I/128, H/128]``, ``w2_weight`` ``[E, H, I]`` with ``[E, H/128, I/128]``; ``ue8m0``:
+    the scales are powers of two (what SM100's UE8M0 path needs). ``bf16``: bf16 weights, no
+    scales. ``expected_m``: the masked GEMM's hint (None: the capacity).
+    """
+
+    weights: str
+    w13_weight: torch.Tensor
+    w2_weight: torch.Tensor
+    w13_weight_scale_inv: torch.Tensor | None = None
+    w2_weight_scale_inv: torch.Tensor | None = None
+    ue8m0: bool = False
+    expected_m: int | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13_weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.w13_weight.shape[2])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.w2_weight.shape[2])
+
+    def dequantized(self) -> md.ExpertWeights:
+        """fp32 weights, exactly what the kernel multiplies by (for ``TorchExperts``/``reference_moe``)."""
+        if self.weights == "bf16":
+            return md.ExpertWeights(self.w13_weight.float(), self.w2_weight.float())
+        assert self.w13_weight_scale_inv is not None and self.w2_weight_scale_inv is not None
+        return md.ExpertWeights(dequantize_block_fp8(self.w13_weight, self.w13_weight_scale_inv),
+                                dequantize_block_fp8(self.w2_weight, self.w2_weight_scale_inv))
+
+    def slice(self, first: int, count: int) -> "DeepGemmLayer":
+        """Experts ``first .. first+count-1`` (a rank's share; block scales are per expert)."""
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[first : first + count]
+
+        return dataclasses.replace(self, w13_weight=cut(self.w13_weight), w2_weight=cut(self.w2_weight),
+                                   w13_weight_scale_inv=cut(self.w13_weight_scale_inv),
+                                   w2_weight_scale_inv=cut(self.w2_weight_scale_inv))
+
+    def to(self, device: torch.device | str) -> "DeepGemmLayer":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return dataclasses.replace(self, w13_weight=move(self.w13_weight), w2_weight=move(self.w2_weight),
+                                   w13_weight_scale_inv=move(self.w13_weight_scale_inv),
+                                   w2_weight_scale_inv=move(self.w2_weight_scale_inv))
+
+
+def sglang_expected_m(spec: md.DispatchSpec, world_size: int) -> int:
+    """sglang's ``expected_m`` for the masked GEMM: (T·R·top_k + E) // E, the mean rows per
+    expert if routing were uniform, known without reading the counts."""
+    t, e = spec.num_max_dispatch_tokens_per_rank, spec.num_experts
+    return max(1, (t * world_size * spec.top_k + e) // e)
+
+
+# -- the kernel -----------------------------------------------------------------------------------------
+
+
+def _mn_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the row dim fastest (DeepGEMM's preferred scale layout)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def quantize_per_token_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., K]`` → e4m3 and fp32 ``[..., K/128]`` with scale max(amax, 1e-10)/448 (sglang
+    ``per_token_group_quant_fp8``; rounded up to a power of two with ``ue8m0``)."""
+    blocks = x.float().unflatten(-1, (-1, BLOCK))
+    scale = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_AMAX_FLOOR) / FP8_MAX
+    if ue8m0:
+        scale = _pow2_ceil(scale)
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+class DeepGemmExperts:
+    """DeepGEMM grouped GEMMs as an ``md.ExpertKernel``.
+
+    :param weights: ``"block_fp8"`` (FP8 rows in) or ``"bf16"`` (BF16 rows in).
+    :param mode: the dispatch mode; it decides the wire dtype of BF16 weights.
+    :param module: the ``deep_gemm`` module name (or a module object), imported here, not when
+        this plugin is imported; tests pass ``EMULATOR``.
+    :param ue8m0: block-FP8 with power-of-two (UE8M0) scales, DeepGEMM's SM100 format; the
+        dispatcher is then asked for UE8M0 scales too.
+    :raises md.BackendUnavailableError: DeepGEMM is missing, or lacks what was asked for.
+    """
+
+    def __init__(self, weights: str, mode: md.Mode | str, module: str | ModuleType | Any = REAL, *,
+                 ue8m0: bool = False) -> None:
+        if weights not in WEIGHT_KINDS:
+            raise md.InvalidSpecError("unknown DeepGEMM weight format", parameter="weights", value=weights,
+                                      allowed=", ".join(WEIGHT_KINDS))
+        self.weights, self.mode, self.ue8m0 = weights, md.Mode.parse(mode), bool(ue8m0)
+        self.info = info = detect(module)
+        if info.module is None or info.generation is None:
+            raise md.BackendUnavailableError(
+                f"cannot run the DeepGEMM expert kernel: {info.describe()}; {INSTALL_HINT}", parameter="runner",
+                value="deep_gemm", allowed="an installed DeepGEMM (v1 or 2.x), or another runner")
+        if weights == "bf16" and not info.has_bf16:
+            raise md.BackendUnavailableError(
+                f"{info.describe()}: BF16 weights need m_grouped_bf16_gemm_nt_contiguous/_masked (DeepGEMM 2.x, SM90+)",
+                parameter="weights", value="bf16", allowed="block_fp8 with this DeepGEMM, or a newer DeepGEMM")
+        if ue8m0 and weights == "bf16":
+            raise md.InvalidSpecError("UE8M0 scales exist only for block-FP8 weights", parameter="ue8m0", value=True,
+                                      allowed="False for bf16 weights")
+        if ue8m0 and info.generation == "v1":
+            raise md.BackendUnavailableError(f"{info.describe()}: v1 has fp32 scales only (SM90)", parameter="ue8m0",
+                                             value=True, allowed="False, or DeepGEMM 2.x on SM100")
+        m = info.module
+        if weights == "bf16":
+            self._contiguous_fn = m.m_grouped_bf16_gemm_nt_contiguous
+            self._masked_fn = m.m_grouped_bf16_gemm_nt_masked
+        elif info.generation == "v2":
+            self._contiguous_fn, self._masked_fn = _first(m, _V2_CONTIGUOUS), _first(m, _V2_MASKED)
+        else:
+            self._contiguous_fn, self._masked_fn = getattr(m, _V1_CONTIGUOUS), getattr(m, _V1_MASKED)
+        if self._contiguous_fn is None or self._masked_fn is None:
+            raise md.BackendUnavailableError(f"{info.describe()}: lacks a contiguous or masked grouped GEMM",
+                                             parameter="runner", value="deep_gemm", allowed="DeepGEMM v1 or 2.x")
+        self._alignment_fn = _first(m, _ALIGNMENT)
+        # Block-FP8 weights: FP8 in both modes. BF16 weights: BF16. sglang (PR #25540) sends BF16
+        # only for unquantized layers on the DeepGEMM runner in low-latency mode and keeps FP8 in
+        # normal mode; here normal mode uses DeepGEMM's contiguous BF16 GEMM
+        # (m_grouped_bf16_gemm_nt_contiguous) instead, the one place this kernel differs.
+        self.needs_dispatch_dtype: md.DispatchDtype = (
+            md.DispatchDtype.FP8 if weights == "block_fp8" else md.DispatchDtype.BF16)
+
+    def quant_hints(self) -> md.QuantHints:
+        """What to pass as ``DispatchSpec(quant=...)`` so resolution sends this kernel's dtype."""
+        return md.QuantHints(dispatcher_output_dtype=self.needs_dispatch_dtype, fp8_ue8m0_scales=self.ue8m0)
+
+    def process_weights(self, weights: md.ExpertWeights) -> DeepGemmLayer:
+        """bf16/fp32 (or W8A8 int8) expert weights → this kernel's format."""
+        w13, w2 = dequantized_weights(weights)
+        e, two_i, h = w13.shape
+        if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+            raise md.InvalidInputError("w13 must be [E, 2I, H] and w2 [E, H, I]", parameter="w2_weight", value=w2,
+                                       allowed=f"[{e}, {h}, {two_i // 2}]")
+        if self.weights == "bf16":
+            return DeepGemmLayer("bf16", w13.to(torch.bfloat16), w2.to(torch.bfloat16))
+        for name, size in (("hidden_size", h), ("intermediate_size", two_i // 2)):
+            if size % BLOCK:
+                raise md.InvalidInputError("block-FP8 weights need 128-aligned GEMM dims", parameter=name,
+                                           value=size, allowed="multiples of 128")
+        q13, s13 = quantize_block_fp8(w13, self.ue8m0)
+        q2, s2 = quantize_block_fp8(w2, self.ue8m0)
+        return DeepGemmLayer("block_fp8", q13, q2, s13, s2, ue8m0=self.ue8m0)
+
+    def apply_without_routing_weights(
+        self,
+        layer: Any,
+        hidden_states: torch.Tensor,
+        hidden_states_scale: torch.Tensor | None,
+        group_list_type: int,
+        group_list: torch.Tensor,
+        output_dtype: torch.dtype,
+        *,
+        global_scale: float | None = None,
+    ) -> torch.Tensor:
+        """gmm1 → SwiGLU → gmm2 per local expert; PACKED ``[rows, H]`` or MASKED ``[E, capacity, H]``."""
+        self._check_layer(layer)
+        packed_scales = self._check_rows(layer, hidden_states, hidden_states_scale)
+        experts = layer.num_experts
+        if group_list_type not in (0, 1):
+            raise md.InvalidInputError("unknown group_list_type", parameter="group_list_type", value=group_list_type,
+                                       allowed="0 (cumulative ends), 1 (counts)")
+        if tuple(group_list.shape) != (experts,):
+            raise md.InvalidInputError("needs one entry per local expert", parameter="group_list", value=group_list,
+                                       allowed=f"[{experts}]")
+        counts = group_counts(group_list.to(torch.int64), group_list_type)
+        if hidden_states.dim() == 3:
+            out = self._masked(layer, hidden_states, hidden_states_scale, counts, packed_scales)
+        else:
+            out = self._contiguous(layer, hidden_states, hidden_states_scale, counts, packed_scales)
+        return out.to(output_dtype)
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def _check_layer(self, layer: Any) -> None:
+        if not isinstance(layer, DeepGemmLayer) or layer.weights != self.weights:
+            raise md.InvalidInputError(f"a {self.weights} DeepGEMM kernel needs its own weight format",
+                                       parameter="layer", value=type(layer).__name__,
+                                       allowed=f"DeepGemmExperts({self.weights!r}, ...).process_weights(weights)")
+
+    def _check_rows(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None) -> bool:
+        """Dtype, shape and scale checks; returns whether the scales are packed UE8M0 (int32)."""
+        want = torch.float8_e4m3fn if self.weights == "block_fp8" else torch.bfloat16
+        h = layer.hidden_size
+        if x.dtype != want or x.dim() not in (2, 3):
+            raise md.InvalidInputError(
+                f"DeepGEMM {self.weights} experts take {want} rows; pass DeepGemmExperts.quant_hints() as "
+                "DispatchSpec(quant=...) so dispatch sends that dtype", parameter="hidden_states", value=x,
+                allowed=f"{want} [rows, {h}] or [E_local, capacity, {h}]")
+        if x.shape[-1] != h or h % BLOCK:
+            raise md.InvalidInputError("hidden size must match the weights and be a multiple of 128",
+                                       parameter="hidden_states", value=x, allowed=f"[..., {h}] with {h} % 128 == 0")
+        if want == torch.bfloat16:
+            if scale is not None:
+                raise md.InvalidInputError("BF16 rows carry no scales", parameter="hidden_states_scale", value=scale,
+                                           allowed="None")
+            return False
+        lead = tuple(x.shape[:-1])
+        fp32_shape, int_shape = (*lead, h // BLOCK), (*lead, -(-h // (4 * BLOCK)))
+        if scale is None or not ((scale.dtype == torch.float32 and tuple(scale.shape) == fp32_shape)
+                                 or (scale.dtype == torch.int32 and tuple(scale.shape) == int_shape)):
+            raise md.InvalidInputError("FP8 rows need one scale per 128 channels", parameter="hidden_states_scale",
+                                       value=scale, allowed=f"float32 {list(fp32_shape)} or int32 (packed UE8M0) "
+                                                            f"{list(int_shape)}")
+        if scale.dtype == torch.int32 and not layer.ue8m0:
+            raise md.InvalidInputError(
+                "packed UE8M0 activation scales need weights with power-of-two scales (DeepGEMM's SM100 path casts "
+                "fp32 weight scales down to their exponent)", parameter="hidden_states_scale", value=scale,
+                allowed="fp32 scales, or a layer from DeepGemmExperts(..., ue8m0=True).process_weights")
+        return scale.dtype == torch.int32
+
+    # -- the two layouts ----------------------------------------------------------------------------
+
+    def _gemm(self, contiguous: bool, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+              w_scale: torch.Tensor | None, d: torch.Tensor, groups: torch.Tensor, expected_m: int = 0) -> None:
+        fn = self._contiguous_fn if contiguous else self._masked_fn
+        lhs: Any = a if self.weights == "bf16" else (a, a_scale)
+        rhs: Any = w if self.weights == "bf16" else (w, w_scale)
+        if contiguous:
+            fn(lhs, rhs, d, groups)
+        else:
+            fn(lhs, rhs, d, groups, expected_m)
+
+    def _between(self, layer: DeepGemmLayer, h: torch.Tensor, valid: torch.Tensor, packed: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """SwiGLU on gmm1's bf16 output (invalid rows zeroed), then gmm2's input."""
+        act = torch.where(valid, swiglu(h.float()), 0.0)
+        if self.weights == "bf16":
+            return act.to(torch.bfloat16), None
+        q, scale = quantize_per_token_group(act, layer.ue8m0)
+        return q, _mn_major(pack_ue8m0(scale) if packed else scale)
+
+    def _contiguous(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
+                    packed: bool) -> torch.Tensor:
+        rows, h = x.shape
+        host = [int(c) for c in counts.tolist()]  # host sync: the padded layout is sized from the counts
+        if min(host, default=0) < 0 or sum(host) != rows:
+            raise md.InvalidInputError(f"counts {host} must be >= 0 and sum to the {rows} rows",
+                                       parameter="group_list", value=host, allowed="per-expert counts of the rows")
+        align = int(self._alignment_fn()) if self._alignment_fn is not None else BLOCK
+        padded = [-(-c // align) * align for c in host]
+        total, device = sum(padded), x.device
+        if total == 0:
+            return torch.zeros(0, h, dtype=torch.bfloat16, device=device)
+        seg_start = torch.tensor([0, *itertools.accumulate(padded)][:-1], device=device)
+        src_start = torch.tensor([0, *itertools.accumulate(host)][:-1], device=device)
+        expert = torch.repeat_interleave(torch.arange(len(host), device=device), counts.to(device), output_size=rows)
+        dest = seg_start[expert] + torch.arange(rows, device=device) - src_start[expert]
+        m_indices = torch.full((total,), -1, dtype=torch.int32, device=device)
+        m_indices[dest] = expert.to(torch.int32)
+        a = torch.zeros(total, h, dtype=x.dtype, device=device)
+        _bytes(a)[dest] = _bytes(x)
+        a_scale = None
+        if scale is not None:
+            a_scale = torch.zeros(total, scale.shape[-1], dtype=scale.dtype, device=device)
+            a_scale[dest] = scale
+            a_scale = _mn_major(a_scale)
+        h1 = torch.empty(total, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
+        self._gemm(True, a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, m_indices)
+        act, act_scale = self._between(layer, h1, (m_indices >= 0).unsqueeze(1), packed)
+        h2 = torch.empty(total, h, dtype=torch.bfloat16, device=device)
+        self._gemm(True, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, m_indices)
+        return h2.index_select(0, dest)
+
+    def _masked(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
+                packed: bool) -> torch.Tensor:
+        experts, capacity, h = x.shape
+        if experts != layer.num_experts:
+            raise md.InvalidInputError("masked layout needs one block per local expert", parameter="hidden_states",
+                                       value=x, allowed=f"[{layer.num_experts}, capacity, {h}]")
+        device = x.device
+        if capacity == 0:
+            return torch.zeros(experts, 0, h, dtype=torch.bfloat16, device=device)
+        masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
+        expected_m = int(layer.expected_m or capacity)  # a hint; reading the counts would sync the host
+        h1 = torch.empty(experts, capacity, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
+        self._gemm(False, x, scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, masked_m, expected_m)
+        valid = (torch.arange(capacity, device=device).unsqueeze(0) < masked_m.unsqueeze(1)).unsqueeze(2)
+        act, act_scale = self._between(layer, h1, valid, packed)
+        h2 = torch.empty(experts, capacity, h, dtype=torch.bfloat16, device=device)
+        self._gemm(False, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, masked_m, expected_m)
+        return torch.where(valid, h2, torch.zeros((), dtype=h2.dtype, device=device))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """One-byte dtypes as uint8 (CPU index_put has no float8 kernel); others as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+# -- a whole layer on every rank --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One rank's run of dispatch → DeepGemmExperts → combine against ``md.reference_moe``."""
+
+    dtype: str
+    relative_error: float
+    tolerance: float
+    decided_by: str
+    resolution: str
+
+
+def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
+              vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
+              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 8, ue8m0: bool = False,
+              seed: int = 0) -> LayerCheck:
+    """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
+    whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
+    the relative error against the dense fp32 reference on the dequantized weights."""
+    from moe_dispatch.accuracy import TOLERANCES, relative_error
+    from moe_dispatch.routing import random_expert_weights, random_routing
+
+    from .backend import DeepEPBackend
+    from .vendor import REAL as DEEPEP
+
+    experts = DeepGemmExperts(weights, mode, kernel_module, ue8m0=ue8m0)
+    spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
+                           mode=mode, quant=experts.quant_hints(), runner="deep_gemm")
+    dispatcher = md.create_dispatcher(DeepEPBackend(vendor_module or DEEPEP), spec, env={})
+    device = torch.device("cuda" if kernel_module == REAL else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))
+    x = torch.randn(world * tokens, hidden, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(world * tokens, spec.num_experts, top_k, generator=g, drop_prob=0.1)
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    layer = dataclasses.replace(global_layer.slice(rank * experts_per_rank, experts_per_rank),
+                                expected_m=sglang_expected_m(spec, world)).to(device)
+    out = dispatcher.dispatch(x[mine].to(device), ids[mine].to(device), w[mine].to(device))
+    rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                 out.group_list_type, out.group_list, torch.bfloat16)
+    combined = dispatcher.combine(rows, out)
+    reference = md.reference_moe(x[mine], ids[mine], w[mine], global_layer.dequantized())
+    decided = next(s.source for s in dispatcher.resolution.steps if s.decided and not s.source.startswith("validate"))
+    return LayerCheck(dispatcher.output_dtype.value, relative_error(combined.cpu(), reference),
+                      TOLERANCES[dispatcher.output_dtype], decided, str(dispatcher.resolution))
+
+
+__all__ = [
+    "EMULATOR",
+    "INSTALL_HINT",
+    "REAL",
+    "DeepGemmExperts",
+    "DeepGemmInfo",
+    "DeepGemmLayer",
+    "LayerCheck",
+    "detect",
+    "quantize_block_fp8",
+    "quantize_per_token_group",
+    "run_layer",
+    "runner_probe",
+    "sglang_expected_m",
+]

@@ -1,0 +1,386 @@
+"""The DeepGEMM expert kernel on the CPU emulator of ``deep_gemm``: results against the core's
+reference experts, the contiguous layout's padding, UE8M0 scales, both API generations, typed
+errors, the dtype it asks dispatch for, and a whole layer on two gloo ranks.
+
+Tolerances. The kernel rounds gmm1's output to bf16, re-quantizes SwiGLU's output to FP8 (e4m3:
+3 mantissa bits, up to 2^-4 relative error per element) and writes bf16. Against
+``md.TorchExperts`` (fp32 throughout, same FP8 input, same dequantized weights) the FP8 path is
+held to the library's FP8 bound (``TOLERANCES[FP8]`` = 0.06; it measures ~0.02) and the BF16
+path to ``TOLERANCES[BF16]`` = 0.01 (three bf16 roundings, ~0.004). The tight check is
+``mirror``: a reference written here that takes the same precision steps; only fp32
+summation order differs, which flips a rare bf16 rounding (2^-8 of one element), so its
+relative error must stay below 1e-3.
+"""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_dispatch as md
+from moe_dispatch.accuracy import TOLERANCES, relative_error
+from moe_dispatch.codecs import make_codec, pack_ue8m0
+from moe_dispatch.experts import dequantize_rows
+from moe_dispatch.routing import random_expert_weights
+from moe_dispatch_cuda_deepep import deep_gemm_emulator as emu
+from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+from moe_dispatch_cuda_deepep.deep_gemm import (
+    EMULATOR,
+    DeepGemmExperts,
+    DeepGemmLayer,
+    detect,
+    quantize_block_fp8,
+    run_layer,
+    runner_probe,
+)
+from moe_dispatch_cuda_deepep.vendor import EMULATOR as DEEPEP_EMULATOR
+
+H, I, E = 256, 128, 4
+PACKED_COUNTS = [5, 0, 130, 1]  # uneven, an empty expert, none a multiple of 128
+MASKED_COUNTS, CAPACITY = [3, 0, 8, 1], 8
+LL, NORMAL = md.Mode.LOW_LATENCY, md.Mode.NORMAL
+
+
+def _weights(seed: int = 0) -> md.ExpertWeights:
+    return random_expert_weights(E, H, I, generator=torch.Generator().manual_seed(seed))
+
+
+def _rows(kind: str, shape: tuple, ue8m0: bool = False, seed: int = 1):
+    """Activations as dispatch hands them over: FP8 through the core's codec, or BF16."""
+    x = torch.randn(*shape, H, generator=torch.Generator().manual_seed(seed))
+    if kind == "bf16":
+        return x.to(torch.bfloat16), None
+    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, H, ue8m0=ue8m0)).quantize(x)
+    return q.data, q.scale
+
+
+def _group_list(counts: list[int], group_list_type: int) -> torch.Tensor:
+    c = torch.tensor(counts, dtype=torch.int64)
+    return c if group_list_type == 1 else torch.cumsum(c, 0)
+
+
+def mirror(layer: DeepGemmLayer, x: torch.Tensor, scale, counts: list[int]) -> torch.Tensor:
+    """The kernel's precision steps, written independently: fp32 GEMM on dequantized operands →
+    bf16 → SwiGLU in fp32 → (FP8 per row and 128 channels, scale max(amax,1e-10)/448, powers of
+    two for UE8M0 | bf16) → fp32 GEMM → bf16. Rows past a MASKED count are zero."""
+    w = layer.dequantized()
+    xf = dequantize_rows(x, scale, H)
+    masked = x.dim() == 3
+    out = torch.zeros(*xf.shape[:-1], H)
+    start = 0
+    for e, n in enumerate(counts):
+        rows = xf[e, :n] if masked else xf[start : start + n]
+        h1 = (rows @ w.w13_weight[e].t()).to(torch.bfloat16).float()
+        gate, up = h1.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        if layer.weights == "block_fp8":
+            blocks = act.unflatten(-1, (-1, 128))
+            s = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0
+            if layer.ue8m0:
+                s = torch.exp2(torch.ceil(torch.log2(s)))
+            act = ((blocks / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2)
+        else:
+            act = act.to(torch.bfloat16).float()
+        y = (act @ w.w2_weight[e].t()).to(torch.bfloat16).float()
+        if masked:
+            out[e, :n] = y
+        else:
+            out[start : start + n] = y
+        start += n
+    return out
+
+
+# -- results ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["block_fp8", "bf16"])
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_packed_rows_match_the_reference_experts(kind, group_list_type):
+    """PACKED through the contiguous GEMM (padded to 128-row segments, gathered back). If this
+    fails only for FP8, check the re-quantization between the GEMMs; if the emulator asserts,
+    the padding of each expert's rows is wrong."""
+    experts = DeepGemmExperts(kind, NORMAL, EMULATOR)
+    layer = experts.process_weights(_weights())
+    x, scale = _rows(kind, (sum(PACKED_COUNTS),))
+    group_list = _group_list(PACKED_COUNTS, group_list_type)
+    out = experts.apply_without_routing_weights(layer, x, scale, group_list_type, group_list, torch.bfloat16)
+    assert out.shape == (sum(PACKED_COUNTS), H) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert relative_error(out, mirror(layer, x, scale, PACKED_COUNTS)) < 1e-3
+    ref = md.TorchExperts().apply_without_routing_weights(layer.dequantized(), x, scale, group_list_type, group_list,
+                                                          torch.float32)
+    dtype = md.DispatchDtype.FP8 if kind == "block_fp8" else md.DispatchDtype.BF16
+    assert relative_error(out, ref) < TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("kind", ["block_fp8", "bf16"])
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_masked_rows_match_the_reference_and_padding_is_zero(kind, group_list_type):
+    """MASKED through the masked GEMM; rows past each expert's count must come back exactly 0
+    (DeepGEMM leaves them as they were)."""
+    experts = DeepGemmExperts(kind, LL, EMULATOR)
+    layer = experts.process_weights(_weights())
+    x, scale = _rows(kind, (E, CAPACITY))
+    if scale is not None:
+        scale = scale.transpose(1, 2).contiguous().transpose(1, 2)  # column-major, as DeepEP's LL hands it over
+    group_list = _group_list(MASKED_COUNTS, group_list_type)
+    out = experts.apply_without_routing_weights(layer, x, scale, group_list_type, group_list, torch.bfloat16)
+    assert out.shape == (E, CAPACITY, H)
+    for e, n in enumerate(MASKED_COUNTS):
+        assert torch.equal(out[e, n:], torch.zeros_like(out[e, n:])), f"expert {e}: rows past {n} are not zero"
+    assert relative_error(out, mirror(layer, x, scale, MASKED_COUNTS)) < 1e-3
+    ref = md.TorchExperts().apply_without_routing_weights(layer.dequantized(), x, scale, group_list_type, group_list,
+                                                          torch.float32)
+    dtype = md.DispatchDtype.FP8 if kind == "block_fp8" else md.DispatchDtype.BF16
+    assert relative_error(out, ref) < TOLERANCES[dtype]
+
+
+def test_no_rows_at_all():
+    experts = DeepGemmExperts("block_fp8", NORMAL, EMULATOR)
+    layer = experts.process_weights(_weights())
+    x, scale = _rows("block_fp8", (0,))
+    out = experts.apply_without_routing_weights(layer, x, scale, 1, torch.zeros(E, dtype=torch.int64), torch.bfloat16)
+    assert out.shape == (0, H)
+
+
+@pytest.mark.parametrize("layout", ["packed", "masked"])
+def test_ue8m0_packed_scales_give_the_fp32_power_of_two_result(layout):
+    """SM100 hands scales over as int32 words of four exponent bytes; the same powers of two as
+    fp32 must give the identical result (the intermediate is then packed too)."""
+    experts = DeepGemmExperts("block_fp8", LL, EMULATOR, ue8m0=True)
+    layer = experts.process_weights(_weights())
+    assert layer.ue8m0 and torch.equal(torch.log2(layer.w13_weight_scale_inv).round(), torch.log2(
+        layer.w13_weight_scale_inv))
+    shape, counts = ((sum(PACKED_COUNTS),), PACKED_COUNTS) if layout == "packed" else ((E, CAPACITY), MASKED_COUNTS)
+    x, scale = _rows("block_fp8", shape, ue8m0=True)
+    group_list = _group_list(counts, 1)
+    fp32 = experts.apply_without_routing_weights(layer, x, scale, 1, group_list, torch.bfloat16)
+    packed = pack_ue8m0(scale)
+    if layout == "masked":
+        packed = packed.transpose(1, 2).contiguous().transpose(1, 2)
+    assert packed.dtype == torch.int32
+    ue8m0 = experts.apply_without_routing_weights(layer, x, packed, 1, group_list, torch.bfloat16)
+    assert torch.equal(fp32, ue8m0)
+    assert relative_error(fp32, mirror(layer, x, scale, counts)) < 1e-3
+
+
+@pytest.mark.parametrize("layout", ["packed", "masked"])
+def test_the_v1_api_gives_the_same_result(layout):
+    """The old generation's names (``m_grouped_gemm_fp8_fp8_bf16_nt_*``) are called with their
+    own argument lists."""
+    mode = NORMAL if layout == "packed" else LL
+    v2, v1 = DeepGemmExperts("block_fp8", mode, EMULATOR), DeepGemmExperts("block_fp8", mode, emu.legacy_v1())
+    assert v1.info.generation == "v1"
+    layer = v2.process_weights(_weights())
+    shape, counts = ((sum(PACKED_COUNTS),), PACKED_COUNTS) if layout == "packed" else ((E, CAPACITY), MASKED_COUNTS)
+    x, scale = _rows("block_fp8", shape)
+    args = (layer, x, scale, 1, _group_list(counts, 1), torch.bfloat16)
+    assert torch.equal(v2.apply_without_routing_weights(*args), v1.apply_without_routing_weights(*args))
+
+
+def test_block_fp8_weights_keep_one_scale_per_128x128_block():
+    w = _weights().w13_weight.float()
+    layer = DeepGemmExperts("block_fp8", NORMAL, EMULATOR).process_weights(_weights())
+    assert layer.w13_weight.dtype == torch.float8_e4m3fn and layer.w13_weight.shape == (E, 2 * I, H)
+    assert layer.w13_weight_scale_inv.shape == (E, 2 * I // 128, H // 128)
+    assert layer.w2_weight.shape == (E, H, I) and layer.w2_weight_scale_inv.shape == (E, H // 128, I // 128)
+    block = w[1, 128:256, 128:256]
+    assert torch.allclose(layer.w13_weight_scale_inv[1, 1, 1], block.abs().max() / 448.0)
+    assert relative_error(layer.dequantized().w13_weight, w) < 0.05
+    bf16 = DeepGemmExperts("bf16", LL, EMULATOR).process_weights(_weights())
+    assert bf16.w13_weight.dtype == torch.bfloat16 and bf16.w13_weight_scale_inv is None
+
+
+# -- the emulator ---------------------------------------------------------------------------------------
+
+
+def _fp8_operands(m: int, g: int = 2, n: int = 128, k: int = 256):
+    gen = torch.Generator().manual_seed(3)
+    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, k)).quantize(torch.randn(m, k, generator=gen))
+    a, sa = q.data, q.scale
+    b, sb = quantize_block_fp8(torch.randn(g, n, k, generator=gen))
+    return a, sa, b, sb
+
+
+def test_the_emulator_asserts_the_contiguous_alignment():
+    """A kernel that forgot to pad the PACKED rows hands DeepGEMM 130 rows: it must fail."""
+    a, sa, b, sb = _fp8_operands(130)
+    d = torch.empty(130, 128, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="multiple of 128"):
+        emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, torch.zeros(130, dtype=torch.int32))
+    a, sa, b, sb = _fp8_operands(256)
+    two_groups = torch.cat([torch.zeros(100), torch.ones(156)]).to(torch.int32)  # group 1 starts mid-block
+    with pytest.raises(AssertionError, match="one group"):
+        emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16), two_groups)
+
+
+def test_the_emulator_computes_the_contiguous_gemm_and_poisons_padding():
+    a, sa, b, sb = _fp8_operands(256)
+    m_indices = torch.cat([torch.ones(100), -torch.ones(28), torch.zeros(128)]).to(torch.int32)
+    d = torch.empty(256, 128, dtype=torch.bfloat16)
+    emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, m_indices)
+    af = a.float() * sa.repeat_interleave(128, dim=1)
+    bf = b.float() * sb.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+    assert torch.equal(d[:100], (af[:100] @ bf[1].t()).to(torch.bfloat16))
+    assert torch.equal(d[128:], (af[128:] @ bf[0].t()).to(torch.bfloat16))
+    assert torch.isnan(d[100:128]).all()  # unspecified in DeepGEMM: reading it must show
+    with pytest.raises(AssertionError, match="first row"):  # v1 reads a block's group from its first row
+        emu.legacy_v1().m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
+            (a, sa), (b, sb), d, torch.cat([-torch.ones(28), torch.ones(100), torch.zeros(128)]).to(torch.int32))
+
+
+def test_the_emulator_masked_gemm_writes_only_the_valid_rows():
+    a, sa, b, sb = _fp8_operands(2 * 8)
+    a, sa = a.view(2, 8, 256), sa.view(2, 8, 2)
+    d = torch.full((2, 8, 128), 7.0, dtype=torch.bfloat16)
+    emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 2)
+    assert (d[0, 3:] == 7).all() and (d[1] == 7).all() and not (d[0, :3] == 7).any()
+    with pytest.raises(AssertionError, match="expected_m"):
+        emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 0)
+
+
+def test_the_emulator_scale_formats():
+    """int32 SFA with fp32 SFB: SFB is cast to its exponent (SM100); fp32 SFA with int32 SFB is
+    rejected as DeepGEMM does."""
+    a, _, b, sb = _fp8_operands(128)
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
+    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
+    d_fp32, d_int = (torch.empty(128, 128, dtype=torch.bfloat16) for _ in range(2))
+    ids = torch.zeros(128, dtype=torch.int32)
+    floor_sb = torch.exp2(torch.floor(torch.log2(sb)))
+    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, floor_sb), d_fp32, ids)
+    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, sb), d_int, ids)
+    assert torch.equal(d_fp32, d_int)
+    with pytest.raises(AssertionError, match="scaling factor"):
+        emu.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, sb), d_int, ids,
+                                             disable_ue8m0_cast=True)
+    per_row = pack_ue8m0(floor_sb.repeat_interleave(128, dim=1))
+    with pytest.raises(AssertionError, match="scaling factor"):
+        emu.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, per_row), d_int, ids)
+    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, per_row), d_int, ids)
+    assert torch.equal(d_fp32, d_int)
+
+
+# -- detection and errors -------------------------------------------------------------------------------
+
+
+def test_detect_reads_the_api_generation():
+    v2 = detect(EMULATOR)
+    assert (v2.generation, v2.has_bf16, v2.error) == ("v2", True, None) and "v2" in v2.describe()
+    v1 = detect(emu.legacy_v1())
+    assert (v1.generation, v1.has_bf16) == ("v1", False) and "without BF16" in v1.describe()
+    early = detect(types.SimpleNamespace(fp8_m_grouped_gemm_nt_masked=print, m_grouped_fp8_gemm_nt_contiguous=print))
+    assert (early.generation, early.has_bf16) == ("v2", False)
+    assert detect(types.SimpleNamespace()).generation is None
+    missing = detect("no_such_deep_gemm_module")
+    assert missing.module is None and "ModuleNotFoundError" in missing.error and "not importable" in missing.describe()
+
+
+def test_a_missing_deep_gemm_says_how_to_install_it():
+    with pytest.raises(md.BackendUnavailableError) as info:
+        DeepGemmExperts("block_fp8", NORMAL, "no_such_deep_gemm_module")
+    assert info.value.parameter == "runner" and info.value.value == "deep_gemm"
+    assert "https://github.com/deepseek-ai/DeepGEMM" in str(info.value) and "from source" in str(info.value)
+    with pytest.raises(md.BackendUnavailableError, match="no known grouped GEMM"):
+        DeepGemmExperts("block_fp8", NORMAL, types.SimpleNamespace())
+
+
+def test_bf16_or_ue8m0_on_deep_gemm_v1_is_refused():
+    with pytest.raises(md.BackendUnavailableError) as info:
+        DeepGemmExperts("bf16", LL, emu.legacy_v1())
+    assert info.value.parameter == "weights" and "m_grouped_bf16_gemm_nt" in str(info.value)
+    with pytest.raises(md.BackendUnavailableError, match="fp32 scales only"):
+        DeepGemmExperts("block_fp8", LL, emu.legacy_v1(), ue8m0=True)
+    with pytest.raises(md.InvalidSpecError):
+        DeepGemmExperts("bf16", LL, EMULATOR, ue8m0=True)
+    with pytest.raises(md.InvalidSpecError):
+        DeepGemmExperts("fp8", LL, EMULATOR)
+
+
+def test_wrong_inputs_are_typed_errors():
+    fp8 = DeepGemmExperts("block_fp8", NORMAL, EMULATOR)
+    bf16 = DeepGemmExperts("bf16", NORMAL, EMULATOR)
+    fp8_layer, bf16_layer = fp8.process_weights(_weights()), bf16.process_weights(_weights())
+    counts = _group_list(PACKED_COUNTS, 1)
+    x8, s8 = _rows("block_fp8", (sum(PACKED_COUNTS),))
+    xb, _ = _rows("bf16", (sum(PACKED_COUNTS),))
+
+    def error(kernel, layer, x, scale, group_list=counts) -> md.InvalidInputError:
+        with pytest.raises(md.InvalidInputError) as info:
+            kernel.apply_without_routing_weights(layer, x, scale, 1, group_list, torch.bfloat16)
+        return info.value
+
+    e = error(fp8, fp8_layer, xb, None)
+    assert e.parameter == "hidden_states" and "float8_e4m3fn" in e.allowed and "quant_hints" in str(e)
+    assert error(bf16, bf16_layer, x8, s8).parameter == "hidden_states"
+    assert error(fp8, fp8_layer, x8, None).parameter == "hidden_states_scale"
+    assert error(fp8, fp8_layer, x8, s8[:, :1]).parameter == "hidden_states_scale"
+    assert error(fp8, fp8_layer, x8, pack_ue8m0(s8)).parameter == "hidden_states_scale"  # UE8M0 needs ue8m0 weights
+    assert error(bf16, bf16_layer, xb, s8).parameter == "hidden_states_scale"
+    assert error(fp8, fp8_layer, x8, s8, counts[:2]).parameter == "group_list"
+    assert error(fp8, fp8_layer, x8, s8, counts + 1).parameter == "group_list"  # counts do not sum to the rows
+    assert error(fp8, bf16_layer, x8, s8).parameter == "layer"
+    assert error(fp8, _weights(), x8, s8).parameter == "layer"
+    short = make_codec(md.WireFormat(md.DispatchDtype.FP8, 128)).quantize(torch.randn(3, 128))
+    assert error(fp8, fp8_layer, short.data, short.scale, _group_list([3, 0, 0, 0], 1)).parameter == "hidden_states"
+    with pytest.raises(md.InvalidInputError) as info:
+        fp8.process_weights(random_expert_weights(2, 256, 96))
+    assert info.value.parameter == "intermediate_size"
+
+
+# -- the dtype it asks for ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,mode,needs", [
+    ("block_fp8", NORMAL, md.DispatchDtype.FP8),
+    ("block_fp8", LL, md.DispatchDtype.FP8),
+    ("bf16", LL, md.DispatchDtype.BF16),  # sglang PR #25540
+    ("bf16", NORMAL, md.DispatchDtype.BF16),  # sglang keeps FP8 here; we use the contiguous BF16 GEMM
+])
+def test_needs_dispatch_dtype_and_quant_hints(kind, mode, needs):
+    experts = DeepGemmExperts(kind, mode.value, EMULATOR)
+    assert isinstance(experts, md.ExpertKernel)
+    assert experts.needs_dispatch_dtype is needs
+    assert experts.quant_hints() == md.QuantHints(dispatcher_output_dtype=needs)
+
+
+def test_the_registered_runner_takes_both_dtypes_behind_deepep():
+    runner = md.PluginHost(env={}).runners()["deep_gemm"]
+    assert runner.needs is md.DispatchDtype.FP8 and runner.accepts == {md.DispatchDtype.FP8, md.DispatchDtype.BF16}
+    assert runner.backends == {"cuda_deepep": frozenset({NORMAL, LL})}
+    assert "github.com/deepseek-ai/DeepGEMM" in runner_probe("no_such_deep_gemm_module")
+    assert runner_probe(EMULATOR) is None
+
+
+def test_the_hint_overrides_the_runner_default_in_resolution():
+    """The ``deep_gemm`` runner is registered as needing FP8; a BF16 layer's hint comes first."""
+    experts = DeepGemmExperts("bf16", LL, EMULATOR)
+    spec = md.DispatchSpec(2048, 8, 2, mode="low_latency", quant=experts.quant_hints(), runner="deep_gemm")
+    runners = md.PluginHost(env={}).runners()
+    resolution = md.resolve_output_dtype(spec, DeepEPBackend(DEEPEP_EMULATOR), env={}, runners=runners)
+    assert resolution.dtype is md.DispatchDtype.BF16
+    decided = [s for s in resolution.steps if s.decided]
+    assert decided[0].source == "quant.dispatcher_output_dtype" and decided[0].value == "bf16"
+
+
+# -- a whole layer on two ranks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,mode,ue8m0", [
+    ("block_fp8", "low_latency", False),
+    ("bf16", "low_latency", False),
+    ("block_fp8", "low_latency", True),
+    ("block_fp8", "normal", False),
+    ("bf16", "normal", False),
+    ("block_fp8", "normal", True),
+])
+def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_pools, kind, mode, ue8m0):
+    """DeepEP (emulated) with the spec built from ``quant_hints()``, the kernel on each rank's
+    experts, combine: within the wire dtype's tolerance of ``md.reference_moe`` on the
+    dequantized weights, and the resolution trail shows the dtype came from the hints."""
+    results = moe_rank_pools.get(2).map(run_layer, kind, mode, EMULATOR, DEEPEP_EMULATOR, 2048, 256, 2, 2, 8, ue8m0)
+    for r in results:
+        assert r.dtype == ("fp8" if kind == "block_fp8" else "bf16"), r.resolution
+        assert r.decided_by == "quant.dispatcher_output_dtype", r.resolution
+        assert "quant.dispatcher_output_dtype" in r.resolution
+        assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)

@@ -1,0 +1,142 @@
+"""``flashinfer_cutedsl``: FlashInfer's CuTe-DSL MoE as an expert kernel between dispatch and
+combine (``apply_without_routing_weights``).
+
+``CuteDslMoEWrapper.run`` routes, weights and sums by itself; given already-dispatched rows it
+is driven with top-k 1: each row is a "token" whose one expert is the row's expert
+(``local_expert_offset + e``) with weight 1, so the output is the unweighted expert row and
+dispatch/combine keep the routing. MASKED ``[E_l, capacity, H]`` rows are passed flat; slots
+past an expert's count get id -1, which the kernel skips (no compute, zero output), so there
+is no host sync and no compaction.
+
+Input: BF16 rows are quantized here (``fp4_quantize`` with the layer's input global scale,
+linear scales, which the kernel requires), or NVFP4 rows come from the dispatcher (scales
+linear, as they crossed the wire) with its global scale; ``w1_alpha`` folds in whichever
+global scale the rows carry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import moe_dispatch as md
+
+from .vendor import EMULATOR, INSTALL_HINT, REAL, VendorInfo, detect, sm100_reason
+from .weights import CuteDslLayer
+
+B, F4 = md.DispatchDtype.BF16, md.DispatchDtype.NVFP4
+N, LL = md.Mode.NORMAL, md.Mode.LOW_LATENCY
+
+class CuteDslExperts:
+    """The expert kernel. ``module`` is ``flashinfer`` (or the emulator, in tests)."""
+
+    needs_dispatch_dtype: md.DispatchDtype | None = B
+
+    def __init__(self, module: str = REAL) -> None:
+        self.module = module
+
+    def vendor(self) -> VendorInfo:
+        return detect(self.module)
+
+    def probe(self) -> str | None:
+        """None when the kernel can run here, else why not (no FlashInfer, no SM100 GPU)."""
+        info = self.vendor()
+        if info.api is None:
+            return info.describe()
+        if info.api.CuteDslMoEWrapper is None:
+            return f"{info.describe()}; this FlashInfer has no CuteDslMoEWrapper"
+        return None if info.emulated else sm100_reason()
+
+    def process_weights(self, weights: md.ExpertWeights, *, first_expert: int, num_experts: int,
+                        input_global_scale: float, fc2_input_scale: float) -> CuteDslLayer:
+        """Quantize a rank's experts to W4A4 and build the kernel wrapper for them."""
+        reason = self.probe()
+        if reason is not None:
+            raise md.BackendUnavailableError(f"cannot run here: {reason}; {INSTALL_HINT}",
+                                             parameter="runner", value=RUNNER.name)
+        layer = CuteDslLayer.from_weights(weights, first_expert=first_expert, num_experts=num_experts,
+                                          input_global_scale=input_global_scale, fc2_input_scale=fc2_input_scale)
+        api = self.vendor().api
+        assert api is not None
+        layer.wrapper = api.CuteDslMoEWrapper(
+            num_experts=num_experts, top_k=1, hidden_size=layer.hidden_size,
+            intermediate_size=layer.intermediate_size, num_local_experts=layer.num_local_experts,
+            local_expert_offset=first_expert, output_dtype=torch.bfloat16,
+            device="cpu" if self.module == EMULATOR else "cuda")
+        return layer
+
+    def quant_hints(self, nvfp4_dispatch: bool = False, layer: CuteDslLayer | None = None) -> md.QuantHints:
+        """BF16 dispatch by default; NVFP4 dispatch with the layer's input global scale."""
+        if nvfp4_dispatch:
+            if layer is None:
+                raise md.InvalidSpecError("NVFP4 dispatch needs the layer's input global scale",
+                                          parameter="layer", value=None, allowed="a CuteDslLayer")
+            return md.QuantHints(input_global_scale=layer.input_global_scale)
+        return md.QuantHints(dispatcher_output_dtype=B)
+
+    def apply_without_routing_weights(
+        self, layer: Any, hidden_states: torch.Tensor, hidden_states_scale: torch.Tensor | None,
+        group_list_type: int, group_list: torch.Tensor, output_dtype: torch.dtype, *,
+        global_scale: float | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(layer, CuteDslLayer) or layer.wrapper is None:
+            raise md.InvalidInputError("needs the layer CuteDslExperts.process_weights made", parameter="layer",
+                                       value=type(layer).__name__, allowed="CuteDslLayer")
+        el, h = layer.num_local_experts, layer.hidden_size
+        if group_list.shape != (el,):
+            raise md.InvalidInputError("needs one entry per local expert", parameter="group_list",
+                                       value=group_list, allowed=f"[{el}]")
+        nvfp4 = hidden_states.dtype == torch.uint8
+        width = h // 2 if nvfp4 else h
+        if hidden_states.dtype not in (torch.bfloat16, torch.uint8) or hidden_states.shape[-1] != width:
+            raise md.InvalidInputError("CuTe-DSL MoE takes BF16 or packed NVFP4 rows", parameter="hidden_states",
+                                       value=hidden_states, allowed=f"bfloat16 [..., {h}] or uint8 [..., {h // 2}]")
+        masked = hidden_states.dim() == 3
+        counts = md.output.group_counts(group_list.to(torch.int64), group_list_type)
+        if masked:
+            cap = hidden_states.shape[1]
+            slot = torch.arange(cap, device=counts.device).unsqueeze(0)
+            local = torch.where(slot < counts.unsqueeze(1), torch.arange(el, device=counts.device).unsqueeze(1), -1)
+            expert = local.reshape(-1, 1)
+        else:
+            expert = torch.repeat_interleave(torch.arange(el, device=counts.device), counts).unsqueeze(1)
+            if expert.shape[0] != hidden_states.shape[0]:
+                raise md.InvalidInputError(f"counts sum to {expert.shape[0]} but there are {hidden_states.shape[0]} rows",
+                                           parameter="group_list", value=group_list.tolist(),
+                                           allowed="per-expert counts summing to the row count")
+        ids = torch.where(expert >= 0, expert + layer.first_expert, -1).to(torch.int32)
+        rows = hidden_states.reshape(-1, width)
+        api = self.vendor().api
+        assert api is not None
+        if nvfp4:
+            if hidden_states_scale is None or global_scale is None:
+                raise md.InvalidInputError("NVFP4 rows need their block scales and global scale",
+                                           parameter="hidden_states_scale", value=hidden_states_scale,
+                                           allowed="e4m3 [..., H/16] and DispatchOutput.global_scale")
+            x, x_sf, gs_in = rows, hidden_states_scale.reshape(-1, h // 16).view(torch.uint8), float(global_scale)
+        else:
+            gs_in = layer.input_global_scale
+            x, x_sf = api.fp4_quantize(rows, torch.tensor([gs_in], dtype=torch.float32, device=rows.device),
+                                       is_sf_swizzled_layout=False)
+        w1_alpha = 1.0 / (gs_in * layer.w1_global_scale)
+        w2_alpha = 1.0 / (layer.fc2_input_scale * layer.w2_global_scale)
+        out = layer.wrapper.run(
+            x, x_sf, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device),
+            layer.w1_weight, layer.w1_weight_sf, w1_alpha.to(rows.device),
+            torch.tensor([layer.fc2_input_scale], dtype=torch.float32, device=rows.device),
+            layer.w2_weight, layer.w2_weight_sf, w2_alpha.to(rows.device))
+        return out.reshape(*hidden_states.shape[:-1], h).to(output_dtype)
+
+
+#: Resolution step 5, and the combinations tested behind each dispatch backend (the
+#: conformance of each pairing is in tests/test_cutedsl_runner.py).
+RUNNER = md.RunnerInfo(
+    "flashinfer_cutedsl", B, "CuTe-DSL MoE quantizes BF16 rows to NVFP4 itself",
+    accepts=frozenset({B, F4}),
+    backends={"cuda_deepep": frozenset({N, LL}), "flashinfer_a2a": frozenset({N}), "torch": frozenset({N, LL})},
+    probe=lambda: CuteDslExperts().probe(),
+)
+
+
+__all__ = ["CuteDslExperts", "RUNNER"]
