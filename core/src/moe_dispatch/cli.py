@@ -119,6 +119,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(f"  {note}")
     if reason:
         print(f"note: backend {backend.name!r} cannot run on this machine: {reason}")
+    runner = host.runners().get(spec.runner) if spec.runner else None
+    if runner is not None and runner.to_dict()["reason"]:
+        print(f"note: runner {runner.name!r} cannot run on this machine: {runner.to_dict()['reason']}")
     return 0
 
 

@@ -265,6 +265,7 @@ def test_explain_shows_the_cutedsl_trail():
     assert "runner flashinfer_cutedsl" in text and "CuTe-DSL MoE quantizes BF16 rows to NVFP4 itself" in text
     assert "wire dtype bf16" in text
     assert "consumes bf16 behind torch (low_latency)" in text
+    assert "note: runner 'flashinfer_cutedsl' cannot run on this machine: flashinfer is not usable" in text
 
 
 def test_workspace_size_follows_flashinfers_layout():
