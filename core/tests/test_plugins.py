@@ -216,3 +216,18 @@ def test_a_broken_plugin_named_at_creation_raises_with_its_traceback(site):
         md.create_dispatcher("fx_broken_create", md.DispatchSpec(128, 8, 2), host=host)
     assert "Traceback" in str(info.value) and "driver mismatch" in str(info.value)
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_probe_cache_is_per_registered_object_not_per_name():
+    """A second object with a registered name (a backend driving an emulator, say) gets its own
+    probe, not the cached answer for the registered one."""
+    host = md.PluginHost(env={})
+    registered = host.get_backend("torch")
+
+    class Elsewhere(type(registered)):  # same name, cannot run here
+        def probe(self) -> str | None:
+            return "not on this machine"
+
+    assert host.probe(registered) is None
+    assert host.probe(Elsewhere()) == "not on this machine"
+    assert host.probe(registered) is None

@@ -9,7 +9,9 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
-_LOCK = threading.Lock()  # one scoped change at a time: os.environ is process-wide
+# One scoped change at a time (os.environ is process-wide); re-entrant so a vendor call made
+# inside a caller's scoped block does not deadlock on its own scoped block.
+_LOCK = threading.RLock()
 
 
 @contextmanager

@@ -277,7 +277,15 @@ class PluginHost:
         return " and ".join(sorted(p.label() for p in self._conflicts[name]))
 
     def probe(self, backend: Backend) -> str | None:
-        """``backend.probe()``, cached; an exception becomes the reason it is unavailable."""
+        """``backend.probe()``, cached for the registered backends (another object with the same
+        name, e.g. one driving an emulator, is probed on its own); an exception becomes the
+        reason it is unavailable."""
+        registered = self._backends.get(backend.name)
+        if registered is None or registered[0] is not backend:
+            try:
+                return backend.probe()
+            except Exception as exc:
+                return f"probe() raised {type(exc).__name__}: {exc}"
         if backend.name not in self._probes:
             started = time.perf_counter()
             try:
