@@ -156,3 +156,14 @@ def test_installed_plugin_is_listed_unavailable_with_what_to_install():
     info = md.PluginHost(env={}).info("ascend_deepep")
     assert info.distribution == "moe-dispatch-ascend-deepep" and info.status == "unavailable"
     assert info.reason and "sgl-kernel-npu" in info.install_hint
+
+
+@pytest.mark.parametrize("runner,wire,why", [
+    ("npu_w8a8", "int8", "W8A8 int8 grouped matmuls take per-token INT8 rows"),
+    ("npu_w4a4", "bf16", "W4A4 quantizes BF16 rows to int4 itself"),
+])
+def test_explain_follows_the_layers_kernel(runner, wire, why):
+    code, text = _explain("--runner", runner, "--mode", "low_latency")
+    assert code == 0 and f"wire dtype {wire} for backend 'ascend_deepep'" in text
+    assert f"runner {runner}" in text and why in text
+    assert f"consumes {wire} behind ascend_deepep (low_latency)" in text

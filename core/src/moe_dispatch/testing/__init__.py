@@ -2,7 +2,8 @@
 
 ``BackendConformance`` is the suite (subclass it, set ``backend_name``); the pytest plugin in
 ``moe_dispatch.testing.plugin`` (loaded automatically through the ``pytest11`` entry point)
-provides ``moe_rank_pools``, ``moe_dense_reference`` and ``moe_routing``. See
+provides ``moe_rank_pools``, ``moe_dense_reference`` and ``moe_routing``; ``check_layer`` runs one layer
+through a plugin's expert kernel against the dense reference. See
 ``docs/writing-a-backend.md``.
 """
 
@@ -11,6 +12,7 @@ from ..routing import random_routing
 from .cases import Case, GlobalBatch, KitShape, Routing, Target, standard_routings
 from .conformance import WORLD_SIZES, BackendConformance
 from .experts import IdentityExperts, ScaledIdentityExperts, ScaledLayer, expert_factor
+from .layers import LayerCheck, check_layer
 from .pools import RankPools
 
 __all__ = [
@@ -20,11 +22,13 @@ __all__ = [
     "GlobalBatch",
     "IdentityExperts",
     "KitShape",
+    "LayerCheck",
     "RankPools",
     "Routing",
     "ScaledIdentityExperts",
     "ScaledLayer",
     "Target",
+    "check_layer",
     "dense_reference",
     "expert_factor",
     "random_routing",

@@ -3,12 +3,15 @@
 The entry point ``ascend_deepep`` names this module; it registers ``AscendDeepEPBackend`` on
 the real ``deep_ep`` (unavailable, with the reason, without DeepEP-Ascend, torch-npu or an NPU).
 Tests run the same adapter on ``moe_dispatch_ascend_deepep.emulator`` (a DeepEP-Ascend with
-``quant_mode``) and ``emulator_env_only`` (an older one that reads the environment).
+``quant_mode``) and ``emulator_env_only`` (an older one that reads the environment). It also
+registers the torch_npu expert runners ``npu_w8a8``, ``npu_w4a8``, ``npu_w4a4``, ``npu_w4a16``
+and ``npu_bf16`` (``experts.NpuExperts``; ``npu_ops_emulator`` on CPU).
 """
 
 import moe_dispatch as md
 
 from .backend import AscendDeepEPBackend
+from .experts import REASONS, SCHEMES, NpuExperts, NpuExpertLayer, runner_name, runner_probe
 
 MOE_DISPATCH_API = 1
 
@@ -18,4 +21,15 @@ def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(AscendDeepEPBackend())
 
 
-__all__ = ["AscendDeepEPBackend", "MOE_DISPATCH_API"]
+@md.hookimpl
+def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
+    # One runner per torch_npu scheme: W8A8/W4A8 need INT8 rows, W4A4/W4A16/BF16 BF16 rows
+    # (NpuExperts(scheme).quant_hints() asks for the same dtype, ahead of the runner step).
+    for scheme in SCHEMES:
+        needs = md.DispatchDtype.INT8 if scheme in ("w8a8", "w4a8") else md.DispatchDtype.BF16
+        register(md.RunnerInfo(runner_name(scheme), needs, REASONS[scheme], accepts=frozenset({needs}),
+                               backends={"ascend_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},
+                               probe=runner_probe))
+
+
+__all__ = ["AscendDeepEPBackend", "MOE_DISPATCH_API", "NpuExpertLayer", "NpuExperts"]

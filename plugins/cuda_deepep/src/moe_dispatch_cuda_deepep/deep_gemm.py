@@ -38,14 +38,18 @@ import importlib.util
 import itertools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 import moe_dispatch as md
+
 from moe_dispatch.codecs import FP8_MAX, pack_ue8m0
 from moe_dispatch.experts import dequantized_weights, swiglu
 from moe_dispatch.output import group_counts
+
+if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
+    from moe_dispatch.testing.layers import LayerCheck
 
 REAL = "deep_gemm"
 EMULATOR = "moe_dispatch_cuda_deepep.deep_gemm_emulator"
@@ -447,17 +451,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 # -- a whole layer on every rank --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LayerCheck:
-    """One rank's run of dispatch → DeepGemmExperts → combine against ``md.reference_moe``."""
-
-    dtype: str
-    relative_error: float
-    tolerance: float
-    decided_by: str
-    resolution: str
-
-
 def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
               vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
               experts_per_rank: int = 2, top_k: int = 2, tokens: int = 8, ue8m0: bool = False,
@@ -465,8 +458,8 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
     the relative error against the dense fp32 reference on the dequantized weights."""
-    from moe_dispatch.accuracy import TOLERANCES, relative_error
-    from moe_dispatch.routing import random_expert_weights, random_routing
+    from moe_dispatch.routing import random_expert_weights
+    from moe_dispatch.testing.layers import check_layer
 
     from .backend import DeepEPBackend
     from .vendor import REAL as DEEPEP
@@ -478,19 +471,10 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
     device = torch.device("cuda" if kernel_module == REAL else "cpu")
     g = torch.Generator().manual_seed(seed)
     global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))
-    x = torch.randn(world * tokens, hidden, generator=g).to(torch.bfloat16)
-    ids, w = random_routing(world * tokens, spec.num_experts, top_k, generator=g, drop_prob=0.1)
-    mine = slice(rank * tokens, (rank + 1) * tokens)
     layer = dataclasses.replace(global_layer.slice(rank * experts_per_rank, experts_per_rank),
                                 expected_m=sglang_expected_m(spec, world)).to(device)
-    out = dispatcher.dispatch(x[mine].to(device), ids[mine].to(device), w[mine].to(device))
-    rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                 out.group_list_type, out.group_list, torch.bfloat16)
-    combined = dispatcher.combine(rows, out)
-    reference = md.reference_moe(x[mine], ids[mine], w[mine], global_layer.dequantized())
-    decided = next(s.source for s in dispatcher.resolution.steps if s.decided and not s.source.startswith("validate"))
-    return LayerCheck(dispatcher.output_dtype.value, relative_error(combined.cpu(), reference),
-                      TOLERANCES[dispatcher.output_dtype], decided, str(dispatcher.resolution))
+    return check_layer(rank, world, dispatcher, experts, layer, global_layer.dequantized(), tokens=tokens,
+                       generator=g, device=device)
 
 
 __all__ = [
@@ -500,7 +484,6 @@ __all__ = [
     "DeepGemmExperts",
     "DeepGemmInfo",
     "DeepGemmLayer",
-    "LayerCheck",
     "detect",
     "quantize_block_fp8",
     "quantize_per_token_group",
