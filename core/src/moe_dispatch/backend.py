@@ -194,8 +194,16 @@ class Backend:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Dispatch, experts and combine in one call (only if ``capabilities.fused_forward``)."""
+        """Dispatch, experts and combine in one call (only if ``capabilities.fused_forward``).
+        ``layer`` is what ``process_weights`` returned for this rank's experts."""
         raise NotImplementedError(f"backend {self.name!r} has no fused forward")
+
+    def process_weights(self, weights: Any, dispatcher: Any) -> Any:
+        """The layer object ``fused_forward`` reads, built once at load time from a rank's
+        experts (``ExpertWeights``) for ``dispatcher`` (its spec and options, e.g. a fuse mode):
+        the vendor's layouts, or a typed error for a quantization scheme the fused op cannot
+        take. Default: the weights as they are."""
+        return weights
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,6 +18,7 @@ from ..capabilities import Capabilities
 from ..codecs import nvfp4_global_scale
 from ..dispatcher import Dispatcher, create_dispatcher
 from ..dtypes import DispatchDtype, Mode
+from ..experts import ExpertWeights
 from ..hints import QuantHints
 from ..routing import random_routing
 from ..spec import DispatchSpec
@@ -30,6 +31,8 @@ class Target:
 
     backend: str | Backend
     options: tuple[tuple[str, Any], ...] = ()
+    #: Applied to the kit's dense random weights before a whole-layer check (importable).
+    weights: Callable[[ExpertWeights], ExpertWeights] | None = None
 
     def create(self, spec: DispatchSpec, **kwargs: Any) -> Dispatcher:
         return create_dispatcher(self.backend, spec, env={}, options=dict(self.options), **kwargs)

@@ -30,6 +30,7 @@ from ..capabilities import Capabilities
 from ..codecs import nvfp4_global_scale
 from ..dtypes import DispatchDtype, Mode
 from ..errors import CapacityError, InvalidSpecError, UnsupportedDtypeError
+from ..experts import ExpertWeights
 from ..hints import QuantHints
 from ..plugins import PluginHost
 from ..resolution import DtypeFallbackWarning, resolve_output_dtype
@@ -65,6 +66,10 @@ class BackendConformance:
     - ``world_sizes``: the local world sizes to run (default 1, 2, 4).
     - ``buffer_size_ratio``: how many times the worst-case bytes a rank sends and receives
       ``buffer_size`` may ask for (None: the vendor fixes the size; the check is skipped).
+    - ``kit_weights``: an importable function applied to the kit's random dense weights before
+      the whole-layer check (e.g. ``moe_dispatch.experts.quantize_weights_w8a8`` for a fused op
+      that takes only W8A8); the reference uses the same weights. A ``fused_forward`` backend
+      gets them through its ``process_weights``.
     """
 
     backend_name: ClassVar[str] = ""
@@ -73,6 +78,7 @@ class BackendConformance:
     kit_shape: ClassVar[KitShape] = KitShape()
     world_sizes: ClassVar[tuple[int, ...]] = WORLD_SIZES
     buffer_size_ratio: ClassVar[float | None] = 4.0
+    kit_weights: ClassVar[Callable[[ExpertWeights], ExpertWeights] | None] = None
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -91,7 +97,7 @@ class BackendConformance:
     @property
     def target(self) -> Target:
         backend: str | Backend = self.backend if type(self).backend_factory is not None else self.backend_name
-        return Target(backend, tuple(sorted(self.backend_options.items())))
+        return Target(backend, tuple(sorted(self.backend_options.items())), type(self).kit_weights)
 
     def _require_runnable(self) -> None:
         reason = self.backend.probe()

@@ -166,7 +166,11 @@ def check_forward(rank: int, world_size: int, case: Case, intermediate: int = 12
     dispatcher = case.target.create(case.spec(batch))
     g = torch.Generator().manual_seed(case.seed + 1)
     weights = random_expert_weights(case.num_experts, case.shape.hidden_size, intermediate, generator=g)
+    if case.target.weights is not None:  # e.g. W8A8 for a fused op that takes nothing else
+        weights = case.target.weights(weights)
     local = weights.slice(rank * case.shape.local_experts, case.shape.local_experts)
+    if dispatcher.backend.capabilities.fused_forward:
+        local = dispatcher.backend.process_weights(local, dispatcher)
     x, ids, w = batch.local(rank)
     out = moe_forward(dispatcher, TorchExperts(), local, x, ids, w)
     return relative_error(out, reference_moe(x, ids, w, weights))

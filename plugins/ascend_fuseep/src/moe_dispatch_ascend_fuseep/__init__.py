@@ -1,0 +1,21 @@
+"""moe-dispatch-ascend-fuseep: Ascend FuseEP (``fused_deep_moe``) as a moe-dispatch backend.
+
+The entry point ``ascend_fuseep`` names this module; it registers ``FuseEPBackend`` on the real
+DeepEP-Ascend (unavailable, with the reason, without it, torch-npu or an NPU). Tests run it on
+``moe_dispatch_ascend_fuseep.emulator``.
+"""
+
+import moe_dispatch as md
+
+from .backend import FuseEPBackend
+from .weights import FuseEPWeights, process_fuseep_weights
+
+MOE_DISPATCH_API = 1
+
+
+@md.hookimpl
+def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
+    register(FuseEPBackend())
+
+
+__all__ = ["FuseEPBackend", "FuseEPWeights", "MOE_DISPATCH_API", "process_fuseep_weights"]
