@@ -231,3 +231,17 @@ def test_probe_cache_is_per_registered_object_not_per_name():
     assert host.probe(registered) is None
     assert host.probe(Elsewhere()) == "not on this machine"
     assert host.probe(registered) is None
+
+
+def test_torch_npu_without_cann_does_not_break_importing_torch(tmp_path, monkeypatch):
+    """torch autoloads installed device backends and raises when torch-npu lacks CANN; the core
+    then imports torch with autoload off, in a scoped block, only in exactly that situation."""
+    from moe_dispatch._torch_import import npu_autoload_would_fail
+
+    assert not npu_autoload_would_fail({})  # no torch_npu here
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("raise ImportError('libhccl.so')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert npu_autoload_would_fail({})
+    assert not npu_autoload_would_fail({"ASCEND_HOME_PATH": "/usr/local/Ascend"})  # CANN is set up
+    assert not npu_autoload_would_fail({"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})  # the user chose

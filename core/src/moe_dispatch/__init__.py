@@ -3,6 +3,10 @@
 The names exported here are the contract engines and backend plugins code against.
 """
 
+from ._torch_import import import_torch
+
+import_torch()  # before anything imports torch: torch-npu without CANN must not break the import
+
 from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, RunnerInfo
 from .capabilities import Capabilities, DtypeDecision, Fallback, Limits
 from .codecs import Codec, Quantized, make_codec
