@@ -120,8 +120,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if reason:
         print(f"note: backend {backend.name!r} cannot run on this machine: {reason}")
     runner = host.runners().get(spec.runner) if spec.runner else None
-    if runner is not None and runner.to_dict()["reason"]:
-        print(f"note: runner {runner.name!r} cannot run on this machine: {runner.to_dict()['reason']}")
+    why_not = runner.to_dict()["reason"] if runner is not None else None  # probes once
+    if why_not:
+        print(f"note: runner {spec.runner!r} cannot run on this machine: {why_not}")
     return 0
 
 

@@ -74,6 +74,14 @@ class Comm:
         self.traffic = Traffic()
 
     @property
+    def process_group(self) -> "dist.ProcessGroup | None":
+        """The group to hand a vendor library (which wants an explicit one): the WORLD group
+        when the default group is in use, None without torch.distributed."""
+        if self.group is None and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return self.group
+
+    @property
     def backend_name(self) -> str:
         if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
             return "local"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-import torch.distributed as dist
 
 import moe_dispatch as md
 
@@ -90,8 +89,5 @@ class AscendDeepEPBackend(md.Backend):
         info = self.vendor()
         if buffer is None:
             assert info.module is not None
-            group = ctx.comm.group
-            if group is None and dist.is_available() and dist.is_initialized():
-                group = dist.group.WORLD
-            buffer = info.module.Buffer(group, low_latency_mode=spec.mode is LL)
+            buffer = info.module.Buffer(ctx.comm.process_group, low_latency_mode=spec.mode is LL)
         return AscendDeepEPDispatcher(ctx, buffer, info.has_quant_mode)

@@ -27,7 +27,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.environ import restored_environ
-from moe_dispatch.output import group_list_from_counts
+from moe_dispatch.output import group_counts, group_list_from_counts
 
 from .emulator import COUNTS_TYPE_ENV, INT8_ENV
 
@@ -75,9 +75,10 @@ class AscendDeepEPDispatcher:
                     recv_x, _, _, listed, handle, _ = self.buffer.dispatch(x, **call)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             padded = data.shape[0]
-            counts = torch.tensor(listed, dtype=torch.int64)
-            if self.has_quant_mode and os.environ.get(COUNTS_TYPE_ENV, "1") == "0":  # a prefix sum, process-wide
-                counts = torch.diff(counts, prepend=counts.new_zeros(1))
+            # A prefix sum when MOE_EXPERT_TOKEN_NUMS_TYPE=0 is set process-wide (the older build's
+            # call above pins it to counts).
+            prefix = self.has_quant_mode and os.environ.get(COUNTS_TYPE_ENV, "1") == "0"
+            counts = group_counts(torch.tensor(listed, dtype=torch.int64), 0 if prefix else 1)
         rows = int(counts.sum())
         out_handle = AscendHandle(self, handle, padded, ids, weights, self.low_latency)
         return md.DispatchOutput(data[:rows], None if scale is None else scale[:rows], topk_ids, topk_weights,

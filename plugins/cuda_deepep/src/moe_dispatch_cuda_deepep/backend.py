@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import moe_dispatch as md
 from moe_dispatch.environ import restored_environ
@@ -125,11 +124,8 @@ class DeepEPBackend(md.Backend):
         if buffer is None:
             module = self.vendor().module
             nvl, rdma = self.nvl_rdma_bytes(ctx.spec, R)
-            group = ctx.comm.group
-            if group is None and dist.is_available() and dist.is_initialized():
-                group = dist.group.WORLD
             with restored_environ():  # V1 Buffer sets NVSHMEM_* in os.environ while it initializes
-                buffer = module.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma,
+                buffer = module.Buffer(ctx.comm.process_group, num_nvl_bytes=nvl, num_rdma_bytes=rdma,
                                        low_latency_mode=ctx.spec.mode is LL,
                                        num_qps_per_rank=ctx.local_experts if ctx.spec.mode is LL else 24)
         return DeepEPDispatcher(ctx, buffer, dcfg, ccfg)

@@ -217,30 +217,16 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):  # noqa: ANN201
-        assert self.low_latency_mode, "the buffer was not created with low_latency_mode=True"
-        assert x.dtype == torch.bfloat16 and x.dim() == 2
-        n, h = x.shape
-        T, R, k = num_max_dispatch_tokens_per_rank, self.group_size, topk_idx.shape[1]
-        assert n <= T and h in LOW_LATENCY_HIDDEN_SIZES, f"Unsupported hidden {h}"
         assert not use_ue8m0 or round_scale, "use_ue8m0 requires round_scale"
-        need = self.get_low_latency_rdma_size_hint(T, h, R, num_experts)
-        assert need <= self.num_rdma_bytes, f"RDMA buffer of {self.num_rdma_bytes} bytes < {need} needed"
+        T, R, h = num_max_dispatch_tokens_per_rank, self.group_size, x.shape[1]
         local = num_experts // R
         if use_fp8:
             data, inv = _quantize_fp8(x, round_scale)
             columns = [as_bytes(data), as_bytes(inv)]  # scales cross as fp32 even for UE8M0
         else:
             columns = [as_bytes(x)]
-        payload = sum(c.shape[1] for c in columns)
-        slots = torch.zeros(T, payload + 8 * k, dtype=torch.uint8)
-        ids = torch.full((T, k), -1, dtype=torch.int64)
-        ids[:n] = topk_idx
-        slots[:n, :payload] = torch.cat(columns, dim=1)
-        slots[:, payload:] = as_bytes(ids)
-        got = self.comm.all_gather(slots, (("payload", payload), ("metadata", 8 * k)))
-        self.calls.append(VendorCall("low_latency_dispatch", x.dtype, use_fp8, n * payload * R))
-        gids = from_bytes(got[:, payload:], torch.int64)  # [R·T, k]
-        slot, expert, position, recv_count = self._place_received(gids, local)
+        got, payload = self._gather_slots(x, topk_idx, T, num_experts, columns, use_fp8)
+        slot, expert, position, recv_count = self._place_received(from_bytes(got[:, payload:], torch.int64), local)
         if use_fp8:
             fp8 = from_bytes(got[:, :h], torch.float8_e4m3fn)
             inv = from_bytes(got[:, h:payload], torch.float32)
@@ -263,6 +249,27 @@ class Buffer:
         handle = self._low_latency_handle(slot, expert, position, local, T, h, num_experts)
         hook: Callable[[], None] = lambda: None  # noqa: E731
         return recv_x, recv_count, handle, EventOverlap(), hook
+
+    def _gather_slots(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, num_experts: int,
+                      columns: list[torch.Tensor], use_fp8: bool) -> tuple[torch.Tensor, int]:
+        """The LL kernel's checks, then every rank's T message slots (payload columns, then the
+        top-k ids, -1 past the batch) to every rank: ``[R·T, payload + 8k]`` and the payload width."""
+        assert self.low_latency_mode, "the buffer was not created with low_latency_mode=True"
+        assert x.dtype == torch.bfloat16 and x.dim() == 2
+        n, h = x.shape
+        R, k = self.group_size, topk_idx.shape[1]
+        assert n <= T and h in LOW_LATENCY_HIDDEN_SIZES, f"Unsupported hidden {h}"
+        need = self.get_low_latency_rdma_size_hint(T, h, R, num_experts)
+        assert need <= self.num_rdma_bytes, f"RDMA buffer of {self.num_rdma_bytes} bytes < {need} needed"
+        payload = sum(c.shape[1] for c in columns)
+        slots = torch.zeros(T, payload + 8 * k, dtype=torch.uint8)
+        ids = torch.full((T, k), -1, dtype=torch.int64)
+        ids[:n] = topk_idx
+        slots[:n, :payload] = torch.cat(columns, dim=1)
+        slots[:, payload:] = as_bytes(ids)
+        got = self.comm.all_gather(slots, (("payload", payload), ("metadata", 8 * k)))
+        self.calls.append(VendorCall("low_latency_dispatch", x.dtype, use_fp8, n * payload * R))
+        return got, payload
 
     def _place_received(self, gids: torch.Tensor, local: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -40,24 +40,11 @@ class Buffer(emulator.Buffer):
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
         assert not use_ue8m0_for_sf, "the emulator implements NVFP4 with e4m3 block scales"
         assert x_global_scale is not None and x_global_scale.dim() == 0, "x_global_scale: a 0-d fp32 tensor"
-        assert x.dtype == torch.bfloat16 and x.dim() == 2
-        n, h = x.shape
-        T, R, k = num_max_dispatch_tokens_per_rank, self.group_size, topk_idx.shape[1]
-        assert n <= T and h in LOW_LATENCY_HIDDEN_SIZES, f"Unsupported hidden {h}"
-        need = self.get_low_latency_rdma_size_hint(T, h, R, num_experts)
-        assert need <= self.num_rdma_bytes, f"RDMA buffer of {self.num_rdma_bytes} bytes < {need} needed"
+        T, R, h = num_max_dispatch_tokens_per_rank, self.group_size, x.shape[1]
         local = num_experts // R
         q = NVFP4Codec(WireFormat(md.DispatchDtype.NVFP4, h), float(x_global_scale)).quantize(x)
-        payload = h // 2 + h // 16
-        slots = torch.zeros(T, payload + 8 * k, dtype=torch.uint8)
-        ids = torch.full((T, k), -1, dtype=torch.int64)
-        ids[:n] = topk_idx
-        slots[:n, :payload] = torch.cat([q.data, as_bytes(q.scale)], dim=1)
-        slots[:, payload:] = as_bytes(ids)
-        got = self.comm.all_gather(slots, (("payload", payload), ("metadata", 8 * k)))
-        self.calls.append(VendorCall("low_latency_dispatch", x.dtype, False, n * payload * R))
-        gids = from_bytes(got[:, payload:], torch.int64)
-        slot, expert, position, recv_count = self._place_received(gids, local)
+        got, payload = self._gather_slots(x, topk_idx, T, num_experts, [q.data, as_bytes(q.scale)], False)
+        slot, expert, position, recv_count = self._place_received(from_bytes(got[:, payload:], torch.int64), local)
         data = torch.zeros(local, R * T, h // 2, dtype=torch.uint8)
         data[expert, position] = got[slot, : h // 2]
         linear = torch.zeros(local, R * T, h // 16, dtype=torch.uint8)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import moe_dispatch as md
 
@@ -87,10 +86,7 @@ class FlashInferA2ABackend(md.Backend):
         mapping = info.api.Mapping(world_size=R, rank=ctx.rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
         extra = {}
         if info.emulated:  # the emulator talks over a process group instead of MNNVL memory
-            group = ctx.comm.group
-            if group is None and dist.is_available() and dist.is_initialized():
-                group = dist.group.WORLD
-            extra["group"] = group
+            extra["group"] = ctx.comm.process_group
         instances = [info.api.MoeAlltoAll(mapping, spec.num_max_dispatch_tokens_per_rank, spec.top_k, spec.num_experts,
                                           workspace_size_per_rank=size.dispatch_bytes + size.combine_bytes,
                                           hidden_size=spec.hidden_size, **extra)
