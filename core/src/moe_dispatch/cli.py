@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-dispatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("backends", help="list backends, whether they run here, and why not")
+    p = sub.add_parser("backends", help="list backends and expert runners, whether they run here, and why not")
     p.add_argument("--json", action="store_true", help="stable JSON for scripts (schema 1)")
     p.set_defaults(func=_cmd_backends)
 
