@@ -30,11 +30,18 @@ from .hookspecs import API_VERSION, hookimpl
 from .layer import MoELayer, moe_forward
 from .output import DispatchOutput
 from .plugins import BackendInfo, PluginHost, available_backends, get_backend
+from .planning import BufferPlan, EnvRequirement, LayerBuffers, Misfit, Peak, plan_buffers
 from .resolution import DtypeFallbackWarning, Resolution, Step, resolve_output_dtype
 from .spec import DispatchSpec, add_cli_args
 from .wire import WireFormat
 
 __all__ = [
+    "BufferPlan",
+    "EnvRequirement",
+    "LayerBuffers",
+    "Misfit",
+    "Peak",
+    "plan_buffers",
     "API_VERSION",
     "Backend",
     "BackendDispatcher",

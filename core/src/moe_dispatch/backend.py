@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .codecs import Codec
     from .distributed.comm import Comm
     from .resolution import Resolution
+    from .planning import EnvRequirement
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class BufferSize:
     def total_bytes(self) -> int:
         """Bytes allocated: ``allocated_bytes`` when given, else dispatch + combine."""
         return self.allocated_bytes if self.allocated_bytes is not None else self.dispatch_bytes + self.combine_bytes
+
+    @property
+    def largest_allocation(self) -> int:
+        """The biggest single buffer: the shared one, or the larger of dispatch and combine.
+        What a backend's ``max_buffer_bytes`` limits."""
+        return self.allocated_bytes if self.allocated_bytes is not None else max(self.dispatch_bytes, self.combine_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -181,6 +188,12 @@ class Backend:
         """Bytes needed for ``spec`` (its ``output_dtype`` already resolved) on
         ``world_size`` ranks, dispatch and combine separately."""
         raise NotImplementedError
+
+    def env_requirements(self, spec: DispatchSpec, world_size: int) -> tuple["EnvRequirement", ...]:
+        """Environment variables the vendor library reads that must be large enough for
+        ``spec`` (e.g. ``HCCL_BUFFSIZE``): what ``moe-dispatch plan`` and ``plan_buffers``
+        check. None by default."""
+        return ()
 
     def create(self, ctx: DispatchContext) -> BackendDispatcher:
         """Build the per-layer dispatcher. Called once, at creation, on every rank."""

@@ -1,4 +1,4 @@
-"""The ``moe-dispatch`` command: backends, explain, demo."""
+"""The ``moe-dispatch`` command: backends, explain, demo, bench, plan."""
 
 from __future__ import annotations
 
@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", default="local", choices=["local", "torchrun"],
                    help="local: spawn --world-size gloo ranks; torchrun: this process is one rank")
     p.set_defaults(func=_cmd_demo)
+
+    from .bench.cli import add_bench_command
+    from .plan_cli import add_plan_command
+
+    add_bench_command(sub)
+    add_plan_command(sub)
     return parser
 
 

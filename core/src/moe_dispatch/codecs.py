@@ -69,15 +69,18 @@ class Codec:
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...] | None:
         return None
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8."""
-        return self.to_bytes(self.quantize(x))
+    def encode(self, x: torch.Tensor, trailer: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8, followed by
+        ``trailer``'s bytes when given (routing metadata: one copy instead of two)."""
+        return self.to_bytes(self.quantize(x), trailer)
 
-    def to_bytes(self, q: Quantized) -> torch.Tensor:
-        data = as_bytes(q.data)
-        if q.scale is None:
-            return data
-        return torch.cat([data, self._scale_to_bytes(q.scale)], dim=-1)
+    def to_bytes(self, q: Quantized, trailer: torch.Tensor | None = None) -> torch.Tensor:
+        parts = [as_bytes(q.data)]
+        if q.scale is not None:
+            parts.append(self._scale_to_bytes(q.scale))
+        if trailer is not None:
+            parts.append(trailer)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def from_bytes(self, rows: torch.Tensor) -> Quantized:
         data_bytes = self.wire.data_bytes
@@ -244,14 +247,27 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     width = t.shape[-1] * t.element_size()
     if t.numel() == 0:
         return torch.empty(*t.shape[:-1], width, dtype=torch.uint8, device=t.device)
-    return t.contiguous().view(torch.uint8)
+    return _view(t, torch.uint8)
 
 
 def from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 rows reinterpreted as ``dtype`` along the last dim (empty tensors included)."""
     if raw.numel() == 0:
         return torch.empty(*raw.shape[:-1], raw.shape[-1] // dtype.itemsize, dtype=dtype, device=raw.device)
-    return raw.contiguous().view(dtype)
+    return _view(raw, dtype)
+
+
+def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.view(dtype)`` without a copy where the strides allow it (a column slice of wire
+    rows does: the payload of a received buffer is not copied out before use)."""
+    if t.dtype == dtype:
+        return t
+    if t.stride(-1) == 1:
+        try:
+            return t.view(dtype)
+        except RuntimeError:  # strides or offset not a multiple of the new element size
+            pass
+    return t.clone(memory_format=torch.contiguous_format).view(dtype)  # fresh storage: aligned
 
 
 def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
@@ -277,27 +293,34 @@ def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
     return table[codes]
 
 
-def check_global_scale(global_scale: object, parameter: str = "input_global_scale") -> float:
-    """NVFP4's global scale must be one positive finite number (a 0-dim or 1-element tensor
-    is accepted, as sglang passes it)."""
+def check_global_scale(global_scale: object, parameter: str = "quant.input_global_scale") -> float:
+    """NVFP4's global scale must be one positive finite number: a Python or numpy number, or
+    a 0-dim or 1-element tensor (as sglang passes it; read once, here, at creation)."""
+    allowed = "a positive finite float, or a 1-element tensor (FlashInfer's convention: 448*6/amax)"
     value = global_scale
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+    if isinstance(value, torch.Tensor) or (
+        not isinstance(value, type) and hasattr(value, "item") and hasattr(value, "shape")
+    ):  # a tensor or a numpy array
+        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
+        if size != 1:
             raise InvalidSpecError(
                 "NVFP4 needs one scalar global scale for the whole dispatch",
                 parameter=parameter,
                 value=value,
-                allowed="a positive finite float or a 1-element tensor",
+                allowed=allowed,
             )
-        value = float(value.item())
+        value = value.item()
+    elif hasattr(value, "item") and not isinstance(value, (str, bytes, type)):  # a numpy scalar
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidSpecError(
-            "must be a number", parameter=parameter, value=global_scale, allowed="a positive finite float"
+            f"must be a number, not {type(value).__name__}", parameter=parameter, value=value, allowed=allowed
         )
     if not math.isfinite(value) or value <= 0:
-        raise InvalidSpecError(
-            "must be positive and finite", parameter=parameter, value=value, allowed="a positive finite float"
-        )
+        raise InvalidSpecError("must be positive and finite", parameter=parameter, value=value, allowed=allowed)
     return float(value)
 
 

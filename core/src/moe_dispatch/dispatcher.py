@@ -11,12 +11,14 @@ from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext
 from .codecs import make_codec
 from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype
-from .errors import BackendUnavailableError, CapacityError, InvalidSpecError
+from .distributed.agreement import agree
+from .distributed.watch import DEFAULT_TIMEOUT_S
+from .errors import BackendUnavailableError, CapacityError, CommunicationError, InvalidSpecError, MoEDispatchError
 from .output import DispatchOutput
-from .plugins import PluginHost, default_host
+from .plugins import PluginHost, core_version, default_host
 from .resolution import Resolution, resolve_output_dtype
 from .spec import DispatchSpec
-from .validation import check_combine_inputs, check_dispatch_inputs
+from .validation import InputChecks
 
 
 class Dispatcher:
@@ -42,6 +44,7 @@ class Dispatcher:
         self._impl = impl
         self._comm = comm
         self._device = _group_device(comm)
+        self._checks = InputChecks(spec, self._device, impl)
 
     @property
     def output_dtype(self) -> DispatchDtype:
@@ -61,6 +64,16 @@ class Dispatcher:
         return self._comm.traffic
 
     @property
+    def comm(self) -> Comm:
+        """The counted process-group calls this dispatcher makes (``traffic``, ``recording()``)."""
+        return self._comm
+
+    @property
+    def input_checks(self) -> InputChecks:
+        """The checks dispatch and combine run; a fused forward runs them too."""
+        return self._checks
+
+    @property
     def backend_dispatcher(self) -> BackendDispatcher:
         """The backend's own object, for callers that skip the core's checks."""
         return self._impl
@@ -70,17 +83,46 @@ class Dispatcher:
 
         :param hidden_states: bf16 ``[T, H]`` with T <= ``num_max_dispatch_tokens_per_rank``.
         :param topk_ids: int32/int64 ``[T, top_k]`` global expert ids, -1 for none.
-        :param topk_weights: fp32 ``[T, top_k]``.
+        :param topk_weights: fp32 ``[T, top_k]``, on the device of ``hidden_states``.
+        :raises InvalidInputError: a wrong type, shape, dtype or device (always checked), or, with
+            ``check_inputs`` on, an expert id outside ``-1, 0..E-1``, an expert listed twice in one
+            token, or NaN/Inf in ``topk_weights`` or ``hidden_states``.
+        :raises CapacityError: T > ``num_max_dispatch_tokens_per_rank`` (raise
+            ``--num-max-dispatch-tokens-per-rank``).
+        :raises PeerFailedError: / :raises CollectiveTimeoutError: another rank failed, died or
+            stalled while this one waited for it (docs/reliability.md).
+
+        Every check runs on this rank before any collective is entered; no input is modified.
+        Shape, dtype, device and capacity checks read only metadata and always run (about
+        0.5 µs). The value checks read the data (on an accelerator: a few small kernels and one
+        device sync per call); they are on by default, and off with
+        ``create_dispatcher(check_inputs=False)`` or ``dispatcher.check_inputs = False``.
+        An error here is also posted to the other ranks, which stop waiting for this one.
         """
-        check_dispatch_inputs(
-            self.spec, self._device, hidden_states, topk_ids, topk_weights, check_values=self.check_inputs
-        )
-        return self._impl.dispatch(hidden_states, topk_ids, topk_weights)
+        try:
+            self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+            return self._impl.dispatch(hidden_states, topk_ids, topk_weights)
+        except CommunicationError:
+            raise  # a peer's failure: it has told the others already
+        except BaseException as exc:
+            self._comm.announce_failure("dispatch", exc)  # the peers stop waiting for this rank
+            raise
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
-        """Send the unweighted expert rows back, apply the top-k weights, sum: bf16 ``[T, H]``."""
-        check_combine_inputs(self.spec, self._impl, expert_output, dispatch_output)
-        return self._impl.combine(expert_output, dispatch_output)
+        """Send the unweighted expert rows back, apply the top-k weights, sum: bf16 ``[T, H]``.
+
+        :raises InvalidInputError: ``expert_output`` that is not bf16 ``[..., H]`` with one row per
+            dispatched row on the dispatch output's device, or a ``dispatch_output`` this
+            dispatcher did not return.
+        """
+        try:
+            self._checks.combine(expert_output, dispatch_output)
+            return self._impl.combine(expert_output, dispatch_output)
+        except CommunicationError:
+            raise
+        except BaseException as exc:
+            self._comm.announce_failure("combine", exc)
+            raise
 
     def __repr__(self) -> str:
         return (
@@ -110,42 +152,73 @@ def create_dispatcher(
     check_inputs: bool = True,
     host: PluginHost | None = None,
     options: Mapping[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Dispatcher:
-    """Resolve the wire dtype, check the spec against the backend, plan the buffers and
-    build the dispatcher: everything that can fail does so here, before the first forward.
+    """Resolve the wire dtype, check the spec against the backend, plan the buffers, agree
+    with the other ranks and build the dispatcher: everything that can fail does so here,
+    before the first forward, and on every rank of the group.
 
     Works in one process (no torch.distributed: world size 1), under ``torchrun`` after
     ``dist.init_process_group()`` (``group=None`` is the default group), and on any group.
+    Every rank of the group must call it (it is a collective).
 
     :param strict: a dtype fallback raises instead of warning.
     :param env: environment for the resolution (``os.environ`` when None); never written.
-    :param check_inputs: run the value checks (ids in range, finite values) on every call.
+    :param check_inputs: run the value checks (ids in range, no duplicate ids, finite
+        values) on every dispatch; they read the data (a device sync on an accelerator).
+        The shape, dtype, device and capacity checks always run.
+    :param timeout_s: how long a rank waits for the others in one collective (gloo) before
+        ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
+        the process group's own timeout.
     """
-    host = host or default_host()
-    backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
-    reason = host.probe(backend_obj)
+    comm = Comm(group, timeout_s=timeout_s)
+    try:
+        host = host or default_host()
+        backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
+        _check_available(host, backend_obj)
+        ctx, resolution = _prepare(host, backend_obj, spec, comm, strict=strict, env=env, options=options)
+        fingerprint = _fingerprint(host, backend_obj, ctx, timeout_s)
+    except MoEDispatchError as exc:
+        # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
+        agree(comm, {}, "configuration", failure=exc)
+        raise
+    comm.watch.bind(agree(comm, fingerprint, "configuration"))
+    try:
+        impl = host.call_create(backend_obj, ctx)
+    except BaseException as exc:
+        comm.announce_failure("create", exc)
+        raise
+    return Dispatcher(backend_obj, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
+
+
+def _check_available(host: PluginHost, backend: Backend) -> None:
+    reason = host.probe(backend)
     if reason is not None:
-        hint = f"; {backend_obj.install_hint}" if backend_obj.install_hint else ""
-        raise BackendUnavailableError(
-            f"cannot run here: {reason}{hint}", parameter="backend", value=backend_obj.name
-        )
-    comm = Comm(group)
-    backend_obj.check_spec(spec, comm.world_size)
-    resolution = resolve_output_dtype(spec, backend_obj, env=env, strict=strict, runners=host.runners())
+        hint = f"; {backend.install_hint}" if backend.install_hint else ""
+        raise BackendUnavailableError(f"cannot run here: {reason}{hint}", parameter="backend", value=backend.name)
+
+
+def _prepare(
+    host: PluginHost, backend: Backend, spec: DispatchSpec, comm: Comm, *, strict: bool,
+    env: Mapping[str, str] | None, options: Mapping[str, Any] | None,
+) -> tuple[DispatchContext, Resolution]:
+    """Everything local: the spec against the backend, the wire dtype, the buffer plan."""
+    backend.check_spec(spec, comm.world_size)
+    resolution = resolve_output_dtype(spec, backend, env=env, strict=strict, runners=host.runners())
     resolved = spec.with_dtype(resolution.dtype)
-    if resolved.wire_format().ue8m0 and not backend_obj.capabilities.fp8_ue8m0:
+    if resolved.wire_format().ue8m0 and not backend.capabilities.fp8_ue8m0:
         raise InvalidSpecError(
-            f"backend {backend_obj.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
+            f"backend {backend.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
             parameter="quant.fp8_ue8m0_scales",
             value=True,
             allowed="False for this backend",
         )
     codec = make_codec(resolved.wire_format(), resolved.quant.input_global_scale)
-    buffers = backend_obj.buffer_size(resolved, comm.world_size)
-    limit = backend_obj.capabilities.limits_for(resolved.mode).max_buffer_bytes
-    if limit is not None and max(buffers.dispatch_bytes, buffers.combine_bytes) > limit:
+    buffers = backend.buffer_size(resolved, comm.world_size)
+    limit = backend.capabilities.limits_for(resolved.mode).max_buffer_bytes
+    if limit is not None and buffers.largest_allocation > limit:
         raise CapacityError(
-            f"backend {backend_obj.name!r} needs {max(buffers.dispatch_bytes, buffers.combine_bytes):,} buffer bytes, "
+            f"backend {backend.name!r} needs {buffers.largest_allocation:,} buffer bytes, "
             f"more than its limit of {limit:,}; lower --num-max-dispatch-tokens-per-rank",
             parameter="num_max_dispatch_tokens_per_rank",
             value=resolved.num_max_dispatch_tokens_per_rank,
@@ -159,8 +232,29 @@ def create_dispatcher(
         device=_group_device(comm) or torch.device("cpu"),
         options=dict(options or {}),
     )
-    impl = backend_obj.create(ctx)
-    return Dispatcher(backend_obj, resolved, resolution, impl, comm, buffers, check_inputs=check_inputs)
+    return ctx, resolution
+
+
+def _fingerprint(host: PluginHost, backend: Backend, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:
+    """What every rank of the group must agree on (compared field by field at creation)."""
+    spec = ctx.spec
+    return {
+        "hidden_size": spec.hidden_size,
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "num_max_dispatch_tokens_per_rank": spec.num_max_dispatch_tokens_per_rank,
+        "mode": spec.mode.value,
+        "resolved dtype": spec.output_dtype.value,
+        "quant": repr(spec.quant),
+        "runner": spec.runner,
+        "group_list_type": spec.group_list_type,
+        "backend": backend.name,
+        "backend version": host.label(backend),
+        "core version": core_version(),
+        "world_size": ctx.world_size,
+        "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],
+        "timeout_s": timeout_s,
+    }
 
 
 __all__ = ["Dispatcher", "create_dispatcher"]

@@ -90,8 +90,34 @@ class CommunicationError(MoEDispatchError, RuntimeError):
     """A collective failed or timed out, usually because another rank failed or stalled."""
 
 
+class PeerFailedError(CommunicationError):
+    """Another rank of the group raised (bad input on that rank, a bug, a vendor error)
+    while this one waited for it in a collective. ``rank`` is the failed rank, ``reason``
+    its error message. The process group is unusable afterwards: rebuild it."""
+
+    def __init__(self, message: str, *, rank: int, reason: str, operation: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
+        self.operation = operation
+
+
+class CollectiveTimeoutError(CommunicationError):
+    """A collective did not complete within the dispatcher's ``timeout_s``. ``ranks`` are
+    the ranks that never arrived (stalled or dead) when that could be established, else
+    empty. The process group is unusable afterwards: rebuild it."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...], operation: str, timeout_s: float) -> None:
+        super().__init__(message, parameter="timeout_s", value=timeout_s)
+        self.ranks = ranks
+        self.operation = operation
+        self.timeout_s = timeout_s
+
+
 __all__ = [
     "BackendUnavailableError",
+    "CollectiveTimeoutError",
+    "PeerFailedError",
     "CapacityError",
     "CommunicationError",
     "ConfigMismatchError",

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from .codecs import check_global_scale
 from .dtypes import DispatchDtype
 from .errors import InvalidSpecError
 
@@ -33,18 +33,10 @@ class QuantHints:
             "dispatcher_output_dtype",
             DispatchDtype.parse(self.dispatcher_output_dtype, "quant.dispatcher_output_dtype"),
         )
-        gs = self.input_global_scale
-        if gs is not None:
-            if hasattr(gs, "item") and getattr(gs, "numel", lambda: 1)() == 1:
-                gs = float(gs.item())
-            if isinstance(gs, bool) or not isinstance(gs, (int, float)) or not math.isfinite(gs) or gs <= 0:
-                raise InvalidSpecError(
-                    "must be one positive finite number",
-                    parameter="quant.input_global_scale",
-                    value=self.input_global_scale,
-                    allowed="a positive finite float (448*6/amax by FlashInfer's convention)",
-                )
-            object.__setattr__(self, "input_global_scale", float(gs))
+        if self.input_global_scale is not None:
+            object.__setattr__(
+                self, "input_global_scale", check_global_scale(self.input_global_scale, "quant.input_global_scale")
+            )
         if not isinstance(self.fp8_ue8m0_scales, bool):
             raise InvalidSpecError(
                 "must be a bool", parameter="quant.fp8_ue8m0_scales", value=self.fp8_ue8m0_scales, allowed="True, False"

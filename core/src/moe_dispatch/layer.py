@@ -20,6 +20,8 @@ def moe_forward(
 ) -> torch.Tensor:
     """Run one MoE layer over the EP group; bf16 ``[T, H]`` out."""
     if dispatcher.backend.capabilities.fused_forward:
+        # The fused op skips Dispatcher.dispatch: run its input checks here, for every fused backend.
+        dispatcher.input_checks.dispatch(hidden_states, topk_ids, topk_weights, dispatcher.check_inputs)
         return dispatcher.backend.fused_forward(dispatcher, layer, hidden_states, topk_ids, topk_weights)
     out = dispatcher.dispatch(hidden_states, topk_ids, topk_weights)
     rows = experts.apply_without_routing_weights(

@@ -4,6 +4,12 @@ A plugin that fails to import, declares an unsupported API version, implements a
 that does not exist, or raises while registering is recorded with its error and left out;
 the others load. Asking for one of its backends by name raises with the original error.
 
+Probes run with a deadline (``probe_timeout_s``, default ``DEFAULT_PROBE_TIMEOUT_S``): a
+``probe()`` that hangs (a driver that never answers, a vendor import stuck on a lock) makes
+its backend unavailable, "probe did not answer within X s", instead of stalling the engine's
+start-up. A probe that raises makes its backend unavailable with the error. A ``create()``
+that raises is a ``BackendUnavailableError`` naming the backend (``PluginHost.call_create``).
+
 Environment (read once, when a host is created; never written):
 
 - ``MOE_DISPATCH_PLUGINS``: comma-separated allow-list of entry-point or distribution
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,14 +35,19 @@ from typing import Any, Callable, Iterable, Mapping, TextIO
 import pluggy
 
 from . import hookspecs
-from .backend import Backend, RunnerInfo
+from .backend import Backend, BackendDispatcher, DispatchContext, RunnerInfo
 from .backends import BUILTIN_PLUGINS
-from .errors import BackendUnavailableError, PluginError
+from .errors import BackendUnavailableError, MoEDispatchError, PluginError
 
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
 ENV_PLUGINS = "MOE_DISPATCH_PLUGINS"
 ENV_TRACE = "MOE_DISPATCH_TRACE_PLUGINS"
 _HOOK_NAMES = ("moe_dispatch_register_backends", "moe_dispatch_register_runners")
+
+#: Seconds one ``probe()`` may take before its backend is reported unavailable. Generous: a
+#: cold CUDA or NPU driver initialisation, or importing a large vendor library, on a loaded
+#: machine takes seconds; a probe that takes longer than this is stuck, not slow.
+DEFAULT_PROBE_TIMEOUT_S = 30.0
 
 
 def core_version() -> str:
@@ -66,10 +79,86 @@ class PluginRecord:
 
 
 @dataclass(frozen=True)
+class ProbeResult:
+    """One ``probe()`` answer: ``reason`` is None when the backend runs here.
+
+    :param error: the traceback when ``probe()`` raised (``reason`` names the exception).
+    :param timed_out: ``probe()`` did not return within the deadline. Its thread is left to
+        finish on its own (a thread cannot be stopped); a registered backend keeps the timeout
+        as its answer for the life of the host, so start-up and later calls agree.
+    """
+
+    reason: str | None
+    seconds: float
+    error: str | None = None
+    timed_out: bool = False
+
+
+class _ProbeRun:
+    """One ``probe()`` call on a daemon thread, so the caller can stop waiting for it.
+
+    A thread cannot be killed, so a probe that hangs keeps its thread until it returns or the
+    process exits; being a daemon, it never holds up interpreter exit.
+    """
+
+    def __init__(self, backend: Backend, on_late: Callable[["_ProbeRun"], None]) -> None:
+        self.backend = backend  # held so id(backend) stays unique while the run is tracked
+        self.started = time.perf_counter()
+        self.result: ProbeResult | None = None
+        self._abandoned = False
+        self._done = threading.Event()
+        # Orders "the probe answered" against "the caller gave up", so exactly one of the two
+        # sees the other: the caller uses the answer, or the late answer is only traced.
+        self._lock = threading.Lock()
+        self._on_late = on_late
+        self._thread = threading.Thread(target=self._run, name=f"moe-dispatch-probe-{backend.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        result = _call_probe(self.backend, self.started)
+        with self._lock:
+            self.result = result
+            self._done.set()
+            late = self._abandoned
+        if late:
+            self._on_late(self)
+
+    def wait(self, timeout_s: float) -> ProbeResult | None:
+        """The answer; None (and the run marked abandoned) if there is none within ``timeout_s``."""
+        self._done.wait(timeout_s)
+        with self._lock:
+            if not self._done.is_set():
+                self._abandoned = True
+            return self.result
+
+
+def _call_probe(backend: Backend, started: float) -> ProbeResult:
+    try:
+        reason = backend.probe()
+    except Exception as exc:  # a probe that raises is a reason, not a crash
+        error = "".join(traceback.format_exception(exc)).rstrip()
+        return ProbeResult(f"probe() raised {type(exc).__name__}: {exc}", time.perf_counter() - started, error)
+    return ProbeResult(reason, time.perf_counter() - started)
+
+
+def _check_probe_timeout(value: object) -> float:
+    """``value`` as a probe deadline in seconds, or a ``PluginError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise PluginError(
+            "the probe deadline must be a positive number of seconds",
+            parameter="probe_timeout_s",
+            value=value,
+            allowed="a number > 0, or math.inf to call probe() on the calling thread without a deadline",
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
 class BackendInfo:
     """What ``moe-dispatch backends`` shows for one backend (stable JSON via ``to_dict``).
 
-    :param status: ``available`` (runs here), ``unavailable`` (``probe()`` gave ``reason``;
+    :param status: ``available`` (runs here), ``unavailable`` (``probe()`` gave ``reason``,
+        raised (``error`` has the traceback) or did not answer within the deadline;
         ``install_hint`` says what to install), ``broken`` (its plugin failed to load;
         ``error`` has the traceback) or ``conflict`` (two distributions register the name).
     """
@@ -105,7 +194,13 @@ class BackendInfo:
 
 class PluginHost:
     """Loads built-in and entry-point plugins into one pluggy manager and keeps what they
-    registered. Each host is independent; ``default_host()`` is the process's shared one."""
+    registered. Each host is independent; ``default_host()`` is the process's shared one.
+
+    :param probe_timeout_s: seconds each ``probe()`` may take (``DEFAULT_PROBE_TIMEOUT_S``);
+        one that takes longer leaves its backend unavailable for the life of this host.
+        ``math.inf`` calls ``probe()`` on the calling thread without a deadline, for a vendor
+        library that must be initialised on the main thread.
+    """
 
     def __init__(
         self,
@@ -114,7 +209,9 @@ class PluginHost:
         load_entry_points: bool = True,
         extra_plugins: Iterable[ModuleType] = (),
         trace: TextIO | None = None,
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     ) -> None:
+        self.probe_timeout_s = _check_probe_timeout(probe_timeout_s)
         env = os.environ if env is None else env
         self._allow = _parse_allow_list(env.get(ENV_PLUGINS))
         self._trace_to = trace if trace is not None else (sys.stderr if env.get(ENV_TRACE, "") not in ("", "0") else None)
@@ -124,7 +221,10 @@ class PluginHost:
         self._backends: dict[str, tuple[Backend, PluginRecord]] = {}
         self._conflicts: dict[str, list[PluginRecord]] = {}
         self._runners: dict[str, tuple[RunnerInfo, PluginRecord]] = {}
-        self._probes: dict[str, str | None] = {}
+        self._probes: dict[str, ProbeResult] = {}
+        # Probes still running past their deadline, by id(backend), so asking again waits for
+        # the same call instead of starting another thread on a probe that hangs.
+        self._running: dict[int, _ProbeRun] = {}
         self.allow_list_unmatched: list[str] = []
         version = core_version()
         for module_name in BUILTIN_PLUGINS:
@@ -276,32 +376,81 @@ class PluginHost:
     def _owners(self, name: str) -> str:
         return " and ".join(sorted(p.label() for p in self._conflicts[name]))
 
-    def probe(self, backend: Backend) -> str | None:
-        """``backend.probe()``, cached for the registered backends (another object with the same
-        name, e.g. one driving an emulator, is probed on its own); an exception becomes the
-        reason it is unavailable."""
-        registered = self._backends.get(backend.name)
-        if registered is None or registered[0] is not backend:
-            try:
-                return backend.probe()
-            except Exception as exc:
-                return f"probe() raised {type(exc).__name__}: {exc}"
-        if backend.name not in self._probes:
-            started = time.perf_counter()
-            try:
-                reason = backend.probe()
-            except Exception as exc:
-                reason = f"probe() raised {type(exc).__name__}: {exc}"
-            self._trace(f"probe {backend.name}: {reason or 'available'} ({(time.perf_counter() - started) * 1e3:.1f} ms)")
-            self._probes[backend.name] = reason
-        return self._probes[backend.name]
+    def probe(self, backend: Backend, *, timeout_s: float | None = None) -> str | None:
+        """Why ``backend`` cannot run here, or None; see ``probe_result``."""
+        return self.probe_result(backend, timeout_s=timeout_s).reason
 
-    def info(self, name: str) -> BackendInfo:
+    def probe_result(self, backend: Backend, *, timeout_s: float | None = None) -> ProbeResult:
+        """``backend.probe()`` within ``timeout_s`` (None: this host's ``probe_timeout_s``).
+
+        Cached for the registered backends, a timeout included, so a probe that hangs costs
+        one deadline per host, not one per call; another object with the same name (e.g. one
+        driving an emulator) is probed on its own. An exception becomes the reason.
+        """
+        registered = self._backends.get(backend.name)
+        is_registered = registered is not None and registered[0] is backend
+        if is_registered and backend.name in self._probes:
+            return self._probes[backend.name]
+        deadline = self.probe_timeout_s if timeout_s is None else _check_probe_timeout(timeout_s)
+        result = self._run_probe(backend, deadline)
+        detail = f"did not answer within {deadline:g} s" if result.timed_out else (result.reason or "available")
+        self._trace(f"probe {backend.name}: {detail} ({result.seconds * 1e3:.1f} ms)")
+        if is_registered:
+            self._probes[backend.name] = result
+        return result
+
+    def _run_probe(self, backend: Backend, deadline: float) -> ProbeResult:
+        if math.isinf(deadline):
+            return _call_probe(backend, time.perf_counter())
+        run = self._running.pop(id(backend), None)
+        if run is None or run.backend is not backend:
+            run = _ProbeRun(backend, self._late_answer)
+        result = run.wait(deadline)
+        if result is not None:
+            return result
+        self._running[id(backend)] = run
+        return ProbeResult(f"probe did not answer within {deadline:g} s", time.perf_counter() - run.started,
+                           timed_out=True)
+
+    def _late_answer(self, run: _ProbeRun) -> None:
+        answer = run.result.reason if run.result is not None else None
+        # A registered backend keeps its timeout for the host's life (start-up already reported
+        # it); the trace still shows the answer, which tells how far to raise the deadline.
+        self._trace(f"probe {run.backend.name} answered past its deadline, {time.perf_counter() - run.started:.1f} s "
+                    f"after it started: {answer or 'available'}")
+
+    def call_create(self, backend: Backend, ctx: DispatchContext) -> BackendDispatcher:
+        """``backend.create(ctx)``. A typed error from it passes through as it is; any other
+        exception (a vendor library failing to initialise, a bug in the plugin) becomes a
+        ``BackendUnavailableError`` naming the backend and its distribution, chained to the
+        original, so the engine can report it and choose another backend."""
+        try:
+            return backend.create(ctx)
+        except MoEDispatchError:
+            raise
+        except Exception as exc:
+            label = self.label(backend)
+            self._trace(f"create {backend.name} ({label}) FAILED: {type(exc).__name__}: {exc}")
+            raise BackendUnavailableError(
+                f"backend {backend.name!r} from {label} failed in create(): {type(exc).__name__}: {exc}",
+                parameter="backend",
+                value=backend.name,
+            ) from exc
+
+    def label(self, backend: Backend) -> str:
+        """"distribution version" of the plugin that registered ``backend`` (its module otherwise)."""
+        registered = self._backends.get(backend.name)
+        if registered is not None and registered[0] is backend:
+            return registered[1].label()
+        return type(backend).__module__.split(".")[0]
+
+    def info(self, name: str, *, probe_timeout_s: float | None = None) -> BackendInfo:
         if name in self._conflicts:
             owners = self._owners(name)
             return BackendInfo(name, None, None, "conflict", f"registered by both {owners}", None)
         backend, record = self._backends[name]
-        reason = self.probe(backend)
+        probed = self.probe_result(backend, timeout_s=probe_timeout_s)
+        reason = probed.reason
         return BackendInfo(
             name=name,
             distribution=record.distribution,
@@ -311,11 +460,16 @@ class PluginHost:
             capabilities=backend.capabilities.to_dict(),
             install_hint=backend.install_hint if reason is not None else "",
             description=backend.description,
+            error=probed.error,
         )
 
-    def available_backends(self) -> list[BackendInfo]:
-        """Every registered backend, then every plugin that failed to load (as broken)."""
-        infos = [self.info(name) for name in self.backend_names()]
+    def available_backends(self, *, probe_timeout_s: float | None = None) -> list[BackendInfo]:
+        """Every registered backend, then every plugin that failed to load (as broken).
+
+        Probes run one after another, each within ``probe_timeout_s`` (None: the host's), so
+        this returns within (number of backends) × the deadline whatever the plugins do.
+        """
+        infos = [self.info(name, probe_timeout_s=probe_timeout_s) for name in self.backend_names()]
         for failed in self.failures():
             last = (failed.error or "").strip().splitlines()[-1:] or ["unknown error"]
             infos.append(
@@ -387,9 +541,10 @@ def default_host() -> PluginHost:
     return _DEFAULT
 
 
-def available_backends() -> list[BackendInfo]:
-    """Every backend the default host knows, with availability and the reason."""
-    return default_host().available_backends()
+def available_backends(*, probe_timeout_s: float | None = None) -> list[BackendInfo]:
+    """Every backend the default host knows, with availability and the reason; each probe
+    not yet cached gets ``probe_timeout_s`` (None: ``DEFAULT_PROBE_TIMEOUT_S``)."""
+    return default_host().available_backends(probe_timeout_s=probe_timeout_s)
 
 
 def get_backend(name: str) -> Backend:
@@ -398,10 +553,12 @@ def get_backend(name: str) -> Backend:
 
 
 __all__ = [
+    "DEFAULT_PROBE_TIMEOUT_S",
     "ENTRY_POINT_GROUP",
     "BackendInfo",
     "PluginHost",
     "PluginRecord",
+    "ProbeResult",
     "available_backends",
     "default_host",
     "get_backend",

@@ -67,7 +67,12 @@ class DispatchSpec:
                 "must be QuantHints or a dict of its fields", parameter="quant", value=self.quant, allowed="QuantHints"
             )
         if self.runner is not None and (not isinstance(self.runner, str) or not self.runner):
-            raise InvalidSpecError("must be a non-empty str or None", parameter="runner", value=self.runner)
+            raise InvalidSpecError(
+                "must be a non-empty str or None",
+                parameter="runner",
+                value=self.runner,
+                allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'cutlass'",
+            )
         if self.group_list_type not in (0, 1):
             raise InvalidSpecError(
                 "unknown group_list_type",

@@ -81,11 +81,14 @@ class ReferenceDispatcher:
             return self._dispatch_masked(hidden_states, topk_ids, topk_weights)
         return self._dispatch_packed(hidden_states, topk_ids, topk_weights)
 
-    def _rows(self, payload: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights)], dim=1)
-        return torch.cat([payload, meta], dim=1)
+    def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One wire row per token: the payload, then its global top-k ids (int32) and fp32
+        weights. Built once per token; a pair's row is then a single gather."""
+        meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], dim=1)
+        return self.codec.encode(x, meta)
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
+        """Views into received wire rows (no copy): payload, global ids, weights."""
         pw, k = self.payload_width, self.top_k
         q = self.codec.from_bytes(rows[:, :pw])
         ids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
@@ -95,31 +98,25 @@ class ReferenceDispatcher:
     def _dispatch_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         R, El, k = self.world, self.local_experts, self.top_k
         T = x.shape[0]
-        ids = topk_ids.to(torch.int64)
-        dest = torch.where(ids >= 0, ids // El, R)  # R marks "no expert"
         if self.send_to_all_ranks:
             in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
         else:
-            in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device)
-            in_rank.scatter_(1, dest, True)
-            in_rank = in_rank[:, :R]
-        pairs = in_rank.t().nonzero()  # sorted by rank, then token
-        pair_rank, pair_token = pairs[:, 0], pairs[:, 1]
+            ids = topk_ids.to(torch.int64)
+            dest = torch.where(ids >= 0, torch.div(ids, El, rounding_mode="floor"), R)  # R marks "no expert"
+            in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device).scatter_(1, dest, True)[:, :R]
+        pair_token = in_rank.t().reshape(-1).nonzero().squeeze(1) % max(T, 1)  # by rank, then token
         send_counts_t = in_rank.sum(dim=0)
-
-        on_dest = dest[pair_token] == pair_rank[:, None]
-        local_ids = torch.where(on_dest, ids[pair_token] - pair_rank[:, None] * El, -1)
-        weights = torch.where(on_dest, topk_weights[pair_token], 0.0)
-        payload = self.codec.encode(x)[pair_token]
-        send = self._rows(payload, local_ids, weights)
+        send = self._token_rows(x, topk_ids, topk_weights).index_select(0, pair_token)
 
         recv_counts = self.comm.exchange_counts(send_counts_t).tolist()  # the host sync
         send_counts = send_counts_t.tolist()
         recv = self.comm.all_to_all(send, send_counts, recv_counts, self.sections)
-        q, rids, rweights = self._split_rows(recv)
+        q, gids, rweights = self._split_rows(recv)
 
         # Expand to rows per (token, local expert), grouped by expert, token order within.
-        row_slot, counts = rows_by_expert(rids, El)
+        local = gids.to(torch.int64) - self.rank * El
+        local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
+        row_slot, counts = rows_by_expert(local, El)
         row_token = torch.div(row_slot, k, rounding_mode="floor")
         hidden = q.data.index_select(0, row_token)
         scale = None if q.scale is None else q.scale.index_select(0, row_token)
@@ -131,7 +128,7 @@ class ReferenceDispatcher:
             num_tokens=T,
             num_received=recv.shape[0],
             row_token=row_token,
-            row_weight=rweights.reshape(-1)[row_slot],
+            row_weight=rweights.reshape(-1).index_select(0, row_slot),
         )
         return DispatchOutput(
             hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts, self.group_list_type),
@@ -141,10 +138,11 @@ class ReferenceDispatcher:
     def _dispatch_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         R, El, k, C = self.world, self.local_experts, self.top_k, self.capacity
         T = x.shape[0]
-        send = x.new_zeros((C, self.payload_width + self.meta_width), dtype=torch.uint8)
-        send[:T] = self._rows(self.codec.encode(x), topk_ids, topk_weights.float())
-        if T < C:  # empty slots route nowhere
-            send[T:, self.payload_width : self.payload_width + 4 * k] = 255  # int32 -1
+        send = self._token_rows(x, topk_ids, topk_weights)
+        if T < C:  # empty slots route nowhere: zero payload, ids -1 (all bits set)
+            pad = send.new_zeros((C - T, send.shape[1]))
+            pad[:, self.payload_width : self.payload_width + 4 * k] = 255
+            send = torch.cat([send, pad])
         recv = self.comm.all_gather(send, self.sections)
         q, gids, gweights = self._split_rows(recv)
 
@@ -189,27 +187,54 @@ class ReferenceDispatcher:
 
     def _combine_packed(self, y: torch.Tensor, h: NormalHandle) -> torch.Tensor:
         H = self.hidden
-        weighted = y.float() * h.row_weight.unsqueeze(1)
         partial = torch.zeros(h.num_received, H, dtype=torch.float32, device=y.device)
-        partial.index_add_(0, h.row_token, weighted)
+        _add_rows(partial, h.row_token, y, h.row_weight)
         back = self.comm.all_to_all(
             as_bytes(partial.to(torch.bfloat16)), h.recv_counts, h.send_counts, (("combine", 2 * H),)
         )
         out = torch.zeros(h.num_tokens, H, dtype=torch.float32, device=y.device)
-        out.index_add_(0, h.pair_token, from_bytes(back, torch.bfloat16).float())
+        _add_rows(out, h.pair_token, from_bytes(back, torch.bfloat16))
         return out.to(torch.bfloat16)
 
     def _combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> torch.Tensor:
         R, C, H = self.world, self.capacity, self.hidden
-        rows = y.reshape(-1, H).index_select(0, h.entry_row).float() * h.entry_weight.unsqueeze(1)
-        rows = torch.where(h.entry_valid.unsqueeze(1), rows, 0.0)  # padding rows may hold anything
         partial = torch.zeros(R * C, H, dtype=torch.float32, device=y.device)
-        partial.index_add_(0, h.entry_slot, rows)
+        _add_rows(partial, h.entry_slot, y.reshape(-1, H), h.entry_weight, rows=h.entry_row, valid=h.entry_valid)
         back = self.comm.all_to_all(as_bytes(partial.to(torch.bfloat16)), None, None, (("combine", 2 * H),))
         slot = torch.arange(R * C, device=y.device) % C
         out = torch.zeros(C, H, dtype=torch.float32, device=y.device)
-        out.index_add_(0, slot, from_bytes(back, torch.bfloat16).float())
+        _add_rows(out, slot, from_bytes(back, torch.bfloat16))
         return out[: h.num_tokens].to(torch.bfloat16)
+
+
+#: fp32 temporaries of this size come from the allocator's heap and stay in cache; one
+#: temporary the size of all rows would be fresh pages (page faults) on every call.
+_CHUNK_BYTES = 4 << 20
+
+
+def _add_rows(
+    out: torch.Tensor,
+    index: torch.Tensor,
+    src: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    rows: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> None:
+    """``out[index[i]] += fp32(src[rows[i]]) · weight[i]`` for every i in order (entries
+    with ``valid`` False add zero), a cache-sized chunk at a time. The same fp32 operations
+    in the same order as one big ``index_add_``, so the bits do not depend on the chunking."""
+    n = index.shape[0]
+    step = max(1, _CHUNK_BYTES // (4 * out.shape[1]))
+    for start in range(0, n, step):
+        part = slice(start, min(n, start + step))
+        chunk = src[part] if rows is None else src.index_select(0, rows[part])
+        chunk = chunk.to(torch.float32, copy=True)
+        if weight is not None:
+            chunk.mul_(weight[part].unsqueeze(1))
+        if valid is not None:  # padding rows of a MASKED expert output may hold anything, NaN included
+            chunk.masked_fill_(~valid[part].unsqueeze(1), 0.0)
+        out.index_add_(0, index[part], chunk)
 
 
 def _scatter_rows(

@@ -9,14 +9,16 @@ the share it sends to itself, so totals compare directly with ``WireFormat`` × 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..codecs import as_bytes, from_bytes
 from ..errors import CommunicationError, InvalidInputError, InvalidSpecError
+from .watch import DEFAULT_TIMEOUT_S, Watch
 
 
 @dataclass
@@ -45,6 +47,23 @@ class Traffic:
 Section = tuple[str, int]  # (category, bytes per row)
 
 
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as this rank called it: bytes to and from each peer, in rank order.
+    What ``moe-dispatch bench`` replays as bare ``all_to_all_single`` calls (the transport
+    floor)."""
+
+    name: str
+    send_bytes: tuple[int, ...]
+    recv_bytes: tuple[int, ...]
+    categories: tuple[str, ...]
+
+    @property
+    def carries_data(self) -> bool:
+        """False for routing-only exchanges (the per-rank counts)."""
+        return any(c != "metadata" for c in self.categories)
+
+
 class Comm:
     """A process group (or none, for one process) with counted, byte-level collectives.
 
@@ -55,11 +74,19 @@ class Comm:
     return their input.
     """
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None) -> None:
+    def __init__(self, group: "dist.ProcessGroup | None" = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise InvalidSpecError("must be a positive number of seconds", parameter="timeout_s", value=timeout_s,
+                                   allowed="> 0")
         if dist.is_available() and dist.is_initialized():
             self.group = group
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
+            if self.rank < 0:
+                raise InvalidSpecError(
+                    f"this process (global rank {dist.get_rank()}) is not a member of the group",
+                    parameter="group", value=group, allowed="a group this rank belongs to (dist.new_group(ranks))",
+                )
         elif group is not None:
             raise InvalidSpecError(
                 "a process group was given but torch.distributed is not initialized",
@@ -72,6 +99,20 @@ class Comm:
             self.rank = 0
             self.world_size = 1
         self.traffic = Traffic()
+        self._seq = 0  # collectives entered: the same number names the same call on every rank
+        self.watch = Watch(self.rank, self.world_size, float(timeout_s),
+                           poll=self.world_size > 1 and self.backend_name == "gloo")
+        #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
+        self.records: list[CollectiveRecord] | None = None
+
+    @contextmanager
+    def recording(self) -> Iterator[list[CollectiveRecord]]:
+        """Record the collectives made inside the block (for the bench; off otherwise)."""
+        previous, self.records = self.records, []
+        try:
+            yield self.records
+        finally:
+            self.records = previous
 
     @property
     def process_group(self) -> "dist.ProcessGroup | None":
@@ -113,27 +154,46 @@ class Comm:
     ) -> torch.Tensor:
         """Rows of ``send`` (uint8 ``[N, W]``) go to ranks in ``send_counts`` slices; the
         received rows come back rank by rank. None counts split evenly (fixed-size)."""
+        send = send.contiguous()  # no-op for the backends' own buffers; collectives need dense memory
         self._count(send.shape[0], sections)
+        if self.records is not None:
+            self._record("all_to_all", send, send_counts, recv_counts, sections)
         if self.world_size == 1:
             return send
         rows = sum(recv_counts) if recv_counts is not None else send.shape[0]
         out = send.new_empty((rows, *send.shape[1:]))
         self._run(
-            "all_to_all_single",
-            lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group),
+            "all_to_all",
+            lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True),
         )
         return out
 
     def all_gather(self, send: torch.Tensor, sections: Sequence[Section]) -> torch.Tensor:
         """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
         what every destination receives from this rank: ``world_size`` copies."""
+        send = send.contiguous()
         self._count(send.shape[0] * self.world_size, sections)
+        if self.records is not None:
+            per_peer = [send.shape[0]] * self.world_size
+            self._record("all_gather", send, per_peer, per_peer, sections)
         if self.world_size == 1:
             return send
         out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        self._run("all_gather", lambda: gather(out, send, group=self.group))
+        self._run("all_gather", lambda: _gather(out, send, self.group))
         return out
+
+    def gather_uncounted(self, send: torch.Tensor, operation: str) -> torch.Tensor:
+        """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the
+        configuration agreement at creation)."""
+        if self.world_size == 1:
+            return send.unsqueeze(0)
+        out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
+        self._run(operation, lambda: _gather(out, send.contiguous(), self.group))
+        return out.view(self.world_size, *send.shape)
+
+    def announce_failure(self, operation: str, error: BaseException) -> None:
+        """Tell the other ranks this one raised, so they stop waiting for it."""
+        self.watch.announce(operation, error)
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets."""
@@ -141,14 +201,35 @@ class Comm:
         got = self.all_to_all(raw, None, None, [("metadata", 8)])
         return from_bytes(got, torch.int64).squeeze(1)
 
-    def _run(self, name: str, call) -> None:  # type: ignore[no-untyped-def]
+    def _record(
+        self, name: str, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
+        sections: Sequence[Section],
+    ) -> None:
+        width = send.shape[1] if send.dim() > 1 else 1
+        even = [send.shape[0] // self.world_size] * self.world_size
+        assert self.records is not None
+        self.records.append(CollectiveRecord(
+            name,
+            tuple(c * width for c in (send_counts if send_counts is not None else even)),
+            tuple(c * width for c in (recv_counts if recv_counts is not None else even)),
+            tuple(category for category, _ in sections),
+        ))
+
+    def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
+        self._seq += 1
         try:
-            call()
+            work = start()
         except (RuntimeError, dist.DistError) as exc:
             raise CommunicationError(
-                f"{name} failed on rank {self.rank} of {self.world_size}: another rank probably failed, "
+                f"{name} could not start on rank {self.rank} of {self.world_size}: another rank probably failed, "
                 f"stalled or disagreed on the call ({exc})"
             ) from exc
+        self.watch.wait(work, name, self._seq)
 
 
-__all__ = ["Comm", "Traffic"]
+def _gather(out: torch.Tensor, send: torch.Tensor, group: "dist.ProcessGroup | None"):  # type: ignore[no-untyped-def]
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    return gather(out, send, group=group, async_op=True)
+
+
+__all__ = ["CollectiveRecord", "Comm", "Traffic"]

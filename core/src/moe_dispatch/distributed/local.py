@@ -144,7 +144,8 @@ class RankPool:
                 if conn in ready:
                     try:
                         status, value, error, tb = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):  # the worker died (closed or reset pipe)
+                        self._procs[rank].join(timeout=5)
                         code = self._procs[rank].exitcode
                         status, value, error, tb = "err", None, RuntimeError(f"rank {rank} died"), f"exit code {code}"
                     outcomes[rank] = Outcome(rank, status == "ok", value, error, tb)

@@ -79,6 +79,13 @@ class AscendDeepEPBackend(md.Backend):
             allocated_bytes=window,
         )
 
+    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
+        """HCCL_BUFFSIZE (MB) that ``create`` checks: DeepEP-Ascend's HCCL window for this spec."""
+        mb = sizes.hccl_buffer_mb(spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, world_size,
+                                  spec.local_experts(world_size), spec.top_k)
+        return (md.EnvRequirement(sizes.HCCL_BUFFSIZE, mb, "MB", sizes.DEFAULT_HCCL_BUFFSIZE_MB,
+                                  "DeepEP-Ascend's HCCL window, BF16 rows both ways"),)
+
     def create(self, ctx: md.DispatchContext) -> AscendDeepEPDispatcher:
         spec, R = ctx.spec, ctx.world_size
         sizes.check_hccl_buffsize(

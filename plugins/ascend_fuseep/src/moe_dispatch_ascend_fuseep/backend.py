@@ -8,7 +8,6 @@ from typing import Any, Mapping
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.validation import check_dispatch_inputs
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.dispatcher import AscendDeepEPDispatcher
 from moe_dispatch_ascend_deepep.vendor import REAL
@@ -86,7 +85,6 @@ class FuseEPBackend(AscendDeepEPBackend):
             raise md.InvalidInputError("needs the layer process_weights made for this dispatcher", parameter="layer",
                                        value=got, allowed=f"FuseEPWeights for fuse mode {impl.fuse_mode}")
         spec = dispatcher.spec
-        check_dispatch_inputs(spec, None, hidden_states, topk_ids, topk_weights, check_values=dispatcher.check_inputs)
         out, _ = impl.buffer.fused_deep_moe(
             hidden_states, topk_ids.to(torch.int64), topk_weights.float(), layer.gmm1_permuted_weight,
             layer.gmm1_permuted_weight_scale, layer.gmm2_weight, layer.gmm2_weight_scale,

@@ -21,6 +21,13 @@ N, LL = md.Mode.NORMAL, md.Mode.LOW_LATENCY
 LOW_LATENCY_MAX_TOKENS = 511
 #: Low-latency kernels' top-k bound (V1 internode_ll.cu).
 LOW_LATENCY_MAX_TOPK = 11
+#: DeepEP's ceiling on each buffer ("32 GiB"): the V1 Buffer constructor asserts
+#: ``num_nvl_bytes / sizeof(int4) < INT_MAX`` and the same for ``num_rdma_bytes``
+#: (deepseek-ai/DeepEP csrc/legacy/buffer.hpp @5996f70a8be8d2e6737fede640a541366801dda7, Buffer::Buffer,
+#: "Common checks"), so a buffer is at most 16·(2³¹−1)−1 bytes. Normal mode with more than 8 ranks
+#: also asserts both buffers fit an int (2 GiB); one per-mode value cannot say "with an RDMA
+#: buffer", and the tuned normal-mode hints (independent of T) stay far below 2 GiB.
+MAX_BUFFER_BYTES = 16 * (2**31 - 1) - 1
 
 
 def capabilities(emulated: bool, nvfp4: bool = False) -> md.Capabilities:
@@ -37,9 +44,9 @@ def capabilities(emulated: bool, nvfp4: bool = False) -> md.Capabilities:
         cuda_graph_modes=frozenset({LL}),
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
-            N: md.Limits(hidden_multiple=128, max_top_k=128),
+            N: md.Limits(hidden_multiple=128, max_top_k=128, max_buffer_bytes=MAX_BUFFER_BYTES),
             LL: md.Limits(max_tokens_per_rank=LOW_LATENCY_MAX_TOKENS, hidden_sizes=LOW_LATENCY_HIDDEN_SIZES,
-                          max_top_k=LOW_LATENCY_MAX_TOPK),
+                          max_top_k=LOW_LATENCY_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES),
         },
         world_sizes=sizes.SUPPORTED_EP_SIZES,
     )

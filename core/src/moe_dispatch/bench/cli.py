@@ -1,0 +1,111 @@
+"""``moe-dispatch bench``: arguments to a grid of cases, and the outputs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..dtypes import DispatchDtype, Mode
+from ..errors import InvalidSpecError
+from ..presets import PRESETS, get_preset
+from .cases import BenchSettings, Shape, expand_cases
+
+
+def add_bench_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser(
+        "bench", help="measure dispatch and combine on local ranks: latency, bytes, ratios to the transport floor",
+        description="Measure dispatch and combine on local gloo ranks for every combination of the options "
+                    "given, with the transport floor and the allgather baseline measured in the same run, "
+                    "and the core API's per-call overhead. Method: docs/performance.md.",
+    )
+    p.add_argument("--backend", action="append", help="backend to measure (repeatable; default torch)")
+    p.add_argument("--dtype", action="append", choices=[d.value for d in DispatchDtype],
+                   help="wire dtype (repeatable; default every dtype the backend accepts)")
+    p.add_argument("--mode", action="append", choices=[m.value for m in Mode], help="(repeatable; default both)")
+    p.add_argument("--world-size", type=int, action="append", help="local ranks (repeatable; default 4)")
+    p.add_argument("--tokens", type=int, action="append", help="tokens per rank (repeatable; default 128 and 512)")
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS),
+                   help="model shape (repeatable; default deepseek-v3 unless --hidden is given)")
+    p.add_argument("--hidden", type=int, default=None, help="explicit shape: hidden size")
+    p.add_argument("--experts", type=int, default=None, help="explicit shape: number of experts")
+    p.add_argument("--top-k", type=int, default=None, help="explicit shape: experts per token")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per case")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", default="allgather", help="backend to compare with, or 'none'")
+    p.add_argument("--check-inputs", action="store_true", help="time dispatch with the value checks on")
+    p.add_argument("--only", choices=["all", "cases", "overhead"], default="all",
+                   help="cases: the grid; overhead: the core API's per-call cost; all: both")
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's op table (rank 0) for each case: the cost of each stage")
+    p.add_argument("--json", action="store_true", help="print JSON (schema 1) instead of tables")
+    p.add_argument("--plot", metavar="PATH", default=None, help="write latency curves to this PNG (needs matplotlib)")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _shapes(args: argparse.Namespace) -> list[Shape]:
+    explicit = (args.hidden, args.experts, args.top_k)
+    if any(v is not None for v in explicit):
+        if None in explicit:
+            raise InvalidSpecError("an explicit shape needs all three", parameter="--hidden/--experts/--top-k",
+                                   value=explicit, allowed="--hidden H --experts E --top-k K together")
+        shapes = [Shape("custom", *explicit)]  # type: ignore[arg-type]
+    else:
+        shapes = []
+    for name in args.preset or ([] if shapes else ["deepseek-v3"]):
+        p = get_preset(name)
+        shapes.append(Shape(p.name, p.hidden_size, p.num_experts, p.top_k))
+    return shapes
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ..plugins import default_host
+    from . import report
+    from .overhead import measure_overhead
+    from .runner import profile_cases, progress_bar, run_bench
+
+    host = default_host()
+    backends = args.backend or ["torch"]
+    modes = [Mode.parse(m) for m in args.mode] if args.mode else list(Mode)
+    wanted = [DispatchDtype.parse(d) for d in args.dtype] if args.dtype else list(DispatchDtype)
+    settings = BenchSettings(warmup=args.warmup, iterations=args.iters, seed=args.seed,
+                             check_inputs=args.check_inputs)
+    cases = []
+    if args.only in ("all", "cases"):
+        for backend in backends:
+            caps = host.get_backend(backend).capabilities
+            for mode in modes:
+                dtypes = [d for d in wanted if d in caps.dtypes.get(mode, ())]
+                cases += expand_cases([backend], dtypes, [mode], args.world_size or [4],
+                                      args.tokens or [128, 512], _shapes(args))
+    cases.sort(key=lambda c: c.world_size)  # one pool per world size
+    baseline = None if args.baseline == "none" else args.baseline
+    if baseline:
+        host.get_backend(baseline)  # a typo fails before any rank starts
+    results = run_bench(cases, settings, baseline=baseline, progress=progress_bar(sys.stderr)) if cases else []
+    profiles = profile_cases(cases, settings) if args.profile and cases else []
+    overhead = []
+    if args.only in ("all", "overhead"):
+        overhead = [measure_overhead(check_inputs=False), measure_overhead(check_inputs=True)]
+    if args.plot and results:
+        report.plot(results, args.plot)
+    if args.json:
+        for table in profiles:
+            print(table, file=sys.stderr)
+        print(report.to_json(results, overhead, {"warmup": settings.warmup, "iterations": settings.iterations,
+                                                 "seed": settings.seed, "check_inputs": settings.check_inputs,
+                                                 "baseline": baseline}))
+        return 0
+    if results:
+        print(report.format_table(results))
+    if overhead:
+        print("" if results else "", end="\n" if results else "")
+        print(report.format_overhead(overhead))
+    for table in profiles:
+        print(f"\n{table}")
+    if args.plot and results:
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+__all__ = ["add_bench_command"]

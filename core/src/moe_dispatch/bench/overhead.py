@@ -1,0 +1,122 @@
+"""What the core API costs per call, apart from the transport and the backend.
+
+Two measurements, world size 1, a tiny payload:
+
+- ``torch``: ``Dispatcher.dispatch/combine`` against the ``torch`` backend object's own
+  ``dispatch/combine`` on the same tensors. The backend's work (tens of µs of torch ops)
+  dominates both, so the difference is noisy.
+- ``replay``: the same ``Dispatcher`` code path around a backend object that hands back
+  one recorded dispatch output and combine result. Everything left is the library's own
+  work per call (argument checks, the call path), measured to tens of ns.
+
+Rounds alternate between the API and the direct call so both see the same machine load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..dispatcher import Dispatcher, create_dispatcher
+from ..output import DispatchOutput
+from ..routing import random_routing
+from ..spec import DispatchSpec
+
+
+@dataclass(frozen=True)
+class OverheadResult:
+    """ns per dispatch+combine pair: medians over rounds of each path, and the median of
+    the per-round differences."""
+
+    check_inputs: bool
+    backend_ns: float  # the torch backend object called directly
+    api_ns: float  # the same through the core API
+    replay_direct_ns: float
+    replay_api_ns: float
+    overhead_ns: float  # replay: API minus direct, median of per-round differences
+    rounds: int
+    calls_per_round: int
+    payload: str
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True, slots=True)
+class _ReplayHandle:
+    owner: object
+
+
+class _Replay:
+    """A backend object that answers instantly with recorded results."""
+
+    def __init__(self, out: DispatchOutput, combined: torch.Tensor) -> None:
+        self.out = replace(out, handle=_ReplayHandle(self))
+        self.combined = combined
+
+    def dispatch(self, hidden_states, topk_ids, topk_weights) -> DispatchOutput:  # type: ignore[no-untyped-def]
+        return self.out
+
+    def combine(self, expert_output, dispatch_output) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return self.combined
+
+
+def _ns_per_pair(dispatch, combine, x, ids, w, y, calls: int) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        combine(y, dispatch(x, ids, w))
+    return (time.perf_counter_ns() - start) / calls
+
+
+def _alternate(api, direct, args, rounds: int, calls: int) -> tuple[list[float], list[float]]:  # type: ignore[no-untyped-def]
+    for _ in range(2):  # warm-up
+        _ns_per_pair(*direct, *args, max(1, calls // 10))
+        _ns_per_pair(*api, *args, max(1, calls // 10))
+    a, d = [], []
+    for _ in range(rounds):
+        d.append(_ns_per_pair(*direct, *args, calls))
+        a.append(_ns_per_pair(*api, *args, calls))
+    return a, d
+
+
+def measure_overhead(
+    *, check_inputs: bool = False, rounds: int = 15, calls_per_round: int = 2000,
+    tokens: int = 1, hidden: int = 128, experts: int = 8, top_k: int = 2,
+) -> OverheadResult:
+    """Must run where ``torch.distributed`` is not initialized (world size 1)."""
+    spec = DispatchSpec(hidden, experts, top_k, num_max_dispatch_tokens_per_rank=max(tokens, 1), output_dtype="bf16")
+    dispatcher = create_dispatcher("torch", spec, env={}, check_inputs=check_inputs)
+    direct = dispatcher.backend_dispatcher
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(tokens, experts, top_k, generator=g)
+    out = dispatcher.dispatch(x, ids, w)
+    y = torch.ones_like(out.hidden_states)
+    args = (x, ids, w, y)
+
+    backend_api, backend_direct = _alternate(
+        (dispatcher.dispatch, dispatcher.combine), (direct.dispatch, direct.combine), args,
+        max(3, rounds // 3), max(1, calls_per_round // 20))
+
+    replay = _Replay(out, dispatcher.combine(y, out))
+    wrapped = Dispatcher(dispatcher.backend, dispatcher.spec, dispatcher.resolution, replay, dispatcher.comm,
+                         dispatcher.buffer_size, check_inputs=check_inputs)
+    replay_api, replay_direct = _alternate(
+        (wrapped.dispatch, wrapped.combine), (replay.dispatch, replay.combine), args, rounds, calls_per_round)
+    return OverheadResult(
+        check_inputs=check_inputs,
+        backend_ns=statistics.median(backend_direct),
+        api_ns=statistics.median(backend_api),
+        replay_direct_ns=statistics.median(replay_direct),
+        replay_api_ns=statistics.median(replay_api),
+        overhead_ns=statistics.median(a - d for a, d in zip(replay_api, replay_direct)),
+        rounds=rounds,
+        calls_per_round=calls_per_round,
+        payload=f"T={tokens} H={hidden} E={experts} top-{top_k} bf16",
+    )
+
+
+__all__ = ["OverheadResult", "measure_overhead"]

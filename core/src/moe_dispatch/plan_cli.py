@@ -1,0 +1,318 @@
+"""``moe-dispatch plan``: buffer sizes over a grid of models, backends, EP sizes, modes and wire
+dtypes, beside what the same backend asks for a BF16 wire (sglang's fixed ``params_bytes = 2``)
+and whether each fits the backend's limits and the environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, TextIO
+
+from .backend import Backend
+from .dtypes import DispatchDtype, Mode
+from .errors import InvalidSpecError, MoEDispatchError
+from .hints import QuantHints
+from .planning import BufferPlan, plan_buffers
+from .plugins import PluginHost, default_host
+from .presets import get_preset
+from .spec import DispatchSpec
+
+#: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
+PLAN_JSON_SCHEMA = 1
+DEFAULT_PRESETS = ("deepseek-v3", "qwen3-30b-a3b", "kimi-k2")
+DEFAULT_EP_SIZES = (8, 16, 32, 64)
+#: An NVFP4 row needs a global scale to resolve; its value does not change any size.
+_PLACEHOLDER_GLOBAL_SCALE = 1.0
+
+#: How the BF16 column relates to what sglang allocates, per backend (others: no sglang counterpart).
+SGLANG_SIZING: Mapping[str, str] = {
+    "cuda_deepep": "normal: sglang's sizing (NVL/RDMA hints of both configs with hidden_bytes = 2H); the buffer "
+                   "is shared with combine, which is BF16, so FP8 saves only where the dispatch config's hint is "
+                   "the larger. low_latency: get_low_latency_rdma_size_hint ignores the dtype (BF16 messages), "
+                   "as in sglang, so nothing is saved.",
+    "ascend_deepep": "sglang sizes nothing here: memory is the HCCL window, HCCL_BUFFSIZE (default 200 MB); the "
+                     "total is DeepEP-Ascend's documented minimum, BF16 rows both ways whatever the dtype.",
+    "ascend_fuseep": "as ascend_deepep (sglang's FuseEP path also fixes params_bytes = 2).",
+    "flashinfer_a2a": "sglang's sizing per workspace: sglang (token_dispatcher/flashinfer.py @008b79d) sizes the "
+                      "dispatch payload as max(quantized, BF16), i.e. for BF16, since a layer without a global scale "
+                      "sends BF16; it keeps one workspace at T = max(chunked_prefill_size, 4096), this backend two "
+                      "(dispatches in flight) at the T planned.",
+}
+_NO_SGLANG = "no sglang counterpart; the BF16 column is this backend sized for a BF16 wire."
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The layer shape a row is planned for (a preset, or ``--hidden/--experts/--top-k``)."""
+
+    name: str
+    hidden_size: int
+    num_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One (model, backend, EP size, mode, requested dtype): its plan, or why it cannot be created.
+
+    :param requested: the dtype asked for; None is ``auto`` (the backend's default).
+    :param error: set instead of ``plan`` when ``create_dispatcher`` would refuse the combination.
+    """
+
+    model: ModelShape
+    backend: str
+    world_size: int
+    mode: Mode
+    requested: DispatchDtype | None
+    tokens: int
+    plan: BufferPlan | None = None
+    error: str | None = None
+
+    @property
+    def dtype(self) -> DispatchDtype | None:
+        return self.plan.layers[0].dtype if self.plan else self.requested
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan
+        layer = plan.layers[0] if plan is not None else None
+        return {
+            "model": self.model.name,
+            "hidden_size": self.model.hidden_size,
+            "num_experts": self.model.num_experts,
+            "top_k": self.model.top_k,
+            "backend": self.backend,
+            "ep": self.world_size,
+            "mode": self.mode.value,
+            "tokens": self.tokens,
+            "requested_dtype": "auto" if self.requested is None else self.requested.value,
+            "dtype": None if layer is None else layer.dtype.value,
+            "fallback_reason": None if layer is None else layer.resolution.fallback_reason,
+            "dispatch_bytes": None if layer is None else layer.size.dispatch_bytes,
+            "combine_bytes": None if layer is None else layer.size.combine_bytes,
+            "total_bytes": None if plan is None else plan.total_bytes,
+            "bf16_total_bytes": None if plan is None else plan.bf16_total_bytes,
+            "saving_fraction": None if plan is None else round(plan.saving_fraction, 6),
+            "shared": None if plan is None else plan.shared,
+            "fits": None if plan is None else plan.fits,
+            "misfits": [] if plan is None else [m.to_dict() for m in plan.misfits],
+            "notes": [] if layer is None else list(layer.size.notes),
+            "error": self.error,
+        }
+
+
+def plan_grid(
+    models: Sequence[ModelShape],
+    backends: Sequence[Backend],
+    world_sizes: Sequence[int],
+    *,
+    modes: Sequence[Mode] | None = None,
+    dtypes: Sequence[DispatchDtype | None] | None = None,
+    tokens: int = 128,
+    env: Mapping[str, str] | None = None,
+    host: PluginHost | None = None,
+) -> list[PlanRow]:
+    """Plan one layer per grid point. ``modes`` None: each backend's modes; ``dtypes`` None:
+    each mode's accepted dtypes. A combination named explicitly that the backend refuses (a
+    mode it lacks, a rejected dtype, an EP size it does not support) becomes a row with the
+    error; a fallback becomes a row with the dtype actually sent."""
+    host = host or default_host()
+    env = os.environ if env is None else env
+    rows: list[PlanRow] = []
+    for model in models:
+        for backend in backends:
+            caps = backend.capabilities
+            for ep in world_sizes:
+                for mode in modes if modes is not None else caps.modes:
+                    # A mode the backend lacks, asked for by name: one row that says so.
+                    wanted = dtypes if dtypes is not None else sorted(
+                        caps.dtypes.get(mode, ()), key=list(DispatchDtype).index) or [None]
+                    for dtype in wanted:
+                        rows.append(_plan_row(model, backend, ep, mode, dtype, tokens, env, host))
+    return rows
+
+
+def _plan_row(model: ModelShape, backend: Backend, ep: int, mode: Mode, dtype: DispatchDtype | None, tokens: int,
+              env: Mapping[str, str], host: PluginHost) -> PlanRow:
+    try:
+        nvfp4 = dtype is DispatchDtype.NVFP4
+        quant = QuantHints(input_global_scale=_PLACEHOLDER_GLOBAL_SCALE) if nvfp4 else QuantHints()
+        spec = DispatchSpec(model.hidden_size, model.num_experts, model.top_k, tokens, mode=mode, output_dtype=dtype,
+                            quant=quant)
+        plan = plan_buffers(backend, {model.name: spec}, ep, env=env, host=host)
+    except MoEDispatchError as exc:  # what create_dispatcher would refuse: a row that says why
+        return PlanRow(model, backend.name, ep, mode, dtype, tokens, error=str(exc).splitlines()[0])
+    return PlanRow(model, backend.name, ep, mode, dtype, tokens, plan=plan)
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _dtype_cell(row: PlanRow) -> str:
+    if row.plan is None:
+        return "auto" if row.requested is None else row.requested.value
+    got = row.plan.layers[0].dtype.value
+    if row.requested is None:
+        return f"{got} (auto)"
+    if row.plan.layers[0].resolution.is_fallback:
+        return f"{got} (from {row.requested.value})"
+    return got
+
+
+def _fits_cell(row: PlanRow) -> str:
+    if row.plan is None:
+        return f"n/a: {row.error}"
+    if row.plan.fits:
+        return "yes"
+    return "no: " + "; ".join(m.summary or m.message for m in row.plan.misfits)
+
+
+def format_plan_table(rows: Sequence[PlanRow]) -> str:
+    """The table ``moe-dispatch plan`` prints, then what the BF16 column means per backend."""
+    head = ("model", "backend", "EP", "mode", "dtype", "dispatch", "combine", "total", "BF16 total", "saving", "fits")
+    cells = []
+    for r in rows:
+        p = r.plan
+        cells.append((
+            r.model.name, r.backend, str(r.world_size), r.mode.value, _dtype_cell(r),
+            _human(p.dispatch.bytes if p else None), _human(p.combine.bytes if p else None),
+            _human(p.total_bytes if p else None), _human(p.bf16_total_bytes if p else None),
+            f"{100 * p.saving_fraction:.1f}%" if p else "-", _fits_cell(r),
+        ))
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(head[:-1])]
+    right = {2, 5, 6, 7, 8, 9}  # numbers
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths))]
+        return "  ".join([*parts, values[-1]]).rstrip()
+
+    out = [line(head)]
+    previous = None
+    for r, c in zip(rows, cells):
+        if previous is not None and (r.model, r.backend) != previous:
+            out.append("")
+        previous = (r.model, r.backend)
+        out.append(line(c))
+    tokens = sorted({r.tokens for r in rows})
+    out += ["", f"num_max_dispatch_tokens_per_rank = {', '.join(map(str, tokens))}; total is what one allocation "
+                "for the layer takes (a shared buffer counts once); saving = 1 - total / BF16 total.",
+            "BF16 total, per backend:"]
+    for name in sorted({r.backend for r in rows}):
+        out.append(f"  {name}: {SGLANG_SIZING.get(name, _NO_SGLANG)}")
+    return "\n".join(out)
+
+
+def plan_report(rows: Sequence[PlanRow]) -> dict[str, Any]:
+    """The ``plan --json`` document: every row with the table's fields in bytes."""
+    return {
+        "schema": PLAN_JSON_SCHEMA,
+        "rows": [r.to_dict() for r in rows],
+        "bf16_sizing": {name: SGLANG_SIZING.get(name, _NO_SGLANG) for name in sorted({r.backend for r in rows})},
+    }
+
+
+def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``plan`` to the ``moe-dispatch`` subcommands (``subparsers`` from ``add_subparsers``)."""
+    p = subparsers.add_parser(
+        "plan", help="buffer sizes per model, backend, EP size, mode and wire dtype, against sglang's BF16 sizing",
+        description="Buffer sizes over a grid of models, backends, EP sizes, modes and wire dtypes, beside what the "
+                    "same backend asks for a BF16 wire (sglang's fixed params_bytes = 2), and whether each fits the "
+                    "backend's limits and the environment. Nothing is allocated; backends need not run here.")
+    p.add_argument("--preset", action="append", default=None,
+                   help=f"model preset (repeatable; default {', '.join(DEFAULT_PRESETS)})")
+    p.add_argument("--hidden", type=int, default=None, help="with --experts and --top-k: an explicit shape row")
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--ep", type=int, action="append", default=None,
+                   help=f"EP size (repeatable; default {' '.join(map(str, DEFAULT_EP_SIZES))})")
+    p.add_argument("--dtype", action="append", default=None,
+                   help="wire dtype, or auto (repeatable; default every dtype the backend accepts in the mode)")
+    p.add_argument("--backend", action="append", default=None,
+                   help="backend (repeatable; default every registered one)")
+    p.add_argument("--mode", action="append", default=None,
+                   help="normal or low_latency (repeatable; default each mode the backend has)")
+    p.add_argument("--tokens", type=int, default=128, help="num_max_dispatch_tokens_per_rank (default 128)")
+    p.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
+                   help="plan as if NAME were set to VALUE, e.g. HCCL_BUFFSIZE=1536 (repeatable)")
+    p.add_argument("--json", action="store_true", help=f"JSON for scripts (schema {PLAN_JSON_SCHEMA})")
+    p.set_defaults(func=run_plan_command)
+    return p
+
+
+def run_plan_command(args: argparse.Namespace, *, host: PluginHost | None = None,
+                     env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
+    """What ``moe-dispatch plan`` runs. ``env`` is the environment planned for (``os.environ``
+    when None), overlaid with ``--env``; never written."""
+    host = host or default_host()
+    out = out or sys.stdout
+    models = _models(args)
+    backends = [host.get_backend(name) for name in args.backend] if args.backend else [
+        host.get_backend(name) for name in host.backend_names() if _registered(host, name)]
+    for ep in args.ep or ():
+        if ep <= 0:
+            raise InvalidSpecError("must be a positive EP size", parameter="--ep", value=ep, allowed="1, 2, 3, ...")
+    if args.tokens <= 0:
+        raise InvalidSpecError("must be positive", parameter="--tokens", value=args.tokens, allowed="1, 2, 3, ...")
+    modes = [Mode.parse(m, parameter="--mode") for m in args.mode] if args.mode else None
+    dtypes = [DispatchDtype.parse(d, parameter="--dtype") for d in args.dtype] if args.dtype else None
+    rows = plan_grid(models, backends, args.ep or DEFAULT_EP_SIZES, modes=modes, dtypes=dtypes, tokens=args.tokens,
+                     env=_overlay(os.environ if env is None else env, args.env or ()), host=host)
+    if args.json:
+        print(json.dumps(plan_report(rows), indent=2), file=out)
+    else:
+        print(format_plan_table(rows), file=out)
+    return 0
+
+
+def _registered(host: PluginHost, name: str) -> bool:
+    """Skip a name two distributions both register: it has no one backend to plan."""
+    try:
+        host.get_backend(name)
+    except MoEDispatchError:
+        return False
+    return True
+
+
+def _models(args: argparse.Namespace) -> list[ModelShape]:
+    shape = {"--hidden": args.hidden, "--experts": args.experts, "--top-k": args.top_k}
+    given = {k: v for k, v in shape.items() if v is not None}
+    models = []
+    if given:
+        missing = [k for k, v in shape.items() if v is None]
+        if missing:
+            raise InvalidSpecError("an explicit shape needs --hidden, --experts and --top-k together",
+                                   parameter=missing[0], value=None, allowed="a positive int")
+        for flag, value in given.items():
+            if value <= 0:
+                raise InvalidSpecError("must be positive", parameter=flag, value=value, allowed="1, 2, 3, ...")
+        models.append(ModelShape(f"H{args.hidden}/E{args.experts}/k{args.top_k}", args.hidden, args.experts,
+                                 args.top_k))
+    names = args.preset if args.preset else ([] if given else list(DEFAULT_PRESETS))
+    for name in names:
+        p = get_preset(name)
+        models.append(ModelShape(p.name, p.hidden_size, p.num_experts, p.top_k))
+    return models
+
+
+def _overlay(env: Mapping[str, str], assignments: Sequence[str]) -> Mapping[str, str]:
+    if not assignments:
+        return env
+    merged = dict(env)
+    for item in assignments:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InvalidSpecError("must be NAME=VALUE", parameter="--env", value=item,
+                                   allowed="e.g. HCCL_BUFFSIZE=1536")
+        merged[name] = value
+    return merged
+
+
+__all__ = ["DEFAULT_EP_SIZES", "DEFAULT_PRESETS", "ModelShape", "PLAN_JSON_SCHEMA", "PlanRow", "SGLANG_SIZING",
+           "add_plan_command", "format_plan_table", "plan_grid", "plan_report", "run_plan_command"]

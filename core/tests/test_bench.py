@@ -1,0 +1,117 @@
+"""``moe-dispatch bench``: the numbers it prints are computed from what really happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_dispatch.bench.cases import BenchCase, BenchSettings
+from moe_dispatch.bench.results import percentile
+from moe_dispatch.cli import main
+from moe_dispatch.dtypes import DispatchDtype, Mode
+from moe_dispatch.errors import InvalidSpecError
+from moe_dispatch.wire import WireFormat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_percentile_is_nearest_rank():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == 5.0
+    assert percentile(values, 0) == 1.0
+
+
+def test_a_case_that_cannot_split_its_experts_is_refused_before_any_rank_starts():
+    with pytest.raises(InvalidSpecError, match="world_size"):
+        BenchCase("torch", DispatchDtype.BF16, Mode.NORMAL, 3, 8, 128, 8, 2)
+    with pytest.raises(InvalidSpecError, match="iterations"):
+        BenchSettings(iterations=0)
+
+
+def test_bench_json_counts_exactly_the_wire_format_bytes(capsys):
+    """2 ranks, every dtype and both modes, with the allgather baseline: the payload per
+    rank is exactly WireFormat × (pairs | tokens × ranks | capacity × ranks), times are
+    positive and p90 >= median, the floor and baseline ratios are there."""
+    code = main(["bench", "--world-size", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "--top-k", "3",
+                 "--iters", "3", "--warmup", "1", "--only", "cases", "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == 1
+    cases = doc["cases"]
+    assert {(c["case"]["backend"], c["case"]["dtype"], c["case"]["mode"]) for c in cases} == {
+        (b, d.value, m.value) for b in ("torch", "allgather") for d in DispatchDtype for m in Mode}
+    for c in cases:
+        assert c["wire_ratio"] == 1.0, c
+        assert 0 < c["dispatch_ms"] <= c["dispatch_p90_ms"] and 0 < c["combine_ms"] <= c["combine_p90_ms"]
+        assert c["floor_ms"] > 0 and c["floor_ratio"] > 0 and c["iterations"] == 3
+        wire = WireFormat(DispatchDtype.parse(c["case"]["dtype"]), 256).bytes_per_token
+        if c["case"]["mode"] == "low_latency" or c["case"]["backend"] == "allgather":
+            assert c["payload_bytes"] == 8 * 2 * wire  # capacity (or every token) to both ranks
+        else:
+            assert 0 < c["payload_bytes"] <= 8 * 2 * wire and c["payload_bytes"] % wire == 0
+        assert c["vs_allgather"] is not None
+    torch_bf16 = next(c for c in cases if c["case"]["backend"] == "torch" and c["case"]["dtype"] == "bf16"
+                      and c["case"]["mode"] == "normal")
+    allgather_bf16 = next(c for c in cases if c["case"]["backend"] == "allgather" and c["case"]["dtype"] == "bf16"
+                          and c["case"]["mode"] == "normal")
+    assert torch_bf16["payload_bytes"] <= allgather_bf16["payload_bytes"]
+
+
+def test_bench_overhead_table(capsys):
+    assert main(["bench", "--only", "overhead"]) == 0
+    out = capsys.readouterr().out
+    assert "overhead" in out and out.count(" ns") >= 4
+    lines = [line for line in out.splitlines() if line.startswith(("off", "on"))]
+    assert [line.split()[0] for line in lines] == ["off", "on"]
+
+
+def test_overhead_of_the_value_checks_is_measured_not_assumed():
+    from moe_dispatch.bench.overhead import measure_overhead
+
+    off = measure_overhead(check_inputs=False, rounds=5, calls_per_round=200)
+    on = measure_overhead(check_inputs=True, rounds=5, calls_per_round=200)
+    assert off.replay_direct_ns > 0 and off.replay_api_ns > off.replay_direct_ns
+    assert on.replay_api_ns > off.replay_api_ns  # the value checks read the data: they cost something
+
+
+def test_plot_without_matplotlib_is_a_clear_error_or_a_png(tmp_path, capsys):
+    target = tmp_path / "curves.png"
+    argv = ["bench", "--world-size", "1", "--tokens", "4", "--tokens", "8", "--hidden", "128", "--experts", "4",
+            "--top-k", "2", "--dtype", "bf16", "--iters", "2", "--warmup", "0", "--only", "cases", "--baseline",
+            "none", "--plot", str(target)]
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        assert main(argv) == 2
+        assert "matplotlib" in capsys.readouterr().err
+        return
+    assert main(argv) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_gpu_script_runs_under_torchrun_on_gloo(tmp_path):
+    """benchmarks/gpu/bench_torchrun.py with --device cpu: the launcher path the CUDA tables use."""
+    out = tmp_path / "gpu.json"
+    with socket.socket() as sock:  # a free port on loopback for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), str(ROOT / "benchmarks" / "gpu" / "bench_torchrun.py"), "--device", "cpu",
+         "--preset", "qwen3-30b-a3b", "--tokens", "8", "--dtype", "fp8", "--iters", "2", "--warmup", "0",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "moe-dispatch bench under torchrun: 2 ranks" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert {(r["case"]["backend"], r["case"]["mode"]) for r in rows} == {
+        (b, m.value) for b in ("torch", "allgather") for m in Mode}
+    assert all(r["wire_ratio"] == 1.0 for r in rows)

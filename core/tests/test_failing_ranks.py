@@ -1,0 +1,147 @@
+"""A rank that disagrees, fails, stalls or dies: every other rank gets a typed error, fast.
+
+Each test runs on its own pool of real gloo processes (a failure leaves a collective that
+never completes in the process group, so a pool is not reused after one). The stall and
+kill tests check the error arrives within the timeout, naming the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.routing import random_routing
+from moe_dispatch.distributed.local import RankPool
+
+SPEC = dict(hidden_size=128, num_experts=12, top_k=2, num_max_dispatch_tokens_per_rank=16)
+TIMEOUT_S = 3.0
+
+
+def _inputs(rank: int, tokens: int = 8):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, 128, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(tokens, 12, 2, generator=g)
+    return x, ids, w
+
+
+def _outcome(call):  # type: ignore[no-untyped-def]
+    """(error type name, error attributes, seconds) of ``call`` on this rank."""
+    start = time.monotonic()
+    try:
+        call()
+    except md.MoEDispatchError as exc:
+        attrs = {k: getattr(exc, k) for k in ("parameter", "value", "rank", "ranks", "operation") if hasattr(exc, k)}
+        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
+    return None, {}, time.monotonic() - start, ""
+
+
+def _mismatched_capacity(rank: int, world: int):
+    spec = md.DispatchSpec(**{**SPEC, "num_max_dispatch_tokens_per_rank": 16 if rank != 1 else 32})
+    return _outcome(lambda: md.create_dispatcher("torch", spec, env={}, timeout_s=TIMEOUT_S))
+
+
+def test_ranks_that_disagree_on_the_spec_all_raise_naming_the_field():
+    with RankPool(3) as pool:
+        outcomes = pool.map(_mismatched_capacity)
+    for name, attrs, seconds, message in outcomes:
+        assert name == "ConfigMismatchError"
+        assert attrs["parameter"] == "num_max_dispatch_tokens_per_rank" and attrs["value"] == [16, 32, 16]
+        assert "rank 1: 32" in message
+        assert seconds < TIMEOUT_S  # found at creation, not by a timeout
+
+
+def _one_rank_cannot_create(rank: int, world: int):
+    backend = "no-such-backend" if rank == 2 else "torch"
+    return _outcome(lambda: md.create_dispatcher(backend, md.DispatchSpec(**SPEC), env={}, timeout_s=TIMEOUT_S))
+
+
+def test_a_rank_that_cannot_create_the_dispatcher_is_named_on_the_others():
+    with RankPool(3) as pool:
+        outcomes = pool.map(_one_rank_cannot_create)
+    assert outcomes[2][0] == "BackendUnavailableError" and outcomes[2][1]["parameter"] == "backend"
+    for name, attrs, seconds, message in outcomes[:2]:
+        assert name == "PeerFailedError" and attrs["rank"] == 2 and "no-such-backend" in message
+        assert seconds < TIMEOUT_S
+
+
+def _bad_input_on_rank_1(rank: int, world: int):
+    d = md.create_dispatcher("torch", md.DispatchSpec(**SPEC), env={}, timeout_s=30.0)
+    x, ids, w = _inputs(rank)
+    if rank == 1:
+        ids = ids.clone()
+        ids[0, 0] = 99  # out of range
+    return _outcome(lambda: d.dispatch(x, ids, w))
+
+
+def test_bad_input_on_one_rank_stops_the_others_without_waiting_for_the_timeout():
+    """Rank 1 raises before its first collective; the others, already waiting in the
+    dispatch, get PeerFailedError naming rank 1 and its error in well under the 30 s timeout."""
+    with RankPool(3) as pool:
+        outcomes = pool.map(_bad_input_on_rank_1)
+    assert outcomes[1][0] == "InvalidInputError" and outcomes[1][1]["parameter"] == "topk_ids"
+    for name, attrs, seconds, message in (outcomes[0], outcomes[2]):
+        assert name == "PeerFailedError" and attrs["rank"] == 1
+        assert "expert id out of range" in message
+        assert seconds < 5.0
+
+
+def _rank_2_never_combines(rank: int, world: int):
+    d = md.create_dispatcher("torch", md.DispatchSpec(**SPEC), env={}, timeout_s=TIMEOUT_S)
+    out = d.dispatch(*_inputs(rank))
+    if rank == 2:
+        time.sleep(TIMEOUT_S + 3)  # stalls: never calls combine
+        return None, {}, 0.0, ""
+    y = torch.ones(out.hidden_states.shape, dtype=torch.bfloat16)
+    return _outcome(lambda: d.combine(y, out))
+
+
+def test_a_rank_that_never_calls_combine_is_named_after_the_timeout():
+    with RankPool(3) as pool:
+        outcomes = pool.map(_rank_2_never_combines)
+    for name, attrs, seconds, message in outcomes[:2]:
+        assert name == "CollectiveTimeoutError", message
+        assert attrs["ranks"] == (2,) and attrs["operation"] == "all_to_all"
+        assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
+
+
+def _wait_to_be_killed(rank: int, world: int, ready_path: str):
+    d = md.create_dispatcher("torch", md.DispatchSpec(**SPEC), env={}, timeout_s=60.0)
+    out = d.dispatch(*_inputs(rank))
+    if rank == 2:
+        open(ready_path, "w").close()
+        time.sleep(60)  # killed by the test while the others wait in combine
+    y = torch.ones(out.hidden_states.shape, dtype=torch.bfloat16)
+    return _outcome(lambda: d.combine(y, out))
+
+
+def _kill_when_ready(pid: int, ready_path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the others are in combine by now
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_killed_during_the_exchange_is_named_on_the_others(tmp_path):
+    """SIGKILL a real rank process while the others wait for it in combine (timeout 60 s):
+    they get PeerFailedError naming it within seconds."""
+    ready = str(tmp_path / "rank2-waiting")
+    pool = RankPool(3)
+    try:
+        killer = threading.Thread(target=_kill_when_ready, args=(pool.pids[2], ready))
+        killer.start()
+        outcomes = pool.try_map(_wait_to_be_killed, ready, timeout_s=50)
+        killer.join()
+    finally:
+        pool.close(force=True)
+    assert not outcomes[2].ok  # the victim died
+    for outcome in outcomes[:2]:
+        name, attrs, seconds, message = outcome.value
+        assert name == "PeerFailedError", message
+        assert attrs["rank"] == 2
+        assert seconds < 10.0  # the timeout is 60 s: the death was noticed, not waited out
