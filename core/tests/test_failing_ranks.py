@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 import moe_dispatch as md
@@ -145,3 +146,33 @@ def test_a_rank_killed_during_the_exchange_is_named_on_the_others(tmp_path):
         assert name == "PeerFailedError", message
         assert attrs["rank"] == 2
         assert seconds < 10.0  # the timeout is 60 s: the death was noticed, not waited out
+
+
+class _SliceWork:
+    """A collective as ``torch.distributed.Work`` behaves: ``wait(timeout)`` raises
+    "Operation timed out!" while pending; ``wait()`` returns True once done, or raises the
+    collective's own error. This one finishes just after its first slice runs out."""
+
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+        self.done = False
+
+    def wait(self, timeout=None):  # type: ignore[no-untyped-def]
+        if not self.done:
+            self.done = True  # completes right after the slice expired: the race
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_collective_that_finishes_just_after_a_wait_slice_is_a_success_not_an_error():
+    from moe_dispatch.distributed.watch import Watch
+
+    watch = Watch(rank=0, world_size=2, timeout_s=5.0, poll=True)
+    watch.wait(_SliceWork(None), "all_to_all", 1)  # returns: the collective succeeded
+    with pytest.raises(md.CommunicationError, match="Connection closed by peer"):
+        watch.wait(_SliceWork("Connection closed by peer"), "all_to_all", 2)

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from ..codecs import nvfp4_global_scale
 from ..dispatcher import create_dispatcher
-from ..distributed.comm import CollectiveRecord, Traffic
+from ..distributed.comm import CollectiveRecord, Comm, Traffic
 from ..dtypes import DispatchDtype, Mode
+from ..errors import MoEDispatchError
 from ..hints import QuantHints
 from ..routing import random_routing
 from ..spec import DispatchSpec
@@ -78,12 +79,11 @@ class _Floor:
             dist.all_to_all_single(recv, send, recv_splits, send_splits)
 
 
-def _timed(fn, samples: list[float], sync: bool, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def _timed(fn, samples: list[float], comm: Comm, device: str = "cpu"):  # type: ignore[no-untyped-def]
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
-    if sync:
-        dist.barrier()
+    comm.barrier("bench barrier")  # watched: a rank that failed is named, not waited for
     start = time.perf_counter()
     value = fn()
     if cuda:  # kernels are asynchronous: time until they finish
@@ -107,7 +107,6 @@ def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
     dispatcher = create_dispatcher(case.backend, case_spec(case, scale), env={}, check_inputs=settings.check_inputs,
                                    timeout_s=BENCH_TIMEOUT_S)
     comm = dispatcher.comm
-    sync = world_size > 1
 
     # One untimed call records the collectives and sizes the expert output.
     with comm.recording() as dispatch_records:
@@ -126,13 +125,19 @@ def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
                           rank_pairs=_rank_pairs(ids, case),
                           wire_bytes_per_token=dispatcher.spec.wire_format().bytes_per_token)
     scratch = RankSamples(rank)
-    for i in range(settings.warmup + settings.iterations):
-        into = samples if i >= settings.warmup else scratch
-        out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, sync, dev)
-        _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, sync, dev)
-        out = None  # free the rows before the floor runs
-        _timed(floor_dispatch.run, into.floor_dispatch_s, sync, dev)
-        _timed(floor_combine.run, into.floor_combine_s, sync, dev)
+    try:
+        for i in range(settings.warmup + settings.iterations):
+            into = samples if i >= settings.warmup else scratch
+            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev)
+            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev)
+            out = None  # free the rows before the floor runs
+            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev)
+            _timed(floor_combine.run, into.floor_combine_s, comm, dev)
+    except MoEDispatchError:
+        raise  # the dispatcher told the other ranks already
+    except BaseException as exc:
+        comm.announce_failure("bench", exc)
+        raise
     return samples
 
 

@@ -187,9 +187,24 @@ class Comm:
         configuration agreement at creation)."""
         if self.world_size == 1:
             return send.unsqueeze(0)
+        send = send.to(self._collective_device()).contiguous()  # NCCL/HCCL gather device tensors only
         out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
-        self._run(operation, lambda: _gather(out, send.contiguous(), self.group))
-        return out.view(self.world_size, *send.shape)
+        self._run(operation, lambda: _gather(out, send, self.group))
+        return out.view(self.world_size, *send.shape).cpu()
+
+    def _collective_device(self) -> torch.device:
+        name = self.backend_name
+        if name == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        if name == "hccl":
+            return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+        return torch.device("cpu")
+
+    def barrier(self, operation: str = "barrier") -> None:
+        """Every rank arrives here before any leaves, with the same failure handling as the
+        data collectives (a peer that failed or died is named, not waited for)."""
+        if self.world_size > 1:
+            self.gather_uncounted(torch.zeros(1, dtype=torch.uint8), operation)
 
     def announce_failure(self, operation: str, error: BaseException) -> None:
         """Tell the other ranks this one raised, so they stop waiting for it."""

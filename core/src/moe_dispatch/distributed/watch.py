@@ -72,9 +72,13 @@ class Watch:
             try:
                 work.wait(timeout=_SLICE)
                 return
-            except RuntimeError as exc:
-                if work.is_completed():  # it ended in an error: a peer closed its connections
-                    raise self._broken(operation, seq, exc) from exc
+            except RuntimeError:
+                if work.is_completed():  # it finished after the slice ran out, well or in an error
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as exc:  # a peer closed its connections (died, or left)
+                        raise self._broken(operation, seq, exc) from exc
             notice = self._notice()
             if notice is not None:
                 raise self._peer_failed(notice, operation)
