@@ -43,7 +43,7 @@ class Dispatcher:
         self.check_inputs = check_inputs
         self._impl = impl
         self._comm = comm
-        self._device = _group_device(comm)
+        self._device = comm.device
         self._checks = InputChecks(spec, self._device, impl)
 
     @property
@@ -129,17 +129,6 @@ class Dispatcher:
             f"<Dispatcher {self.backend.name} {self.spec.mode.value} {self.output_dtype.value} "
             f"rank {self.rank}/{self.world_size}>"
         )
-
-
-def _group_device(comm: Comm) -> torch.device | None:
-    name = comm.backend_name
-    if name in ("local", "gloo"):
-        return torch.device("cpu")
-    if name == "nccl":
-        return torch.device("cuda")
-    if name == "hccl":
-        return torch.device("npu")
-    return None
 
 
 def create_dispatcher(
@@ -229,7 +218,7 @@ def _prepare(
         comm=comm,
         codec=codec,
         buffer_size=buffers,
-        device=_group_device(comm) or torch.device("cpu"),
+        device=comm.device or torch.device("cpu"),
         options=dict(options or {}),
     )
     return ctx, resolution

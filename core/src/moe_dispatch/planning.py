@@ -302,7 +302,7 @@ def _misfits(backend: Backend, layers: Sequence[LayerBuffers], world_size: int,
         need = layer.largest_allocation
         if limit is not None and need > limit:
             keep(("max_buffer_bytes", mode.value), _over_limit(backend, layer, world_size, need, limit))
-        for req in _env_requirements(backend, layer.spec, world_size):
+        for req in backend.env_requirements(layer.spec, world_size):
             have = _env_int(env, req)
             if have is not None and have >= req.minimum:
                 continue
@@ -355,10 +355,6 @@ def _env_int(env: Mapping[str, str], req: EnvRequirement) -> int | None:
     except ValueError:
         raise InvalidSpecError(f"is not a whole number of {req.unit}", parameter=req.variable, value=raw,
                                allowed=f"an integer >= {req.minimum}") from None
-
-
-def _env_requirements(backend: Backend, spec: DispatchSpec, world_size: int) -> tuple[EnvRequirement, ...]:
-    return tuple(backend.env_requirements(spec, world_size))
 
 
 def _human(n: int) -> str:

@@ -99,7 +99,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if results:
         print(report.format_table(results))
     if overhead:
-        print("" if results else "", end="\n" if results else "")
+        if results:
+            print()
         print(report.format_overhead(overhead))
     for table in profiles:
         print(f"\n{table}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..dtypes import Mode
 from .cases import BenchCase
@@ -101,8 +101,6 @@ def summarize_case(case: BenchCase, samples: list[RankSamples]) -> CaseResult:
 
 def with_baselines(results: list[CaseResult], baseline: str = "allgather") -> list[CaseResult]:
     """Each result with its ratio to the ``baseline`` backend's result for the same point."""
-    from dataclasses import replace
-
     index = {(r.case.with_backend(baseline)): r for r in results if r.case.backend == baseline}
     out = []
     for r in results:

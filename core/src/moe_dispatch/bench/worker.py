@@ -99,13 +99,24 @@ def _rank_pairs(ids: torch.Tensor, case: BenchCase) -> int:
     return int(seen[:, : case.world_size].sum())
 
 
-def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings) -> RankSamples:
-    """Run ``case`` on this rank: warm-up, then ``settings.iterations`` timed iterations."""
-    dev = settings.device
-    x, ids, weights = case_inputs(case, rank, settings.seed, dev)
+def _setup(rank: int, case: BenchCase, settings: BenchSettings):  # type: ignore[no-untyped-def]
+    """This rank's dispatcher and inputs for ``case``."""
+    x, ids, weights = case_inputs(case, rank, settings.seed, settings.device)
     scale = nvfp4_global_scale(8.0) if case.dtype is DispatchDtype.NVFP4 else None  # the same on every rank
     dispatcher = create_dispatcher(case.backend, case_spec(case, scale), env={}, check_inputs=settings.check_inputs,
                                    timeout_s=BENCH_TIMEOUT_S)
+    return dispatcher, x, ids, weights
+
+
+def _expert_rows(out, case: BenchCase, device: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """What the (untimed) experts hand combine: constant bf16 rows shaped like the dispatched ones."""
+    return torch.full((*out.hidden_states.shape[:-1], case.hidden), 0.5, dtype=torch.bfloat16, device=device)
+
+
+def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings) -> RankSamples:
+    """Run ``case`` on this rank: warm-up, then ``settings.iterations`` timed iterations."""
+    dev = settings.device
+    dispatcher, x, ids, weights = _setup(rank, case, settings)
     comm = dispatcher.comm
 
     # One untimed call records the collectives and sizes the expert output.
@@ -113,7 +124,7 @@ def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
         before = comm.traffic.copy()
         out = dispatcher.dispatch(x, ids, weights)
         dispatch_traffic = comm.traffic - before
-    expert_rows = torch.full((*out.hidden_states.shape[:-1], case.hidden), 0.5, dtype=torch.bfloat16, device=dev)
+    expert_rows = _expert_rows(out, case, dev)
     with comm.recording() as combine_records:
         before = comm.traffic.copy()
         dispatcher.combine(expert_rows, out)
@@ -154,16 +165,12 @@ def profile_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
     on this rank: where the time goes, stage by stage (``moe-dispatch bench --profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    x, ids, weights = case_inputs(case, rank, settings.seed)
-    scale = nvfp4_global_scale(8.0) if case.dtype is DispatchDtype.NVFP4 else None
-    dispatcher = create_dispatcher(case.backend, case_spec(case, scale), env={}, check_inputs=settings.check_inputs,
-                                   timeout_s=BENCH_TIMEOUT_S)
+    dispatcher, x, ids, weights = _setup(rank, case, settings)
     out = dispatcher.dispatch(x, ids, weights)
-    expert_rows = torch.full((*out.hidden_states.shape[:-1], case.hidden), 0.5, dtype=torch.bfloat16)
+    expert_rows = _expert_rows(out, case, settings.device)
     dispatcher.combine(expert_rows, out)
     del out
-    if world_size > 1:
-        dist.barrier()
+    dispatcher.comm.barrier("bench barrier")
     iterations = max(1, min(settings.iterations, 5))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(iterations):

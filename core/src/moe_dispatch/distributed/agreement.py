@@ -40,6 +40,8 @@ def agree(comm: Comm, fields: Mapping[str, Any], stage: str, *, failure: BaseExc
             f"the {stage} fingerprint is {len(raw)} bytes, more than the {_BYTES} the agreement carries",
             parameter="fingerprint", value=sorted(mine), allowed=f"<= {_BYTES} bytes of JSON",
         )
+    if comm.world_size == 1:  # nothing to compare with
+        return "" if failure is not None else mine[_UID]
     slot = torch.zeros(_BYTES, dtype=torch.uint8)
     slot[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     gathered = comm.gather_uncounted(slot, f"agreement on the {stage}")
@@ -61,7 +63,7 @@ def _plain(value: Any) -> Any:
     """JSON-safe and comparable: enums by value, everything else by repr."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    return getattr(value, "value", None) if hasattr(value, "value") else repr(value)
+    return value.value if hasattr(value, "value") else repr(value)
 
 
 def _compare(everyone: list[dict[str, Any]], stage: str) -> None:

@@ -46,6 +46,9 @@ class Traffic:
 
 Section = tuple[str, int]  # (category, bytes per row)
 
+# Device types by process-group backend; devices are built on use ("npu" exists once torch_npu is imported).
+_DEVICE_TYPES = {"local": "cpu", "gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+
 
 @dataclass(frozen=True)
 class CollectiveRecord:
@@ -128,6 +131,13 @@ class Comm:
             return "local"
         return str(dist.get_backend(self.group))
 
+    @property
+    def device(self) -> torch.device | None:
+        """The device type this group's tensors live on (cpu for gloo and one process,
+        cuda for NCCL, npu for HCCL); None for a backend the core does not know."""
+        kind = _DEVICE_TYPES.get(self.backend_name)
+        return torch.device(kind) if kind else None
+
     def _count(self, rows: int, sections: Sequence[Section]) -> None:
         t = self.traffic
         t.collectives += 1
@@ -187,18 +197,13 @@ class Comm:
         configuration agreement at creation)."""
         if self.world_size == 1:
             return send.unsqueeze(0)
-        send = send.to(self._collective_device()).contiguous()  # NCCL/HCCL gather device tensors only
+        device = self.device or torch.device("cpu")
+        if device.type != "cpu":  # NCCL/HCCL gather tensors on this process's current device only
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        send = send.to(device).contiguous()
         out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
         self._run(operation, lambda: _gather(out, send, self.group))
         return out.view(self.world_size, *send.shape).cpu()
-
-    def _collective_device(self) -> torch.device:
-        name = self.backend_name
-        if name == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        if name == "hccl":
-            return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-        return torch.device("cpu")
 
     def barrier(self, operation: str = "barrier") -> None:
         """Every rank arrives here before any leaves, with the same failure handling as the

@@ -88,10 +88,8 @@ class AscendDeepEPBackend(md.Backend):
 
     def create(self, ctx: md.DispatchContext) -> AscendDeepEPDispatcher:
         spec, R = ctx.spec, ctx.world_size
-        sizes.check_hccl_buffsize(
-            sizes.hccl_buffer_mb(spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, R, ctx.local_experts,
-                                 spec.top_k),
-            os.environ if self.env is None else self.env)
+        (window,) = self.env_requirements(spec, R)  # what `moe-dispatch plan` reports is what is checked
+        sizes.check_hccl_buffsize(window.minimum, os.environ if self.env is None else self.env)
         buffer = ctx.options.get("buffer")
         info = self.vendor()
         if buffer is None:
