@@ -158,3 +158,21 @@ def test_os_environ_is_identical_before_and_after():
         out = d.dispatch(*inputs())
         d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
     assert dict(os.environ) == before
+
+
+def test_value_checks_stand_aside_while_a_cuda_graph_is_captured(monkeypatch):
+    """A capture forbids host syncs, and the value checks read a flag back: while the current
+    stream captures they do not run (the metadata checks still do). Meta tensors stand for
+    device tensors here: reading a flag off them raises, so a check that ran would show."""
+    import torch
+
+    from moe_dispatch import validation
+
+    spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
+    x = torch.empty(4, 128, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(4, 2, dtype=torch.int64, device="meta")
+    w = torch.empty(4, 2, dtype=torch.float32, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):  # not capturing: the flag is read back (a meta tensor cannot)
+        validation.check_dispatch_values(spec, x, ids, w)
+    monkeypatch.setattr(validation, "_capturing", lambda t: True)
+    validation.check_dispatch_values(spec, x, ids, w)  # capturing: no read, no error

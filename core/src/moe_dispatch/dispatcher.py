@@ -97,6 +97,8 @@ class Dispatcher:
         0.5 µs). The value checks read the data (on an accelerator: a few small kernels and one
         device sync per call); they are on by default, and off with
         ``create_dispatcher(check_inputs=False)`` or ``dispatcher.check_inputs = False``.
+        While a CUDA graph is being captured the value checks stand aside (a sync would abort
+        the capture, and replays get new values); check inputs before a replay.
         An error here is also posted to the other ranks, which stop waiting for this one.
         """
         try:

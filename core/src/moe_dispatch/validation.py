@@ -194,7 +194,13 @@ def check_dispatch_values(
     """The value checks (the ``check_inputs`` switch), on inputs whose metadata passed. On an
     accelerator every flag is reduced on the device and read back with one sync; on the CPU,
     where reading a flag costs nothing, each check stops at the first failure. Only a failure
-    costs more: ``_diagnose_values`` finds the first bad element."""
+    costs more: ``_diagnose_values`` finds the first bad element.
+
+    While a CUDA graph is being captured they do not run: reading a flag back is a host sync,
+    which capture forbids, and a check at capture would see the capture's inputs, not the
+    replays'. Check the inputs before copying them into the graph's static tensors."""
+    if not hidden_states.is_cpu and _capturing(hidden_states):
+        return
     e = spec.num_experts
     ids = topk_ids
     dup = None
@@ -217,6 +223,11 @@ def check_dispatch_values(
         bad = bool(torch.stack(flags).any())
     if bad:
         _diagnose_values(e, hidden_states, ids, topk_weights)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _diagnose_values(e: int, hidden_states: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

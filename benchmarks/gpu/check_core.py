@@ -1,0 +1,213 @@
+"""The core on one accelerator: codecs, reference backends and low-latency mode in a CUDA graph.
+
+The first checks of ``shared/GPU.md``, in one process (world size 1, NCCL on CUDA)::
+
+    python benchmarks/gpu/check_core.py [--json out.json]
+
+1. **codecs**: every wire format quantized on the device gives the same bytes (data and scales)
+   as on the CPU, and dequantizes to the same values;
+2. **layers**: dispatch → reference experts → combine on the ``torch`` and ``allgather``
+   backends, every mode and dtype, against the dense fp32 reference (the kit's tolerance);
+3. **graph**: low-latency dispatch + combine captured once in a CUDA graph and replayed with new
+   inputs copied into the same static tensors, against eager runs on those inputs, with the
+   value checks off and with the default (on): the proof that the mode makes no host sync.
+
+``--device cpu`` runs 1 and 2 on gloo (how this script is tested without a GPU); 3 needs CUDA.
+Prints a table; the exit status is 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import moe_dispatch as md
+from moe_dispatch.accuracy import relative_error
+from moe_dispatch.codecs import as_bytes, make_codec, nvfp4_global_scale
+from moe_dispatch.routing import random_expert_weights, random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, check_layer
+
+H, E, K, T = 512, 16, 4, 32
+BACKENDS = ("torch", "allgather")
+
+
+@dataclass(frozen=True)
+class Check:
+    group: str
+    name: str
+    ok: bool
+    detail: str
+
+
+def _wire_formats() -> list[tuple[str, md.WireFormat, float | None]]:
+    gs = nvfp4_global_scale(8.0)
+    return [("bf16", md.WireFormat(md.DispatchDtype.BF16, H), None),
+            ("fp8", md.WireFormat(md.DispatchDtype.FP8, H), None),
+            ("fp8/ue8m0", md.WireFormat(md.DispatchDtype.FP8, H, ue8m0=True), None),
+            ("int8", md.WireFormat(md.DispatchDtype.INT8, H), None),
+            ("nvfp4", md.WireFormat(md.DispatchDtype.NVFP4, H), gs)]
+
+
+def check_codecs(device: torch.device) -> list[Check]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    x[0, :7] = torch.tensor([0.0, 1e-6, -1e-6, 7.5, -7.5, 3e-3, 448.0 / 64])  # zeros, tiny values, ties, block maxima
+    x = x.to(torch.bfloat16)
+    checks = []
+    for name, wire, gs in _wire_formats():
+        codec = make_codec(wire, gs)
+        on_cpu, on_dev = codec.quantize(x), codec.quantize(x.to(device))
+        problems = []
+        for part, a, b in (("data", on_cpu.data, on_dev.data), ("scale", on_cpu.scale, on_dev.scale)):
+            if (a is None) != (b is None):
+                problems.append(f"{part}: present on one device only")
+            elif a is not None and not torch.equal(as_bytes(a.contiguous()), as_bytes(b.cpu().contiguous())):
+                differ = int((as_bytes(a.contiguous()) != as_bytes(b.cpu().contiguous())).sum())
+                problems.append(f"{part}: {differ} bytes differ")
+        deq_cpu, deq_dev = codec.dequantize(on_cpu), codec.dequantize(on_dev).cpu()
+        if not torch.equal(deq_cpu, deq_dev):
+            problems.append(f"dequantized values differ (max {float((deq_cpu - deq_dev).abs().max()):.3g})")
+        checks.append(Check("codecs", f"{name} on {device.type} == cpu", not problems,
+                            "; ".join(problems) or "bit-equal"))
+    return checks
+
+
+def check_layers(device: torch.device) -> list[Check]:
+    checks = []
+    weights = random_expert_weights(E, H, 256, generator=torch.Generator().manual_seed(1))
+    for backend in BACKENDS:
+        for mode in md.Mode:
+            for dtype in md.DispatchDtype:
+                quant = md.QuantHints(input_global_scale=nvfp4_global_scale(8.0)) if dtype is md.DispatchDtype.NVFP4 \
+                    else md.QuantHints()
+                spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode, output_dtype=dtype,
+                                       quant=quant)
+                name = f"{backend} {mode.value} {dtype.value}"
+                try:
+                    d = md.create_dispatcher(backend, spec, env={})
+                    on_device = md.ExpertWeights(weights.w13_weight.to(device), weights.w2_weight.to(device))
+                    got = check_layer(0, 1, d, md.TorchExperts(), on_device, weights, tokens=T,
+                                      generator=torch.Generator().manual_seed(2), device=device)
+                except Exception as exc:  # noqa: BLE001 - a failure is a result here
+                    checks.append(Check("layers", name, False, f"{type(exc).__name__}: {exc}"))
+                    continue
+                checks.append(Check("layers", name, got.relative_error < got.tolerance,
+                                    f"rel err {got.relative_error:.2e} (limit {got.tolerance})"))
+    return checks
+
+
+def _graph_step(d: md.Dispatcher, layer: ScaledLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+                ) -> torch.Tensor:
+    out = d.dispatch(x, ids, w)
+    rows = ScaledIdentityExperts().apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                                 out.group_list_type, out.group_list, torch.bfloat16,
+                                                                 global_scale=out.global_scale)
+    return d.combine(rows, out)
+
+
+def _inputs(seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(T, E, K, generator=g, drop_prob=0.1)
+    return x.to(device), ids.to(device), w.to(device)
+
+
+def check_graph(device: torch.device) -> list[Check]:
+    if device.type != "cuda":
+        return [Check("graph", "low_latency in a CUDA graph", True, "skipped: needs CUDA")]
+    checks = []
+    layer = ScaledLayer.for_rank(H, E, 0, E)
+    for backend in BACKENDS:
+        for dtype in md.DispatchDtype:
+            for check_inputs in (False, True):
+                name = f"{backend} {dtype.value} checks {'on' if check_inputs else 'off'}"
+                quant = md.QuantHints(input_global_scale=nvfp4_global_scale(8.0)) \
+                    if dtype is md.DispatchDtype.NVFP4 else md.QuantHints()
+                spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode="low_latency",
+                                       output_dtype=dtype, quant=quant)
+                d = md.create_dispatcher(backend, spec, env={}, check_inputs=check_inputs)
+                x, ids, w = _inputs(10, device)
+                checks.append(_capture_and_replay(name, lambda: _graph_step(d, layer, x, ids, w), (x, ids, w),
+                                                  device))
+    return checks
+
+
+def _capture_and_replay(name: str, step: Callable[[], torch.Tensor], static: tuple[torch.Tensor, ...],
+                        device: torch.device) -> Check:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch's graph docs ask
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            y_static = step()
+    except Exception as exc:  # noqa: BLE001 - a capture failure is the finding
+        return Check("graph", name, False, f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    worst, bit_equal = 0.0, True
+    for seed in (11, 12, 13):
+        for dst, src in zip(static, _inputs(seed, device)):
+            dst.copy_(src)
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        bit_equal &= torch.equal(y_static, eager)
+        worst = max(worst, relative_error(y_static.float().cpu(), eager.float().cpu()))
+    return Check("graph", name, worst < 1e-2, f"replay vs eager: rel {worst:.2e}, bit-equal {bit_equal}")
+
+
+def _init_group(device: torch.device) -> None:
+    if dist.is_initialized():
+        return
+    with socket.socket() as sock:  # a free port on loopback for a one-rank group
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--only", choices=["codecs", "layers", "graph"], action="append")
+    p.add_argument("--json", help="write the checks as JSON to this path")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    _init_group(device)
+    groups = {"codecs": check_codecs, "layers": check_layers, "graph": check_graph}
+    checks: list[Check] = []
+    try:
+        for group, run in groups.items():
+            if args.only is None or group in args.only:
+                checks += run(device)
+    finally:
+        dist.destroy_process_group()
+    about = f"torch {torch.__version__}"
+    if device.type == "cuda":
+        about += f", CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}"
+    print(f"moe-dispatch core on {device.type} ({about})")
+    print(f"{'group':<7} {'check':<36} {'ok':<4} detail")
+    for c in checks:
+        print(f"{c.group:<7} {c.name:<36} {'yes' if c.ok else 'NO':<4} {c.detail}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": about, "checks": [asdict(c) for c in checks]}, f, indent=1)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
