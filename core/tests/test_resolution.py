@@ -147,3 +147,30 @@ def test_cli_args_round_trip_into_a_spec():
     spec = md.DispatchSpec.from_args(args, hidden_size=1024, num_experts=64, top_k=4)
     assert (spec.output_dtype, spec.mode, spec.num_max_dispatch_tokens_per_rank) == (D.INT8, M.LOW_LATENCY, 256)
     assert args.moe_a2a_backend == "torch"
+
+
+class _PerModeWorlds(md.Backend):
+    """Normal mode on tuned EP sizes only, low latency on any (DeepEP's rule)."""
+
+    name = "per_mode_worlds"
+    capabilities = md.Capabilities(
+        dtypes={md.Mode.NORMAL: frozenset({md.DispatchDtype.BF16}), md.Mode.LOW_LATENCY: frozenset({md.DispatchDtype.BF16})},
+        world_sizes=frozenset(range(1, 65)),
+        limits={md.Mode.NORMAL: md.Limits(world_sizes=frozenset({2, 4, 8}))},
+    )
+
+
+def test_world_sizes_are_checked_per_mode():
+    backend = _PerModeWorlds()
+    caps = backend.capabilities
+    assert caps.world_sizes_for(md.Mode.NORMAL) == {2, 4, 8} and caps.world_sizes_for(md.Mode.LOW_LATENCY) == set(
+        range(1, 65))
+    low_latency = md.DispatchSpec(128, 96, 2, mode="low_latency", output_dtype="bf16")
+    backend.check_spec(low_latency, 3)  # any EP size in low-latency mode
+    with pytest.raises(md.InvalidSpecError) as err:
+        backend.check_spec(md.DispatchSpec(128, 96, 2, output_dtype="bf16"), 3)
+    assert (err.value.parameter, err.value.value, err.value.allowed) == ("world_size", 3, "2, 4, 8")
+    assert "(normal)" in str(err.value)
+    with pytest.raises(md.InvalidSpecError):  # the backend-wide set still binds every mode
+        backend.check_spec(md.DispatchSpec(128, 96 * 2, 2, mode="low_latency", output_dtype="bf16"), 96)
+    assert caps.to_dict()["limits"]["normal"]["world_sizes"] == [2, 4, 8]

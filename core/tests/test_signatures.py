@@ -1,10 +1,10 @@
-"""moe_dispatch.testing.signatures: recorded vendor signatures against callables and source files."""
+"""moe_dispatch.signatures: recorded vendor signatures against callables and source files."""
 
 import textwrap
 
 import pytest
 
-from moe_dispatch.testing.signatures import REQUIRED, Param, VendorSignature, compare, differences, params_of, \
+from moe_dispatch.signatures import REQUIRED, Param, VendorSignature, compare, differences, params_of, \
     signature_from_source
 
 RECORDED = VendorSignature(
@@ -84,3 +84,17 @@ def test_inspect_and_ast_agree_on_a_python_function():
         return a
 
     assert params_of(f) == VendorSignature("f", "(a, b=None, *rest, c=True, d='x', **kw)", "here").params
+
+
+def test_an_expression_default_is_evaluated_where_the_callable_lives():
+    """The vendor writes ``activation_type: int = ActivationType.Swiglu.value``; a fake (or the
+    vendor itself) that defines ``ActivationType`` and defaults to the value agrees with it, and
+    one that defaults to another value does not."""
+    import enum
+
+    namespace: dict = {"ActivationType": enum.IntEnum("ActivationType", {"Swiglu": 3, "Relu2": 6})}
+    exec("def run(x, activation_type=ActivationType.Swiglu.value): pass\n"  # noqa: S102 - a throwaway def
+         "def wrong(x, activation_type=ActivationType.Relu2.value): pass", namespace)
+    recorded = VendorSignature("run", "(x, activation_type: int = ActivationType.Swiglu.value)", "example@0 m.py")
+    assert differences(recorded, namespace["run"]) == []
+    assert differences(recorded, namespace["wrong"]) == ["run: activation_type defaults to 6, recorded 3"]

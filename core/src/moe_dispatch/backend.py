@@ -142,12 +142,13 @@ class Backend:
                 value=spec.mode.value,
                 allowed=", ".join(m.value for m in caps.modes),
             )
-        if caps.world_sizes is not None and world_size not in caps.world_sizes:
+        sizes = caps.world_sizes_for(spec.mode)
+        if sizes is not None and world_size not in sizes:
             raise InvalidSpecError(
-                f"backend {self.name!r} does not support this EP size",
+                f"backend {self.name!r} ({spec.mode.value}) does not support this EP size",
                 parameter="world_size",
                 value=world_size,
-                allowed=", ".join(map(str, sorted(caps.world_sizes))),
+                allowed=", ".join(map(str, sorted(sizes))),
             )
         spec.local_experts(world_size)
         lim = caps.limits_for(spec.mode)

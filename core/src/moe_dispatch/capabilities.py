@@ -39,6 +39,9 @@ class Limits:
     :param min_hidden: / :param max_hidden: inclusive bounds on the hidden size.
     :param max_top_k: the most experts per token.
     :param max_buffer_bytes: the most bytes one buffer may take.
+    :param world_sizes: the EP sizes this mode runs on (None: any the backend supports). Vendors
+        differ per mode: DeepEP's normal mode needs a tuned config per EP size while its
+        low-latency mode runs on any.
     """
 
     max_tokens_per_rank: int | None = None
@@ -48,6 +51,7 @@ class Limits:
     max_hidden: int | None = None
     max_top_k: int | None = None
     max_buffer_bytes: int | None = None
+    world_sizes: frozenset[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +62,7 @@ class Limits:
             "max_hidden": self.max_hidden,
             "max_top_k": self.max_top_k,
             "max_buffer_bytes": self.max_buffer_bytes,
+            "world_sizes": None if self.world_sizes is None else sorted(self.world_sizes),
         }
 
 
@@ -76,7 +81,8 @@ class Capabilities:
     :param devices: device types it runs on (``"cpu"``, ``"cuda"``, ``"npu"``).
     :param limits: per mode, shape limits.
     :param fp8_ue8m0: FP8 with power-of-two (UE8M0) scales is supported.
-    :param world_sizes: the EP sizes it supports (None: any).
+    :param world_sizes: the EP sizes it supports in every mode (None: any); a mode narrows it
+        with ``Limits.world_sizes``.
     """
 
     dtypes: Mapping[Mode, frozenset[DispatchDtype]]
@@ -97,6 +103,13 @@ class Capabilities:
 
     def limits_for(self, mode: Mode) -> Limits:
         return self.limits.get(mode, Limits())
+
+    def world_sizes_for(self, mode: Mode) -> frozenset[int] | None:
+        """The EP sizes ``mode`` runs on: the backend's, narrowed by the mode's limits (None: any)."""
+        per_mode = self.limits_for(mode).world_sizes
+        if self.world_sizes is None:
+            return per_mode
+        return self.world_sizes if per_mode is None else self.world_sizes & per_mode
 
     def decide(self, mode: Mode, dtype: DispatchDtype) -> DtypeDecision:
         """The table-driven verdict that ``Backend.validate_dtype`` returns by default."""

@@ -3,7 +3,6 @@ choice isolated per dispatcher (sglang #26389/#26408), the HCCL window, the trai
 
 import io
 import os
-import threading
 import warnings
 from contextlib import redirect_stdout
 
@@ -15,19 +14,19 @@ from moe_dispatch.accuracy import relative_error
 from moe_dispatch.cli import main
 from moe_dispatch.experts import dequantize_rows
 from moe_dispatch.environ import restored_environ
-from moe_dispatch_ascend_deepep import sizes
+from moe_dispatch_ascend_deepep import sizes, vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
-from moe_dispatch_ascend_deepep.emulator import COUNTS_TYPE_ENV, INT8_ENV
-from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
+from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY, INT8_ENV
 
 H = 1024
 
 
-def _dispatcher(vendor: str, dtype: str, mode: str = "normal", tokens: int = 8) -> md.Dispatcher:
+def _dispatcher(vendor: str, dtype: str, mode: str = "normal", tokens: int = 8,
+                env: dict[str, str] | None = None) -> md.Dispatcher:
     spec = md.DispatchSpec(H, 8, 2, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", md.DtypeFallbackWarning)
-        return md.create_dispatcher(AscendDeepEPBackend(vendor, env={}), spec, env={})
+        return md.create_dispatcher(AscendDeepEPBackend(vendor, env=env), spec, env={})
 
 
 def _batch(seed: int = 0, tokens: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,72 +64,63 @@ def test_the_resolved_dtype_is_what_reaches_the_kernel(moe_rank_pools, vendor, m
         assert seen["error"] < (0.03 if seen["resolved"] == "int8" else 0.01)
 
 
-def _run_isolated(vendor: str, results: list, rounds: int) -> None:
-    bf16, int8 = _dispatcher(vendor, "bf16"), _dispatcher(vendor, "int8")
-    x, ids, w = _batch()
-    for _ in range(rounds):
-        for d in (int8, bf16):
-            out = d.dispatch(x, ids, w)
-            results.append((d.output_dtype.value, str(out.hidden_states.dtype),
-                            d.backend_dispatcher.buffer.calls[-1].int8))
-            d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
+def interleaved(rank: int, world: int, vendor: str, mode: str, rounds: int) -> list[tuple]:
+    """An INT8 and a BF16 dispatcher in one process (a draft and a target model), interleaved,
+    with someone's process-wide INT8 switch already set."""
+    results = []
+    with restored_environ({INT8_ENV: "1"}):
+        bf16, int8 = _dispatcher(vendor, "bf16", mode), _dispatcher(vendor, "int8", mode)
+        x, ids, w = _batch(rank)
+        for _ in range(rounds):
+            for d in (int8, bf16):
+                out = d.dispatch(x, ids, w)
+                results.append((d.output_dtype.value, str(out.hidden_states.dtype),
+                                d.backend_dispatcher.buffer.calls[-1].int8))
+                d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
+        assert os.environ[INT8_ENV] == "1"  # untouched by the dispatchers
+    return results
 
 
 @pytest.mark.parametrize("vendor", [EMULATOR, EMULATOR_ENV_ONLY])
-def test_an_int8_and_a_bf16_dispatcher_never_see_each_others_choice(vendor):
-    """A BF16 draft model and an INT8 target model in one process (sglang #26389/#26408):
-    interleaved, from two threads at once, and with the variable already set process-wide."""
-    before = os.environ.get(INT8_ENV)
-    os.environ[INT8_ENV] = "1"  # someone else's process-wide INT8 switch (not in a scoped block: it stays)
-    try:
-        results: list = []
-        threads = [threading.Thread(target=_run_isolated, args=(vendor, results, 20)) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads)
-        assert os.environ[INT8_ENV] == "1"  # untouched by the dispatchers
-    finally:
-        if before is None:
-            del os.environ[INT8_ENV]
-        else:
-            os.environ[INT8_ENV] = before
-    assert len(results) == 2 * 20 * 2
-    for resolved, tensor_dtype, vendor_int8 in results:
-        assert (tensor_dtype == "torch.int8") is (resolved == "int8") and vendor_int8 is (resolved == "int8")
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_an_int8_and_a_bf16_dispatcher_never_see_each_others_choice(moe_rank_pools, vendor, mode):
+    """sglang #26389/#26408: each vendor call gets this dispatcher's choice, whatever the process
+    environment holds, and the environment is as it was afterwards."""
+    for results in moe_rank_pools.get(2).map(interleaved, vendor, mode, 3):
+        assert len(results) == 6
+        for resolved, tensor_dtype, vendor_int8 in results:
+            assert (tensor_dtype == "torch.int8") is (resolved == "int8") and vendor_int8 is (resolved == "int8")
 
 
-def test_a_prefix_sum_count_list_is_read_as_counts():
-    d = _dispatcher(EMULATOR, "bf16")
-    x, ids, w = _batch()
-    plain = d.dispatch(x, ids, w).expert_counts().tolist()
-    with restored_environ({COUNTS_TYPE_ENV: "0"}):
-        assert d.dispatch(x, ids, w).expert_counts().tolist() == plain
-
-
-def test_hccl_window_follows_deepep_ascends_formula_and_is_checked_at_creation():
-    # The README's minimum 2·(bs·R·min(E_l,k)·H·2 + 2 MB) for H=7168, k=8, E=256, bs=128.
-    assert [sizes.hccl_buffer_mb(128, 7168, r, 256 // r, 8) for r in (8, 16, 32)] == [228, 452, 900]
-    assert sizes.hccl_buffer_mb(512, 7168, 16, 16, 8) == 1796
+def test_hccl_window_follows_the_vendors_formulas():
+    # The README's non-layered minimum 2·(bs·R·min(E_l,k)·H·2 + 2 MB), H=7168, k=8, E=256, bs=128.
+    assert [v.window_mb(v.readme_window_bytes(128, 7168, r, 256 // r, 8)) for r in (8, 16, 32)] == [228, 452, 900]
     spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, mode="low_latency", output_dtype="int8")
-    backend = AscendDeepEPBackend(EMULATOR, env={"HCCL_BUFFSIZE": "100"})
-    assert backend.buffer_size(spec, 8).total_bytes == sizes.hccl_buffer_bytes(128, 7168, 8, 32, 8)
+    backend = AscendDeepEPBackend(EMULATOR, env={})
+    need = max(v.ll_op_window_bytes(128, 7168, 8, 32, 8), v.readme_window_bytes(128, 7168, 8, 32, 8))
+    assert backend.buffer_size(spec, 8).allocated_bytes == need
+    assert sizes.required_window_mb(spec, 8, {}) == v.window_mb(need) == 956
     with pytest.raises(md.CapacityError) as info:
-        sizes.check_hccl_buffsize(228, {"HCCL_BUFFSIZE": "100"})
-    assert info.value.parameter == "HCCL_BUFFSIZE" and "HCCL_BUFFSIZE=228" in str(info.value)
+        sizes.check_hccl_window(956, {"HCCL_BUFFSIZE": "100"})
+    assert info.value.parameter == "HCCL_BUFFSIZE" and "HCCL_BUFFSIZE=956" in str(info.value)
     with pytest.raises(md.CapacityError, match="default 200 MB"):
-        sizes.check_hccl_buffsize(228, {})
-    sizes.check_hccl_buffsize(228, {"HCCL_BUFFSIZE": "228"})
+        sizes.check_hccl_window(956, {})
+    sizes.check_hccl_window(956, {"HCCL_BUFFSIZE": "956"})
     with pytest.raises(md.InvalidSpecError):
-        sizes.check_hccl_buffsize(228, {"HCCL_BUFFSIZE": "lots"})
+        sizes.check_hccl_window(956, {"HCCL_BUFFSIZE": "lots"})
 
 
-def test_creation_refuses_a_small_hccl_window():
+def small_window(rank: int, world: int) -> str:
     spec = md.DispatchSpec(H, 8, 2, num_max_dispatch_tokens_per_rank=8)
-    with pytest.raises(md.CapacityError) as info:
+    try:
         md.create_dispatcher(AscendDeepEPBackend(EMULATOR, env={"HCCL_BUFFSIZE": "1"}), spec, env={})
-    assert info.value.parameter == "HCCL_BUFFSIZE"
+    except md.CapacityError as exc:
+        return exc.parameter or ""
+    return "created"
+
+
+def test_creation_refuses_a_small_hccl_window(moe_rank_pools):
+    assert moe_rank_pools.get(2).map(small_window) == ["HCCL_BUFFSIZE"] * 2
 
 
 def _explain(*args: str) -> tuple[int, str]:

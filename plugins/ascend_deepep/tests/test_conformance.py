@@ -4,8 +4,8 @@ from moe_dispatch.testing import BackendConformance, KitShape
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
 
-# The CPU run has no HCCL window to size; the default 200 MB covers the kit's shapes.
-_ENV: dict[str, str] = {}
+
+_ENV = None  # the process environment (conftest exports HCCL_BUFFSIZE, as a launcher must)
 
 
 def emulated() -> AscendDeepEPBackend:
@@ -23,8 +23,10 @@ class TestAscendDeepEPOnEmulator(BackendConformance):
 
 
 class TestOlderAscendDeepEPOnEmulator(BackendConformance):
-    """A DeepEP-Ascend without ``quant_mode``: INT8 through the scoped environment variable."""
+    """A DeepEP-Ascend without ``quant_mode``: INT8 through the scoped environment variable
+    (the same adapter and fake otherwise: two ranks are enough)."""
 
     backend_name = "ascend_deepep"
     backend_factory = emulated_env_only
     kit_shape = KitShape(hidden_size=1024)
+    world_sizes = (2,)

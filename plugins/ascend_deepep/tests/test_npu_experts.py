@@ -33,7 +33,7 @@ import moe_dispatch as md
 from moe_dispatch.accuracy import TOLERANCES, relative_error
 from moe_dispatch.codecs import make_codec
 from moe_dispatch.routing import random_expert_weights
-from moe_dispatch_ascend_deepep import npu_ops_emulator as emu
+from moe_dispatch_ascend_deepep.fakes import torch_npu as emu
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.experts import (
     EMULATOR,

@@ -1,4 +1,7 @@
-"""The conformance kit on the DeepEP adapter, driving the CPU emulator of ``deep_ep.Buffer``."""
+"""The conformance kit on the DeepEP adapter, driving the CPU fakes of ``deep_ep.Buffer``.
+
+DeepEP's normal mode has no kernel for one rank (``SWITCH_RANKS``: 2, 4, 8): the kit runs on 2 and 4 ranks;
+low-latency mode on one rank is covered in test_deepep_adapter.py."""
 
 from moe_dispatch.testing import BackendConformance
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
@@ -14,6 +17,7 @@ class TestDeepEPOnEmulator(BackendConformance):
     backend_factory = emulated_deepep
     # DeepEP sizes its buffers from tuned chunk configs, not from the batch: no upper bound.
     buffer_size_ratio = None
+    world_sizes = (2, 4)
 
 
 def emulated_hybrid_deepep() -> DeepEPBackend:
@@ -26,3 +30,4 @@ class TestHybridDeepEPOnEmulator(BackendConformance):
     backend_name = "cuda_deepep"
     backend_factory = emulated_hybrid_deepep
     buffer_size_ratio = None
+    world_sizes = (2, 4)

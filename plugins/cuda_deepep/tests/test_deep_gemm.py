@@ -23,8 +23,12 @@ from moe_dispatch.accuracy import TOLERANCES, relative_error
 from moe_dispatch.codecs import make_codec, pack_ue8m0
 from moe_dispatch.experts import dequantize_rows
 from moe_dispatch.routing import random_expert_weights
-from moe_dispatch_cuda_deepep import deep_gemm_emulator as emu
+from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+from moe_dispatch_cuda_deepep.fakes import deep_gemm as emu
+from moe_dispatch_cuda_deepep.fakes import deep_gemm_sm100 as emu100
+from moe_dispatch_cuda_deepep.fakes import deep_gemm_v1 as emu_v1
+from moe_dispatch_cuda_deepep.fakes.deep_gemm_v1_kernels import run_contiguous
 from moe_dispatch_cuda_deepep.deep_gemm import (
     EMULATOR,
     DeepGemmExperts,
@@ -35,6 +39,8 @@ from moe_dispatch_cuda_deepep.deep_gemm import (
     runner_probe,
 )
 from moe_dispatch_cuda_deepep.vendor import EMULATOR as DEEPEP_EMULATOR
+
+SM100, V1 = vendor.DEEP_GEMM_EMULATOR_SM100, vendor.DEEP_GEMM_V1_EMULATOR
 
 H, I, E = 256, 128, 4
 PACKED_COUNTS = [5, 0, 130, 1]  # uneven, an empty expert, none a multiple of 128
@@ -147,7 +153,8 @@ def test_no_rows_at_all():
 def test_ue8m0_packed_scales_give_the_fp32_power_of_two_result(layout):
     """SM100 hands scales over as int32 words of four exponent bytes; the same powers of two as
     fp32 must give the identical result (the intermediate is then packed too)."""
-    experts = DeepGemmExperts("block_fp8", LL, EMULATOR, ue8m0=True)
+    experts = DeepGemmExperts("block_fp8", LL, SM100)
+    assert experts.ue8m0  # chosen by the (emulated) device
     layer = experts.process_weights(_weights())
     assert layer.ue8m0 and torch.equal(torch.log2(layer.w13_weight_scale_inv).round(), torch.log2(
         layer.w13_weight_scale_inv))
@@ -169,7 +176,7 @@ def test_the_v1_api_gives_the_same_result(layout):
     """The old generation's names (``m_grouped_gemm_fp8_fp8_bf16_nt_*``) are called with their
     own argument lists."""
     mode = NORMAL if layout == "packed" else LL
-    v2, v1 = DeepGemmExperts("block_fp8", mode, EMULATOR), DeepGemmExperts("block_fp8", mode, emu.legacy_v1())
+    v2, v1 = DeepGemmExperts("block_fp8", mode, EMULATOR), DeepGemmExperts("block_fp8", mode, V1)
     assert v1.info.generation == "v1"
     layer = v2.process_weights(_weights())
     shape, counts = ((sum(PACKED_COUNTS),), PACKED_COUNTS) if layout == "packed" else ((E, CAPACITY), MASKED_COUNTS)
@@ -202,19 +209,25 @@ def _fp8_operands(m: int, g: int = 2, n: int = 128, k: int = 256):
     return a, sa, b, sb
 
 
-def test_the_emulator_asserts_the_contiguous_alignment():
-    """A kernel that forgot to pad the PACKED rows hands DeepGEMM 130 rows: it must fail."""
+def test_the_fake_checks_the_contiguous_layout():
+    """A kernel that forgot to pad the PACKED rows hands DeepGEMM 130 rows: it computes garbage; the fake
+    refuses. DeepGEMM's own host asserts raise RuntimeError (pybind's translation of DGException)."""
     a, sa, b, sb = _fp8_operands(130)
     d = torch.empty(130, 128, dtype=torch.bfloat16)
-    with pytest.raises(AssertionError, match="multiple of 128"):
+    with pytest.raises(RuntimeError, match="blocks of"):
         emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, torch.zeros(130, dtype=torch.int32))
     a, sa, b, sb = _fp8_operands(256)
     two_groups = torch.cat([torch.zeros(100), torch.ones(156)]).to(torch.int32)  # group 1 starts mid-block
-    with pytest.raises(AssertionError, match="one group"):
+    with pytest.raises(RuntimeError, match="one group"):
         emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16), two_groups)
+    with pytest.raises(RuntimeError, match="Assertion error"):
+        emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, torch.zeros(256, dtype=torch.int32))  # d: 130 rows
+    with pytest.raises(RuntimeError, match="grouped_layout.scalar_type"):
+        emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16),
+                                             torch.zeros(256, dtype=torch.int64))
 
 
-def test_the_emulator_computes_the_contiguous_gemm_and_poisons_padding():
+def test_the_fake_computes_the_contiguous_gemm_and_poisons_padding():
     a, sa, b, sb = _fp8_operands(256)
     m_indices = torch.cat([torch.ones(100), -torch.ones(28), torch.zeros(128)]).to(torch.int32)
     d = torch.empty(256, 128, dtype=torch.bfloat16)
@@ -223,42 +236,55 @@ def test_the_emulator_computes_the_contiguous_gemm_and_poisons_padding():
     bf = b.float() * sb.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
     assert torch.equal(d[:100], (af[:100] @ bf[1].t()).to(torch.bfloat16))
     assert torch.equal(d[128:], (af[128:] @ bf[0].t()).to(torch.bfloat16))
-    assert torch.isnan(d[100:128]).all()  # unspecified in DeepGEMM: reading it must show
-    with pytest.raises(AssertionError, match="first row"):  # v1 reads a block's group from its first row
-        emu.legacy_v1().m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
-            (a, sa), (b, sb), d, torch.cat([-torch.ones(28), torch.ones(100), torch.zeros(128)]).to(torch.int32))
+    assert torch.isnan(d[100:128]).all()  # unspecified on SM90: reading it must show
+    # DeepGEMM v1 before #113 read a block's group from its first row: -1 there was an illegal address.
+    first_padding = torch.cat([-torch.ones(28), torch.ones(100), torch.zeros(128)]).to(torch.int32)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_contiguous(a, sa, b, sb, d, first_padding, 128, skips_negative=False)
 
 
-def test_the_emulator_masked_gemm_writes_only_the_valid_rows():
+def test_the_fake_masked_gemm_writes_only_the_valid_rows():
     a, sa, b, sb = _fp8_operands(2 * 8)
     a, sa = a.view(2, 8, 256), sa.view(2, 8, 2)
     d = torch.full((2, 8, 128), 7.0, dtype=torch.bfloat16)
     emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 2)
     assert (d[0, 3:] == 7).all() and (d[1] == 7).all() and not (d[0, :3] == 7).any()
-    with pytest.raises(AssertionError, match="expected_m"):
+    with pytest.raises(RuntimeError, match="expected_m > 0"):
         emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 0)
+    with pytest.raises(TypeError, match="incompatible"):  # pybind: expected_m is an int
+        emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 2.0)
+    with pytest.raises(TypeError):  # a keyword DeepGEMM does not have
+        emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 2, m_indices=1)
+    with pytest.raises(AssertionError):  # v1: a Python assert on masked_m's dtype
+        emu_v1.m_grouped_gemm_fp8_fp8_bf16_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0]), 2)
 
 
-def test_the_emulator_scale_formats():
-    """int32 SFA with fp32 SFB: SFB is cast to its exponent (SM100); fp32 SFA with int32 SFB is
-    rejected as DeepGEMM does."""
+def test_the_fake_scale_formats_per_architecture():
+    """SM90 takes fp32 only. SM100 takes packed UE8M0 (MN-major, TMA-aligned) and casts fp32 to UE8M0:
+    DeepGEMM 2.6.1 device-asserts powers of two, 2.5.0 kept the exponent bits (silently wrong)."""
     a, _, b, sb = _fp8_operands(128)
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
     q = make_codec(md.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
-    d_fp32, d_int = (torch.empty(128, 128, dtype=torch.bfloat16) for _ in range(2))
     ids = torch.zeros(128, dtype=torch.int32)
-    floor_sb = torch.exp2(torch.floor(torch.log2(sb)))
-    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, floor_sb), d_fp32, ids)
-    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, sb), d_int, ids)
-    assert torch.equal(d_fp32, d_int)
-    with pytest.raises(AssertionError, match="scaling factor"):
-        emu.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, sb), d_int, ids,
-                                             disable_ue8m0_cast=True)
-    per_row = pack_ue8m0(floor_sb.repeat_interleave(128, dim=1))
-    with pytest.raises(AssertionError, match="scaling factor"):
-        emu.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, per_row), d_int, ids)
-    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, per_row), d_int, ids)
-    assert torch.equal(d_fp32, d_int)
+    d_ref, d_int = (torch.empty(128, 128, dtype=torch.bfloat16) for _ in range(2))
+    assert emu100.get_tma_aligned_size(128, 4) == 128 and emu100.get_tma_aligned_size(130, 4) == 132
+    packed = torch.zeros(1, 128, dtype=torch.int32).t()  # MN-major: what DeepEP and the runner hand over
+    packed.copy_(pack_ue8m0(q.scale))
+    with pytest.raises(RuntimeError, match="Unknown SF transformation|kFloat"):  # SM90: no UE8M0
+        emu.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, sb), d_int, ids)
+    pow2_sb = torch.exp2(torch.floor(torch.log2(sb)))
+    emu.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, pow2_sb), d_ref, ids)
+    emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, pow2_sb), d_int, ids)
+    assert torch.equal(d_ref, d_int)
+    with pytest.raises(RuntimeError, match="device-side assert"):  # 2.6.1: non-power-of-two fp32 SFB
+        emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, sb), d_int, ids)
+    old = emu.emulate((10, 0), "2.5.0")
+    getattr(old, vendor.DG_FP8_CONTIGUOUS)((q.data, packed), (b, sb), d_int, ids)  # truncated to the exponent
+    assert torch.equal(d_ref, d_int)
+    with pytest.raises(RuntimeError, match="stride"):  # row-major packed SFA: not TMA-aligned MN-major
+        emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, pow2_sb), d_int, ids)
+    with pytest.raises(RuntimeError, match="Unsupported architecture or scaling factor types"):
+        emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, pow2_sb), d_int, ids, disable_ue8m0_cast=True)
 
 
 # -- detection and errors -------------------------------------------------------------------------------
@@ -267,7 +293,7 @@ def test_the_emulator_scale_formats():
 def test_detect_reads_the_api_generation():
     v2 = detect(EMULATOR)
     assert (v2.generation, v2.has_bf16, v2.error) == ("v2", True, None) and "v2" in v2.describe()
-    v1 = detect(emu.legacy_v1())
+    v1 = detect(V1)
     assert (v1.generation, v1.has_bf16) == ("v1", False) and "without BF16" in v1.describe()
     early = detect(types.SimpleNamespace(fp8_m_grouped_gemm_nt_masked=print, m_grouped_fp8_gemm_nt_contiguous=print))
     assert (early.generation, early.has_bf16) == ("v2", False)
@@ -287,14 +313,31 @@ def test_a_missing_deep_gemm_says_how_to_install_it():
 
 def test_bf16_or_ue8m0_on_deep_gemm_v1_is_refused():
     with pytest.raises(md.BackendUnavailableError) as info:
-        DeepGemmExperts("bf16", LL, emu.legacy_v1())
+        DeepGemmExperts("bf16", LL, V1)
     assert info.value.parameter == "weights" and "m_grouped_bf16_gemm_nt" in str(info.value)
-    with pytest.raises(md.BackendUnavailableError, match="fp32 scales only"):
-        DeepGemmExperts("block_fp8", LL, emu.legacy_v1(), ue8m0=True)
+    with pytest.raises(md.InvalidSpecError, match="9.x"):  # v1 runs on SM90, which takes fp32 scales
+        DeepGemmExperts("block_fp8", LL, V1, ue8m0=True)
     with pytest.raises(md.InvalidSpecError):
         DeepGemmExperts("bf16", LL, EMULATOR, ue8m0=True)
     with pytest.raises(md.InvalidSpecError):
         DeepGemmExperts("fp8", LL, EMULATOR)
+    with pytest.raises(md.BackendUnavailableError, match="SM90 and SM100"):
+        DeepGemmExperts("block_fp8", LL, emu.emulate((12, 0)))
+
+
+def test_v1_masked_capacity_and_sm90_bf16_dims_are_checked_before_deep_gemm():
+    """NEW: DeepGEMM v1's masked GEMM asserts M % block_m when M exceeds it (block_m 64/128/256 by its
+    heuristic); SM90's BF16 grouped GEMMs assert K % 64."""
+    v1 = DeepGemmExperts("block_fp8", LL, V1)
+    layer = v1.process_weights(_weights())
+    x, scale = _rows("block_fp8", (E, 96))
+    with pytest.raises(md.InvalidInputError) as info:
+        v1.apply_without_routing_weights(layer, x, scale, 1, torch.tensor([1, 0, 0, 0]), torch.bfloat16)
+    assert info.value.parameter == "hidden_states" and "256" in info.value.allowed
+    with pytest.raises(md.InvalidInputError) as info:
+        DeepGemmExperts("bf16", LL, EMULATOR).process_weights(random_expert_weights(2, 256, 96))
+    assert info.value.parameter == "intermediate_size"
+    DeepGemmExperts("bf16", LL, SM100).process_weights(random_expert_weights(2, 256, 96))  # SM100: no such rule
 
 
 def test_wrong_inputs_are_typed_errors():
@@ -366,19 +409,19 @@ def test_the_hint_overrides_the_runner_default_in_resolution():
 # -- a whole layer on two ranks --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,mode,ue8m0", [
-    ("block_fp8", "low_latency", False),
-    ("bf16", "low_latency", False),
-    ("block_fp8", "low_latency", True),
-    ("block_fp8", "normal", False),
-    ("bf16", "normal", False),
-    ("block_fp8", "normal", True),
+@pytest.mark.parametrize("kind,mode,kernel", [
+    ("block_fp8", "low_latency", EMULATOR),
+    ("bf16", "low_latency", EMULATOR),
+    ("block_fp8", "low_latency", SM100),  # UE8M0 end to end
+    ("block_fp8", "normal", EMULATOR),
+    ("bf16", "normal", SM100),
+    ("block_fp8", "normal", SM100),
 ])
-def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_pools, kind, mode, ue8m0):
-    """DeepEP (emulated) with the spec built from ``quant_hints()``, the kernel on each rank's
+def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_pools, kind, mode, kernel):
+    """DeepEP (its fake) with the spec built from ``quant_hints()``, the kernel on each rank's
     experts, combine: within the wire dtype's tolerance of ``md.reference_moe`` on the
     dequantized weights, and the resolution trail shows the dtype came from the hints."""
-    results = moe_rank_pools.get(2).map(run_layer, kind, mode, EMULATOR, DEEPEP_EMULATOR, 2048, 256, 2, 2, 8, ue8m0)
+    results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 8)
     for r in results:
         assert r.dtype == ("fp8" if kind == "block_fp8" else "bf16"), r.resolution
         assert r.decided_by == "quant.dispatcher_output_dtype", r.resolution

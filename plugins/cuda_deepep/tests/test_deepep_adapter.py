@@ -1,6 +1,7 @@
 """The DeepEP adapter beyond the kit: size formulas against DeepEP's numbers, the dtype that
 reaches the vendor call, buffers shared by dispatch and combine, and the plugin as installed."""
 
+import importlib
 import io
 import os
 from contextlib import redirect_stdout
@@ -10,9 +11,9 @@ import pytest
 import moe_dispatch as md
 from moe_dispatch.cli import main
 from moe_dispatch.environ import restored_environ
-from moe_dispatch_cuda_deepep import sizes
+from moe_dispatch_cuda_deepep import sizes, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.emulator import Buffer
+from moe_dispatch_cuda_deepep.fakes.deep_ep import Buffer, Config
 from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch, wire_seen
 from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4, detect
 
@@ -27,7 +28,8 @@ H = 7168
     (512, 256, 7_633_635_456),
 ])
 def test_low_latency_size_hint_reproduces_deepep(tokens, experts, expected):
-    assert sizes.low_latency_rdma_size_hint(tokens, H, 8, experts) == expected
+    assert vendor.ported_low_latency_rdma_size_hint(tokens, H, 8, experts) == expected
+    assert sizes.low_latency_rdma_size_hint(tokens, H, 8, experts) == expected  # no DeepEP: the port
     assert Buffer.get_low_latency_rdma_size_hint(tokens, H, 32, experts) == expected  # R does not enter
     spec = md.DispatchSpec(H, experts, 8, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
                            output_dtype="fp8")
@@ -37,14 +39,41 @@ def test_low_latency_size_hint_reproduces_deepep(tokens, experts, expected):
 
 
 def test_normal_mode_hints_reproduce_deepep():
-    assert sizes.Config(24, 8, 512, 16, 128).nvl_buffer_size_hint(7168, 16) == 453_380_736  # DeepEP PR #434
-    assert sizes.Config(24, 8, 512, 16, 128).rdma_buffer_size_hint(7168, 8) == 0  # intranode: no RDMA buffer
-    assert sizes.Config(20, 6, 256, 6, 100).num_max_rdma_chunked_recv_tokens == 102  # rounded up to the send chunk
+    fields = vendor.ConfigFields(24, 8, 512, 16, 128)
+    assert vendor.ported_nvl_buffer_size_hint(fields, 7168, 16) == 453_380_736  # DeepEP PR #434
+    assert Config(*fields.as_tuple()).get_nvl_buffer_size_hint(7168, 16) == 453_380_736  # the fake calls the port
+    assert vendor.ported_rdma_buffer_size_hint(fields, 7168, 8) == 0  # intranode: no RDMA buffer
+    assert vendor.ConfigFields(20, 6, 256, 6, 100).rdma_recv == 102  # rounded up to the send chunk
+    assert vendor.dispatch_config(None, 6) is None and vendor.combine_config(None, 6) is None
     with pytest.raises(md.InvalidSpecError) as info:
-        sizes.dispatch_config(6)
+        DeepEPBackend(vendor.REAL).check_spec(md.DispatchSpec(H, 60, 8, output_dtype="bf16"), 6)
     assert info.value.parameter == "world_size" and "8" in info.value.allowed
-    with pytest.raises(md.InvalidSpecError):
-        sizes.Config(21, 6, 256, 6, 128)
+    odd = Config(21, 6, 256, 6, 128)  # DeepEP's Config takes an odd SM count; the hint asserts past 8 ranks
+    assert odd.get_nvl_buffer_size_hint(7168, 8) > 0
+    with pytest.raises(RuntimeError, match="num_sms % 2 == 0"):
+        odd.get_nvl_buffer_size_hint(7168, 16)
+
+
+def test_the_tuned_configs_come_from_the_installed_deepep():
+    """With DeepEP (here its fakes) the configs are its own ``Config`` objects, built with the class-level
+    ``Buffer.num_sms``; the EP sizes are those it has a config and a kernel for (hybrid-ep: no 24/48/96)."""
+    from moe_dispatch_cuda_deepep.fakes import deep_ep as fake
+
+    module = importlib.import_module(EMULATOR)
+    cfg = vendor.dispatch_config(module, 8)
+    assert isinstance(cfg, fake.Config)
+    assert cfg.get_nvl_buffer_size_hint(7168, 8) == vendor.ported_nvl_buffer_size_hint(
+        vendor.ConfigFields(20, *vendor.TUNED_DISPATCH[8]), 7168, 8)
+    try:
+        fake.Buffer.set_num_sms(24)
+        want = vendor.ported_nvl_buffer_size_hint(vendor.ConfigFields(24, *vendor.TUNED_DISPATCH[8]), 7168, 8)
+        assert vendor.dispatch_config(module, 8).get_nvl_buffer_size_hint(7168, 8) == want
+        with pytest.raises(AssertionError, match="even"):
+            fake.Buffer.set_num_sms(23)
+    finally:
+        fake.Buffer.set_num_sms(vendor.DEFAULT_NUM_SMS)
+    assert DeepEPBackend(EMULATOR).normal_world_sizes() == frozenset(vendor.TUNED_DISPATCH)
+    assert DeepEPBackend(EMULATOR_NVFP4).normal_world_sizes() == {2, 4, 8, 16, 32, 64, 128, 144, 160}
 
 
 def test_dispatch_and_combine_are_sized_separately():
@@ -55,28 +84,28 @@ def test_dispatch_and_combine_are_sized_separately():
     assert fp8.total_bytes >= fp8.combine_bytes  # the shared buffer holds a BF16 combine
 
 
-def _fp8_dispatch_only_buffer(rank, world):
-    """A buffer sized with one byte per element (FP8 dispatch) must not be handed to a BF16 combine."""
+def _undersized_buffer(rank, world):
+    """A buffer below what DeepEP's dispatch kernel lays out in it is refused with DeepEP's own error."""
     import torch
 
-    cfg_d, cfg_c = sizes.dispatch_config(world), sizes.combine_config(world)
-    buf = Buffer(None, num_nvl_bytes=cfg_d.nvl_buffer_size_hint(256, world))
+    cfg = Buffer.get_dispatch_config(world)
+    with restored_environ():
+        small = cfg.get_nvl_buffer_size_hint(256, world) // 16 // 128 * 128
+        buf = Buffer(torch.distributed.group.WORLD, num_nvl_bytes=small)
     ids = torch.tensor([[0, 3]] * 4)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, 4 * world)
     x = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
-    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert, topk_idx=ids,
-                                            topk_weights=torch.ones(4, 2), config=cfg_d)
     try:
-        buf.combine(torch.zeros(recv[0].shape, dtype=torch.bfloat16), handle, config=cfg_c)
-    except AssertionError as exc:
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=ids, topk_weights=torch.ones(4, 2), config=cfg)
+    except RuntimeError as exc:
         return str(exc)
     return None
 
 
-def test_an_fp8_sized_buffer_refuses_a_bf16_combine(moe_rank_pools):
-    errors = moe_rank_pools.get(2).map(_fp8_dispatch_only_buffer)
-    assert all(e and "combine" in e for e in errors), errors
+def test_an_undersized_buffer_fails_as_deepep_does(moe_rank_pools):
+    errors = moe_rank_pools.get(2).map(_undersized_buffer)
+    assert all(e and e.startswith("Assertion exception") and "num_nvl_bytes" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
@@ -119,9 +148,16 @@ def test_ue8m0_scales_reach_the_experts_packed_four_per_word(moe_rank_pools, mod
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_the_gpu_script_check_runs_on_the_emulator(moe_rank_pools, mode, ue8m0):
+def test_the_agreement_check_runs_on_the_fake(moe_rank_pools, mode, ue8m0):
     results = moe_rank_pools.get(2).map(agree_with_torch, mode, "fp8", EMULATOR, 2048, 4, 4, 16, 1, ue8m0)
     assert all(r["relative_difference"] < 1e-2 for r in results), results
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_low_latency_on_one_rank(moe_rank_pools, dtype):
+    """DeepEP's low-latency mode runs on a group of one (the hardware check's setting); the kit runs 2 and 4."""
+    (result,) = moe_rank_pools.get(1).map(agree_with_torch, "low_latency", dtype, EMULATOR, 2048, 4, 4, 16, 1)
+    assert result["relative_difference"] < 1e-2, result
 
 
 def test_installed_plugin_is_listed_unavailable_with_what_to_install():

@@ -21,8 +21,8 @@ from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.vendor import EMULATOR as DEEPEP_EMULATOR
 from moe_dispatch_cuda_deepep.vendor import EMULATOR_NVFP4 as HYBRID_DEEPEP_EMULATOR
 from moe_dispatch_flashinfer_cutedsl import RUNNER, CuteDslExperts, FlashInferA2ABackend
-from moe_dispatch_flashinfer_cutedsl import sizes
-from moe_dispatch_flashinfer_cutedsl import emulator as fi
+from moe_dispatch_flashinfer_cutedsl import vendor
+from moe_dispatch_flashinfer_cutedsl.fakes import flashinfer_0_7_2 as fi
 from moe_dispatch_flashinfer_cutedsl.vendor import EMULATOR, sm100_reason
 from moe_dispatch.scale_layouts import from_mma_view, to_mma_view
 from moe_dispatch_flashinfer_cutedsl.weights import deinterleave_up_gate, interleave_up_gate
@@ -153,6 +153,45 @@ def test_the_kernel_reads_activation_scales_linear_only():
                           torch.ones(4), torch.tensor([1.0]), layer.w2_weight, layer.w2_weight_sf, torch.ones(4))
 
 
+def test_the_runner_hands_the_kernels_aligned_contiguous_rows():
+    """make_ptr asserts 32-byte aligned activations and 16-byte aligned scales: NVFP4 rows that
+    are a view at an odd offset (a slice of a receive buffer) are copied first."""
+    gs = nvfp4_global_scale(4.0)
+    layer = _layer(0, 4, gs)
+    q = NVFP4Codec(WireFormat(md.DispatchDtype.NVFP4, H), gs).quantize(torch.randn(5, H).to(torch.bfloat16))
+    data = torch.zeros(5 * H // 2 + 16, dtype=torch.uint8)
+    data[16:] = q.data.reshape(-1)
+    scales = torch.zeros(5 * H // 16 + 8, dtype=torch.uint8)
+    scales[8:] = q.scale.view(torch.uint8).reshape(-1)
+    rows, sf = data[16:].view(5, H // 2), scales[8:].view(5, H // 16).view(torch.float8_e4m3fn)
+    assert rows.data_ptr() % 32 and sf.data_ptr() % 16
+    kernel = CuteDslExperts(EMULATOR)
+    out = kernel.apply_without_routing_weights(layer, rows, sf, 1, torch.tensor([5, 0, 0, 0]), torch.bfloat16,
+                                               global_scale=gs)
+    ref = kernel.apply_without_routing_weights(layer, q.data, q.scale, 1, torch.tensor([5, 0, 0, 0]), torch.bfloat16,
+                                               global_scale=gs)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("fake", [vendor.FAKE_0_6_13, vendor.FAKE_0_6_17, vendor.FAKE_0_7_2])
+def test_nvfp4_4over6_never_changes_the_runners_quantization(monkeypatch, fake):
+    """From v0.6.12 FLASHINFER_NVFP4_4OVER6=1 switches fp4_quantize to the 4over6 search; the
+    runner passes nvfp4_4over6=None where FlashInfer takes it (0.7.1+) and refuses before."""
+    kernel = CuteDslExperts(fake)
+    layer = kernel.process_weights(_weights().slice(0, 4), first_expert=0, num_experts=E,
+                                   input_global_scale=nvfp4_global_scale(4.0), fc2_input_scale=nvfp4_global_scale(4.0))
+    rows = torch.randn(3, H).to(torch.bfloat16)
+    plain = kernel.apply_without_routing_weights(layer, rows, None, 1, torch.tensor([3, 0, 0, 0]), torch.bfloat16)
+    monkeypatch.setenv(vendor.ENV_NVFP4_4OVER6, "1")
+    if vendor.detect(fake).version >= vendor.NVFP4_4OVER6_ARG_SINCE:
+        assert torch.equal(kernel.apply_without_routing_weights(layer, rows, None, 1, torch.tensor([3, 0, 0, 0]),
+                                                                torch.bfloat16), plain)
+    else:
+        with pytest.raises(md.InvalidSpecError) as info:
+            kernel.apply_without_routing_weights(layer, rows, None, 1, torch.tensor([3, 0, 0, 0]), torch.bfloat16)
+        assert info.value.parameter == vendor.ENV_NVFP4_4OVER6
+
+
 # -- every declared pairing, end to end ------------------------------------------------------------------
 
 
@@ -234,7 +273,7 @@ def test_undeclared_pairings_and_dtypes_are_refused_at_creation():
 
 def test_a_third_dispatch_in_flight_names_the_option(moe_rank_pools):
     errors = moe_rank_pools.get(1).map(_three_in_flight)
-    assert errors == ["options.in_flight"]
+    assert errors == ["in_flight"]
 
 
 def _three_in_flight(rank: int, world: int) -> str | None:
@@ -269,21 +308,24 @@ def test_explain_shows_the_cutedsl_trail():
 
 
 def test_workspace_size_follows_flashinfers_layout():
-    # calculateOffsets(8, 128): 4+4+32+32=72 →128 +32=160 →256 +32=288 →384 +4096=4480 (aligned) +4096=8576.
-    assert sizes.aux_bytes(8, 128) == 8576
+    # calculateOffsets(8, 128), kMaxTopK 8 (<= v0.6.7): 72 →128 +32 →256 +32 →384 +4096 =4480 +4096 =8576.
+    assert vendor.aux_data_size(8, 128, (0, 6, 7)) == 8576
+    # kMaxTopK 22 (v0.6.8+): 384 + 11264 = 11648 (aligned) + 11264 = 22912.
+    assert vendor.aux_data_size(8, 128, (0, 7, 2)) == 22912
     spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, output_dtype="bf16")
     size = FlashInferA2ABackend(EMULATOR).buffer_size(spec, 8)
     per_token = 2 * 7168 + 8 * 8  # bf16 row, int32 ids, fp32 weights
-    assert size.dispatch_bytes == 8576 + 8 * 128 * per_token and size.combine_bytes == 8 * 128 * 2 * 7168
-    assert sizes.workspace_size_per_rank(8, 128, per_token, 2 * 7168) == size.dispatch_bytes + size.combine_bytes
+    assert size.dispatch_bytes == 22912 + 8 * 128 * per_token and size.combine_bytes == 8 * 128 * 2 * 7168
     nvfp4 = FlashInferA2ABackend(EMULATOR).buffer_size(spec.with_dtype(md.DispatchDtype.NVFP4), 8)
-    assert nvfp4.dispatch_bytes == 8576 + 8 * 128 * (4032 + 64) and nvfp4.combine_bytes == size.combine_bytes
+    assert nvfp4.dispatch_bytes == 22912 + 8 * 128 * (4032 + 64) and nvfp4.combine_bytes == size.combine_bytes
 
 
-def test_the_emulated_all_to_all_refuses_a_small_workspace():
+@pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
+def test_the_fake_all_to_all_refuses_a_small_workspace():
     m = fi.Mapping(world_size=1, rank=0, moe_ep_size=1)
-    a2a = fi.MoeAlltoAll(m, 4, 2, 4, workspace_size_per_rank=1000)
-    with pytest.raises(AssertionError, match="insufficient"):
+    config = fi.comm.mnnvl.MnnvlConfig(comm_backend=fi.comm.mnnvl.MPIBackend())  # a one-rank world
+    a2a = fi.MoeAlltoAll(m, 4, 2, 4, workspace_size_per_rank=5000, mnnvl_config=config)
+    with pytest.raises(RuntimeError, match="workspace size per rank insufficient"):
         a2a.dispatch(torch.zeros(4, 2, dtype=torch.int32), [torch.zeros(4, H, dtype=torch.bfloat16)], 4)
 
 
@@ -306,4 +348,4 @@ def test_probe_requires_an_sm100_class_gpu():
         assert reason is None
     else:
         assert reason is not None and "SM100" in reason
-    assert CuteDslExperts(EMULATOR).probe() is None  # the emulator runs anywhere
+    assert CuteDslExperts(EMULATOR).probe() is None  # the fake runs anywhere

@@ -108,12 +108,23 @@ class BackendConformance:
         if mode not in self.capabilities.dtypes:
             pytest.skip(f"capabilities.dtypes declares no {mode.value} mode")
 
-    def _require_world(self, world_size: int) -> None:
+    def _require_world(self, world_size: int, mode: Mode | None = None) -> None:
         if world_size not in self.world_sizes:
             pytest.skip(f"world size {world_size} is not in {type(self).__name__}.world_sizes")
         allowed = self.capabilities.world_sizes
         if allowed is not None and world_size not in allowed:
             pytest.skip(f"capabilities.world_sizes does not include {world_size}")
+        per_mode = None if mode is None else self.capabilities.limits_for(mode).world_sizes
+        if per_mode is not None and world_size not in per_mode:
+            pytest.skip(f"capabilities.limits[{mode.value}].world_sizes does not include {world_size}")  # type: ignore[union-attr]
+
+    def _world_for(self, mode: Mode, prefer: int = 2) -> int:
+        """A local world size the mode runs on: ``prefer`` when allowed, else the smallest."""
+        allowed = self.capabilities.world_sizes_for(mode)
+        sizes = [w for w in self.world_sizes if allowed is None or w in allowed]
+        if not sizes:
+            pytest.skip(f"none of {type(self).__name__}.world_sizes {self.world_sizes} runs {mode.value} mode")
+        return prefer if prefer in sizes else min(sizes)
 
     def _require_dtype(self, mode: Mode, dtype: DispatchDtype) -> None:
         self._require_mode(mode)
@@ -299,7 +310,7 @@ class BackendConformance:
         """
         m, d = Mode.parse(mode), DispatchDtype.parse(dtype)
         assert d is not None
-        self._require_world(world_size)
+        self._require_world(world_size, m)
         self._require_dtype(m, d)
         shape = self._shape(m)
         spec = self._spec(m, d, num_experts=shape.local_experts * world_size)
@@ -367,7 +378,7 @@ class BackendConformance:
         """
         m, d = Mode.parse(mode), DispatchDtype.parse(dtype)
         assert d is not None
-        self._require_world(world_size)
+        self._require_world(world_size, m)
         self._require_dtype(m, d)
         self._require_runnable()
         T = self._shape(m).tokens_per_rank
@@ -391,7 +402,7 @@ class BackendConformance:
         """
         m, d = Mode.parse(mode), DispatchDtype.parse(dtype)
         assert d is not None
-        self._require_world(world_size)
+        self._require_world(world_size, m)
         self._require_dtype(m, d)
         self._require_runnable()
         case = self._case(world_size, m, d, seed=3)
@@ -409,7 +420,7 @@ class BackendConformance:
         fixed order.
         """
         m = Mode.parse(mode)
-        self._require_world(world_size)
+        self._require_world(world_size, m)
         self._require_mode(m)
         self._require_runnable()
         dtype = self._accepted(m)[0]
@@ -427,7 +438,7 @@ class BackendConformance:
         a dispatcher that keeps the last call's layout or buffers on ``self`` fails here.
         """
         m = Mode.parse(mode)
-        self._require_world(world_size)
+        self._require_world(world_size, m)
         self._require_mode(m)
         self._require_runnable()
         accepted = self._accepted(m)
@@ -455,7 +466,7 @@ class BackendConformance:
         m = Mode.parse(mode)
         self._require_mode(m)
         self._require_runnable()
-        world = min(w for w in self.world_sizes if self.capabilities.world_sizes is None or w in self.capabilities.world_sizes)
+        world = self._world_for(m, prefer=min(self.world_sizes))
         case = self._case(world, m, self._accepted(m)[0], seed=9)
         _run_on_ranks(moe_rank_pools, world, ranks.check_bad_inputs, case)
 
@@ -470,7 +481,7 @@ class BackendConformance:
         m = Mode.parse(mode)
         self._require_mode(m)
         self._require_runnable()
-        world = 2 if 2 in self.world_sizes else self.world_sizes[0]
+        world = self._world_for(m)
         case = self._case(world, m, self._accepted(m)[0])
         _run_on_ranks(moe_rank_pools, world, ranks.check_capacity, case)
 
@@ -523,9 +534,10 @@ class BackendConformance:
         into the target model this way).
         """
         self._require_runnable()
-        world = 2 if 2 in self.world_sizes else self.world_sizes[0]
-        cases = [self._case(world, m, d) for m in self.capabilities.modes for d in self._accepted(m)]
-        _run_on_ranks(moe_rank_pools, world, ranks.check_environment, cases)
+        for m in self.capabilities.modes:
+            world = self._world_for(m)
+            cases = [self._case(world, m, d) for d in self._accepted(m)]
+            _run_on_ranks(moe_rank_pools, world, ranks.check_environment, cases)
 
     # -- the guard --------------------------------------------------------------------------------
 

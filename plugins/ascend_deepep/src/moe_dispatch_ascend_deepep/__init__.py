@@ -2,10 +2,11 @@
 
 The entry point ``ascend_deepep`` names this module; it registers ``AscendDeepEPBackend`` on
 the real ``deep_ep`` (unavailable, with the reason, without DeepEP-Ascend, torch-npu or an NPU).
-Tests run the same adapter on ``moe_dispatch_ascend_deepep.emulator`` (a DeepEP-Ascend with
-``quant_mode``) and ``emulator_env_only`` (an older one that reads the environment). It also
-registers the torch_npu expert runners ``npu_w8a8``, ``npu_w4a8``, ``npu_w4a4``, ``npu_w4a16``
-and ``npu_bf16`` (``experts.NpuExperts``; ``npu_ops_emulator`` on CPU).
+Every vendor fact is in ``vendor.py``; tests run the same adapter on the fakes in
+``moe_dispatch_ascend_deepep.fakes``: ``deep_ep`` (DeepEP-Ascend main f425bdf, with ``quant_mode``)
+and ``deep_ep_env_only`` (KN@be6b5e7f, INT8 through the environment). It also registers the
+torch_npu expert runners ``npu_w8a8``, ``npu_w4a8``, ``npu_w4a4``, ``npu_w4a16`` and ``npu_bf16``
+(``experts.NpuExperts``; ``fakes.torch_npu`` on CPU). See VENDOR.md.
 """
 
 import moe_dispatch as md

@@ -10,11 +10,20 @@ tensor with int64 counts; the adapter hands over the valid prefix (a view, one h
 the counts) as PACKED and pads the expert rows back to the fixed size for the vendor combine,
 which applies the weights.
 
-The wire dtype belongs to the dispatcher, never the process: where the installed
-DeepEP-Ascend takes ``quant_mode``, the adapter passes ``"int8"`` or ``"bf16"`` explicitly (so
-a ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` left in the environment by anyone cannot flip it); where
-it only reads that variable, the adapter sets it inside ``restored_environ`` (one lock for the
-process) around the one call and restores it (sglang #26389/#26408).
+What the vendor reads from the process environment at a call is set for that call only, in
+``moe_dispatch.environ.restored_environ`` (one lock per process), whatever the process has:
+
+- normal dispatch: ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` = this dispatcher's choice (``quant_mode``
+  is passed too where it exists; A2's internode path reads only the variable) and
+  ``MOE_EXPERT_TOKEN_NUMS_TYPE=1`` (plain counts);
+- low-latency dispatch and combine: ``MOE_EXPERT_TOKEN_NUMS_TYPE=1`` and
+  ``MOE_ENABLE_TOPK_NEG_ONE=1`` (the op gets an active mask, so -1 ids are skipped); on A2 layered
+  (``HCCL_INTRA_PCIE_ENABLE=1``, ``HCCL_INTRA_ROCE_ENABLE=0``) the C++ asserts on that variable,
+  so it is 0 there and -1 ids are refused with a typed error before any data moves.
+
+The low-latency wire dtype goes as ``use_fp8`` on every build (before KN@f451a596 the C++ reads it;
+after, ``quant_mode=None`` with ``use_fp8=True`` means INT8) and as ``quant_mode`` where it exists
+(``"int8"`` or None; ``"bf16"`` is a ValueError there) (sglang #23815, #26389/#26408).
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.environ import restored_environ
-from moe_dispatch.output import group_counts, group_list_from_counts
+from moe_dispatch.output import group_list_from_counts
 
-from .emulator import COUNTS_TYPE_ENV, INT8_ENV
+from .vendor import COUNTS_TYPE_ENV, INT8_ENV, NEG_ONE_ENV, is_layered
 
 
 @dataclass(frozen=True)
@@ -42,45 +51,54 @@ class AscendHandle:
     low_latency: bool
 
 
+def _low_latency_env(layered: bool) -> dict[str, str]:
+    return {COUNTS_TYPE_ENV: "1", NEG_ONE_ENV: "0" if layered else "1"}
+
+
 class AscendDeepEPDispatcher:
-    def __init__(self, ctx: md.DispatchContext, buffer: Any, has_quant_mode: bool) -> None:
+    def __init__(self, ctx: md.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool) -> None:
         self.buffer = buffer
         self.spec, self.dtype = ctx.spec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.int8 = ctx.dtype is md.DispatchDtype.INT8
         self.has_quant_mode = has_quant_mode
+        self.ll_quant_mode = ll_quant_mode
         self.low_latency = ctx.spec.mode is md.Mode.LOW_LATENCY
 
+    def _ll_scope(self, ids: torch.Tensor) -> dict[str, str]:
+        layered = is_layered(os.environ)  # the C++ reads it at each call
+        if layered and bool((ids < 0).any()):  # one host read, on A2 layered only
+            raise md.InvalidInputError(
+                "A2 layered (two-node) low-latency kernels take no -1 expert ids: DeepEP-Ascend asserts when "
+                f"{NEG_ONE_ENV}=1 with HCCL_INTRA_PCIE_ENABLE=1/HCCL_INTRA_ROCE_ENABLE=0", parameter="topk_ids",
+                value=int((ids < 0).sum()), allowed="expert ids in 0..E-1 (or normal mode, or single-node)")
+        return _low_latency_env(layered)
+
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
-        ids = topk_ids.to(torch.int64)
-        weights = topk_weights.float()
+        x = x.contiguous()  # the C++ EP_HOST_ASSERTs contiguous x, topk_idx and topk_weights
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.float().contiguous()
         if self.low_latency:
             T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
-            if self.has_quant_mode:
-                recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(
-                    x, ids, T, E, quant_mode="int8" if self.int8 else None)
-            else:  # the ops/alltoall strategies read use_fp8 as INT8
-                recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(x, ids, T, E, use_fp8=self.int8)
+            quant: dict[str, Any] = {"use_fp8": self.int8}
+            if self.ll_quant_mode:
+                quant["quant_mode"] = "int8" if self.int8 else None
+            with restored_environ(self._ll_scope(ids)):
+                recv_x, counts, handle, _, _ = self.buffer.low_latency_dispatch(x, ids, T, E, **quant)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-            padded = data.shape[0]
+            counts = counts.to(torch.int64)
         else:
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
             call = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                         topk_idx=ids, topk_weights=weights)
             if self.has_quant_mode:
-                recv_x, _, _, listed, handle, _ = self.buffer.dispatch(
-                    x, **call, quant_mode="int8" if self.int8 else "bf16")
-            else:
-                with restored_environ({INT8_ENV: "1" if self.int8 else "0", COUNTS_TYPE_ENV: "1"}):
-                    recv_x, _, _, listed, handle, _ = self.buffer.dispatch(x, **call)
+                call["quant_mode"] = "int8" if self.int8 else "bf16"
+            with restored_environ({INT8_ENV: "1" if self.int8 else "0", COUNTS_TYPE_ENV: "1"}):
+                recv_x, _, _, listed, handle, _ = self.buffer.dispatch(x, **call)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-            padded = data.shape[0]
-            # A prefix sum when MOE_EXPERT_TOKEN_NUMS_TYPE=0 is set process-wide (the older build's
-            # call above pins it to counts).
-            prefix = self.has_quant_mode and os.environ.get(COUNTS_TYPE_ENV, "1") == "0"
-            counts = group_counts(torch.tensor(listed, dtype=torch.int64), 0 if prefix else 1)
+            counts = torch.tensor(listed, dtype=torch.int64)
         rows = int(counts.sum())
-        out_handle = AscendHandle(self, handle, padded, ids, weights, self.low_latency)
+        out_handle = AscendHandle(self, handle, data.shape[0], ids, weights, self.low_latency)
         return md.DispatchOutput(data[:rows], None if scale is None else scale[:rows], topk_ids, topk_weights,
                                  group_list_from_counts(counts, self.spec.group_list_type), self.spec.group_list_type,
                                  md.Layout.PACKED, self.dtype, out_handle)
@@ -90,8 +108,10 @@ class AscendDeepEPDispatcher:
         rows = expert_output.to(torch.bfloat16)
         if rows.shape[0] < h.padded_rows:  # the vendor wants its own row count back
             rows = torch.cat([rows, rows.new_zeros(h.padded_rows - rows.shape[0], rows.shape[1])])
+        rows = rows.contiguous()
         if h.low_latency:
-            combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
+            with restored_environ(_low_latency_env(is_layered(os.environ))):
+                combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
         else:
             combined, _, _ = self.buffer.combine(rows, h.vendor_handle)
         return combined

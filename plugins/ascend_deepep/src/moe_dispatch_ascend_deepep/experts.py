@@ -35,7 +35,7 @@ this differs from sglang, on purpose:
   a group of ``capacity`` rows, and rows past an expert's count zeroed afterwards.
 
 The ops come from ``module``: ``torch_npu`` (imported when the kernel is built, not when this
-plugin is imported) or ``EMULATOR``, the CPU emulator of the same ops. Reading ``group_list``
+plugin is imported) or ``EMULATOR`` (= ``vendor.TORCH_NPU_FAKE``), the CPU fake of the same ops. Reading ``group_list``
 for validation and the MASKED mask costs one host sync per call.
 """
 
@@ -55,11 +55,13 @@ import moe_dispatch as md
 from moe_dispatch.experts import dequantized_weights, quantize_weights_w8a8
 from moe_dispatch.output import group_counts
 
+from .vendor import TORCH_NPU, TORCH_NPU_FAKE
+
 if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
     from moe_dispatch.testing.layers import LayerCheck
 
-REAL = "torch_npu"
-EMULATOR = "moe_dispatch_ascend_deepep.npu_ops_emulator"
+REAL = TORCH_NPU
+EMULATOR = TORCH_NPU_FAKE  # kept name: the torch_npu fake
 SCHEMES = ("w8a8", "w4a8", "w4a4", "w4a16", "bf16")
 #: sglang's W4A8 group size (``NPUW4A8Int4DynamicMoEMethod.group_size``); W4A16's is the checkpoint's.
 DEFAULT_GROUP_SIZE = {"w4a8": 256, "w4a16": 128}
@@ -512,8 +514,8 @@ def run_layer(rank: int, world: int, scheme: str, mode: str = "normal", kernel_m
     experts = NpuExperts(scheme, kernel_module)
     spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
                            mode=mode, quant=experts.quant_hints(), runner=experts.runner)
-    env = None if vendor_module in (None, DEEPEP) else {}
-    dispatcher = md.create_dispatcher(AscendDeepEPBackend(vendor_module or DEEPEP, env=env), spec, env={})
+    # The HCCL window is read from the process environment, as HCCL and the ops read it.
+    dispatcher = md.create_dispatcher(AscendDeepEPBackend(vendor_module or DEEPEP), spec, env={})
     device = torch.device("npu" if kernel_module == REAL else "cpu")
     g = torch.Generator().manual_seed(seed)
     global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))

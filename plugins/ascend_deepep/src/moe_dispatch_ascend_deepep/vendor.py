@@ -1,20 +1,474 @@
-"""What the installed DeepEP-Ascend offers, found without touching an NPU."""
+"""The vendor boundary: every DeepEP-Ascend and torch_npu fact this plugin relies on.
+
+DeepEP-Ascend is sgl-project/sgl-kernel-npu ``python/deep_ep`` (it installs as ``deep_ep``, like
+CUDA DeepEP) with its C++ in ``csrc/deepep``; facts are cited as ``KN@<commit> <path> <symbol>``
+(KN = sgl-project/sgl-kernel-npu, read at main f425bdf). torch_npu facts come from the
+documented prototypes in torch-npu 2.13.0's ``torch_npu/_op_plugin_docs.py`` (TNPU).
+
+Nothing here imports an adapter module or a fake. Adapters and fakes import these facts; the
+fakes live in ``moe_dispatch_ascend_deepep.fakes`` and are chosen by module-name string.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import ast
 import inspect
-from dataclasses import dataclass
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Mapping
+
+KN = "sgl-project/sgl-kernel-npu"
+KN_MAIN = "f425bdf"
+TNPU = "torch-npu 2.13.0 torch_npu/_op_plugin_docs.py"
+
+# -- module names ------------------------------------------------------------------------------------
 
 REAL = "deep_ep"
-EMULATOR = "moe_dispatch_ascend_deepep.emulator"
-#: An older DeepEP-Ascend whose ``dispatch`` has no ``quant_mode``: INT8 only via the env var.
-EMULATOR_ENV_ONLY = "moe_dispatch_ascend_deepep.emulator_env_only"
+FAKE = "moe_dispatch_ascend_deepep.fakes.deep_ep"
+#: A DeepEP-Ascend before ``quant_mode`` (KN@be6b5e7f): INT8 only through the environment.
+FAKE_ENV_ONLY = "moe_dispatch_ascend_deepep.fakes.deep_ep_env_only"
+#: Kept names (other plugins' tests use them): the fakes' module paths.
+EMULATOR = FAKE
+EMULATOR_ENV_ONLY = FAKE_ENV_ONLY
+TORCH_NPU = "torch_npu"
+TORCH_NPU_FAKE = "moe_dispatch_ascend_deepep.fakes.torch_npu"
 INSTALL_HINT = ("DeepEP-Ascend builds from source with CANN: see https://github.com/sgl-project/sgl-kernel-npu "
                 "(python/deep_ep), on an Atlas A2/A3 machine, with torch-npu matching torch "
                 "(pip install \"moe-dispatch-ascend-deepep[npu]\" \"torch==<your torch>\")")
+
+# -- environment variables the vendor reads ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """An environment variable DeepEP-Ascend reads: when, its default, and what it changes."""
+
+    name: str
+    default: str | None
+    read_at: str
+    effect: str
+    source: str
+
+
+# KN@f425bdf python/deep_ep/deep_ep/strategies/normal_strategy.py DefaultNormalCommStrategy._intranode_dispatch
+# (when quant_mode is None, since KN@929a00ae and before KN@7c2b9e06) and ._internode_dispatch (always).
+INT8_ENV = "DEEP_NORMAL_MODE_USE_INT8_QUANT"
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::intranode_dispatch / internode_dispatch (since KN@cbbddb1d)
+# and Buffer::low_latency_dispatch (since KN@ee7bc7d7, 2025-10-28): get_value_from_env(.., 1).
+COUNTS_TYPE_ENV = "MOE_EXPERT_TOKEN_NUMS_TYPE"
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::low_latency_dispatch and ::low_latency_combine (since KN@7fe4eeb7).
+NEG_ONE_ENV = "MOE_ENABLE_TOPK_NEG_ONE"
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::Buffer (since KN@d96c62d0).
+SHARED_RANKS_ENV = "MOE_SHARED_EXPERT_RANK_NUM"
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::low_latency_dispatch / low_latency_combine.
+CCU_ENV = "MOE_ENABLE_CCU"
+# KN@f425bdf python/deep_ep/deep_ep/buffer.py Buffer.__init__ -> ep_strategy.StrategyMap (since KN@b2fce2cd).
+STRATEGY_ENV = "DEEP_USE_MODE"
+# KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h Mc2TilingUtils::GetMaxWindowSize (each op's tiling).
+HCCL_BUFFSIZE = "HCCL_BUFFSIZE"
+DEEPEP_HCCL_BUFFSIZE = "DEEPEP_HCCL_BUFFSIZE"
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::low_latency_dispatch: on ASCEND910B, "1"/"0" = layered (two-node).
+INTRA_PCIE_ENV = "HCCL_INTRA_PCIE_ENABLE"
+INTRA_ROCE_ENV = "HCCL_INTRA_ROCE_ENABLE"
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::Buffer ("ant moving home", since KN@92f5bb96).
+LONG_SEQ_ROUND_ENV = "DEEPEP_NORMAL_LONG_SEQ_ROUND"
+LONG_SEQ_TOKENS_ENV = "DEEPEP_NORMAL_LONG_SEQ_PER_ROUND_TOKENS"
+LONG_SEQ_COMBINE_ENV = "DEEPEP_NORMAL_COMBINE_ENABLE_LONG_SEQ"
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(INT8_ENV, "0", "each normal dispatch (Python)",
+           "'1': INT8 rows when quant_mode is None; the A2 internode path reads only this",
+           "KN@f425bdf strategies/normal_strategy.py"),
+    EnvVar(COUNTS_TYPE_ENV, "1", "each normal and low-latency dispatch (C++)",
+           "'0': the normal count list and the low-latency recv_count are prefix sums; not 0/1: assert",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+    EnvVar(NEG_ONE_ENV, "0", "each low_latency_dispatch and low_latency_combine (C++)",
+           "'1': an active mask (topk_idx >= 0) goes to the op; with A2 layered: EP_HOST_ASSERT",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+    EnvVar(SHARED_RANKS_ENV, "0", "Buffer construction (C++)",
+           "ranks < N hold one shared expert; E_local = E / (R - N); the low-latency and fused layouts change",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::Buffer"),
+    EnvVar(CCU_ENV, "0", "each low-latency call (C++)", "'1': comm_alg 'ccu' on A3",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+    EnvVar(STRATEGY_ENV, None, "Buffer construction (Python)",
+           "overrides normal_strategy/low_latency_strategy: default | alltoall | ops; else ValueError",
+           "KN@f425bdf python/deep_ep/deep_ep/buffer.py Buffer.__init__"),
+    EnvVar(HCCL_BUFFSIZE, "200", "HCCL communicator creation (allocation) and each op's tiling (check)",
+           "the HCCL window in MB, parsed into a uint16", "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h"),
+    EnvVar(DEEPEP_HCCL_BUFFSIZE, None, "each op's tiling", "replaces HCCL_BUFFSIZE in the ops' window check only",
+           "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h"),
+    EnvVar(INTRA_PCIE_ENV, "0", "each low-latency call on ASCEND910B (C++ and op tiling)",
+           "with HCCL_INTRA_ROCE_ENABLE=0: the A2 layered (two-node) kernels", "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+    EnvVar(INTRA_ROCE_ENV, "1", "each low-latency call on ASCEND910B", "see HCCL_INTRA_PCIE_ENABLE",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+    EnvVar(LONG_SEQ_ROUND_ENV, None, "Buffer construction (C++)",
+           "rounds per dispatch; both long-seq variables or neither (EP_HOST_ASSERT)", "KN@f425bdf deep_ep.cpp"),
+    EnvVar(LONG_SEQ_TOKENS_ENV, None, "Buffer construction (C++)", "tokens per round (default 8192)",
+           "KN@f425bdf deep_ep.cpp"),
+    EnvVar(LONG_SEQ_COMBINE_ENV, "0", "Buffer construction (C++)", "'1': rounds in combine too",
+           "KN@f425bdf deep_ep.cpp"),
+)
+
+STRATEGY_DEFAULT = "default"
+# KN@f425bdf python/deep_ep/deep_ep/ep_strategy.py StrategyMap.strategy_map
+STRATEGIES = ("default", "alltoall", "ops")
+
+
+def parse_env_int(raw: str | None, default: int) -> int:
+    """DeepEP-Ascend's ``get_value_from_env``: a decimal integer, else the default
+    (KN@f425bdf csrc/deepep/config.cpp get_value_from_env)."""
+    if raw is None or not raw[:1].isdigit():
+        return default
+    try:
+        return int(raw, 10)
+    except ValueError:
+        return default
+
+
+def is_layered(env: Mapping[str, str]) -> bool:
+    """The A2 two-node ("layered") low-latency kernels: HCCL_INTRA_PCIE_ENABLE=1 and
+    HCCL_INTRA_ROCE_ENABLE=0 (read on ASCEND910B only; KN@f425bdf deep_ep.cpp low_latency_dispatch)."""
+    return env.get(INTRA_PCIE_ENV) == "1" and env.get(INTRA_ROCE_ENV) == "0"
+
+
+# -- limits ------------------------------------------------------------------------------------------
+
+# KN@f425bdf python/deep_ep/deep_ep/buffer.py Buffer.get_dispatch_config / get_combine_config: `assert num_ranks
+# in config_map` ("Unsupported number of EP ranks"), run by dispatch/combine when config is None.
+CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+# KN@f425bdf buffer.py Buffer.num_sms (class attribute) and the Config rows of get_dispatch_config.
+NUM_SMS = 20
+# KN@f425bdf csrc/deepep/ops/op_host/moe_distribute_dispatch_v2_tiling.cpp (A3) and
+# ops2/op_host/moe_distribute_dispatch_v2_tiling.cc (A2): MIN_EP_WORLD_SIZE = 2, MAX_EP_WORLD_SIZE = 768;
+# cam_moe_dispatch_normal_tiling.cc (normal): 2 .. 384.
+MIN_EP_WORLD_SIZE = 2
+MAX_EP_WORLD_SIZE_LL = 768
+MAX_EP_WORLD_SIZE_NORMAL = 384
+# ... BS_UPPER_BOUND = 512 (x rows per rank in low-latency); python/deep_ep/doc/LOW_LATENCY_API.md: num_tokens <= 512.
+LL_MAX_TOKENS = 512
+# ... K_MAX = 16; doc: A2 internode top-k [2, 16], otherwise (0, 16].
+MAX_TOP_K = 16
+A2_LAYERED_MIN_TOP_K = 2
+# ... H_MIN = 1024, H_MAX = 8192 (A3 op); ops2 (A2): h % 32 == 0 and h <= 7168 (MAX_HIDDEN_SIZE_A2).
+MIN_HIDDEN = 1024
+MAX_HIDDEN = 7168
+HIDDEN_MULTIPLE = 32
+# doc LOW_LATENCY_API.md num_experts (0, 512]; ops2 MAX_MOE_EXPERT_NUMS_A2 = 512 (A3 op: 1024).
+MAX_EXPERTS = 512
+# KN@f425bdf csrc/deepep/deep_ep.cpp: MAX_TOKENS_PER_ROUND = 8192 = the default per_round_tokens; with round = 1
+# get_dispatch_layout asserts num_tokens <= round * per_round_tokens.
+NORMAL_MAX_TOKENS = 8192
+# KN@f425bdf csrc/deepep/deep_ep.cpp A2_MAX_HCCS_PEERS: on ASCEND910B, ranks > 8 take the internode path.
+A2_MAX_HCCS_PEERS = 8
+# KN@f425bdf csrc/deepep/deep_ep.cpp PADDING_SIZE: an empty receive still returns this many rows.
+EMPTY_RECEIVE_ROWS = 1
+# KN@f425bdf ep_strategy.py VALID_QUANT_MODES (normal) and strategies/low_latency_strategy.py valid_quant_modes.
+NORMAL_QUANT_MODES = frozenset({"bf16", "int8", "mx_fp8_e4m3", "mx_fp8_e5m2", "pertoken_fp8_e4m3", "mx_fp4_e2m1"})
+LL_QUANT_MODES = frozenset({None, "int8", "mx_fp8_e4m3", "mx_fp8_e5m2", "pertoken_fp8_e4m3", "mx_fp4_e2m1"})
+# KN@f425bdf deep_ep.cpp: the A5-only ones fail EP_HOST_ASSERT_S on A2/A3 builds (not __DAV_C310__).
+A5_ONLY_QUANT_MODES = frozenset({"mx_fp8_e4m3", "mx_fp8_e5m2", "pertoken_fp8_e4m3", "mx_fp4_e2m1"})
+
+
+def ll_receive_rows(tokens: int, world_size: int, local_experts: int, top_k: int) -> int:
+    """Rows of ``low_latency_dispatch``'s packed output, ``T·R·min(k, E_local)`` (no shared
+    experts; KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::low_latency_dispatch num_max_tokens)."""
+    return tokens * world_size * min(top_k, local_experts)
+
+
+# -- HCCL window: the ops' own checks, ported -----------------------------------------------------------
+
+MIB = 1 << 20
+DEFAULT_HCCL_BUFFSIZE_MB = 200
+#: Mc2TilingUtils::GetMaxWindowSize parses the MB count into a uint16 (KN@f425bdf mc2_tiling_utils.h).
+MAX_HCCL_BUFFSIZE_MB = 65535
+_WIN_ALIGN, _UB_ALIGN, _SCALE_IDX, _OUT_BYTES = 512, 32, 44, 2
+
+
+def _ceil(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def readme_window_bytes(tokens: int, hidden: int, world_size: int, local_experts: int, top_k: int) -> int:
+    """The documented non-layered minimum ``(bs·R·min(E_local, k)·H·2 B + 2 MB)·2``
+    (KN@f425bdf python/deep_ep/README.md "HCCL_BUFFSIZE"; doc/LOW_LATENCY_API.md Constraints)."""
+    return 2 * (tokens * world_size * min(local_experts, top_k) * hidden * 2 + 2 * MIB)
+
+
+def ll_op_window_bytes(tokens: int, hidden: int, world_size: int, local_experts: int, top_k: int,
+                       shared_experts: int = 0) -> int:
+    """What ``MoeLowLatencyCombineV2``'s tiling checks (it always sizes BF16 rows, so it bounds the
+    dispatch op's check too): ``((T·tokDispatch·R·E_local) + T·tokCombine·(k + shared))·2`` with
+    ``tokCombine = ceil512(2H)``, ``tokDispatch = ceil512(ceil32(2H) + 44)``
+    (KN@f425bdf csrc/deepep/ops/op_host/moe_distribute_combine_v2_tiling.cpp; the same in
+    moe_distribute_dispatch_v2_tiling.cpp CheckWinSize and ops2 for A2 single-node)."""
+    combine = _ceil(hidden * _OUT_BYTES, _WIN_ALIGN)
+    dispatch = _ceil(_ceil(hidden * _OUT_BYTES, _UB_ALIGN) + _SCALE_IDX, _WIN_ALIGN)
+    return (tokens * dispatch * world_size * local_experts + tokens * combine * (top_k + shared_experts)) * 2
+
+
+def layered_window_bytes(tokens: int, hidden: int, num_experts: int, top_k: int) -> int:
+    """A2 layered (two-node): ``E·bs·(H·2 B + 4·k·4 B) + 4 MB + 800 MB``
+    (KN@f425bdf python/deep_ep/README.md and doc/LOW_LATENCY_API.md, "layered (A2 dual-node)")."""
+    return num_experts * tokens * (hidden * 2 + 4 * top_k * 4) + 4 * MIB + 800 * MIB
+
+
+def normal_op_window_bytes(tokens: int, hidden: int, top_k: int, per_round_tokens: int = NORMAL_MAX_TOKENS) -> int:
+    """``CamMoeDispatchNormal``'s tiling check with one round: ``(maxBs·k·(tokCombine + tokDispatch)
+    + 4 MB + 102 MB)·2``, maxBs = min(per_round_tokens, the batch)
+    (KN@f425bdf csrc/deepep/ops/op_host/cam_moe_dispatch_normal_tiling.cc, op_host/tiling_args.h)."""
+    max_bs = min(per_round_tokens, tokens)
+    combine = _ceil(hidden * _OUT_BYTES, _WIN_ALIGN)
+    dispatch = _ceil(_ceil(hidden * _OUT_BYTES, _UB_ALIGN) + _SCALE_IDX, _WIN_ALIGN)
+    return (max_bs * top_k * (combine + dispatch) + 4 * MIB + 102 * MIB) * 2
+
+
+def window_mb(nbytes: int) -> int:
+    """HCCL_BUFFSIZE (MB) that passes an op's ``actualSize > HCCL_BUFFSIZE·MiB`` check."""
+    return math.ceil(nbytes / MIB)
+
+
+def low_latency_rdma_size_hint(module: ModuleType, tokens: int, hidden: int, world_size: int, experts: int) -> int:
+    """DeepEP-Ascend's only exported size function; a dummy that returns ``tokens``
+    (KN@f425bdf csrc/deepep/config.cpp get_low_latency_rdma_size_hint), used to tell the
+    builds apart, never to size anything."""
+    return int(module.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, world_size, experts))
+
+
+# -- recorded signatures --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VendorSignature:
+    """A vendor callable's recorded parameter list with its source. ``signature()`` gives the core's
+    ``moe_dispatch.signatures.VendorSignature`` (imported on use: ``moe_dispatch.testing``
+    imports pytest, which the plugin must not need at import time)."""
+
+    qualname: str
+    text: str
+    source: str
+
+    def signature(self):  # type: ignore[no-untyped-def]  # -> moe_dispatch.signatures.VendorSignature
+        from moe_dispatch.signatures import VendorSignature as Core
+
+        return Core(self.qualname, self.text, self.source)
+
+
+_BUF = f"{KN}@{KN_MAIN} python/deep_ep/deep_ep/buffer.py"
+
+SIG_BUFFER_INIT = VendorSignature(
+    "Buffer.__init__",
+    "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=12, "
+    "allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, normal_strategy=NormalStrategy.DEFAULT, "
+    "low_latency_strategy=LowLatencyStrategy.DEFAULT)", _BUF + " Buffer.__init__ (since KN@9aa6257c)")
+SIG_BUFFER_INIT_OLD = VendorSignature(
+    "Buffer.__init__",
+    "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=12, "
+    "allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False)", f"{KN}@450070c2 buffer.py (until KN@9aa6257c)")
+SIG_GET_DISPATCH_LAYOUT = VendorSignature(
+    "Buffer.get_dispatch_layout",
+    "(self, topk_idx, num_experts, previous_event=None, async_finish=False, allocate_on_comm_stream=False)",
+    _BUF + " Buffer.get_dispatch_layout")
+SIG_DISPATCH = VendorSignature(
+    "Buffer.dispatch",
+    "(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None, "
+    "num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, "
+    "config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False, "
+    "dispatch_wait_recv_cost_stats=None, quant_mode=None)", _BUF + " Buffer.dispatch (since KN@7c2b9e06)")
+SIG_DISPATCH_ENV_ONLY = VendorSignature(
+    "Buffer.dispatch",
+    "(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None, "
+    "num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, "
+    "config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False, "
+    "dispatch_wait_recv_cost_stats=None)", f"{KN}@be6b5e7f buffer.py Buffer.dispatch (KN@ff12c201 .. KN@7c2b9e06)")
+SIG_COMBINE = VendorSignature(
+    "Buffer.combine",
+    "(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False, "
+    "allocate_on_comm_stream=False, combine_send_cost_stats=None)", _BUF + " Buffer.combine (since KN@ff12c201)")
+SIG_LOW_LATENCY_DISPATCH = VendorSignature(
+    "Buffer.low_latency_dispatch",
+    "(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats=None, "
+    "use_fp8=True, round_scale=False, use_ue8m0=False, use_mxfp4=False, async_finish=False, "
+    "return_recv_hook=False, topk_weights=None, quant_mode=None)",
+    _BUF + " Buffer.low_latency_dispatch (since KN@f451a596)")
+SIG_LOW_LATENCY_DISPATCH_USE_FP8 = VendorSignature(
+    "Buffer.low_latency_dispatch",
+    "(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats=None, "
+    "use_fp8=True, round_scale=False, use_ue8m0=False, use_mxfp4=False, async_finish=False, "
+    "return_recv_hook=False, topk_weights=None)", f"{KN}@be6b5e7f buffer.py Buffer.low_latency_dispatch "
+    "(KN@be6b5e7f .. KN@f451a596)")
+SIG_LOW_LATENCY_COMBINE = VendorSignature(
+    "Buffer.low_latency_combine",
+    "(self, x, topk_idx, topk_weights, handle, zero_copy=False, async_finish=False, return_recv_hook=False, "
+    "out=None)", _BUF + " Buffer.low_latency_combine (unchanged since KN@450070c2)")
+SIG_LL_SIZE_HINT = VendorSignature(
+    "Buffer.get_low_latency_rdma_size_hint",
+    "(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)", _BUF + " (staticmethod)")
+SIG_GET_DISPATCH_CONFIG = VendorSignature("Buffer.get_dispatch_config", "(num_ranks)", _BUF + " (staticmethod)")
+SIG_GET_COMBINE_CONFIG = VendorSignature("Buffer.get_combine_config", "(num_ranks)", _BUF + " (staticmethod)")
+SIG_FUSED_DEEP_MOE = VendorSignature(
+    "Buffer.fused_deep_moe",
+    "(self, x, topk_idx, topk_weights, gmm1_permuted_weight, gmm1_permuted_weight_scale, gmm2_weight, "
+    "gmm2_weight_scale, num_max_dispatch_tokens_per_rank, num_experts, quant_mode=1, "
+    "fuse_mode=FuseMode.FUSED_DEEP_MOE, profile_enable=False)", _BUF + " Buffer.fused_deep_moe (since KN@0a7c55a4)")
+SIG_FUSED_DEEP_MOE_NO_PROFILE = VendorSignature(
+    "Buffer.fused_deep_moe",
+    "(self, x, topk_idx, topk_weights, gmm1_permuted_weight, gmm1_permuted_weight_scale, gmm2_weight, "
+    "gmm2_weight_scale, num_max_dispatch_tokens_per_rank, num_experts, quant_mode=1, "
+    "fuse_mode=FuseMode.FUSED_DEEP_MOE)", f"{KN}@0ac00159 buffer.py Buffer.fused_deep_moe (KN@0ac00159 .. KN@0a7c55a4)")
+SIG_FUSED_DEEP_MOE_NO_FUSE_MODE = VendorSignature(
+    "Buffer.fused_deep_moe",
+    "(self, x, topk_idx, topk_weights, gmm1_permuted_weight, gmm1_permuted_weight_scale, gmm2_weight, "
+    "gmm2_weight_scale, num_max_dispatch_tokens_per_rank, num_experts, quant_mode=1)",
+    f"{KN}@c4e7608f buffer.py Buffer.fused_deep_moe (KN@c4e7608f .. KN@0ac00159)")
+#: pybind ``Config(int, int, int, int, int)`` (KN@f425bdf csrc/deepep/config.hpp struct Config).
+CONFIG_FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                 "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
+
+#: The Buffer methods the adapter calls, by fake module: what each fake must equal.
+DEEP_EP_SIGNATURES = {
+    FAKE: (SIG_BUFFER_INIT, SIG_GET_DISPATCH_LAYOUT, SIG_DISPATCH, SIG_COMBINE, SIG_LOW_LATENCY_DISPATCH,
+           SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT, SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG,
+           SIG_FUSED_DEEP_MOE),
+    FAKE_ENV_ONLY: (SIG_BUFFER_INIT, SIG_GET_DISPATCH_LAYOUT, SIG_DISPATCH_ENV_ONLY, SIG_COMBINE,
+                    SIG_LOW_LATENCY_DISPATCH_USE_FP8, SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT,
+                    SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG, SIG_FUSED_DEEP_MOE_NO_PROFILE),
+}
+
+# torch_npu: the documented prototypes (TNPU), written as Python parameter lists.
+SIG_NPU_GROUPED_MATMUL = VendorSignature(
+    "npu_grouped_matmul",
+    "(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None, "
+    "per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None, "
+    "activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0, "
+    "output_dtype=None, tuning_config=None)", TNPU + " npu_grouped_matmul")
+SIG_NPU_DYNAMIC_QUANT = VendorSignature(
+    "npu_dynamic_quant", "(x, *, smooth_scales=None, group_index=None, dst_type=None)", TNPU + " npu_dynamic_quant")
+SIG_NPU_DEQUANT_SWIGLU_QUANT = VendorSignature(
+    "npu_dequant_swiglu_quant",
+    "(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None, quant_offset=None, "
+    "group_index=None, activate_left=False, quant_mode=0, swiglu_mode=0, clamp_limit=7.0, glu_alpha=1.702, "
+    "glu_bias=1.0)", TNPU + " npu_dequant_swiglu_quant")
+SIG_NPU_SWIGLU = VendorSignature("npu_swiglu", "(self, dim=-1)", TNPU + " npu_swiglu")
+SIG_NPU_CONVERT_WEIGHT_TO_INT4PACK = VendorSignature(
+    "npu_convert_weight_to_int4pack", "(weight, inner_k_tiles=0)", TNPU + " npu_convert_weight_to_int4pack")
+SIG_NPU_FORMAT_CAST = VendorSignature("npu_format_cast", "(self, acl_format)", TNPU + " npu_format_cast")
+TORCH_NPU_SIGNATURES = (SIG_NPU_GROUPED_MATMUL, SIG_NPU_DYNAMIC_QUANT, SIG_NPU_DEQUANT_SWIGLU_QUANT, SIG_NPU_SWIGLU,
+                        SIG_NPU_CONVERT_WEIGHT_TO_INT4PACK, SIG_NPU_FORMAT_CAST)
+#: ACL formats (TNPU npu_format_cast example; torch_npu ACL_FORMAT_*): ND and FRACTAL_NZ.
+ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ = 2, 29
+#: TNPU npu_dequant_swiglu_quant constraints: with group_index, H <= 10496 and 64-aligned.
+DEQUANT_SWIGLU_MAX_H = 10496
+#: TNPU npu_grouped_matmul: lists of at most 128 tensors; the op-plugin doc: at most 1024 groups.
+GMM_MAX_GROUPS = 1024
+
+
+
+def torch_npu_docs_path() -> str | None:
+    """``torch_npu/_op_plugin_docs.py`` of the installed torch_npu, found without importing it
+    (importing torch_npu needs CANN)."""
+    spec = importlib.util.find_spec(TORCH_NPU)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "_op_plugin_docs.py")
+    return path if os.path.exists(path) else None
+
+
+def _top_level_split(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "([<" and 1 or 0
+        depth -= ch in ")]>" and 1 or 0
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur] if cur.strip() else parts
+
+
+def _param_from_prototype(raw: str) -> str:
+    """``Tensor? smooth_scales=None`` → ``smooth_scales=None``; ``int[]? tuning_config`` →
+    ``tuning_config=None`` (an optional type without a default defaults to None)."""
+    text = " ".join(raw.split())
+    if text == "*":
+        return "*"
+    head, _, default = text.partition("=")
+    words = head.strip().split(" ")
+    name = words[-1]
+    if default:
+        return f"{name}={default.strip()}"
+    return f"{name}=None" if len(words) > 1 and words[-2].endswith("?") else name
+
+
+def documented_signature(docs_source: str, op: str) -> str | None:
+    """The parameter list of ``op`` as torch_npu's ``_op_plugin_docs.py`` documents its prototype
+    (``torch_npu.<op>(Tensor x, *, Tensor? y=None, ...) -> ...``), in Python syntax; None when
+    the file documents no such op."""
+    with warnings.catch_warnings():  # the docs hold invalid escape sequences (\e, \[ ...)
+        warnings.simplefilter("ignore")
+        tree = ast.parse(docs_source)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_add_torch_npu_docstr"
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant) and node.args[0].value == op):
+            continue
+        doc = node.args[1].value if isinstance(node.args[1], ast.Constant) else ""
+        for match in re.finditer(rf"(?<![\w.])(?:torch_npu\.)?{re.escape(op)}\(", doc):
+            depth, start = 1, match.end()
+            for i in range(start, len(doc)):
+                depth += {"(": 1, ")": -1}.get(doc[i], 0)
+                if depth == 0:
+                    params = [_param_from_prototype(p) for p in _top_level_split(doc[start:i])]
+                    return "(" + ", ".join(params) + ")"
+    return None
+
+
+# -- version rules ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VersionRule:
+    """A behaviour that starts at a KN main commit, and how ``detect`` sees it."""
+
+    feature: str
+    since: str
+    date: str
+    first_tag: str
+    detected_by: str
+
+
+VERSION_RULES: tuple[VersionRule, ...] = (
+    VersionRule("low-latency -1 ids behind MOE_ENABLE_TOPK_NEG_ONE", "7fe4eeb7", "2025-11-26", "20251128",
+                "not visible from Python; the supported floor below implies it"),
+    VersionRule("an empty batch is no longer padded with a fake token (topk = arange(k), x = 2) that receivers "
+                "count as a real row", "8fe74692", "2026-03-02", "2026.03.10.rc1",
+                "not visible from Python; the supported floor below implies it"),
+    VersionRule("supported floor: fused_deep_moe(fuse_mode=), the first Python-visible change after KN@8fe74692",
+                "0ac00159", "2026-03-16", "2026.03.31.rc1", "'fuse_mode' in Buffer.fused_deep_moe"),
+    VersionRule("strategies; normal_strategy/low_latency_strategy arguments", "9aa6257c", "2026-06-09", "2026.6.1",
+                "'normal_strategy' in Buffer.__init__"),
+    VersionRule("DEEP_USE_MODE read at Buffer construction", "b2fce2cd", "2026-06-11", "2026.06.15.post1",
+                "follows the strategies; harmless to pin before"),
+    VersionRule("low_latency_dispatch(quant_mode=): None + use_fp8 means int8, 'bf16' is a ValueError", "f451a596",
+                "2026-07-18", "2026.7.3", "'quant_mode' in Buffer.low_latency_dispatch"),
+    VersionRule("dispatch(quant_mode=)", "7c2b9e06", "2026-07-22", "2026.7.3", "'quant_mode' in Buffer.dispatch"),
+    VersionRule("DEEP_NORMAL_MODE_USE_INT8_QUANT honoured again when quant_mode is None", "929a00ae", "2026-08-04",
+                "2026.8.10", "not visible; the adapter always passes quant_mode and pins the variable"),
+    VersionRule("fused_deep_moe(quant_mode=) (was use_fp8)", "c4e7608f", "2025-10-16", "20251022",
+                "'quant_mode' in Buffer.fused_deep_moe"),
+    VersionRule("fused_deep_moe(fuse_mode=): mode 2 dispatch_ffn_combine", "0ac00159", "2026-03-16",
+                "2026.03.31.rc1", "'fuse_mode' in Buffer.fused_deep_moe"),
+    VersionRule("fused_deep_moe(profile_enable=)", "0a7c55a4", "2026-08-17", "2026.8.17",
+                "'profile_enable' in Buffer.fused_deep_moe"),
+)
+
+
+# -- detect -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -23,7 +477,11 @@ class VendorInfo:
     module: ModuleType | None
     error: str | None
     is_ascend: bool = False
-    has_quant_mode: bool = False
+    supported: bool = False
+    has_quant_mode: bool = False  # Buffer.dispatch(quant_mode=)
+    ll_quant_mode: bool = False  # Buffer.low_latency_dispatch(quant_mode=)
+    has_strategies: bool = False
+    fused_params: tuple[str, ...] = field(default_factory=tuple)  # Buffer.fused_deep_moe's parameters
     emulated: bool = False
 
     def describe(self) -> str:
@@ -31,14 +489,26 @@ class VendorInfo:
             return f"{self.module_name} is not importable ({self.error})"
         if not self.is_ascend:
             return f"{self.module_name} is CUDA DeepEP, not DeepEP-Ascend (both install as deep_ep)"
+        if not self.supported:
+            return (f"{self.module_name} is a DeepEP-Ascend older than {KN}@0ac00159 (2026-03-16, tag 2026.03.31.rc1): "
+                    "before KN@8fe74692 it pads an empty batch with a fake token that the receivers count, and "
+                    "before KN@7fe4eeb7 low-latency -1 ids have no MOE_ENABLE_TOPK_NEG_ONE; upgrade sgl-kernel-npu")
         what = "emulated DeepEP-Ascend" if self.emulated else "DeepEP-Ascend"
         how = "quant_mode argument" if self.has_quant_mode else "DEEP_NORMAL_MODE_USE_INT8_QUANT only"
-        return f"{what}: INT8 dispatch chosen by {how}"
+        return f"{what}: INT8 normal dispatch chosen by {how}"
+
+
+def _params(fn: object) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return ()
 
 
 def detect(module_name: str = REAL) -> VendorInfo:
-    emulated = module_name.startswith("moe_dispatch_")  # the plugins' own emulators of deep_ep
-    if not emulated and importlib.util.find_spec("torch_npu") is None:
+    """What the installed ``module_name`` is, from its Python signatures only (no NPU touched)."""
+    emulated = module_name.startswith("moe_dispatch_")  # the plugins' own fakes of deep_ep
+    if not emulated and importlib.util.find_spec(TORCH_NPU) is None:
         return VendorInfo(module_name, None, "torch_npu is not installed")
     try:
         module = importlib.import_module(module_name)
@@ -46,13 +516,23 @@ def detect(module_name: str = REAL) -> VendorInfo:
         return VendorInfo(module_name, None, f"{type(exc).__name__}: {exc}")
     buffer = getattr(module, "Buffer", None)
     # Both builds install as deep_ep. DeepEP-Ascend's LL size hint is a dummy that returns T
-    # (sgl-kernel-npu csrc/deepep/config.cpp); CUDA DeepEP's is ~1.9 GB for this shape.
+    # (KN@f425bdf csrc/deepep/config.cpp); CUDA DeepEP's is ~1.9 GB for this shape.
     try:
-        is_ascend = buffer is not None and buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == 128
+        is_ascend = buffer is not None and low_latency_rdma_size_hint(module, 128, 7168, 8, 256) == 128
     except Exception:  # noqa: BLE001 - an unexpected build is "not DeepEP-Ascend"
         is_ascend = False
-    has_quant_mode = is_ascend and "quant_mode" in inspect.signature(buffer.dispatch).parameters
-    return VendorInfo(module_name, module, None, is_ascend, has_quant_mode, emulated)
+    if not is_ascend:
+        return VendorInfo(module_name, module, None, emulated=emulated)
+    ll = _params(buffer.low_latency_dispatch)
+    fused = _params(buffer.fused_deep_moe) if hasattr(buffer, "fused_deep_moe") else ()
+    supported = "fuse_mode" in fused  # KN@0ac00159 and later (see VERSION_RULES)
+    return VendorInfo(module_name, module, None, True, supported, "quant_mode" in _params(buffer.dispatch),
+                      "quant_mode" in ll, "normal_strategy" in _params(buffer.__init__), fused, emulated)
 
 
-__all__ = ["EMULATOR", "EMULATOR_ENV_ONLY", "INSTALL_HINT", "REAL", "VendorInfo", "detect"]
+__all__ = [
+    "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",
+    "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
+    "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes", "parse_env_int",
+    "readme_window_bytes", "window_mb",
+]

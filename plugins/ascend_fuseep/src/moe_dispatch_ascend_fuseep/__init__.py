@@ -2,7 +2,8 @@
 
 The entry point ``ascend_fuseep`` names this module; it registers ``FuseEPBackend`` on the real
 DeepEP-Ascend (unavailable, with the reason, without it, torch-npu or an NPU). Tests run it on
-``moe_dispatch_ascend_fuseep.emulator``.
+the fake ``moe_dispatch_ascend_fuseep.fakes.deep_ep`` (``vendor.FAKE``). Vendor facts: ``vendor.py``;
+see VENDOR.md.
 """
 
 import moe_dispatch as md

@@ -10,15 +10,16 @@ import torch
 import moe_dispatch as md
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.dispatcher import AscendDeepEPDispatcher
-from moe_dispatch_ascend_deepep.vendor import REAL
+from moe_dispatch_ascend_deepep import vendor as deepep_vendor
 
+from . import vendor as v
 from .weights import FuseEPWeights, check_fuse_mode, process_fuseep_weights
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
 LL = md.Mode.LOW_LATENCY
-#: sgl-kernel-npu fused_deep_moe docs (@a4a7aeb): batch 1..256, H 512..7168 and % 32, top-k <= 12.
-#: H starts at 1024 here: the unfused path is DeepEP-Ascend's low-latency dispatch (A3: 1024..7168).
-MAX_TOKENS, MIN_HIDDEN, MAX_HIDDEN, MAX_TOP_K = 256, 1024, 7168, 12
+#: The fused op's batch 1..256 and top-k <= 12 (vendor); H from 1024, the unfused low-latency
+#: path's lower bound (the fused op alone takes 512..7168).
+MAX_TOKENS, MIN_HIDDEN, MAX_HIDDEN, MAX_TOP_K = v.MAX_BATCH, deepep_vendor.MIN_HIDDEN, v.MAX_HIDDEN, v.MAX_TOP_K
 
 
 def capabilities(emulated: bool) -> md.Capabilities:
@@ -30,8 +31,9 @@ def capabilities(emulated: bool) -> md.Capabilities:
         default_dtype=I8,
         fused_forward=True,
         devices=frozenset({"cpu"} if emulated else {"npu"}),
-        limits={LL: md.Limits(max_tokens_per_rank=MAX_TOKENS, hidden_multiple=32, min_hidden=MIN_HIDDEN,
-                              max_hidden=MAX_HIDDEN, max_top_k=MAX_TOP_K)},
+        world_sizes=frozenset(range(deepep_vendor.MIN_EP_WORLD_SIZE, deepep_vendor.MAX_EP_WORLD_SIZE_LL + 1)),
+        limits={LL: md.Limits(max_tokens_per_rank=MAX_TOKENS, hidden_multiple=deepep_vendor.HIDDEN_MULTIPLE,
+                              min_hidden=MIN_HIDDEN, max_hidden=MAX_HIDDEN, max_top_k=MAX_TOP_K)},
     )
 
 
@@ -39,37 +41,66 @@ def _nz_cast(t: torch.Tensor) -> torch.Tensor:
     """FRACTAL_NZ (format 29), the one weight step that needs the NPU."""
     import torch_npu
 
-    return torch_npu.npu_format_cast(t, 29)
+    return torch_npu.npu_format_cast(t, v.ACL_FORMAT_FRACTAL_NZ)
 
 
 class FuseEPDispatcher(AscendDeepEPDispatcher):
-    """The unfused path, plus the fuse mode this dispatcher's fused forward runs."""
+    """The unfused path, plus what this dispatcher's fused forward passes."""
 
-    fuse_mode: int = 1
+    fuse_mode: int = v.FUSED_DEEP_MOE
+    max_output_size: int | None = None  # fuse mode 2's row bound
 
 
 class FuseEPBackend(AscendDeepEPBackend):
-    """Options (``create_dispatcher(options=...)``): ``fuse_mode`` 1 (dispatch_gmm_combine_decode,
-    the default) or 2 (dispatch_ffn_combine). An explicit option, never an environment variable."""
+    """Options (``create_dispatcher(options=...)``): ``fuse_mode`` 1 (fused_deep_moe, the default)
+    or 2 (dispatch_ffn_combine), an explicit option, never an environment variable; with mode 2,
+    ``max_output_size``: the rows one rank may receive, which the op sizes its workspace by
+    (default ``T·R·k``, the vendor's; at least ``T·R·min(k, E_local)``, what can arrive)."""
 
     name = "ascend_fuseep"
     description = "Ascend FuseEP: dispatch, GMM1, SwiGLU, GMM2 and combine in one op (W8A8, Atlas A3)"
 
-    def __init__(self, vendor_module: str = REAL, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None) -> None:
         super().__init__(vendor_module, env)
-        self.capabilities = capabilities(vendor_module != REAL)
+        self.capabilities = capabilities(vendor_module != v.REAL)
 
-    def probe(self) -> str | None:
-        reason = super().probe()
-        if reason is None and not hasattr(self.vendor().module.Buffer, "fused_deep_moe"):  # type: ignore[union-attr]
-            return "this DeepEP-Ascend has no fused_deep_moe"
-        return reason
+    # probe(): ascend_deepep's; its supported floor (fused_deep_moe with fuse_mode, KN@0ac00159)
+    # is this plugin's too.
+
+    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
+        """HCCL_BUFFSIZE: the largest of the unfused path's and both fused ops' window checks."""
+        (unfused,) = super().env_requirements(spec, world_size)
+        T, h = spec.num_max_dispatch_tokens_per_rank, spec.hidden_size
+        fused = max(v.fused_deep_moe_window_bytes(T, world_size, spec.local_experts(world_size), h),
+                    v.dispatch_ffn_combine_window_bytes(T, spec.top_k, h))
+        mb = max(unfused.minimum, v.window_mb(fused))
+        return (md.EnvRequirement(v.HCCL_BUFFSIZE, mb, "MB", v.DEFAULT_HCCL_BUFFSIZE_MB,
+                                  "DeepEP-Ascend's HCCL window (the low-latency and fused ops' tiling checks)"),)
+
+    def check_options(self, spec: md.DispatchSpec, options: Mapping[str, Any],
+                      world_size: int | None = None) -> tuple[int, int | None]:
+        """``(fuse_mode, max_output_size)`` from the options, or a typed error naming the option."""
+        fuse_mode = check_fuse_mode(options.get("fuse_mode", v.FUSED_DEEP_MOE))
+        raw = options.get("max_output_size")
+        if fuse_mode == v.FUSED_DEEP_MOE or world_size is None:
+            if raw is not None and fuse_mode == v.FUSED_DEEP_MOE:
+                raise md.InvalidSpecError("applies to fuse mode 2 only", parameter="max_output_size", value=raw,
+                                          allowed="None with fuse_mode=1")
+            return fuse_mode, None
+        T = spec.num_max_dispatch_tokens_per_rank
+        least = v.mode2_min_output_rows(T, world_size, spec.local_experts(world_size), spec.top_k)
+        rows = v.mode2_max_output_rows(T, world_size, spec.top_k) if raw is None else raw
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < least:
+            raise md.InvalidSpecError("fuse mode 2 sizes its workspace by the rows one rank receives",
+                                      parameter="max_output_size", value=raw,
+                                      allowed=f"an int >= {least} (T·R·min(k, E_local))")
+        return fuse_mode, rows
 
     def create(self, ctx: md.DispatchContext) -> FuseEPDispatcher:
-        fuse_mode = check_fuse_mode(ctx.options.get("fuse_mode", 1))
+        fuse_mode, max_output = self.check_options(ctx.spec, ctx.options, ctx.world_size)
         base = super().create(ctx)
-        d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode)
-        d.fuse_mode = fuse_mode
+        d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode, base.ll_quant_mode)
+        d.fuse_mode, d.max_output_size = fuse_mode, max_output
         return d
 
     def process_weights(self, weights: Any, dispatcher: Any) -> FuseEPWeights:
@@ -85,8 +116,17 @@ class FuseEPBackend(AscendDeepEPBackend):
             raise md.InvalidInputError("needs the layer process_weights made for this dispatcher", parameter="layer",
                                        value=got, allowed=f"FuseEPWeights for fuse mode {impl.fuse_mode}")
         spec = dispatcher.spec
-        out, _ = impl.buffer.fused_deep_moe(
-            hidden_states, topk_ids.to(torch.int64), topk_weights.float(), layer.gmm1_permuted_weight,
-            layer.gmm1_permuted_weight_scale, layer.gmm2_weight, layer.gmm2_weight_scale,
-            spec.num_max_dispatch_tokens_per_rank, spec.num_experts, quant_mode=1, fuse_mode=impl.fuse_mode)
-        return out
+        x = hidden_states.contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.float().contiguous()
+        n = x.shape[0]
+        if n == 0:  # the op takes batch 1..256 and is a collective: one zero-weight row joins it
+            x = x.new_zeros(1, x.shape[1])
+            ids = torch.arange(spec.top_k, device=ids.device, dtype=ids.dtype).unsqueeze(0)
+            weights = weights.new_zeros(1, spec.top_k)
+        bound = spec.num_max_dispatch_tokens_per_rank if impl.fuse_mode == v.FUSED_DEEP_MOE else impl.max_output_size
+        out, _ = impl.buffer.fused_deep_moe(x, ids, weights, layer.gmm1_permuted_weight,
+                                            layer.gmm1_permuted_weight_scale, layer.gmm2_weight,
+                                            layer.gmm2_weight_scale, bound, spec.num_experts, quant_mode=v.QUANT_INT8,
+                                            fuse_mode=impl.fuse_mode)
+        return out[:n]

@@ -3,7 +3,7 @@
 From sglang ``python/sglang/srt/hardware_backend/npu/moe/fuseep.py`` (@008b79d,
 ``process_fuseep_weights``) and sgl-kernel-npu's test ``reshape_fusion_gmm_weight``:
 
-- fuse mode 1 (dispatch_gmm_combine_decode): ``w13ᵀ`` ``[E, H, 2I]`` with gate and up columns
+- fuse mode 1 (fused_deep_moe): ``w13ᵀ`` ``[E, H, 2I]`` with gate and up columns
   interleaved in chunks of 64 (column block b of 128 = gate[64b:64b+64] ‖ up[64b:64b+64]), its
   fp32 per-channel scale ``[E, 2I]`` permuted the same way; ``w2`` ``[E, H, I]`` as is with an
   fp32 scale ``[E, H]``.
@@ -23,9 +23,11 @@ import torch
 
 import moe_dispatch as md
 
-#: Columns per gate (or up) chunk in fuse mode 1's interleave.
-CHUNK = 64
-FUSE_MODES = {1: "dispatch_gmm_combine_decode", 2: "dispatch_ffn_combine"}
+from . import vendor as v
+
+#: Columns per gate (or up) chunk in fuse mode 1's interleave (the op's GMM tile along N).
+CHUNK = v.GMM1_TILE_N
+FUSE_MODES = v.FUSE_MODES
 OTHER_SCHEMES = ("ascend_deepep with runner npu_bf16, npu_w4a16, npu_w4a8 or npu_w4a4 "
                  "(or npu_w8a8 for W8A8 without the fused op)")
 
@@ -99,6 +101,10 @@ def process_fuseep_weights(weights: md.ExpertWeights | FuseEPWeights, fuse_mode:
     if fuse_mode == 1 and i % CHUNK:
         raise md.InvalidSpecError("fuse mode 1 interleaves gate/up in chunks of 64", parameter="weights",
                                   value=f"intermediate size {i}", allowed="a multiple of 64")
+    if fuse_mode == 1 and not v.MIN_GMM1_HIDDEN <= 2 * i <= v.MAX_GMM1_HIDDEN:
+        raise md.InvalidSpecError("fused_deep_moe (fuse mode 1) takes gmm1 N = 2 x intermediate in 1024..6144",
+                                  parameter="intermediate_size", value=i,
+                                  allowed=f"{v.MIN_GMM1_HIDDEN // 2}..{v.MAX_GMM1_HIDDEN // 2}")
     cast = nz_cast or (lambda t: t)
     w13_t = weights.w13_weight.transpose(1, 2)  # [E, H, 2I]
     assert weights.w13_weight_scale is not None and weights.w2_weight_scale is not None

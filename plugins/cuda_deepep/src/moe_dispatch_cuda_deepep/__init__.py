@@ -1,14 +1,15 @@
 """moe-dispatch-cuda-deepep: DeepEP (CUDA) as a moe-dispatch backend.
 
 The entry point ``cuda_deepep`` names this module; it registers ``DeepEPBackend`` on the real
-``deep_ep`` (unavailable, with the reason, where DeepEP or a GPU is missing). Tests run the
-same adapter on ``moe_dispatch_cuda_deepep.emulator``.
+``deep_ep`` (unavailable, with the reason, where DeepEP or a GPU is missing) and the ``deep_gemm``
+runner. Vendor facts live in ``vendor``; tests run the same adapter on the fakes in ``fakes``
+(``vendor.EMULATOR``, ``vendor.DEEP_GEMM_EMULATOR``, ...).
 """
 
 import moe_dispatch as md
 
 from .backend import DeepEPBackend
-from .deep_gemm import DeepGemmExperts, DeepGemmLayer, runner_probe
+from .deep_gemm import RUNNER, DeepGemmExperts, DeepGemmLayer, runner_probe
 
 MOE_DISPATCH_API = 1
 
@@ -22,7 +23,7 @@ def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
 def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
     # Block-FP8 layers need FP8 rows (the default); a BF16 layer's DeepGemmExperts.quant_hints()
     # asks for BF16, which resolution takes before the runner's default.
-    register(md.RunnerInfo("deep_gemm", md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
+    register(md.RunnerInfo(RUNNER, md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
                            accepts=frozenset({md.DispatchDtype.FP8, md.DispatchDtype.BF16}),
                            backends={"cuda_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},
                            probe=runner_probe))

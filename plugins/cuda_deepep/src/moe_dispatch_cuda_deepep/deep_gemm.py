@@ -22,6 +22,11 @@ scale ``max(amax, 1e-10)/448`` (sglang ``per_token_group_quant_fp8`` /
 ``silu_and_mul_masked_post_quant_fwd``), rounded up to powers of two for a UE8M0 layer, packed
 four per int32 when the dispatched scales came packed (DeepGEMM's SM100 format).
 
+Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 scales only; SM100 takes
+packed UE8M0 (four exponent bytes per int32, MN-major with a TMA-aligned stride) and casts fp32 scales to
+UE8M0 itself — from DeepGEMM 2.6.1 device-asserting that they are powers of two, before that keeping the
+exponent silently. ``ue8m0=None`` picks the device's format; the other one is refused (VENDOR.md).
+
 The DeepGEMM generation installed is found by its attributes (``detect``): 2.x
 (deepseek-ai/DeepGEMM ``csrc/apis/gemm.hpp``, ``deep_gemm/__init__.py``; PR #112 and later)
 has ``m_grouped_fp8_gemm_nt_{contiguous,masked}`` (early alias ``fp8_m_grouped_gemm_nt_masked``)
@@ -38,7 +43,7 @@ import importlib.util
 import itertools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,68 +56,25 @@ from moe_dispatch.output import group_counts
 if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
     from moe_dispatch.testing.layers import LayerCheck
 
-REAL = "deep_gemm"
-EMULATOR = "moe_dispatch_cuda_deepep.deep_gemm_emulator"
-INSTALL_HINT = ("DeepGEMM is not on the package index: build it from source on a CUDA machine (SM90/SM100), see "
-                "https://github.com/deepseek-ai/DeepGEMM (`git clone --recursive`, then `./install.sh` or "
-                "`pip install --no-build-isolation .` in the checkout)")
-BLOCK = 128
+from . import vendor
+from .vendor import DeepGemmInfo
+
+REAL = vendor.DEEP_GEMM
+#: The runner's registered name: the module it runs.
+RUNNER = vendor.DEEP_GEMM
+#: The fake of DeepGEMM 2.6.1 on SM90 (name kept for other plugins' tests).
+EMULATOR = vendor.DEEP_GEMM_EMULATOR
+INSTALL_HINT = vendor.DEEP_GEMM_INSTALL_HINT
+BLOCK = vendor.DG_BLOCK
 WEIGHT_KINDS = ("block_fp8", "bf16")
 #: Block amax floor of DeepGEMM's ``per_block_cast_to_fp8`` (weights) and of sglang's
 #: ``per_token_group_quant_fp8`` (the intermediate activations).
 WEIGHT_AMAX_FLOOR, ACT_AMAX_FLOOR = 1e-4, 1e-10
+#: SM90 BF16 grouped GEMMs assert ``k % 64 == 0`` (deepseek-ai/DeepGEMM@54e2261
+#: csrc/jit_kernels/impls/sm90_bf16_gemm.hpp), for both GEMMs: H and I.
+SM90_BF16_K_MULTIPLE = 64
 
-_V2_CONTIGUOUS = ("m_grouped_fp8_gemm_nt_contiguous", "fp8_m_grouped_gemm_nt_contiguous")
-_V2_MASKED = ("m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked")
-_V1_CONTIGUOUS, _V1_MASKED = "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_masked"
-_ALIGNMENT = ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout")
-
-
-def _first(module: Any, names: tuple[str, ...]) -> Callable[..., Any] | None:
-    for name in names:
-        fn = getattr(module, name, None)
-        if fn is not None:
-            return fn
-    return None
-
-
-@dataclass(frozen=True)
-class DeepGemmInfo:
-    """The DeepGEMM found: its module (None when missing), generation ("v1", "v2", or None when
-    it has no grouped GEMM we know) and whether it has BF16 grouped GEMMs."""
-
-    module_name: str
-    module: Any
-    generation: str | None
-    has_bf16: bool
-    error: str | None = None
-
-    def describe(self) -> str:
-        if self.module is None:
-            return f"{self.module_name} is not importable ({self.error})"
-        if self.generation is None:
-            return (f"{self.module_name}: no known grouped GEMM API (neither 2.x m_grouped_fp8_gemm_nt_* "
-                    f"nor v1 {_V1_MASKED})")
-        version = getattr(self.module, "__version__", "")
-        bf16 = "with" if self.has_bf16 else "without"
-        return f"DeepGEMM {version} ({self.generation} API) {bf16} BF16 grouped GEMMs".replace("  ", " ")
-
-
-def detect(module: str | ModuleType | Any = REAL) -> DeepGemmInfo:
-    """Import ``module`` (or take a module-like object) and read which API generation it has."""
-    if isinstance(module, str):
-        name = module
-        try:
-            module = importlib.import_module(name)
-        except Exception as exc:  # a missing or broken vendor library is a reason, not a crash
-            return DeepGemmInfo(name, None, None, False, f"{type(exc).__name__}: {exc}")
-    else:
-        name = getattr(module, "__name__", type(module).__name__)
-    if _first(module, _V2_MASKED) is not None:
-        return DeepGemmInfo(name, module, "v2", hasattr(module, "m_grouped_bf16_gemm_nt_masked"))
-    if hasattr(module, _V1_MASKED):
-        return DeepGemmInfo(name, module, "v1", False)
-    return DeepGemmInfo(name, module, None, False)
+detect = vendor.detect_deep_gemm
 
 
 def runner_probe(module: str = REAL) -> str | None:
@@ -215,8 +177,15 @@ def sglang_expected_m(spec: md.DispatchSpec, world_size: int) -> int:
 
 
 def _mn_major(t: torch.Tensor) -> torch.Tensor:
-    """The same values with the row dim fastest (DeepGEMM's preferred scale layout)."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    """The same values MN-major and TMA-aligned: the row axis fastest, padded to 16 bytes
+    (``get_tma_aligned_size``), groups dense — what DeepGEMM's ``get_mn_major_tma_aligned_*`` produce and
+    its SM100 kernels require of packed UE8M0 scales."""
+    mn, k = t.shape[-2], t.shape[-1]
+    aligned = vendor.tma_aligned_size(mn, t.element_size())
+    out = torch.zeros(*t.shape[:-2], k, aligned, dtype=t.dtype, device=t.device).transpose(-1, -2)
+    out = out[..., :mn, :]
+    out.copy_(t)
+    return out
 
 
 def quantize_per_token_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,51 +205,79 @@ class DeepGemmExperts:
     :param weights: ``"block_fp8"`` (FP8 rows in) or ``"bf16"`` (BF16 rows in).
     :param mode: the dispatch mode; it decides the wire dtype of BF16 weights.
     :param module: the ``deep_gemm`` module name (or a module object), imported here, not when
-        this plugin is imported; tests pass ``EMULATOR``.
+        this plugin is imported; tests pass a fake's name (``vendor.DEEP_GEMM_EMULATOR``, ...).
     :param ue8m0: block-FP8 with power-of-two (UE8M0) scales, DeepGEMM's SM100 format; the
-        dispatcher is then asked for UE8M0 scales too.
-    :raises md.BackendUnavailableError: DeepGEMM is missing, or lacks what was asked for.
+        dispatcher is then asked for UE8M0 scales too. None (the default): what the GPU needs (True on
+        compute capability 10.x, False on 9.x); the other value there is an ``InvalidSpecError``.
+    :raises md.BackendUnavailableError: DeepGEMM is missing, or lacks what was asked for, or the GPU is
+        not one DeepGEMM's grouped GEMMs run on.
     """
 
     def __init__(self, weights: str, mode: md.Mode | str, module: str | ModuleType | Any = REAL, *,
-                 ue8m0: bool = False) -> None:
+                 ue8m0: bool | None = None) -> None:
         if weights not in WEIGHT_KINDS:
             raise md.InvalidSpecError("unknown DeepGEMM weight format", parameter="weights", value=weights,
                                       allowed=", ".join(WEIGHT_KINDS))
-        self.weights, self.mode, self.ue8m0 = weights, md.Mode.parse(mode), bool(ue8m0)
+        self.weights, self.mode = weights, md.Mode.parse(mode)
         self.info = info = detect(module)
         if info.module is None or info.generation is None:
             raise md.BackendUnavailableError(
                 f"cannot run the DeepGEMM expert kernel: {info.describe()}; {INSTALL_HINT}", parameter="runner",
-                value="deep_gemm", allowed="an installed DeepGEMM (v1 or 2.x), or another runner")
+                value=RUNNER, allowed="an installed DeepGEMM (v1 or 2.x), or another runner")
         if weights == "bf16" and not info.has_bf16:
             raise md.BackendUnavailableError(
                 f"{info.describe()}: BF16 weights need m_grouped_bf16_gemm_nt_contiguous/_masked (DeepGEMM 2.x, SM90+)",
                 parameter="weights", value="bf16", allowed="block_fp8 with this DeepGEMM, or a newer DeepGEMM")
-        if ue8m0 and weights == "bf16":
-            raise md.InvalidSpecError("UE8M0 scales exist only for block-FP8 weights", parameter="ue8m0", value=True,
-                                      allowed="False for bf16 weights")
-        if ue8m0 and info.generation == "v1":
-            raise md.BackendUnavailableError(f"{info.describe()}: v1 has fp32 scales only (SM90)", parameter="ue8m0",
-                                             value=True, allowed="False, or DeepGEMM 2.x on SM100")
-        m = info.module
-        if weights == "bf16":
-            self._contiguous_fn = m.m_grouped_bf16_gemm_nt_contiguous
-            self._masked_fn = m.m_grouped_bf16_gemm_nt_masked
-        elif info.generation == "v2":
-            self._contiguous_fn, self._masked_fn = _first(m, _V2_CONTIGUOUS), _first(m, _V2_MASKED)
-        else:
-            self._contiguous_fn, self._masked_fn = getattr(m, _V1_CONTIGUOUS), getattr(m, _V1_MASKED)
+        self.arch = self._arch(info)
+        self.ue8m0 = self._scale_format(weights, ue8m0, info)
+        self._contiguous_fn, self._masked_fn = info.functions(weights)
         if self._contiguous_fn is None or self._masked_fn is None:
             raise md.BackendUnavailableError(f"{info.describe()}: lacks a contiguous or masked grouped GEMM",
-                                             parameter="runner", value="deep_gemm", allowed="DeepGEMM v1 or 2.x")
-        self._alignment_fn = _first(m, _ALIGNMENT)
+                                             parameter="runner", value=RUNNER, allowed="DeepGEMM v1 or 2.x")
         # Block-FP8 weights: FP8 in both modes. BF16 weights: BF16. sglang (PR #25540) sends BF16
         # only for unquantized layers on the DeepGEMM runner in low-latency mode and keeps FP8 in
         # normal mode; here normal mode uses DeepGEMM's contiguous BF16 GEMM
         # (m_grouped_bf16_gemm_nt_contiguous) instead, the one place this kernel differs.
         self.needs_dispatch_dtype: md.DispatchDtype = (
             md.DispatchDtype.FP8 if weights == "block_fp8" else md.DispatchDtype.BF16)
+
+    @staticmethod
+    def _arch(info: DeepGemmInfo) -> int | None:
+        """The compute-capability major the kernels run on (None: no GPU to ask). v1 runs on SM90 only;
+        2.x has grouped GEMMs for SM90 and SM100."""
+        capability = vendor.device_capability(info.module)
+        if info.generation == "v1":
+            if capability is not None and capability[0] != vendor.DG_ARCH_SM90:
+                raise md.BackendUnavailableError(f"{info.describe()} runs on SM90 only, not compute capability "
+                                                 f"{capability[0]}.{capability[1]}", parameter="runner",
+                                                 value=RUNNER, allowed="DeepGEMM 2.x on this GPU")
+            return vendor.DG_ARCH_SM90
+        if capability is not None and capability[0] not in (vendor.DG_ARCH_SM90, vendor.DG_ARCH_SM100):
+            raise md.BackendUnavailableError(f"DeepGEMM's grouped GEMMs run on SM90 and SM100, not compute capability "
+                                             f"{capability[0]}.{capability[1]}", parameter="runner", value=RUNNER,
+                                             allowed="an SM90 (Hopper) or SM100 (Blackwell) GPU")
+        return None if capability is None else capability[0]
+
+    def _scale_format(self, weights: str, ue8m0: bool | None, info: DeepGemmInfo) -> bool:
+        """UE8M0 scales exactly where DeepGEMM needs them: on SM100 it casts fp32 scales to UE8M0 (from 2.6.1
+        asserting powers of two on the device, before it silently keeping the exponent), on SM90 it takes
+        fp32 only (and v1 is SM90-only). ``None`` picks the device's; the other one is a typed error."""
+        if weights == "bf16":
+            if ue8m0:
+                raise md.InvalidSpecError("UE8M0 scales exist only for block-FP8 weights", parameter="ue8m0",
+                                          value=True, allowed="False for bf16 weights")
+            return False
+        needed = self.arch == vendor.DG_ARCH_SM100
+        if ue8m0 is None:
+            return needed
+        if self.arch is not None and bool(ue8m0) != needed:
+            cc = f"{self.arch}.x"
+            why = ("DeepGEMM casts fp32 scales to UE8M0 there (a device assert for non-powers of two from 2.6.1, "
+                   "silently wrong before)" if needed else "DeepGEMM's SM90 kernels take fp32 scales only")
+            raise md.InvalidSpecError(f"block-FP8 on compute capability {cc} needs ue8m0={needed}: {why}",
+                                      parameter="ue8m0", value=bool(ue8m0),
+                                      allowed=f"{needed} or None (chosen by the device) on compute capability {cc}")
+        return bool(ue8m0)
 
     def quant_hints(self) -> md.QuantHints:
         """What to pass as ``DispatchSpec(quant=...)`` so resolution sends this kernel's dtype."""
@@ -294,6 +291,11 @@ class DeepGemmExperts:
             raise md.InvalidInputError("w13 must be [E, 2I, H] and w2 [E, H, I]", parameter="w2_weight", value=w2,
                                        allowed=f"[{e}, {h}, {two_i // 2}]")
         if self.weights == "bf16":
+            if self.arch == vendor.DG_ARCH_SM90:
+                for name, size in (("hidden_size", h), ("intermediate_size", two_i // 2)):
+                    if size % SM90_BF16_K_MULTIPLE:
+                        raise md.InvalidInputError("DeepGEMM's SM90 BF16 grouped GEMMs need K % 64 == 0 (H for gmm1, "
+                                                   "I for gmm2)", parameter=name, value=size, allowed="multiples of 64")
             return DeepGemmLayer("bf16", w13.to(torch.bfloat16), w2.to(torch.bfloat16))
         for name, size in (("hidden_size", h), ("intermediate_size", two_i // 2)):
             if size % BLOCK:
@@ -398,7 +400,7 @@ class DeepGemmExperts:
         if min(host, default=0) < 0 or sum(host) != rows:
             raise md.InvalidInputError(f"counts {host} must be >= 0 and sum to the {rows} rows",
                                        parameter="group_list", value=host, allowed="per-expert counts of the rows")
-        align = int(self._alignment_fn()) if self._alignment_fn is not None else BLOCK
+        align = vendor.mk_alignment(self.info.module)
         padded = [-(-c // align) * align for c in host]
         total, device = sum(padded), x.device
         if total == 0:
@@ -432,6 +434,14 @@ class DeepGemmExperts:
         device = x.device
         if capacity == 0:
             return torch.zeros(experts, 0, h, dtype=torch.bfloat16, device=device)
+        if self.info.generation == "v1" and experts > 1 and not vendor.v1_masked_m_is_safe(capacity):
+            raise md.InvalidInputError(
+                "DeepGEMM v1's masked GEMM asserts that the capacity is a multiple of the block M it picks (64, 128 "
+                "or 256) once it exceeds it", parameter="hidden_states", value=x,
+                allowed=f"capacity (R·T) <= {vendor.DG_V1_MASKED_BLOCK_MS[0]} or a multiple of "
+                        f"{vendor.DG_V1_MASKED_BLOCK_MS[-1]} with DeepGEMM v1")
+        if scale is not None and scale.dtype == torch.int32 and not _tma_ready(scale):
+            scale = _mn_major(scale)
         masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
         expected_m = int(layer.expected_m or capacity)  # a hint; reading the counts would sync the host
         h1 = torch.empty(experts, capacity, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
@@ -441,6 +451,14 @@ class DeepGemmExperts:
         h2 = torch.empty(experts, capacity, h, dtype=torch.bfloat16, device=device)
         self._gemm(False, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, masked_m, expected_m)
         return torch.where(valid, h2, torch.zeros((), dtype=h2.dtype, device=device))
+
+
+def _tma_ready(sf: torch.Tensor) -> bool:
+    """Already MN-major with a TMA-aligned MN stride and dense groups (DeepEP's low-latency scales are)."""
+    mn, k = sf.shape[-2], sf.shape[-1]
+    aligned = vendor.tma_aligned_size(mn, sf.element_size())
+    dense = sf.dim() == 2 or sf.stride(-3) == aligned * k
+    return dense and (sf.stride(-2) == 1 or mn == 1) and sf.stride(-1) == aligned
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -453,7 +471,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
               vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
-              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 8, ue8m0: bool = False,
+              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 8, ue8m0: bool | None = None,
               seed: int = 0) -> LayerCheck:
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
@@ -466,7 +484,7 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
 
     experts = DeepGemmExperts(weights, mode, kernel_module, ue8m0=ue8m0)
     spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, quant=experts.quant_hints(), runner="deep_gemm")
+                           mode=mode, quant=experts.quant_hints(), runner=RUNNER)
     dispatcher = md.create_dispatcher(DeepEPBackend(vendor_module or DEEPEP), spec, env={})
     device = torch.device("cuda" if kernel_module == REAL else "cpu")
     g = torch.Generator().manual_seed(seed)

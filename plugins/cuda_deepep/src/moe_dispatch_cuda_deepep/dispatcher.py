@@ -51,11 +51,17 @@ class LowLatencyHandle:
 
 
 class DeepEPDispatcher:
-    def __init__(self, ctx: md.DispatchContext, buffer: Any, dispatch_config: Any, combine_config: Any) -> None:
+    """One layer on one ``deep_ep.Buffer``. ``dispatch_config``/``combine_config``: DeepEP's own ``Config``
+    objects (normal mode); ``topk_idx_dtype``: ``deep_ep.topk_idx_t``, which every top-k index tensor
+    handed to DeepEP must have."""
+
+    def __init__(self, ctx: md.DispatchContext, buffer: Any, dispatch_config: Any, combine_config: Any,
+                 topk_idx_dtype: torch.dtype = torch.int64) -> None:
         self.buffer = buffer
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
+        self.topk_idx_dtype = topk_idx_dtype
         self.low_latency = ctx.spec.mode is md.Mode.LOW_LATENCY
         self.ue8m0 = ctx.codec.wire.ue8m0
 
@@ -67,7 +73,8 @@ class DeepEPDispatcher:
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
         h = dispatch_output.handle
         if isinstance(h, LowLatencyHandle):
-            combined, _, _ = self.buffer.low_latency_combine(expert_output, h.topk_ids, h.topk_weights, h.vendor_handle)
+            rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
+            combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
             return combined
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
         combined, _, _ = self.buffer.combine(partial.to(torch.bfloat16), h.vendor_handle, config=self.combine_config)
@@ -79,8 +86,11 @@ class DeepEPDispatcher:
         return md.DispatchOutput(hidden, scale, topk_ids, topk_weights, group_list, self.spec.group_list_type, layout,
                                  self.dtype, handle, self.spec.quant.input_global_scale)
 
+    def _ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        return topk_ids.to(self.topk_idx_dtype).contiguous()
+
     def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
-        ids = topk_ids.to(torch.int64)
+        ids = self._ids(topk_ids)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
         if self.dtype is md.DispatchDtype.FP8:
             q = self.codec.quantize(x)
@@ -88,13 +98,13 @@ class DeepEPDispatcher:
             # exponents per int32 (H/128 bytes per token, not 4·H/128).
             vendor_x: Any = (q.data, pack_ue8m0(q.scale) if self.ue8m0 else q.scale)
         else:
-            vendor_x = x
+            vendor_x = x.contiguous()
         recv_x, recv_ids, recv_weights, _, handle, _ = self.buffer.dispatch(
             vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
-            topk_weights=topk_weights.float(), config=self.dispatch_config)
+            topk_weights=topk_weights.float().contiguous(), config=self.dispatch_config)
         data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        row_slot, counts = rows_by_expert(recv_ids, self.local_experts)
+        row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
         row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
         handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(), data.shape[0])
         return self._output(data.index_select(0, row_token), None if scale is None else scale.index_select(0, row_token),
@@ -102,7 +112,8 @@ class DeepEPDispatcher:
 
     def _dispatch_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                               ) -> md.DispatchOutput:
-        ids = topk_ids.to(torch.int64)
+        ids = self._ids(topk_ids)
+        x = x.contiguous()
         T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
         if self.dtype is md.DispatchDtype.NVFP4:
             gs = torch.tensor(self.spec.quant.input_global_scale, dtype=torch.float32, device=x.device)
@@ -119,4 +130,4 @@ class DeepEPDispatcher:
                 use_ue8m0=self.ue8m0)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights,
-                            LowLatencyHandle(self, handle, ids, topk_weights.float()))
+                            LowLatencyHandle(self, handle, ids, topk_weights.float().contiguous()))

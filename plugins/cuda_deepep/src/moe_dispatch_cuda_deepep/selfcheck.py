@@ -1,4 +1,4 @@
-"""Checks that run on every rank, on the emulator in the tests and on real DeepEP on a GPU
+"""Checks that run on every rank, on the fakes in the tests and on real DeepEP on GPUs
 (``scripts/run_on_gpu.py``): what crossed the wire, and agreement with the ``torch`` backend."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _batch(spec: md.DispatchSpec, rank: int, world: int, tokens: int, device: to
 
 def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 2048,
               tokens: int = 8, ue8m0: bool = False) -> WireCheck:
-    """Dispatch once and report what the vendor call got (``Buffer.calls`` on the emulator)."""
+    """Dispatch once and report what the vendor call got (``Buffer.calls`` on the fakes)."""
     gs = 448.0 * 6.0 / 5.0 if dtype == "nvfp4" else None  # NVFP4's global scale for activations up to ~5
     spec = md.DispatchSpec(hidden, 4 * world, 3, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype,
                            quant=md.QuantHints(fp8_ue8m0_scales=ue8m0, input_global_scale=gs))

@@ -3,7 +3,9 @@
 
 The entry point ``flashinfer_cutedsl`` names this module. The runner works behind the
 dispatch backends ``RUNNER.backends`` declares (DeepEP, FlashInfer's all-to-all, the core's
-``torch``); tests run both on ``moe_dispatch_flashinfer_cutedsl.emulator``.
+``torch``). ``vendor`` is the one place FlashInfer facts live; the tests run both on the fakes in
+``moe_dispatch_flashinfer_cutedsl.fakes`` (one per FlashInfer version range), which the adapter
+modules never import.
 """
 
 import moe_dispatch as md

@@ -7,8 +7,18 @@ expands the received slots to one row per (token, local expert) grouped by exper
 ``index_select`` of rows·wire bytes, and a host sync to count rows), and at combine weights
 each expert row and sums a slot's rows in fp32 before the vendor's add-only combine.
 
+What the kernel is handed as ``token_selected_experts`` is not the caller's ids:
+
+- The dispatch kernel does not skip -1: it sends to ``id / experts_per_rank`` in C division, so
+  -1 goes to rank 0 (an extra copy) or, with one expert per rank, to rank -1 (an out-of-bounds
+  store). Each -1 is replaced by a valid id of the same token, which the kernel sends nowhere
+  new (it sends a token once per target rank); a token with no valid id goes to this rank's first
+  expert, where its id payload (which keeps the -1s) gives it no row, so it combines to zero.
+- The kernels are built for a few top-k values; the ids are padded to the next one with copies
+  of a valid id, which again add no copy. The id and weight payloads keep the caller's top-k.
+
 One ``MoeAlltoAll`` allows one outstanding dispatch (its workspace holds the send state until
-combine), so the dispatcher owns ``in_flight`` instances (default 2, for two-batch overlap)
+combine), so the dispatcher owns ``in_flight`` instances on distinct workspaces (see backend.py)
 and each dispatch takes a free one; the handle says which, and combine gives it back.
 """
 
@@ -32,11 +42,24 @@ class A2AHandle:
     row_weight: torch.Tensor  # [rows] fp32 routing weight of each expert row
 
 
+def kernel_ids(ids: torch.Tensor, fallback: int, kernel_top_k: int) -> torch.Tensor:
+    """int32 ``[T, kernel_top_k]``: every -1 replaced by a valid id of its token (``fallback``
+    for a token with none), padded with the same id to the kernel's top-k."""
+    valid = ids >= 0
+    first = valid.to(torch.int8).argmax(dim=1, keepdim=True)
+    fill = torch.where(valid.any(dim=1, keepdim=True), ids.gather(1, first), torch.full_like(first, fallback))
+    out = torch.where(valid, ids, fill)
+    if kernel_top_k > ids.shape[1]:
+        out = torch.cat([out, fill.expand(-1, kernel_top_k - ids.shape[1])], dim=1)
+    return out.to(torch.int32).contiguous()
+
+
 class FlashInferA2ADispatcher:
-    def __init__(self, ctx: md.DispatchContext, instances: list[Any]) -> None:
+    def __init__(self, ctx: md.DispatchContext, instances: list[Any], kernel_top_k: int) -> None:
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.rank, self.world = ctx.rank, ctx.world_size
         self.local_experts = ctx.local_experts
+        self.kernel_top_k = kernel_top_k
         self.instances = instances
         self._free = list(range(len(instances)))
         self._lock = threading.Lock()
@@ -44,9 +67,10 @@ class FlashInferA2ADispatcher:
     def _acquire(self) -> int:
         with self._lock:
             if not self._free:
+                n = len(self.instances)
                 raise md.CapacityError(
-                    f"all {len(self.instances)} FlashInfer all-to-all workspaces have a dispatch awaiting combine",
-                    parameter="options.in_flight", value=len(self.instances), allowed="raise it (more workspaces)",
+                    f"all {n} FlashInfer all-to-all workspaces have a dispatch awaiting combine",
+                    parameter="in_flight", value=n, allowed=f"FlashInferA2ABackend(in_flight=N) with N > {n}",
                 )
             return self._free.pop(0)
 
@@ -57,23 +81,25 @@ class FlashInferA2ADispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         q = self.codec.quantize(x)
-        ids32 = topk_ids.to(torch.int32)
-        named = {"weights": topk_weights.float(), "ids": ids32, "data": q.data}
+        ids32 = topk_ids.to(torch.int32).contiguous()
+        first = self.rank * self.local_experts
+        # The kernels require contiguous payloads (CHECK_INPUT).
+        named = {"weights": topk_weights.float().contiguous(), "ids": ids32, "data": q.data.contiguous()}
         if q.scale is not None:
-            named["scale"] = q.scale
+            named["scale"] = q.scale.contiguous()
         # Largest elements first: FlashInfer packs payloads back to back and checks alignment.
         names = sorted(named, key=lambda n: -named[n].element_size())
         instance = self._acquire()
         try:
             got = self.instances[instance].dispatch(
-                ids32, [named[n] for n in names], self.spec.num_max_dispatch_tokens_per_rank,
-                invalid_token_expert_id=-1, expert_id_payload_index=names.index("ids"))
+                kernel_ids(ids32, first, self.kernel_top_k), [named[n] for n in names],
+                self.spec.num_max_dispatch_tokens_per_rank, invalid_token_expert_id=-1,
+                expert_id_payload_index=names.index("ids"))
         except BaseException:
             self._release(instance)
             raise
         recv = {n: g.flatten(0, 1) for n, g in zip(names, got)}  # [R·T, ...] per payload
         ids = recv["ids"].long()
-        first = self.rank * self.local_experts
         local = torch.where((ids >= first) & (ids < first + self.local_experts), ids - first, -1)
         row_flat, counts = rows_by_expert(local, self.local_experts)
         row_slot = torch.div(row_flat, ids.shape[1], rounding_mode="floor")

@@ -1,14 +1,26 @@
-"""The ``flashinfer_a2a`` backend: FlashInfer's MoE all-to-all as a dispatch backend."""
+"""The ``flashinfer_a2a`` backend: FlashInfer's MoE all-to-all as a dispatch backend.
+
+Workspaces. ``MoeAlltoAll`` caches its MNNVL workspace at class level, keyed by (workspace size,
+ep rank, ep size, max tokens, ...): two instances built alike share ONE workspace, and a second
+dispatch would overwrite the first one's receive buffers and routing state. So each workspace a
+dispatcher holds gets a key no other live workspace has: ``workspace_size_per_rank`` is FlashInfer's
+size plus 128 bytes times a slot number, the slots being the first ones that no rank's cache holds
+(the ranks agree on them at creation, since allocation is collective). FlashInfer never frees a
+cached workspace, so a dispatcher's workspaces live as long as the process: create one dispatcher
+per shape and use it for every layer.
+"""
 
 from __future__ import annotations
 
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.codecs import as_bytes, from_bytes
 
-from . import sizes
+from . import vendor
 from .alltoall import FlashInferA2ADispatcher
-from .vendor import EMULATOR, INSTALL_HINT, REAL, VendorInfo, detect
+from .mnnvl_comm import comm_backend_for
+from .vendor import INSTALL_HINT, REAL, VendorInfo, detect
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
 N = md.Mode.NORMAL
@@ -16,79 +28,119 @@ N = md.Mode.NORMAL
 DEFAULT_IN_FLIGHT = 2
 
 
-def capabilities(emulated: bool) -> md.Capabilities:
+def capabilities(info: VendorInfo) -> md.Capabilities:
     return md.Capabilities(
         dtypes={N: frozenset({B, F8, F4})},
         fallbacks={(N, I8): md.Fallback(F8, "CUDA MoE kernels take FP8, not INT8; FP8 sends the same bytes per element")},
         # The kernels behind it (CuTe-DSL, TRT-LLM MoE) quantize BF16 themselves.
         default_dtype=B,
-        devices=frozenset({"cpu"} if emulated else {"cuda"}),
-        limits={N: md.Limits(hidden_multiple=128, max_top_k=sizes.MAX_TOP_K)},
+        devices=frozenset({"cpu"} if info.fake else {"cuda"}),
+        limits={N: md.Limits(hidden_multiple=128, max_top_k=info.a2a_profile().max_top_k)},
     )
+
+
+def dispatch_bytes_per_token(spec: md.DispatchSpec) -> int:
+    """One token's dispatch payloads: the activation (data + scales), int32 ids, fp32 weights."""
+    return spec.wire_format().bytes_per_token + 2 * 4 * spec.top_k
 
 
 class FlashInferA2ABackend(md.Backend):
     """FlashInfer's ``MoeAlltoAll`` (TRT-LLM's MNNVL all-to-all), normal mode, any wire dtype
-    but INT8. Options: ``in_flight`` (workspaces, default 2)."""
+    but INT8. ``in_flight``: workspaces per dispatcher (default 2)."""
 
     name = "flashinfer_a2a"
     description = "FlashInfer MoE all-to-all (MNNVL): one copy per destination rank, add-only combine"
     install_hint = INSTALL_HINT
 
-    def __init__(self, vendor_module: str = REAL) -> None:
+    def __init__(self, vendor_module: str = REAL, in_flight: int = DEFAULT_IN_FLIGHT) -> None:
+        if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
+            raise md.InvalidSpecError("needs at least one workspace", parameter="in_flight", value=in_flight,
+                                      allowed="an int >= 1")
         self.vendor_module = vendor_module
-        self.capabilities = capabilities(vendor_module == EMULATOR)
+        self.in_flight = in_flight
+        self._info: VendorInfo | None = None
 
     def vendor(self) -> VendorInfo:
-        return detect(self.vendor_module)
+        if self._info is None:
+            self._info = detect(self.vendor_module)
+        return self._info
+
+    @property
+    def capabilities(self) -> md.Capabilities:  # type: ignore[override]
+        return capabilities(self.vendor())
 
     def probe(self) -> str | None:
         info = self.vendor()
-        if info.api is None:
-            return info.describe()
-        if info.api.MoeAlltoAll is None:
-            return f"{info.describe()}; this FlashInfer has no MoeAlltoAll"
-        if not info.emulated and not torch.cuda.is_available():
+        reason = info.a2a_reason()
+        if reason is None and not info.fake and not torch.cuda.is_available():
             return "no CUDA device"
-        return None
+        return reason
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
         super().check_spec(spec, world_size)
-        if spec.local_experts(world_size) > sizes.MAX_EXPERTS_PER_RANK:
+        profile = self.vendor().a2a_profile()
+        if world_size > profile.max_ranks:
+            raise md.InvalidSpecError(f"FlashInfer's all-to-all supports at most {profile.max_ranks} ranks (kMaxRanks)",
+                                      parameter="world_size", value=world_size, allowed=f"1..{profile.max_ranks}")
+        if vendor.kernel_top_k(spec.top_k, profile.version) is None:
             raise md.InvalidSpecError(
-                f"FlashInfer's all-to-all handles at most {sizes.MAX_EXPERTS_PER_RANK} experts per rank",
-                parameter="num_experts", value=spec.num_experts,
-                allowed=f"at most {sizes.MAX_EXPERTS_PER_RANK * world_size} on {world_size} ranks",
-            )
+                f"FlashInfer {'.'.join(map(str, profile.version))}'s all-to-all kernels take top-k up to "
+                f"{profile.max_top_k}", parameter="top_k", value=spec.top_k, allowed=f"1..{profile.max_top_k}")
+
+    def workspace_bytes(self, spec: md.DispatchSpec, world_size: int, *, planning: bool) -> tuple[int, str]:
+        """One workspace (FlashInfer's size function when it can run, else the ported formula)."""
+        return vendor.workspace_size_per_rank(self.vendor(), world_size, spec.num_max_dispatch_tokens_per_rank,
+                                              dispatch_bytes_per_token(spec), 2 * spec.hidden_size, planning=planning)
 
     def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
-        R, T, h = world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size
-        per_token = sizes.dispatch_bytes_per_token(spec.wire_format().bytes_per_token, spec.top_k)
-        aux = sizes.pad128(sizes.aux_bytes(R, T))
-        dispatch = aux + sizes.pad128(R * T * per_token)
-        combine = sizes.pad128(R * T * 2 * h)
+        total, source = self.workspace_bytes(spec, world_size, planning=True)
+        combine = vendor.pad128(world_size * spec.num_max_dispatch_tokens_per_rank * 2 * spec.hidden_size)
+        slack = vendor.CACHELINE * (self.in_flight - 1) * self.in_flight // 2  # the distinct cache keys
         return md.BufferSize(
-            dispatch, combine,
-            notes=(f"one workspace = {dispatch + combine:,} B (get_moe_workspace_size_per_rank with the wire dtype's "
-                   f"bytes), ×{DEFAULT_IN_FLIGHT} for dispatches in flight",),
-            allocated_bytes=DEFAULT_IN_FLIGHT * (dispatch + combine),
+            total - combine, combine,
+            notes=(f"one workspace = {total:,} B ({source}), x{self.in_flight} workspaces (in_flight) + "
+                   f"{vendor.CACHELINE} B per further slot to keep FlashInfer's cache keys distinct",),
+            allocated_bytes=self.in_flight * total + slack,
         )
 
     def create(self, ctx: md.DispatchContext) -> FlashInferA2ADispatcher:
         info = self.vendor()
-        assert info.api is not None
-        spec, R = ctx.spec, ctx.world_size
-        in_flight = int(ctx.options.get("in_flight", DEFAULT_IN_FLIGHT))
-        if in_flight < 1:
-            raise md.InvalidSpecError("needs at least one workspace", parameter="options.in_flight",
-                                      value=in_flight, allowed="an int >= 1")
-        size = self.buffer_size(spec, R)
-        mapping = info.api.Mapping(world_size=R, rank=ctx.rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
-        extra = {}
-        if info.emulated:  # the emulator talks over a process group instead of MNNVL memory
-            extra["group"] = ctx.comm.process_group
-        instances = [info.api.MoeAlltoAll(mapping, spec.num_max_dispatch_tokens_per_rank, spec.top_k, spec.num_experts,
-                                          workspace_size_per_rank=size.dispatch_bytes + size.combine_bytes,
-                                          hidden_size=spec.hidden_size, **extra)
-                     for _ in range(in_flight)]
-        return FlashInferA2ADispatcher(ctx, instances)
+        api = info.api
+        assert api is not None
+        spec, R, rank = ctx.spec, ctx.world_size, ctx.rank
+        in_flight = ctx.options.get("in_flight", self.in_flight)
+        if in_flight != self.in_flight:
+            raise md.InvalidSpecError(
+                "buffer_size planned another number of workspaces", parameter="options.in_flight", value=in_flight,
+                allowed=f"{self.in_flight}, or FlashInferA2ABackend(in_flight={in_flight})")
+        T = spec.num_max_dispatch_tokens_per_rank
+        kernel_k = vendor.kernel_top_k(spec.top_k, info.a2a_profile().version)
+        assert kernel_k is not None  # check_spec
+        base, _ = self.workspace_bytes(spec, R, planning=False)
+        slots = _free_slots(api.MoeAlltoAll, ctx.comm, rank, R, T, base, self.in_flight)
+        mapping = api.Mapping(world_size=R, rank=rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
+        config = api.MnnvlConfig(comm_backend=comm_backend_for(ctx.comm))
+        instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
+                                     workspace_size_per_rank=base + vendor.CACHELINE * j, mnnvl_config=config)
+                     for j in slots]
+        if len({inst.workspace.data_ptr() for inst in instances}) != len(instances):
+            raise md.CapacityError("FlashInfer handed two in-flight slots one workspace", parameter="in_flight",
+                                   value=self.in_flight, allowed="distinct workspaces")
+        return FlashInferA2ADispatcher(ctx, instances, kernel_k)
+
+
+def _free_slots(cls: type, comm: md.Comm, rank: int, world: int, tokens: int, base: int, count: int) -> list[int]:
+    """``count`` slot numbers j whose key (base + 128·j, rank, world, tokens, ...) no rank's
+    ``MoeAlltoAll._WORKSPACE_CACHE`` holds, the same on every rank."""
+    cache = getattr(cls, vendor.WORKSPACE_CACHE_ATTR, {})
+    line = vendor.CACHELINE
+    used = [(key[0] - base) // line for key in cache
+            if tuple(key[1:4]) == (rank, world, tokens) and key[0] >= base and (key[0] - base) % line == 0]
+    first = max(used) + 1 if used else 0
+    everyone = comm.gather_uncounted(as_bytes(torch.tensor([[first]], dtype=torch.int64)).reshape(-1),
+                                     "flashinfer_a2a workspace slots")
+    start = int(from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).max())
+    return list(range(start, start + count))
+
+
+__all__ = ["DEFAULT_IN_FLIGHT", "FlashInferA2ABackend", "capabilities", "dispatch_bytes_per_token"]

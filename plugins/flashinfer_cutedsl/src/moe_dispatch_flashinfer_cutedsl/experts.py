@@ -16,37 +16,48 @@ global scale the rows carry.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 import moe_dispatch as md
 
-from .vendor import EMULATOR, INSTALL_HINT, REAL, VendorInfo, detect, sm100_reason
+from . import vendor
+from .vendor import INSTALL_HINT, REAL, VendorInfo, detect, sm100_reason
 from .weights import CuteDslLayer
 
 B, F4 = md.DispatchDtype.BF16, md.DispatchDtype.NVFP4
 N, LL = md.Mode.NORMAL, md.Mode.LOW_LATENCY
 
+def _aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
+    """``t`` contiguous at an address the CuTe-DSL kernels accept (``make_ptr`` asserts
+    ``pointer must be N bytes aligned``: 32 for activations, 16 for scales); a copy if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % alignment == 0 else t.clone()
+
+
 class CuteDslExperts:
-    """The expert kernel. ``module`` is ``flashinfer`` (or the emulator, in tests)."""
+    """The expert kernel. ``module`` is ``flashinfer`` (or one of the fakes, in tests)."""
 
     needs_dispatch_dtype: md.DispatchDtype | None = B
 
     def __init__(self, module: str = REAL) -> None:
         self.module = module
+        self._info: VendorInfo | None = None
 
     def vendor(self) -> VendorInfo:
-        return detect(self.module)
+        if self._info is None:
+            self._info = detect(self.module)
+        return self._info
 
     def probe(self) -> str | None:
         """None when the kernel can run here, else why not (no FlashInfer, no SM100 GPU)."""
         info = self.vendor()
-        if info.api is None:
-            return info.describe()
-        if info.api.CuteDslMoEWrapper is None:
-            return f"{info.describe()}; this FlashInfer has no CuteDslMoEWrapper"
-        return None if info.emulated else sm100_reason()
+        reason = info.cutedsl_reason()
+        if reason is not None:
+            return reason
+        return None if info.fake else sm100_reason()
 
     def process_weights(self, weights: md.ExpertWeights, *, first_expert: int, num_experts: int,
                         input_global_scale: float, fc2_input_scale: float) -> CuteDslLayer:
@@ -63,7 +74,7 @@ class CuteDslExperts:
             num_experts=num_experts, top_k=1, hidden_size=layer.hidden_size,
             intermediate_size=layer.intermediate_size, num_local_experts=layer.num_local_experts,
             local_expert_offset=first_expert, output_dtype=torch.bfloat16,
-            device="cpu" if self.module == EMULATOR else "cuda")
+            device="cpu" if self.vendor().fake else "cuda")
         return layer
 
     def quant_hints(self, nvfp4_dispatch: bool = False, layer: CuteDslLayer | None = None) -> md.QuantHints:
@@ -107,7 +118,8 @@ class CuteDslExperts:
                                            allowed="per-expert counts summing to the row count")
         ids = torch.where(expert >= 0, expert + layer.first_expert, -1).to(torch.int32)
         rows = hidden_states.reshape(-1, width)
-        api = self.vendor().api
+        info = self.vendor()
+        api = info.api
         assert api is not None
         if nvfp4:
             if hidden_states_scale is None or global_scale is None:
@@ -117,8 +129,9 @@ class CuteDslExperts:
             x, x_sf, gs_in = rows, hidden_states_scale.reshape(-1, h // 16).view(torch.uint8), float(global_scale)
         else:
             gs_in = layer.input_global_scale
-            x, x_sf = api.fp4_quantize(rows, torch.tensor([gs_in], dtype=torch.float32, device=rows.device),
-                                       is_sf_swizzled_layout=False)
+            gs = torch.tensor([gs_in], dtype=torch.float32, device=rows.device)
+            x, x_sf = api.fp4_quantize(rows.contiguous(), gs, is_sf_swizzled_layout=False, **_no_4over6(info))
+        x, x_sf = _aligned(x, 32), _aligned(x_sf, 16)
         w1_alpha = 1.0 / (gs_in * layer.w1_global_scale)
         w2_alpha = 1.0 / (layer.fc2_input_scale * layer.w2_global_scale)
         out = layer.wrapper.run(
@@ -127,6 +140,22 @@ class CuteDslExperts:
             torch.tensor([layer.fc2_input_scale], dtype=torch.float32, device=rows.device),
             layer.w2_weight, layer.w2_weight_sf, w2_alpha.to(rows.device))
         return out.reshape(*hidden_states.shape[:-1], h).to(output_dtype)
+
+
+def _no_4over6(info: VendorInfo) -> dict[str, Any]:
+    """Keep fp4_quantize on plain NVFP4, as the core codec (and so NVFP4 dispatch) quantizes.
+    From v0.6.12 FLASHINFER_NVFP4_4OVER6=1 switches it to the 4over6 search (other bits, another
+    global-scale recipe); from 0.7.1 ``nvfp4_4over6=None`` ignores the variable, before it the
+    runner refuses to run with it set."""
+    version = info.version or vendor.VERIFIED_UNTIL
+    if version >= vendor.NVFP4_4OVER6_ARG_SINCE:
+        return {"nvfp4_4over6": None}
+    if version >= vendor.NVFP4_4OVER6_SINCE and vendor.env_flag(os.environ, vendor.ENV_NVFP4_4OVER6):
+        raise md.InvalidSpecError(
+            f"FlashInfer {info.version_text} quantizes with the NVFP4 4over6 search when this is set; the runner's "
+            "scales and the NVFP4 wire codec assume plain NVFP4", parameter=vendor.ENV_NVFP4_4OVER6,
+            value=os.environ.get(vendor.ENV_NVFP4_4OVER6), allowed="unset, or FlashInfer >= 0.7.1")
+    return {}
 
 
 #: Resolution step 5, and the combinations tested behind each dispatch backend (the

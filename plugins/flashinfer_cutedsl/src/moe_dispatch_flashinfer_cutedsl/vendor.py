@@ -1,19 +1,470 @@
-"""What the installed FlashInfer offers, found without touching a GPU."""
+"""FlashInfer, as this plugin knows it: the one vendor boundary.
+
+Every FlashInfer name the adapters call, the recorded signature of each call per version, the
+kernel limits and environment variables per version, the ported workspace formula, and
+``detect()``. The adapters (``backend``, ``alltoall``, ``mnnvl_comm``, ``experts``, ``weights``)
+and the fakes (``fakes/``) take these facts from here and from nowhere else.
+
+Citations: ``flashinfer-ai/flashinfer@<commit> <path> <symbol>`` for the git tags (v0.6.0 =
+4230a48, v0.6.4 = f1e6fdc, v0.6.7 = 56ed540, v0.6.8 = b9372aa, v0.6.12 = d768c14, v0.6.13 =
+57ba7ee, v0.6.14 = 19f1a41, v0.6.15 = 8eccd0c, v0.6.16 = 8da13a2, v0.6.17 = a0a6b01, main =
+fb28d72) and ``flashinfer-python==X (wheel) <path>`` for releases that are only on the package
+index (0.6.18, 0.7.0, 0.7.1, 0.7.2.post1). ``csrc/...`` paths of a wheel are under
+``flashinfer/data/csrc``. ``moeAlltoAllKernels.*`` is short for
+``csrc/nv_internal/tensorrt_llm/kernels/communicationKernels/moeAlltoAllKernels.*``.
+"""
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from moe_dispatch.signatures import VendorSignature
+
+Version = tuple[int, int, int]
+
 REAL = "flashinfer"
-EMULATOR = "moe_dispatch_flashinfer_cutedsl.emulator"
+#: The fakes' package; one module per version range where FlashInfer behaves differently.
+FAKES_PACKAGE = "moe_dispatch_flashinfer_cutedsl.fakes"
+FAKE_0_6_7 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_7"
+FAKE_0_6_13 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_13"
+FAKE_0_6_17 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_17"
+FAKE_0_7_2 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_2"
+#: FlashInfer's own Python (MoeAlltoAll, MnnvlMemory's communicator logic, Mapping) with only the
+#: compiled module and the CUDA-driver memory replaced by the fakes: the optional vendor-code tests.
+REAL_PYTHON_ON_FAKE_KERNELS = "moe_dispatch_flashinfer_cutedsl.fakes.real_python"
+#: The fake of the newest FlashInfer this plugin was checked against (the old name, kept).
+EMULATOR = FAKE_0_7_2
+#: Each fake and the release it models, oldest first.
+FAKES: tuple[tuple[str, Version], ...] = (
+    (FAKE_0_6_7, (0, 6, 7)), (FAKE_0_6_13, (0, 6, 13)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_2, (0, 7, 2)))
 INSTALL_HINT = 'pip install "moe-dispatch-flashinfer-cutedsl[flashinfer]" (flashinfer-python), on a CUDA machine'
-#: CuTe-DSL MoE kernels: ``@supported_compute_capability([100, 103])`` (later also 107).
+
+# -- versions ----------------------------------------------------------------------------------
+
+#: ``MoeAlltoAll`` first ships in v0.6.0 (flashinfer-ai/flashinfer@4230a48
+#: flashinfer/comm/trtllm_moe_alltoall.py; absent at v0.5.3 = 0e68a2f).
+A2A_SINCE: Version = (0, 6, 0)
+#: ``CuteDslMoEWrapper`` first ships in v0.6.4 (flashinfer-ai/flashinfer@f1e6fdc
+#: flashinfer/fused_moe/cute_dsl/fused_moe.py; absent at v0.6.3).
+CUTEDSL_SINCE: Version = (0, 6, 4)
+#: The newest release every fact here was read from (flashinfer-python==0.7.2.post1 wheel).
+VERIFIED_UNTIL: Version = (0, 7, 2)
+
+
+def parse_version(text: str) -> Version | None:
+    """``"0.7.2.post1"`` → (0, 7, 2); ``"0.6.18rc7"`` → (0, 6, 18); None when not a version."""
+    m = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def _pick(rules: tuple[tuple[Version, Any], ...], version: Version) -> Any:
+    """The value of the last rule whose version is <= ``version`` (rules oldest first)."""
+    found = rules[0][1]
+    for since, value in rules:
+        if version >= since:
+            found = value
+    return found
+
+
+# -- kernel limits (moeAlltoAllKernels.h, trtllm_moe_alltoall.cu) --------------------------------
+
+#: kMaxTopK: 8 until v0.6.7 (flashinfer-ai/flashinfer@56ed540 moeAlltoAllKernels.h), 22 from
+#: v0.6.8 (flashinfer-ai/flashinfer@b9372aa moeAlltoAllKernels.h). It sizes calculateOffsets'
+#: top-k metadata, so the workspace grows with it.
+MAX_TOP_K_RULES: tuple[tuple[Version, int], ...] = (((0, 6, 0), 8), ((0, 6, 8), 22))
+#: The top-k values the kernels are instantiated for (SWITCH_TOP_K in moeAlltoAllKernels.cu;
+#: any other value fails "Unsupported top_k" at launch): v0.6.0-v0.6.7 (56ed540), v0.6.8-v0.6.15
+#: (b9372aa), v0.6.16+ (8da13a2, fb28d72, 0.7.2.post1).
+TOP_K_VALUES_RULES: tuple[tuple[Version, frozenset[int]], ...] = (
+    ((0, 6, 0), frozenset({1, 2, 4, 8})),
+    ((0, 6, 8), frozenset({1, 2, 4, 6, 8, 10, 16, 22})),
+    ((0, 6, 16), frozenset({1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22})),
+)
+#: kMaxPayloads: 8 until v0.6.7, 4 in v0.6.8-v0.6.13 (b9372aa), 6 from v0.6.14 (19f1a41).
+MAX_PAYLOADS_RULES: tuple[tuple[Version, int], ...] = (((0, 6, 0), 8), ((0, 6, 8), 4), ((0, 6, 14), 6))
+#: kMaxRanks: every version (TLLM_CHECK in the launchers until v0.6.15, TVM_FFI_ICHECK in
+#: moeA2ADispatchOp/moeA2ACombineOp from v0.6.16 = 8da13a2).
+MAX_RANKS = 64
+#: Until v0.6.15 moeA2ADispatchOp checks ``numExperts >= epSize && numExperts % epSize == 0``;
+#: from v0.6.16 (8da13a2) only ``numExperts >= epSize`` (ceil/floor expert partition).
+UNEVEN_EXPERTS_SINCE: Version = (0, 6, 16)
+#: kMaxExperts = 256 is declared in moeAlltoAllKernels.h until v0.6.7 but checked nowhere
+#: (flashinfer-ai/flashinfer@56ed540): FlashInfer has no experts-per-rank limit.
+#: NUM_METAINFO_FIELDS: 9 until v0.6.15, 10 from v0.6.16 (EPLB_GATHERED_STATS_OFFSET_INDEX added
+#: before PAYLOAD_DATA_OFFSET_INDEX; csrc/nv_internal/tensorrt_llm/thop/moeAlltoAllMeta.h).
+METAINFO_NAMES_0_6_0: tuple[str, ...] = (
+    "FLAG_VAL", "LOCAL_TOKEN_COUNTER", "SEND_COUNTERS", "RECV_COUNTERS", "DISPATCH_COMPLETION_FLAGS",
+    "COMBINE_COMPLETION_FLAGS", "TOPK_TARGET_RANKS", "TOPK_SEND_INDICES", "PAYLOAD_DATA")
+METAINFO_NAMES_0_6_16: tuple[str, ...] = METAINFO_NAMES_0_6_0[:8] + ("EPLB_GATHERED_STATS", "PAYLOAD_DATA")
+EPLB_SINCE: Version = (0, 6, 16)
+#: Combine accepts FP8 payloads and the output_dtype/output_scales arguments from v0.6.14
+#: (19f1a41 csrc/trtllm_moe_alltoall.cu toNvDataType, moeA2ACombineOp).
+COMBINE_QUANT_SINCE: Version = (0, 6, 14)
+#: The ``backend=`` keyword ("trtllm" | "cake") and a sixth workspace-cache key field from 0.7.1
+#: (flashinfer-python==0.7.1 flashinfer/comm/trtllm_moe_alltoall.py MoeAlltoAll.get_workspace).
+A2A_BACKEND_SINCE: Version = (0, 7, 1)
+#: ``MoeAlltoAll`` is ``@typing_extensions.deprecated`` (a DeprecationWarning at construction)
+#: from 0.7.1 in favour of flashinfer.moe_ep.NVLinkOneSidedAlltoAll (same wheel).
+A2A_DEPRECATED_SINCE: Version = (0, 7, 1)
+#: Combine's payload dtypes: half, bfloat16, float32 (+ float8_e4m3fn from v0.6.14); anything
+#: else raises TypeError "Unsupported dtype for MoE combine" (trtllm_moe_alltoall.cu toNvDataType).
+COMBINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHELINE = 128  # kCachelineAlignment (trtllm_moe_alltoall.cu)
+
+#: ``MoeAlltoAll._WORKSPACE_CACHE``: class-level dict of workspaces (every version). Its key starts
+#: (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens) in every version; v0.6.16 adds
+#: eplb_stats_num_experts (8da13a2 MoeAlltoAll.get_workspace), 0.7.1 adds backend. Two instances
+#: with the same key share ONE workspace.
+WORKSPACE_CACHE_ATTR = "_WORKSPACE_CACHE"
+CACHE_KEY_RULES: tuple[tuple[Version, tuple[str, ...]], ...] = (
+    ((0, 6, 0), ("workspace_size_per_rank", "ep_rank", "ep_size", "max_num_tokens")),
+    ((0, 6, 16), ("workspace_size_per_rank", "ep_rank", "ep_size", "max_num_tokens", "eplb_stats_num_experts")),
+    ((0, 7, 1), ("workspace_size_per_rank", "ep_rank", "ep_size", "max_num_tokens", "eplb_stats_num_experts",
+                 "backend")),
+)
+#: From v0.6.15 get_workspace barriers on the allocation's comm after moe_a2a_initialize, and
+#: dispatch/combine raise RuntimeError("MNNVL handles are unmapped") after checkpoint_prepare
+#: (flashinfer-ai/flashinfer@8eccd0c flashinfer/comm/trtllm_moe_alltoall.py).
+A2A_INIT_BARRIER_SINCE: Version = (0, 6, 15)
+#: The default kernel backend of 0.7.1+ (``backend="trtllm"``).
+A2A_DEFAULT_BACKEND = "trtllm"
+
+# -- environment variables FlashInfer reads ----------------------------------------------------
+
+#: Threading policy of the all-to-all kernels until v0.6.13 (csrc/nv_internal/cpp/common/envUtils.cpp
+#: getEnvMoeA2AOneBlockPerToken, a function-static: read once per process at the first dispatch;
+#: default true, "0" turns it off). Performance only.
+ENV_ONE_BLOCK_PER_TOKEN = "TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN"
+ONE_BLOCK_PER_TOKEN_UNTIL: Version = (0, 6, 14)
+#: Block sizes of the dispatch/combine kernels, every version (envUtils.cpp
+#: getEnvMoeA2ADispatchBlockSize / getEnvMoeA2ACombineBlockSize, function-statics). Performance only.
+ENV_DISPATCH_BLOCK_SIZE = "TLLM_MOE_A2A_DISPATCH_BLOCK_SIZE"
+ENV_COMBINE_BLOCK_SIZE = "TLLM_MOE_A2A_COMBINE_BLOCK_SIZE"
+#: NVFP4 "4over6" scale search in fp4_quantize, read on every call, on when exactly "1"
+#: (envUtils.cpp getBoolEnv / getEnvNVFP4Use4Over6) from v0.6.12 (d768c14). It changes the
+#: quantized bits and the global-scale recipe; from 0.7.1 ``fp4_quantize(nvfp4_4over6=None)``
+#: ignores the environment (flashinfer-python==0.7.1 flashinfer/quantization/fp4_quantization.py).
+ENV_NVFP4_4OVER6 = "FLASHINFER_NVFP4_4OVER6"
+ENV_NVFP4_4OVER6_KNOBS = ("FLASHINFER_NVFP4_4OVER6_ERR_MODE", "FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH",
+                          "FLASHINFER_NVFP4_4OVER6_E4M3_USE_256")
+NVFP4_4OVER6_SINCE: Version = (0, 6, 12)
+NVFP4_4OVER6_ARG_SINCE: Version = (0, 7, 1)
+#: Exact (not fast-math) reciprocals in the FP4 quantize kernels, read on every call, from v0.6.13
+#: (57ba7ee envUtils.cpp getEnvDisableFP4QuantFastMath: either variable "1").
+ENV_DISABLE_FP4_FAST_MATH = ("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH")
+FP4_FAST_MATH_ENV_SINCE: Version = (0, 6, 13)
+#: How FlashInfer reads a boolean variable: exactly "1" (envUtils.cpp getBoolEnv; Python
+#: nvfp4_quantization_utils.env_flag_enabled).
+ENV_TRUE = "1"
+
+
+def env_flag(env: Any, name: str) -> bool:
+    return env.get(name) == ENV_TRUE
+
+
+# -- MNNVL communicator (flashinfer/comm/mnnvl.py) ---------------------------------------------
+
+#: ``MnnvlMemory.comm`` is class-level: ``set_comm_from_config(mapping, config)`` sets it to
+#: ``config.comm_backend.Split(pp_rank * cp_size + cp_rank, tp_rank)``; without an mnnvl_config
+#: ``get_comm`` falls back to ``MpiComm().Split(...)`` (mpi4py's COMM_WORLD: ImportError without
+#: mpi4py, a one-rank world without mpirun). Every version (4230a48 ... 0.7.2.post1).
+#: The methods a CommBackend has (flashinfer/comm/mnnvl.py CommBackend, an ABC until v0.6.15; a
+#: Protocol in flashinfer/comm/abstractions.py from v0.6.16). Nothing checks isinstance.
+_MNNVL = "flashinfer-ai/flashinfer@4230a48 flashinfer/comm/mnnvl.py CommBackend"
+COMM_BACKEND_METHODS: tuple[VendorSignature, ...] = tuple(
+    VendorSignature(f"CommBackend.{name}", text, _MNNVL) for name, text in (
+        ("Get_rank", "(self)"), ("Get_size", "(self)"), ("allgather", "(self, data)"),
+        ("bcast", "(self, data, root)"), ("barrier", "(self)"), ("Split", "(self, color, key)")))
+#: ``TorchDistBackend.Split`` builds process groups from ``Get_rank()`` of the group it wraps,
+#: i.e. correct for the WORLD group only (4230a48 and 8da13a2 flashinfer/comm/*.py), so the
+#: adapter hands FlashInfer its own CommBackend whose Split is the identity it checks.
+
+# -- recorded signatures ------------------------------------------------------------------------
+
+_A2A = "flashinfer/comm/trtllm_moe_alltoall.py"
+_CUTE = "flashinfer/fused_moe/cute_dsl/fused_moe.py"
+
+
+@dataclass(frozen=True)
+class SignatureRule:
+    """``signature`` holds for versions in [since, until) (until None: open)."""
+
+    since: Version
+    until: Version | None
+    signature: VendorSignature
+
+    def covers(self, version: Version) -> bool:
+        return version >= self.since and (self.until is None or version < self.until)
+
+
+def _rule(since: Version, until: Version | None, qualname: str, text: str, source: str) -> SignatureRule:
+    return SignatureRule(since, until, VendorSignature(qualname, text, source))
+
+
+_INIT_A = ("(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank=None, hidden_size=None, "
+           "mnnvl_config=None")
+_DISPATCH_A = ("(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank, "
+               "invalid_token_expert_id=None, expert_id_payload_index=None")
+_COMBINE_A = "(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False"
+_COMBINE_Q = ", output_dtype=None, output_scales=None, output_scalar_scale=1.0, sf_layout=SfLayout.layout_linear"
+_WS_A = "(ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token"
+_FP4_A = ("(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, "
+          "is_sf_8x4_layout=False")
+_CUTE_A = ("(self, num_experts, top_k, hidden_size, intermediate_size, use_cuda_graph=False, max_num_tokens={mnt}, "
+           "num_local_experts=None, local_expert_offset=0, tile_size=128, sf_vec_size=16, "
+           "output_dtype=torch.bfloat16, device='cuda'")
+_SWIGLU = (", enable_pdl=True, activation_type=ActivationType.Swiglu.value, swiglu_alpha=DEFAULT_SWIGLU_ALPHA, "
+           "swiglu_beta=DEFAULT_SWIGLU_BETA, swiglu_limit=DEFAULT_SWIGLU_LIMIT")
+_RUN_A = ("(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha, "
+          "fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None")
+
+#: Every vendor callable the adapters call (and the fakes define), per version range.
+SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
+    "MoeAlltoAll.__init__": (
+        _rule((0, 6, 0), (0, 6, 16), "MoeAlltoAll.__init__", _INIT_A + ")",
+              f"flashinfer-ai/flashinfer@4230a48 {_A2A} MoeAlltoAll.__init__"),
+        _rule((0, 6, 16), (0, 7, 1), "MoeAlltoAll.__init__",
+              _INIT_A + ", eplb_stats_num_experts=0, enable_rank_mask=False)",
+              f"flashinfer-ai/flashinfer@8da13a2 {_A2A} MoeAlltoAll.__init__"),
+        _rule((0, 7, 1), None, "MoeAlltoAll.__init__",
+              _INIT_A + ", eplb_stats_num_experts=0, enable_rank_mask=False, *, backend='trtllm')",
+              f"flashinfer-python==0.7.2.post1 {_A2A} MoeAlltoAll.__init__"),
+    ),
+    "MoeAlltoAll.dispatch": (
+        _rule((0, 6, 0), (0, 6, 16), "MoeAlltoAll.dispatch", _DISPATCH_A + ")",
+              f"flashinfer-ai/flashinfer@4230a48 {_A2A} MoeAlltoAll.dispatch"),
+        _rule((0, 6, 16), None, "MoeAlltoAll.dispatch", _DISPATCH_A + ", eplb_local_stats=None, active_rank_mask=None)",
+              f"flashinfer-ai/flashinfer@8da13a2 {_A2A} MoeAlltoAll.dispatch"),
+    ),
+    "MoeAlltoAll.combine": (
+        _rule((0, 6, 0), (0, 6, 14), "MoeAlltoAll.combine", _COMBINE_A + ")",
+              f"flashinfer-ai/flashinfer@4230a48 {_A2A} MoeAlltoAll.combine"),
+        _rule((0, 6, 14), (0, 6, 16), "MoeAlltoAll.combine", _COMBINE_A + _COMBINE_Q + ")",
+              f"flashinfer-ai/flashinfer@19f1a41 {_A2A} MoeAlltoAll.combine"),
+        _rule((0, 6, 16), None, "MoeAlltoAll.combine",
+              _COMBINE_A + _COMBINE_Q + ", output=None, *, use_low_precision=False, active_rank_mask=None)",
+              f"flashinfer-ai/flashinfer@8da13a2 {_A2A} MoeAlltoAll.combine"),
+    ),
+    "moe_a2a_get_workspace_size_per_rank": (
+        _rule((0, 6, 0), (0, 6, 16), "moe_a2a_get_workspace_size_per_rank", _WS_A + ")",
+              f"flashinfer-ai/flashinfer@4230a48 {_A2A} moe_a2a_get_workspace_size_per_rank"),
+        _rule((0, 6, 16), (0, 7, 1), "moe_a2a_get_workspace_size_per_rank", _WS_A + ", eplb_stats_num_experts=0)",
+              f"flashinfer-ai/flashinfer@8da13a2 {_A2A} moe_a2a_get_workspace_size_per_rank"),
+        _rule((0, 7, 1), None, "moe_a2a_get_workspace_size_per_rank",
+              _WS_A + ", eplb_stats_num_experts=0, *, backend='trtllm')",
+              f"flashinfer-python==0.7.2.post1 {_A2A} moe_a2a_get_workspace_size_per_rank"),
+    ),
+    "Mapping.__init__": (
+        _rule((0, 6, 0), None, "Mapping.__init__",
+              "(self, world_size=1, rank=0, gpus_per_node=8, *, cp_size=1, cp_config=None, tp_size=1, pp_size=1, "
+              "moe_cluster_size=-1, moe_tp_size=-1, moe_ep_size=-1, attn_tp_size=-1, attn_cp_size=-1, "
+              "auto_parallel=False, enable_attention_dp=False)",
+              "flashinfer-ai/flashinfer@4230a48 flashinfer/comm/mapping.py Mapping.__init__ "
+              "(same through 0.7.2.post1)"),
+    ),
+    "MnnvlConfig": (  # a dataclass: its generated __init__
+        _rule((0, 6, 0), None, "MnnvlConfig",
+              "(self, comm_backend=None, allocation_granularity=0, fabric_page_size=536870912)",
+              "flashinfer-ai/flashinfer@4230a48 flashinfer/comm/mnnvl.py MnnvlConfig (fields, through 0.7.2.post1)"),
+    ),
+    "fp4_quantize": (
+        _rule((0, 6, 0), (0, 6, 8), "fp4_quantize", _FP4_A + ", enable_pdl=None)",
+              "flashinfer-ai/flashinfer@4230a48 flashinfer/fp4_quantization.py fp4_quantize"),
+        _rule((0, 6, 8), (0, 6, 12), "fp4_quantize", _FP4_A + ", enable_pdl=None, backend='cuda')",
+              "flashinfer-ai/flashinfer@b9372aa flashinfer/quantization/fp4_quantization.py fp4_quantize"),
+        _rule((0, 6, 12), (0, 7, 1), "fp4_quantize",
+              _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='cuda')",
+              "flashinfer-ai/flashinfer@d768c14 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
+        _rule((0, 7, 1), None, "fp4_quantize",
+              _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='cuda', nvfp4_4over6=_UNSET)",
+              "flashinfer-python==0.7.2.post1 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
+    ),
+    "CuteDslMoEWrapper.__init__": (
+        _rule((0, 6, 4), (0, 6, 7), "CuteDslMoEWrapper.__init__", _CUTE_A.format(mnt=4096) + ")",
+              f"flashinfer-ai/flashinfer@f1e6fdc {_CUTE} CuteDslMoEWrapper.__init__"),
+        _rule((0, 6, 7), (0, 6, 14), "CuteDslMoEWrapper.__init__", _CUTE_A.format(mnt=4096) + ", enable_pdl=True)",
+              f"flashinfer-ai/flashinfer@56ed540 {_CUTE} CuteDslMoEWrapper.__init__"),
+        _rule((0, 6, 14), (0, 6, 15), "CuteDslMoEWrapper.__init__",
+              _CUTE_A.format(mnt=None) + ", enable_pdl=True, activation='silu')",
+              f"flashinfer-ai/flashinfer@19f1a41 {_CUTE} CuteDslMoEWrapper.__init__"),
+        _rule((0, 6, 15), (0, 6, 16), "CuteDslMoEWrapper.__init__", _CUTE_A.format(mnt=None) + _SWIGLU + ")",
+              f"flashinfer-ai/flashinfer@8eccd0c {_CUTE} CuteDslMoEWrapper.__init__"),
+        _rule((0, 6, 16), (0, 6, 18), "CuteDslMoEWrapper.__init__",
+              _CUTE_A.format(mnt=None) + _SWIGLU + ", use_fused_finalize=True)",
+              f"flashinfer-ai/flashinfer@8da13a2 {_CUTE} CuteDslMoEWrapper.__init__"),
+        _rule((0, 6, 18), None, "CuteDslMoEWrapper.__init__",
+              _CUTE_A.format(mnt=None) + _SWIGLU + ", situ_beta=None, situ_linear_beta=None, use_fused_finalize=True, "
+              "quant_mode='w4a4')",
+              f"flashinfer-python==0.7.2.post1 {_CUTE} CuteDslMoEWrapper.__init__ (also fb28d72, 0.6.18)"),
+    ),
+    "CuteDslMoEWrapper.run": (
+        _rule((0, 6, 4), (0, 6, 16), "CuteDslMoEWrapper.run", _RUN_A + ")",
+              f"flashinfer-ai/flashinfer@f1e6fdc {_CUTE} CuteDslMoEWrapper.run"),
+        _rule((0, 6, 16), None, "CuteDslMoEWrapper.run", _RUN_A + ", *, per_token_scale=None)",
+              f"flashinfer-ai/flashinfer@8da13a2 {_CUTE} CuteDslMoEWrapper.run"),
+    ),
+}
+
+
+def signature(qualname: str, version: Version) -> VendorSignature | None:
+    """The recorded signature of ``qualname`` in ``version`` (None: the callable does not exist)."""
+    for rule in SIGNATURES[qualname]:
+        if rule.covers(version):
+            return rule.signature
+    return None
+
+
+# -- CuTe-DSL MoE ---------------------------------------------------------------------------------
+
+#: ``@supported_compute_capability([100, 103])`` on CuteDslMoEWrapper.__init__ (8da13a2; [100, 103,
+#: 107] in 0.7.2.post1): compute capability 10.x.
 CUTEDSL_MAJOR = 10
+#: ActivationType.Swiglu (flashinfer/tllm_enums.py; 3 in 0.7.2.post1), the default activation_type.
+ACTIVATION_SWIGLU = 3
+#: SwiGLU defaults of activation_type-era wrappers (flashinfer/fused_moe/cute_dsl/fused_moe.py
+#: DEFAULT_SWIGLU_*; inspect reads them as 1.0, 0.0 and float32 max in 0.7.2.post1).
+DEFAULT_SWIGLU_ALPHA = 1.0
+DEFAULT_SWIGLU_BETA = 0.0
+DEFAULT_SWIGLU_LIMIT = 3.4028234663852886e38
+#: w1 rows: up ("linear") and gate interleaved in groups of 64, up first (flashinfer-ai/flashinfer@f1e6fdc
+#: tests/moe/test_cute_dsl_fused_moe.py interleave_linear_and_gate; 0.7.2.post1 fused_moe.py
+#: cute_dsl_fused_moe: "interleaved 64-row up/gate pair").
+W1_INTERLEAVE_GROUP = 64
+W1_UP_FIRST = True
+#: NVFP4: 16 elements per e4m3 block scale (sf_vec_size default 16, every version).
+NVFP4_BLOCK = 16
+#: The e4m3 scales of the weights are 128x4-swizzled and viewed as the MMA layout
+#: (32, 4, ceil(M/128), 4, ceil(K/64), E) (convert_sf_to_mma_layout in the same tests).
+
+# -- the ported workspace formula (csrc/trtllm_moe_alltoall.cu calculateOffsets) -------------------
+
+
+def pad128(n: int) -> int:
+    return -(-n // CACHELINE) * CACHELINE
+
+
+def metainfo_offsets(ep_size: int, max_num_tokens: int, version: Version,
+                     eplb_stats_num_experts: int = 0) -> dict[str, int]:
+    """``calculateOffsets(epSize, maxNumTokens[, eplbStatsNumExperts])`` by field name
+    (flashinfer-ai/flashinfer@4230a48 / 8da13a2 csrc/trtllm_moe_alltoall.cu)."""
+    i32 = 4
+    k = max_top_k(version)
+    off: dict[str, int] = {}
+    o = 0
+    off["FLAG_VAL"] = o
+    o += i32
+    off["LOCAL_TOKEN_COUNTER"] = o
+    o += i32
+    off["SEND_COUNTERS"] = o
+    o += ep_size * i32
+    off["RECV_COUNTERS"] = o
+    o += ep_size * i32
+    o = pad128(o)
+    off["DISPATCH_COMPLETION_FLAGS"] = o
+    o = pad128(o + ep_size * i32)
+    off["COMBINE_COMPLETION_FLAGS"] = o
+    o = pad128(o + ep_size * i32)
+    off["TOPK_TARGET_RANKS"] = o
+    o = pad128(o + max_num_tokens * k * i32)
+    off["TOPK_SEND_INDICES"] = o
+    o = pad128(o + max_num_tokens * k * i32)
+    if version >= EPLB_SINCE:
+        off["EPLB_GATHERED_STATS"] = o
+        o = pad128(o + ep_size * eplb_stats_num_experts * i32)
+    off["PAYLOAD_DATA"] = o
+    return off
+
+
+def aux_data_size(ep_size: int, max_num_tokens: int, version: Version, eplb_stats_num_experts: int = 0) -> int:
+    """``moe_a2a_get_aux_data_size``: the metadata ahead of the payloads."""
+    return metainfo_offsets(ep_size, max_num_tokens, version, eplb_stats_num_experts)["PAYLOAD_DATA"]
+
+
+def ported_workspace_size_per_rank(ep_size: int, max_num_tokens: int, dispatch_bytes_per_token: int,
+                                   combine_bytes_per_token: int, version: Version) -> int:
+    """``moe_a2a_get_workspace_size_per_rank`` (flashinfer-ai/flashinfer@4230a48 ... 0.7.2.post1
+    flashinfer/comm/trtllm_moe_alltoall.py): pad128(aux) + pad128(R·T·dispatch) + pad128(R·T·combine)."""
+    slots = ep_size * max_num_tokens
+    return (pad128(aux_data_size(ep_size, max_num_tokens, version)) + pad128(slots * dispatch_bytes_per_token)
+            + pad128(slots * combine_bytes_per_token))
+
+
+# -- per-version profile -------------------------------------------------------------------------
+
+
+def max_top_k(version: Version) -> int:
+    return int(_pick(MAX_TOP_K_RULES, version))
+
+
+def top_k_values(version: Version) -> frozenset[int]:
+    return frozenset(_pick(TOP_K_VALUES_RULES, version))
+
+
+def kernel_top_k(top_k: int, version: Version) -> int | None:
+    """The smallest top-k the kernels are built for that holds ``top_k`` ids (None: none does)."""
+    fits = [k for k in top_k_values(version) if k >= top_k]
+    return min(fits) if fits else None
+
+
+@dataclass(frozen=True)
+class A2AProfile:
+    """What MoeAlltoAll does in one FlashInfer version (every field cited above)."""
+
+    version: Version
+    max_top_k: int
+    top_k_values: frozenset[int]
+    max_payloads: int
+    uneven_experts: bool
+    metainfo_names: tuple[str, ...]
+    cache_key: tuple[str, ...]
+    combine_quant: bool
+    eplb: bool
+    backend_kw: bool
+    deprecated: bool
+    reads_one_block_per_token: bool
+    init_barrier: bool
+    max_ranks: int = MAX_RANKS
+
+
+def profile(version: Version) -> A2AProfile:
+    return A2AProfile(
+        version=version,
+        max_top_k=max_top_k(version),
+        top_k_values=top_k_values(version),
+        max_payloads=int(_pick(MAX_PAYLOADS_RULES, version)),
+        uneven_experts=version >= UNEVEN_EXPERTS_SINCE,
+        metainfo_names=METAINFO_NAMES_0_6_16 if version >= EPLB_SINCE else METAINFO_NAMES_0_6_0,
+        cache_key=tuple(_pick(CACHE_KEY_RULES, version)),
+        combine_quant=version >= COMBINE_QUANT_SINCE,
+        eplb=version >= EPLB_SINCE,
+        backend_kw=version >= A2A_BACKEND_SINCE,
+        deprecated=version >= A2A_DEPRECATED_SINCE,
+        reads_one_block_per_token=version < ONE_BLOCK_PER_TOKEN_UNTIL,
+        init_barrier=version >= A2A_INIT_BARRIER_SINCE,
+    )
+
+
+# -- detect() ---------------------------------------------------------------------------------------
+
+#: Where each entry point lives (first that resolves). ``flashinfer.CuteDslMoEWrapper`` is only
+#: there when every CuTe-DSL module imports (0.7.2.post1 also needs triton for SM12x kernels),
+#: so the defining module is tried last.
+PATHS: dict[str, tuple[str, ...]] = {
+    "fp4_quantize": ("fp4_quantize",),
+    "CuteDslMoEWrapper": ("CuteDslMoEWrapper", "fused_moe.CuteDslMoEWrapper",
+                          "fused_moe.cute_dsl.fused_moe.CuteDslMoEWrapper"),
+    "MoeAlltoAll": ("comm.MoeAlltoAll", "comm.trtllm_moe_alltoall.MoeAlltoAll"),
+    "Mapping": ("comm.Mapping", "comm.mapping.Mapping"),
+    "MnnvlConfig": ("comm.mnnvl.MnnvlConfig",),
+    "moe_a2a_get_workspace_size_per_rank": ("comm.moe_a2a_get_workspace_size_per_rank",
+                                            "comm.trtllm_moe_alltoall.moe_a2a_get_workspace_size_per_rank"),
+}
 
 
 @dataclass(frozen=True)
@@ -24,50 +475,125 @@ class FlashInferAPI:
     CuteDslMoEWrapper: Any
     MoeAlltoAll: Any
     Mapping: Any
+    MnnvlConfig: Any
+    moe_a2a_get_workspace_size_per_rank: Any
 
 
 @dataclass(frozen=True)
 class VendorInfo:
     module_name: str
     api: FlashInferAPI | None
-    version: str
+    version_text: str
     error: str | None
-    emulated: bool
+    fake: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def emulated(self) -> bool:  # the old name
+        return self.fake
+
+    @property
+    def version(self) -> Version | None:
+        return parse_version(self.version_text)
+
+    def a2a_profile(self) -> A2AProfile:
+        """The all-to-all behaviour of this version (the newest verified one when unknown)."""
+        return profile(self.version or VERIFIED_UNTIL)
+
+    def a2a_reason(self) -> str | None:
+        """None when this FlashInfer has a usable MoeAlltoAll, else why not."""
+        if self.api is None:
+            return self.describe()
+        v = self.version
+        if v is not None and v < A2A_SINCE:
+            return f"{self.describe()}; MoeAlltoAll needs FlashInfer >= {_text(A2A_SINCE)}"
+        if self.api.MoeAlltoAll is None:
+            return f"{self.describe()}; MoeAlltoAll is not importable ({'; '.join(self.notes) or 'not found'})"
+        if self.api.MnnvlConfig is None:
+            return f"{self.describe()}; flashinfer.comm.mnnvl.MnnvlConfig is missing"
+        return None
+
+    def cutedsl_reason(self) -> str | None:
+        if self.api is None:
+            return self.describe()
+        v = self.version
+        if v is not None and v < CUTEDSL_SINCE:
+            return f"{self.describe()}; CuteDslMoEWrapper needs FlashInfer >= {_text(CUTEDSL_SINCE)}"
+        if self.api.CuteDslMoEWrapper is None:
+            return f"{self.describe()}; CuteDslMoEWrapper is not importable here"
+        return None
 
     def describe(self) -> str:
         if self.api is None:
             return f"{self.module_name} is not usable ({self.error})"
-        what = "emulated FlashInfer" if self.emulated else f"FlashInfer {self.version}"
+        what = f"fake of FlashInfer {self.version_text}" if self.fake else f"FlashInfer {self.version_text}"
         parts = [n for n, ok in (("CuTe-DSL MoE", self.api.CuteDslMoEWrapper), ("MoE all-to-all", self.api.MoeAlltoAll))
                  if ok is not None]
-        return f"{what}: {', '.join(parts) or 'neither CuTe-DSL MoE nor MoE all-to-all'}"
+        text = f"{what}: {', '.join(parts) or 'neither CuTe-DSL MoE nor MoE all-to-all'}"
+        if self.version is not None and self.version[:3] > VERIFIED_UNTIL:
+            text += f" (newer than {_text(VERIFIED_UNTIL)}, the last version checked)"
+        return text
 
 
-def _find(module: ModuleType, *paths: str) -> Any:
+def _text(v: Version) -> str:
+    return ".".join(map(str, v))
+
+
+def _find(module: ModuleType, paths: tuple[str, ...], notes: list[str]) -> Any:
     """The first of ``paths`` (dotted, relative to ``module``) that resolves."""
     for path in paths:
         obj: Any = module
         try:
             for part in path.split("."):
-                obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(f"{obj.__name__}.{part}")
-        except Exception:  # noqa: BLE001 - a missing submodule is "not there"
+                if hasattr(obj, part):
+                    obj = getattr(obj, part)
+                else:
+                    obj = importlib.import_module(f"{obj.__name__}.{part}")
+        except Exception as exc:  # noqa: BLE001 - a missing submodule is "not there"
+            notes.append(f"{module.__name__}.{path}: {type(exc).__name__}: {exc}")
             continue
         return obj
     return None
 
 
 def detect(module_name: str = REAL) -> VendorInfo:
+    """Import ``module_name`` (FlashInfer or one of the fakes) and find the entry points."""
+    fake = module_name.startswith(FAKES_PACKAGE)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # a missing or broken vendor library is a reason, not a crash
-        return VendorInfo(module_name, None, "", f"{type(exc).__name__}: {exc}", module_name == EMULATOR)
-    api = FlashInferAPI(
-        fp4_quantize=_find(module, "fp4_quantize"),
-        CuteDslMoEWrapper=_find(module, "CuteDslMoEWrapper", "fused_moe.CuteDslMoEWrapper"),
-        MoeAlltoAll=_find(module, "comm.MoeAlltoAll", "comm.trtllm_moe_alltoall.MoeAlltoAll"),
-        Mapping=_find(module, "comm.Mapping", "comm.mapping.Mapping"),
-    )
-    return VendorInfo(module_name, api, str(getattr(module, "__version__", "")), None, module_name == EMULATOR)
+        return VendorInfo(module_name, None, "", f"{type(exc).__name__}: {exc}", fake)
+    notes: list[str] = []
+    found = {name: _find(module, paths, notes) for name, paths in PATHS.items()}
+    return VendorInfo(module_name, FlashInferAPI(**found), str(getattr(module, "__version__", "")), None, fake,
+                      tuple(notes))
+
+
+#: The version range each fake stands for (from this version on, until the next).
+FAKE_RANGES: tuple[tuple[Version, str], ...] = (
+    ((0, 6, 0), FAKE_0_6_7), ((0, 6, 8), FAKE_0_6_13), ((0, 6, 16), FAKE_0_6_17), ((0, 7, 1), FAKE_0_7_2))
+
+
+def fake_for(version: Version) -> str:
+    """The fake of the version range ``version`` falls in."""
+    return str(_pick(FAKE_RANGES, version))
+
+
+def workspace_size_per_rank(info: VendorInfo, ep_size: int, max_num_tokens: int, dispatch_bytes_per_token: int,
+                            combine_bytes_per_token: int, *, planning: bool) -> tuple[int, str]:
+    """Bytes of one workspace and where the number came from.
+
+    FlashInfer's own ``moe_a2a_get_workspace_size_per_rank`` when it is installed and can run
+    (it calls the JIT-compiled module's ``moe_a2a_get_aux_data_size``: a fake, or the real one on a
+    CUDA machine). For ``planning`` elsewhere, the ported formula with this version's kMaxTopK
+    (the newest verified version's when FlashInfer is missing: kMaxTopK only grew)."""
+    fn: Callable[..., int] | None = info.api.moe_a2a_get_workspace_size_per_rank if info.api else None
+    if fn is not None and (info.fake or torch.cuda.is_available() or not planning):
+        return int(fn(ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token)), \
+            f"{info.module_name}.moe_a2a_get_workspace_size_per_rank"
+    version = info.version or VERIFIED_UNTIL
+    return ported_workspace_size_per_rank(ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token,
+                                          version), f"ported formula (kMaxTopK {max_top_k(version)})"
 
 
 def sm100_reason() -> str | None:
@@ -80,4 +606,8 @@ def sm100_reason() -> str | None:
     return None
 
 
-__all__ = ["EMULATOR", "FlashInferAPI", "INSTALL_HINT", "REAL", "VendorInfo", "detect", "sm100_reason"]
+__all__ = [
+    "A2AProfile", "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "REAL", "SIGNATURES", "SignatureRule",
+    "VendorInfo", "Version", "aux_data_size", "detect", "fake_for", "kernel_top_k", "metainfo_offsets", "parse_version",
+    "ported_workspace_size_per_rank", "profile", "signature", "sm100_reason", "workspace_size_per_rank",
+]

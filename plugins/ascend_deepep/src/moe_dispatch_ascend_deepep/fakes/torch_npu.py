@@ -1,6 +1,8 @@
-"""A CPU emulator of the torch_npu ops the Ascend expert kernels call.
+"""A CPU fake of the torch_npu ops the Ascend expert kernels call.
 
-Same names, argument names, defaults, shapes and dtypes as ``torch_npu``; results computed in
+Same names, argument names, defaults, shapes and dtypes as ``torch_npu`` (the signatures equal
+``vendor.TORCH_NPU_SIGNATURES``, the prototypes documented in torch-npu 2.13.0's
+``torch_npu/_op_plugin_docs.py``); results computed in
 fp32 (int32 where the NPU accumulates integers, exactly) from the ops' documented formulas and
 the golden functions of torch_npu's own tests. Sources (Ascend/op-plugin, the repository that
 builds torch_npu's custom ops; commits are the stored versions read):
@@ -53,9 +55,11 @@ import torch.nn.functional as F
 import moe_dispatch as md
 from moe_dispatch.codecs import make_codec
 
+from .. import vendor as v
+
 INNER_LIMIT = 65536
-MAX_GROUPS = 1024
-DEQUANT_SWIGLU_MAX_H = 10496
+MAX_GROUPS = v.GMM_MAX_GROUPS
+DEQUANT_SWIGLU_MAX_H = v.DEQUANT_SWIGLU_MAX_H
 INT4_MIN, INT4_MAX = -8, 7
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 #: The per-token quant table of the grouped-matmul doc: the scale's dtype decides the output.
@@ -307,6 +311,10 @@ def npu_dequant_swiglu_quant(
     group_index: torch.Tensor | None = None,
     activate_left: bool = False,
     quant_mode: int = 0,
+    swiglu_mode: int = 0,
+    clamp_limit: float = 7.0,
+    glu_alpha: float = 1.702,
+    glu_bias: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 (or bf16) ``[T, 2H]`` → dequant → SwiGLU → dynamic int8 ``[T, H]`` and fp32 ``[T]``."""
     assert x.dim() == 2 and x.shape[-1] % 2 == 0, "x must be 2-D [T, 2H] with an even last dim"
@@ -315,9 +323,14 @@ def npu_dequant_swiglu_quant(
     h = two_h // 2
     if quant_mode != 1:
         raise NotImplementedError("static quantization (quant_mode=0) is not emulated")
+    if swiglu_mode != 0:
+        raise NotImplementedError("the SwiGLU variant (swiglu_mode=1) is not emulated")
     if x.dtype == torch.int32:
         assert weight_scale is not None and activation_scale is not None, (
             "int32 x needs weight_scale and activation_scale")
+    else:  # the 2.13.0 doc: float x takes no dequant inputs
+        assert weight_scale is None and activation_scale is None and bias is None, (
+            "bfloat16 x: weight_scale, activation_scale and bias must be None")
     valid = tokens
     if group_index is not None:
         assert group_index.dtype == torch.int64 and group_index.dim() == 1, "group_index must be 1-D int64"
@@ -359,13 +372,23 @@ def npu_dequant_swiglu_quant(
     return y, scale
 
 
-def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``swish(A)·B``, A and B the halves of ``x`` along ``dim``; same dtype as ``x``."""
+def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``swish(A)·B``, A and B the halves of ``self`` along ``dim``; same dtype (the op's
+    argument is named ``self``: ``npu_swiglu(Tensor self, int dim=-1)``)."""
+    x = self
     assert x.dtype in _FLOAT, f"x must be float32, float16 or bfloat16, got {x.dtype}"
     assert 1 <= x.dim() <= 8 and x.numel() > 0, "x must be 1-8 dims and not empty"
     assert x.shape[dim] % 2 == 0, "the split dim must be even"
     a, b = x.float().chunk(2, dim=dim)
     return (F.silu(a) * b).to(x.dtype)
+
+
+def npu_format_cast(self: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """The storage format is invisible on CPU: the same values back, for ND (2) or FRACTAL_NZ (29)."""
+    assert isinstance(self, torch.Tensor) and isinstance(acl_format, int), "npu_format_cast(Tensor self, int acl_format)"
+    if acl_format not in (v.ACL_FORMAT_ND, v.ACL_FORMAT_FRACTAL_NZ):
+        raise NotImplementedError(f"(fake) ACL format {acl_format} is not emulated")
+    return self.clone()
 
 
 def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
@@ -380,6 +403,7 @@ def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0)
 
 __all__ = [
     "npu_convert_weight_to_int4pack",
+    "npu_format_cast",
     "npu_dequant_swiglu_quant",
     "npu_dynamic_quant",
     "npu_grouped_matmul",

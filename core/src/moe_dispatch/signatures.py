@@ -9,10 +9,15 @@ the vendor's source file read by AST without importing it (a package that cannot
 on this machine).
 
 Defaults are compared as Python literals where they are literals (numbers, strings, bytes,
-tuples, ``None``/``True``/``False``, negative numbers); any other default expression is compared
-by its source text (``ActivationType.Swiglu.value``), and ``inspect`` values that are not
-literals by their ``repr``. Annotations are ignored: pybind and Python wrappers disagree on
-them without disagreeing on the call.
+tuples, ``None``/``True``/``False``, negative numbers). A recorded default the vendor writes as an
+expression (``ActivationType.Swiglu.value``) is evaluated in the namespace of the module that
+defines the callable compared with it (the vendor's own, or a fake's that defines the same
+names), and compared by its source text when that fails or when both sides are read from source;
+``inspect`` values that are not literals compare by their ``repr``. Annotations are ignored:
+pybind and Python wrappers disagree on them without disagreeing on the call.
+
+This module imports nothing but the standard library: a plugin's ``vendor.py`` records its
+signatures with it at import, and hardware scripts compare them on machines without pytest.
 """
 
 from __future__ import annotations
@@ -153,9 +158,22 @@ def compare(recorded: tuple[Param, ...], actual: tuple[Param, ...], what: str = 
     return problems
 
 
+def _resolve(p: Param, namespace: dict[str, Any]) -> Param:
+    """A recorded default written as an expression, evaluated where the compared callable lives."""
+    if not isinstance(p.default, str) or p.default == REQUIRED:
+        return p
+    try:
+        value = eval(p.default, dict(namespace))  # noqa: S307 - a recorded default expression, not input
+    except Exception:  # noqa: BLE001 - a plain string default, or a name this module lacks
+        return p
+    return Param(p.name, p.kind, _default_from_inspect(value))
+
+
 def differences(recorded: VendorSignature, fn: Callable[..., Any]) -> list[str]:
     """How ``fn`` (a fake, or the real vendor callable) differs from the recorded signature."""
-    return compare(recorded.params, params_of(fn), recorded.qualname)
+    namespace = getattr(inspect.unwrap(fn), "__globals__", {})
+    wanted = tuple(_resolve(p, namespace) for p in recorded.params)
+    return compare(wanted, params_of(fn), recorded.qualname)
 
 
 def signature_from_source(path: str | Path, qualname: str) -> tuple[Param, ...]:

@@ -1,0 +1,560 @@
+"""A fake of DeepEP-Ascend's ``deep_ep`` as of sgl-project/sgl-kernel-npu main f425bdf, on
+torch.distributed (gloo on CPU): real results between real processes, and the vendor's checks.
+
+What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425bdf):
+
+- Python layer (``python/deep_ep/deep_ep/buffer.py``, ``strategies/*.py``): the signatures
+  (``vendor.DEEP_EP_SIGNATURES``); ``config=None`` → ``get_dispatch_config(num_ranks)``, whose
+  ``assert num_ranks in config_map`` fails outside ``vendor.CONFIG_RANKS``; ``handle`` →
+  ``NotImplementedError``; ``quant_mode`` validation (``ValueError``); the low-latency mapping
+  ``quant_mode is None and use_fp8`` → ``"int8"`` (since KN@f451a596); the normal priority
+  explicit ``quant_mode`` > tuple ``x`` > ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` read at the call;
+  ``DEEP_USE_MODE`` read at construction.
+- pybind (``csrc/deepep/deep_ep.cpp``): a ``config`` that is not this module's ``Config`` is a
+  ``TypeError``; ``EP_HOST_ASSERT`` (an ``EPException``, a ``std::exception``) is a ``RuntimeError``:
+  contiguity, dtypes, shapes, ``T >= num_tokens``, ``low_latency_mode``; the environment read where
+  the C++ reads it (``MOE_SHARED_EXPERT_RANK_NUM`` and the long-sequence rounds at construction,
+  ``MOE_EXPERT_TOKEN_NUMS_TYPE`` and ``MOE_ENABLE_TOPK_NEG_ONE`` at each call).
+- The aclnn ops' tiling checks (a failed ``EXEC_NPU_CMD`` is a ``RuntimeError``): EP size
+  2..768, batch <= 512, H 1024..8192, top-k <= 16 and <= E, E % R, the HCCL window against
+  ``DEEPEP_HCCL_BUFFSIZE`` / ``HCCL_BUFFSIZE`` read at each call (``vendor.ll_op_window_bytes``).
+- Layouts: normal rows one per (token, local expert), grouped by local expert, source rank,
+  source token; never-filled ``recv_topk_*`` (``[received, k]``); one row when nothing arrived;
+  low-latency rows packed expert by expert in ``[T·R·min(k, E_l), H]`` with garbage past the
+  counts (NaN / 127 here, so a reader of padding shows it); int64 counts.
+- State: ``get_dispatch_layout`` feeds the next ``dispatch`` on the same buffer (the C++ keeps
+  ``notify_send_data``); a dispatch with other ids than the layout's is a ``RuntimeError`` here
+  (garbage on the device); ``Buffer.num_sms`` is class-level.
+
+Fake-only, marked "(fake)" in messages: ``-1`` ids reaching the low-latency op without
+``MOE_ENABLE_TOPK_NEG_ONE=1`` raise (the kernel gets no active mask; its behaviour is not
+documented), and so does what is not emulated: the ``alltoall``/``ops`` strategies, shared-expert
+ranks, A2's internode path, A5's FP8/FP4 modes. ``Buffer.SOC_VERSION`` says which chip it stands
+for (A3 by default; ``"Ascend910B"`` makes the A2 layered checks apply).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.codecs import INT8Codec, as_bytes, from_bytes
+from moe_dispatch.distributed.comm import Comm
+from moe_dispatch.wire import WireFormat
+
+from .. import vendor as v
+
+INT8_ENV, COUNTS_TYPE_ENV = v.INT8_ENV, v.COUNTS_TYPE_ENV  # kept for readers of the old emulator
+QUANT_MODES = ("bf16", "int8")
+A3, A2 = "Ascend910_93", "Ascend910B"
+_CONFIG_MAP = {n: (v.NUM_SMS, 6, 256, 6, 128) for n in v.CONFIG_RANKS}  # values do not matter on NPU
+
+
+#: What a VendorCall notes of the environment at the call (fake-only instrumentation: A2's
+#: internode path, not emulated, would read DEEP_NORMAL_MODE_USE_INT8_QUANT there).
+NOTED_ENV = (v.INT8_ENV, v.COUNTS_TYPE_ENV, v.NEG_ONE_ENV)
+
+
+@dataclass(frozen=True)
+class VendorCall:
+    name: str
+    x_dtype: torch.dtype
+    int8: bool
+    payload_bytes: int
+    env: tuple[tuple[str, str | None], ...] = ()
+
+    def env_at_call(self, name: str) -> str | None:
+        return dict(self.env).get(name)
+
+
+def _ep_assert(cond: bool, what: str) -> None:
+    """``EP_HOST_ASSERT``: an ``EPException`` (std::exception), which pybind raises as RuntimeError."""
+    if not cond:
+        raise RuntimeError(f"Failed: Assertion error csrc/deepep/deep_ep.cpp error message or error code is '{what}'")
+
+
+def _op_check(cond: bool, op: str, what: str) -> None:
+    """A failed aclnn tiling check: EXEC_NPU_CMD raises RuntimeError."""
+    if not cond:
+        raise RuntimeError(f"{op} tiling failed: {what}")
+
+
+def _incompatible(fn: str, arg: str, value: Any) -> TypeError:
+    return TypeError(f"{fn}(): incompatible function arguments. The following argument types are supported: "
+                     f"... {arg}: deep_ep_cpp.Config ...; invoked with {type(value).__name__}")
+
+
+def _window_mb() -> int:
+    """Mc2TilingUtils::GetMaxWindowSize: DEEPEP_HCCL_BUFFSIZE, else HCCL_BUFFSIZE, else 200, into a uint16."""
+    name = v.DEEPEP_HCCL_BUFFSIZE if os.environ.get(v.DEEPEP_HCCL_BUFFSIZE) is not None else v.HCCL_BUFFSIZE
+    raw = os.environ.get(name)
+    try:
+        return v.DEFAULT_HCCL_BUFFSIZE_MB if raw is None else int(raw) % 65536
+    except ValueError:
+        return v.DEFAULT_HCCL_BUFFSIZE_MB
+
+
+class _Named(str):
+    """A string constant whose repr is its vendor spelling (``NormalStrategy.DEFAULT``)."""
+
+    def __new__(cls, value: str, name: str) -> "_Named":
+        obj = super().__new__(cls, value)
+        obj._name = name  # type: ignore[attr-defined]
+        return obj
+
+    def __repr__(self) -> str:
+        return self._name  # type: ignore[attr-defined,no-any-return]
+
+
+class NormalStrategy:
+    DEFAULT = _Named("default", "NormalStrategy.DEFAULT")
+    ALLTOALL = "alltoall"
+
+
+class LowLatencyStrategy:
+    DEFAULT = _Named("default", "LowLatencyStrategy.DEFAULT")
+    OPS = "ops"
+    ALLTOALL = "alltoall"
+
+
+class FuseMode(IntEnum):
+    """KN buffer.py ``class FuseMode(IntEnum)`` (module level, not exported by ``deep_ep``)."""
+
+    FUSED_DEEP_MOE = 1
+    DISPATCH_FFN_COMBINE = 2
+
+    def __repr__(self) -> str:
+        return f"FuseMode.{self.name}"
+
+
+class Config:
+    """pybind ``deep_ep_cpp.Config(int, int, int, int, int)`` (KN csrc/deepep/config.hpp)."""
+
+    def __init__(self, *args: Any) -> None:
+        if len(args) != len(v.CONFIG_FIELDS) or not all(isinstance(a, int) for a in args):
+            raise TypeError("__init__(): incompatible constructor arguments. The following argument types are "
+                            f"supported: (self, {', '.join(f'{n}: int' for n in v.CONFIG_FIELDS)}); invoked with {args}")
+        for name, value in zip(v.CONFIG_FIELDS, args):
+            setattr(self, name, value)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return hidden_bytes  # a dummy on NPU
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return hidden_bytes
+
+
+class EventHandle:
+    pass
+
+
+class EventOverlap:
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[torch.Tensor]] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        pass
+
+
+def _int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric INT8 with an fp32 dequant scale (torch_npu npu_dynamic_quant rounding)."""
+    q = INT8Codec(WireFormat(md.DispatchDtype.INT8, x.shape[-1])).quantize(x)
+    assert q.scale is not None
+    return q.data, q.scale
+
+
+@dataclass
+class _Exchange:
+    """The fake's own record of one dispatch (the vendor keeps device tensors in the handle)."""
+
+    group: torch.Tensor
+    recv: torch.Tensor
+    send: torch.Tensor
+    tok: torch.Tensor
+    slot: torch.Tensor
+    tokens: int
+    rows: int  # rows the combine must get back
+
+
+class Buffer:
+    num_sms: int = v.NUM_SMS
+    #: Which chip the fake stands for (the C++ reads GetSocVersion() at construction).
+    SOC_VERSION: str = A3
+
+    def __init__(
+        self,
+        group: Any,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 12,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        normal_strategy: Union[str, NormalStrategy] = NormalStrategy.DEFAULT,
+        low_latency_strategy: Union[str, LowLatencyStrategy] = LowLatencyStrategy.DEFAULT,
+    ) -> None:
+        self.group = group
+        self.comm = Comm(group)
+        self.rank, self.group_size = self.comm.rank, self.comm.world_size
+        self.low_latency_mode = low_latency_mode
+        self.soc_version = type(self).SOC_VERSION
+        # deep_ep_cpp.Buffer(...): the constructor's environment (KN deep_ep.cpp Buffer::Buffer)
+        _ep_assert(0 <= self.rank < self.group_size, "0 <= rank and rank < num_ranks")
+        shared = v.parse_env_int(os.environ.get(v.SHARED_RANKS_ENV), 0)
+        if shared:
+            raise NotImplementedError(f"(fake) {v.SHARED_RANKS_ENV}={shared}: shared-expert ranks are not emulated")
+        rounds_raw, tokens_raw = os.environ.get(v.LONG_SEQ_ROUND_ENV), os.environ.get(v.LONG_SEQ_TOKENS_ENV)
+        _ep_assert((rounds_raw is None) == (tokens_raw is None), "roundSet == tokensSet")
+        self.round, self.per_round_tokens = 1, v.NORMAL_MAX_TOKENS
+        if rounds_raw is not None and tokens_raw is not None:
+            r, t = int(rounds_raw), int(tokens_raw)
+            _ep_assert(1 <= r <= 256 and 32 <= t <= 8192 and r * t <= 131072, "long-sequence rounds in range")
+            self.round, self.per_round_tokens = r, t
+        self.num_rdma_ranks = max(1, self.group_size // v.A2_MAX_HCCS_PEERS) if self.soc_version == A2 else 1
+        # Python: DEEP_USE_MODE overrides both strategies (KN buffer.py Buffer.__init__)
+        mode = os.getenv(v.STRATEGY_ENV)
+        if mode is not None:
+            if mode.lower() not in v.STRATEGIES:
+                raise ValueError(f"Unsupported mode combination: DEEP_USE_MODE={mode}, ")
+            normal_strategy = "default" if mode.lower() != "alltoall" else "alltoall"
+            low_latency_strategy = {"default": "default", "alltoall": "alltoall", "ops": "ops"}[mode.lower()]
+        if normal_strategy != "default" or low_latency_strategy != "default":
+            raise NotImplementedError(f"(fake) strategies {normal_strategy!r}/{low_latency_strategy!r}: only the "
+                                      "default strategies are emulated")
+        self.calls: list[VendorCall] = []
+        self._layout: tuple[torch.Tensor, int] | None = None
+
+    # -- static helpers -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        assert num_ranks in _CONFIG_MAP, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(*_CONFIG_MAP[num_ranks])
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        assert num_ranks in _CONFIG_MAP, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(*_CONFIG_MAP[num_ranks])
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return num_max_dispatch_tokens_per_rank  # a dummy on NPU (KN csrc/deepep/config.cpp)
+
+    def fused_deep_moe(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       gmm1_permuted_weight: torch.Tensor, gmm1_permuted_weight_scale: torch.Tensor,
+                       gmm2_weight: torch.Tensor, gmm2_weight_scale: torch.Tensor,
+                       num_max_dispatch_tokens_per_rank: int, num_experts: int, quant_mode: int = 1,
+                       fuse_mode: FuseMode = FuseMode.FUSED_DEEP_MOE, profile_enable: bool = False
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("(fake) fused_deep_moe is faked by moe_dispatch_ascend_fuseep.fakes.deep_ep")
+
+    def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("(fake) A2's internode path is not emulated")
+
+    # -- normal mode ----------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        _ep_assert(topk_idx.dim() == 2, "topk_idx.dim() == 2")
+        _ep_assert(topk_idx.is_contiguous(), "topk_idx.is_contiguous()")
+        _ep_assert(num_experts > 0, "num_experts > 0")
+        n = topk_idx.shape[0]
+        _ep_assert(n <= self.round * self.per_round_tokens, "num_tokens must not exceed the configured capacity")
+        _op_check(topk_idx.dtype == torch.int64, "aclnnDispatchLayout", "topk_idx must be int64")
+        R = self.group_size
+        local = num_experts // R
+        valid = topk_idx >= 0
+        in_rank = torch.zeros(n, R, dtype=torch.int32)
+        rows = torch.arange(n).unsqueeze(1).expand_as(topk_idx)
+        in_rank[rows[valid], topk_idx[valid] // local] = 1
+        per_expert = torch.zeros(self.round, num_experts, dtype=torch.int32)
+        for r in range(self.round):
+            part = topk_idx[r * self.per_round_tokens:(r + 1) * self.per_round_tokens]
+            per_expert[r] = torch.bincount(part[part >= 0], minlength=num_experts)[:num_experts].to(torch.int32)
+        self._layout = (topk_idx.clone(), num_experts)  # the C++ Buffer keeps it for the next dispatch
+        return in_rank.sum(0).to(torch.int32), None, per_expert.flatten(), in_rank, EventOverlap()
+
+    def dispatch(
+        self,
+        x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+        handle: Optional[Tuple] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+        quant_mode: Optional[str] = None,
+    ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        if quant_mode is None:
+            data, quant = self._quant_from_x(x)
+        else:  # KN strategies/normal_strategy.py: an explicit quant_mode wins
+            if quant_mode not in v.NORMAL_QUANT_MODES:
+                raise ValueError(f"Invalid quant_mode: {quant_mode}. Valid options: {set(v.NORMAL_QUANT_MODES)}")
+            data, quant = x, quant_mode
+        return self._intranode_dispatch(data, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                        topk_idx, topk_weights, config, quant)
+
+    @staticmethod
+    def _quant_from_x(x: Any) -> tuple[Any, str]:
+        """quant_mode None: a tuple x by its second dtype, else DEEP_NORMAL_MODE_USE_INT8_QUANT at the call."""
+        if isinstance(x, torch.Tensor):
+            return x, "int8" if os.getenv(v.INT8_ENV) == "1" else "bf16"
+        if isinstance(x, tuple) and len(x) == 2:
+            raise NotImplementedError("(fake) pre-quantized tuple x is not emulated")
+        raise TypeError(f"Unsupported x type: {type(x)}")
+
+    def _intranode_dispatch(self, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
+                            num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str
+                            ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        if self.num_rdma_ranks > 1:
+            raise NotImplementedError("(fake) A2's internode path (more than 8 ranks on ASCEND910B) is not emulated")
+        if handle is not None:
+            raise NotImplementedError("Optional communication handle is not supported yet.")
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        if not isinstance(config, Config):
+            raise _incompatible("intranode_dispatch", "config", config)
+        # deep_ep.cpp Buffer::intranode_dispatch
+        _ep_assert(config.num_sms % 2 == 0, "config.num_sms % 2 == 0")
+        _ep_assert(num_tokens_per_expert.dtype == torch.int32, "num_tokens_per_expert->scalar_type() == at::kInt")
+        _ep_assert(num_tokens_per_rank.dtype == torch.int32, "num_tokens_per_rank->scalar_type() == at::kInt")
+        _ep_assert(x.dim() == 2 and x.is_contiguous(), "new_x.dim() == 2 and new_x.is_contiguous()")
+        _ep_assert(num_tokens_per_expert.dim() == 1 and num_tokens_per_expert.is_contiguous(),
+                   "num_tokens_per_expert->dim() == 1 and contiguous")
+        _ep_assert(num_tokens_per_expert.numel() % self.group_size == 0, "num_tokens_per_expert->size(0) % num_ranks == 0")
+        _ep_assert(tuple(num_tokens_per_rank.shape) == (self.group_size,), "num_tokens_per_rank->size(0) == num_ranks")
+        _ep_assert(topk_idx is not None, "topk_idx.has_value()")
+        _ep_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx->dim() == 2 and is_contiguous()")
+        _ep_assert(topk_weights is not None and topk_weights.dim() == 2 and topk_weights.is_contiguous(),
+                   "topk_weights->dim() == 2 and topk_weights->is_contiguous()")
+        _ep_assert(x.shape[0] == topk_idx.shape[0], "num_tokens == topk_idx->size(0)")
+        _ep_assert(topk_idx.shape[1] == topk_weights.shape[1], "num_topk == topk_weights->size(1)")
+        _ep_assert(topk_weights.dtype == torch.float32, "topk_weights->scalar_type() == at::kFloat")
+        counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
+        _ep_assert(counts_type in (0, 1), "expert_token_nums_type == 1 or expert_token_nums_type == 0")
+        if quant in v.A5_ONLY_QUANT_MODES:
+            _ep_assert(False, f"{quant} is not supported on this device, please use int8 or bf16 instead.")
+        _op_check(x.dtype in (torch.bfloat16, torch.float16), "aclnnCamMoeDispatchNormal", "x must be bf16/fp16")
+        if self._layout is None or not torch.equal(self._layout[0], topk_idx):
+            raise RuntimeError("(fake) dispatch without get_dispatch_layout on the same topk_idx first: the C++ "
+                               "uses the layout state the last get_dispatch_layout left on this Buffer")
+        num_experts = self._layout[1]
+        self._layout = None
+        need = v.normal_op_window_bytes(x.shape[0], x.shape[1], topk_idx.shape[1], self.per_round_tokens)
+        _op_check(need <= _window_mb() * v.MIB, "aclnnCamMoeDispatchNormal",
+                  f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB")
+        data, scale = _int8(x) if quant == "int8" else (x, None)
+        local = num_experts // self.group_size
+        recv_data, recv_scale, counts, state = self._exchange("dispatch", data, scale, topk_idx, local)
+        total = int(counts.sum())
+        if total == 0:  # deep_ep.cpp: never an empty output
+            recv_data = torch.zeros(v.EMPTY_RECEIVE_ROWS, data.shape[1], dtype=data.dtype)
+            recv_scale = torch.zeros(v.EMPTY_RECEIVE_ROWS) if scale is not None else None
+        state.rows = recv_data.shape[0]
+        k = topk_idx.shape[1]
+        garbage_idx = torch.empty(total, k, dtype=topk_idx.dtype)  # at::empty, never filled
+        garbage_w = torch.empty(total, k, dtype=torch.float32)
+        listed = counts.tolist() if counts_type == 1 else torch.cumsum(counts, 0).tolist()
+        vendor_handle = (None, None, None, state, is_token_in_rank, counts.to(torch.int32), topk_idx, topk_weights)
+        recv_x = (recv_data, recv_scale) if scale is not None else recv_data
+        return recv_x, garbage_idx, garbage_w, listed, vendor_handle, EventOverlap()
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: Tuple,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        combine_send_cost_stats: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        config = self.get_combine_config(self.group_size) if config is None else config
+        _, _, _, state, _, _, topk_idx, topk_weights_ori = handle  # the sender's own weights, not the argument
+        _ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
+        _op_check(x.dtype in (torch.bfloat16, torch.float16), "aclnnCamMoeCombineNormal", "x must be bf16/fp16")
+        if x.shape[0] != state.rows:
+            raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
+                               "dispatch returned")
+        weights = torch.ones(topk_idx.shape) if topk_weights_ori is None else topk_weights_ori.float()
+        rows, tok, slot = self._return(x, state)
+        out = torch.zeros(state.tokens, x.shape[1]).index_add_(0, tok, rows * weights[tok, slot].unsqueeze(1))
+        return out.to(x.dtype), None, EventOverlap()
+
+    # -- the exchange between ranks -----------------------------------------------------------------
+
+    def _exchange(self, name: str, data: torch.Tensor, scale: torch.Tensor | None, topk_idx: torch.Tensor,
+                  local: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, _Exchange]:
+        """One row per (token, destination expert), ids -1 skipped; received grouped by local
+        expert, then source rank, then source token."""
+        n = data.shape[0]
+        R = self.group_size
+        tok, slot = (topk_idx >= 0).nonzero(as_tuple=True)
+        expert = topk_idx[tok, slot].long()
+        order = torch.argsort(expert // local * (n + 1) + tok, stable=True)  # by destination rank, then token
+        tok, slot, expert = tok[order], slot[order], expert[order]
+        dest = expert // local
+        columns = [as_bytes(data[tok])] + ([as_bytes(scale[tok].unsqueeze(1))] if scale is not None else [])
+        payload = sum(c.shape[1] for c in columns)
+        rows = torch.cat(columns + [as_bytes(torch.stack([expert - dest * local, tok], dim=1))], dim=1)
+        send = torch.bincount(dest, minlength=R)
+        recv = self.comm.exchange_counts(send)
+        got = self.comm.all_to_all(rows, send.tolist(), recv.tolist(), (("payload", payload), ("metadata", 16)))
+        self.calls.append(VendorCall(name, data.dtype, scale is not None, int(rows.shape[0]) * payload,
+                                     tuple((k, os.environ.get(k)) for k in NOTED_ENV)))
+        src = torch.repeat_interleave(torch.arange(R), recv)
+        meta = from_bytes(got[:, payload:], torch.int64)
+        le, src_tok = meta[:, 0], meta[:, 1]
+        span = int(src_tok.max()) + 1 if src_tok.numel() else 1
+        group = torch.argsort((le * R + src) * span + src_tok, stable=True)
+        dw = data.shape[1] * data.element_size()
+        recv_data = from_bytes(got[group, :dw], data.dtype)
+        recv_scale = from_bytes(got[group, dw:payload], torch.float32).squeeze(1) if scale is not None else None
+        state = _Exchange(group, recv, send, tok, slot, n, group.numel())
+        return recv_data, recv_scale, torch.bincount(le, minlength=local), state
+
+    def _return(self, x: torch.Tensor, state: _Exchange) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each dispatched row back to its sender: fp32 rows and their (token, slot)."""
+        total = state.group.numel()
+        back = torch.empty(total, x.shape[1], dtype=torch.bfloat16)
+        back[state.group] = x[:total].to(torch.bfloat16)  # arrival order
+        got = self.comm.all_to_all(as_bytes(back), state.recv.tolist(), state.send.tolist(),
+                                   (("combine", 2 * x.shape[1]),))
+        return from_bytes(got, torch.bfloat16).float(), state.tok, state.slot
+
+    # -- low-latency mode -----------------------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        use_mxfp4: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        topk_weights: Optional[torch.Tensor] = None,
+        quant_mode: Optional[str] = None,
+    ) -> Tuple[Any, torch.Tensor, Tuple, EventOverlap, Callable]:
+        # KN buffer.py Buffer.low_latency_dispatch (since KN@f451a596): the legacy flags when quant_mode is None
+        if quant_mode is None:
+            if use_mxfp4:
+                quant_mode = "mx_fp4_e2m1"
+            elif use_fp8 and use_ue8m0:
+                quant_mode = "mx_fp8_e4m3"
+            elif use_fp8:
+                quant_mode = "int8"
+        if quant_mode not in v.LL_QUANT_MODES:  # strategies/low_latency_strategy.py
+            raise ValueError(f"Unsupported quant_mode: {quant_mode}")
+        recv_x, scales, counts, vendor_handle = self._ll_dispatch(x, topk_idx.int(), num_max_dispatch_tokens_per_rank,
+                                                                  num_experts, quant_mode)
+        hook: Callable[[], None] = lambda: None  # noqa: E731
+        return ((recv_x, scales) if quant_mode is not None else recv_x), counts, vendor_handle, EventOverlap(), hook
+
+    def _ll_checks(self, op: str, x: torch.Tensor, topk_ids: torch.Tensor, T: int, num_experts: int) -> int:
+        """deep_ep.cpp's asserts and the op tiling's checks; returns E_local."""
+        R = self.group_size
+        n, h = x.shape[0], x.shape[1] if x.dim() == 2 else 0
+        k = topk_ids.shape[1]
+        _op_check(v.MIN_EP_WORLD_SIZE <= R <= v.MAX_EP_WORLD_SIZE_LL, op,
+                  f"epWorldSize is invalid, only support [2, 768], but got epWorldSize={R}")
+        _op_check(0 < num_experts <= 1024 and num_experts % R == 0, op,
+                  f"moeExpertNum should be divisible by epWorldSize and in (0, 1024], got {num_experts}")
+        _op_check(n <= v.LL_MAX_TOKENS, op, f"xDim0(BS) is invalid. Should be between [0, 512], but got xDim0={n}")
+        _op_check(1024 <= h <= 8192, op, f"xShape dims1(H) should be in [1024, 8192], but got {h}")
+        _op_check(0 < k <= min(v.MAX_TOP_K, num_experts), op, f"expertIdShape's dim1(k) should be in (0, 16], got {k}")
+        local = num_experts // R
+        need = v.ll_op_window_bytes(T, h, R, local, k)
+        _op_check(need <= _window_mb() * v.MIB, op,
+                  f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB, "
+                  f"HCCL_BUFFSIZE={_window_mb()}MB")
+        enable_neg_one = v.parse_env_int(os.environ.get(v.NEG_ONE_ENV), 0)
+        if enable_neg_one:
+            layered = self.soc_version == A2 and v.is_layered(os.environ)
+            _ep_assert(not layered, "isLayered == false")
+        elif bool((topk_ids < 0).any()):
+            raise RuntimeError(f"(fake) expert id -1 reached {op} without {v.NEG_ONE_ENV}=1: no active mask goes to "
+                               "the kernel, whose behaviour with -1 is not documented")
+        return local
+
+    def _ll_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, T: int, num_experts: int,
+                     quant_mode: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tuple]:
+        # deep_ep.cpp Buffer::low_latency_dispatch
+        _ep_assert(self.low_latency_mode, "low_latency_mode")
+        _ep_assert(T >= x.shape[0], "num_max_dispatch_tokens_per_rank >= x.size(0)")
+        name = "none" if quant_mode is None else quant_mode
+        if name in v.A5_ONLY_QUANT_MODES:
+            _ep_assert(False, f"{name} is not supported on this device, please use int8 or bf16 instead.")
+        _ep_assert(name in ("none", "int8"), 'quant_mode_name == "none"')
+        op = "aclnnMoeLowLatencyDispatchV2"
+        _op_check(x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16), op, "x must be 2-D bf16/fp16")
+        _op_check(topk_ids.dtype == torch.int32 and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], op,
+                  "expertIds must be int32 [bs, k]")
+        counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
+        _op_check(counts_type in (0, 1), op, "expertTokenNumsType only support 0 or 1")
+        local = self._ll_checks(op, x, topk_ids, T, num_experts)
+        int8 = name == "int8"
+        data, scale = _int8(x) if int8 else (x, None)
+        recv_data, recv_scale, counts, state = self._exchange("low_latency_dispatch", data, scale, topk_ids, local)
+        cap = v.ll_receive_rows(T, self.group_size, local, topk_ids.shape[1])
+        state.rows = cap
+        packed = torch.full((cap, x.shape[1]), 127 if int8 else float("nan"), dtype=data.dtype)  # garbage past counts
+        packed[: recv_data.shape[0]] = recv_data
+        scales = torch.full((cap,), float("nan")) if int8 else torch.empty(1)
+        if recv_scale is not None:
+            scales[: recv_scale.shape[0]] = recv_scale
+        out_counts = counts.to(torch.int64) if counts_type == 1 else torch.cumsum(counts, 0).to(torch.int64)
+        vendor_handle = (state, None, T, x.shape[1], num_experts, out_counts, None)
+        return packed, scales, out_counts, vendor_handle
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: tuple,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, EventOverlap, Callable]:
+        topk_ids = topk_idx.int()
+        state, _, T, hidden, num_experts, _, _ = handle
+        # deep_ep.cpp Buffer::low_latency_combine
+        _ep_assert(x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16,
+                   "x.dim() == 2 and x.is_contiguous() and x.scalar_type() == at::kBFloat16")
+        _ep_assert(T >= topk_ids.shape[0], "num_max_dispatch_tokens_per_rank >= topk_idx.size(0)")
+        op = "aclnnMoeLowLatencyCombineV2"
+        self._ll_checks(op, torch.empty(topk_ids.shape[0], hidden), topk_ids, T, num_experts)
+        _op_check(x.shape[0] >= state.rows, op, f"expandX's dim0 must be >= {state.rows}, got {x.shape[0]}")
+        rows, tok, slot = self._return(x, state)
+        combined = torch.zeros(topk_weights.shape[0], x.shape[1]).index_add_(
+            0, tok, rows * topk_weights[tok, slot].float().unsqueeze(1))
+        hook: Callable[[], None] = lambda: None  # noqa: E731
+        return combined.to(torch.bfloat16), EventOverlap(), hook
+
+
+__all__ = ["A2", "A3", "Buffer", "Config", "EventHandle", "EventOverlap", "FuseMode", "LowLatencyStrategy", "NormalStrategy",
+           "VendorCall"]

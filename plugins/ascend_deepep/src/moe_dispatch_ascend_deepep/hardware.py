@@ -1,0 +1,321 @@
+"""The checks ``scripts/hardware_check.py`` runs: the adapter on the real DeepEP-Ascend and
+torch_npu against the same adapter on the CPU fakes, the recorded signatures against the
+installed vendor, the HCCL window formulas, and the open questions only an NPU can settle.
+
+Every check is a ``Row``: ``ok`` True/False, or None for a measurement or a vendor message to
+read. The fakes are chosen by module-name string (``vendor.FAKE``, ``vendor.TORCH_NPU_FAKE``), as
+everywhere in the adapter. With ``Options(fake=True)`` the fakes stand in for the vendor too
+(CPU, gloo): the same code runs, which is how the tests know the script works.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.accuracy import relative_error
+from moe_dispatch.environ import restored_environ
+from moe_dispatch.experts import dequantize_rows
+
+from . import vendor as v
+from .backend import AscendDeepEPBackend
+from .experts import SCHEMES, NpuExperts
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str
+    check: str
+    ok: bool | None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Options:
+    fake: bool = False
+    hidden: int = 7168
+    tokens: int = 64
+    experts_per_rank: int = 8
+    top_k: int = 8
+    intermediate: int = 512
+    parts: tuple[str, ...] = ("signatures", "windows", "deepep", "runners", "fuseep")
+    #: Opt-in probes that may fail on the device or corrupt its memory (see VENDOR.md).
+    probe_neg_one_unset: bool = False
+    probe_mode2_tokens: bool = False
+    tolerance: dict[str, float] = field(default_factory=lambda: {"bf16": 1e-2, "int8": 3e-2})
+
+    @property
+    def deep_ep(self) -> str:
+        return v.FAKE if self.fake else v.REAL
+
+    @property
+    def torch_npu(self) -> str:
+        return v.TORCH_NPU_FAKE if self.fake else v.TORCH_NPU
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu" if self.fake else "npu")
+
+
+def _guard(part: str, check: str, fn: Callable[[], list[Row]]) -> list[Row]:
+    """A check that raises is a failed row with the exception, not a crashed script."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return [Row(part, check, False, last[:300])]
+
+
+def _probe(part: str, check: str, fn: Callable[[], list[Row]]) -> list[Row]:
+    """A question for the vendor: its answer, a result or an exception, is information."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the vendor's answer
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return [Row(part, check, None, f"raised: {last[:300]}")]
+
+
+# -- signatures ----------------------------------------------------------------------------------------
+
+
+def _signature_rows(opts: Options) -> list[Row]:
+    from moe_dispatch.signatures import VendorSignature, compare, differences, signature_from_source
+
+    rows: list[Row] = []
+    fake_npu = importlib.import_module(v.TORCH_NPU_FAKE)
+    docs = v.torch_npu_docs_path()
+    text = Path(docs).read_text(encoding="utf-8") if docs else None
+    for rec in v.TORCH_NPU_SIGNATURES:
+        rows.append(Row("signatures", f"fake {rec.qualname} = recorded", not differences(rec.signature(),
+                                                                                       getattr(fake_npu, rec.qualname))))
+        if text is None:
+            rows.append(Row("signatures", f"torch_npu {rec.qualname} documented", None, "torch_npu not installed"))
+            continue
+        documented = v.documented_signature(text, rec.qualname)
+        problems = ["not documented"] if documented is None else compare(
+            rec.signature().params, VendorSignature(rec.qualname, documented, docs or "").params)
+        rows.append(Row("signatures", f"torch_npu {rec.qualname} documented = recorded", not problems, "; ".join(problems)))
+    if not opts.fake:  # the registered op schemas of the imported torch_npu (CANN present)
+        rows += _guard("signatures", "torch_npu op schemas", lambda: _schema_rows())
+    spec = importlib.util.find_spec(v.REAL)
+    buffer_py = (Path(list(spec.submodule_search_locations)[0]) / "buffer.py"
+                 if spec is not None and spec.submodule_search_locations else None)
+    for fake_module, records in v.DEEP_EP_SIGNATURES.items():
+        buffer = importlib.import_module(fake_module).Buffer
+        bad = [p for rec in records for p in differences(rec.signature(), getattr(buffer, rec.qualname.split(".")[1]))]
+        rows.append(Row("signatures", f"{fake_module.rsplit('.', 1)[1]} Buffer = recorded", not bad, "; ".join(bad)))
+    if buffer_py is None or not buffer_py.exists():
+        rows.append(Row("signatures", "deep_ep buffer.py = a recorded version", None, "deep_ep not installed"))
+    else:
+        names = {r.qualname: [x for recs in v.DEEP_EP_SIGNATURES.values() for x in recs if x.qualname == r.qualname]
+                 for r in v.DEEP_EP_SIGNATURES[v.FAKE]}
+        for qualname, recs in names.items():
+            got = signature_from_source(buffer_py, qualname)
+            rows.append(Row("signatures", f"deep_ep {qualname} = a recorded version",
+                            any(not compare(r.signature().params, got) for r in recs), str(buffer_py)))
+    return rows
+
+
+def _schema_rows() -> list[Row]:
+    """Argument names of ``torch.ops.npu.<op>`` (the schema torch_npu registers) against the record."""
+    importlib.import_module(v.TORCH_NPU)
+    rows = []
+    for rec in v.TORCH_NPU_SIGNATURES:
+        schema = getattr(torch.ops.npu, rec.qualname).default._schema
+        got = [a.name for a in schema.arguments]
+        want = [p.name for p in rec.signature().params]
+        rows.append(Row("signatures", f"torch.ops.npu.{rec.qualname} schema = recorded names", got == want,
+                        "" if got == want else f"{got} != {want}"))
+    return rows
+
+
+# -- sizes ---------------------------------------------------------------------------------------------
+
+
+def _window_rows(opts: Options, world: int) -> list[Row]:
+    from . import sizes
+
+    rows: list[Row] = []
+    E = opts.experts_per_rank * world
+    for mode in (md.Mode.NORMAL, md.Mode.LOW_LATENCY):
+        spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
+        need = sizes.required_window_mb(spec, world, os.environ)
+        have = os.environ.get(v.DEEPEP_HCCL_BUFFSIZE) or os.environ.get(v.HCCL_BUFFSIZE) or "200 (default)"
+        rows.append(Row("windows", f"HCCL window {mode.value}", None, f"need {need} MB (ops' tiling check), have {have}"))
+    module = importlib.import_module(opts.deep_ep)
+    hint = v.low_latency_rdma_size_hint(module, opts.tokens, opts.hidden, world, E)
+    rows.append(Row("windows", "get_low_latency_rdma_size_hint is the dummy (returns T)", hint == opts.tokens,
+                    f"returned {hint}"))
+    return rows
+
+
+# -- DeepEP-Ascend: the adapter on the vendor vs on the fake --------------------------------------------
+
+
+def _batch(rank: int, opts: Options, world: int, minus_one: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    E = opts.experts_per_rank * world
+    x = torch.randn(opts.tokens, opts.hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:opts.top_k] for _ in range(opts.tokens)])
+    if minus_one:
+        ids[::3, -1] = -1
+    return x, ids, torch.rand(opts.tokens, opts.top_k, generator=g)
+
+
+def _roundtrip(d: md.Dispatcher, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, device: torch.device
+               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    out = d.dispatch(x.to(device), ids.to(device), w.to(device))
+    rows = dequantize_rows(out.hidden_states, out.hidden_states_scale, x.shape[1])
+    y = d.combine(rows.to(torch.bfloat16), out)  # identity experts
+    return out.expert_counts().cpu().tolist(), rows.float().cpu(), y.float().cpu()
+
+
+def _deepep_rows(rank: int, world: int, opts: Options, group: Any, reference_group: Any) -> list[Row]:
+    rows: list[Row] = []
+    E = opts.experts_per_rank * world
+    for mode in ("normal", "low_latency"):
+        for dtype in ("bf16", "int8"):
+            for minus_one in (False, True):
+                name = f"{mode} {dtype}{' with -1 ids' if minus_one else ''}"
+
+                def check(mode: str = mode, dtype: str = dtype, minus_one: bool = minus_one, name: str = name
+                          ) -> list[Row]:
+                    spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens,
+                                           mode=mode, output_dtype=dtype)
+                    real = md.create_dispatcher(AscendDeepEPBackend(opts.deep_ep), spec, group, env={})
+                    fake = md.create_dispatcher(AscendDeepEPBackend(v.FAKE), spec, reference_group, env={})
+                    x, ids, w = _batch(rank, opts, world, minus_one)
+                    c_real, r_real, y_real = _roundtrip(real, x, ids, w, opts.device)
+                    c_fake, r_fake, y_fake = _roundtrip(fake, x, ids, w, torch.device("cpu"))
+                    err = relative_error(y_real, y_fake)
+                    same_order = r_real.shape == r_fake.shape and bool(torch.allclose(r_real, r_fake, atol=0, rtol=0.05))
+                    ok = c_real == c_fake and err < opts.tolerance[dtype]
+                    return [Row("deepep", f"{name}: counts and combine = fake", ok,
+                                f"counts {'equal' if c_real == c_fake else f'{c_real} != {c_fake}'}, combine rel err "
+                                f"{err:.2e}; rows in the fake's order: {same_order}")]
+
+                rows += _guard("deepep", name, check)
+    if opts.probe_neg_one_unset:
+        rows += _probe("deepep", "probe: -1 ids without MOE_ENABLE_TOPK_NEG_ONE",
+                       lambda: _probe_neg_one_unset(rank, world, opts, group))
+    return rows
+
+
+def _probe_neg_one_unset(rank: int, world: int, opts: Options, group: Any) -> list[Row]:
+    """What the vendor's low-latency op does with -1 ids and no active mask (the adapter never
+    does this). May fail in the kernel; run it last."""
+    module = importlib.import_module(opts.deep_ep)
+    E = opts.experts_per_rank * world
+    with restored_environ({v.NEG_ONE_ENV: "0", v.SHARED_RANKS_ENV: "0", v.STRATEGY_ENV: "default"}):
+        buffer = module.Buffer(group, low_latency_mode=True)
+        x, ids, _ = _batch(rank, opts, world, True)
+        recv, counts, _, _, _ = buffer.low_latency_dispatch(x.to(opts.device), ids.to(opts.device), opts.tokens, E,
+                                                            use_fp8=False)
+    sent = int((ids >= 0).sum())
+    return [Row("deepep", "probe: -1 ids without MOE_ENABLE_TOPK_NEG_ONE", None,
+                f"no error; received {int(counts.sum())} rows on this rank (this rank sent {sent} valid pairs)")]
+
+
+def _world_one_rows(opts: Options) -> list[Row]:
+    """At one rank DeepEP-Ascend refuses: its own messages."""
+    module = importlib.import_module(opts.deep_ep)
+    rows = []
+    try:
+        module.Buffer.get_dispatch_config(1)
+        rows.append(Row("deepep", "vendor at 1 rank: get_dispatch_config(1)", None, "accepted"))
+    except AssertionError as exc:
+        rows.append(Row("deepep", "vendor at 1 rank: get_dispatch_config(1)", None, f"AssertionError: {exc}"))
+    rows.append(Row("deepep", "vendor at 1 rank: the ops' tiling", None,
+                    "MIN_EP_WORLD_SIZE = 2 (moe_distribute_dispatch_v2_tiling.cpp, cam_moe_dispatch_normal_tiling.cc):"
+                    " run with torchrun --nproc-per-node 2 (or more)"))
+    return rows
+
+
+# -- torch_npu runners: the kernel on the vendor's ops vs on the fake ops -------------------------------------
+
+
+def _runner_rows(opts: Options) -> list[Row]:
+    from moe_dispatch.codecs import make_codec
+    from moe_dispatch.routing import random_expert_weights
+
+    rows = []
+    counts = [5, 0, 13, 2]
+    for scheme in SCHEMES:
+        def check(scheme: str = scheme) -> list[Row]:
+            g = torch.Generator().manual_seed(7)
+            fake = NpuExperts(scheme, v.TORCH_NPU_FAKE)
+            real = NpuExperts(scheme, opts.torch_npu)
+            layer = fake.process_weights(random_expert_weights(len(counts), 1024, opts.intermediate, generator=g))
+            x = torch.randn(sum(counts), 1024, generator=g)
+            if fake.needs_dispatch_dtype is md.DispatchDtype.INT8:
+                q = make_codec(md.WireFormat(md.DispatchDtype.INT8, 1024)).quantize(x)
+                rows_x, scale = q.data, q.scale
+            else:
+                rows_x, scale = x.to(torch.bfloat16), None
+            gl = torch.tensor(counts, dtype=torch.int64)
+            want = fake.apply_without_routing_weights(layer, rows_x, scale, 1, gl, torch.bfloat16)
+            dev = opts.device
+            got = real.apply_without_routing_weights(layer.to(dev), rows_x.to(dev), None if scale is None else
+                                                     scale.to(dev), 1, gl.to(dev), torch.bfloat16).cpu()
+            err = relative_error(got, want)
+            return [Row("runners", f"npu_{scheme}: torch_npu = fake", err < 2e-2, f"rel err {err:.2e}")]
+
+        rows += _guard("runners", f"npu_{scheme}", check)
+    return rows
+
+
+# -- one rank's share -------------------------------------------------------------------------------------
+
+
+def run_rank(rank: int, world: int, opts: Options, fuseep: Callable[..., list[Row]] | None = None) -> list[Row]:
+    """Everything one rank checks (rank 0 also the process-local parts). Under torchrun on the
+    NPU the default group is HCCL and the fake runs on a gloo group beside it; with ``fake`` both
+    are the gloo group of the local ranks."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if dist.is_initialized() else None
+    reference = group if opts.fake or not dist.is_initialized() else dist.new_group(backend="gloo")
+    rows: list[Row] = []
+    if rank == 0 and "signatures" in opts.parts:
+        rows += _guard("signatures", "signatures", lambda: _signature_rows(opts))
+    if rank == 0 and "windows" in opts.parts:
+        rows += _guard("windows", "windows", lambda: _window_rows(opts, world))
+    if "deepep" in opts.parts:
+        if world < v.MIN_EP_WORLD_SIZE:
+            rows += _guard("deepep", "one rank", lambda: _world_one_rows(opts))
+        else:
+            rows += _deepep_rows(rank, world, opts, group, reference)
+    if rank == 0 and "runners" in opts.parts:
+        rows += _runner_rows(opts)
+    if "fuseep" in opts.parts and fuseep is not None and world >= v.MIN_EP_WORLD_SIZE:
+        rows += fuseep(rank, world, opts, group, reference)
+    return rows
+
+
+def summarize(per_rank: list[list[Row]]) -> tuple[str, bool]:
+    """A table (one line per check, the worst rank's verdict) and whether nothing failed."""
+    merged: dict[tuple[str, str], Row] = {}
+    for rows in per_rank:
+        for row in rows:
+            key = (row.part, row.check)
+            old = merged.get(key)
+            if old is None or (row.ok is False and old.ok is not False):
+                merged[key] = row
+    width = max([len(c) for _, c in merged] + [10])
+    lines = [f"{'part':<11} {'check':<{width}} {'result':<6} detail"]
+    for (part, check), row in merged.items():
+        verdict = {True: "ok", False: "FAIL", None: "info"}[row.ok]
+        lines.append(f"{part:<11} {check:<{width}} {verdict:<6} {row.detail}")
+    ok = all(row.ok is not False for row in merged.values())
+    return "\n".join(lines), ok
+
+
+__all__ = ["Options", "Row", "run_rank", "summarize"]  # _guard/_probe: used by the FuseEP part

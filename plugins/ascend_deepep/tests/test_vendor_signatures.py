@@ -1,0 +1,111 @@
+"""The recorded vendor signatures (``vendor.py``) against the fakes, and, where the vendor is
+installed, against the vendor: torch_npu's documented prototypes (its ``_op_plugin_docs.py``,
+read without importing torch_npu, which needs CANN) and DeepEP-Ascend's ``buffer.py`` (read by
+AST). A plain run skips the vendor checks with the reason; ``pip install --no-deps
+torch-npu==2.13.0`` (no NPU needed) runs the torch_npu ones."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from moe_dispatch.signatures import compare, differences, signature_from_source
+from moe_dispatch_ascend_deepep import vendor as v
+
+
+@pytest.mark.parametrize("fake_module", [v.FAKE, v.FAKE_ENV_ONLY])
+def test_each_fake_buffer_method_has_the_recorded_signature(fake_module):
+    buffer = importlib.import_module(fake_module).Buffer
+    problems = [p for rec in v.DEEP_EP_SIGNATURES[fake_module]
+                for p in differences(rec.signature(), getattr(buffer, rec.qualname.split(".")[1]))]
+    assert problems == []
+
+
+@pytest.mark.parametrize("record", v.TORCH_NPU_SIGNATURES, ids=lambda r: r.qualname)
+def test_each_torch_npu_fake_has_the_documented_prototype(record):
+    fake = importlib.import_module(v.TORCH_NPU_FAKE)
+    assert differences(record.signature(), getattr(fake, record.qualname)) == []
+
+
+def test_a_wrong_keyword_fails_in_the_fake_as_in_the_vendor():
+    """``npu_swiglu(Tensor self, int dim=-1)``: a keyword ``x=`` is a TypeError on the real op."""
+    import torch
+
+    fake = importlib.import_module(v.TORCH_NPU_FAKE)
+    with pytest.raises(TypeError):
+        fake.npu_swiglu(x=torch.ones(2, 4))
+    config = importlib.import_module(v.FAKE).Config
+    with pytest.raises(TypeError, match="incompatible"):
+        config(20, 6, 256, 6, 128.0)  # pybind: ints are not floats
+
+
+@pytest.mark.parametrize("fake_module,quant,ll_quant", [(v.FAKE, True, True), (v.FAKE_ENV_ONLY, False, False)])
+def test_detect_reads_the_version_from_the_signatures(fake_module, quant, ll_quant):
+    info = v.detect(fake_module)
+    assert info.is_ascend and info.supported and info.emulated and info.has_strategies
+    assert (info.has_quant_mode, info.ll_quant_mode) == (quant, ll_quant)
+
+
+def test_the_documented_prototype_reader():
+    docs = '''
+_add_torch_npu_docstr(
+    "npu_demo",
+    """
+功能描述: ...
+npu_demo是一种...
+接口原型:
+torch_npu.npu_demo(Tensor x,
+    *, Tensor? smooth=None, int[]? tuning, bool left=False) -> (Tensor, Tensor)
+""",
+)
+'''
+    assert v.documented_signature(docs, "npu_demo") == "(x, *, smooth=None, tuning=None, left=False)"
+    assert v.documented_signature(docs, "npu_other") is None
+
+
+# -- the installed vendor (optional) -------------------------------------------------------------------------
+
+_DOCS = v.torch_npu_docs_path()
+
+
+@pytest.mark.vendor_code
+@pytest.mark.skipif(_DOCS is None, reason="torch_npu is not installed: `pip install --no-deps torch-npu==2.13.0` "
+                    "(its docs module is read without importing it; no NPU or CANN needed)")
+@pytest.mark.parametrize("record", v.TORCH_NPU_SIGNATURES, ids=lambda r: r.qualname)
+def test_the_installed_torch_npu_documents_the_recorded_prototype(record):
+    assert _DOCS is not None
+    documented = v.documented_signature(Path(_DOCS).read_text(encoding="utf-8"), record.qualname)
+    assert documented is not None, f"{_DOCS} documents no {record.qualname}"
+    from moe_dispatch.signatures import VendorSignature
+
+    assert compare(record.signature().params, VendorSignature(record.qualname, documented, _DOCS).params,
+                   record.qualname) == []
+
+
+def _deep_ep_buffer_py() -> str | None:
+    spec = importlib.util.find_spec(v.REAL)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "buffer.py")
+    return path if os.path.exists(path) and "deep_ep_cpp" in Path(path).read_text(encoding="utf-8") else None
+
+
+_BUFFER_PY = _deep_ep_buffer_py()
+
+
+@pytest.mark.vendor_code
+@pytest.mark.skipif(_BUFFER_PY is None, reason="DeepEP-Ascend is not installed (it builds from source with CANN; "
+                    "sgl-kernel-npu is not on the package index)")
+def test_the_installed_deep_ep_buffer_has_a_recorded_signature_per_method():
+    assert _BUFFER_PY is not None
+    records = {r.qualname: [] for r in v.DEEP_EP_SIGNATURES[v.FAKE]}
+    for fake_module in v.DEEP_EP_SIGNATURES:
+        for rec in v.DEEP_EP_SIGNATURES[fake_module]:
+            records[rec.qualname].append(rec)
+    for qualname, recs in records.items():
+        got = signature_from_source(_BUFFER_PY, qualname)
+        assert any(compare(r.signature().params, got) == [] for r in recs), (qualname, got)

@@ -1,0 +1,78 @@
+"""The cuda_deepep plugin against the real DeepEP and DeepGEMM on one GPU (H100/H200), compared with its fakes.
+
+    python plugins/cuda_deepep/scripts/hardware_check.py            # or: torchrun --nproc-per-node 1 ...
+    python plugins/cuda_deepep/scripts/hardware_check.py --fake     # the same checks on the fakes, on CPU
+
+Checks (``moe_dispatch_cuda_deepep.hardware``): the recorded signatures against the real callables; DeepEP's
+size functions (``get_low_latency_rdma_size_hint``, each tuned ``Config``'s NVL/RDMA hints) and DeepGEMM's
+layout functions against the ports; the ``deep_gemm`` runner on the real DeepGEMM against its fake (FP8 and
+BF16, PACKED and MASKED); DeepEP's V1 Buffer at one rank in low-latency mode (NVSHMEM) against the fake, and
+in normal mode the adapter's refusal and DeepEP's own message; an attempt to construct the V2
+``ElasticBuffer`` on a group of one, recorded. Prints a table; exit status 1 on any mismatch.
+
+This is the one-GPU vendor check. ``run_on_gpu.py`` is the multi-GPU agreement and timing run
+(``torchrun --nproc-per-node 8``) against the core ``torch`` backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from moe_dispatch_cuda_deepep import hardware, vendor
+
+
+def _init_one_rank(backend: str) -> bool:
+    """Start a one-rank process group unless one is running; True when this started it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(backend)
+        return True
+    store = os.path.join(tempfile.mkdtemp(prefix="cuda_deepep_check_"), "store")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fake", action="store_true", help="run the checks on the fakes, on CPU")
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (a DeepEP low-latency size)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per rank (a multiple of 4)")
+    parser.add_argument("--gemm-hidden", type=int, default=2048, help="hidden size of the DeepGEMM checks")
+    args = parser.parse_args(argv)
+    if args.fake:
+        started = _init_one_rank("gloo")
+        setup = hardware.fake_setup(args.hidden, args.tokens, args.gemm_hidden)
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --fake to check the fakes on CPU", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        started = _init_one_rank("nccl")
+        if dist.get_world_size() != 1:
+            print("run on one rank (torchrun --nproc-per-node 1)", file=sys.stderr)
+            return 2
+        setup = hardware.Setup(vendor.REAL, vendor.DEEP_GEMM, torch.device("cuda"), dist.group.WORLD,
+                               dist.new_group(backend="gloo"), False, args.hidden, args.tokens, args.gemm_hidden)
+    try:
+        rows = hardware.run_checks(setup)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    print(f"cuda_deepep hardware check ({'fakes on CPU' if args.fake else torch.cuda.get_device_name()})")
+    print(f"{'section':<10} {'check':<52} {'real':<34} {'expected / fake':<34} result")
+    for row in rows:
+        print(row.line())
+    bad = [r for r in rows if not r.ok]
+    print(f"{len(rows) - len(bad)} of {len(rows)} agree")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

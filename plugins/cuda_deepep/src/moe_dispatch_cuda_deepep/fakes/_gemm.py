@@ -1,0 +1,65 @@
+"""The arithmetic of DeepGEMM's grouped GEMMs, in fp32 on CPU, shared by the DeepGEMM fakes.
+
+``d[m] = dequant(a[m]) @ dequant(b[g])ᵀ``, written as bf16: ``a`` scaled per (row, 128 channels), ``b``
+per 128×128 block (fp32, the SM90 recipe) or per (row, 128 channels) (UE8M0 on SM100).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_dispatch.codecs import unpack_ue8m0
+
+BLOCK = 128
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dequant_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``data [..., R, K]`` times per-(row, 128) fp32 ``scale [..., R, ceil(K/128)]``."""
+    k = data.shape[-1]
+    return data.float() * scale.float().repeat_interleave(BLOCK, dim=-1)[..., :k]
+
+
+def rows_from_blocks(sf: torch.Tensor, n: int) -> torch.Tensor:
+    """128×128 block scales ``[G, ceil(N/128), ceil(K/128)]`` → per-row ``[G, N, ceil(K/128)]``."""
+    return sf.float().repeat_interleave(BLOCK, dim=-2)[..., :n, :]
+
+
+def ue8m0_values(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 words of four UE8M0 bytes ``[..., ceil(K/512)]`` → fp32 ``[..., ceil(K/128)]``."""
+    return unpack_ue8m0(packed.contiguous(), ceil_div(k, BLOCK))
+
+
+def exponent_only(sf: torch.Tensor) -> torch.Tensor:
+    """What a cast to UE8M0 keeps of an fp32 scale: ``2^(biased exponent - 127)`` (the bits >> 23)."""
+    return torch.exp2(((sf.float().contiguous().view(torch.int32) >> 23) & 0xFF).float() - 127.0)
+
+
+def is_power_of_two(sf: torch.Tensor) -> bool:
+    """``(bits & 0x807fffff) == 0`` for every value: positive, no mantissa."""
+    return bool(((sf.float().contiguous().view(torch.int32) & 0x807FFFFF) == 0).all())
+
+
+def grouped_contiguous(a: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, padding: float) -> torch.Tensor:
+    """fp32 ``[M, N]``: row m times ``w[groups[m]]``; rows of group -1 get ``padding``."""
+    m, n = a.shape[0], w.shape[1]
+    out = torch.full((m, n), padding, dtype=torch.float32)
+    ids = groups.long()
+    for group in torch.unique(ids[ids >= 0]).tolist():
+        rows = (ids == group).nonzero().squeeze(1)
+        out[rows] = a[rows] @ w[group].t()
+    return out
+
+
+def grouped_masked(a: torch.Tensor, w: torch.Tensor, d: torch.Tensor, masked_m: list[int]) -> None:
+    """Rows ``< masked_m[g]`` of each group into ``d`` (bf16); the rest of ``d`` is left as it was."""
+    for group, rows in enumerate(masked_m):
+        if rows:
+            d[group, :rows] = (a[group, :rows] @ w[group].t()).to(d.dtype)
+
+
+__all__ = ["BLOCK", "ceil_div", "dequant_rows", "exponent_only", "grouped_contiguous", "grouped_masked",
+           "is_power_of_two", "rows_from_blocks", "ue8m0_values"]

@@ -1,0 +1,861 @@
+"""A fake of DeepEP 2.x's ``deep_ep`` (main @ dd758ca): the V1 ``Buffer`` of ``deep_ep/buffers/legacy.py``
+over its pybind runtime (``csrc/legacy/buffer.hpp``), on torch.distributed (gloo on CPU).
+
+As strict as the vendor where the adapter can meet it:
+
+- ``Config`` is a bound class, not a dataclass: it exposes only ``get_nvl_buffer_size_hint`` and
+  ``get_rdma_buffer_size_hint`` (positional), no fields; ``dispatch``/``combine`` hand ``config`` to the
+  runtime, which raises pybind's ``TypeError`` for anything that is not a ``Config``.
+- Every ``EP_HOST_ASSERT`` of the functions the adapter reaches raises ``RuntimeError("Assertion exception
+  (...)")`` as pybind turns DeepEP's ``EPException`` into; Python ``assert``s raise ``AssertionError``;
+  device asserts raise the CUDA error. Buffer sizes are checked with the exact formulas DeepEP asserts.
+- The constructor writes the ``NVSHMEM_*`` variables into ``os.environ`` when it would start NVSHMEM, reads
+  ``NVSHMEM_QP_DEPTH`` there, and the low-latency calls assert the QP depth; ``Buffer.num_sms`` is class
+  state read by ``get_dispatch_config``/``get_combine_config``; ``check_torch_deterministic`` runs first in
+  every dispatch and combine.
+- Return tuples and handle tuples hold what DeepEP's do (normal: ``(rank_prefix_matrix,
+  channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``;
+  low-latency: ``(src_info, layout_range, T, hidden, num_experts)`` with ``layout_range`` packing the count
+  in the low and the begin in the high 32 bits, ``pack2``), and combine reads only the handle.
+
+Results are real: bytes move between real processes through the core's ``Comm``. Not emulated: CUDA
+events and streams (calls are synchronous), receive hooks (the data is there on return), cached-handle
+dispatch, internode (more than 8 ranks) normal mode, LogFMT and zero-copy combine. Each call is recorded in
+``Buffer.calls`` for the tests.
+
+Version variants subclass ``Buffer`` and change its class-level rules (``fakes.deep_ep_v121_topk9``,
+``fakes.deep_ep_hybrid``, ``fakes.deep_ep_topk_int32``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from moe_dispatch.codecs import as_bytes, from_bytes
+from moe_dispatch.distributed.comm import Comm
+from moe_dispatch_cuda_deepep import vendor
+
+from ._native import check_args, device_assert, ep_assert, incompatible, is_int, scalar_type_check
+
+__version__ = "2.1.0"  # deepseek-ai/DeepEP@dd758ca deep_ep/__init__.py
+topk_idx_t = torch.int64
+
+_BUFFER_HPP = "csrc/legacy/buffer.hpp"
+_CONFIG_HPP = "csrc/legacy/config.hpp"
+_LL_CU = "csrc/kernels/legacy/internode_ll.cu"
+_INTRANODE_CU = "csrc/kernels/legacy/intranode.cu"
+
+
+# -- pybind classes ---------------------------------------------------------------------------------------
+
+
+class EventHandle:
+    """``deep_ep._C.EventHandle``: the fake's calls are synchronous, so there is nothing to wait for."""
+
+    def current_stream_wait(self) -> None:
+        return None
+
+
+class EventOverlap:
+    """``deep_ep.utils.event.EventOverlap`` (deepseek-ai/DeepEP@dd758ca)."""
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        assert self.event is not None
+        self.event.current_stream_wait()
+        if release_handle:
+            self.event = None
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.event is not None:
+            self.current_stream_wait()
+
+
+_CONFIG_SIGNATURE = ("deep_ep._C.Config(num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6, "
+                     "num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6, "
+                     "num_max_rdma_chunked_recv_tokens: int = 256)")
+
+
+class Config:
+    """``deep_ep._C.Config``: five ints in, ``EP_HOST_ASSERT``s on them, the RDMA receive chunk rounded up
+    to the send chunk; two hint methods out. No readable fields (pybind binds none)."""
+
+    __slots__ = ("_fields",)
+    #: sizeof(topk_idx_t) in the hints (8 unless built with 32-bit top-k indices).
+    _IDX_BYTES = 8
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
+                 num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256) -> None:
+        values = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                  num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
+        if not all(is_int(v) for v in values):
+            raise TypeError(f"__init__(): incompatible constructor arguments. The following argument types are "
+                            f"supported:\n    1. {_CONFIG_SIGNATURE}\n\nInvoked with: {values}")
+        fields = vendor.ConfigFields(*(int(v) for v in values))
+        for problem in fields.problems():
+            ep_assert(False, problem, _CONFIG_HPP)
+        object.__setattr__(self, "_fields", fields)
+
+    def get_nvl_buffer_size_hint(self, arg0, arg1, /) -> int:
+        check_args("get_nvl_buffer_size_hint", "(self: deep_ep._C.Config, arg0: int, arg1: int) -> int",
+                   (arg0, arg1), "ui")
+        try:
+            return vendor.ported_nvl_buffer_size_hint(self._fields, int(arg0), int(arg1),
+                                                      topk_idx_bytes=self._IDX_BYTES)
+        except ValueError as exc:
+            raise RuntimeError(f"Assertion exception ({_CONFIG_HPP}): {exc}") from None
+
+    def get_rdma_buffer_size_hint(self, arg0, arg1, /) -> int:
+        check_args("get_rdma_buffer_size_hint", "(self: deep_ep._C.Config, arg0: int, arg1: int) -> int",
+                   (arg0, arg1), "ii")
+        try:
+            return vendor.ported_rdma_buffer_size_hint(self._fields, int(arg0), int(arg1),
+                                                       topk_idx_bytes=self._IDX_BYTES)
+        except ValueError as exc:
+            raise RuntimeError(f"Assertion exception ({_CONFIG_HPP}): {exc}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"'deep_ep._C.Config' object has no attribute '{name}'")
+
+    def __repr__(self) -> str:
+        return "<deep_ep._C.Config object>"
+
+
+def _fields(config: Any, function: str, args: tuple, config_class: type) -> vendor.ConfigFields:
+    """What the runtime reads from a ``const Config&`` argument; pybind refuses anything else."""
+    if not isinstance(config, config_class):
+        raise incompatible(function, f"(self: deep_ep._C.Buffer, ..., arg{len(args)}: deep_ep._C.Config, ...)", args)
+    return config._fields
+
+
+def _low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts) -> int:
+    """``deep_ep._C.get_low_latency_rdma_size_hint`` (ints only)."""
+    args = (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    check_args("get_low_latency_rdma_size_hint", "(arg0: int, arg1: int, arg2: int, arg3: int) -> int", args, "iiii")
+    ep_assert((int(hidden) // 128) * 4 <= int(hidden), "num_scales * sizeof(float) <= hidden", _CONFIG_HPP)
+    return vendor.ported_low_latency_rdma_size_hint(*(int(a) for a in args))
+
+
+class ElasticBuffer:
+    """``deep_ep.ElasticBuffer`` (V2, deep_ep/buffers/elastic.py): present for detection; not emulated."""
+
+    def __init__(self, group: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("the fake does not emulate DeepEP V2's ElasticBuffer")
+
+
+# -- the Buffer -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VendorCall:
+    """What one faked call received: the method, the dtype of ``x``, the FP8 flag and the payload bytes
+    this rank put on the wire."""
+
+    method: str
+    x_dtype: torch.dtype
+    use_fp8: bool | None
+    payload_bytes: int
+
+
+class _Runtime:
+    """The per-Buffer state of ``deep_ep._C.Buffer`` that the fake needs."""
+
+    def __init__(self, num_ranks: int, num_qps: int | None) -> None:
+        self.num_rdma_ranks = max(1, num_ranks // vendor.NUM_MAX_NVL_PEERS)
+        self.num_qps = num_qps  # NVSHMEM's IBGDA QPs per peer, when NVSHMEM was started
+        self.low_latency_buffer_idx = 0
+        self.destroyed = False
+
+    def get_num_rdma_ranks(self) -> int:
+        return self.num_rdma_ranks
+
+
+def _check_torch_deterministic() -> None:
+    # deepseek-ai/DeepEP@dd758ca deep_ep/utils/envs.py check_torch_deterministic
+    assert not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory)
+
+
+def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LL kernel's cast: per 128 channels, amax ≥ 1e-4 (kFP8Margin), scale_inv amax/448, rounded up to
+    a power of two with ``round_scale`` (csrc/kernels/legacy/utils.cuh calculate_fp8_scales)."""
+    n, h = x.shape
+    blocks = x.float().view(n, h // 128, 128)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    inv = amax / 448.0
+    if round_scale:
+        inv = torch.exp2(torch.ceil(torch.log2(inv)))
+    data = (blocks / inv.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, h)
+    return data, inv
+
+
+def _channel_ranges(num_tokens: int, num_channels: int) -> list[tuple[int, int]]:
+    """``get_channel_task_range``: channel c takes tokens [c·⌈N/C⌉, (c+1)·⌈N/C⌉) ∩ [0, N)."""
+    per = -(-num_tokens // num_channels) if num_channels else 0
+    return [(min(per * c, num_tokens), min(per * c + per, num_tokens)) for c in range(num_channels)]
+
+
+class Buffer:
+    """``deep_ep.Buffer`` (the V1 API; ``deep_ep/buffers/legacy.py`` on main)."""
+
+    num_sms: int = vendor.DEFAULT_NUM_SMS
+    #: Version rules a variant overrides (see the module docstring).
+    _TOPK_IDX_T = topk_idx_t
+    _CONFIG = Config
+    _TUNED_DISPATCH = vendor.TUNED_DISPATCH
+    _TUNED_COMBINE = vendor.TUNED_COMBINE
+    _RDMA_RANKS = vendor.RDMA_RANKS
+    _LL_MAX_TOPK = vendor.LL_MAX_TOPK
+    _LL_HIDDEN_SIZES = vendor.LOW_LATENCY_HIDDEN_SIZES
+    _CHECKS_DETERMINISTIC = True  # 2.x: check_torch_deterministic() (b306af0)
+    _ASSERTS_QP_DEPTH = True  # since d981409
+    _NUM_DEVICE_SMS = vendor.H100_NUM_SMS
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False,
+                 enable_shrink=False, comm=None) -> None:
+        self._start(group, comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                    allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, enable_shrink)
+
+    def _start(self, group: Any, comm: Any, num_nvl_bytes: Any, num_rdma_bytes: Any, low_latency_mode: Any,
+               num_qps_per_rank: Any, allow_nvlink_for_low_latency_mode: Any, allow_mnnvl: Any,
+               explicitly_destroy: Any, enable_shrink: Any) -> None:
+        if group is None and comm is None:
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        if group is None:
+            raise NotImplementedError("the fake runs on torch.distributed process groups, not mpi4py communicators")
+        self._comm = Comm(group)
+        self.rank, self.group, self.group_size = self._comm.rank, group, self._comm.world_size
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy, self.enable_shrink = explicitly_destroy, enable_shrink
+        args = (self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy,
+                enable_shrink, allow_mnnvl)
+        check_args("__init__", "deep_ep._C.Buffer(arg0: int, arg1: int, arg2: int, arg3: int, arg4: bool, arg5: bool, "
+                               "arg6: bool, arg7: bool)", args, "iiiibbbb")
+        self._check_sizes(int(num_nvl_bytes), int(num_rdma_bytes), bool(low_latency_mode))
+        num_qps = None
+        if self.group_size > vendor.NUM_MAX_NVL_PEERS or low_latency_mode:
+            assert num_qps_per_rank > 0
+            num_qps = self._write_nvshmem_env(num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl)
+        self.runtime = _Runtime(self.group_size, num_qps)
+        self.calls: list[VendorCall] = []
+
+    def _check_sizes(self, nvl: int, rdma: int, low_latency: bool) -> None:
+        """``Buffer::Buffer`` common checks."""
+        r, a = self.group_size, vendor.NUM_BUFFER_ALIGNMENT_BYTES
+        ep_assert(nvl % a == 0 and (nvl <= vendor.INT_MAX or rdma == 0),
+                  "num_nvl_bytes % LEGACY_NUM_BUFFER_ALIGNMENT_BYTES == 0 and (num_nvl_bytes <= "
+                  "std::numeric_limits<int>::max() or num_rdma_bytes == 0)", _BUFFER_HPP)
+        ep_assert(rdma % a == 0 and (low_latency or rdma <= vendor.INT_MAX),
+                  "num_rdma_bytes % LEGACY_NUM_BUFFER_ALIGNMENT_BYTES == 0 and (low_latency_mode or num_rdma_bytes "
+                  "<= std::numeric_limits<int>::max())", _BUFFER_HPP)
+        ep_assert(nvl // 16 < vendor.INT_MAX, "num_nvl_bytes / sizeof(int4) < std::numeric_limits<int>::max()",
+                  _BUFFER_HPP)
+        ep_assert(rdma // 16 < vendor.INT_MAX, "num_rdma_bytes / sizeof(int4) < std::numeric_limits<int>::max()",
+                  _BUFFER_HPP)
+        ep_assert(0 <= self.rank < r and (r <= vendor.NUM_MAX_NVL_PEERS * vendor.NUM_MAX_RDMA_PEERS or low_latency),
+                  "0 <= rank and rank < num_ranks and (num_ranks <= LEGACY_NUM_MAX_NVL_PEERS * "
+                  "LEGACY_NUM_MAX_RDMA_PEERS or low_latency_mode)", _BUFFER_HPP)
+        ep_assert(r < vendor.NUM_MAX_NVL_PEERS or r % vendor.NUM_MAX_NVL_PEERS == 0,
+                  "num_ranks < LEGACY_NUM_MAX_NVL_PEERS or num_ranks % LEGACY_NUM_MAX_NVL_PEERS == 0", _BUFFER_HPP)
+        if rdma > 0:
+            ep_assert(r > vendor.NUM_MAX_NVL_PEERS or low_latency,
+                      "num_ranks > LEGACY_NUM_MAX_NVL_PEERS or low_latency_mode", _BUFFER_HPP)
+        half = self._NUM_DEVICE_SMS // 2
+        ep_assert(-(-nvl // half) < vendor.INT_MAX and -(-rdma // half) < vendor.INT_MAX,
+                  "ceil_div<int64_t>(num_*_bytes, num_device_sms / 2) < std::numeric_limits<int>::max()", _BUFFER_HPP)
+
+    def _write_nvshmem_env(self, num_qps_per_rank: int, allow_nvlink: bool, allow_mnnvl: bool) -> int:
+        """What Buffer.__init__ puts in ``os.environ`` before NVSHMEM starts; returns the QPs per peer."""
+        os.environ[vendor.NVSHMEM_DISABLE_P2P] = "0" if allow_nvlink else "1"
+        os.environ[vendor.NVSHMEM_IB_ENABLE_IBGDA] = "1"
+        os.environ[vendor.NVSHMEM_IBGDA_NUM_RC_PER_PE] = f"{num_qps_per_rank}"
+        if self._ASSERTS_QP_DEPTH:
+            self.nvshmem_qp_depth = vendor.qp_depth_from(os.environ)
+            os.environ[vendor.NVSHMEM_QP_DEPTH] = str(self.nvshmem_qp_depth)
+        else:
+            os.environ[vendor.NVSHMEM_QP_DEPTH] = os.environ.get(vendor.NVSHMEM_QP_DEPTH,
+                                                                 str(vendor.DEFAULT_NVSHMEM_QP_DEPTH))
+        os.environ[vendor.NVSHMEM_MAX_TEAMS] = str(vendor.NVSHMEM_MAX_TEAMS_VALUE)
+        os.environ[vendor.NVSHMEM_DISABLE_NVLS] = "1"
+        os.environ[vendor.NVSHMEM_CUMEM_GRANULARITY] = f"{vendor.NVSHMEM_CUMEM_GRANULARITY_VALUE}"
+        if not allow_mnnvl:
+            os.environ[vendor.NVSHMEM_DISABLE_MNNVL] = "1"
+        return int(num_qps_per_rank)
+
+    # -- statics and small methods -------------------------------------------------------------------------
+
+    def destroy(self):  # noqa: ANN201
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        ep_assert(not self.runtime.destroyed, "not destroyed", _BUFFER_HPP)
+        self.runtime.destroyed = True
+        self.runtime = None
+
+    def _deterministic_check(self) -> None:
+        if self._CHECKS_DETERMINISTIC:
+            _check_torch_deterministic()
+
+    # -- normal mode ----------------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):  # noqa: ANN201
+        check_args("get_dispatch_layout", "(self: deep_ep._C.Buffer, arg0: torch.Tensor, arg1: int, arg2: "
+                   "Optional[EventHandle], arg3: bool, arg4: bool)",
+                   (topk_idx, num_experts, getattr(previous_event, "event", None), async_finish,
+                    allocate_on_comm_stream), "tixbb")
+        ep_assert(topk_idx.dim() == 2, "topk_idx.dim() == 2", _BUFFER_HPP)
+        ep_assert(topk_idx.is_contiguous(), "topk_idx.is_contiguous()", _BUFFER_HPP)
+        ep_assert(num_experts > 0, "num_experts > 0", _BUFFER_HPP)
+        if allocate_on_comm_stream:
+            ep_assert(previous_event is not None and async_finish, "previous_event.has_value() and async", _BUFFER_HPP)
+        scalar_type_check(topk_idx, self._TOPK_IDX_T, "get_dispatch_layout topk_idx.data_ptr<topk_idx_t>()")
+        R = self.group_size
+        local = num_experts // R
+        valid = topk_idx >= 0
+        rank_of = torch.where(valid, topk_idx.long() // max(local, 1), R)
+        in_rank = torch.zeros(topk_idx.shape[0], R + 1, dtype=torch.bool)
+        in_rank.scatter_(1, rank_of, True)
+        in_rank = in_rank[:, :R].contiguous()
+        per_rank = in_rank.sum(dim=0).to(torch.int32)
+        per_rdma = None
+        if R > vendor.NUM_MAX_NVL_PEERS:
+            per_rdma = in_rank.view(-1, R // vendor.NUM_MAX_NVL_PEERS, vendor.NUM_MAX_NVL_PEERS).any(2).sum(0)
+            per_rdma = per_rdma.to(torch.int32)
+        per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
+        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(EventHandle() if async_finish else None)
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):  # noqa: ANN201
+        self._deterministic_check()
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        if self.runtime.get_num_rdma_ranks() > 1:
+            assert num_worst_tokens == 0, "Internode dispatch does not support `num_worst_tokens > 0`"
+            _fields(config, "internode_dispatch", (x, config), self._CONFIG)
+            raise NotImplementedError("the fake emulates normal mode within one node (at most 8 ranks)")
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        if handle is not None:
+            raise NotImplementedError("the fake does not replay a cached dispatch handle")
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        args = (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0,
+                None, None, expert_alignment, num_worst_tokens, config, getattr(previous_event, "event", None),
+                async_finish, allocate_on_comm_stream)
+        check_args("intranode_dispatch", "(self: deep_ep._C.Buffer, arg0: torch.Tensor, arg1: Optional[torch.Tensor], "
+                   "..., arg12: deep_ep._C.Config, ...)", args, "tTTTTtTiTTiicxbb")
+        cfg = _fields(config, "intranode_dispatch", args, self._CONFIG)
+        return self._intranode_dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                        num_tokens_per_expert, int(expert_alignment), int(num_worst_tokens), cfg,
+                                        async_finish, previous_event, allocate_on_comm_stream)
+
+    def _intranode_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                            topk_weights: torch.Tensor | None, per_rank: torch.Tensor, in_rank: torch.Tensor,
+                            per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int,
+                            cfg: vendor.ConfigFields, async_finish: bool, previous_event: Any,
+                            allocate_on_comm_stream: bool):  # noqa: ANN202
+        R, rank = self.group_size, self.rank
+        w = _BUFFER_HPP
+        ep_assert(cfg.num_sms % 2 == 0, "config.num_sms % 2 == 0", w)
+        C = cfg.num_sms // 2
+        ep_assert(in_rank.dtype == torch.bool, "is_token_in_rank.scalar_type() == torch::kBool", w)
+        ep_assert(per_expert.dtype == torch.int32, "num_tokens_per_expert->scalar_type() == torch::kInt32", w)
+        ep_assert(per_rank.dtype == torch.int32, "num_tokens_per_rank->scalar_type() == torch::kInt32", w)
+        ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()", w)
+        ep_assert((x.size(1) * x.element_size()) % 16 == 0, "(x.size(1) * x.element_size()) % sizeof(int4) == 0", w)
+        ep_assert(in_rank.dim() == 2 and in_rank.is_contiguous(), "is_token_in_rank.dim() == 2 and contiguous", w)
+        ep_assert(in_rank.size(0) == x.size(0) and in_rank.size(1) == R,
+                  "is_token_in_rank.size(0) == x.size(0) and is_token_in_rank.size(1) == num_ranks", w)
+        ep_assert(per_expert.dim() == 1 and per_expert.is_contiguous(), "num_tokens_per_expert->dim() == 1", w)
+        ep_assert(per_expert.size(0) % R == 0, "num_tokens_per_expert->size(0) % num_ranks == 0", w)
+        ep_assert(per_expert.size(0) // R <= vendor.NUM_MAX_LOCAL_EXPERTS,
+                  "num_tokens_per_expert->size(0) / num_ranks <= LEGACY_NUM_MAX_LOCAL_EXPERTS", w)
+        ep_assert(per_rank.dim() == 1 and per_rank.is_contiguous() and per_rank.size(0) == R,
+                  "num_tokens_per_rank->size(0) == num_ranks", w)
+        n, hidden = x.shape
+        num_experts = per_expert.size(0)
+        local = num_experts // R
+        ep_assert((topk_idx is None) == (topk_weights is None), "topk_idx.has_value() == topk_weights.has_value()", w)
+        k = 0
+        if topk_idx is not None:
+            k = topk_idx.size(1)
+            ep_assert(num_experts > 0, "num_experts > 0", w)
+            ep_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx->dim() == 2 and contiguous", w)
+            ep_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "topk_weights->dim() == 2", w)
+            ep_assert(n == topk_idx.size(0) and n == topk_weights.size(0), "num_tokens == topk_idx->size(0)", w)
+            ep_assert(k == topk_weights.size(1), "num_topk == topk_weights->size(1)", w)
+            ep_assert(topk_weights.dtype == torch.float32, "topk_weights->scalar_type() == torch::kFloat32", w)
+            scalar_type_check(topk_idx, self._TOPK_IDX_T, "intranode_dispatch topk_idx->data_ptr<topk_idx_t>()")
+        num_scales = 0
+        if x_scales is not None:
+            ep_assert(x.element_size() == 1, "x.element_size() == 1", w)
+            ep_assert(x_scales.dtype in (torch.float32, torch.int32),
+                      "x_scales->scalar_type() == torch::kFloat32 or x_scales->scalar_type() == torch::kInt", w)
+            ep_assert(x_scales.dim() == 2, "x_scales->dim() == 2", w)
+            ep_assert(x_scales.size(0) == n, "x_scales->size(0) == num_tokens", w)
+            num_scales = x_scales.size(1)
+        if allocate_on_comm_stream:
+            ep_assert(previous_event is not None and async_finish, "previous_event.has_value() and async", w)
+        ep_assert(R * (R + local) * 4 <= self.num_nvl_bytes,
+                  "num_ranks * (num_ranks + num_local_experts) * sizeof(int) <= num_nvl_bytes", w)
+        ep_assert(local <= vendor.NORMAL_INTRANODE_MAX_LOCAL_EXPERTS and R <= vendor.NORMAL_INTRANODE_MAX_LOCAL_EXPERTS,
+                  "num_experts / num_ranks <= kNumThreads and num_ranks <= kNumThreads", _INTRANODE_CU)
+        ep_assert(R in vendor.INTRANODE_RANKS, "false and \"Unsupported ranks\"", _INTRANODE_CU)
+        recv = cfg.num_max_nvl_chunked_recv_tokens
+        idx_bytes = torch.empty((), dtype=self._TOPK_IDX_T).element_size()
+        need = (R * R * 4 + 4 * C * R * 4 + C * R * recv * hidden * x.element_size() + C * R * recv * 4
+                + C * R * recv * k * idx_bytes + C * R * recv * k * 4 + C * R * recv * 4 * num_scales)
+        ep_assert(need <= self.num_nvl_bytes, "<buffer layout of the dispatch kernel> <= num_nvl_bytes "
+                  f"({need} > {self.num_nvl_bytes})", w)
+        device_assert(k <= vendor.NORMAL_MAX_TOPK, "num_topk <= 32", _INTRANODE_CU)
+        return self._exchange(x, x_scales, topk_idx, topk_weights, per_rank, in_rank, local, k, C, expert_alignment,
+                              num_worst_tokens, async_finish)
+
+    def _exchange(self, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                  topk_weights: torch.Tensor | None, per_rank: torch.Tensor, in_rank: torch.Tensor, local: int,
+                  k: int, C: int, expert_alignment: int, num_worst_tokens: int, async_finish: bool):  # noqa: ANN202
+        R, rank = self.group_size, self.rank
+        n, hidden = x.shape
+        # notify_dispatch: every rank learns the full [R, R] token-count matrix (src → dst).
+        gathered = from_bytes(self._comm.all_gather(as_bytes(per_rank.to(torch.int64).unsqueeze(0)),
+                                                    (("metadata", 8 * R),)), torch.int64).view(R, R)
+        rank_prefix_matrix = gathered.cumsum(0).to(torch.int32).contiguous()
+        send_counts, recv_counts = per_rank.tolist(), gathered[:, rank].tolist()
+        cum = torch.cat([torch.zeros(1, R, dtype=torch.int64), in_rank.long().cumsum(0)])  # [n + 1, R]
+        ends = torch.tensor([e for _, e in _channel_ranges(n, C)], dtype=torch.long)
+        channel_prefix = cum[ends].t().to(torch.int32).contiguous()  # [R, C]: tokens to each rank by channel end
+        send_head = torch.where(in_rank, cum[1:] - 1, -1).to(torch.int32)  # a token's slot at each rank
+        recv_channel_prefix = from_bytes(self._comm.all_to_all(as_bytes(channel_prefix), None, None,
+                                                               (("metadata", 4 * C),)), torch.int32).view(R, C)
+        pairs = in_rank.t().nonzero()  # (dest rank, token), rank-major, token order within
+        dest, token = pairs[:, 0], pairs[:, 1]
+        columns = [as_bytes(x[token])] + ([as_bytes(x_scales[token].contiguous())] if x_scales is not None else [])
+        payload = sum(c.shape[1] for c in columns)
+        meta = [as_bytes(token.to(torch.int32).unsqueeze(1))]
+        if topk_idx is not None:
+            ids = topk_idx[token].long()
+            mine = (ids >= 0) & (ids // local == dest[:, None])
+            meta += [as_bytes(torch.where(mine, ids - dest[:, None] * local, -1).to(self._TOPK_IDX_T)),
+                     as_bytes(torch.where(mine, topk_weights[token], 0.0).float())]
+        rows = torch.cat(columns + meta, dim=1)
+        got = self._comm.all_to_all(rows, send_counts, recv_counts,
+                                    (("payload", payload), ("metadata", rows.shape[1] - payload)))
+        self.calls.append(VendorCall("dispatch", x.dtype, x_scales is not None, rows.shape[0] * payload))
+        at, width = 0, hidden * x.element_size()
+        recv_x = from_bytes(got[:, :width], x.dtype)
+        at = width
+        recv_scales = None
+        if x_scales is not None:
+            sw = x_scales.size(1) * x_scales.element_size()
+            recv_scales = from_bytes(got[:, at : at + sw], x_scales.dtype)
+            at += sw
+        recv_src_idx = from_bytes(got[:, at : at + 4], torch.int32).squeeze(1).contiguous()
+        at += 4
+        recv_topk_idx = recv_topk_weights = None
+        per_expert_list: list[int] = []
+        if topk_idx is not None:
+            ib = k * torch.empty((), dtype=self._TOPK_IDX_T).element_size()
+            recv_topk_idx = from_bytes(got[:, at : at + ib], self._TOPK_IDX_T)
+            recv_topk_weights = from_bytes(got[:, at + ib : at + ib + 4 * k], torch.float32)
+            if num_worst_tokens == 0:
+                counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0].long(), minlength=local)
+                per_expert_list = [-(-int(c) // expert_alignment) * expert_alignment for c in counts]
+        handle = (rank_prefix_matrix, channel_prefix.contiguous(), recv_channel_prefix.contiguous(), recv_src_idx,
+                  in_rank, send_head)
+        recv = (recv_x, recv_scales) if x_scales is not None else recv_x
+        return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, \
+            EventOverlap(EventHandle() if async_finish else None)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):  # noqa: ANN201
+        """Add-only: each token gets the plain sum of the rows its destination ranks send back."""
+        self._deterministic_check()
+        config = self.get_combine_config(self.group_size) if config is None else config
+        if self.runtime.get_num_rdma_ranks() > 1:
+            _fields(config, "internode_combine", (x, config), self._CONFIG)
+            raise NotImplementedError("the fake emulates normal mode within one node (at most 8 ranks)")
+        rank_prefix_matrix, _, channel_prefix_matrix, src_idx, is_recv_token_in_rank, send_head = handle
+        bias_0, bias_1 = _unpack_bias(bias)
+        args = (x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head, config,
+                getattr(previous_event, "event", None), async_finish, allocate_on_comm_stream)
+        check_args("intranode_combine", "(self: deep_ep._C.Buffer, arg0: torch.Tensor, ..., arg8: deep_ep._C.Config, "
+                   "...)", args, "tTTTttttcxbb")
+        cfg = _fields(config, "intranode_combine", args, self._CONFIG)
+        w = _BUFFER_HPP
+        R = self.group_size
+        ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()", w)
+        ep_assert(src_idx.dim() == 1 and src_idx.is_contiguous() and src_idx.dtype == torch.int32,
+                  "src_idx.dim() == 1 and src_idx.is_contiguous() and src_idx.scalar_type() == torch::kInt32", w)
+        ep_assert(send_head.dim() == 2 and send_head.is_contiguous() and send_head.dtype == torch.int32,
+                  "send_head.dim() == 2 and send_head.is_contiguous() and send_head.scalar_type() == torch::kInt32", w)
+        ep_assert(rank_prefix_matrix.dim() == 2 and rank_prefix_matrix.is_contiguous()
+                  and rank_prefix_matrix.dtype == torch.int32, "rank_prefix_matrix: 2-d contiguous int32", w)
+        ep_assert(channel_prefix_matrix.dim() == 2 and channel_prefix_matrix.is_contiguous()
+                  and channel_prefix_matrix.dtype == torch.int32, "channel_prefix_matrix: 2-d contiguous int32", w)
+        ep_assert(cfg.num_sms % 2 == 0, "config.num_sms % 2 == 0", w)
+        C = cfg.num_sms // 2
+        num_tokens, hidden = x.shape
+        num_recv_tokens = send_head.size(0)
+        ep_assert(src_idx.size(0) == num_tokens, "src_idx.size(0) == num_tokens", w)
+        ep_assert(send_head.size(1) == R, "send_head.size(1) == num_ranks", w)
+        ep_assert(rank_prefix_matrix.size(0) == R and rank_prefix_matrix.size(1) == R,
+                  "rank_prefix_matrix.size(0) == num_ranks and rank_prefix_matrix.size(1) == num_ranks", w)
+        ep_assert(channel_prefix_matrix.size(0) == R and channel_prefix_matrix.size(1) == C,
+                  "channel_prefix_matrix.size(0) == num_ranks and channel_prefix_matrix.size(1) == num_channels", w)
+        ep_assert((hidden * x.element_size()) % 16 == 0, "(hidden * x.element_size()) % sizeof(int4) == 0", w)
+        k = 0
+        if topk_weights is not None:
+            ep_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "topk_weights->dim() == 2", w)
+            ep_assert(topk_weights.size(0) == num_tokens, "topk_weights->size(0) == num_tokens", w)
+            ep_assert(topk_weights.dtype == torch.float32, "topk_weights->scalar_type() == torch::kFloat32", w)
+            k = topk_weights.size(1)
+        ep_assert(C * R * 4 * 2 <= self.num_nvl_bytes, "num_channels * num_ranks * sizeof(int) * 2 <= num_nvl_bytes", w)
+        for b in (bias_0, bias_1):
+            if b is not None:
+                ep_assert(b.dim() == 2 and b.is_contiguous() and b.dtype == x.dtype
+                          and b.size(0) == num_recv_tokens and b.size(1) == hidden, "bias checks", w)
+        recv = cfg.num_max_nvl_chunked_recv_tokens
+        need = C * R * 8 + C * R * recv * hidden * x.element_size() + C * R * recv * 4 + C * R * recv * k * 4
+        ep_assert(need <= self.num_nvl_bytes, "<buffer layout of the combine kernel> <= num_nvl_bytes "
+                  f"({need} > {self.num_nvl_bytes})", w)
+        ep_assert(R in vendor.INTRANODE_RANKS, "false and \"Unsupported ranks\"", _INTRANODE_CU)
+        ep_assert(x.dtype == torch.bfloat16, "false and \"Unsupported type\"", _INTRANODE_CU)
+        device_assert(k <= vendor.NORMAL_MAX_TOPK, "num_topk <= 32", _INTRANODE_CU)
+        # Rows arrived grouped by source rank (rank_prefix_matrix[:, me]); each goes back to its source.
+        col = rank_prefix_matrix[:, self.rank].long()
+        back_counts = torch.diff(col, prepend=col.new_zeros(1)).tolist()
+        mine_counts = is_recv_token_in_rank.sum(0).tolist()
+        rows = [as_bytes(x), as_bytes(src_idx.unsqueeze(1))]
+        if topk_weights is not None:
+            rows.append(as_bytes(topk_weights))
+        got = self._comm.all_to_all(torch.cat(rows, 1), back_counts, mine_counts,
+                                    (("combine", hidden * 2), ("metadata", 4 + 4 * k)))
+        out = torch.zeros(num_recv_tokens, hidden, dtype=torch.float32)
+        token = from_bytes(got[:, hidden * 2 : hidden * 2 + 4], torch.int32).squeeze(1).long()
+        out.index_add_(0, token, from_bytes(got[:, : hidden * 2], torch.bfloat16).float())
+        for b in (bias_0, bias_1):
+            if b is not None:
+                out += b.float()
+        combined_weights = None
+        if topk_weights is not None:
+            wb = from_bytes(got[:, hidden * 2 + 4 :], torch.float32)
+            combined_weights = torch.zeros(num_recv_tokens, k).index_add_(0, token, wb)
+        return out.to(torch.bfloat16), combined_weights, EventOverlap(EventHandle() if async_finish else None)
+
+    # -- low-latency mode -------------------------------------------------------------------------------------
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
+        check_args("clean_low_latency_buffer", "(self: deep_ep._C.Buffer, arg0: int, arg1: int, arg2: int)",
+                   (num_max_dispatch_tokens_per_rank, hidden, num_experts), "iii")
+        ep_assert(self.low_latency_mode, "low_latency_mode", _BUFFER_HPP)
+        layout = vendor.LowLatencyLayout.build(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        ep_assert(2 * layout.signaling_bytes <= self.num_rdma_bytes,
+                  "0 <= offset and offset + num_bytes <= num_rdma_bytes", _BUFFER_HPP)
+
+    def _qp_depth_check(self, T: int) -> None:
+        if self._ASSERTS_QP_DEPTH:
+            assert self.nvshmem_qp_depth >= (T + 1) * 2
+
+    def _ll_checks(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, num_experts: int, use_fp8: bool,
+                   round_scale: bool, use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
+                   stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> None:
+        """The host asserts of ``Buffer::low_latency_dispatch`` and ``internode_ll::dispatch``, and the
+        device asserts the adapter can trip."""
+        w, R = _BUFFER_HPP, self.group_size
+        ep_assert(self.low_latency_mode, "low_latency_mode", w)
+        ep_assert(x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16,
+                  "x.dim() == 2 and x.is_contiguous() and x.scalar_type() == torch::kBFloat16", w)
+        ep_assert(x.size(1) % 16 == 0 and x.size(1) % 128 == 0,
+                  "x.size(1) % sizeof(int4) == 0 and x.size(1) % 128 == 0", w)
+        ep_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(),
+                  "topk_idx.dim() == 2 and topk_idx.is_contiguous()", w)
+        ep_assert(x.size(0) == topk_idx.size(0) and x.size(0) <= T,
+                  "x.size(0) == topk_idx.size(0) and x.size(0) <= num_max_dispatch_tokens_per_rank", w)
+        ep_assert(topk_idx.dtype == self._TOPK_IDX_T,
+                  "topk_idx.scalar_type() == c10::CppTypeToScalarType<topk_idx_t>::value", w)
+        ep_assert(num_experts % R == 0, "num_experts % num_ranks == 0", w)
+        local = num_experts // R
+        if stats is not None:
+            ep_assert(stats.dtype == torch.int32 and stats.dim() == 1 and stats.is_contiguous()
+                      and stats.size(0) == local, "cumulative_local_expert_recv_stats checks", w)
+        if wait_stats is not None:
+            ep_assert(wait_stats.dtype == torch.int64 and wait_stats.dim() == 1 and wait_stats.is_contiguous()
+                      and wait_stats.size(0) == R, "dispatch_wait_recv_cost_stats checks", w)
+        hidden = x.size(1)
+        layout = vendor.LowLatencyLayout.build(T, hidden, num_experts)
+        ep_assert(layout.total_bytes <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes", w)
+        ep_assert(not (async_finish and return_recv_hook), "not(async and return_recv_hook)", w)
+        ep_assert((R * T) % vendor.LOW_LATENCY_TOKEN_MULTIPLE == 0,
+                  "(num_ranks * num_max_dispatch_tokens_per_rank) % 4 == 0 and \"TMA requires the number of tokens "
+                  "to be multiple of 4\"", w)
+        if use_fp8:
+            ep_assert(hidden % vendor.LOW_LATENCY_FP8_HIDDEN_MULTIPLE == 0, "hidden % 512 == 0", w)
+            if use_ue8m0:
+                ep_assert(round_scale, "round_scale", w)
+        self._ll_kernel_checks(x.size(1), topk_idx.size(1), num_experts, use_ue8m0, round_scale)
+
+    def _ll_kernel_checks(self, hidden: int, num_topk: int, num_experts: int, use_ue8m0: bool,
+                          round_scale: bool) -> None:
+        groups = -(-num_experts // self._NUM_DEVICE_SMS)
+        per_group = 32 // groups if groups else 0
+        ep_assert(groups > 0 and per_group > 0, "num_warp_groups > 0 and num_warps_per_group > 0", _LL_CU)
+        ep_assert(self._LL_MAX_TOPK + 1 <= groups * per_group, "kNumMaxTopK + 1 <= num_warp_groups * "
+                  "num_warps_per_group", _LL_CU)
+        ep_assert(num_topk <= self._LL_MAX_TOPK, "num_topk <= kNumMaxTopK", _LL_CU)
+        ep_assert(num_experts * 8 <= vendor.NUM_WORKSPACE_BYTES, "num_experts * sizeof(int) * 2 <= workspace", _LL_CU)
+        if use_ue8m0:
+            ep_assert(round_scale, "round_scale and \"UE8M0 SF requires `round_scale=True`\"", _LL_CU)
+        ep_assert(hidden in self._LL_HIDDEN_SIZES, "false and \"Unsupported hidden\"", _LL_CU)
+        local = num_experts // self.group_size
+        device_assert(self.runtime.num_qps is not None and self.runtime.num_qps >= local,
+                      "ibgda_get_state()->num_rc_per_pe >= num_local_experts", _LL_CU)
+        device_assert(-(-num_experts // groups) > 1, "num_sms > 1", _LL_CU)
+        device_assert(per_group > 1 and groups < 15, "num_warps_per_group > 1 and num_warp_groups < 15", _LL_CU)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
+                             round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):  # noqa: ANN201
+        self._deterministic_check()
+        self._qp_depth_check(num_max_dispatch_tokens_per_rank)
+        args = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+                return_recv_hook)
+        check_args("low_latency_dispatch", "(self: deep_ep._C.Buffer, arg0: torch.Tensor, arg1: torch.Tensor, "
+                   "arg2: Optional[torch.Tensor], arg3: Optional[torch.Tensor], arg4: int, arg5: int, arg6: bool, "
+                   "arg7: bool, arg8: bool, arg9: bool, arg10: bool)", args, "ttTTiibbbbb")
+        T = int(num_max_dispatch_tokens_per_rank)
+        self._ll_checks(x, topk_idx, T, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+        recv_x, recv_count, handle = self._ll_exchange(x, topk_idx, T, num_experts, use_fp8, round_scale, use_ue8m0,
+                                                       cumulative_local_expert_recv_stats)
+        return recv_x, recv_count, handle, EventOverlap(EventHandle() if async_finish else None), _hook()
+
+    def _ll_exchange(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, num_experts: int, use_fp8: bool,
+                     round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None) -> tuple[Any, torch.Tensor, tuple]:
+        R, h = self.group_size, x.shape[1]
+        local = num_experts // R
+        if use_fp8:
+            data, inv = _quantize_fp8(x, round_scale)
+            columns = [as_bytes(data), as_bytes(inv)]  # messages carry fp32 scales; UE8M0 is taken on arrival
+        else:
+            columns = [as_bytes(x)]
+        got, payload = self._gather_slots(x, topk_idx, T, columns, use_fp8)
+        k = topk_idx.shape[1]
+        slot, expert, position, recv_count = self._place_received(
+            from_bytes(got[:, payload : payload + 8 * k], torch.int64), local)
+        if stats is not None:
+            stats += recv_count
+        if use_fp8:
+            fp8 = from_bytes(got[:, :h], torch.float8_e4m3fn)
+            inv = from_bytes(got[:, h:payload], torch.float32)
+            recv_data = torch.zeros(local, R * T, h, dtype=torch.float8_e4m3fn)
+            recv_data.view(torch.uint8)[expert, position] = fp8.view(torch.uint8)[slot]
+            if use_ue8m0:  # extract_required_scale_format: the fp32 bits >> 23, four per int32, column-major
+                exps = ((inv[slot].view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                packed = torch.zeros(local, h // 512, R * T, dtype=torch.int32)
+                packed.transpose(1, 2)[expert, position] = from_bytes(exps, torch.int32)
+                recv_scales = packed.transpose(1, 2)
+            else:  # fp32 scale_inv, column-major [E_l, R·T, H/128]
+                scales = torch.zeros(local, h // 128, R * T, dtype=torch.float32)
+                scales.transpose(1, 2)[expert, position] = inv[slot]
+                recv_scales = scales.transpose(1, 2)
+            recv_x: Any = (recv_data, recv_scales)
+        else:
+            bf16 = from_bytes(got[:, :payload], torch.bfloat16)
+            recv_x = torch.zeros(local, R * T, h, dtype=torch.bfloat16)
+            recv_x[expert, position] = bf16[slot]
+        handle = self._low_latency_handle(slot, expert, position, local, T, h, num_experts)
+        return recv_x, recv_count, handle
+
+    def _gather_slots(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, columns: list[torch.Tensor],
+                      use_fp8: bool, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Every rank's T message slots (payload, then the top-k ids as int64, -1 past the batch, then any
+        ``extra`` metadata bytes) to every rank: ``[R·T, payload + 8k (+ extra)]`` and the payload width."""
+        n, k = x.shape[0], topk_idx.shape[1]
+        payload = sum(c.shape[1] for c in columns)
+        more = 0 if extra is None else extra.shape[1]
+        slots = torch.zeros(T, payload + 8 * k + more, dtype=torch.uint8)
+        ids = torch.full((T, k), -1, dtype=torch.int64)
+        ids[:n] = topk_idx.long()
+        if n:
+            slots[:n, :payload] = torch.cat(columns, dim=1)
+            if extra is not None:
+                slots[:n, payload + 8 * k :] = extra
+        slots[:, payload : payload + 8 * k] = as_bytes(ids)
+        got = self._comm.all_gather(slots, (("payload", payload), ("metadata", 8 * k + more)))
+        self.calls.append(VendorCall("low_latency_dispatch", x.dtype, use_fp8, n * payload * self.group_size))
+        return got, payload
+
+    def _place_received(self, gids: torch.Tensor, local: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each (received slot, local expert) lands in the masked layout: the slot (src_rank·T +
+        token), its local expert, its position in that expert's block, and the per-expert counts. An
+        expert's rows are grouped by source rank (each source's block begins where its atomicAdd put it)."""
+        first = self.rank * local
+        hits = ((gids >= first) & (gids < first + local)).nonzero()
+        expert = gids[hits[:, 0], hits[:, 1]] - first
+        order = torch.sort(expert, stable=True).indices
+        slot, expert = hits[order, 0], expert[order]
+        recv_count = torch.bincount(expert, minlength=local).to(torch.int32)
+        start = torch.cumsum(recv_count.long(), 0) - recv_count.long()
+        return slot, expert, torch.arange(slot.numel()) - start[expert], recv_count
+
+    def _low_latency_handle(self, slot: torch.Tensor, expert: torch.Tensor, position: torch.Tensor, local: int,
+                            T: int, h: int, num_experts: int) -> tuple:
+        """``(packed_recv_src_info, packed_recv_layout_range, T, hidden, num_experts)``: each received row's
+        source token, and per (local expert, source rank) ``pack2<int, int64_t>(count, begin)`` — the
+        count in the low 32 bits (csrc/kernels/legacy/internode_ll.cu dispatch, utils.cuh pack2)."""
+        R = self.group_size
+        src_info = torch.full((local, R * T), -1, dtype=torch.int32)
+        src_info[expert, position] = (slot % T).to(torch.int32)
+        src_rank = slot // T
+        layout_range = torch.zeros(local, R, dtype=torch.int64)
+        for e in range(local):
+            for r in range(R):
+                sel = (expert == e) & (src_rank == r)
+                count = int(sel.sum())
+                begin = int(position[sel].min()) if count else 0
+                layout_range[e, r] = (begin << 32) | count
+        return (src_info, layout_range, T, h, num_experts)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None,
+                            combine_wait_recv_cost_stats=None):  # noqa: ANN201
+        """Weighted: token t gets Σ_j topk_weights[t, j] · (expert topk_idx[t, j]'s row for t)."""
+        self._deterministic_check()
+        src_info, layout_range, T, hidden, num_experts = handle
+        self._qp_depth_check(T)
+        combined, event = self._ll_combine(x, topk_idx, topk_weights, src_info, layout_range, T, num_experts,
+                                           use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                                           combine_wait_recv_cost_stats)
+        return combined, event, _hook()
+
+    def _ll_combine(self, x: Any, topk_idx: Any, topk_weights: Any, src_info: Any, layout_range: Any, T: Any,
+                    num_experts: Any, use_logfmt: Any, zero_copy: Any, async_finish: Any, return_recv_hook: Any,
+                    out: Any, wait_stats: Any) -> tuple[torch.Tensor, EventOverlap]:
+        args = (x, topk_idx, topk_weights, src_info, layout_range, wait_stats, T, num_experts, use_logfmt, zero_copy,
+                async_finish, return_recv_hook, out)
+        check_args("low_latency_combine", "(self: deep_ep._C.Buffer, arg0: torch.Tensor, ..., arg6: int, arg7: int, "
+                   "arg8: bool, ..., arg12: Optional[torch.Tensor])", args, "tttttTiibbbbT")
+        return self._ll_combine_checked(x, topk_idx, topk_weights, src_info, layout_range, int(T), int(num_experts),
+                                        use_logfmt, zero_copy, async_finish, return_recv_hook, out, self._LL_MAX_TOPK)
+
+    def _ll_combine_checked(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            src_info: torch.Tensor, layout_range: torch.Tensor, T: int, num_experts: int,
+                            use_logfmt: bool, zero_copy: bool, async_finish: bool, return_recv_hook: bool,
+                            out: torch.Tensor | None, max_topk: int) -> tuple[torch.Tensor, EventOverlap]:
+        w, R = _BUFFER_HPP, self.group_size
+        ep_assert(self.low_latency_mode, "low_latency_mode", w)
+        local = num_experts // R
+        ep_assert(x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16,
+                  "x.dim() == 3 and x.is_contiguous() and x.scalar_type() == torch::kBFloat16", w)
+        ep_assert(x.size(0) == local, "x.size(0) == num_experts / num_ranks", w)
+        ep_assert(x.size(1) == R * T, "x.size(1) == num_ranks * num_max_dispatch_tokens_per_rank", w)
+        ep_assert(x.size(2) % 16 == 0 and x.size(2) % 128 == 0, "x.size(2) % sizeof(int4) == 0 and % 128 == 0", w)
+        ep_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx.dim() == 2 and contiguous", w)
+        ep_assert(topk_idx.size(0) == topk_weights.size(0) and topk_idx.size(1) == topk_weights.size(1),
+                  "topk_idx.size(0) == topk_weights.size(0) and topk_idx.size(1) == topk_weights.size(1)", w)
+        ep_assert(topk_idx.dtype == self._TOPK_IDX_T, "topk_idx.scalar_type() == topk_idx_t", w)
+        ep_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "topk_weights.dim() == 2", w)
+        ep_assert(topk_weights.size(0) <= T, "topk_weights.size(0) <= num_max_dispatch_tokens_per_rank", w)
+        ep_assert(topk_weights.dtype == torch.float32, "topk_weights.scalar_type() == torch::kFloat32", w)
+        ep_assert(src_info.dim() == 2 and src_info.is_contiguous() and src_info.dtype == torch.int32
+                  and x.size(0) == src_info.size(0), "src_info: 2-d contiguous int32, one row per local expert", w)
+        ep_assert(layout_range.dim() == 2 and layout_range.is_contiguous() and layout_range.dtype == torch.int64,
+                  "layout_range: 2-d contiguous int64", w)
+        ep_assert(layout_range.size(0) == local and layout_range.size(1) == R, "layout_range [E_local, R]", w)
+        hidden, k, n = x.size(2), topk_weights.size(1), topk_weights.size(0)
+        layout = vendor.LowLatencyLayout.build(T, hidden, num_experts)
+        ep_assert(layout.total_bytes <= self.num_rdma_bytes, "layout.total_bytes <= num_rdma_bytes", w)
+        ep_assert(not (async_finish and return_recv_hook), "not(async and return_recv_hook)", w)
+        if out is not None:
+            ep_assert(out.dim() == 2 and out.is_contiguous() and out.size(0) == n and out.size(1) == hidden
+                      and out.dtype == x.dtype, "out checks", w)
+        ep_assert(k <= max_topk, "num_topk <= kNumMaxTopk", _LL_CU)
+        ep_assert(not (zero_copy and use_logfmt), "not(zero_copy and use_logfmt)", _LL_CU)
+        if use_logfmt or zero_copy:
+            raise NotImplementedError("the fake sends BF16 rows (no LogFMT, no zero-copy)")
+        # Back to each source rank: a [T, E_l, H] block per rank, each expert's row at its source token.
+        blocks = torch.zeros(R, T, local, hidden, dtype=torch.bfloat16)
+        for e in range(local):
+            for r in range(R):
+                packed = int(layout_range[e, r])
+                count, begin = packed & 0xFFFFFFFF, packed >> 32  # unpack2: (count, begin)
+                if count:
+                    rows = slice(begin, begin + count)
+                    blocks[r, src_info[e, rows].long(), e] = x[e, rows]
+        back = self._comm.all_to_all(as_bytes(blocks.view(R * T, local * hidden)), None, None,
+                                     (("combine", 2 * local * hidden),))
+        got = from_bytes(back, torch.bfloat16).view(R, T, local, hidden).float()
+        result = torch.zeros(n, hidden, dtype=torch.float32)
+        for j in range(k):
+            e = topk_idx[:n, j].long()
+            valid = e >= 0
+            rank, le = (e // local).clamp(min=0), (e % local).clamp(min=0)
+            rows = got[rank, torch.arange(n), le]
+            result += torch.where(valid[:, None], rows * topk_weights[:n, j, None].float(), 0.0)
+        combined = result.to(torch.bfloat16)
+        if out is not None:
+            out.copy_(combined)
+            combined = out
+        return combined, EventOverlap(EventHandle() if async_finish else None)
+
+
+def _unpack_bias(bias: Any) -> tuple[Any, Any]:
+    """``Buffer._unpack_bias``: a tensor, a pair, or nothing."""
+    if isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, tuple):
+        assert len(bias) == 2
+        return bias
+    return None, None
+
+
+def _hook() -> Callable[[], None]:
+    return lambda: None
+
+
+def install_statics(cls: type) -> None:
+    """The static methods of ``Buffer`` bound to ``cls``'s own class state (``cls.num_sms``, its tables)."""
+
+    def set_num_sms(new_num_sms):  # noqa: ANN001, ANN202
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        cls.num_sms = new_num_sms
+
+    def get_dispatch_config(num_ranks):  # noqa: ANN001, ANN202
+        table = cls._TUNED_DISPATCH
+        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
+        return cls._CONFIG(cls.num_sms, *table[num_ranks])
+
+    def get_combine_config(num_ranks):  # noqa: ANN001, ANN202
+        table = cls._TUNED_COMBINE
+        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
+        return cls._CONFIG(cls.num_sms, *table[num_ranks])
+
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):  # noqa
+        return _low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def is_sm90_compiled():  # noqa: ANN202
+        return True
+
+    def capture():  # noqa: ANN202
+        return EventOverlap(EventHandle())
+
+    for fn in (set_num_sms, get_dispatch_config, get_combine_config, get_low_latency_rdma_size_hint,
+               is_sm90_compiled, capture):
+        setattr(cls, fn.__name__, staticmethod(fn))
+
+
+install_statics(Buffer)
+
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EventHandle", "EventOverlap", "VendorCall", "install_statics",
+           "topk_idx_t"]

@@ -1,0 +1,337 @@
+"""A fake of DeepGEMM 2.x's ``deep_gemm`` (deepseek-ai/DeepGEMM@54e2261, 2.6.1): the grouped GEMMs MoE
+experts call, on an emulated SM90 (this module) or SM100 device (``fakes.deep_gemm_sm100``, or ``emulate()``
+for another architecture or version).
+
+The calls are pybind functions (``csrc/apis/gemm.hpp``): the recorded keyword names and defaults, pybind's
+``TypeError`` for an argument that does not convert (a float ``expected_m``), and ``DG_HOST_ASSERT``s as
+``RuntimeError("Assertion error (...)")``:
+
+- operands: A (and B on SM90) K-major, D N-major, 3-d tensors dense in their two last dims, FP8 e4m3 or
+  BF16, D bf16, ``grouped_layout``/``masked_m`` contiguous int32, ``expected_m > 0``;
+- scale factors (``csrc/apis/layout.hpp`` ``transform_sf_pair_into_required_layout``): the default recipe
+  from their dtypes (SM90: both fp32, else assert; SM100: fp32 128×128 or int32 per-row SFB); SM90 takes
+  fp32 SFA in any layout and fp32 SFB contiguous (or contiguous transposed); SM100 casts fp32 scales to
+  UE8M0 (``get_mn_major_tma_aligned_packed_ue8m0_tensor``) unless ``disable_ue8m0_cast`` — from 2.6.1 its
+  kernel device-asserts that every scale is a power of two, before it the exponent bits are kept silently
+  (what this fake does per ``__version__``) — and takes int32 (packed UE8M0) SFA only MN-major and
+  TMA-aligned; fp32 SFA on SM100 with the cast disabled is "Unsupported architecture or scaling factor
+  types", as is int32 SFA on SM90.
+
+The contiguous layout's rule from the README (every ``get_mk_alignment_for_contiguous_layout()``-row block
+belongs to one group, -1 for padding) is checked too: DeepGEMM does not check it on the host and computes
+garbage. Padding rows come back NaN on SM90 (unspecified) and zero on SM100 (``ensure_zero_padding``).
+Computed in fp32, written to ``d`` as bf16. Not emulated: ``recipe_a``/``recipe_b``, PSUM layouts, FP4.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_dispatch_cuda_deepep import vendor
+
+from . import _gemm
+from ._native import check_args, device_assert, dg_assert, is_int
+
+__version__ = "2.6.1"
+EMULATED_DEVICE_CAPABILITY = (9, 0)
+
+_GEMM = "csrc/apis/gemm.hpp"
+_LAYOUT = "csrc/apis/layout.hpp"
+_UTILS = "csrc/utils/layout.hpp"
+_SMXX = "deep_gemm/include/deep_gemm/impls/smxx_layout.cuh"
+_FP8 = torch.float8_e4m3fn
+Pair = Any
+
+
+@dataclass
+class _Device:
+    """The emulated GPU and library version, and DeepGEMM's runtime state (``set_mk_alignment_...``)."""
+
+    arch: int
+    version: str
+    mk_alignment: int = vendor.DG_DEFAULT_MK_ALIGNMENT
+
+    @property
+    def strict_pow2(self) -> bool:
+        return vendor.version_tuple(self.version) >= vendor.DG_POW2_ASSERT_VERSION
+
+
+def _pair(value: Any, function: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(t, torch.Tensor) for t in value)):
+        raise TypeError(f"{function}(): incompatible function arguments: a and b are (tensor, scale factor) pairs")
+    return value[0], value[1]
+
+
+def _major_check(t: torch.Tensor) -> None:
+    dg_assert(t.dim() in (2, 3), "dim == 2 or dim == 3", _UTILS)
+    if t.dim() == 3:
+        dg_assert(t.stride(0) == t.size(-2) * t.size(-1), "t.stride(0) == t.size(-2) * t.size(-1)", _UTILS)
+    dg_assert(t.stride(-2) == 1 or t.stride(-1) == 1, "t.stride(-2) == 1 or t.stride(-1) == 1", _UTILS)
+
+
+def _k_major(t: torch.Tensor) -> bool:
+    _major_check(t)
+    return t.stride(-1) == 1
+
+
+def _check_d(d: torch.Tensor) -> None:
+    _major_check(d)
+    dg_assert(d.stride(-1) == 1, "t.stride(-1) == 1 (D must be N-major)", _UTILS)
+
+
+def _shape(t: torch.Tensor, dims: int) -> tuple[int, ...]:
+    dg_assert(t.dim() == dims, f"t.dim() == {dims}", _UTILS)
+    return tuple(int(s) for s in t.shape)
+
+
+def _check_sf_shape(sf: torch.Tensor, mn: int, k: int, gran_mn: int, gran_k: int, groups: int | None) -> None:
+    dg_assert(sf.dtype in (torch.float32, torch.int32), "sf_dtype == torch::kFloat or sf_dtype == torch::kInt",
+              _UTILS)
+    dg_assert(sf.dim() == (groups is not None) + 2, "sf.dim() == num_groups.has_value() + 2", _UTILS)
+    if groups is not None:
+        dg_assert(sf.size(-3) == groups, "sf.size(-3) == num_groups", _UTILS)
+    dg_assert(sf.size(-2) == _gemm.ceil_div(mn, gran_mn), "sf.size(-2) == ceil_div(mn, gran_mn)", _UTILS)
+    per = gran_k * (1 if sf.dtype == torch.float32 else 4)
+    dg_assert(sf.size(-1) == _gemm.ceil_div(k, per), "sf.size(-1) == ceil_div(k, gran_k * (float ? 1 : 4))", _UTILS)
+
+
+def _check_tma_strides(sf: torch.Tensor, mn: int, groups: int | None) -> None:
+    """``check_sf_layout(..., tma_stride_check=true)``: MN-major and the MN axis TMA-aligned."""
+    if groups is not None:
+        dg_assert(sf.stride(-3) == sf.stride(-1) * sf.size(-1), "sf.stride(-3) == sf.stride(-1) * sf.size(-1)",
+                  _UTILS)
+    dg_assert(sf.stride(-2) == 1 or mn == 1, "sf.stride(-2) == 1 or mn == 1", _UTILS)
+    dg_assert(sf.stride(-1) == vendor.tma_aligned_size(mn, sf.element_size()),
+              "sf.stride(-1) == get_tma_aligned_size(mn, sf.element_size())", _UTILS)
+
+
+def _check_sm90_sfb(sf: torch.Tensor, groups: int | None) -> None:
+    if groups is not None:
+        dg_assert(sf.stride(-3) == sf.size(-2) * sf.size(-1), "sf.stride(-3) == sf.size(-2) * sf.size(-1)", _UTILS)
+    dg_assert((sf.stride(-1) == 1 and sf.stride(-2) == sf.size(-1)) or (sf.stride(-1) == sf.size(-2)
+                                                                         and sf.stride(-2) == 1),
+              "SM90 SFB must be contiguous, or contiguous after transposing the last two dimensions", _UTILS)
+
+
+def _pack_cast(device: _Device, sf: torch.Tensor) -> torch.Tensor:
+    """``get_mn_major_tma_aligned_packed_ue8m0_tensor`` of fp32 scales: the values it passes on (fp32
+    powers of two). Its CUDA kernel asserts powers of two from 2.6.1; the PyTorch fallback (non-contiguous
+    with MN % 4, or batched with MN·K % 4) and earlier versions keep the exponent bits."""
+    batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
+    groups, mn, sf_k = batched.shape
+    torch_path = ((mn * sf_k) % 4 != 0 and groups > 1) if batched.is_contiguous() else (mn % 4 != 0 or groups > 1)
+    if device.strict_pow2 and not torch_path:
+        device_assert(_gemm.is_power_of_two(sf), "(values[j] & 0x807fffffu) == 0", _SMXX)
+    return _gemm.exponent_only(sf)
+
+
+def _scales(device: _Device, sfa: torch.Tensor, sfb: torch.Tensor, m: int, n: int, k: int, groups_a: int | None,
+            groups_b: int, recipe: Any, disable_ue8m0_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 per-(row, 128) values of SFA ``[..., m, ceil(k/128)]`` and SFB ``[G, n, ceil(k/128)]``, after
+    DeepGEMM's checks and transformations."""
+    if recipe is None:
+        if device.arch == vendor.DG_ARCH_SM90:
+            dg_assert(sfa.dtype == torch.float32 and sfb.dtype == torch.float32,
+                      "sfa_dtype == torch::kFloat and sfb_dtype == torch::kFloat", _UTILS)
+            recipe = (1, 128, 128)
+        elif device.arch == vendor.DG_ARCH_SM100:
+            dg_assert(sfb.dtype in (torch.float32, torch.int32), "sfb_dtype == torch::kFloat or torch::kInt", _UTILS)
+            recipe = (1, 128, 128) if sfb.dtype == torch.float32 else (1, 1, 128)
+        else:
+            dg_assert(False, "Unknown recipe", _UTILS)
+    check_args("transform_sf_pair_into_required_layout", "recipe: Optional[Tuple[int, int, int]]", tuple(recipe), "iii")
+    gran_a, gran_b, gran_k = recipe[0], recipe[1], recipe[2]
+    if (gran_a, gran_k) != (1, 128) or gran_b not in (1, 128):
+        raise NotImplementedError(f"the fake covers the 1x128 / 128x128 and 1x1x128 recipes, got {recipe}")
+    values = []
+    for sf, mn, gran_mn, groups, is_a in ((sfa, m, gran_a, groups_a, True), (sfb, n, gran_b, groups_b, False)):
+        _check_sf_shape(sf, mn, k, gran_mn, gran_k, groups)
+        if sf.dtype == torch.float32 and (device.arch == vendor.DG_ARCH_SM90 or disable_ue8m0_cast):
+            if gran_mn == 128:
+                _check_sm90_sfb(sf, groups)
+            values.append((sf.float(), "float", gran_mn))  # SFA: get_mn_major_tma_aligned_tensor (any layout)
+        elif sf.dtype == torch.float32 and device.arch == vendor.DG_ARCH_SM100:
+            dg_assert(not disable_ue8m0_cast, "not disable_ue8m0_cast", _LAYOUT)
+            rows = sf if gran_mn == 1 else _gemm.rows_from_blocks(sf, mn)
+            values.append((_pack_cast(device, rows), "int", 1))
+        elif sf.dtype == torch.int32 and gran_mn == 1 and device.arch == vendor.DG_ARCH_SM100:
+            _check_tma_strides(sf, mn, groups)
+            values.append((_gemm.ue8m0_values(sf, k), "int", 1))
+        else:
+            dg_assert(False, "Unknown SF transformation", _LAYOUT)
+    (a_vals, a_kind, _), (b_vals, _, b_gran) = values
+    supported = (device.arch == vendor.DG_ARCH_SM90 and a_kind == "float") or (
+        device.arch == vendor.DG_ARCH_SM100 and a_kind == "int")
+    dg_assert(supported, "Unsupported architecture or scaling factor types", _GEMM)
+    b_rows = _gemm.rows_from_blocks(b_vals, n) if b_gran == 128 else b_vals
+    return a_vals, b_rows
+
+
+def _check_contiguous_layout(device: _Device, grouped_layout: torch.Tensor, m: int, num_groups: int) -> None:
+    """The README's contiguous layout: each aligned block of rows is one group's (or all padding)."""
+    alignment = device.mk_alignment
+    ids = grouped_layout.long()
+    ok = m % alignment == 0 and bool(((ids >= -1) & (ids < num_groups)).all())
+    if ok and m:
+        blocks = ids.view(-1, alignment)
+        top = torch.where(blocks >= 0, blocks, -2).amax(dim=1)
+        ok = bool(((blocks == top[:, None]) | (blocks == -1)).all())
+    if not ok:
+        raise RuntimeError(f"(fake) contiguous layout: M={m} rows must come in blocks of "
+                           f"get_mk_alignment_for_contiguous_layout() = {alignment}, each block one group's "
+                           f"(ids in [0, {num_groups})) or -1 padding; DeepGEMM does not check this and computes "
+                           "wrong results")
+
+
+def _contiguous(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
+                d: torch.Tensor, grouped_layout: torch.Tensor, recipe: Any, disable_ue8m0_cast: bool,
+                use_psum_layout: bool, ensure_zero_padding: bool, expected_m_for_psum_layout: Any, fp8: bool) -> None:
+    dg_assert(_k_major(a), "major_a == cute::UMMA::Major::K", _GEMM)
+    b_k_major = _k_major(b)
+    if fp8 and device.arch == vendor.DG_ARCH_SM90:
+        dg_assert(b_k_major, "major_b == cute::UMMA::Major::K", _GEMM)
+    dg_assert(grouped_layout.is_contiguous(), "grouped_layout.is_contiguous()", _GEMM)
+    m, k = _shape(a, 2)
+    num_groups, n, k_ = _shape(b, 3)
+    m_, n_ = _shape(d, 2)
+    dg_assert(m == m_ and n == n_ and k == k_, "m == m_ and n == n_ and k == k_", _GEMM)
+    dg_assert(n > 0 and k > 0 and num_groups > 0, "n > 0 and k > 0 and num_groups > 0", _GEMM)
+    want = _FP8 if fp8 else torch.bfloat16
+    dg_assert(a.dtype == want and b.dtype == want,
+              "ab.scalar_type() == kPackedFP4 and arch_major == 10" if fp8 else "a/b scalar_type() == torch::kBFloat16",
+              _UTILS if fp8 else _GEMM)
+    dg_assert(d.dtype == torch.bfloat16, "d.scalar_type() == torch::kBFloat16", _GEMM)
+    dg_assert(grouped_layout.dtype == torch.int32, "grouped_layout.scalar_type() == torch::kInt", _GEMM)
+    if use_psum_layout:
+        raise NotImplementedError("the fake does not emulate the PSUM layout")
+    dg_assert(grouped_layout.dim() == 1 and grouped_layout.numel() == m, "m == m__", _GEMM)
+    dg_assert(expected_m_for_psum_layout is None, "not expected_m_for_psum_layout.has_value()", _GEMM)
+    _check_d(d)
+    if m == 0:
+        return
+    if device.arch not in (vendor.DG_ARCH_SM90, vendor.DG_ARCH_SM100):
+        dg_assert(False, "Unsupported architecture", _GEMM)
+    if not fp8 and device.arch == vendor.DG_ARCH_SM90:
+        dg_assert(k % 64 == 0, "k % 64 == 0", "csrc/jit_kernels/impls/sm90_bf16_gemm.hpp")
+    if fp8:
+        sa, sb = _scales(device, sfa, sfb, m, n, k, None, num_groups, recipe, disable_ue8m0_cast)
+        a_f, w_f = _gemm.dequant_rows(a, sa), _gemm.dequant_rows(b, sb)
+    else:
+        a_f, w_f = a.float(), b.float()
+    _check_contiguous_layout(device, grouped_layout, m, num_groups)
+    zero = device.arch == vendor.DG_ARCH_SM100 and ensure_zero_padding
+    d.copy_(_gemm.grouped_contiguous(a_f, w_f, grouped_layout, 0.0 if zero else float("nan")).to(torch.bfloat16))
+
+
+def _masked(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
+            d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, recipe: Any, disable_ue8m0_cast: bool,
+            fp8: bool) -> None:
+    dg_assert(_k_major(a) and _k_major(b), "major_a == cute::UMMA::Major::K and major_b == cute::UMMA::Major::K", _GEMM)
+    dg_assert(masked_m.is_contiguous(), "masked_m.is_contiguous()", _GEMM)
+    num_groups, m, k = _shape(a, 3)
+    num_groups_, n, k_ = _shape(b, 3)
+    num_groups__, m_, n_ = _shape(d, 3)
+    dg_assert(num_groups == num_groups_ == num_groups__ == masked_m.numel(), "num_groups == num_groups_ == ...", _GEMM)
+    dg_assert(m == m_ and n == n_ and k == k_, "m == m_ and n == n_ and k == k_", _GEMM)
+    dg_assert(expected_m > 0 and m > 0 and n > 0 and k > 0 and num_groups > 0,
+              "expected_m > 0 and m > 0 and n > 0 and k > 0 and num_groups > 0", _GEMM)
+    want = _FP8 if fp8 else torch.bfloat16
+    dg_assert(a.dtype == want and b.dtype == want, "a/b scalar types", _UTILS if fp8 else _GEMM)
+    dg_assert(d.dtype == torch.bfloat16, "d.scalar_type() == torch::kBFloat16", _GEMM)
+    dg_assert(masked_m.dtype == torch.int32, "masked_m.scalar_type() == torch::kInt", _GEMM)
+    _check_d(d)
+    if device.arch not in (vendor.DG_ARCH_SM90, vendor.DG_ARCH_SM100):
+        dg_assert(False, "Unsupported architecture", _GEMM)
+    if fp8:
+        sa, sb = _scales(device, sfa, sfb, m, n, k, num_groups, num_groups, recipe, disable_ue8m0_cast)
+        a_f, w_f = _gemm.dequant_rows(a, sa), _gemm.dequant_rows(b, sb)
+    else:
+        dg_assert(device.arch != vendor.DG_ARCH_SM90 or k % 64 == 0, "k % 64 == 0",
+                  "csrc/jit_kernels/impls/sm90_bf16_gemm.hpp")
+        a_f, w_f = a.float(), b.float()
+    counts = masked_m.tolist()
+    device_assert(all(0 <= c <= m for c in counts), f"masked_m within [0, {m}]", "grouped GEMM scheduler")
+    _gemm.grouped_masked(a_f, w_f, d, counts)
+
+
+def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
+            name: str = vendor.DEEP_GEMM) -> types.ModuleType:
+    """A ``deep_gemm`` module on an emulated GPU of ``capability`` at library ``version``."""
+    device = _Device(capability[0], version)
+    sig = "(a: Tuple[torch.Tensor, torch.Tensor], b: ..., d: torch.Tensor, ...)"
+
+    def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, recipe_a=None, recipe_b=None,
+                                             compiled_dims="nk", disable_ue8m0_cast=False, use_psum_layout=False,
+                                             ensure_zero_padding=True, expected_m_for_psum_layout=None):  # noqa: ANN202
+        (a0, a1), (b0, b1) = _pair(a, vendor.DG_FP8_CONTIGUOUS), _pair(b, vendor.DG_FP8_CONTIGUOUS)
+        check_args(vendor.DG_FP8_CONTIGUOUS, sig, (d, grouped_layout, compiled_dims, disable_ue8m0_cast,
+                                                   use_psum_layout, ensure_zero_padding), "ttsbbb")
+        _recipe_pair(recipe_a, recipe_b)
+        _contiguous(device, a0, a1, b0, b1, d, grouped_layout, recipe, bool(disable_ue8m0_cast), use_psum_layout,
+                    ensure_zero_padding, expected_m_for_psum_layout, True)
+
+    def m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, recipe_a=None, recipe_b=None,
+                                         compiled_dims="nk", disable_ue8m0_cast=False):  # noqa: ANN202
+        (a0, a1), (b0, b1) = _pair(a, vendor.DG_FP8_MASKED), _pair(b, vendor.DG_FP8_MASKED)
+        check_args(vendor.DG_FP8_MASKED, sig, (d, masked_m, expected_m, compiled_dims, disable_ue8m0_cast), "ttisb")
+        _recipe_pair(recipe_a, recipe_b)
+        _masked(device, a0, a1, b0, b1, d, masked_m, int(expected_m), recipe, bool(disable_ue8m0_cast), True)
+
+    def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk", use_psum_layout=False,
+                                          ensure_zero_padding=True, expected_m_for_psum_layout=None):  # noqa: ANN202
+        check_args(vendor.DG_BF16_CONTIGUOUS, sig, (a, b, d, grouped_layout, compiled_dims, use_psum_layout,
+                                                    ensure_zero_padding), "ttttsbb")
+        _contiguous(device, a, None, b, None, d, grouped_layout, None, False, use_psum_layout, ensure_zero_padding,
+                    expected_m_for_psum_layout, False)
+
+    def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk"):  # noqa: ANN202
+        check_args(vendor.DG_BF16_MASKED, sig, (a, b, d, masked_m, expected_m, compiled_dims), "ttttis")
+        _masked(device, a, None, b, None, d, masked_m, int(expected_m), None, False, False)
+
+    def get_mk_alignment_for_contiguous_layout():  # noqa: ANN202
+        return device.mk_alignment
+
+    def set_mk_alignment_for_contiguous_layout(new_value):  # noqa: ANN001, ANN202
+        if not is_int(new_value):
+            raise TypeError("set_mk_alignment_for_contiguous_layout(): incompatible function arguments")
+        device.mk_alignment = int(new_value)
+
+    def get_tma_aligned_size(arg0, arg1, /):  # noqa: ANN001, ANN202
+        check_args(vendor.DG_TMA_ALIGNED_SIZE, "(arg0: int, arg1: int) -> int", (arg0, arg1), "ii")
+        dg_assert(vendor.TMA_ALIGNMENT_BYTES % int(arg1) == 0, "kNumTMAAlignmentBytes % element_size == 0",
+                  "csrc/utils/math.hpp")
+        return vendor.tma_aligned_size(int(arg0), int(arg1))
+
+    module = types.ModuleType(name, f"DeepGEMM {version} on an emulated SM{capability[0]}{capability[1]}")
+    module.__version__ = version  # type: ignore[attr-defined]
+    setattr(module, vendor.EMULATED_CAPABILITY_ATTRIBUTE, tuple(capability))
+    for attr, fn in ((vendor.DG_FP8_CONTIGUOUS, m_grouped_fp8_fp4_gemm_nt_contiguous),
+                     (vendor.DG_FP8_MASKED, m_grouped_fp8_fp4_gemm_nt_masked),
+                     (vendor.DG_FP8_MASKED_ALIAS, m_grouped_fp8_fp4_gemm_nt_masked),
+                     (vendor.DG_BF16_CONTIGUOUS, m_grouped_bf16_gemm_nt_contiguous),
+                     (vendor.DG_BF16_MASKED, m_grouped_bf16_gemm_nt_masked),
+                     (vendor.DG_MK_ALIGNMENT, get_mk_alignment_for_contiguous_layout),
+                     (set_mk_alignment_for_contiguous_layout.__name__, set_mk_alignment_for_contiguous_layout),
+                     (vendor.DG_TMA_ALIGNED_SIZE, get_tma_aligned_size)):
+        setattr(module, attr, fn)
+    return module
+
+
+def _recipe_pair(recipe_a: Any, recipe_b: Any) -> None:
+    if recipe_a is not None or recipe_b is not None:
+        raise NotImplementedError("the fake does not emulate recipe_a/recipe_b")
+
+
+_SM90 = emulate(EMULATED_DEVICE_CAPABILITY, __version__, __name__)
+m_grouped_fp8_gemm_nt_contiguous = getattr(_SM90, vendor.DG_FP8_CONTIGUOUS)
+m_grouped_fp8_gemm_nt_masked = getattr(_SM90, vendor.DG_FP8_MASKED)
+fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
+m_grouped_bf16_gemm_nt_contiguous = getattr(_SM90, vendor.DG_BF16_CONTIGUOUS)
+m_grouped_bf16_gemm_nt_masked = getattr(_SM90, vendor.DG_BF16_MASKED)
+get_mk_alignment_for_contiguous_layout = getattr(_SM90, vendor.DG_MK_ALIGNMENT)
+set_mk_alignment_for_contiguous_layout = _SM90.set_mk_alignment_for_contiguous_layout
+get_tma_aligned_size = getattr(_SM90, vendor.DG_TMA_ALIGNED_SIZE)

@@ -1,0 +1,365 @@
+"""The checks of ``scripts/hardware_check.py``: the adapter on the real DeepEP and DeepGEMM of one GPU, against
+their fakes on the same inputs, the vendor's size functions against the ports, and the recorded signatures
+against the real callables. With ``fake=True`` the fakes stand in for the real libraries (on CPU), so the
+same code runs in the tests.
+
+Every check returns ``Row``s: what was compared, the two sides, and whether they agree. A vendor refusal
+(DeepEP's normal mode on one rank) is recorded with its exact message.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import moe_dispatch as md
+from moe_dispatch.accuracy import relative_error
+from moe_dispatch.codecs import make_codec
+from moe_dispatch.environ import restored_environ
+from moe_dispatch.experts import dequantize_rows
+from moe_dispatch.routing import random_expert_weights
+
+from . import vendor
+from .backend import DeepEPBackend
+from .deep_gemm import DeepGemmExperts
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison: ``real`` is what the installed library gave (or the fake with ``--fake``)."""
+
+    section: str
+    check: str
+    real: str
+    expected: str
+    ok: bool
+
+    def line(self) -> str:
+        mark = "ok" if self.ok else "MISMATCH"
+        return f"{self.section:<10} {self.check:<52} {self.real:<34} {self.expected:<34} {mark}"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the checks run on: module names, the device, the groups (one rank)."""
+
+    deep_ep: str
+    deep_gemm: str
+    device: torch.device
+    group: Any  # the group the real library uses (NCCL on a GPU)
+    fake_group: Any  # a gloo group for the fakes
+    fake: bool
+    hidden: int = 2048
+    tokens: int = 16
+    gemm_hidden: int = 2048  # H of the DeepGEMM checks (any multiple of 128)
+
+
+def _text(value: Any, width: int = 34) -> str:
+    s = str(value)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def _outcome(fn: Callable[[], Any]) -> str:
+    """A call's result, or its exception as ``Type: message`` (the vendor's exact words)."""
+    try:
+        return f"ok: {fn()!r}"
+    except Exception as exc:  # recording what the vendor says is the point
+        return f"{type(exc).__name__}: {exc}"
+
+
+# -- signatures -------------------------------------------------------------------------------------------------
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return parts
+
+
+def pybind_params(fn: Any) -> list[tuple[str, Any]] | None:
+    """(name, default) from a pybind11 function's docstring signature, ``self`` first for methods; None
+    when there is no parsable docstring."""
+    doc = (getattr(fn, "__doc__", None) or "").strip().splitlines()
+    first = next((line for line in doc if "(" in line), None)
+    if first is None:
+        return None
+    body = first[first.index("(") + 1 : first.rindex(")")] if ")" in first else ""
+    out: list[tuple[str, Any]] = []
+    for part in _split_top(body):
+        name, _, rest = part.partition(":")
+        default: Any = "<required>"
+        if "=" in rest:
+            raw = rest.split("=", 1)[1].strip()
+            try:
+                default = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                default = raw
+        out.append((name.strip(), default))
+    return out
+
+
+def signature_rows(module: Any, records: tuple, section: str) -> list[Row]:
+    rows = []
+    for record in records:
+        recorded = [(p.split("=")[0].strip(), p.split("=", 1)[1].strip() if "=" in p else "<required>")
+                    for p in _split_top(record.text.strip()[1:-1]) if p.strip() not in ("/", "*")]
+        recorded = [(n, ast.literal_eval(d) if d != "<required>" else d) for n, d in recorded]
+        try:
+            fn = vendor.lookup(module, record.qualname)
+        except AttributeError:
+            rows.append(Row(section, f"signature {record.qualname}", "missing", _text(record.text), False))
+            continue
+        try:
+            got = [(p.name, "<required>" if p.default is inspect.Parameter.empty else p.default)
+                   for p in inspect.signature(fn).parameters.values()]
+        except (TypeError, ValueError):  # a pybind function: read its docstring
+            got = pybind_params(fn) or []
+        got = [(n, d) for n, d in got if n not in ("/", "*")]
+        if record.qualname.count(".") and got and got[0][0] != "self" and recorded and recorded[0][0] == "self":
+            got = [("self", "<required>")] + got
+        names_ok = [n for n, _ in got] == [n for n, _ in recorded]
+        defaults_ok = all(_same(a, b) for (_, a), (_, b) in zip(got, recorded))
+        rows.append(Row(section, f"signature {record.qualname}", _text([n for n, _ in got][-3:]),
+                        _text([n for n, _ in recorded][-3:]), names_ok and defaults_ok))
+    return rows
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or str(a) == str(b)
+
+
+# -- sizes -------------------------------------------------------------------------------------------------------
+
+
+def size_rows(deep_ep: Any, deep_gemm: Any) -> list[Row]:
+    rows = []
+    for t, h, e in ((128, 7168, 256), (128, 7168, 288), (256, 4096, 128), (512, 2048, 64)):
+        real = deep_ep.Buffer.get_low_latency_rdma_size_hint(t, h, 8, e)
+        port = vendor.ported_low_latency_rdma_size_hint(t, h, 8, e)
+        rows.append(Row("sizes", f"LL rdma hint T={t} H={h} E={e}", f"{real:,}", f"{port:,}", real == port))
+    release = vendor.release_of(deep_ep)
+    newest = release.tuned_dispatch == vendor.TUNED_DISPATCH
+    tables = {
+        "dispatch": (vendor.dispatch_config, vendor.TUNED_DISPATCH if newest else vendor.TUNED_DISPATCH_BEFORE_EP48),
+        "combine": (vendor.combine_config, vendor.TUNED_COMBINE if newest else vendor.TUNED_COMBINE_BEFORE_EP48),
+    }
+    for n in sorted(vendor.supported_world_sizes(deep_ep, release)):
+        for which, (getter, table) in tables.items():
+            cfg = getter(deep_ep, n)
+            fields = vendor.ConfigFields(deep_ep.Buffer.num_sms, *table[n])
+            for hb in (7168, 2 * 7168):
+                real = (cfg.get_nvl_buffer_size_hint(hb, n), cfg.get_rdma_buffer_size_hint(hb, n))
+                port = (vendor.ported_nvl_buffer_size_hint(fields, hb, n),
+                        vendor.ported_rdma_buffer_size_hint(fields, hb, n))
+                rows.append(Row("sizes", f"{which} config EP{n} hidden_bytes={hb} (nvl, rdma)", _text(real),
+                                _text(port), real == port))
+    info = vendor.detect_deep_gemm(deep_gemm)
+    if info.module is not None:
+        alignment = vendor.mk_alignment(deep_gemm)
+        rows.append(Row("sizes", "DeepGEMM mk alignment", str(alignment), str(vendor.DG_DEFAULT_MK_ALIGNMENT),
+                        alignment == vendor.DG_DEFAULT_MK_ALIGNMENT))
+        aligned = getattr(deep_gemm, vendor.DG_TMA_ALIGNED_SIZE, None)
+        if aligned is not None:
+            real_t = [aligned(x, 4) for x in (1, 5, 128, 130)]
+            port_t = [vendor.tma_aligned_size(x, 4) for x in (1, 5, 128, 130)]
+            rows.append(Row("sizes", "DeepGEMM get_tma_aligned_size(x, 4)", str(real_t), str(port_t), real_t == port_t))
+    return rows
+
+
+# -- DeepGEMM runner: real vs fake ----------------------------------------------------------------------------
+
+
+def _fake_deep_gemm_for(real: Any) -> Any:
+    """The fake of the same generation, version and architecture as ``real``."""
+    info = vendor.detect_deep_gemm(real)
+    if info.generation == "v1":
+        return importlib.import_module(vendor.DEEP_GEMM_V1_EMULATOR)
+    fakes = importlib.import_module(vendor.DEEP_GEMM_EMULATOR)
+    capability = vendor.device_capability(real) or (9, 0)
+    return fakes.emulate(capability, info.version or fakes.__version__)
+
+
+def deep_gemm_rows(setup: Setup) -> list[Row]:
+    real_module = importlib.import_module(setup.deep_gemm)
+    fake_module = _fake_deep_gemm_for(real_module)
+    info = vendor.detect_deep_gemm(real_module)
+    rows = []
+    h, inter, experts = setup.gemm_hidden, 256, 4
+    weights = random_expert_weights(experts, h, inter, generator=torch.Generator().manual_seed(0))
+    counts_packed, counts_masked, capacity = [5, 0, 130, 1], [3, 0, 8, 1], 16
+    for kind in ("block_fp8", "bf16"):
+        if kind == "bf16" and not info.has_bf16:
+            rows.append(Row("DeepGEMM", f"{kind}: BF16 grouped GEMMs", "absent", f"{info.generation} has none", True))
+            continue
+        for layout, mode in (("PACKED", "normal"), ("MASKED", "low_latency")):
+            label = f"{kind} {layout}"
+            try:
+                real = DeepGemmExperts(kind, mode, real_module)
+                fake = DeepGemmExperts(kind, mode, fake_module, ue8m0=real.ue8m0)
+            except md.MoEDispatchError as exc:
+                rows.append(Row("DeepGEMM", label, _text(f"{type(exc).__name__}: {exc}"), "a runner", False))
+                continue
+            layer = fake.process_weights(weights)
+            counts = counts_packed if layout == "PACKED" else counts_masked
+            shape = (sum(counts),) if layout == "PACKED" else (experts, capacity)
+            x = torch.randn(*shape, h, generator=torch.Generator().manual_seed(1))
+            if kind == "bf16":
+                data, scale = x.to(torch.bfloat16), None
+            else:
+                q = make_codec(md.WireFormat(md.DispatchDtype.FP8, h, ue8m0=real.ue8m0)).quantize(x)
+                data, scale = q.data, q.scale
+            group_list = torch.tensor(counts)
+            want = fake.apply_without_routing_weights(layer, data, scale, 1, group_list, torch.float32)
+            got = real.apply_without_routing_weights(
+                layer.to(setup.device), data.to(setup.device), None if scale is None else scale.to(setup.device), 1,
+                group_list.to(setup.device), torch.float32).cpu()
+            err = relative_error(got, want)
+            tol = 2e-2 if kind == "block_fp8" else 1e-2
+            rows.append(Row("DeepGEMM", f"{label} real vs fake (relative error)", f"{err:.2e}", f"< {tol}", err < tol))
+    return rows
+
+
+# -- DeepEP: one rank ---------------------------------------------------------------------------------------------
+
+
+def _ll_round(backend: DeepEPBackend, group: Any, device: torch.device, dtype: str, hidden: int, tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Low-latency dispatch → (rows sorted by source token per expert) → combine of scaled rows."""
+    spec = md.DispatchSpec(hidden, 8, 4, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
+                           output_dtype=dtype)
+    d = md.create_dispatcher(backend, spec, group=group, env={})
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(tokens)])
+    w = torch.rand(tokens, 4, generator=g)
+    out = d.dispatch(x.to(device), ids.to(device), w.to(device))
+    rows = out.hidden_states.float() if out.hidden_states_scale is None else \
+        dequantize_rows(out.hidden_states, out.hidden_states_scale, hidden)
+    src = out.handle.vendor_handle[0].long().cpu()  # each row's source token (DeepEP's order is arbitrary)
+    counts = out.group_list.cpu()
+    ordered = torch.zeros(8, tokens, hidden)
+    for e in range(8):
+        n = int(counts[e])
+        ordered[e, src[e, :n]] = rows[e, :n].cpu().float()
+    y = d.combine((out.hidden_states.float() if out.hidden_states_scale is None else rows).to(torch.bfloat16) * 2, out)
+    return ordered, counts, y.float().cpu()
+
+
+def deep_ep_rows(setup: Setup) -> list[Row]:
+    rows = []
+    real_module = importlib.import_module(setup.deep_ep)
+    info = vendor.detect(setup.deep_ep)
+    rows.append(Row("DeepEP", "detected", _text(info.describe()), _text(info.release.reason), info.has_v1_buffer))
+    real_backend, fake_backend = DeepEPBackend(setup.deep_ep), DeepEPBackend(vendor.EMULATOR)
+    for dtype in ("bf16", "fp8"):
+        label = f"LL {dtype} one rank"
+        try:
+            with restored_environ():
+                r_rows, r_counts, r_y = _ll_round(real_backend, setup.group, setup.device, dtype, setup.hidden,
+                                                  setup.tokens)
+                f_rows, f_counts, f_y = _ll_round(fake_backend, setup.fake_group, torch.device("cpu"), dtype,
+                                                  setup.hidden, setup.tokens)
+        except Exception as exc:  # the vendor's refusal, recorded
+            rows.append(Row("DeepEP", label, _text(f"{type(exc).__name__}: {exc}", 60), "dispatch + combine", False))
+            continue
+        rows.append(Row("DeepEP", f"{label}: recv_count", _text(r_counts.tolist()), _text(f_counts.tolist()),
+                        torch.equal(r_counts, f_counts)))
+        err_rows, err_y = relative_error(r_rows, f_rows), relative_error(r_y, f_y)
+        rows.append(Row("DeepEP", f"{label}: received rows (relative error)", f"{err_rows:.2e}", "< 1e-2",
+                        err_rows < 1e-2))
+        rows.append(Row("DeepEP", f"{label}: combine (relative error)", f"{err_y:.2e}", "< 1e-2", err_y < 1e-2))
+    # One Buffer per dispatcher: a second low-latency Buffer starts NVSHMEM again in this process.
+    two = _outcome(lambda: _two_low_latency_buffers(real_backend, setup))
+    rows.append(Row("DeepEP", "two LL Buffers in one process", _text(two, 60), "(recorded)", True))
+    # Normal mode on one rank: the adapter refuses (typed); what DeepEP itself says, recorded.
+    spec = md.DispatchSpec(setup.hidden, 8, 4, output_dtype="bf16")
+    adapter = _outcome(lambda: real_backend.check_spec(spec, 1))
+    rows.append(Row("DeepEP", "normal one rank: adapter", _text(adapter, 60), "InvalidSpecError world_size",
+                    adapter.startswith("InvalidSpecError")))
+    tuned = _outcome(lambda: real_module.Buffer.get_dispatch_config(1))
+    rows.append(Row("DeepEP", "normal one rank: get_dispatch_config(1)", _text(tuned, 60),
+                    "AssertionError Unsupported", "Unsupported number of EP ranks" in tuned))
+    said = _normal_one_rank(real_module, setup.group, setup.device)
+    rows.append(Row("DeepEP", "normal one rank: dispatch with a Config", _text(said, 60), "…Unsupported ranks",
+                    "Unsupported ranks" in said))
+    elastic = getattr(real_module, "ElasticBuffer", None)
+    if elastic is not None:
+        made = _outcome(lambda: type(elastic(setup.group, num_max_tokens_per_rank=setup.tokens, hidden=setup.hidden,
+                                             num_topk=4)).__name__)
+        rows.append(Row("DeepEP", "V2 ElasticBuffer(group of one)", _text(made, 60), "(recorded)", True))
+    return rows
+
+
+def _two_low_latency_buffers(backend: DeepEPBackend, setup: Setup) -> str:
+    spec = md.DispatchSpec(setup.hidden, 8, 4, num_max_dispatch_tokens_per_rank=setup.tokens, mode="low_latency",
+                           output_dtype="bf16")
+    first = md.create_dispatcher(backend, spec, group=setup.group, env={})
+    second = md.create_dispatcher(backend, spec, group=setup.group, env={})
+    x = torch.zeros(2, setup.hidden, dtype=torch.bfloat16, device=setup.device)
+    ids, w = torch.tensor([[0, 1, 2, 3]] * 2, device=setup.device), torch.ones(2, 4, device=setup.device)
+    for d in (first, second):
+        d.combine(torch.zeros(8, setup.tokens, setup.hidden, dtype=torch.bfloat16, device=setup.device),
+                  d.dispatch(x, ids, w))
+    return "both dispatched and combined"
+
+
+def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
+    def attempt() -> Any:
+        cfg = module.Config(vendor.DEFAULT_NUM_SMS, 6, 256, 6, 128)
+        with restored_environ():
+            buf = module.Buffer(group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(4096, 1))
+        ids = torch.tensor([[0, 1]] * 4, dtype=vendor.topk_idx_dtype(module), device=device)
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, 8)
+        x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=device)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=ids,
+                            topk_weights=torch.ones(4, 2, device=device), config=cfg)[3]
+
+    return _outcome(attempt)
+
+
+# -- all --------------------------------------------------------------------------------------------------------
+
+
+def run_checks(setup: Setup) -> list[Row]:
+    deep_ep = importlib.import_module(setup.deep_ep)
+    rows = signature_rows(deep_ep, vendor.HYBRID_SIGNATURES if vendor.detect(setup.deep_ep).has_nvfp4
+                          else vendor.DEEP_EP_SIGNATURES, "signature")
+    deep_gemm_info = vendor.detect_deep_gemm(setup.deep_gemm)
+    if deep_gemm_info.module is not None:
+        records = vendor.DEEP_GEMM_V1_SIGNATURES if deep_gemm_info.generation == "v1" else vendor.DEEP_GEMM_SIGNATURES
+        rows += signature_rows(deep_gemm_info.module, records, "signature")
+    rows += size_rows(deep_ep, deep_gemm_info.module)
+    if deep_gemm_info.module is not None:
+        rows += deep_gemm_rows(setup)
+    else:
+        rows.append(Row("DeepGEMM", "import", _text(deep_gemm_info.describe()), "installed", False))
+    rows += deep_ep_rows(setup)
+    return rows
+
+
+def fake_setup(hidden: int = 2048, tokens: int = 16, gemm_hidden: int = 2048) -> Setup:
+    """The fakes in place of the real libraries, on CPU; needs a torch.distributed group of one."""
+    group = dist.group.WORLD
+    return Setup(vendor.EMULATOR, vendor.DEEP_GEMM_EMULATOR, torch.device("cpu"), group, group, True, hidden, tokens,
+                 gemm_hidden)
+
+
+__all__ = ["Row", "Setup", "fake_setup", "pybind_params", "run_checks", "signature_rows"]

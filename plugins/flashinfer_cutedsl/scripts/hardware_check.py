@@ -1,0 +1,276 @@
+"""The flashinfer_cutedsl plugin against the real FlashInfer on one GPU (H100/H200/B200), compared with its fakes.
+
+    python plugins/flashinfer_cutedsl/scripts/hardware_check.py          # or: torchrun --nproc-per-node 1 ...
+    python plugins/flashinfer_cutedsl/scripts/hardware_check.py --fake   # the same checks on the fakes, on CPU
+
+Checks, one table row each:
+
+- signatures: every recorded signature (``vendor.SIGNATURES``) against the installed callable
+  (``inspect``), CuteDslMoEWrapper from its source (AST);
+- workspace size: FlashInfer's ``moe_a2a_get_workspace_size_per_rank`` (its JIT module's
+  ``moe_a2a_get_aux_data_size``) against the ported formula, at several shapes;
+- a2a ep=1: ``flashinfer_a2a`` through the real MoeAlltoAll at one rank (MNNVL memory: fabric or
+  POSIX fd handles) against the same inputs through the fake of that version, and against the
+  reference; where FlashInfer refuses (no MNNVL, no fabric handles), its exact message;
+- fp4_quantize: on the GPU against the core NVFP4 codec, bit for bit (data and linear scales), with
+  and without FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1 (v0.6.13+);
+- cutedsl: the CuTe-DSL runner on the real kernel against the fake, only on compute capability
+  10.x (skipped with the reason elsewhere).
+
+Exit status 1 when a check disagrees; 0 otherwise (refusals and skips are printed, not failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import moe_dispatch as md
+from moe_dispatch.accuracy import relative_error
+from moe_dispatch.codecs import NVFP4Codec, nvfp4_global_scale
+from moe_dispatch.environ import restored_environ
+from moe_dispatch.signatures import signature_from_source
+from moe_dispatch.wire import WireFormat
+from moe_dispatch_flashinfer_cutedsl import vendor
+from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
+from moe_dispatch_flashinfer_cutedsl.experts import CuteDslExperts
+from moe_dispatch_flashinfer_cutedsl.fakes.signature_check import differences, differences_from_source
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # PASS | FAIL | REFUSED | SKIP
+    detail: str
+
+
+@dataclass
+class Setup:
+    module: str  # the vendor under test: "flashinfer", or a fake with --fake
+    fake: str  # the fake of the same version range
+    device: torch.device
+    hidden: int
+    tokens: int
+
+
+def _init_one_rank(backend: str) -> bool:
+    if dist.is_initialized():
+        return False
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group(backend)
+        return True
+    store = os.path.join(tempfile.mkdtemp(prefix="flashinfer_check_"), "store")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
+# -- the checks ----------------------------------------------------------------------------------
+
+
+def check_signatures(s: Setup) -> list[Row]:
+    info = vendor.detect(s.module)
+    if info.api is None or info.version is None:
+        return [Row("signatures", "FAIL", info.describe())]
+    module = importlib.import_module(s.module)
+    comm = module.comm
+    live: dict[str, Callable[..., Any]] = {
+        "MoeAlltoAll.__init__": info.api.MoeAlltoAll.__init__, "MoeAlltoAll.dispatch": info.api.MoeAlltoAll.dispatch,
+        "MoeAlltoAll.combine": info.api.MoeAlltoAll.combine,
+        "moe_a2a_get_workspace_size_per_rank": info.api.moe_a2a_get_workspace_size_per_rank,
+        "Mapping.__init__": info.api.Mapping.__init__, "MnnvlConfig": comm.mnnvl.MnnvlConfig.__init__,
+    }
+    if info.api.fp4_quantize is not None:
+        live["fp4_quantize"] = info.api.fp4_quantize
+    problems, checked = [], 0
+    for qualname, fn in live.items():
+        recorded = vendor.signature(qualname, info.version)
+        if recorded is not None:
+            problems += differences(recorded, inspect.unwrap(fn))
+            checked += 1
+    cute = getattr(module, "CuteDslMoEWrapper", None)
+    spec = importlib.util.find_spec("flashinfer")
+    source = Path(spec.submodule_search_locations[0]) / "fused_moe" / "cute_dsl" / "fused_moe.py" if spec else None
+    for qualname in ("CuteDslMoEWrapper.__init__", "CuteDslMoEWrapper.run"):
+        recorded = vendor.signature(qualname, info.version)
+        if recorded is None:
+            continue
+        if cute is not None and info.fake:
+            problems += differences(recorded, getattr(cute, qualname.split(".")[1]))
+        elif source is not None and source.is_file():  # importing it needs nvidia-cutlass-dsl (and triton)
+            problems += differences_from_source(recorded, signature_from_source(source, qualname))
+        else:
+            continue
+        checked += 1
+    if problems:
+        return [Row("signatures", "FAIL", "; ".join(problems))]
+    return [Row("signatures", "PASS", f"{checked} callables of {info.describe()} match the records")]
+
+
+def check_workspace_size(s: Setup) -> list[Row]:
+    info = vendor.detect(s.module)
+    assert info.api is not None and info.version is not None
+    rows = []
+    for ep, t, disp, comb in ((1, 16, 2 * 2048 + 24, 2 * 2048), (8, 128, 2 * 7168 + 64, 2 * 7168),
+                              (64, 1, 7168 // 2 + 448 + 64, 2 * 7168)):
+        try:
+            real = int(info.api.moe_a2a_get_workspace_size_per_rank(ep, t, disp, comb))
+        except Exception as exc:  # noqa: BLE001 - a JIT build failure is the finding
+            rows.append(Row(f"workspace size ep={ep} T={t}", "REFUSED", f"{type(exc).__name__}: {exc}"))
+            continue
+        ported = vendor.ported_workspace_size_per_rank(ep, t, disp, comb, info.version)
+        rows.append(Row(f"workspace size ep={ep} T={t}", "PASS" if real == ported else "FAIL",
+                        f"FlashInfer {real:,} B, ported {ported:,} B (kMaxTopK {vendor.max_top_k(info.version)})"))
+    return rows
+
+
+def _a2a_run(module: str, device: torch.device, hidden: int, tokens: int, group: Any) -> tuple[torch.Tensor, float]:
+    warnings.simplefilter("ignore", DeprecationWarning)
+    spec = md.DispatchSpec(hidden, 8, 3, num_max_dispatch_tokens_per_rank=tokens, output_dtype="bf16")
+    d = md.create_dispatcher(FlashInferA2ABackend(module), spec, group, env={})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(tokens)])
+    ids[::3, 1] = -1
+    ids[1::5] = -1  # tokens with no expert
+    w = torch.rand(tokens, 3, generator=g)
+    out = d.dispatch(x.to(device), ids.to(device), w.to(device))
+    y = d.combine(out.hidden_states, out).float().cpu()
+    ref = x.float() * ((ids >= 0).float() * w).sum(dim=1, keepdim=True)
+    return y, relative_error(y, ref)
+
+
+def check_a2a(s: Setup) -> list[Row]:
+    try:
+        got, err = _a2a_run(s.module, s.device, s.hidden, s.tokens, None)
+    except Exception as exc:  # noqa: BLE001 - FlashInfer's exact refusal is the record
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return [Row("a2a ep=1", "REFUSED", last)]
+    gloo = dist.new_group(backend="gloo") if s.device.type != "cpu" else None
+    fake, fake_err = _a2a_run(s.fake, torch.device("cpu"), s.hidden, s.tokens, gloo)
+    diff = relative_error(got, fake)
+    ok = err < 1e-2 and diff < 1e-2
+    return [Row("a2a ep=1", "PASS" if ok else "FAIL",
+                f"vs reference {err:.2e}, vs {s.fake.rsplit('.', 1)[-1]} {diff:.2e} "
+                f"(fake vs reference {fake_err:.2e})")]
+
+
+def check_fp4(s: Setup) -> list[Row]:
+    info = vendor.detect(s.module)
+    if info.api is None or info.api.fp4_quantize is None:
+        return [Row("fp4_quantize", "SKIP", "no fp4_quantize")]
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(130, 512, generator=g) * 3).to(torch.bfloat16)
+    gs = nvfp4_global_scale(float(x.float().abs().max()))
+    q = NVFP4Codec(WireFormat(md.DispatchDtype.NVFP4, 512), gs).quantize(x)
+    rows = []
+    settings = [("", {})]
+    if info.version is not None and info.version >= vendor.FP4_FAST_MATH_ENV_SINCE:
+        settings.append((" exact math", {name: vendor.ENV_TRUE for name in vendor.ENV_DISABLE_FP4_FAST_MATH}))
+    for label, env in settings:
+        try:
+            with restored_environ(env):
+                data, sf = info.api.fp4_quantize(x.to(s.device), torch.tensor([gs], device=s.device),
+                                                 is_sf_swizzled_layout=False)
+        except Exception as exc:  # noqa: BLE001
+            rows.append(Row(f"fp4_quantize{label}", "REFUSED", f"{type(exc).__name__}: {exc}"))
+            continue
+        same_data = torch.equal(data.cpu().view(torch.uint8), q.data.view(torch.uint8))
+        same_sf = torch.equal(sf.cpu().view(torch.uint8).reshape(q.scale.shape), q.scale.view(torch.uint8))
+        mismatched = int((data.cpu().view(torch.uint8) != q.data.view(torch.uint8)).sum())
+        rows.append(Row(f"fp4_quantize{label}", "PASS" if same_data and same_sf else "FAIL",
+                        f"vs the core NVFP4 codec: data {'equal' if same_data else f'{mismatched} bytes differ'}, "
+                        f"scales {'equal' if same_sf else 'differ'}"))
+    return rows
+
+
+def check_cutedsl(s: Setup) -> list[Row]:
+    real = CuteDslExperts(s.module)
+    reason = real.probe()
+    if reason is not None:
+        return [Row("cutedsl", "SKIP", reason)]
+    hidden, inter, experts = 256, 128, 4
+    g = torch.Generator().manual_seed(2)
+    weights = md.ExpertWeights(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5,
+                               torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5)
+    gs = nvfp4_global_scale(4.0)
+    rows = torch.randn(9, hidden, generator=g).to(torch.bfloat16)
+    counts = torch.tensor([3, 0, 5, 1])
+    outs = []
+    for module, device in ((s.module, s.device), (s.fake, torch.device("cpu"))):
+        kernel = CuteDslExperts(module)
+        layer = kernel.process_weights(weights, first_expert=0, num_experts=experts, input_global_scale=gs,
+                                       fc2_input_scale=gs)
+        if device.type != "cpu":
+            for name in ("w1_weight", "w1_weight_sf", "w2_weight", "w2_weight_sf", "w1_global_scale",
+                         "w2_global_scale"):
+                setattr(layer, name, getattr(layer, name).to(device))
+        outs.append(kernel.apply_without_routing_weights(layer, rows.to(device), None, 1, counts.to(device),
+                                                         torch.bfloat16).float().cpu())
+    diff = relative_error(outs[0], outs[1])
+    return [Row("cutedsl", "PASS" if diff < 2e-2 else "FAIL", f"runner on {s.module} vs the fake: {diff:.2e}")]
+
+
+CHECKS = (check_signatures, check_workspace_size, check_a2a, check_fp4, check_cutedsl)
+
+
+def run(s: Setup) -> list[Row]:
+    rows = []
+    for check in CHECKS:
+        try:
+            rows += check(s)
+        except Exception as exc:  # noqa: BLE001 - one broken check must not hide the others
+            rows.append(Row(check.__name__, "FAIL", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fake", action="store_true", help="run the checks on the fakes, on CPU")
+    parser.add_argument("--fake-module", default=vendor.EMULATOR, help="the fake standing in for FlashInfer")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=16)
+    args = parser.parse_args(argv)
+    if args.fake:
+        started = _init_one_rank("gloo")
+        setup = Setup(args.fake_module, args.fake_module, torch.device("cpu"), args.hidden, args.tokens)
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --fake to check the fakes on CPU", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        started = _init_one_rank("nccl")
+        info = vendor.detect(vendor.REAL)
+        if info.api is None or info.version is None:
+            print(info.describe(), file=sys.stderr)
+            return 2
+        setup = Setup(vendor.REAL, vendor.fake_for(info.version), torch.device("cuda"), args.hidden, args.tokens)
+    if dist.get_world_size() != 1:
+        print("run on one rank (torchrun --nproc-per-node 1)", file=sys.stderr)
+        return 2
+    try:
+        rows = run(setup)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    width = max(len(r.check) for r in rows)
+    print(f"flashinfer_cutedsl hardware check: {setup.module} on {setup.device} (fake: {setup.fake})")
+    for r in rows:
+        print(f"{r.check:<{width}}  {r.status:<7}  {r.detail}")
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""``flashinfer.comm.mnnvl`` on CPU: the communicator logic as FlashInfer has it, the memory fake.
+
+What is FlashInfer's (flashinfer-ai/flashinfer@4230a48 ... flashinfer-python==0.7.2.post1
+flashinfer/comm/mnnvl.py), kept as it is:
+
+- ``MnnvlMemory.comm`` is class-level state. ``set_comm_from_config(mapping, config)`` sets it to
+  ``config.comm_backend.Split(pp_rank * cp_size + cp_rank, tp_rank)``; ``get_comm`` returns it, or
+  falls back to ``MpiComm().Split(...)``: mpi4py's COMM_WORLD. In a process that mpirun did not
+  start (torchrun) that world has one rank, so a workspace allocated over it is ``[1, size]``.
+- ``open_mnnvl_memory`` allgathers the size over that comm and asserts every rank asks for the same.
+- ``as_torch_strided_tensor`` has one row per rank of the *class-level* comm at call time.
+
+What is faked: the CUDA driver (cuMemCreate/cuMemMap/fabric handles). Each allocation is a CPU
+tensor ``[comm_size, size]`` of which only this rank's row is this process's memory; writes the
+kernels make into a peer's row travel through the allocation's communicator (``Segment.exchange``).
+``patch_real_mnnvl`` puts the same CPU memory under FlashInfer's real ``MnnvlMemory``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+#: The fake's allocation granularity (the real one is the driver's, typically 2 MiB): the rank
+#: stride is the size rounded up to it, so a segment is narrower than its stride, as on the GPU.
+GRANULARITY = 128
+
+
+class CommBackend(ABC):
+    """The communicator interface (an ABC until v0.6.15, a Protocol from v0.6.16; never checked)."""
+
+    @abstractmethod
+    def Get_rank(self) -> int: ...  # noqa: N802
+
+    @abstractmethod
+    def Get_size(self) -> int: ...  # noqa: N802
+
+    @abstractmethod
+    def allgather(self, data: Any) -> Any: ...
+
+    @abstractmethod
+    def bcast(self, data: Any, root: int) -> Any: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def Split(self, color: int, key: int) -> "CommBackend": ...  # noqa: N802
+
+
+class SingletonWorld:
+    """mpi4py's COMM_WORLD in a process mpirun did not start: one rank."""
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+    def allgather(self, data: Any) -> list[Any]:
+        return [data]
+
+    def bcast(self, data: Any, root: int = 0) -> Any:
+        return data
+
+    def Barrier(self) -> None:  # noqa: N802
+        return None
+
+    def Split(self, color: int, key: int) -> "SingletonWorld":  # noqa: N802
+        return SingletonWorld()
+
+
+class MpiComm:
+    """``flashinfer.comm.mnnvl.MpiComm``: attribute access goes to mpi4py's COMM_WORLD. The fake
+    models mpi4py installed and no mpirun (without mpi4py FlashInfer raises
+    ``ImportError("mpi4py is not installed")`` here instead; either way not the EP group)."""
+
+    _comm: Any = SingletonWorld()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(type(self)._comm, name)
+
+
+class MPIBackend(CommBackend):
+    def __init__(self) -> None:
+        self._mpicomm = MpiComm()
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return self._mpicomm.Get_rank()
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self._mpicomm.Get_size()
+
+    def allgather(self, data: Any) -> tuple[Any, ...]:
+        return tuple(self._mpicomm.allgather(data))
+
+    def bcast(self, data: Any, root: int) -> Any:
+        return self._mpicomm.bcast(data, root)
+
+    def barrier(self) -> None:
+        self._mpicomm.Barrier()
+
+    def Split(self, color: int, key: int) -> "MPIBackend":  # noqa: N802
+        split = MPIBackend()
+        split._mpicomm = self._mpicomm.Split(color, key)
+        return split
+
+
+class TorchDistBackend(CommBackend):
+    """``flashinfer.comm.mnnvl.TorchDistBackend`` (every version): torch.distributed objects.
+    Its ``Split`` gathers ``Get_rank()`` (the rank *in its group*) and builds groups from those
+    numbers as if they were global ranks: right for the WORLD group only, as in FlashInfer."""
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized. "
+                               "Please call torch.distributed.init_process_group() first.")
+        self._group = group
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return dist.get_rank(self._group)
+
+    def Get_size(self) -> int:  # noqa: N802
+        return dist.get_world_size(self._group)
+
+    def allgather(self, data: Any) -> tuple[Any, ...]:
+        out: list[Any] = [None] * self.Get_size()
+        dist.all_gather_object(out, data, group=self._group)
+        return tuple(out)
+
+    def bcast(self, data: Any, root: int) -> Any:
+        box = [data]
+        src = dist.get_global_rank(self._group, root) if self._group is not None else root
+        dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def Split(self, color: int, key: int) -> "TorchDistBackend":  # noqa: N802
+        info = self.allgather((color, key, self.Get_rank()))
+        colors = sorted({c for c, _, _ in info})
+        partition = [[r for _, r in sorted((k, r) for c, k, r in info if c == col)] for col in colors]
+        group, _ = dist.new_subgroups_by_enumeration(partition)
+        self.barrier()
+        return TorchDistBackend(group)
+
+
+@dataclass
+class MnnvlConfig:
+    """Configuration for MNNVL memory management."""
+
+    comm_backend: Any = None
+    allocation_granularity: int = 0
+    fabric_page_size: int = 1 << 29
+
+
+# -- the memory ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Segment:
+    """One MNNVL allocation: a ``[comm_size, size]`` view of which row ``rank`` is ours."""
+
+    comm: Any
+    rank: int
+    comm_size: int
+    size: int
+    rank_stride: int
+    storage: torch.Tensor
+
+    def rows(self, num_segments: int) -> torch.Tensor:
+        if num_segments * self.rank_stride > self.storage.numel():
+            raise RuntimeError(f"fake MNNVL: a [{num_segments}, {self.size}] view of an allocation made over "
+                               f"{self.comm_size} ranks (MnnvlMemory.comm changed in between)")
+        return self.storage.as_strided((num_segments, self.size), (self.rank_stride, 1))
+
+    def exchange(self, outgoing: dict[int, list[tuple[int, torch.Tensor]]]) -> list[list[tuple[int, torch.Tensor]]]:
+        """Byte stores ``(offset, uint8 tensor)`` to each peer → the stores every source made to
+        this rank. The headers travel through the communicator (allgather); the bytes through
+        its process group when it has one (``_group``, as FlashInfer's TorchDistBackend), else
+        through the communicator too."""
+        size = self.comm_size
+        headers = {peer: [(off, int(data.numel())) for off, data in stores] for peer, stores in outgoing.items()}
+        everyone = self.comm.allgather(headers)
+        send = [torch.cat([d.reshape(-1) for _, d in outgoing.get(p, [])] or [torch.empty(0, dtype=torch.uint8)])
+                for p in range(size)]
+        send_counts = [int(t.numel()) for t in send]
+        recv_counts = [sum(n for _, n in everyone[src].get(self.rank, [])) for src in range(size)]
+        group = getattr(self.comm, "_group", _NO_GROUP)
+        if size > 1 and group is not _NO_GROUP and dist.is_initialized():
+            out = torch.empty(sum(recv_counts), dtype=torch.uint8)
+            dist.all_to_all_single(out, torch.cat(send), recv_counts, send_counts, group=group)
+            chunks = list(torch.split(out, recv_counts))
+        else:
+            gathered = self.comm.allgather(send)
+            chunks = [gathered[src][self.rank] for src in range(size)]
+        result = []
+        for src in range(size):
+            stores, at = [], 0
+            for off, n in everyone[src].get(self.rank, []):
+                stores.append((off, chunks[src][at : at + n]))
+                at += n
+            result.append(stores)
+        return result
+
+
+_NO_GROUP = object()
+
+
+#: data_ptr of every live workspace tensor (row 0) → its segment; what the fake kernels find
+#: from the ``workspace`` argument, as the real ones find peer rows from its base pointer.
+FABRIC: dict[int, Segment] = {}
+_ADDRESSES = itertools.count(1 << 40, 1 << 32)
+
+
+def _allocate(comm: Any, size: int) -> tuple[int, Segment]:
+    rank, comm_size = comm.Get_rank(), comm.Get_size()
+    stride = -(-size // GRANULARITY) * GRANULARITY
+    storage = torch.empty(comm_size * stride, dtype=torch.uint8)  # peers' rows: not our memory
+    seg = Segment(comm, rank, comm_size, size, stride, storage)
+    FABRIC[storage.data_ptr()] = seg
+    return next(_ADDRESSES), seg
+
+
+def segment_of(workspace: torch.Tensor) -> Segment | None:
+    return FABRIC.get(workspace.data_ptr())
+
+
+@dataclass
+class _AllocationRecord:
+    comm: Any
+    comm_size: int
+    comm_rank: int
+    aligned_size: int
+    mem_handles: list[Any]
+    start_address: int
+    rank_stride: int
+    address_offset: int
+    mapped: bool = True
+    segment: Any = field(default=None, repr=False)
+
+
+def _open(cls: Any, record_cls: Callable[..., Any], mapping: Any, size: int) -> tuple[int, int]:
+    """``MnnvlMemory.open_mnnvl_memory``: the comm logic as FlashInfer's, CPU memory."""
+    comm = cls.get_comm(mapping)
+    comm_rank, comm_size = comm.Get_rank(), comm.Get_size()
+    sizes = comm.allgather(size)
+    assert len(sizes) == comm_size
+    assert all(x == size for x in sizes), "Not all rank allocating same size."
+    ptr, seg = _allocate(comm, size)
+    record = record_cls(comm=comm, comm_size=comm_size, comm_rank=comm_rank, aligned_size=seg.rank_stride,
+                        mem_handles=[None] * comm_size, start_address=ptr, rank_stride=seg.rank_stride,
+                        address_offset=0)
+    cls.allocated_map[ptr] = record
+    _SEGMENTS[ptr] = seg
+    return ptr, seg.rank_stride
+
+
+def _close(cls: Any, ptr: int) -> None:
+    cls.allocated_map.pop(ptr, None)
+    seg = _SEGMENTS.pop(ptr, None)
+    if seg is not None:
+        FABRIC.pop(seg.storage.data_ptr(), None)
+
+
+def _as_tensor(cls: Any, mem: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``as_torch_strided_tensor``: rows = the class-level comm's size *now*, as FlashInfer's."""
+    num_segments = cls.comm.Get_size()
+    return _SEGMENTS[mem.ptr].rows(num_segments).view(dtype)
+
+
+_SEGMENTS: dict[int, Segment] = {}
+
+
+class MnnvlMemory:
+    initialized: bool = False
+    comm: Any = None
+    dev_id: Any = None
+    allocated_map: dict[int, Any] = {}
+    address_refcnt: dict[int, Any] = {}
+    config: Any = None
+
+    def __init__(self, mapping: Any, size: int) -> None:
+        self.mapping = mapping
+        self.segment_size = size
+        self.ptr, self.rank_stride = MnnvlMemory.open_mnnvl_memory(mapping, size)
+
+    def __del__(self) -> None:
+        if hasattr(self, "ptr"):
+            MnnvlMemory.close_mnnvl_memory(self.ptr)
+
+    @property
+    def mapped(self) -> bool:
+        return MnnvlMemory.allocated_map[self.ptr].mapped
+
+    def as_torch_strided_tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        return _as_tensor(MnnvlMemory, self, dtype)
+
+    @staticmethod
+    def initialize() -> None:
+        MnnvlMemory.initialized = True  # the real one creates a CUDA context and initializes NVML
+
+    @staticmethod
+    def set_comm_from_config(mapping: Any, config: Any = None) -> None:
+        MnnvlMemory.config = config or MnnvlConfig(comm_backend=MPIBackend())
+        comm = config.comm_backend.Split(mapping.pp_rank * mapping.cp_size + mapping.cp_rank, mapping.tp_rank)
+        MnnvlMemory.comm = comm
+
+    @staticmethod
+    def get_comm(mapping: Any) -> Any:
+        if MnnvlMemory.comm is not None:
+            return MnnvlMemory.comm
+        comm = MpiComm().Split(mapping.pp_rank * mapping.cp_size + mapping.cp_rank, mapping.tp_rank)
+        MnnvlMemory.comm = comm
+        return comm
+
+    @staticmethod
+    def open_mnnvl_memory(mapping: Any, size: int) -> tuple[int, int]:
+        return _open(MnnvlMemory, _AllocationRecord, mapping, size)
+
+    @staticmethod
+    def close_mnnvl_memory(ptr: int) -> None:
+        _close(MnnvlMemory, ptr)
+
+
+def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
+    """Put CPU memory under FlashInfer's real ``MnnvlMemory`` (its comm logic stays: ``get_comm``,
+    ``set_comm_from_config``, the class-level ``comm``); returns the undo."""
+    saved = {name: real.__dict__[name] for name in
+             ("initialize", "open_mnnvl_memory", "close_mnnvl_memory", "as_torch_strided_tensor")}
+
+    def initialize() -> None:
+        real.initialized = True
+
+    def open_mnnvl_memory(mapping: Any, size: int) -> tuple[int, int]:
+        return _open(real, record_cls, mapping, size)
+
+    def close_mnnvl_memory(ptr: int) -> None:
+        _close(real, ptr)
+
+    def as_torch_strided_tensor(self: Any, dtype: torch.dtype) -> torch.Tensor:
+        return _as_tensor(real, self, dtype)
+
+    real.initialize = staticmethod(initialize)
+    real.open_mnnvl_memory = staticmethod(open_mnnvl_memory)
+    real.close_mnnvl_memory = staticmethod(close_mnnvl_memory)
+    real.as_torch_strided_tensor = as_torch_strided_tensor
+
+    def undo() -> None:
+        for name, value in saved.items():
+            setattr(real, name, value)
+
+    return undo
+
+
+__all__ = ["CommBackend", "FABRIC", "MPIBackend", "MnnvlConfig", "MnnvlMemory", "MpiComm", "Segment", "SingletonWorld",
+           "TorchDistBackend", "patch_real_mnnvl", "segment_of"]
