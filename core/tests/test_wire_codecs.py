@@ -197,3 +197,19 @@ def test_nvfp4_global_scale_must_be_positive_finite(bad):
 def test_nvfp4_codec_needs_a_global_scale():
     with pytest.raises(md.InvalidSpecError, match="global scale"):
         make_codec(WireFormat(D.NVFP4, 64))
+
+
+def test_ue8m0_scales_round_up_exactly_even_just_above_a_power_of_two():
+    """exp2(ceil(log2(s))) gives 2^16 for the float just above 2^16, and the block's largest
+    value then clips at 448; the bit arithmetic DeepGEMM and DeepEP use never rounds down."""
+    from moe_dispatch.codecs import pow2_ceil
+
+    powers = torch.tensor([2.0**-20, 2.0**-10, 1.0, 2.0**16])
+    above = torch.nextafter(powers, torch.tensor(float("inf")))
+    assert torch.equal(pow2_ceil(powers), powers)
+    assert torch.equal(pow2_ceil(above), powers * 2)
+    assert not bool((torch.exp2(torch.ceil(torch.log2(above))) >= above).all())  # why it is bit arithmetic
+    x = torch.zeros(1, 128)
+    x[0, 0] = float(above[3]) * FP8_MAX  # block amax / 448 is the float just above 2^16
+    q = make_codec(WireFormat(D.FP8, 128, ue8m0=True)).quantize(x)
+    assert float(q.scale) == 2.0**17 and float(q.data.float().abs().max()) < FP8_MAX

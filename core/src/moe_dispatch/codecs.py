@@ -115,7 +115,7 @@ class FP8Codec(Codec):
         amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
         scale = amax / FP8_MAX
         if self.wire.ue8m0:
-            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+            scale = pow2_ceil(scale)
         q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Quantized(q.flatten(-2), scale.squeeze(-1))
 
@@ -144,6 +144,15 @@ class FP8Codec(Codec):
         if self.wire.ue8m0:
             return torch.exp2(raw.float() - 127.0)
         return from_bytes(raw, torch.float32)
+
+
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each positive fp32 value, exactly: the mantissa rounded up
+    into the exponent bits, as DeepGEMM's ``ceil_to_ue8m0`` and DeepEP's ``fast_log2_ceil`` do.
+    ``exp2(ceil(log2(x)))`` is not exact: just above a power of two it can return the power
+    below (the next float after 2^16 gives 2^16), which makes a block's largest value clip."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -385,6 +394,7 @@ __all__ = [
     "make_codec",
     "nvfp4_global_scale",
     "pack_ue8m0",
+    "pow2_ceil",
     "unpack_ue8m0",
     "torch_dtype_of",
 ]

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-neg-one-unset
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-mode2-tokens
+    torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-fused-neg-one
     # the same checks with the CPU fakes standing in for the vendor (no NPU; 2 local gloo ranks):
     python plugins/ascend_deepep/scripts/hardware_check.py --fake
 
@@ -12,12 +13,16 @@ DeepEP-Ascend takes no single rank (its ops' tiling needs 2, normal mode's confi
 at 2): at one rank the script prints the vendor's own refusal and runs the rest. What it does,
 per rank: the ascend_deepep adapter on the real ``deep_ep.Buffer`` (NPU, HCCL) and on the fake
 (CPU, a gloo group beside it) with the same inputs, both modes, BF16 and INT8, with and without
--1 expert ids (the adapter sets MOE_ENABLE_TOPK_NEG_ONE=1 for its calls); the torch_npu expert
-runners against the fake ops; FuseEP's two fuse modes (with moe-dispatch-ascend-fuseep
-installed); the recorded signatures against torch_npu's documented prototypes and the installed
+-1 expert ids (the adapter sets MOE_ENABLE_TOPK_NEG_ONE=1 for its calls), two dispatches of
+different sizes in flight combined in either order and two dispatchers on one group interleaved
+(the Buffer's real_max_bs and the kernels' window halves); the chip, CANN's version and which aclnn
+variants it has; the torch_npu expert runners against the fake ops (and the int4 packing against
+``npu_convert_weight_to_int4pack`` on the NPU); FuseEP's two fuse modes (with
+moe-dispatch-ascend-fuseep installed); the recorded signatures against torch_npu's registered op
+schemas (the callables), its documented prototypes (information) and the installed
 ``deep_ep/buffer.py``; the HCCL window the ops check. The probes run what the adapter never does
-(``-1`` ids with no active mask; fuse mode 2 with sglang's bound T) and may fail or corrupt device
-memory: run them alone, last. Rank 0 prints a table; the exit status is 1 if any check failed.
+(``-1`` ids with no active mask; fuse mode 2 with sglang's bound T; raw ``-1`` ids in the fused
+ops) and may fail or corrupt device memory: run them alone, last. Rank 0 prints a table; the exit status is 1 if any check failed.
 Record the output in docs/hardware-runs.md.
 """
 
@@ -48,15 +53,17 @@ def parse(argv: Sequence[str] | None) -> tuple[Options, int]:
     p.add_argument("--experts-per-rank", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--parts", default="signatures,windows,deepep,runners,fuseep")
+    p.add_argument("--parts", default="platform,signatures,windows,deepep,runners,fuseep")
     p.add_argument("--probe-neg-one-unset", action="store_true")
     p.add_argument("--probe-mode2-tokens", action="store_true")
+    p.add_argument("--probe-fused-neg-one", action="store_true", help="FuseEP with raw -1 ids (the adapter never does)")
     a = p.parse_args(argv)
     small = a.fake  # CPU: small shapes by default
     opts = Options(fake=a.fake, hidden=a.hidden or (1024 if small else 7168), tokens=a.tokens or (8 if small else 64),
                    experts_per_rank=a.experts_per_rank or (2 if small else 8), top_k=a.top_k or (2 if small else 8),
                    intermediate=a.intermediate, parts=tuple(a.parts.split(",")),
-                   probe_neg_one_unset=a.probe_neg_one_unset, probe_mode2_tokens=a.probe_mode2_tokens)
+                   probe_neg_one_unset=a.probe_neg_one_unset, probe_mode2_tokens=a.probe_mode2_tokens,
+                   probe_fused_neg_one=a.probe_fused_neg_one)
     return opts, a.world_size
 
 

@@ -21,19 +21,22 @@ def _script():  # type: ignore[no-untyped-def]
 
 def test_every_check_runs_and_passes_on_the_fakes(moe_rank_pools):
     script = _script()
-    opts, world = script.parse(["--fake", "--probe-neg-one-unset", "--probe-mode2-tokens"])
+    opts, world = script.parse(["--fake", "--probe-neg-one-unset", "--probe-mode2-tokens", "--probe-fused-neg-one"])
     assert world == 2 and opts.fake and opts.hidden == 1024
     per_rank = moe_rank_pools.get(2).map(run_rank, opts, script._fuseep())
     table, ok = summarize(per_rank)
     assert ok, table
-    parts = ("signatures", "windows", "deepep", "runners") + (("fuseep",) if script._fuseep() else ())
+    parts = ("platform", "signatures", "windows", "deepep", "runners") + (("fuseep",) if script._fuseep() else ())
     for part in parts:
         assert any(line.startswith(part) for line in table.splitlines()), table
     assert "low_latency int8 with -1 ids" in table
+    # audit a30: the Buffer's per-call state (real_max_bs, window halves) under interleaving
+    assert "normal: two dispatches in flight" in table and "two dispatchers on one group" in table
     # the probes report the fake's refusals as information, not failures
     assert "(fake) expert id -1" in table
     if script._fuseep():  # moe-dispatch-ascend-fuseep installed
         assert "fuse mode 2 (every token to rank 0)" in table and "max_output_size=" in table
+        assert "probe: fuse mode 2 with raw -1 ids" in table and "topk=-1 is not supported" in table
     assert len(table.splitlines()) > 30
 
 

@@ -217,8 +217,8 @@ def test_process_weights_gives_the_npu_layouts(scheme, w13, w2, s13, s2):
     bound = {"w8a8": 0.02, "bf16": 0.005}.get(scheme, 0.15)
     assert relative_error(back.w13_weight, original.w13_weight.float()) < bound
     assert relative_error(back.w2_weight, original.w2_weight.float()) < (0.02 if scheme == "w4a4" else bound)
-    if scheme == "w4a8":
-        assert torch.equal(layer.w13_scale_bias, torch.zeros(E, 2 * I))  # symmetric: no scale bias
+    if scheme == "w4a8":  # CANN A8W4's required 8·Σ_k(w·s) (test_audit_2026_11.py::test_b16_*)
+        assert layer.w13_scale_bias.shape == (E, 2 * I) and layer.w13_scale_bias.dtype == torch.float32
     if scheme == "w4a16":
         assert torch.equal(layer.w13_weight_offset, torch.zeros_like(layer.w13_weight_scale))
 
@@ -233,13 +233,13 @@ def test_w8a8_takes_int8_checkpoint_weights_as_they_are():
 
 
 def test_int4_packing_and_uint64_scales():
-    """``pack_int4`` (int8 pairs viewed as int32, sglang's W4A8 route) equals the emulated
-    ``npu_convert_weight_to_int4pack``, whose layout is op-plugin's golden: element 8j+m in
-    bits 4m..4m+3 of word j; uint64 scales carry the fp32 bits in the low word."""
+    """``pack_int4`` (int8 pairs viewed as int32, sglang's W4A8 route) equals op-plugin's golden packer
+    (the layout ``npu_convert_weight_to_int4pack`` returns; the op itself runs on NPU tensors only):
+    element 8j+m in bits 4m..4m+3 of word j; uint64 scales carry the fp32 bits in the low word."""
     values = torch.randint(-8, 8, (6, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     packed = pack_int4(values)
     assert packed.dtype == torch.int32 and packed.shape == (6, 4)
-    assert torch.equal(packed, emu.npu_convert_weight_to_int4pack(values))
+    assert torch.equal(packed, emu.pack_golden(values))
     golden = torch.zeros(6, 4, dtype=torch.int64)
     for m in range(8):
         golden |= (values[:, m::8].to(torch.int64) & 0xF) << (4 * m)
@@ -249,9 +249,9 @@ def test_int4_packing_and_uint64_scales():
     bits = fp32_as_uint64(s)
     assert bits.dtype == torch.int64 and bool(((bits >> 32) == 0).all()) and torch.equal(uint64_as_fp32(bits), s)
     with pytest.raises(AssertionError, match="int4"):
-        emu.npu_convert_weight_to_int4pack(values * 2)
+        emu.pack_golden(values * 2)
     with pytest.raises(AssertionError, match="multiple of 8"):
-        emu.npu_convert_weight_to_int4pack(values[:, :12].contiguous())
+        emu.pack_golden(values[:, :12].contiguous())
 
 
 # -- the emulated ops -------------------------------------------------------------------------------
@@ -270,9 +270,10 @@ def test_grouped_matmul_int8_accumulates_exactly_in_int32():
 
 
 def test_grouped_matmul_asserts_its_documented_constraints():
-    """What the real op rejects (doc @07557e5): group lists that do not cover x's rows, a
-    decreasing cumulative list, int8 without an int32 output or with a scale whose dtype does
-    not give the requested output, a transposed x; what is not emulated raises NotImplementedError."""
+    """What the real op rejects (doc @07557e5, CANN): group lists covering more rows than x has (the
+    kernel reads past x; fewer leave the rest unwritten), a decreasing cumulative list, int8 without
+    an int32 output or with a scale whose dtype does not give the requested output, a transposed x;
+    what is not emulated raises NotImplementedError."""
     x = torch.randint(-5, 5, (6, 32), dtype=torch.int8)
     w = torch.randint(-5, 5, (2, 32, 16), dtype=torch.int8)
 
@@ -281,10 +282,10 @@ def test_grouped_matmul_asserts_its_documented_constraints():
         return emu.npu_grouped_matmul([x], [w], split_item=kw.pop("split_item", 2), group_type=kw.pop("group_type", 0),
                                       group_list=group_list, group_list_type=group_list_type, **kw)
 
-    with pytest.raises(AssertionError, match="sum"):
-        gmm(torch.tensor([2, 3]))
-    with pytest.raises(AssertionError, match="last value"):
-        gmm(torch.tensor([2, 5]), 0)
+    with pytest.raises(RuntimeError, match="reads past x"):
+        gmm(torch.tensor([4, 3]))
+    with pytest.raises(RuntimeError, match="reads past x"):
+        gmm(torch.tensor([2, 7]), 0)
     with pytest.raises(AssertionError, match="non-decreasing"):
         gmm(torch.tensor([4, 2]), 0)
     with pytest.raises(AssertionError, match="int64"):

@@ -15,6 +15,7 @@ from moe_dispatch.environ import restored_environ
 from moe_dispatch_ascend_deepep import sizes, vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.fakes import deep_ep as fake
+from moe_dispatch_ascend_deepep.fakes import torch_npu as fake_npu
 
 H = 1024
 
@@ -91,19 +92,16 @@ def test_7_low_latency_minus_one_ids_are_enabled_for_the_call_only(moe_rank_pool
 
 
 def layered_minus_one(rank: int, world: int, with_minus_one: bool) -> str:
-    fake.Buffer.SOC_VERSION = fake.A2
-    try:
-        with restored_environ({v.INTRA_PCIE_ENV: "1", v.INTRA_ROCE_ENV: "0"}):
-            d = _dispatcher(v.FAKE, "bf16", "low_latency")
-            x, ids, w = _batch(rank, drop=with_minus_one)
-            try:
-                out = d.dispatch(x, ids, w)
-                d.combine(out.hidden_states, out)
-            except md.InvalidInputError as exc:
-                return f"InvalidInputError {exc.parameter}"
-            return "ok"
-    finally:
-        fake.Buffer.SOC_VERSION = fake.A3
+    with fake_npu.soc_version(220), restored_environ({v.INTRA_PCIE_ENV: "1", v.INTRA_ROCE_ENV: "0"}):  # an A2
+        d = _dispatcher(v.FAKE, "bf16", "low_latency")
+        assert d.backend_dispatcher.buffer.soc_version == fake.A2
+        x, ids, w = _batch(rank, drop=with_minus_one)
+        try:
+            out = d.dispatch(x, ids, w)
+            d.combine(out.hidden_states, out)
+        except md.InvalidInputError as exc:
+            return f"InvalidInputError {exc.parameter}"
+        return "ok"
 
 
 def test_7_a2_layered_low_latency_refuses_minus_one_ids(moe_rank_pools):

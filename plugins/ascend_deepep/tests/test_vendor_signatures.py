@@ -1,8 +1,9 @@
 """The recorded vendor signatures (``vendor.py``) against the fakes, and, where the vendor is
-installed, against the vendor: torch_npu's documented prototypes (its ``_op_plugin_docs.py``,
-read without importing torch_npu, which needs CANN) and DeepEP-Ascend's ``buffer.py`` (read by
-AST). A plain run skips the vendor checks with the reason; ``pip install --no-deps
-torch-npu==2.13.0`` (no NPU needed) runs the torch_npu ones."""
+installed, against the vendor: torch_npu's registered op schemas (``torch_npu.npu_X`` is
+``torch.ops.npu.npu_X``; read from ``libtorch_npu.so`` without loading it, which needs CANN), its
+documented prototypes (``_op_plugin_docs.py``: what the docs say, recorded apart) and
+DeepEP-Ascend's ``buffer.py`` (read by AST). A plain run skips the vendor checks with the reason;
+``pip install --no-deps torch-npu==2.13.0`` (no NPU needed) runs the torch_npu ones."""
 
 from __future__ import annotations
 
@@ -21,18 +22,19 @@ from moe_dispatch_ascend_deepep import vendor as v
 def test_each_fake_buffer_method_has_the_recorded_signature(fake_module):
     buffer = importlib.import_module(fake_module).Buffer
     problems = [p for rec in v.DEEP_EP_SIGNATURES[fake_module]
-                for p in differences(rec.signature(), getattr(buffer, rec.qualname.split(".")[1]))]
+                for p in differences(rec, getattr(buffer, rec.qualname.split(".")[1]))]
     assert problems == []
 
 
 @pytest.mark.parametrize("record", v.TORCH_NPU_SIGNATURES, ids=lambda r: r.qualname)
-def test_each_torch_npu_fake_has_the_documented_prototype(record):
+def test_each_torch_npu_fake_takes_the_registered_schema(record):
     fake = importlib.import_module(v.TORCH_NPU_FAKE)
-    assert differences(record.signature(), getattr(fake, record.qualname)) == []
+    assert differences(record, getattr(fake, record.qualname)) == []
+    assert record.text == v.schema_params(v.TORCH_NPU_SCHEMAS[record.qualname])
 
 
 def test_a_wrong_keyword_fails_in_the_fake_as_in_the_vendor():
-    """``npu_swiglu(Tensor self, int dim=-1)``: a keyword ``x=`` is a TypeError on the real op."""
+    """``npu_swiglu(Tensor input, int dim=-1)``: a keyword ``x=`` is a TypeError on the real op."""
     import torch
 
     fake = importlib.import_module(v.TORCH_NPU_FAKE)
@@ -75,14 +77,31 @@ _DOCS = v.torch_npu_docs_path()
 @pytest.mark.vendor_code
 @pytest.mark.skipif(_DOCS is None, reason="torch_npu is not installed: `pip install --no-deps torch-npu==2.13.0` "
                     "(its docs module is read without importing it; no NPU or CANN needed)")
-@pytest.mark.parametrize("record", v.TORCH_NPU_SIGNATURES, ids=lambda r: r.qualname)
+@pytest.mark.parametrize("record", v.TORCH_NPU_DOC_SIGNATURES, ids=lambda r: r.qualname)
 def test_the_installed_torch_npu_documents_the_recorded_prototype(record):
     assert _DOCS is not None
     documented = v.documented_signature(Path(_DOCS).read_text(encoding="utf-8"), record.qualname)
     assert documented is not None, f"{_DOCS} documents no {record.qualname}"
     from moe_dispatch.signatures import VendorSignature
 
-    assert compare(record.signature().params, VendorSignature(record.qualname, documented, _DOCS).params,
+    assert compare(record.params, VendorSignature(record.qualname, documented, _DOCS).params,
+                   record.qualname) == []
+
+
+_LIBRARY = v.torch_npu_library_path()
+
+
+@pytest.mark.vendor_code
+@pytest.mark.skipif(_LIBRARY is None, reason="torch_npu is not installed: `pip install --no-deps torch-npu==2.13.0` "
+                    "(libtorch_npu.so is read as bytes, not loaded; no NPU or CANN needed)")
+@pytest.mark.parametrize("record", v.TORCH_NPU_SIGNATURES, ids=lambda r: r.qualname)
+def test_the_installed_torch_npu_registers_the_recorded_schema(record):
+    assert _LIBRARY is not None
+    schema = v.registered_schema(Path(_LIBRARY).read_bytes(), record.qualname)
+    assert schema is not None, f"{_LIBRARY} registers no {record.qualname}"
+    from moe_dispatch.signatures import VendorSignature
+
+    assert compare(record.params, VendorSignature(record.qualname, v.schema_params(schema), _LIBRARY).params,
                    record.qualname) == []
 
 
@@ -102,10 +121,6 @@ _BUFFER_PY = _deep_ep_buffer_py()
                     "sgl-kernel-npu is not on the package index)")
 def test_the_installed_deep_ep_buffer_has_a_recorded_signature_per_method():
     assert _BUFFER_PY is not None
-    records = {r.qualname: [] for r in v.DEEP_EP_SIGNATURES[v.FAKE]}
-    for fake_module in v.DEEP_EP_SIGNATURES:
-        for rec in v.DEEP_EP_SIGNATURES[fake_module]:
-            records[rec.qualname].append(rec)
-    for qualname, recs in records.items():
+    for qualname, recs in v.RECORDED_VERSIONS.items():
         got = signature_from_source(_BUFFER_PY, qualname)
-        assert any(compare(r.signature().params, got) == [] for r in recs), (qualname, got)
+        assert any(compare(r.params, got) == [] for r in recs), (qualname, got)

@@ -18,10 +18,10 @@ from moe_dispatch_ascend_fuseep import vendor as v
 @pytest.mark.parametrize("fake_module", [v.FAKE, v.FAKE_NO_FUSE_MODE])
 def test_each_fake_fused_deep_moe_has_the_recorded_signature(fake_module):
     buffer = importlib.import_module(fake_module).Buffer
-    assert differences(v.SIGNATURES[fake_module].signature(), buffer.fused_deep_moe) == []
+    assert differences(v.SIGNATURES[fake_module], buffer.fused_deep_moe) == []
     # the rest of the Buffer is DeepEP-Ascend's, recorded by ascend_deepep
     problems = [p for rec in deepep_vendor.DEEP_EP_SIGNATURES[deepep_vendor.FAKE] if rec.qualname != "Buffer.fused_deep_moe"
-                for p in differences(rec.signature(), getattr(buffer, rec.qualname.split(".")[1]))]
+                for p in differences(rec, getattr(buffer, rec.qualname.split(".")[1]))]
     assert problems == []
 
 
@@ -48,4 +48,4 @@ def test_the_installed_fused_deep_moe_is_a_recorded_version():
     assert _BUFFER_PY is not None
     got = signature_from_source(_BUFFER_PY, "Buffer.fused_deep_moe")
     records = (v.SIG_FUSED_DEEP_MOE, v.SIG_FUSED_DEEP_MOE_NO_PROFILE, v.SIG_FUSED_DEEP_MOE_NO_FUSE_MODE)
-    assert any(compare(r.signature().params, got) == [] for r in records), got
+    assert any(compare(r.params, got) == [] for r in records), got

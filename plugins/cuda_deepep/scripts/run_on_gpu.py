@@ -2,10 +2,11 @@
 
     torchrun --nproc-per-node 8 plugins/cuda_deepep/scripts/run_on_gpu.py [--hidden 7168] [--tokens 128]
 
-On every rank: what reaches ``deep_ep.Buffer`` for each mode and dtype (the resolved dtype),
-then dispatch → scaled-identity experts → combine on DeepEP and on the core ``torch``
-backend (NCCL), their relative difference, and the median round-trip time of each. Rank 0
-prints a table; the exit status is 1 if any case differs by more than 1e-2.
+On every rank, for each mode and dtype: dispatch → scaled-identity experts → combine on DeepEP and
+on the core ``torch`` backend (NCCL), their relative difference, and the median round-trip time of
+each. Rank 0 prints a table; the exit status is 1 if any case differs by more than 1e-2. (What
+reaches ``deep_ep.Buffer`` is checked on the fakes only: ``selfcheck.wire_seen``.) The layers of one
+process share one DeepEP Buffer per mode through one backend object, as an engine's would.
 
 This is the multi-GPU agreement and timing run; ``hardware_check.py`` is the one-GPU check of the
 adapter against the real DeepEP/DeepGEMM and their fakes. Deterministic algorithms stay off: DeepEP 2.x
@@ -21,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch
 
 
@@ -36,12 +38,13 @@ def main() -> int:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, ok = [], True
+    backend = DeepEPBackend()  # one backend: one Buffer per mode for every case (DeepEP starts NVSHMEM per Buffer)
     try:
         for mode in ("normal", "low_latency"):
             for dtype in ("bf16", "fp8"):
                 r = agree_with_torch(rank, world, mode, dtype, hidden=args.hidden,
                                      experts_per_rank=args.experts_per_rank, top_k=args.top_k, tokens=args.tokens,
-                                     iterations=args.iterations)
+                                     iterations=args.iterations, backend=backend)
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, r)
                 worst = max(g["relative_difference"] for g in gathered)

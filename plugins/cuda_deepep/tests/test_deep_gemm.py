@@ -25,6 +25,7 @@ from moe_dispatch.experts import dequantize_rows
 from moe_dispatch.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+from moe_dispatch_cuda_deepep.fakes import _native
 from moe_dispatch_cuda_deepep.fakes import deep_gemm as emu
 from moe_dispatch_cuda_deepep.fakes import deep_gemm_sm100 as emu100
 from moe_dispatch_cuda_deepep.fakes import deep_gemm_v1 as emu_v1
@@ -44,7 +45,8 @@ SM100, V1 = vendor.DEEP_GEMM_EMULATOR_SM100, vendor.DEEP_GEMM_V1_EMULATOR
 
 H, I, E = 256, 128, 4
 PACKED_COUNTS = [5, 0, 130, 1]  # uneven, an empty expert, none a multiple of 128
-MASKED_COUNTS, CAPACITY = [3, 0, 8, 1], 8
+#: A capacity every DeepGEMM's masked BLOCK_M divides (v1 and 2.0.x may pick 256; audit row 15).
+MASKED_COUNTS, CAPACITY = [3, 0, 8, 1], 256
 LL, NORMAL = md.Mode.LOW_LATENCY, md.Mode.NORMAL
 
 
@@ -84,7 +86,7 @@ def mirror(layer: DeepGemmLayer, x: torch.Tensor, scale, counts: list[int]) -> t
             blocks = act.unflatten(-1, (-1, 128))
             s = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0
             if layer.ue8m0:
-                s = torch.exp2(torch.ceil(torch.log2(s)))
+                s = vendor.ceil_to_ue8m0(s)
             act = ((blocks / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2)
         else:
             act = act.to(torch.bfloat16).float()
@@ -218,7 +220,7 @@ def test_the_fake_checks_the_contiguous_layout():
         emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, torch.zeros(130, dtype=torch.int32))
     a, sa, b, sb = _fp8_operands(256)
     two_groups = torch.cat([torch.zeros(100), torch.ones(156)]).to(torch.int32)  # group 1 starts mid-block
-    with pytest.raises(RuntimeError, match="one group"):
+    with pytest.raises(RuntimeError, match="first row"):
         emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16), two_groups)
     with pytest.raises(RuntimeError, match="Assertion error"):
         emu.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, torch.zeros(256, dtype=torch.int32))  # d: 130 rows
@@ -243,12 +245,14 @@ def test_the_fake_computes_the_contiguous_gemm_and_poisons_padding():
         run_contiguous(a, sa, b, sb, d, first_padding, 128, skips_negative=False)
 
 
-def test_the_fake_masked_gemm_writes_only_the_valid_rows():
-    a, sa, b, sb = _fp8_operands(2 * 8)
-    a, sa = a.view(2, 8, 256), sa.view(2, 8, 2)
-    d = torch.full((2, 8, 128), 7.0, dtype=torch.bfloat16)
+def test_the_fake_masked_gemm_writes_whole_tiles():
+    """Rows up to the end of the last BLOCK_M tile are written (garbage past ``masked_m``); another group's rows
+    only when the tile passes ``m`` (audit row 15, ``test_dg15_...``)."""
+    a, sa, b, sb = _fp8_operands(2 * 128)
+    a, sa = a.view(2, 128, 256), sa.view(2, 128, 2)
+    d = torch.full((2, 128, 128), 7.0, dtype=torch.bfloat16)
     emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 2)
-    assert (d[0, 3:] == 7).all() and (d[1] == 7).all() and not (d[0, :3] == 7).any()
+    assert torch.isnan(d[0, 3:]).all() and (d[1] == 7).all() and not torch.isnan(d[0, :3]).any()
     with pytest.raises(RuntimeError, match="expected_m > 0"):
         emu.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0], dtype=torch.int32), 0)
     with pytest.raises(TypeError, match="incompatible"):  # pybind: expected_m is an int
@@ -276,8 +280,11 @@ def test_the_fake_scale_formats_per_architecture():
     emu.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, pow2_sb), d_ref, ids)
     emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, pow2_sb), d_int, ids)
     assert torch.equal(d_ref, d_int)
-    with pytest.raises(RuntimeError, match="device-side assert"):  # 2.6.1: non-power-of-two fp32 SFB
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):  # 2.6.1: non-power-of-two fp32 SFB traps
         emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, sb), d_int, ids)
+    with pytest.raises(RuntimeError, match="context was lost"):  # and the process's CUDA context is gone
+        emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, pow2_sb), d_int, ids)
+    _native.reset_context()  # a new process
     old = emu.emulate((10, 0), "2.5.0")
     getattr(old, vendor.DG_FP8_CONTIGUOUS)((q.data, packed), (b, sb), d_int, ids)  # truncated to the exponent
     assert torch.equal(d_ref, d_int)
@@ -421,7 +428,7 @@ def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_poo
     """DeepEP (its fake) with the spec built from ``quant_hints()``, the kernel on each rank's
     experts, combine: within the wire dtype's tolerance of ``md.reference_moe`` on the
     dequantized weights, and the resolution trail shows the dtype came from the hints."""
-    results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 8)
+    results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128)
     for r in results:
         assert r.dtype == ("fp8" if kind == "block_fp8" else "bf16"), r.resolution
         assert r.decided_by == "quant.dispatcher_output_dtype", r.resolution

@@ -34,12 +34,15 @@ if not hasattr(deep_gemm, vendor.DG_V1_CONTIGUOUS) or importlib.util.find_spec(
     pytest.skip("the installed deep_gemm is not DeepGEMM v1 1.0.0's Python layer", allow_module_level=True)
 
 kernels = importlib.import_module("moe_dispatch_cuda_deepep.fakes.deep_gemm_v1_kernels")
-H, I, E = 256, 128, 4
+#: I = 256: two 128-blocks of K for gmm2. 1.0.0 cannot compile an odd count (audit row 24; see below).
+H, I, E = 256, 256, 4
+#: A masked capacity every v1 BLOCK_M divides (audit row 15).
+CAPACITY = 256
 
 
 def _inputs(layout: str):
     counts = [5, 0, 130, 1] if layout == "packed" else [3, 0, 8, 1]
-    shape = (sum(counts),) if layout == "packed" else (E, 8)
+    shape = (sum(counts),) if layout == "packed" else (E, CAPACITY)
     q = make_codec(md.WireFormat(md.DispatchDtype.FP8, H)).quantize(
         torch.randn(*shape, H, generator=torch.Generator().manual_seed(1)))
     return q.data, q.scale, torch.tensor(counts)
@@ -57,6 +60,16 @@ def test_the_runner_on_deep_gemm_v1s_python_equals_the_fake(layout):
         got = real.apply_without_routing_weights(layer, x, scale, 1, counts, torch.float32)
     want = fake.apply_without_routing_weights(layer, x, scale, 1, counts, torch.float32)
     assert torch.equal(got, want)
+
+
+def test_pypi_1_0_0_is_refused_odd_k_blocks_before_its_jit():
+    """Audit row 24: b05ed2f's kernel static-asserts "Misaligned barriers" for an odd ceil(K/128) when BLOCK_N
+    divides 128; the runner refuses such weights on a v1 without ``wgrad_gemm_fp8_fp8_fp32_nt``."""
+    real = DeepGemmExperts("block_fp8", md.Mode.LOW_LATENCY, vendor.DEEP_GEMM)
+    assert not real.info.compiles_odd_k_blocks
+    with pytest.raises(md.InvalidInputError) as info:
+        real.process_weights(random_expert_weights(E, H, 128, generator=torch.Generator().manual_seed(0)))
+    assert info.value.parameter == "intermediate_size"
 
 
 def _bad_calls():
@@ -92,7 +105,7 @@ def test_the_fake_refuses_what_deep_gemm_v1_refuses(name, call):
 
 
 def test_the_signatures_are_v1s():
-    from moe_dispatch.signatures import VendorSignature, differences
+    from moe_dispatch.signatures import differences
 
     for record in vendor.DEEP_GEMM_V1_SIGNATURES:
-        assert differences(VendorSignature(*record), vendor.lookup(deep_gemm, record.qualname)) == []
+        assert differences(record, vendor.lookup(deep_gemm, record.qualname)) == []

@@ -211,10 +211,10 @@ def test_normal_mode_limits_are_deepeps():
 
 def test_low_latency_runs_on_ep_sizes_without_a_normal_mode_config():
     """NEW: the EP sizes of DeepEP's tuned normal-mode configs were applied to low-latency mode too, which
-    needs only ``num_experts % num_ranks == 0`` (one rank, 6, 12 ...)."""
+    needs no tuned config: one rank, 6, 24 ... (below 8 or a multiple of 8: audit row 6, ``test_ep06_...``)."""
     backend = DeepEPBackend(vendor.EMULATOR)
-    for world in (1, 6, 12):
-        backend.check_spec(md.DispatchSpec(7168, 12 * 8, 8, mode="low_latency"), world)
+    for world in (1, 6, 24):
+        backend.check_spec(md.DispatchSpec(7168, 24 * 8, 8, mode="low_latency"), world)
     with pytest.raises(md.InvalidSpecError) as info:
         backend.check_spec(md.DispatchSpec(7168, 12 * 8, 8, output_dtype="bf16"), 6)
     assert info.value.parameter == "world_size"

@@ -11,13 +11,19 @@ Checks, one table row each:
   ``moe_a2a_get_aux_data_size``) against the ported formula, at several shapes;
 - a2a ep=1: ``flashinfer_a2a`` through the real MoeAlltoAll at one rank (MNNVL memory: fabric or
   POSIX fd handles) against the same inputs through the fake of that version, and against the
-  reference; where FlashInfer refuses (no MNNVL, no fabric handles), its exact message;
+  reference, at the ``--tokens`` shape and at T=17 top-3 (R·T·k odd: the receive-plane alignment
+  FlashInfer 0.6.0-0.7.0 needs, audit #12) with rows that start 8 bytes into their allocation;
 - fp4_quantize: on the GPU against the core NVFP4 codec, bit for bit (data and linear scales), with
-  and without FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1 (v0.6.13+);
-- cutedsl: the CuTe-DSL runner on the real kernel against the fake, only on compute capability
-  10.x (skipped with the reason elsewhere).
+  and without the exact-math variables the installed version reads (``vendor.fp4_fast_math_env``);
+- cutedsl ...: the CuTe-DSL runner on the real kernel against the fake, only on compute capability
+  10.x (skipped with the reason elsewhere): PACKED BF16; MASKED with -1 slots (valid rows compared,
+  padding rows must be zero); an EP offset (experts 4..7 of 8); pre-quantized NVFP4 rows with
+  their own global scale and an fc2 scale different from the layer's input scale; zero rows.
 
-Exit status 1 when a check disagrees; 0 otherwise (refusals and skips are printed, not failures).
+A row is REFUSED only when FlashInfer itself refuses the machine (``vendor.ENVIRONMENT_REFUSALS``:
+the MNNVL handle exchange, the driver's handle type, the JIT build), and its message is printed;
+anything else raised (by the adapter, a kernel, a shape check) is a FAIL. Exit status 1 when a row
+FAILs; 0 otherwise (refusals and skips are printed, not failures).
 """
 
 from __future__ import annotations
@@ -42,12 +48,11 @@ import moe_dispatch as md
 from moe_dispatch.accuracy import relative_error
 from moe_dispatch.codecs import NVFP4Codec, nvfp4_global_scale
 from moe_dispatch.environ import restored_environ
-from moe_dispatch.signatures import signature_from_source
+from moe_dispatch.signatures import compare, differences, signature_from_source
 from moe_dispatch.wire import WireFormat
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.experts import CuteDslExperts
-from moe_dispatch_flashinfer_cutedsl.fakes.signature_check import differences, differences_from_source
 
 
 @dataclass
@@ -110,7 +115,7 @@ def check_signatures(s: Setup) -> list[Row]:
         if cute is not None and info.fake:
             problems += differences(recorded, getattr(cute, qualname.split(".")[1]))
         elif source is not None and source.is_file():  # importing it needs nvidia-cutlass-dsl (and triton)
-            problems += differences_from_source(recorded, signature_from_source(source, qualname))
+            problems += compare(recorded.params, signature_from_source(source, qualname), qualname)
         else:
             continue
         checked += 1
@@ -127,8 +132,8 @@ def check_workspace_size(s: Setup) -> list[Row]:
                               (64, 1, 7168 // 2 + 448 + 64, 2 * 7168)):
         try:
             real = int(info.api.moe_a2a_get_workspace_size_per_rank(ep, t, disp, comb))
-        except Exception as exc:  # noqa: BLE001 - a JIT build failure is the finding
-            rows.append(Row(f"workspace size ep={ep} T={t}", "REFUSED", f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a JIT build failure is FlashInfer's refusal; anything else fails
+            rows.append(_failure(f"workspace size ep={ep} T={t}", exc))
             continue
         ported = vendor.ported_workspace_size_per_rank(ep, t, disp, comb, info.version)
         rows.append(Row(f"workspace size ep={ep} T={t}", "PASS" if real == ported else "FAIL",
@@ -136,12 +141,19 @@ def check_workspace_size(s: Setup) -> list[Row]:
     return rows
 
 
+def _failure(check: str, exc: BaseException) -> Row:
+    """REFUSED for FlashInfer's own refusal of the machine, FAIL for anything else."""
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return Row(check, "REFUSED" if vendor.is_environment_refusal(exc) else "FAIL", last)
+
+
 def _a2a_run(module: str, device: torch.device, hidden: int, tokens: int, group: Any) -> tuple[torch.Tensor, float]:
     warnings.simplefilter("ignore", DeprecationWarning)
     spec = md.DispatchSpec(hidden, 8, 3, num_max_dispatch_tokens_per_rank=tokens, output_dtype="bf16")
     d = md.create_dispatcher(FlashInferA2ABackend(module), spec, group, env={})
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    buf = torch.randn(tokens * hidden + 4, generator=g).to(torch.bfloat16)
+    x = buf[4:].view(tokens, hidden)  # rows 8 bytes into their allocation
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(tokens)])
     ids[::3, 1] = -1
     ids[1::5] = -1  # tokens with no expert
@@ -153,18 +165,20 @@ def _a2a_run(module: str, device: torch.device, hidden: int, tokens: int, group:
 
 
 def check_a2a(s: Setup) -> list[Row]:
-    try:
-        got, err = _a2a_run(s.module, s.device, s.hidden, s.tokens, None)
-    except Exception as exc:  # noqa: BLE001 - FlashInfer's exact refusal is the record
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        return [Row("a2a ep=1", "REFUSED", last)]
-    gloo = dist.new_group(backend="gloo") if s.device.type != "cpu" else None
-    fake, fake_err = _a2a_run(s.fake, torch.device("cpu"), s.hidden, s.tokens, gloo)
-    diff = relative_error(got, fake)
-    ok = err < 1e-2 and diff < 1e-2
-    return [Row("a2a ep=1", "PASS" if ok else "FAIL",
-                f"vs reference {err:.2e}, vs {s.fake.rsplit('.', 1)[-1]} {diff:.2e} "
-                f"(fake vs reference {fake_err:.2e})")]
+    rows = []
+    gloo = dist.new_group(backend="gloo") if s.device.type != "cpu" else None  # the fake runs on CPU
+    for label, tokens in (("a2a ep=1", s.tokens), ("a2a ep=1 T=17 top-3 (plane alignment)", 17)):
+        try:
+            got, err = _a2a_run(s.module, s.device, s.hidden, tokens, None)
+        except Exception as exc:  # noqa: BLE001 - FlashInfer's refusal is the record; anything else fails
+            rows.append(_failure(label, exc))
+            continue
+        fake, fake_err = _a2a_run(s.fake, torch.device("cpu"), s.hidden, tokens, gloo)
+        diff = relative_error(got, fake)
+        ok = err < 1e-2 and diff < 1e-2
+        rows.append(Row(label, "PASS" if ok else "FAIL", f"vs reference {err:.2e}, vs {s.fake.rsplit('.', 1)[-1]} "
+                                                         f"{diff:.2e} (fake vs reference {fake_err:.2e})"))
+    return rows
 
 
 def check_fp4(s: Setup) -> list[Row]:
@@ -177,15 +191,16 @@ def check_fp4(s: Setup) -> list[Row]:
     q = NVFP4Codec(WireFormat(md.DispatchDtype.NVFP4, 512), gs).quantize(x)
     rows = []
     settings = [("", {})]
-    if info.version is not None and info.version >= vendor.FP4_FAST_MATH_ENV_SINCE:
-        settings.append((" exact math", {name: vendor.ENV_TRUE for name in vendor.ENV_DISABLE_FP4_FAST_MATH}))
+    exact = vendor.fp4_fast_math_env(info.version or vendor.VERIFIED_UNTIL)
+    if exact:  # only the variables this version reads
+        settings.append((" exact math", {name: vendor.ENV_TRUE for name in exact}))
     for label, env in settings:
         try:
             with restored_environ(env):
                 data, sf = info.api.fp4_quantize(x.to(s.device), torch.tensor([gs], device=s.device),
                                                  is_sf_swizzled_layout=False)
         except Exception as exc:  # noqa: BLE001
-            rows.append(Row(f"fp4_quantize{label}", "REFUSED", f"{type(exc).__name__}: {exc}"))
+            rows.append(_failure(f"fp4_quantize{label}", exc))
             continue
         same_data = torch.equal(data.cpu().view(torch.uint8), q.data.view(torch.uint8))
         same_sf = torch.equal(sf.cpu().view(torch.uint8).reshape(q.scale.shape), q.scale.view(torch.uint8))
@@ -196,31 +211,89 @@ def check_fp4(s: Setup) -> list[Row]:
     return rows
 
 
+@dataclass(frozen=True)
+class CuteCase:
+    """One CuTe-DSL runner call, run on the real kernel and on the fake."""
+
+    check: str
+    masked: bool = False
+    first_expert: int = 0
+    num_experts: int = 4
+    nvfp4_rows: bool = False
+    fc2: float = 4.0  # amax of the intermediate the fc2 global scale is made for
+    rows: int = 9
+
+
+CUTE_CASES = (
+    CuteCase("cutedsl packed bf16"),
+    CuteCase("cutedsl masked, -1 slots", masked=True),
+    CuteCase("cutedsl ep offset (experts 4..7 of 8)", first_expert=4, num_experts=8),
+    CuteCase("cutedsl nvfp4 rows, own global scale, fc2 != input scale", nvfp4_rows=True, fc2=2.0),
+    CuteCase("cutedsl zero rows", rows=0),
+)
+
+
+def _cutedsl_run(case: CuteCase, module: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The runner's output on ``module`` (float, on the CPU) and the MASKED validity mask."""
+    hidden, inter, local = 256, 128, 4
+    g = torch.Generator().manual_seed(2)
+    weights = md.ExpertWeights(torch.randn(case.num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5,
+                               torch.randn(case.num_experts, hidden, inter, generator=g) / inter ** 0.5)
+    gs = nvfp4_global_scale(4.0)
+    kernel = CuteDslExperts(module)
+    layer = kernel.process_weights(weights.slice(case.first_expert, local), first_expert=case.first_expert,
+                                   num_experts=case.num_experts, input_global_scale=gs,
+                                   fc2_input_scale=nvfp4_global_scale(case.fc2))
+    layer.to(device)
+    counts = torch.tensor([3, 0, 5, 1]) if case.rows else torch.zeros(local, dtype=torch.int64)
+    x = (torch.randn(max(case.rows, 1), hidden, generator=g) * 1.5).to(torch.bfloat16)[: case.rows]
+    valid = None
+    scale, global_scale = None, None
+    if case.masked:
+        cap = 6
+        hidden_states = torch.zeros(local, cap, hidden, dtype=torch.bfloat16)
+        valid = torch.arange(cap).unsqueeze(0) < counts.unsqueeze(1)
+        hidden_states[valid] = x
+    elif case.nvfp4_rows:
+        global_scale = nvfp4_global_scale(float(x.float().abs().max()))  # not the layer's input scale
+        q = NVFP4Codec(WireFormat(md.DispatchDtype.NVFP4, hidden), global_scale).quantize(x)
+        hidden_states, scale = q.data, q.scale.to(device)
+    else:
+        hidden_states = x
+    out = kernel.apply_without_routing_weights(layer, hidden_states.to(device), scale, 1, counts.to(device),
+                                               torch.bfloat16, global_scale=global_scale)
+    return out.float().cpu(), valid
+
+
 def check_cutedsl(s: Setup) -> list[Row]:
-    real = CuteDslExperts(s.module)
-    reason = real.probe()
+    reason = CuteDslExperts(s.module).probe()
     if reason is not None:
         return [Row("cutedsl", "SKIP", reason)]
-    hidden, inter, experts = 256, 128, 4
-    g = torch.Generator().manual_seed(2)
-    weights = md.ExpertWeights(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5,
-                               torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5)
-    gs = nvfp4_global_scale(4.0)
-    rows = torch.randn(9, hidden, generator=g).to(torch.bfloat16)
-    counts = torch.tensor([3, 0, 5, 1])
-    outs = []
-    for module, device in ((s.module, s.device), (s.fake, torch.device("cpu"))):
-        kernel = CuteDslExperts(module)
-        layer = kernel.process_weights(weights, first_expert=0, num_experts=experts, input_global_scale=gs,
-                                       fc2_input_scale=gs)
-        if device.type != "cpu":
-            for name in ("w1_weight", "w1_weight_sf", "w2_weight", "w2_weight_sf", "w1_global_scale",
-                         "w2_global_scale"):
-                setattr(layer, name, getattr(layer, name).to(device))
-        outs.append(kernel.apply_without_routing_weights(layer, rows.to(device), None, 1, counts.to(device),
-                                                         torch.bfloat16).float().cpu())
-    diff = relative_error(outs[0], outs[1])
-    return [Row("cutedsl", "PASS" if diff < 2e-2 else "FAIL", f"runner on {s.module} vs the fake: {diff:.2e}")]
+    rows = []
+    for case in CUTE_CASES:
+        try:
+            got, valid = _cutedsl_run(case, s.module, s.device)
+        except Exception as exc:  # noqa: BLE001 - the adapter or the kernel failed
+            rows.append(_failure(case.check, exc))
+            continue
+        want, _ = _cutedsl_run(case, s.fake, torch.device("cpu"))
+        if tuple(got.shape) != tuple(want.shape):
+            rows.append(Row(case.check, "FAIL", f"shape {tuple(got.shape)}, the fake's {tuple(want.shape)}"))
+            continue
+        detail, ok = [], True
+        if valid is not None:
+            padding = got[~valid]
+            ok = bool(torch.isfinite(padding).all() and not padding.any())
+            detail.append(f"padding rows {'zero' if ok else 'NOT zero'}")
+            got, want = got[valid], want[valid]
+        if got.numel():
+            diff = relative_error(got, want)
+            ok = ok and diff < 2e-2
+            detail.insert(0, f"runner on {s.module} vs the fake: {diff:.2e}")
+        else:
+            detail.insert(0, f"{tuple(got.shape)} as the fake, no kernel launched")
+        rows.append(Row(case.check, "PASS" if ok else "FAIL", "; ".join(detail)))
+    return rows
 
 
 CHECKS = (check_signatures, check_workspace_size, check_a2a, check_fp4, check_cutedsl)

@@ -1,5 +1,6 @@
 """scripts/hardware_check.py runs: its --fake mode (the same checks with the fakes standing in for
-FlashInfer, on CPU) passes on every fake, so the GPU run finds a working script."""
+FlashInfer, on CPU) passes, so the GPU run finds a working script; an exception from the adapter
+is a FAIL (exit 1), only FlashInfer's own refusal of the machine is REFUSED (audit #46)."""
 
 import importlib.util
 import io
@@ -7,25 +8,63 @@ import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
+from moe_dispatch.environ import restored_environ
 from moe_dispatch_flashinfer_cutedsl import vendor
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hardware_check.py"
 
 
-def run_script(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+def _load():  # noqa: ANN202
     spec = importlib.util.spec_from_file_location("flashinfer_hardware_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
+    return module
+
+
+def run_script(rank: int, world: int, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    module = _load()
     out = io.StringIO()
-    with redirect_stdout(out):
+    with restored_environ(env), redirect_stdout(out):
         code = module.main(argv)
     return code, out.getvalue()
 
 
+def _rows(text: str, check: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(check)]
+
+
 def test_the_hardware_check_passes_on_the_fakes(moe_rank_pools):
     (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", vendor.EMULATOR, "--hidden",
-                                                         "256", "--tokens", "8"])
+                                                         "256", "--tokens", "8"], {})
     assert code == 0, text
-    for check in ("signatures", "workspace size ep=8 T=128", "a2a ep=1", "fp4_quantize", "cutedsl"):
-        assert any(line.startswith(check) and " PASS " in line for line in text.splitlines()), text
+    for check in ("signatures", "workspace size ep=8 T=128", "a2a ep=1 ", "a2a ep=1 T=17 top-3", "fp4_quantize",
+                  "fp4_quantize exact math", "cutedsl packed bf16", "cutedsl masked, -1 slots", "cutedsl ep offset",
+                  "cutedsl nvfp4 rows", "cutedsl zero rows"):
+        assert any(" PASS " in line for line in _rows(text, check)), (check, text)
+
+
+def test_46_an_adapter_exception_fails_the_hardware_check(moe_rank_pools):
+    """The adapter refuses TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN=0 on FlashInfer < 0.6.14: a FAIL, not a REFUSED."""
+    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", vendor.FAKE_0_6_13, "--hidden",
+                                                         "256", "--tokens", "8"],
+                                              {vendor.ENV_ONE_BLOCK_PER_TOKEN: "0"})
+    assert code == 1, text
+    assert all(" FAIL " in line and vendor.ENV_ONE_BLOCK_PER_TOKEN in line for line in _rows(text, "a2a ep=1")), text
+
+
+def test_46_only_flashinfers_refusal_of_the_machine_is_refused():
+    module = _load()
+    refused = RuntimeError("pidfd_getfd(pidfd=3, fd=7) failed with errno 1: Operation not permitted.")
+    assert module._failure("a2a", refused).status == "REFUSED"  # noqa: SLF001
+    try:
+        try:
+            raise RuntimeError("Ninja build failed. Ninja output: ...")
+        except RuntimeError as jit:
+            raise ValueError("while loading the all-to-all module") from jit
+    except ValueError as chained:
+        assert module._failure("workspace", chained).status == "REFUSED"  # noqa: SLF001
+    for exc in (RuntimeError("CUDA error: misaligned address"),
+                RuntimeError("CUDA error code=1(CUDA_ERROR_INVALID_VALUE)"),
+                AssertionError("dispatch called twice without combine")):
+        assert module._failure("a2a", exc).status == "FAIL"  # noqa: SLF001

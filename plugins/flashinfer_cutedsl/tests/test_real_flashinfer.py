@@ -26,10 +26,9 @@ import moe_dispatch as md  # noqa: E402
 from moe_dispatch.accuracy import relative_error  # noqa: E402
 from moe_dispatch.codecs import nvfp4_global_scale  # noqa: E402
 from moe_dispatch.routing import random_routing  # noqa: E402
-from moe_dispatch.signatures import signature_from_source  # noqa: E402
+from moe_dispatch.signatures import compare, differences, signature_from_source  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl import vendor  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend  # noqa: E402
-from moe_dispatch_flashinfer_cutedsl.fakes.signature_check import differences, differences_from_source  # noqa: E402
 
 pytestmark = [pytest.mark.vendor_code,
               pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")]
@@ -148,7 +147,7 @@ def test_recorded_signatures_equal_the_installed_flashinfer():
     source = Path(spec.submodule_search_locations[0]) / "fused_moe" / "cute_dsl" / "fused_moe.py"
     for qualname in ("CuteDslMoEWrapper.__init__", "CuteDslMoEWrapper.run"):
         recorded = vendor.signature(qualname, version)
-        problems += differences_from_source(recorded, signature_from_source(source, qualname))
+        problems += compare(recorded.params, signature_from_source(source, qualname), qualname)
     assert not problems, "\n".join(problems)
 
 
@@ -167,3 +166,88 @@ def test_kmaxtopk_and_payload_limits_equal_the_installed_headers():
     switch = kernels[kernels.index("#define SWITCH_TOP_K"):]
     switch = switch[: switch.index("default:")]
     assert {int(v) for v in re.findall(r"case (\d+):", switch)} == set(profile.top_k_values)
+
+
+# -- the independent audit's rows, through FlashInfer's real Python -----------------------------------
+
+
+def run_larger_group(rank: int, world: int) -> tuple:
+    import torch.distributed as dist
+    mod = _real()
+    memory = mod.comm.mnnvl.MnnvlMemory
+    names = ("current_start_address", "current_rank_stride", "current_mem_offset")
+    saved = {n: getattr(memory, n) for n in names}
+    for n in names:  # a fresh process: no address range reserved yet
+        setattr(memory, n, 0)
+    groups = [dist.new_group([r]) for r in range(world)]
+    spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
+    try:
+        md.create_dispatcher(FlashInferA2ABackend(REAL), spec, groups[rank], env={})
+        try:
+            md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
+            adapter = None
+        except md.InvalidSpecError as exc:
+            adapter = exc.parameter
+        from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
+        try:  # FlashInfer's own MoeAlltoAll, asked for the same
+            mod.MoeAlltoAll(_mapping(mod, rank, world), 4, 2, E, hidden_size=H + 128,
+                            mnnvl_config=mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend()))
+            raw = "no error"
+        except RuntimeError as exc:
+            raw = str(exc)
+        return adapter, raw
+    finally:
+        for n, v in saved.items():
+            setattr(memory, n, v)
+
+
+def test_8_real_mnnvl_state_refuses_a_larger_group_after_a_smaller_one(moe_rank_pools):
+    """The adapter reads FlashInfer's own class-level reservation (``_MnnvlAllocationRecord``s)."""
+    for adapter, raw in moe_rank_pools.get(2).map(run_larger_group):
+        assert adapter == "group" and "CUDA_ERROR_INVALID_VALUE" in raw, (adapter, raw)
+
+
+def run_failed_combine(rank: int, world: int) -> list[str]:
+    mod = _real()
+    spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=5)
+    d = md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
+    x, w, ids = torch.randn(5, H).to(torch.bfloat16), torch.ones(5, 2), torch.tensor([[0, 1]] * 5)
+    first = d.dispatch(x, ids, w)
+    instance = d.backend_dispatcher.instances[first.handle.instance]
+    seen = []
+
+    def faults(*args, **kwargs):  # the compiled combine traps once (injected, under FlashInfer's real Python)
+        del mod.KERNELS.moe_a2a_combine
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    mod.KERNELS.moe_a2a_combine = faults
+    try:
+        d.combine(first.hidden_states, first)
+    except RuntimeError as exc:
+        seen.append(type(exc).__name__)
+    seen.append(instance._state.phase)  # noqa: SLF001 - FlashInfer's state machine left it dispatched
+    second = d.dispatch(x, ids, w)
+    seen.append(str(second.handle.instance != first.handle.instance))
+    d.combine(first.hidden_states, first)
+    d.combine(second.hidden_states, second)
+    return seen
+
+
+def test_22_a_failed_combine_never_hands_a_dispatched_workspace_to_the_next_dispatch(moe_rank_pools):
+    assert moe_rank_pools.get(1).map(run_failed_combine) == [["RuntimeError", "dispatched", "True"]]
+
+
+def run_odd(rank: int, world: int) -> float:
+    _real()
+    spec = md.DispatchSpec(H, E, 3, num_max_dispatch_tokens_per_rank=17)
+    d = md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(17 * H + 4, generator=g).to(torch.bfloat16)[4:].view(17, H)
+    ids, w = random_routing(17, E, 3, generator=g, drop_prob=0.2)
+    out = d.dispatch(x, ids, w)
+    y = d.combine(out.hidden_states, out)
+    return relative_error(y, x.float() * ((ids >= 0).float() * w).sum(dim=1, keepdim=True))
+
+
+def test_12_odd_shapes_run_through_the_real_python(moe_rank_pools):
+    assert moe_rank_pools.get(1).map(run_odd)[0] < 1e-2

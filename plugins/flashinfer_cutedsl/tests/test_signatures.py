@@ -6,9 +6,8 @@ import importlib
 
 import pytest
 
-from moe_dispatch.signatures import differences as plain_differences
+from moe_dispatch.signatures import differences
 from moe_dispatch_flashinfer_cutedsl import vendor
-from moe_dispatch_flashinfer_cutedsl.fakes.signature_check import differences
 from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend, LocalCommBackend
 
 CALLABLES = {
@@ -58,5 +57,5 @@ def test_the_records_cover_every_version_from_the_first_release_on():
 def test_the_adapters_comm_backend_has_flashinfers_methods(cls):
     problems = []
     for recorded in vendor.COMM_BACKEND_METHODS:
-        problems += plain_differences(recorded, getattr(cls, recorded.qualname.split(".")[1]))
+        problems += differences(recorded, getattr(cls, recorded.qualname.split(".")[1]))
     assert not problems, "\n".join(problems)

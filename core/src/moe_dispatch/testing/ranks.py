@@ -21,7 +21,7 @@ from ..experts import TorchExperts, dequantize_rows, reference_moe
 from ..layer import moe_forward
 from ..output import DispatchOutput
 from ..routing import random_expert_weights
-from .cases import Case, GlobalBatch
+from .cases import Case, GlobalBatch, Routing
 from .experts import ScaledIdentityExperts, ScaledLayer, expert_factor
 
 #: Per-token relative error allowed between combine and the fp32 sum of the same
@@ -191,9 +191,13 @@ def check_repeatable(rank: int, world_size: int, case: Case) -> list[str]:
 
 
 def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> list[str]:
-    """Two dispatches in flight on one dispatcher, and a second dispatcher interleaved,
-    combine to what each gives alone."""
-    a_batch, a2_batch, b_batch = case.inputs(), replace(case, seed=case.seed + 100).inputs(), second.inputs()
+    """Two dispatches in flight on one dispatcher, the second with smaller batches (a vendor
+    that sizes combine by the last dispatch fails the first combine), and a second dispatcher
+    interleaved, combine to what each gives alone."""
+    smaller = Routing("smaller batches", tuple(t // 2 for t in case.routing.tokens), drop=case.routing.drop,
+                      skew=case.routing.skew)
+    a2_case = replace(case, seed=case.seed + 100, routing=smaller)
+    a_batch, a2_batch, b_batch = case.inputs(), a2_case.inputs(), second.inputs()
     a = case.target.create(case.spec(a_batch))
     b = second.target.create(second.spec(b_batch))
     layer_a, layer_b = _scaled_layer(case, rank), _scaled_layer(second, rank)

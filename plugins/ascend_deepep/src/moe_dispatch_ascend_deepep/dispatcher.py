@@ -3,7 +3,12 @@
 Normal mode. DeepEP-Ascend already returns the contract's rows: one per (token, local
 expert), grouped by expert, unweighted, and its combine applies the sender's top-k weights.
 The adapter passes them through (no copy), turns the count list into the group list, and
-drops the padding row the kernel returns when nothing arrived.
+drops the padding row the kernel returns when nothing arrived. It passes
+``num_worst_tokens=T``: DeepEP-Ascend keeps ``real_max_bs = max(largest batch over the ranks,
+num_worst_tokens)`` on the Buffer and the NEXT combine (whichever dispatch it belongs to) hands it
+to the combine op, which refuses one below its own batch; with T it is the same on every call, so
+dispatches in flight (micro-batches) combine in any order, and an all-idle step (every rank 0
+tokens) still has a positive global batch.
 
 Low-latency mode. The 2-D rows come packed expert by expert in a fixed ``[T·R·min(k, E_l), H]``
 tensor with int64 counts; the adapter hands over the valid prefix (a view, one host read of
@@ -16,7 +21,8 @@ What the vendor reads from the process environment at a call is set for that cal
 - normal dispatch: ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` = this dispatcher's choice (``quant_mode``
   is passed too where it exists; A2's internode path reads only the variable) and
   ``MOE_EXPERT_TOKEN_NUMS_TYPE=1`` (plain counts);
-- low-latency dispatch and combine: ``MOE_EXPERT_TOKEN_NUMS_TYPE=1`` and
+- low-latency dispatch and combine: ``MOE_EXPERT_TOKEN_NUMS_TYPE=1``, ``MOE_ENABLE_CCU=0`` (on A3 a
+  process-wide ``1`` would send the calls to the A5 CCU op) and
   ``MOE_ENABLE_TOPK_NEG_ONE=1`` (the op gets an active mask, so -1 ids are skipped); on A2 layered
   (``HCCL_INTRA_PCIE_ENABLE=1``, ``HCCL_INTRA_ROCE_ENABLE=0``) the C++ asserts on that variable,
   so it is 0 there and -1 ids are refused with a typed error before any data moves.
@@ -38,7 +44,7 @@ import moe_dispatch as md
 from moe_dispatch.environ import restored_environ
 from moe_dispatch.output import group_list_from_counts
 
-from .vendor import COUNTS_TYPE_ENV, INT8_ENV, NEG_ONE_ENV, is_layered
+from .vendor import CCU_ENV, COUNTS_TYPE_ENV, INT8_ENV, NEG_ONE_ENV, is_layered
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class AscendHandle:
 
 
 def _low_latency_env(layered: bool) -> dict[str, str]:
-    return {COUNTS_TYPE_ENV: "1", NEG_ONE_ENV: "0" if layered else "1"}
+    return {COUNTS_TYPE_ENV: "1", CCU_ENV: "0", NEG_ONE_ENV: "0" if layered else "1"}
 
 
 class AscendDeepEPDispatcher:
@@ -90,12 +96,17 @@ class AscendDeepEPDispatcher:
         else:
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
             call = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=ids, topk_weights=weights)
+                        topk_idx=ids, topk_weights=weights,
+                        num_worst_tokens=self.spec.num_max_dispatch_tokens_per_rank)
             if self.has_quant_mode:
                 call["quant_mode"] = "int8" if self.int8 else "bf16"
             with restored_environ({INT8_ENV: "1" if self.int8 else "0", COUNTS_TYPE_ENV: "1"}):
                 recv_x, _, _, listed, handle, _ = self.buffer.dispatch(x, **call)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            if len(listed) != self.local_experts:  # CUDA DeepEP empties it under num_worst_tokens; DeepEP-Ascend not
+                raise md.BackendUnavailableError(
+                    "DeepEP-Ascend's dispatch returned no per-expert count list", parameter="num_worst_tokens",
+                    value=len(listed), allowed=f"a list of {self.local_experts} counts (DeepEP-Ascend, not CUDA DeepEP)")
             counts = torch.tensor(listed, dtype=torch.int64)
         rows = int(counts.sum())
         out_handle = AscendHandle(self, handle, data.shape[0], ids, weights, self.low_latency)

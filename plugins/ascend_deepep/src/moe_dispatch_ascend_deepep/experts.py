@@ -11,8 +11,9 @@ scheme   dispatch  ops
 w8a8     INT8      int8 gmm → int32; ``npu_dequant_swiglu_quant`` (w13 scale × token scale, SwiGLU
                    with ``activate_left``, per-token requant); int8 gmm with bf16 ``scale`` and
                    ``per_token_scale`` → bf16
-w4a8     INT8      int8 × int4 gmm with per-group uint64 scales, ``scale_bias`` and
-                   ``per_token_scale`` → bf16; ``npu_swiglu``; ``npu_dynamic_quant``; the same for w2
+w4a8     INT8      int8 × int4 gmm (CANN A8W4) with per-group uint64 scales (group 256), the
+                   required ``scale_bias`` = 8·Σ_k(w·s) and ``per_token_scale`` → bf16;
+                   ``npu_swiglu``; ``npu_dynamic_quant``; the same for w2
 w4a4     BF16      ``npu_dynamic_quant(dst_type=quint4x2)``; int4 × int4 gmm (per-channel uint64
                    scale) → bf16; ``npu_swiglu``; int8 requant; int8 gmm (w2 is int8, as in sglang)
 w4a16    BF16      bf16 × int4 gmm with per-group ``antiquant_scale``/``antiquant_offset``;
@@ -27,7 +28,12 @@ this differs from sglang, on purpose:
 
 - ``npu_dequant_swiglu_quant``'s ``group_index`` takes per-expert **counts** only (its doc);
   sglang passes ``group_list`` whatever its type. The kernel passes counts; the grouped
-  matmuls get the caller's list and type (0 cumulative ends, 1 counts) as they came.
+  matmuls get the caller's list and type (0 cumulative ends, 1 counts) as they came, except
+  W4A8's: CANN's A8W4 kernel reads the list as counts whatever the type says, so it gets counts.
+- W4A8's ``scale_bias`` is what CANN's A8W4 (MSD) kernel requires, ``8·Σ_k(w·s)`` per expert and
+  output channel (``vendor.a8w4_scale_bias``): the kernel computes ``(x − 8)@(w·s) + bias``.
+- W4A16 packs its int4 weights on the host (``pack_int4``, the layout ``npu_convert_weight_to_int4pack``
+  returns): that op has an NPU kernel only, and weights are processed wherever they are.
 - ``npu_grouped_matmul`` rejects ``group_list_type=1`` with a length-1 list (its doc): with one
   local expert the kernel passes the same list as cumulative ends (type 0).
 - Zero rows never reach the ops (``npu_swiglu`` takes no empty tensor): an empty ``[0, H]``.
@@ -55,6 +61,7 @@ import moe_dispatch as md
 from moe_dispatch.experts import dequantized_weights, quantize_weights_w8a8
 from moe_dispatch.output import group_counts
 
+from . import vendor as v
 from .vendor import TORCH_NPU, TORCH_NPU_FAKE
 
 if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
@@ -154,6 +161,13 @@ def _kn(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous()
 
 
+def _a8w4_bias(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """CANN A8W4's required ``scale_bias`` ``8·Σ_k(w·s)`` fp32 ``[E, N]`` from the int4 values ``[E, N, K]``
+    and the (fp16-rounded) group scales ``[E, N, K/group]`` exactly as the op receives them."""
+    passed = uint64_as_fp32(fp32_as_uint64(scale))  # the fp32 the kernel reads from the uint64
+    return v.a8w4_scale_bias(_kn(q), _kn(passed.repeat_interleave(group, dim=-1)))
+
+
 # -- the layer ---------------------------------------------------------------------------------------
 
 
@@ -165,8 +179,8 @@ class NpuExpertLayer:
     ``w2_weight`` ``[E, I, H]``; int8 (w8a8, and w2 of w4a4), int32 with eight int4 per word
     along N (``[E, K, N/8]``), or bf16. Scales: w8a8 fp32 ``[E, N]`` (w2's passed as bf16);
     w4a4 w13 uint64 ``[E, 2I]`` (int64 holding fp32 bits), w2 fp32 ``[E, H]``; w4a8 uint64
-    ``[E, K/group, N]``; w4a16 bf16 ``[E, K/group, N]`` with ``*_weight_offset`` (zeros:
-    symmetric). ``*_scale_bias``: w4a8's fp32 ``[E, N]`` (zeros for symmetric weights).
+    ``[E, K/256, N]``; w4a16 bf16 ``[E, K/group, N]`` with ``*_weight_offset`` (zeros:
+    symmetric). ``*_scale_bias``: w4a8's fp32 ``[E, N]``, ``8·Σ_k(w·s)`` (CANN A8W4 requires it).
     """
 
     scheme: str
@@ -270,6 +284,9 @@ class NpuExperts:
             raise md.InvalidSpecError("a positive int4 scale group size applies to w4a8 and w4a16 only",
                                       parameter="group_size", value=group_size,
                                       allowed="None" if scheme not in DEFAULT_GROUP_SIZE else "a positive int")
+        if scheme == "w4a8" and group_size not in (None, v.A8W4_GROUP_SIZE):
+            raise md.InvalidSpecError("CANN's A8W4 grouped matmul supports quantGroupSize 256 only",
+                                      parameter="group_size", value=group_size, allowed=str(v.A8W4_GROUP_SIZE))
         self.group_size = group_size if group_size is not None else DEFAULT_GROUP_SIZE.get(scheme)
         self.ops = load_ops(module, scheme)
         #: W8A8/W4A8 GEMMs take INT8 rows; W4A4 quantizes BF16 rows itself; W4A16/BF16 take BF16.
@@ -311,22 +328,18 @@ class NpuExperts:
             q2, s2 = _quantize_int4(w2, g, torch.float16)
             return NpuExpertLayer(s, pack_int4(_kn(q13)), pack_int4(_kn(q2)), h, i,
                                   fp32_as_uint64(_kn(s13)), fp32_as_uint64(_kn(s2)),
-                                  w13_scale_bias=torch.zeros(e, two_i), w2_scale_bias=torch.zeros(e, h), group_size=g)
+                                  w13_scale_bias=_a8w4_bias(q13, s13, g), w2_scale_bias=_a8w4_bias(q2, s2, g),
+                                  group_size=g)
         # w4a16: antiquant scales in the activations' dtype (bf16), zero offsets (symmetric)
+        # w4a16: sglang packs with npu_convert_weight_to_int4pack on NPU parameters; that op has an NPU
+        # kernel only (vendor.NPU_DEVICE_TYPE) and for A2/A3 ND input packs on the host in this same layout
+        # (op-plugin ConvertWeightToINT4PackKernelNpuOpApi.cpp convert_to_int4_pack), so pack_int4 does it
+        # here, on whatever device the weights are (the hardware check compares it with the op on the NPU).
         q13, s13 = _quantize_int4(w13, g, torch.bfloat16)
         q2, s2 = _quantize_int4(w2, g, torch.bfloat16)
         s13, s2 = _kn(s13).to(torch.bfloat16), _kn(s2).to(torch.bfloat16)
-        return NpuExpertLayer(s, self._int4pack(_kn(q13)), self._int4pack(_kn(q2)), h, i, s13, s2,
+        return NpuExpertLayer(s, pack_int4(_kn(q13)), pack_int4(_kn(q2)), h, i, s13, s2,
                               torch.zeros_like(s13), torch.zeros_like(s2), group_size=g)
-
-    def _int4pack(self, q: torch.Tensor) -> torch.Tensor:
-        """sglang's W4A16 packing: ``npu_convert_weight_to_int4pack`` on ``[E·K, N]`` int32, or
-        ``pack_int4`` where the module has no such op (same layout)."""
-        op = getattr(self.ops, "npu_convert_weight_to_int4pack", None)
-        if op is None:
-            return pack_int4(q)
-        e, k, n = q.shape
-        return op(q.to(torch.int32).flatten(0, 1).contiguous()).view(e, k, n // 8)
 
     def _check_dims(self, h: int, i: int) -> None:
         needs: list[tuple[str, int, int, str]] = []
@@ -341,6 +354,13 @@ class NpuExperts:
         if self.group_size is not None:  # w4a8/w4a16: the scale groups run along K (H for w13, I for w2)
             needs += [("hidden_size", h, self.group_size, "the int4 scale groups must divide K"),
                       ("intermediate_size", i, self.group_size, "the int4 scale groups must divide K")]
+        if self.scheme == "w4a8":  # CANN A8W4 tiling: k % 64 == 0 and k <= 18432 (K = H for gmm1, I for gmm2)
+            needs += [("hidden_size", h, v.A8W4_K_MULTIPLE, "CANN's A8W4 tiling needs K % 64 == 0"),
+                      ("intermediate_size", i, v.A8W4_K_MULTIPLE, "CANN's A8W4 tiling needs K % 64 == 0")]
+            for name, value in (("hidden_size", h), ("intermediate_size", i)):
+                if value > v.A8W4_MAX_K:
+                    raise md.InvalidInputError("CANN's A8W4 grouped matmul takes K <= 18432", parameter=name,
+                                               value=value, allowed=f"1..{v.A8W4_MAX_K}")
         for name, value, multiple, why in needs:
             if value % multiple:
                 raise md.InvalidInputError(why, parameter=name, value=value, allowed=f"multiples of {multiple}")
@@ -467,6 +487,8 @@ class NpuExperts:
 
     def _w4a8(self, layer: NpuExpertLayer, x: torch.Tensor, xs: torch.Tensor, gl: torch.Tensor, glt: int,
               counts: torch.Tensor) -> torch.Tensor:
+        # CANN's A8W4 kernel reads group_list as counts whatever group_list_type says: always counts here.
+        gl, glt = self._npu_group_list(counts, 1, x.device)
         h = self._gmm(x, layer.w13_weight, gl, glt, torch.bfloat16, scale=[layer.w13_weight_scale],
                       bias=[layer.w13_scale_bias], per_token_scale=[xs])
         q, qs = self.ops.npu_dynamic_quant(self.ops.npu_swiglu(h))

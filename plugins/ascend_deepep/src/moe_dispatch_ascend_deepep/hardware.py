@@ -46,10 +46,11 @@ class Options:
     experts_per_rank: int = 8
     top_k: int = 8
     intermediate: int = 512
-    parts: tuple[str, ...] = ("signatures", "windows", "deepep", "runners", "fuseep")
+    parts: tuple[str, ...] = ("platform", "signatures", "windows", "deepep", "runners", "fuseep")
     #: Opt-in probes that may fail on the device or corrupt its memory (see VENDOR.md).
     probe_neg_one_unset: bool = False
     probe_mode2_tokens: bool = False
+    probe_fused_neg_one: bool = False
     tolerance: dict[str, float] = field(default_factory=lambda: {"bf16": 1e-2, "int8": 3e-2})
 
     @property
@@ -86,54 +87,104 @@ def _probe(part: str, check: str, fn: Callable[[], list[Row]]) -> list[Row]:
 # -- signatures ----------------------------------------------------------------------------------------
 
 
+def deep_ep_source_rows(buffer_py: Path) -> list[Row]:
+    """Each method the adapter calls, read by AST from an installed ``deep_ep/buffer.py``, against every
+    signature a supported build has (``vendor.RECORDED_VERSIONS``)."""
+    from moe_dispatch.signatures import compare, signature_from_source
+
+    rows = []
+    for qualname, recs in v.RECORDED_VERSIONS.items():
+        got = signature_from_source(buffer_py, qualname)
+        ok = any(not compare(r.params, got) for r in recs)
+        rows.append(Row("signatures", f"deep_ep {qualname} = a recorded version", ok,
+                        str(buffer_py) if ok else f"{[p.name for p in got]} is none of the {len(recs)} recorded"))
+    return rows
+
+
 def _signature_rows(opts: Options) -> list[Row]:
-    from moe_dispatch.signatures import VendorSignature, compare, differences, signature_from_source
+    from moe_dispatch.signatures import VendorSignature, compare, differences
 
     rows: list[Row] = []
     fake_npu = importlib.import_module(v.TORCH_NPU_FAKE)
+    for rec in v.TORCH_NPU_SIGNATURES:  # the callables' registered schemas
+        rows.append(Row("signatures", f"fake {rec.qualname} = registered schema",
+                        not differences(rec, getattr(fake_npu, rec.qualname))))
+    library = v.torch_npu_library_path()
+    blob = Path(library).read_bytes() if library else None
+    for rec in v.TORCH_NPU_SIGNATURES:  # the installed libtorch_npu.so, read without loading it (no CANN needed)
+        if blob is None:
+            rows.append(Row("signatures", f"torch_npu {rec.qualname} schema (.so)", None, "torch_npu not installed"))
+            continue
+        schema = v.registered_schema(blob, rec.qualname)
+        problems = ["not registered"] if schema is None else compare(
+            rec.params, VendorSignature(rec.qualname, v.schema_params(schema), library or "").params)
+        rows.append(Row("signatures", f"torch_npu {rec.qualname} schema (.so) = recorded", not problems,
+                        "; ".join(problems)))
     docs = v.torch_npu_docs_path()
     text = Path(docs).read_text(encoding="utf-8") if docs else None
-    for rec in v.TORCH_NPU_SIGNATURES:
-        rows.append(Row("signatures", f"fake {rec.qualname} = recorded", not differences(rec.signature(),
-                                                                                       getattr(fake_npu, rec.qualname))))
+    for rec in v.TORCH_NPU_DOC_SIGNATURES:  # what the docs say (they differ from the callables: information)
         if text is None:
-            rows.append(Row("signatures", f"torch_npu {rec.qualname} documented", None, "torch_npu not installed"))
             continue
         documented = v.documented_signature(text, rec.qualname)
         problems = ["not documented"] if documented is None else compare(
-            rec.signature().params, VendorSignature(rec.qualname, documented, docs or "").params)
-        rows.append(Row("signatures", f"torch_npu {rec.qualname} documented = recorded", not problems, "; ".join(problems)))
+            rec.params, VendorSignature(rec.qualname, documented, docs or "").params)
+        rows.append(Row("signatures", f"torch_npu {rec.qualname} docstring = recorded docs", None,
+                        "; ".join(problems) or "as recorded"))
     if not opts.fake:  # the registered op schemas of the imported torch_npu (CANN present)
         rows += _guard("signatures", "torch_npu op schemas", lambda: _schema_rows())
+    for fake_module, records in v.DEEP_EP_SIGNATURES.items():
+        buffer = importlib.import_module(fake_module).Buffer
+        bad = [p for rec in records for p in differences(rec, getattr(buffer, rec.qualname.split(".")[1]))]
+        rows.append(Row("signatures", f"{fake_module.rsplit('.', 1)[1]} Buffer = recorded", not bad, "; ".join(bad)))
     spec = importlib.util.find_spec(v.REAL)
     buffer_py = (Path(list(spec.submodule_search_locations)[0]) / "buffer.py"
                  if spec is not None and spec.submodule_search_locations else None)
-    for fake_module, records in v.DEEP_EP_SIGNATURES.items():
-        buffer = importlib.import_module(fake_module).Buffer
-        bad = [p for rec in records for p in differences(rec.signature(), getattr(buffer, rec.qualname.split(".")[1]))]
-        rows.append(Row("signatures", f"{fake_module.rsplit('.', 1)[1]} Buffer = recorded", not bad, "; ".join(bad)))
     if buffer_py is None or not buffer_py.exists():
         rows.append(Row("signatures", "deep_ep buffer.py = a recorded version", None, "deep_ep not installed"))
     else:
-        names = {r.qualname: [x for recs in v.DEEP_EP_SIGNATURES.values() for x in recs if x.qualname == r.qualname]
-                 for r in v.DEEP_EP_SIGNATURES[v.FAKE]}
-        for qualname, recs in names.items():
-            got = signature_from_source(buffer_py, qualname)
-            rows.append(Row("signatures", f"deep_ep {qualname} = a recorded version",
-                            any(not compare(r.signature().params, got) for r in recs), str(buffer_py)))
+        rows += _guard("signatures", "deep_ep buffer.py", lambda: deep_ep_source_rows(buffer_py))
     return rows
 
 
 def _schema_rows() -> list[Row]:
-    """Argument names of ``torch.ops.npu.<op>`` (the schema torch_npu registers) against the record."""
+    """``torch.ops.npu.<op>`` (what ``torch_npu.npu_<op>`` is) against the record: names, kinds, defaults."""
+    from moe_dispatch.signatures import VendorSignature, compare
+
     importlib.import_module(v.TORCH_NPU)
     rows = []
     for rec in v.TORCH_NPU_SIGNATURES:
-        schema = getattr(torch.ops.npu, rec.qualname).default._schema
-        got = [a.name for a in schema.arguments]
-        want = [p.name for p in rec.signature().params]
-        rows.append(Row("signatures", f"torch.ops.npu.{rec.qualname} schema = recorded names", got == want,
-                        "" if got == want else f"{got} != {want}"))
+        schema = str(getattr(torch.ops.npu, rec.qualname).default._schema)
+        problems = compare(rec.params, VendorSignature(rec.qualname, v.schema_params(schema), "torch.ops").params)
+        rows.append(Row("signatures", f"torch.ops.npu.{rec.qualname} = recorded", not problems,
+                        "; ".join(problems) or schema[:120]))
+    return rows
+
+
+def _platform_rows(opts: Options) -> list[Row]:
+    """The chip, CANN's version and which aclnn variants the installed CANN has (op-plugin picks
+    aclnnGroupedMatmulV5/V4, aclnnDequantSwigluQuantV2/V1, aclnnDynamicQuantV2.. by availability; their
+    host checks and rounding differ: audit b30/b34/b41)."""
+    if opts.fake:
+        module = importlib.import_module(v.TORCH_NPU_FAKE)
+        return [Row("platform", "chip (torch_npu.npu.get_soc_version)", None, f"{v.current_soc(module)} (fake)")]
+    module = importlib.import_module(v.TORCH_NPU)
+    rows = [Row("platform", "chip (torch_npu.npu.get_soc_version)", None,
+                f"{module.npu.get_soc_version()} -> {v.current_soc(module)}")]
+    try:
+        rows.append(Row("platform", "CANN version", None, str(module.npu.utils.get_cann_version())))
+    except Exception as exc:  # noqa: BLE001 - information
+        rows.append(Row("platform", "CANN version", None, f"unknown ({exc})"))
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libopapi.so")
+        found = {name: hasattr(lib, f"{name}GetWorkspaceSize") for name in (
+            "aclnnGroupedMatmulV5", "aclnnGroupedMatmulV4", "aclnnDequantSwigluQuantV2", "aclnnDequantSwigluQuant",
+            "aclnnDynamicQuantV4", "aclnnDynamicQuantV3", "aclnnDynamicQuantV2")}
+        rows.append(Row("platform", "aclnn variants in libopapi.so", None,
+                        ", ".join(f"{k}={'yes' if ok else 'no'}" for k, ok in found.items())))
+    except OSError as exc:
+        rows.append(Row("platform", "aclnn variants in libopapi.so", None, f"libopapi.so not loadable ({exc})"))
     return rows
 
 
@@ -147,9 +198,11 @@ def _window_rows(opts: Options, world: int) -> list[Row]:
     E = opts.experts_per_rank * world
     for mode in (md.Mode.NORMAL, md.Mode.LOW_LATENCY):
         spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
-        need = sizes.required_window_mb(spec, world, os.environ)
+        soc = AscendDeepEPBackend(opts.deep_ep).soc()
+        need = sizes.required_window_mb(spec, world, os.environ, soc)
         have = os.environ.get(v.DEEPEP_HCCL_BUFFSIZE) or os.environ.get(v.HCCL_BUFFSIZE) or "200 (default)"
-        rows.append(Row("windows", f"HCCL window {mode.value}", None, f"need {need} MB (ops' tiling check), have {have}"))
+        rows.append(Row("windows", f"HCCL window {mode.value}", None,
+                        f"need {need} MB (ops' tiling check, chip {soc or 'unknown: both'}), have {have}"))
     module = importlib.import_module(opts.deep_ep)
     hint = v.low_latency_rdma_size_hint(module, opts.tokens, opts.hidden, world, E)
     rows.append(Row("windows", "get_low_latency_rdma_size_hint is the dummy (returns T)", hint == opts.tokens,
@@ -203,10 +256,62 @@ def _deepep_rows(rank: int, world: int, opts: Options, group: Any, reference_gro
                                 f"{err:.2e}; rows in the fake's order: {same_order}")]
 
                 rows += _guard("deepep", name, check)
+    for mode in ("normal", "low_latency"):
+        name = f"{mode}: two dispatches in flight (8 then 2 tokens), combined first-first and last-first"
+        rows += _guard("deepep", name, lambda mode=mode, name=name: _in_flight_rows(rank, world, opts, group,
+                                                                                    reference_group, mode, name))
+    name = "two dispatchers on one group (normal int8, low_latency bf16) interleaved"
+    rows += _guard("deepep", name, lambda: _two_dispatchers_rows(rank, world, opts, group, reference_group, name))
     if opts.probe_neg_one_unset:
         rows += _probe("deepep", "probe: -1 ids without MOE_ENABLE_TOPK_NEG_ONE",
                        lambda: _probe_neg_one_unset(rank, world, opts, group))
     return rows
+
+
+def _in_flight(d: md.Dispatcher, opts: Options, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               order: tuple[int, ...], device: torch.device) -> list[torch.Tensor]:
+    outs = [d.dispatch(x.to(device), ids.to(device), w.to(device)) for x, ids, w in batches]
+    ys: dict[int, torch.Tensor] = {}
+    for i in order:  # identity experts: combine what arrived
+        rows = dequantize_rows(outs[i].hidden_states, outs[i].hidden_states_scale, opts.hidden)
+        ys[i] = d.combine(rows.to(torch.bfloat16), outs[i]).float().cpu()
+    return [ys[i] for i in range(len(batches))]
+
+
+def _in_flight_rows(rank: int, world: int, opts: Options, group: Any, reference_group: Any, mode: str, name: str
+                    ) -> list[Row]:
+    """The Buffer keeps per-call state (real_max_bs, the window halves the kernels flip): dispatches in
+    flight of different sizes, combined in either order, must give what the fake gives."""
+    E = opts.experts_per_rank * world
+    spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
+    real = md.create_dispatcher(AscendDeepEPBackend(opts.deep_ep), spec, group, env={})
+    fake = md.create_dispatcher(AscendDeepEPBackend(v.FAKE), spec, reference_group, env={})
+    small = Options(**{**opts.__dict__, "tokens": max(1, opts.tokens // 4)})
+    batches = [_batch(rank, opts, world, False), _batch(rank + 50, small, world, False)]
+    worst = 0.0
+    for order in ((0, 1), (1, 0)):
+        got = _in_flight(real, opts, batches, order, opts.device)
+        want = _in_flight(fake, opts, batches, order, torch.device("cpu"))
+        worst = max(worst, *(relative_error(g, w) for g, w in zip(got, want)))
+    return [Row("deepep", name, worst < opts.tolerance["bf16"], f"worst combine rel err {worst:.2e}")]
+
+
+def _two_dispatchers_rows(rank: int, world: int, opts: Options, group: Any, reference_group: Any, name: str
+                          ) -> list[Row]:
+    """Two Buffers on one HCCL communicator share its window: interleaved calls must not disturb each other."""
+    E = opts.experts_per_rank * world
+    specs = [md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=m,
+                             output_dtype=dt) for m, dt in (("normal", "int8"), ("low_latency", "bf16"))]
+    results = []
+    for module, grp, device in ((opts.deep_ep, group, opts.device), (v.FAKE, reference_group, torch.device("cpu"))):
+        ds = [md.create_dispatcher(AscendDeepEPBackend(module), s, grp, env={}) for s in specs]
+        x, ids, w = _batch(rank, opts, world, False)
+        outs = [d.dispatch(x.to(device), ids.to(device), w.to(device)) for d in ds]
+        ys = [d.combine(dequantize_rows(o.hidden_states, o.hidden_states_scale, opts.hidden).to(torch.bfloat16), o)
+              .float().cpu() for d, o in reversed(list(zip(ds, outs)))]
+        results.append(ys)
+    err = max(relative_error(g, w) for g, w in zip(*results))
+    return [Row("deepep", name, err < opts.tolerance["int8"], f"worst combine rel err {err:.2e}")]
 
 
 def _probe_neg_one_unset(rank: int, world: int, opts: Options, group: Any) -> list[Row]:
@@ -269,7 +374,21 @@ def _runner_rows(opts: Options) -> list[Row]:
             return [Row("runners", f"npu_{scheme}: torch_npu = fake", err < 2e-2, f"rel err {err:.2e}")]
 
         rows += _guard("runners", f"npu_{scheme}", check)
+    rows += _guard("runners", "npu_convert_weight_to_int4pack", lambda: _int4pack_rows(opts))
     return rows
+
+
+def _int4pack_rows(opts: Options) -> list[Row]:
+    """The W4A16 runner packs on the host (``pack_int4``); the op, on the NPU, must give the same words."""
+    from .experts import pack_int4
+
+    if opts.fake:
+        return [Row("runners", "npu_convert_weight_to_int4pack(npu) = pack_int4", None,
+                    "the op has an NPU kernel only (the fake refuses CPU tensors as torch_npu does)")]
+    values = torch.randint(-8, 8, (64, 128), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    got = importlib.import_module(v.TORCH_NPU).npu_convert_weight_to_int4pack(values.to(opts.device)).cpu()
+    ok = torch.equal(got, pack_int4(values))
+    return [Row("runners", "npu_convert_weight_to_int4pack(npu) = pack_int4", ok, "" if ok else "words differ")]
 
 
 # -- one rank's share -------------------------------------------------------------------------------------
@@ -284,6 +403,8 @@ def run_rank(rank: int, world: int, opts: Options, fuseep: Callable[..., list[Ro
     group = dist.group.WORLD if dist.is_initialized() else None
     reference = group if opts.fake or not dist.is_initialized() else dist.new_group(backend="gloo")
     rows: list[Row] = []
+    if rank == 0 and "platform" in opts.parts:
+        rows += _guard("platform", "platform", lambda: _platform_rows(opts))
     if rank == 0 and "signatures" in opts.parts:
         rows += _guard("signatures", "signatures", lambda: _signature_rows(opts))
     if rank == 0 and "windows" in opts.parts:

@@ -2,8 +2,11 @@
 
 DeepEP-Ascend is sgl-project/sgl-kernel-npu ``python/deep_ep`` (it installs as ``deep_ep``, like
 CUDA DeepEP) with its C++ in ``csrc/deepep``; facts are cited as ``KN@<commit> <path> <symbol>``
-(KN = sgl-project/sgl-kernel-npu, read at main f425bdf). torch_npu facts come from the
-documented prototypes in torch-npu 2.13.0's ``torch_npu/_op_plugin_docs.py`` (TNPU).
+(KN = sgl-project/sgl-kernel-npu, read at main f425bdf). torch_npu facts come from torch-npu 2.13.0:
+the op schemas its ``libtorch_npu.so`` registers (what ``torch_npu.npu_X`` takes), the documented
+prototypes in ``torch_npu/_op_plugin_docs.py`` (TNPU), and CANN's grouped-matmul sources
+(hicann/ops-transformer) where the docs leave the A8W4 kernel out. The chip (Atlas A2/A3) is
+``torch_npu.npu.get_soc_version()``'s.
 
 Nothing here imports an adapter module or a fake. Adapters and fakes import these facts; the
 fakes live in ``moe_dispatch_ascend_deepep.fakes`` and are chosen by module-name string.
@@ -21,11 +24,16 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Mapping
+from typing import Any, Mapping
+
+from moe_dispatch.signatures import VendorSignature
 
 KN = "sgl-project/sgl-kernel-npu"
 KN_MAIN = "f425bdf"
 TNPU = "torch-npu 2.13.0 torch_npu/_op_plugin_docs.py"
+#: The op schemas torch-npu 2.13.0 registers (``torch_npu/lib/libtorch_npu.so``); ``torch_npu.npu_X`` IS
+#: ``torch.ops.npu.npu_X`` (``torch_npu/utils/custom_ops.py``), so these are the callables' signatures.
+TNPU_SO = "torch-npu 2.13.0 torch_npu/lib/libtorch_npu.so (registered schema; torch_npu/utils/custom_ops.py)"
 
 # -- module names ------------------------------------------------------------------------------------
 
@@ -94,15 +102,20 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(SHARED_RANKS_ENV, "0", "Buffer construction (C++)",
            "ranks < N hold one shared expert; E_local = E / (R - N); the low-latency and fused layouts change",
            "KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::Buffer"),
-    EnvVar(CCU_ENV, "0", "each low-latency call (C++)", "'1': comm_alg 'ccu' on A3",
-           "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+    EnvVar(CCU_ENV, "0", "each low_latency_dispatch and low_latency_combine (C++, get_value_from_env)",
+           "'1' on any SoC but ASCEND910B: comm_alg 'ccu', which the op's tiling sends to the A5 CCU op "
+           "(MoeDistributeDispatchA5); pinned to '0' for the adapter's calls",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp; ops/op_host/moe_distribute_dispatch_v2_tiling.cpp"),
     EnvVar(STRATEGY_ENV, None, "Buffer construction (Python)",
            "overrides normal_strategy/low_latency_strategy: default | alltoall | ops; else ValueError",
            "KN@f425bdf python/deep_ep/deep_ep/buffer.py Buffer.__init__"),
     EnvVar(HCCL_BUFFSIZE, "200", "HCCL communicator creation (allocation) and each op's tiling (check)",
            "the HCCL window in MB, parsed into a uint16", "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h"),
-    EnvVar(DEEPEP_HCCL_BUFFSIZE, None, "each op's tiling", "replaces HCCL_BUFFSIZE in the ops' window check only",
-           "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h"),
+    EnvVar(DEEPEP_HCCL_BUFFSIZE, None, "each op's tiling",
+           "replaces HCCL_BUFFSIZE as the window size the ops see: their check AND the normal kernels' layout "
+           "(the second half starts at totalWinSize/2), so it must not exceed the real HCCL_BUFFSIZE window",
+           "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h; ops/op_kernel/cam_moe_dispatch_normal.h, "
+           "cam_moe_combine_normal.h (winDataSizeOffset)"),
     EnvVar(INTRA_PCIE_ENV, "0", "each low-latency call on ASCEND910B (C++ and op tiling)",
            "with HCCL_INTRA_ROCE_ENABLE=0: the A2 layered (two-node) kernels", "KN@f425bdf csrc/deepep/deep_ep.cpp"),
     EnvVar(INTRA_ROCE_ENV, "1", "each low-latency call on ASCEND910B", "see HCCL_INTRA_PCIE_ENABLE",
@@ -120,15 +133,53 @@ STRATEGY_DEFAULT = "default"
 STRATEGIES = ("default", "alltoall", "ops")
 
 
+_ASCII_DIGITS = frozenset("0123456789")
+_LONG_MAX = (1 << 63) - 1
+
+
+def _wrap(value: int, bits: int, signed: bool) -> int:
+    """A C integer conversion: ``value`` modulo 2**bits (two's complement when ``signed``)."""
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if signed and value >> (bits - 1) else value
+
+
 def parse_env_int(raw: str | None, default: int) -> int:
-    """DeepEP-Ascend's ``get_value_from_env``: a decimal integer, else the default
-    (KN@f425bdf csrc/deepep/config.cpp get_value_from_env)."""
-    if raw is None or not raw[:1].isdigit():
+    """DeepEP-Ascend's ``get_value_from_env``: ``strtol(s, &end, 10)`` accepted only when the first
+    character is an ASCII digit, ``*end == '\\0'`` (all of it consumed: no sign, blank, ``_`` or other
+    digits) and no ERANGE; the long is then cast to int (KN@f425bdf csrc/deepep/config.cpp
+    get_value_from_env)."""
+    if not raw or raw[0] not in _ASCII_DIGITS or not set(raw) <= _ASCII_DIGITS:
         return default
-    try:
-        return int(raw, 10)
-    except ValueError:
-        return default
+    value = int(raw, 10)
+    return default if value > _LONG_MAX else _wrap(value, 32, signed=True)
+
+
+def stoi_prefix(raw: str) -> int | None:
+    """``std::stoi(raw)``: leading C whitespace skipped, an optional sign, then the longest run of ASCII
+    digits; None where stoi throws (no digits: invalid_argument; beyond int: out_of_range)."""
+    i = 0
+    while i < len(raw) and raw[i] in " \t\n\v\f\r":
+        i += 1
+    sign = 1
+    if i < len(raw) and raw[i] in "+-":
+        sign, i = (-1 if raw[i] == "-" else 1), i + 1
+    j = i
+    while j < len(raw) and raw[j] in _ASCII_DIGITS:
+        j += 1
+    if j == i:
+        return None
+    value = sign * int(raw[i:j], 10)
+    return value if -(1 << 31) <= value < (1 << 31) else None
+
+
+def ops_window_mb(env: Mapping[str, str]) -> int:
+    """The window (MB) each op's tiling sees: ``DEEPEP_HCCL_BUFFSIZE`` when set, else ``HCCL_BUFFSIZE``,
+    parsed with ``std::stoi`` into a ``uint16_t`` (a value stoi rejects leaves the default 200)
+    (KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h Mc2TilingUtils::GetMaxWindowSize; ops2 the same)."""
+    name = DEEPEP_HCCL_BUFFSIZE if env.get(DEEPEP_HCCL_BUFFSIZE) is not None else HCCL_BUFFSIZE
+    raw = env.get(name)
+    parsed = None if raw is None else stoi_prefix(raw)
+    return DEFAULT_HCCL_BUFFSIZE_MB if parsed is None else _wrap(parsed, 16, signed=False)
 
 
 def is_layered(env: Mapping[str, str]) -> bool:
@@ -173,6 +224,64 @@ NORMAL_QUANT_MODES = frozenset({"bf16", "int8", "mx_fp8_e4m3", "mx_fp8_e5m2", "p
 LL_QUANT_MODES = frozenset({None, "int8", "mx_fp8_e4m3", "mx_fp8_e5m2", "pertoken_fp8_e4m3", "mx_fp4_e2m1"})
 # KN@f425bdf deep_ep.cpp: the A5-only ones fail EP_HOST_ASSERT_S on A2/A3 builds (not __DAV_C310__).
 A5_ONLY_QUANT_MODES = frozenset({"mx_fp8_e4m3", "mx_fp8_e5m2", "pertoken_fp8_e4m3", "mx_fp4_e2m1"})
+
+
+# The normal op (CamMoeDispatchNormal) tiling (KN@f425bdf csrc/deepep/ops/op_host/cam_moe_dispatch_normal_tiling.cc
+# CheckAttrs / GetAttrAndSetTilingData / CheckTensorShape; ops2 the A2 build): EP 2..384, E <= 1024 (A2: 512),
+# E % R == 0, E_local·R <= 1280 (DISPATCH_STATUS_MAX_SUPPORT_NUM), k in (0, min(16, E)], H 1024..8192 (A2: 7168),
+# globalBS > 0 ("globalBS is invalid, should be positive").
+NORMAL_OP_MAX_EXPERTS = {"A3": 1024, "A2": 512}
+NORMAL_OP_MAX_HIDDEN = {"A3": 8192, "A2": 7168}
+NORMAL_OP_MAX_DISPATCH_STATUS = 1280
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::intranode_dispatch: `real_max_bs = max(max_bs, num_worst_tokens)` is a
+# Buffer member (deep_ep.hpp) that intranode_combine passes to aclnnCamMoeCombineNormal; max_bs is the largest
+# batch over the source ranks (ops/op_kernel/notify_dispatch.h); global_bs = min(per_round_tokens, real_max_bs)·R.
+# The combine's tiling refuses realMaxBs != 0 below its own batch ("realMaxBs is invalid, only support 0 or value
+# greater than or equal to the BS of all ranks", ops/op_host/cam_moe_combine_normal_tiling.cc). num_worst_tokens
+# reaches intranode_dispatch on every supported build (KN@0ac00159 buffer.py Buffer.dispatch) and only raises
+# real_max_bs there (the count list and the output rows are unchanged, unlike CUDA DeepEP).
+
+# -- the chip (SoC) -------------------------------------------------------------------------------------
+
+SOC_A2, SOC_A3 = "A2", "A3"
+# torch_npu.npu.get_soc_version() codes: 220..225 Ascend910B1..B4 (Atlas A2), 250..255 Ascend910_93xx (Atlas A3)
+# (vllm-project/vllm-ascend vllm_ascend/__init__.py ASCEND_A2_SOC_VERSION = range(220, 226),
+# ASCEND_A3_SOC_VERSION = range(250, 256), read in the fork zhangxinyuehfad/vllm-ascend). DeepEP-Ascend's C++ asks
+# the same platform (op::GetCurrentPlatformInfo().GetSocVersion() == ASCEND910B, KN@f425bdf deep_ep.cpp Buffer::Buffer).
+A2_SOC_CODES = range(220, 226)
+A3_SOC_CODES = range(250, 256)
+# KN@f425bdf build.sh: "auto-select ops (A3/A5) or ops2 (A2)"; csrc/deepep/ops2 has no FusedDeepMoe and no
+# DispatchFFNCombine op, so an A2 wheel's fused_deep_moe fails in EXEC_NPU_CMD.
+FUSED_OPS_SOCS = frozenset({SOC_A3})
+
+
+def soc_family(code: int | None) -> str | None:
+    """``"A2"``, ``"A3"`` or None (another or unknown chip) for a ``torch_npu.npu.get_soc_version()`` code."""
+    if code in A2_SOC_CODES:
+        return SOC_A2
+    if code in A3_SOC_CODES:
+        return SOC_A3
+    return None
+
+
+def current_soc(torch_npu_module: Any) -> str | None:
+    """The chip this process runs on, from ``torch_npu.npu.get_soc_version()`` (None if it cannot say)."""
+    try:
+        return soc_family(int(torch_npu_module.npu.get_soc_version()))
+    except Exception:  # noqa: BLE001 - no device, or an older torch_npu: unknown
+        return None
+
+
+# A2 (ASCEND910B) with more than 8 ranks: DeepEP-Ascend takes its internode paths (KN@f425bdf deep_ep.cpp
+# A2_MAX_HCCS_PEERS). Normal mode: global_bs = MAX_BATCH_SIZE(4096)·R whatever the batch (internode_dispatch), and
+# the DispatchNormalA2 tiling (ops2/op_host/dispatch_normal_a2_tiling.cpp MoeDistributeDispatchA2CheckShapeAndSetTiling
+# / ...CheckAttrAndSetTiling): bs <= 4096, k 2..16, H % 32 and <= 7168, R % 8 == 0 and R <= 256, E % R, E <= 512.
+# The same file's `actualSize = R·maxBs·H·2·2·E_l` window check is in MoeDistributeDispatchA3TilingFuncImpl, which
+# IMPL_OP_OPTILING(DispatchNormalA2) never calls: no window check runs on this path (a hardware question).
+# Low latency: ops2/op_host/moe_distribute_dispatch_v2_tiling.cc MAX_EP_WORLD_SIZE_A2 = 256, RANK_NUM_PER_NODE_A2 = 8.
+A2_INTERNODE_MAX_TOKENS = 4096
+A2_INTERNODE_MAX_EP = 256
+A2_INTERNODE_EP_MULTIPLE = 8
 
 
 def ll_receive_rows(tokens: int, world_size: int, local_experts: int, top_k: int) -> int:
@@ -228,6 +337,17 @@ def normal_op_window_bytes(tokens: int, hidden: int, top_k: int, per_round_token
     return (max_bs * top_k * (combine + dispatch) + 4 * MIB + 102 * MIB) * 2
 
 
+def normal_op_window_bytes_a2(tokens: int, hidden: int, top_k: int, per_round_tokens: int = NORMAL_MAX_TOKENS) -> int:
+    """The A2 build's ``CamMoeDispatchNormal`` check (ranks <= 8 on ASCEND910B): ``(maxBs·k·(tokCombine +
+    tokDispatch) + 8 MB + 404 MB)·2 + 4·2 MB``, maxBs = min(per_round_tokens, real_max_bs)
+    (KN@f425bdf csrc/deepep/ops2/op_host/cam_moe_dispatch_normal_tiling.cc, ops2/op_host/tiling_args.h
+    COMBINE_STATE_WIN_OFFSET 8 MB, NOTIFY_DISPATCH_WIN_OFFSET 404 MB, STATE_SIZE 2 MB): at least 833 MB."""
+    max_bs = min(per_round_tokens, tokens)
+    combine = _ceil(hidden * _OUT_BYTES, _WIN_ALIGN)
+    dispatch = _ceil(_ceil(hidden * _OUT_BYTES, _UB_ALIGN) + _SCALE_IDX, _WIN_ALIGN)
+    return (max_bs * top_k * (combine + dispatch) + 8 * MIB + 404 * MIB) * 2 + 4 * 2 * MIB
+
+
 def window_mb(nbytes: int) -> int:
     """HCCL_BUFFSIZE (MB) that passes an op's ``actualSize > HCCL_BUFFSIZE·MiB`` check."""
     return math.ceil(nbytes / MIB)
@@ -241,22 +361,6 @@ def low_latency_rdma_size_hint(module: ModuleType, tokens: int, hidden: int, wor
 
 
 # -- recorded signatures --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VendorSignature:
-    """A vendor callable's recorded parameter list with its source. ``signature()`` gives the core's
-    ``moe_dispatch.signatures.VendorSignature`` (imported on use: ``moe_dispatch.testing``
-    imports pytest, which the plugin must not need at import time)."""
-
-    qualname: str
-    text: str
-    source: str
-
-    def signature(self):  # type: ignore[no-untyped-def]  # -> moe_dispatch.signatures.VendorSignature
-        from moe_dispatch.signatures import VendorSignature as Core
-
-        return Core(self.qualname, self.text, self.source)
 
 
 _BUF = f"{KN}@{KN_MAIN} python/deep_ep/deep_ep/buffer.py"
@@ -302,6 +406,16 @@ SIG_LOW_LATENCY_DISPATCH_USE_FP8 = VendorSignature(
     "use_fp8=True, round_scale=False, use_ue8m0=False, use_mxfp4=False, async_finish=False, "
     "return_recv_hook=False, topk_weights=None)", f"{KN}@be6b5e7f buffer.py Buffer.low_latency_dispatch "
     "(KN@be6b5e7f .. KN@f451a596)")
+SIG_LOW_LATENCY_DISPATCH_TOPK_WEIGHTS = VendorSignature(
+    "Buffer.low_latency_dispatch",
+    "(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats=None, "
+    "use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False, topk_weights=None)",
+    f"{KN}@9aa6257c buffer.py Buffer.low_latency_dispatch (KN@9aa6257c .. KN@be6b5e7f)")
+SIG_LOW_LATENCY_DISPATCH_OLD = VendorSignature(
+    "Buffer.low_latency_dispatch",
+    "(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats=None, "
+    "use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False)",
+    f"{KN}@0ac00159 buffer.py Buffer.low_latency_dispatch (KN@0ac00159 .. KN@9aa6257c)")
 SIG_LOW_LATENCY_COMBINE = VendorSignature(
     "Buffer.low_latency_combine",
     "(self, x, topk_idx, topk_weights, handle, zero_copy=False, async_finish=False, return_recv_hook=False, "
@@ -326,7 +440,13 @@ SIG_FUSED_DEEP_MOE_NO_FUSE_MODE = VendorSignature(
     "(self, x, topk_idx, topk_weights, gmm1_permuted_weight, gmm1_permuted_weight_scale, gmm2_weight, "
     "gmm2_weight_scale, num_max_dispatch_tokens_per_rank, num_experts, quant_mode=1)",
     f"{KN}@c4e7608f buffer.py Buffer.fused_deep_moe (KN@c4e7608f .. KN@0ac00159)")
-#: pybind ``Config(int, int, int, int, int)`` (KN@f425bdf csrc/deepep/config.hpp struct Config).
+#: pybind ``Config``: ``init<int, int, int, int, int>`` with keyword names and defaults
+#: (KN@f425bdf csrc/deepep/pybind_extension.cpp; csrc/deepep/config.hpp struct Config).
+SIG_CONFIG_INIT = VendorSignature(
+    "Config.__init__",
+    "(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256, "
+    "num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256)",
+    f"{KN}@{KN_MAIN} csrc/deepep/pybind_extension.cpp (pybind11::init<int, int, int, int, int>, py::arg defaults)")
 CONFIG_FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                  "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
 
@@ -339,33 +459,172 @@ DEEP_EP_SIGNATURES = {
                     SIG_LOW_LATENCY_DISPATCH_USE_FP8, SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT,
                     SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG, SIG_FUSED_DEEP_MOE_NO_PROFILE),
 }
+#: Every signature a supported build (KN@0ac00159 .. main) has, per method (checked by AST against buffer.py at
+#: 0ac00159, 3d98638a, 607b0002, 9aa6257c, b2fce2cd, 27306d00, 9a77a110, be6b5e7f, f451a596, 7c2b9e06, d6617476,
+#: eb44721d, 454d9c3e, 929a00ae, 0a7c55a4, f425bdf): what the hardware check accepts as "a recorded version". The
+#: adapter's calls (positional x, ids, T, E and keyword use_fp8/quant_mode) are valid on each.
+RECORDED_VERSIONS: dict[str, tuple[VendorSignature, ...]] = {
+    "Buffer.__init__": (SIG_BUFFER_INIT, SIG_BUFFER_INIT_OLD),
+    "Buffer.get_dispatch_layout": (SIG_GET_DISPATCH_LAYOUT,),
+    "Buffer.dispatch": (SIG_DISPATCH, SIG_DISPATCH_ENV_ONLY),
+    "Buffer.combine": (SIG_COMBINE,),
+    "Buffer.low_latency_dispatch": (SIG_LOW_LATENCY_DISPATCH, SIG_LOW_LATENCY_DISPATCH_USE_FP8,
+                                    SIG_LOW_LATENCY_DISPATCH_TOPK_WEIGHTS, SIG_LOW_LATENCY_DISPATCH_OLD),
+    "Buffer.low_latency_combine": (SIG_LOW_LATENCY_COMBINE,),
+    "Buffer.get_low_latency_rdma_size_hint": (SIG_LL_SIZE_HINT,),
+    "Buffer.get_dispatch_config": (SIG_GET_DISPATCH_CONFIG,),
+    "Buffer.get_combine_config": (SIG_GET_COMBINE_CONFIG,),
+    "Buffer.fused_deep_moe": (SIG_FUSED_DEEP_MOE, SIG_FUSED_DEEP_MOE_NO_PROFILE),
+}
 
-# torch_npu: the documented prototypes (TNPU), written as Python parameter lists.
-SIG_NPU_GROUPED_MATMUL = VendorSignature(
-    "npu_grouped_matmul",
-    "(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None, "
-    "per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None, "
-    "activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0, "
-    "output_dtype=None, tuning_config=None)", TNPU + " npu_grouped_matmul")
-SIG_NPU_DYNAMIC_QUANT = VendorSignature(
-    "npu_dynamic_quant", "(x, *, smooth_scales=None, group_index=None, dst_type=None)", TNPU + " npu_dynamic_quant")
-SIG_NPU_DEQUANT_SWIGLU_QUANT = VendorSignature(
-    "npu_dequant_swiglu_quant",
-    "(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None, quant_offset=None, "
-    "group_index=None, activate_left=False, quant_mode=0, swiglu_mode=0, clamp_limit=7.0, glu_alpha=1.702, "
-    "glu_bias=1.0)", TNPU + " npu_dequant_swiglu_quant")
-SIG_NPU_SWIGLU = VendorSignature("npu_swiglu", "(self, dim=-1)", TNPU + " npu_swiglu")
-SIG_NPU_CONVERT_WEIGHT_TO_INT4PACK = VendorSignature(
-    "npu_convert_weight_to_int4pack", "(weight, inner_k_tiles=0)", TNPU + " npu_convert_weight_to_int4pack")
-SIG_NPU_FORMAT_CAST = VendorSignature("npu_format_cast", "(self, acl_format)", TNPU + " npu_format_cast")
+def _param_from_prototype(raw: str) -> str:
+    """``Tensor? smooth_scales=None`` → ``smooth_scales=None``; ``int[]? tuning_config`` →
+    ``tuning_config=None`` (an optional type without a default defaults to None)."""
+    text = " ".join(raw.split())
+    if text == "*":
+        return "*"
+    head, _, default = text.partition("=")
+    words = head.strip().split(" ")
+    name = words[-1]
+    if default:
+        return f"{name}={default.strip()}"
+    return f"{name}=None" if len(words) > 1 and words[-2].endswith("?") else name
+
+
+# torch_npu: ``torch_npu.npu_X = torch.ops.npu.npu_X`` (torch-npu 2.13.0 torch_npu/utils/custom_ops.py), so what a
+# call may pass is the op schema torch_npu registers (read from torch_npu/lib/libtorch_npu.so with `strings`;
+# torchnpugen/custom_functions.py renames a schema's `self` to `input`). The records below are those schemas as
+# Python parameter lists; the fakes take exactly these. The docstring prototypes (_op_plugin_docs.py) differ in
+# names (`self`, `x`), order and missing keywords: kept in TORCH_NPU_DOC_SIGNATURES as what the docs say.
+TORCH_NPU_SCHEMAS = {
+    "npu_grouped_matmul":
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+        "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
+        "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
+        "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
+        "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
+        "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
+        "int? per_token_scale_dtype=None) -> Tensor[]",
+    "npu_dynamic_quant":
+        "npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, "
+        "int? dst_type=None, str quant_mode=\"pertoken\", float dst_type_max=0.0) -> (Tensor, Tensor)",
+    "npu_dequant_swiglu_quant":
+        "npu_dequant_swiglu_quant(Tensor x, *, Tensor? weight_scale=None, Tensor? activation_scale=None, "
+        "Tensor? bias=None, Tensor? quant_scale=None, Tensor? quant_offset=None, Tensor? group_index=None, "
+        "bool activate_left=False, int quant_mode=0, int? dst_type=None, int? round_mode=None, "
+        "int? activate_dim=None, int swiglu_mode=0, float clamp_limit=7.0, float glu_alpha=1.702, "
+        "float glu_bias=1.0) -> (Tensor, Tensor)",
+    "npu_swiglu": "npu_swiglu(Tensor input, int dim=-1) -> Tensor",
+    "npu_convert_weight_to_int4pack": "npu_convert_weight_to_int4pack(Tensor weight, int inner_k_tiles=0) -> Tensor",
+    "npu_format_cast":
+        "npu_format_cast(Tensor input, int acl_format, *, int? customize_dtype=None, int? input_dtype=None) -> Tensor",
+}
+
+
+def _split_params(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "([" and 1 or 0
+        depth -= ch in ")]" and 1 or 0
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur] if cur.strip() else parts
+
+
+def schema_params(schema: str) -> str:
+    """A registered op schema (``op(Tensor input, *, int? y=None) -> Tensor``) as a Python parameter
+    list (``(input, *, y=None)``): what ``torch.ops.npu.<op>`` accepts, positionally or by keyword."""
+    start = schema.index("(") + 1
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(schema[end], 0)
+        end += 1
+    return "(" + ", ".join(_param_from_prototype(p) for p in _split_params(schema[start:end - 1])) + ")"
+
+
+def registered_schema(library: bytes, op: str) -> str | None:
+    """The schema ``libtorch_npu.so`` registers for ``op`` (its bytes, read without loading it)."""
+    match = re.search(rb"\x00(" + re.escape(op.encode()) + rb"\([^\x00]*?\) -> [^\x00]+)\x00", library)
+    return None if match is None else match.group(1).decode()
+
+
+def torch_npu_library_path() -> str | None:
+    """``torch_npu/lib/libtorch_npu.so`` of the installed torch_npu, found without importing it."""
+    spec = importlib.util.find_spec(TORCH_NPU)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "lib", "libtorch_npu.so")
+    return path if os.path.exists(path) else None
+
+
+def _schema_signature(op: str) -> VendorSignature:
+    return VendorSignature(op, schema_params(TORCH_NPU_SCHEMAS[op]), f"{TNPU_SO} {op}")
+
+
+SIG_NPU_GROUPED_MATMUL = _schema_signature("npu_grouped_matmul")
+SIG_NPU_DYNAMIC_QUANT = _schema_signature("npu_dynamic_quant")
+SIG_NPU_DEQUANT_SWIGLU_QUANT = _schema_signature("npu_dequant_swiglu_quant")
+SIG_NPU_SWIGLU = _schema_signature("npu_swiglu")
+SIG_NPU_CONVERT_WEIGHT_TO_INT4PACK = _schema_signature("npu_convert_weight_to_int4pack")
+SIG_NPU_FORMAT_CAST = _schema_signature("npu_format_cast")
 TORCH_NPU_SIGNATURES = (SIG_NPU_GROUPED_MATMUL, SIG_NPU_DYNAMIC_QUANT, SIG_NPU_DEQUANT_SWIGLU_QUANT, SIG_NPU_SWIGLU,
                         SIG_NPU_CONVERT_WEIGHT_TO_INT4PACK, SIG_NPU_FORMAT_CAST)
+
+# The documented prototypes (TNPU docstrings), written as Python parameter lists: what the docs say, not what
+# the callable takes (the optional test compares them with an installed _op_plugin_docs.py).
+TORCH_NPU_DOC_SIGNATURES = (
+    VendorSignature(
+        "npu_grouped_matmul",
+        "(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None, "
+        "per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None, "
+        "activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0, "
+        "output_dtype=None, tuning_config=None)", TNPU + " npu_grouped_matmul"),
+    VendorSignature("npu_dynamic_quant", "(x, *, smooth_scales=None, group_index=None, dst_type=None)",
+                    TNPU + " npu_dynamic_quant"),
+    VendorSignature(
+        "npu_dequant_swiglu_quant",
+        "(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None, quant_offset=None, "
+        "group_index=None, activate_left=False, quant_mode=0, swiglu_mode=0, clamp_limit=7.0, glu_alpha=1.702, "
+        "glu_bias=1.0)", TNPU + " npu_dequant_swiglu_quant"),
+    VendorSignature("npu_swiglu", "(self, dim=-1)", TNPU + " npu_swiglu"),
+    VendorSignature("npu_convert_weight_to_int4pack", "(weight, inner_k_tiles=0)",
+                    TNPU + " npu_convert_weight_to_int4pack"),
+    VendorSignature("npu_format_cast", "(self, acl_format)", TNPU + " npu_format_cast"),
+)
 #: ACL formats (TNPU npu_format_cast example; torch_npu ACL_FORMAT_*): ND and FRACTAL_NZ.
 ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ = 2, 29
 #: TNPU npu_dequant_swiglu_quant constraints: with group_index, H <= 10496 and 64-aligned.
 DEQUANT_SWIGLU_MAX_H = 10496
 #: TNPU npu_grouped_matmul: lists of at most 128 tensors; the op-plugin doc: at most 1024 groups.
 GMM_MAX_GROUPS = 1024
+
+# CANN's A8W4 grouped matmul (int8 x with int4 weights, per-group uint64 scales: sglang's W4A8), read in
+# hicann/ops-transformer @c29bc10 gmm/grouped_matmul op_host/grouped_matmul_tiling.cpp GMMTiling::A8W4Tiling and the
+# MSD kernels (grouped_matmul_antiquant_a8w4_msd_pre.h shifts x by -8; _msd.h adds the bias), and
+# gmm/grouped_matmul/docs/aclnnGroupedMatmulV5.md @0dd10d2 ("A8W4场景约束"):
+# - y = ((x - 8) @ (w·s) + bias)·per_token_scale with bias REQUIRED = 8·Σ_k (w·s), fp32 [E, N]
+#   ("bias_i = 8 × weight_i * scale_i，并沿k轴规约"), so that y = (x @ (w·s))·pts;
+# - group_list is read as per-group counts whatever group_list_type says (tiling keys hard-code
+#   GROUPED_MATMUL_GROUP_LIST_TYPE_COUNT; "算子不会检查groupListType的值，会认为groupListType为1");
+# - quantGroupSize 256 only ("当前支持quantGroupSize=256"), k % 64 == 0 and k <= 18432 (tiling GRAPH_FAILED).
+A8W4_X_SHIFT = 8
+A8W4_GROUP_SIZE = 256
+A8W4_K_MULTIPLE = 64
+A8W4_MAX_K = 18432
+# CANN aclnn_grouped_matmul.cpp @c29bc10 (antiquant): "antiquantOffset must not be nullptr in antiquant".
+# torch-npu 2.13.0: every npu_X kernel is registered for the NPU key only (torchnpugen/templates/
+# CustomRegisterSchema.cpp TORCH_LIBRARY_IMPL(npu, PrivateUse1, m)): a CPU tensor is "Could not run
+# 'npu::<op>' with arguments from the 'CPU' backend" (NotImplementedError).
+NPU_DEVICE_TYPE = "npu"
+
+
+def a8w4_scale_bias(values: Any, scale: Any) -> Any:
+    """CANN A8W4's required bias, ``8·Σ_k w·s`` as fp32 ``[E, N]``, from the int4 weight values ``[E, K, N]``
+    and the fp32 scale the op multiplies them by, ``[E, K, N]`` (per group already expanded along K)."""
+    return (A8W4_X_SHIFT * (values.double() * scale.double()).sum(dim=1)).float()
 
 
 
@@ -390,20 +649,6 @@ def _top_level_split(text: str) -> list[str]:
         else:
             cur += ch
     return parts + [cur] if cur.strip() else parts
-
-
-def _param_from_prototype(raw: str) -> str:
-    """``Tensor? smooth_scales=None`` → ``smooth_scales=None``; ``int[]? tuning_config`` →
-    ``tuning_config=None`` (an optional type without a default defaults to None)."""
-    text = " ".join(raw.split())
-    if text == "*":
-        return "*"
-    head, _, default = text.partition("=")
-    words = head.strip().split(" ")
-    name = words[-1]
-    if default:
-        return f"{name}={default.strip()}"
-    return f"{name}=None" if len(words) > 1 and words[-2].endswith("?") else name
 
 
 def documented_signature(docs_source: str, op: str) -> str | None:
@@ -533,6 +778,7 @@ def detect(module_name: str = REAL) -> VendorInfo:
 __all__ = [
     "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",
     "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
-    "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes", "parse_env_int",
-    "readme_window_bytes", "window_mb",
+    "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes",
+    "normal_op_window_bytes_a2", "ops_window_mb", "parse_env_int", "readme_window_bytes", "registered_schema",
+    "schema_params", "soc_family", "current_soc", "stoi_prefix", "window_mb",
 ]

@@ -44,6 +44,24 @@ def _nz_cast(t: torch.Tensor) -> torch.Tensor:
     return torch_npu.npu_format_cast(t, v.ACL_FORMAT_FRACTAL_NZ)
 
 
+def fill_minus_one(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, rows: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each ``-1`` id (in ``rows`` only, when given) replaced by an expert that token does not already use,
+    in increasing id, with weight 0: the fused op computes that row and combine adds ``0·y``, so the
+    result is the one the -1 asked for, without the host read a refusal would need. A token has k <= E
+    slots, so there are enough unused experts; each still reaches a rank at most min(k, E_local) times,
+    inside mode 2's row bound."""
+    holes = ids < 0
+    if rows is not None:
+        holes = holes & rows.unsqueeze(1)
+    used = torch.zeros(ids.shape[0], num_experts + 1, dtype=torch.bool, device=ids.device)
+    used.scatter_(1, torch.where(ids >= 0, ids, num_experts), True)
+    free_first = torch.argsort(used[:, :num_experts].to(torch.int8), dim=1, stable=True)  # unused experts first
+    nth_hole = (torch.cumsum(holes.to(torch.int64), dim=1) - 1).clamp_min(0)
+    filled = torch.gather(free_first, 1, nth_hole).to(ids.dtype)
+    return torch.where(holes, filled, ids), torch.where(holes, torch.zeros_like(weights), weights)
+
+
 class FuseEPDispatcher(AscendDeepEPDispatcher):
     """The unfused path, plus what this dispatcher's fused forward passes."""
 
@@ -64,8 +82,14 @@ class FuseEPBackend(AscendDeepEPBackend):
         super().__init__(vendor_module, env)
         self.capabilities = capabilities(vendor_module != v.REAL)
 
-    # probe(): ascend_deepep's; its supported floor (fused_deep_moe with fuse_mode, KN@0ac00159)
-    # is this plugin's too.
+    def probe(self) -> str | None:
+        """ascend_deepep's (its supported floor, fused_deep_moe with fuse_mode from KN@0ac00159, is this
+        plugin's too), and the chip: an Atlas A2 build of DeepEP-Ascend has no fused ops."""
+        reason = super().probe()
+        if reason is None and self.soc() not in (None, *v.FUSED_OPS_SOCS):
+            return (f"FuseEP needs Atlas A3: this is an Atlas {self.soc()}, whose DeepEP-Ascend build (csrc/deepep/"
+                    "ops2) has no FusedDeepMoe / DispatchFFNCombine op; use ascend_deepep with the npu_w8a8 runner")
+        return reason
 
     def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
         """HCCL_BUFFSIZE: the largest of the unfused path's and both fused ops' window checks."""
@@ -98,6 +122,12 @@ class FuseEPBackend(AscendDeepEPBackend):
 
     def create(self, ctx: md.DispatchContext) -> FuseEPDispatcher:
         fuse_mode, max_output = self.check_options(ctx.spec, ctx.options, ctx.world_size)
+        soc = self.soc()
+        if soc not in (None, *v.FUSED_OPS_SOCS):
+            raise md.BackendUnavailableError(
+                f"FuseEP's fused ops exist on Atlas A3 only; this is an Atlas {soc} (DeepEP-Ascend's A2 build, "
+                "csrc/deepep/ops2, has no FusedDeepMoe / DispatchFFNCombine)", parameter="backend", value=soc,
+                allowed="Atlas A3; on A2 use ascend_deepep with the npu_w8a8 runner")
         base = super().create(ctx)
         d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode, base.ll_quant_mode)
         d.fuse_mode, d.max_output_size = fuse_mode, max_output
@@ -124,6 +154,9 @@ class FuseEPBackend(AscendDeepEPBackend):
             x = x.new_zeros(1, x.shape[1])
             ids = torch.arange(spec.top_k, device=ids.device, dtype=ids.dtype).unsqueeze(0)
             weights = weights.new_zeros(1, spec.top_k)
+        else:  # -1 ids: mode 2 takes none, mode 1 none in a token without a valid expert (vendor.MINUS_ONE_*)
+            only = None if impl.fuse_mode in v.MINUS_ONE_UNSUPPORTED_MODES else (ids < 0).all(dim=1)
+            ids, weights = fill_minus_one(ids, weights, spec.num_experts, only)
         bound = spec.num_max_dispatch_tokens_per_rank if impl.fuse_mode == v.FUSED_DEEP_MOE else impl.max_output_size
         out, _ = impl.buffer.fused_deep_moe(x, ids, weights, layer.gmm1_permuted_weight,
                                             layer.gmm1_permuted_weight_scale, layer.gmm2_weight,

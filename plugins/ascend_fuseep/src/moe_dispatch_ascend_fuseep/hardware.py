@@ -51,6 +51,9 @@ def fuseep_rows(rank: int, world: int, opts: Options, group: Any, reference: Any
     rows: list[Row] = []
     if not hasattr(importlib.import_module(_module(opts)).Buffer, "fused_deep_moe"):
         return [Row("fuseep", "fused_deep_moe", None, "this DeepEP-Ascend has none")]
+    reason = FuseEPBackend(_module(opts)).probe()
+    if reason is not None:  # e.g. an Atlas A2: no fused ops in its build
+        return [Row("fuseep", "fused_deep_moe", None, f"not run: {reason}")]
     for fuse_mode in (v.FUSED_DEEP_MOE, v.DISPATCH_FFN_COMBINE):
         for concentrated in (False, True):
             name = f"fuse mode {fuse_mode}{' (every token to rank 0)' if concentrated else ''}: = fake"
@@ -65,7 +68,49 @@ def fuseep_rows(rank: int, world: int, opts: Options, group: Any, reference: Any
     if opts.probe_mode2_tokens:
         rows += _probe("fuseep", "probe: mode 2 with num_max_dispatch_tokens_per_rank = T",
                        lambda: _probe_mode2_tokens(rank, world, opts, group, reference))
+    if opts.probe_fused_neg_one:
+        for fuse_mode in (v.FUSED_DEEP_MOE, v.DISPATCH_FFN_COMBINE):
+            name = f"probe: fuse mode {fuse_mode} with raw -1 ids"
+            rows += _probe("fuseep", name, lambda m=fuse_mode, n=name: _probe_neg_one(rank, world, opts, group,
+                                                                                    reference, m, n))
     return rows
+
+
+def _probe_neg_one(rank: int, world: int, opts: Options, group: Any, reference: Any, fuse_mode: int, name: str
+                   ) -> list[Row]:
+    """The vendor's op with raw -1 ids (mode 2: some slots; mode 1: a whole token), against the adapter's
+    mapped call on the fake: settles whether the mapping (backend.fill_minus_one) is needed."""
+    from moe_dispatch_ascend_deepep.backend import CONSTRUCTION_ENV
+    from moe_dispatch.environ import restored_environ
+
+    from .weights import process_fuseep_weights
+
+    module = importlib.import_module(_module(opts))
+    local, k, T = opts.experts_per_rank, min(opts.top_k, v.MAX_TOP_K), min(opts.tokens, v.MAX_BATCH)
+    E = local * world
+    with restored_environ(CONSTRUCTION_ENV):
+        buffer = module.Buffer(group, low_latency_mode=True)
+    weights = quantize_weights_w8a8(random_expert_weights(E, opts.hidden, opts.intermediate,
+                                                          generator=torch.Generator().manual_seed(0)))
+    nz = None if opts.fake else (lambda t: importlib.import_module(v.TORCH_NPU).npu_format_cast(t, v.ACL_FORMAT_FRACTAL_NZ))
+    mine = weights.slice(rank * local, local)
+    layer = process_fuseep_weights(_to(mine, opts.device), fuse_mode, nz)
+    g = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(T, opts.hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if fuse_mode == v.DISPATCH_FFN_COMBINE:
+        ids[::2, -1] = -1
+    else:
+        ids[0] = -1
+    w = torch.rand(T, k, generator=g)
+    bound = T if fuse_mode == v.FUSED_DEEP_MOE else v.mode2_max_output_rows(T, world, k)
+    out, _ = buffer.fused_deep_moe(x.to(opts.device), ids.to(opts.device), w.to(opts.device),
+                                   layer.gmm1_permuted_weight, layer.gmm1_permuted_weight_scale, layer.gmm2_weight,
+                                   layer.gmm2_weight_scale, bound, E, quant_mode=1, fuse_mode=fuse_mode)
+    want = md.reference_moe(x, ids, w, weights)
+    err = relative_error(out.float().cpu(), want)
+    return [Row("fuseep", name, None, f"no error; rel err against the dense reference {err:.2e} "
+                                      "(the adapter maps -1 to unused experts with weight 0)")]
 
 
 def _probe_mode2_tokens(rank: int, world: int, opts: Options, group: Any, reference: Any) -> list[Row]:

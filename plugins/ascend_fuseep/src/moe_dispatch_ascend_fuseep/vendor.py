@@ -10,9 +10,9 @@ as ``KN@<commit> <path>`` (KN = sgl-project/sgl-kernel-npu, main f425bdf).
 from __future__ import annotations
 
 from moe_dispatch_ascend_deepep.vendor import (  # noqa: F401 - re-exported vendor facts
-    ACL_FORMAT_FRACTAL_NZ, DEFAULT_HCCL_BUFFSIZE_MB, HCCL_BUFFSIZE, INSTALL_HINT, KN, MIB, REAL, SIG_FUSED_DEEP_MOE,
-    SIG_FUSED_DEEP_MOE_NO_FUSE_MODE, SIG_FUSED_DEEP_MOE_NO_PROFILE, SIG_NPU_FORMAT_CAST, TORCH_NPU, VendorInfo, detect,
-    window_mb,
+    ACL_FORMAT_FRACTAL_NZ, DEFAULT_HCCL_BUFFSIZE_MB, FUSED_OPS_SOCS, HCCL_BUFFSIZE, INSTALL_HINT, KN, MIB, REAL,
+    SIG_FUSED_DEEP_MOE, SIG_FUSED_DEEP_MOE_NO_FUSE_MODE, SIG_FUSED_DEEP_MOE_NO_PROFILE, SIG_NPU_FORMAT_CAST, SOC_A2,
+    SOC_A3, TORCH_NPU, VendorInfo, detect, window_mb,
 )
 
 FAKE = "moe_dispatch_ascend_fuseep.fakes.deep_ep"
@@ -29,6 +29,14 @@ FUSE_MODES = {FUSED_DEEP_MOE: "fused_deep_moe (aclnnFusedDeepMoe)",
               DISPATCH_FFN_COMBINE: "dispatch_ffn_combine (aclnnDispatchFFNCombine)"}
 # KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::fused_deep_moe: EP_HOST_ASSERT_S(quant_mode 0 or 1) on A2/A3.
 QUANT_INT8 = 1
+
+# -- expert ids of -1 ------------------------------------------------------------------------------------
+# Mode 2: "Currently, topk=-1 is not supported." (KN@f425bdf tests/python/deepep/test_dispatch_ffn_combine.py;
+# its routing sorts the expert ids, ops/op_kernel/dispatch_ffn_combine_kernel/moe_init_routing_quant_v2/
+# moe_v2_sort_one_core.h). Mode 1: -1 is documented (python/deep_ep/doc/FUSED_DEEP_MOE.md), but the vendor's
+# test guarantees "that each token has at least one valid expert" (tests/python/deepep/test_fused_deep_moe.py):
+# a token with none is never exercised.
+MINUS_ONE_UNSUPPORTED_MODES = frozenset({2})
 
 # -- limits: KN@f425bdf python/deep_ep/doc/FUSED_DEEP_MOE.md "Constraints" (mode 1) and
 #    csrc/deepep/ops/op_host/fused_deep_moe_tiling.cpp CheckData (MIN/MAX_BATCH_SIZE, SUPPORT_TOP_K,
@@ -84,6 +92,7 @@ def dispatch_ffn_combine_window_bytes(tokens: int, top_k: int, hidden: int) -> i
 
 
 __all__ = [
+    "MINUS_ONE_UNSUPPORTED_MODES",
     "DISPATCH_FFN_COMBINE", "FAKE", "FAKE_NO_FUSE_MODE", "FUSED_DEEP_MOE", "FUSE_MODES", "GMM1_TILE_N",
     "SIGNATURES", "dispatch_ffn_combine_window_bytes", "fused_deep_moe_window_bytes", "mode2_max_output_rows",
     "mode2_min_output_rows",

@@ -1,24 +1,26 @@
 """The ``cuda_deepep`` backend: capabilities, limits, buffer sizes, and the adapter it creates.
 
 Every limit is DeepEP's, for the release installed (``vendor.release_of``): what its host and device
-asserts accept. Where a limit depends on the environment (``NVSHMEM_QP_DEPTH``) or on ``options`` (user
-configs, a shared buffer) it is checked in ``create``, before DeepEP is touched.
+asserts accept. Where a limit depends on the environment (``NVSHMEM_QP_DEPTH``), on the wire dtype (the normal
+kernels' hidden limits), or on ``options`` (user configs, the shared buffer) it is checked in ``buffer_size`` /
+``create``, before DeepEP is touched. The Buffers themselves are shared per (group, mode): ``buffers``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
-import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
 
 from . import sizes, vendor
+from .buffers import BufferRequest, SharedBuffer, SharedBuffers, reserved_bytes
 from .dispatcher import DeepEPDispatcher
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
@@ -29,17 +31,16 @@ LOW_LATENCY_MAX_TOKENS = vendor.low_latency_max_tokens()
 #: DeepEP's ceiling on each buffer ("32 GiB"): ``num_bytes / sizeof(int4) < INT_MAX``. Normal mode with
 #: more than 8 ranks also asserts both buffers fit an int (2 GiB); the tuned hints stay far below it.
 MAX_BUFFER_BYTES = vendor.MAX_BUFFER_BYTES
-#: Normal mode's buffers use NVSHMEM only across nodes; 24 QPs per peer is DeepEP's default.
-NORMAL_NUM_QPS_PER_RANK = 24
 CONFIG_OPTIONS = ("dispatch_config", "combine_config")
 
 
-def capabilities(emulated: bool, nvfp4: bool = False,
-                 release: vendor.DeepEPRelease = vendor.PLANNING_RELEASE) -> md.Capabilities:
+def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRelease = vendor.PLANNING_RELEASE,
+                 normal_world_sizes: frozenset[int] | None = None) -> md.Capabilities:
     """``nvfp4``: the installed DeepEP's ``low_latency_dispatch`` takes ``use_nvfp4`` (hybrid-ep).
 
-    ``world_sizes`` is None: low-latency mode runs on any EP size dividing the experts, normal mode only
-    where DeepEP has a tuned config and a kernel; ``check_spec`` enforces each."""
+    Normal mode runs on the EP sizes with a tuned config and a kernel (``Limits.world_sizes``); low-latency mode on
+    any EP size below 8 or a multiple of 8 dividing the experts, a rule with no upper bound that ``check_spec``
+    applies (as it does the rules that depend on more than the EP size)."""
     int8 = "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element"
     no_nvfp4 = ("this DeepEP's low_latency_dispatch has no use_nvfp4 (NVFP4 dispatch is on DeepEP's hybrid-ep "
                 "branch)" if not nvfp4 else "DeepEP's normal-mode NVFP4 (hybrid-ep HybridEPBuffer) is not driven")
@@ -52,11 +53,11 @@ def capabilities(emulated: bool, nvfp4: bool = False,
         cuda_graph_modes=frozenset({LL}),
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
-            N: md.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES),
+            N: md.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES,
+                         world_sizes=release.world_sizes if normal_world_sizes is None else normal_world_sizes),
             LL: md.Limits(max_tokens_per_rank=LOW_LATENCY_MAX_TOKENS, hidden_sizes=release.ll_hidden_sizes,
                           max_top_k=release.ll_max_topk, max_buffer_bytes=MAX_BUFFER_BYTES),
         },
-        world_sizes=None,
     )
 
 
@@ -64,13 +65,28 @@ def _invalid(message: str, parameter: str, value: Any, allowed: str) -> md.Inval
     return md.InvalidSpecError(message, parameter=parameter, value=value, allowed=allowed)
 
 
+@dataclass(frozen=True)
+class LayerConfigs:
+    """Normal mode's two configs as the dispatcher hands them to DeepEP (vendor ``Config``s; ``ConfigFields`` when
+    planning without DeepEP) and the SM count both use."""
+
+    dispatch: Any
+    combine: Any
+    num_sms: int
+
+
 class DeepEPBackend(md.Backend):
     """DeepEP's V1 ``Buffer`` on CUDA (or, with ``vendor_module=vendor.EMULATOR``, its CPU fake).
 
-    Options (``create_dispatcher(options=...)``): ``dispatch_config`` / ``combine_config``: DeepEP's
-    ``Config``, or ``vendor.ConfigFields`` / a dict of its five fields, converted (the same ``num_sms`` in
-    both, as DeepEP's combine needs); the buffer is sized for them. ``buffer``: a ``deep_ep.Buffer`` shared
-    by several layers (same group, the mode's buffers at least this layer's size).
+    Buffers: one ``deep_ep.Buffer`` per (process group, mode), owned by this backend object and shared by every
+    dispatcher it creates (``buffers.SharedBuffers``): create every layer through one backend object (the plugin
+    host's, ``create_dispatcher("cuda_deepep", ...)``).
+
+    Options (``create_dispatcher(options=...)``): ``dispatch_config`` / ``combine_config``: ``vendor.ConfigFields``
+    or a dict of its five fields (sglang's ``--deepep-config``), converted to DeepEP's ``Config``; both with the
+    same ``num_sms``. ``buffer_bytes``: what the shared Buffer reserves when this layer creates it (an int, e.g.
+    ``md.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``). ``buffer``: a ``deep_ep.Buffer`` of the engine's
+    own to use instead (same group; the mode's regions at least this layer's size).
     """
 
     name = "cuda_deepep"
@@ -81,10 +97,13 @@ class DeepEPBackend(md.Backend):
         self.vendor_module = vendor_module
         self._capabilities: md.Capabilities | None = None
         self._info: vendor.VendorInfo | None = None
+        self._buffers = SharedBuffers()
+        self._masked_multiple: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """Backends travel to rank processes; the imported module does not (it is found again there)."""
-        return {**self.__dict__, "_info": None}
+        """Backends travel to rank processes; the imported module and the Buffers do not (each process has its
+        own)."""
+        return {**self.__dict__, "_info": None, "_buffers": SharedBuffers()}
 
     def vendor(self) -> vendor.VendorInfo:
         if self._info is None:
@@ -100,7 +119,7 @@ class DeepEPBackend(md.Backend):
         """Read on first use, not at registration: NVFP4 and the limits depend on the DeepEP installed."""
         if self._capabilities is None:
             info = self.vendor()
-            self._capabilities = capabilities(info.emulated, info.has_nvfp4, info.release)
+            self._capabilities = capabilities(info.emulated, info.has_nvfp4, info.release, self.normal_world_sizes())
         return self._capabilities
 
     def probe(self) -> str | None:
@@ -120,19 +139,10 @@ class DeepEPBackend(md.Backend):
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
         super().check_spec(spec, world_size)
-        local = spec.local_experts(world_size)
         if spec.mode is LL:
-            t = spec.num_max_dispatch_tokens_per_rank
-            if (world_size * t) % vendor.LOW_LATENCY_TOKEN_MULTIPLE:
-                raise _invalid("DeepEP's low-latency dispatch needs num_ranks · num_max_dispatch_tokens_per_rank to "
-                               "be a multiple of 4 (TMA)", "num_max_dispatch_tokens_per_rank", t,
-                               f"multiples of {vendor.LOW_LATENCY_TOKEN_MULTIPLE // math.gcd(world_size, 4)} on "
-                               f"{world_size} ranks (num_ranks · T a multiple of {vendor.LOW_LATENCY_TOKEN_MULTIPLE})")
+            self._check_low_latency(spec, world_size)
             return
-        allowed = self.normal_world_sizes()
-        if world_size not in allowed:
-            raise _invalid("DeepEP's normal mode has kernels and a tuned config for these EP sizes only",
-                           "world_size", world_size, ", ".join(map(str, sorted(allowed))))
+        local = spec.local_experts(world_size)
         internode = world_size > vendor.NUM_MAX_NVL_PEERS
         most = (vendor.NORMAL_INTERNODE_MAX_NVL_EXPERTS // vendor.NUM_MAX_NVL_PEERS if internode
                 else vendor.NORMAL_INTRANODE_MAX_LOCAL_EXPERTS)
@@ -140,10 +150,54 @@ class DeepEPBackend(md.Backend):
             raise _invalid(f"DeepEP's {'internode' if internode else 'intranode'} notify kernel handles at most "
                            f"{most} experts per rank", "num_experts", spec.num_experts,
                            f"at most {most} · {world_size} = {most * world_size}")
+        top_k = vendor.normal_max_top_k(world_size)
+        if spec.top_k > top_k:
+            raise _invalid("DeepEP's internode dispatch sends a token to at most 8 nodes (device assert); past 64 "
+                           "ranks a top-k above 8 can reach more (node-limited routing is not checked)", "top_k",
+                           spec.top_k, f"1..{top_k}")
+
+    def _check_low_latency(self, spec: md.DispatchSpec, world_size: int) -> None:
+        if not vendor.world_size_ok(world_size):
+            raise _invalid("DeepEP's Buffer asserts num_ranks < 8 or a multiple of 8 in every mode", "world_size",
+                           world_size, "fewer than 8, or a multiple of 8")
+        t = spec.num_max_dispatch_tokens_per_rank
+        if (world_size * t) % vendor.LOW_LATENCY_TOKEN_MULTIPLE:
+            raise _invalid("DeepEP's low-latency dispatch needs num_ranks · num_max_dispatch_tokens_per_rank to "
+                           "be a multiple of 4 (TMA)", "num_max_dispatch_tokens_per_rank", t,
+                           f"multiples of {vendor.LOW_LATENCY_TOKEN_MULTIPLE // math.gcd(world_size, 4)} on "
+                           f"{world_size} ranks (num_ranks · T a multiple of {vendor.LOW_LATENCY_TOKEN_MULTIPLE})")
+        problem = vendor.low_latency_launch_problem(spec.num_experts, vendor.device_num_sms(self._module))
+        if problem is not None:
+            raise _invalid(f"DeepEP's low-latency dispatch kernel device-asserts {problem}", "num_experts",
+                           spec.num_experts, "2 .. 14 · the GPU's SM count")
+        if spec.runner == vendor.DEEP_GEMM and spec.local_experts(world_size) > 1:
+            multiple = self.masked_capacity_multiple()
+            if (world_size * t) % multiple:
+                raise _invalid(
+                    "DeepGEMM's masked GEMM stores whole BLOCK_M-row tiles: a capacity num_ranks · "
+                    "num_max_dispatch_tokens_per_rank that is not a multiple of every BLOCK_M it may pick lets one "
+                    "expert's last tile overwrite the next expert's first rows", "num_max_dispatch_tokens_per_rank",
+                    t, f"num_ranks · T a multiple of {multiple} (multiples of "
+                       f"{multiple // math.gcd(multiple, world_size)} on {world_size} ranks)")
+
+    def masked_capacity_multiple(self) -> int:
+        """What the installed DeepGEMM's masked GEMM needs of the capacity R·T (every version's rule when DeepGEMM
+        is not installed here, e.g. planning)."""
+        if self._masked_multiple is None:
+            info, arch = None, None
+            if importlib.util.find_spec(vendor.DEEP_GEMM) is not None:
+                info = vendor.detect_deep_gemm(vendor.DEEP_GEMM)
+                arch = None if info.module is None else (vendor.device_capability(info.module) or (None,))[0]
+                info = info if info.module is not None else None
+            mk = vendor.mk_alignment(info.module) if info is not None else vendor.DG_DEFAULT_MK_ALIGNMENT
+            self._masked_multiple = vendor.dg_masked_capacity_multiple(info, arch, mk)
+        return self._masked_multiple
 
     def check_options(self, spec: md.DispatchSpec, world_size: int, options: Mapping[str, Any]) -> None:
         """What ``create`` checks in ``options`` before touching DeepEP (typed errors)."""
         self._configs(spec, world_size, options)
+        if options.get("buffer_bytes") is not None:
+            reserved_bytes(options["buffer_bytes"], spec.mode is LL, world_size)
 
     def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
         """Low-latency mode: ``NVSHMEM_QP_DEPTH`` (read by the Buffer constructor, default 1024) must be at
@@ -156,34 +210,59 @@ class DeepEPBackend(md.Backend):
 
     # -- sizes -----------------------------------------------------------------------------------------------
 
-    def _tuned(self, spec: md.DispatchSpec, world_size: int) -> tuple[Any, Any]:
+    def _tuned(self, world_size: int) -> LayerConfigs:
         module = self._module
+        num_sms = int(module.Buffer.num_sms) if getattr(module, "Buffer", None) is not None else vendor.DEFAULT_NUM_SMS
         dcfg, ccfg = vendor.dispatch_config(module, world_size), vendor.combine_config(module, world_size)
         if dcfg is None or ccfg is None:
             raise _invalid("DeepEP has no tuned normal-mode config for this EP size", "world_size", world_size,
                            ", ".join(map(str, sorted(self.normal_world_sizes()))))
-        return dcfg, ccfg
+        return LayerConfigs(dcfg, ccfg, num_sms)
+
+    def _check_hidden(self, spec: md.DispatchSpec, world_size: int) -> None:
+        """The normal kernels' TMA staging of a token (device asserts): a typed error at planning and creation."""
+        fp8 = spec.output_dtype is F8
+        ue8m0 = fp8 and spec.quant.fp8_ue8m0_scales
+        scales = 0 if not fp8 else spec.hidden_size // (512 if ue8m0 else 128)
+        problems = vendor.normal_hidden_problems(spec.hidden_size, 1 if fp8 else 2, scales, spec.top_k, world_size)
+        if problems:
+            raise _invalid(f"DeepEP's normal-mode kernels device-assert {problems[0]}", "hidden_size",
+                           spec.hidden_size, "BF16 rows below 8 KiB within a node (H < 8192 BF16, < 16384 FP8); past "
+                           "8 ranks a token below 16 KiB and H % 256")
+
+    def buffer_request(self, spec: md.DispatchSpec, world_size: int,
+                       options: Mapping[str, Any] | None = None) -> BufferRequest:
+        """The ``deep_ep.Buffer`` this layer needs (``spec`` with its dtype resolved; ``options`` as for
+        ``create_dispatcher``)."""
+        if spec.mode is LL:
+            size = sizes.low_latency_buffer(spec, world_size, self._module)
+            return BufferRequest(0, size.total_bytes, True, spec.local_experts(world_size))
+        return self._normal_request(spec, world_size, self._configs(spec, world_size, options or {}))
+
+    def _normal_request(self, spec: md.DispatchSpec, world_size: int, configs: LayerConfigs) -> BufferRequest:
+        self._check_hidden(spec, world_size)
+        hints = sizes.normal_hints(spec, world_size, configs.dispatch, configs.combine)
+        qps = (vendor.normal_num_qps_per_rank(configs.num_sms) if world_size > vendor.NUM_MAX_NVL_PEERS
+               else vendor.DEFAULT_NUM_QPS_PER_RANK)
+        return BufferRequest(hints.nvl_bytes, hints.rdma_bytes, False, qps, configs.num_sms)
 
     def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
         if spec.mode is LL:
             return sizes.low_latency_buffer(spec, world_size, self._module)
-        return sizes.normal_buffer(sizes.normal_hints(spec, world_size, *self._tuned(spec, world_size)))
+        self._check_hidden(spec, world_size)
+        tuned = self._tuned(world_size)
+        return sizes.normal_buffer(sizes.normal_hints(spec, world_size, tuned.dispatch, tuned.combine))
 
     def nvl_rdma_bytes(self, spec: md.DispatchSpec, world_size: int) -> tuple[int, int]:
-        """What to pass to ``Buffer(num_nvl_bytes=, num_rdma_bytes=)`` with the tuned configs."""
-        if spec.mode is LL:
-            return 0, self.buffer_size(spec, world_size).total_bytes
-        hints = sizes.normal_hints(spec, world_size, *self._tuned(spec, world_size))
-        return hints.nvl_bytes, hints.rdma_bytes
+        """What ``Buffer(num_nvl_bytes=, num_rdma_bytes=)`` needs for ``spec`` with the tuned configs."""
+        request = self.buffer_request(spec, world_size)
+        return request.num_nvl_bytes, request.num_rdma_bytes
 
     # -- configs ---------------------------------------------------------------------------------------------
 
-    def _config(self, name: str, given: Any, tuned: Any) -> tuple[Any, vendor.ConfigFields | None]:
-        """The vendor ``Config`` to use for option ``name`` and, when known, its fields."""
+    def _fields(self, name: str, given: Any, world_size: int) -> vendor.ConfigFields:
+        """The fields of a user config (``ConfigFields`` or a dict); anything else is a typed error."""
         module = self._module
-        if given is None:
-            return tuned, tuned if isinstance(tuned, vendor.ConfigFields) else None
-        fields: vendor.ConfigFields | None = None
         if isinstance(given, vendor.ConfigFields):
             fields = given
         elif isinstance(given, Mapping):
@@ -193,10 +272,12 @@ class DeepEPBackend(md.Backend):
                 raise _invalid(f"not DeepEP Config fields ({exc})", f"options.{name}", dict(given),
                                "the keys of vendor.ConfigFields") from None
         elif module is not None and isinstance(given, module.Config):
-            return given, None
+            raise _invalid("DeepEP's pybind Config hides its fields, and the adapter needs its num_sms (both "
+                           "directions must share it; the QPs past 8 ranks follow it)", f"options.{name}", given,
+                           "vendor.ConfigFields(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv) or a dict of them")
         else:
             raise _invalid("DeepEP's dispatch/combine take its own pybind Config", f"options.{name}", given,
-                           "deep_ep.Config, vendor.ConfigFields, or a dict of its five fields")
+                           "vendor.ConfigFields or a dict of its five fields")
         problems = fields.problems()
         if problems:
             raise _invalid(f"DeepEP's Config asserts {problems[0]}", f"options.{name}", fields,
@@ -204,17 +285,32 @@ class DeepEPBackend(md.Backend):
         if fields.num_sms % 2:
             raise _invalid("DeepEP's normal-mode kernels use two SMs per channel", f"options.{name}", fields,
                            "an even num_sms")
-        return (fields.to_vendor(module) if module is not None else fields), fields
+        if name == "combine_config":
+            problems = fields.internode_problems(world_size)
+            if problems:
+                raise _invalid(f"DeepEP's internode combine asserts {problems[0]}", f"options.{name}", fields,
+                               f"fields internode::combine accepts on {world_size} ranks")
+        return fields
 
-    def _configs(self, spec: md.DispatchSpec, world_size: int, options: Mapping[str, Any]) -> tuple[Any, Any]:
+    def _configs(self, spec: md.DispatchSpec, world_size: int, options: Mapping[str, Any]) -> LayerConfigs | None:
         if spec.mode is LL:
-            return None, None
-        tuned = self._tuned(spec, world_size)
-        (dcfg, dfields), (ccfg, cfields) = (self._config(n, options.get(n), t) for n, t in zip(CONFIG_OPTIONS, tuned))
-        if dfields is not None and cfields is not None and dfields.num_sms != cfields.num_sms:
+            return None
+        tuned = self._tuned(world_size)
+        chosen, sms = [], []
+        for name, default in zip(CONFIG_OPTIONS, (tuned.dispatch, tuned.combine)):
+            given = options.get(name)
+            if given is None:
+                chosen.append(default)
+                sms.append(tuned.num_sms)
+                continue
+            fields = self._fields(name, given, world_size)
+            chosen.append(fields.to_vendor(self._module) if self._module is not None else fields)
+            sms.append(fields.num_sms)
+        if sms[0] != sms[1]:
             raise _invalid("DeepEP's combine reads the dispatch's channel layout: both configs need the same "
-                           "num_sms", "options.combine_config", cfields.num_sms, f"num_sms={dfields.num_sms}")
-        return dcfg, ccfg
+                           "num_sms (a config left out is DeepEP's tuned one, with Buffer.num_sms)",
+                           "options.combine_config", sms[1], f"num_sms={sms[0]}")
+        return LayerConfigs(chosen[0], chosen[1], sms[0])
 
     # -- creation --------------------------------------------------------------------------------------------
 
@@ -227,57 +323,32 @@ class DeepEPBackend(md.Backend):
                            "torch.use_deterministic_algorithms", True,
                            "False, or torch.utils.deterministic.fill_uninitialized_memory = False")
 
-    def _check_qp_depth(self, spec: md.DispatchSpec, depth: int) -> None:
-        t = spec.num_max_dispatch_tokens_per_rank
-        most = vendor.low_latency_max_tokens(depth)
-        if t > most:
-            raise md.CapacityError(f"DeepEP's low-latency calls assert {vendor.NVSHMEM_QP_DEPTH} ({depth}) >= "
-                                   f"2·(T+1); raise {vendor.NVSHMEM_QP_DEPTH} or lower T",
-                                   parameter="num_max_dispatch_tokens_per_rank", value=t, allowed=f"1..{most}")
-
-    def _check_shared(self, buffer: Any, spec: md.DispatchSpec, world_size: int, nvl: int, rdma: int) -> None:
-        def refuse(why: str, allowed: str) -> md.InvalidSpecError:
-            return _invalid(f"the shared DeepEP Buffer {why}", "options.buffer", type(buffer).__name__, allowed)
-
-        if getattr(buffer, "group_size", world_size) != world_size:
-            raise refuse(f"spans {buffer.group_size} ranks, not {world_size}",
-                         f"a Buffer of this {world_size}-rank group")
-        if spec.mode is LL and not getattr(buffer, "low_latency_mode", False):
-            raise refuse("was not created with low_latency_mode=True", "a low-latency Buffer")
-        if getattr(buffer, "num_nvl_bytes", nvl) < nvl or getattr(buffer, "num_rdma_bytes", rdma) < rdma:
-            raise refuse(f"is smaller than this layer needs (NVL {nvl:,} B, RDMA {rdma:,} B)",
-                         "a Buffer sized for the largest layer sharing it")
-        depth = getattr(buffer, "nvshmem_qp_depth", None)
-        if spec.mode is LL and depth is not None:
-            self._check_qp_depth(spec, depth)
+    def _shared(self, ctx: md.DispatchContext, need: BufferRequest) -> SharedBuffer:
+        spec, group = ctx.spec, ctx.comm.process_group
+        given = ctx.options.get("buffer")
+        if given is not None:
+            shared = self._buffers.adopt(given, group, ctx.world_size)
+        else:
+            shared = self._buffers.get(group, need.low_latency_mode)
+            if shared is None:
+                module = self._module
+                assert module is not None  # probe() said so before create_dispatcher got here
+                return self._buffers.create(module, group, ctx.world_size, need, spec, ctx.options.get("buffer_bytes"))
+        shared.check_fits(need, spec)
+        return shared
 
     def create(self, ctx: md.DispatchContext) -> DeepEPDispatcher:
         spec, R = ctx.spec, ctx.world_size
-        info = self.vendor()
-        module = info.module
+        module = self._module
         assert module is not None  # probe() said so before create_dispatcher got here
         self._check_torch_flags()
-        dcfg, ccfg = self._configs(spec, R, ctx.options)
-        if spec.mode is LL:
-            nvl, rdma = 0, ctx.buffer_size.total_bytes
+        configs = self._configs(spec, R, ctx.options)
+        if configs is None:
+            need = self.buffer_request(spec, R)
         else:
-            hints = sizes.normal_hints(spec, R, dcfg, ccfg)
-            nvl, rdma = hints.nvl_bytes, hints.rdma_bytes
-        buffer = ctx.options.get("buffer")
-        if buffer is not None:
-            self._check_shared(buffer, spec, R, nvl, rdma)
-        else:
-            if spec.mode is LL:
-                self._check_qp_depth(spec, vendor.qp_depth_from(os.environ))
-            group = ctx.comm.process_group
-            if group is None:
-                raise md.BackendUnavailableError(
-                    "DeepEP's Buffer needs a torch.distributed process group (it raises ValueError without one): "
-                    "call torch.distributed.init_process_group() first; a group of one rank works",
-                    parameter="group", value=None, allowed="an initialized process group")
-            with restored_environ():  # the V1 Buffer writes NVSHMEM_* into os.environ while it starts
-                qps = ctx.local_experts if spec.mode is LL else NORMAL_NUM_QPS_PER_RANK  # LL: >= local experts
-                buffer = module.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma,
-                                       low_latency_mode=spec.mode is LL, num_qps_per_rank=qps)
-        return DeepEPDispatcher(ctx, buffer, dcfg, ccfg, vendor.topk_idx_dtype(module))
-
+            need = self._normal_request(spec, R, configs)
+        if ctx.options.get("buffer_bytes") is not None:
+            reserved_bytes(ctx.options["buffer_bytes"], spec.mode is LL, R)
+        shared = self._shared(ctx, need)
+        return DeepEPDispatcher(ctx, shared, None if configs is None else configs.dispatch,
+                                None if configs is None else configs.combine, vendor.topk_idx_dtype(module))

@@ -15,17 +15,24 @@ no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, 
   ``masked_m`` = the counts and no host sync (CUDA-graph safe). ``expected_m`` is only a
   tile-size hint: ``layer.expected_m`` when set (``sglang_expected_m``), else the capacity.
   Rows past an expert's count are zeroed with one ``where`` over the output, whatever
-  DeepGEMM left there.
+  DeepGEMM left there. DeepGEMM stores whole BLOCK_M-row tiles into one ``[E·capacity, N]``
+  view, so with more than one expert the capacity must be a multiple of every BLOCK_M the
+  installed version may pick (``masked_capacity_multiple``: 128 on 2.1+ SM90 and 2.4.2+ SM100,
+  256 on 2.0.x and v1), else one expert's last tile overwrites the next expert's first rows;
+  a typed error, and ``DeepEPBackend.check_spec`` refuses such a spec at creation.
 
 Between the GEMMs the FP8 path re-quantizes SwiGLU's output per row and 128 channels with
 scale ``max(amax, 1e-10)/448`` (sglang ``per_token_group_quant_fp8`` /
 ``silu_and_mul_masked_post_quant_fwd``), rounded up to powers of two for a UE8M0 layer, packed
 four per int32 when the dispatched scales came packed (DeepGEMM's SM100 format).
 
-Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 scales only; SM100 takes
-packed UE8M0 (four exponent bytes per int32, MN-major with a TMA-aligned stride) and casts fp32 scales to
-UE8M0 itself — from DeepGEMM 2.6.1 device-asserting that they are powers of two, before that keeping the
-exponent silently. ``ue8m0=None`` picks the device's format; the other one is refused (VENDOR.md).
+Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 scales only (in any layout:
+DeepGEMM lays them out itself); SM100 takes packed UE8M0 (four exponent bytes per int32, MN-major with a
+TMA-aligned stride, which the runner lays out with DeepGEMM's ``get_tma_aligned_size`` and packs with its
+``get_mn_major_tma_aligned_packed_ue8m0_tensor`` when installed, the ports in ``vendor`` otherwise) and casts
+fp32 scales to UE8M0 itself — from DeepGEMM 2.6.1 device-asserting that they are powers of two, before that
+keeping the exponent silently. Powers of two are taken by bits (DeepGEMM's ``ceil_to_ue8m0``), never by
+``exp2(ceil(log2))``. ``ue8m0=None`` picks the device's format; the other one is refused (VENDOR.md).
 
 The DeepGEMM generation installed is found by its attributes (``detect``): 2.x
 (deepseek-ai/DeepGEMM ``csrc/apis/gemm.hpp``, ``deep_gemm/__init__.py``; PR #112 and later)
@@ -49,7 +56,7 @@ import torch
 
 import moe_dispatch as md
 
-from moe_dispatch.codecs import FP8_MAX, pack_ue8m0
+from moe_dispatch.codecs import FP8_MAX
 from moe_dispatch.experts import dequantized_weights, swiglu
 from moe_dispatch.output import group_counts
 
@@ -73,6 +80,8 @@ WEIGHT_AMAX_FLOOR, ACT_AMAX_FLOOR = 1e-4, 1e-10
 #: SM90 BF16 grouped GEMMs assert ``k % 64 == 0`` (deepseek-ai/DeepGEMM@54e2261
 #: csrc/jit_kernels/impls/sm90_bf16_gemm.hpp), for both GEMMs: H and I.
 SM90_BF16_K_MULTIPLE = 64
+#: BF16 rows of H and I elements need 16-byte strides for DeepGEMM's TMA descriptors (any architecture).
+BF16_ROW_MULTIPLE = vendor.TMA_STRIDE_BYTES // 2
 
 detect = vendor.detect_deep_gemm
 
@@ -90,10 +99,6 @@ def runner_probe(module: str = REAL) -> str | None:
 # -- weights ----------------------------------------------------------------------------------------
 
 
-def _pow2_ceil(scale: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(scale)))
-
-
 def quantize_block_fp8(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``[E, N, K]`` → e4m3 ``[E, N, K]`` and fp32 ``[E, N/128, K/128]``: scale = block amax/448
     (DeepGEMM ``per_block_cast_to_fp8``; rounded up to a power of two with ``ue8m0``)."""
@@ -101,7 +106,7 @@ def quantize_block_fp8(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
     blocks = w.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp_min(WEIGHT_AMAX_FLOOR) / FP8_MAX
     if ue8m0:
-        scale = _pow2_ceil(scale)
+        scale = vendor.ceil_to_ue8m0(scale)
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(e, n, k)
     return q, scale.reshape(e, n // BLOCK, k // BLOCK)
 
@@ -176,25 +181,13 @@ def sglang_expected_m(spec: md.DispatchSpec, world_size: int) -> int:
 # -- the kernel -----------------------------------------------------------------------------------------
 
 
-def _mn_major(t: torch.Tensor) -> torch.Tensor:
-    """The same values MN-major and TMA-aligned: the row axis fastest, padded to 16 bytes
-    (``get_tma_aligned_size``), groups dense — what DeepGEMM's ``get_mn_major_tma_aligned_*`` produce and
-    its SM100 kernels require of packed UE8M0 scales."""
-    mn, k = t.shape[-2], t.shape[-1]
-    aligned = vendor.tma_aligned_size(mn, t.element_size())
-    out = torch.zeros(*t.shape[:-2], k, aligned, dtype=t.dtype, device=t.device).transpose(-1, -2)
-    out = out[..., :mn, :]
-    out.copy_(t)
-    return out
-
-
 def quantize_per_token_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., K]`` → e4m3 and fp32 ``[..., K/128]`` with scale max(amax, 1e-10)/448 (sglang
     ``per_token_group_quant_fp8``; rounded up to a power of two with ``ue8m0``)."""
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     scale = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_AMAX_FLOOR) / FP8_MAX
     if ue8m0:
-        scale = _pow2_ceil(scale)
+        scale = vendor.ceil_to_ue8m0(scale)
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2), scale.squeeze(-1)
 
@@ -279,6 +272,12 @@ class DeepGemmExperts:
                                       allowed=f"{needed} or None (chosen by the device) on compute capability {cc}")
         return bool(ue8m0)
 
+    @property
+    def masked_capacity_multiple(self) -> int:
+        """What the masked GEMM needs of the capacity (R·T) when a rank holds more than one expert: a multiple of
+        every BLOCK_M this DeepGEMM may pick (``vendor.dg_masked_block_ms``)."""
+        return vendor.dg_masked_capacity_multiple(self.info, self.arch, vendor.mk_alignment(self.info.module))
+
     def quant_hints(self) -> md.QuantHints:
         """What to pass as ``DispatchSpec(quant=...)`` so resolution sends this kernel's dtype."""
         return md.QuantHints(dispatcher_output_dtype=self.needs_dispatch_dtype, fp8_ue8m0_scales=self.ue8m0)
@@ -291,16 +290,24 @@ class DeepGemmExperts:
             raise md.InvalidInputError("w13 must be [E, 2I, H] and w2 [E, H, I]", parameter="w2_weight", value=w2,
                                        allowed=f"[{e}, {h}, {two_i // 2}]")
         if self.weights == "bf16":
-            if self.arch == vendor.DG_ARCH_SM90:
-                for name, size in (("hidden_size", h), ("intermediate_size", two_i // 2)):
-                    if size % SM90_BF16_K_MULTIPLE:
-                        raise md.InvalidInputError("DeepGEMM's SM90 BF16 grouped GEMMs need K % 64 == 0 (H for gmm1, "
-                                                   "I for gmm2)", parameter=name, value=size, allowed="multiples of 64")
+            for name, size in (("hidden_size", h), ("intermediate_size", two_i // 2)):
+                if self.arch == vendor.DG_ARCH_SM90 and size % SM90_BF16_K_MULTIPLE:
+                    raise md.InvalidInputError("DeepGEMM's SM90 BF16 grouped GEMMs need K % 64 == 0 (H for gmm1, "
+                                               "I for gmm2)", parameter=name, value=size, allowed="multiples of 64")
+                if size % BF16_ROW_MULTIPLE:
+                    raise md.InvalidInputError("DeepGEMM's TMA descriptors need 16-byte row strides: BF16 rows of "
+                                               "H and I elements (cuTensorMapEncodeTiled fails otherwise)",
+                                               parameter=name, value=size, allowed="multiples of 8")
             return DeepGemmLayer("bf16", w13.to(torch.bfloat16), w2.to(torch.bfloat16))
         for name, size in (("hidden_size", h), ("intermediate_size", two_i // 2)):
             if size % BLOCK:
                 raise md.InvalidInputError("block-FP8 weights need 128-aligned GEMM dims", parameter=name,
                                            value=size, allowed="multiples of 128")
+            if not self.info.compiles_odd_k_blocks and (size // BLOCK) % 2:
+                raise md.InvalidInputError(
+                    f"{self.info.describe()} may be PyPI's 1.0.0 (b05ed2f; it has no {vendor.DG_V1_ODD_K_FIXED_MARKER}),"
+                    " whose kernel fails to compile (\"Misaligned barriers\") for an odd number of 128-blocks of K",
+                    parameter=name, value=size, allowed="multiples of 256 with this DeepGEMM, or a v1 from 2025-05 on")
         q13, s13 = quantize_block_fp8(w13, self.ue8m0)
         q2, s2 = quantize_block_fp8(w2, self.ue8m0)
         return DeepGemmLayer("block_fp8", q13, q2, s13, s2, ue8m0=self.ue8m0)
@@ -391,7 +398,7 @@ class DeepGemmExperts:
         if self.weights == "bf16":
             return act.to(torch.bfloat16), None
         q, scale = quantize_per_token_group(act, layer.ue8m0)
-        return q, _mn_major(pack_ue8m0(scale) if packed else scale)
+        return q, vendor.dg_packed_ue8m0_mn_major(self.info.module, scale) if packed else scale
 
     def _contiguous(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
                     packed: bool) -> torch.Tensor:
@@ -417,7 +424,8 @@ class DeepGemmExperts:
         if scale is not None:
             a_scale = torch.zeros(total, scale.shape[-1], dtype=scale.dtype, device=device)
             a_scale[dest] = scale
-            a_scale = _mn_major(a_scale)
+            if packed:  # SM100 checks packed UE8M0 for MN-major TMA-aligned strides (fp32: DeepGEMM lays it out)
+                a_scale = vendor.dg_mn_major(self.info.module, a_scale)
         h1 = torch.empty(total, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(True, a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, m_indices)
         act, act_scale = self._between(layer, h1, (m_indices >= 0).unsqueeze(1), packed)
@@ -434,14 +442,15 @@ class DeepGemmExperts:
         device = x.device
         if capacity == 0:
             return torch.zeros(experts, 0, h, dtype=torch.bfloat16, device=device)
-        if self.info.generation == "v1" and experts > 1 and not vendor.v1_masked_m_is_safe(capacity):
+        multiple = self.masked_capacity_multiple
+        if experts > 1 and capacity % multiple:
             raise md.InvalidInputError(
-                "DeepGEMM v1's masked GEMM asserts that the capacity is a multiple of the block M it picks (64, 128 "
-                "or 256) once it exceeds it", parameter="hidden_states", value=x,
-                allowed=f"capacity (R·T) <= {vendor.DG_V1_MASKED_BLOCK_MS[0]} or a multiple of "
-                        f"{vendor.DG_V1_MASKED_BLOCK_MS[-1]} with DeepGEMM v1")
-        if scale is not None and scale.dtype == torch.int32 and not _tma_ready(scale):
-            scale = _mn_major(scale)
+                "DeepGEMM's masked GEMM stores whole BLOCK_M-row tiles into one [experts · capacity, N] view: a "
+                "capacity that is not a multiple of every BLOCK_M it may pick lets one expert's last tile overwrite "
+                "the next expert's first rows (DeepGEMM issues #15, #268)", parameter="hidden_states", value=x,
+                allowed=f"capacity (DeepEP LL: num_ranks · num_max_dispatch_tokens_per_rank) a multiple of {multiple}")
+        if packed:
+            scale = vendor.dg_mn_major(self.info.module, scale)
         masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
         expected_m = int(layer.expected_m or capacity)  # a hint; reading the counts would sync the host
         h1 = torch.empty(experts, capacity, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
@@ -451,14 +460,6 @@ class DeepGemmExperts:
         h2 = torch.empty(experts, capacity, h, dtype=torch.bfloat16, device=device)
         self._gemm(False, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, masked_m, expected_m)
         return torch.where(valid, h2, torch.zeros((), dtype=h2.dtype, device=device))
-
-
-def _tma_ready(sf: torch.Tensor) -> bool:
-    """Already MN-major with a TMA-aligned MN stride and dense groups (DeepEP's low-latency scales are)."""
-    mn, k = sf.shape[-2], sf.shape[-1]
-    aligned = vendor.tma_aligned_size(mn, sf.element_size())
-    dense = sf.dim() == 2 or sf.stride(-3) == aligned * k
-    return dense and (sf.stride(-2) == 1 or mn == 1) and sf.stride(-1) == aligned
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -471,7 +472,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
               vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
-              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 8, ue8m0: bool | None = None,
+              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 128, ue8m0: bool | None = None,
               seed: int = 0) -> LayerCheck:
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and

@@ -16,8 +16,16 @@ int32 scales with four exponent bytes per word (``moe_dispatch.codecs.pack_ue8m0
 DeepEP for them (``round_scale=use_ue8m0=True``), normal mode packs them before dispatch.
 
 NVFP4 (low-latency, a DeepEP from the hybrid-ep branch): ``use_nvfp4`` with the layer's
-``x_global_scale``; DeepEP returns the data expert-last and the scales swizzled 128×4, so the
-adapter permutes the data (a view) and unswizzles the scales to the contract's linear rows.
+``x_global_scale``, one 0-dim float32 tensor made at creation on the layer's device (a tensor built from
+the host float at each dispatch would be a host→device copy, which CUDA-graph capture refuses); DeepEP
+returns the data expert-last and the scales swizzled 128×4, so the adapter permutes the data (a view) and
+unswizzles the scales to the contract's linear rows.
+
+Rows of the MASKED layout past an expert's count are whatever DeepEP's ``torch::empty`` held, and rows
+within an expert come in arrival order: nothing here reads either.
+
+The Buffer is shared with the backend's other dispatchers (``buffers.SharedBuffer``): LL calls clean its
+signalling counts first when normal-mode kernels or another LL layout used it since.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import moe_dispatch as md
 from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.scale_layouts import from_mma_view
 from moe_dispatch.output import group_list_from_counts, rows_by_expert, sum_weighted_rows
+
+from .buffers import SharedBuffer
 
 
 @dataclass(frozen=True)
@@ -51,19 +61,24 @@ class LowLatencyHandle:
 
 
 class DeepEPDispatcher:
-    """One layer on one ``deep_ep.Buffer``. ``dispatch_config``/``combine_config``: DeepEP's own ``Config``
-    objects (normal mode); ``topk_idx_dtype``: ``deep_ep.topk_idx_t``, which every top-k index tensor
-    handed to DeepEP must have."""
+    """One layer on a ``deep_ep.Buffer`` shared with the backend's other layers. ``dispatch_config``/
+    ``combine_config``: DeepEP's own ``Config`` objects (normal mode); ``topk_idx_dtype``: ``deep_ep.topk_idx_t``,
+    which every top-k index tensor handed to DeepEP must have."""
 
-    def __init__(self, ctx: md.DispatchContext, buffer: Any, dispatch_config: Any, combine_config: Any,
+    def __init__(self, ctx: md.DispatchContext, shared: SharedBuffer, dispatch_config: Any, combine_config: Any,
                  topk_idx_dtype: torch.dtype = torch.int64) -> None:
-        self.buffer = buffer
+        self.shared = shared
+        self.buffer = shared.buffer
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
         self.topk_idx_dtype = topk_idx_dtype
         self.low_latency = ctx.spec.mode is md.Mode.LOW_LATENCY
         self.ue8m0 = ctx.codec.wire.ue8m0
+        self.x_global_scale: torch.Tensor | None = None
+        if self.dtype is md.DispatchDtype.NVFP4:
+            self.x_global_scale = torch.tensor(float(ctx.spec.quant.input_global_scale), dtype=torch.float32,
+                                               device=ctx.device)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         if self.low_latency:
@@ -74,11 +89,17 @@ class DeepEPDispatcher:
         h = dispatch_output.handle
         if isinstance(h, LowLatencyHandle):
             rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
+            self._before_low_latency()
             combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
             return combined
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
         combined, _, _ = self.buffer.combine(partial.to(torch.bfloat16), h.vendor_handle, config=self.combine_config)
+        self.shared.after_normal()
         return combined
+
+    def _before_low_latency(self) -> None:
+        s = self.spec
+        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts)
 
     def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> md.DispatchOutput:
@@ -103,6 +124,7 @@ class DeepEPDispatcher:
             vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
             topk_weights=topk_weights.float().contiguous(), config=self.dispatch_config)
+        self.shared.after_normal()
         data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
         row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
@@ -115,10 +137,10 @@ class DeepEPDispatcher:
         ids = self._ids(topk_ids)
         x = x.contiguous()
         T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
+        self._before_low_latency()
         if self.dtype is md.DispatchDtype.NVFP4:
-            gs = torch.tensor(self.spec.quant.input_global_scale, dtype=torch.float32, device=x.device)
             recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-                x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=gs)
+                x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=self.x_global_scale)
             packed, mma = recv_x
             # Expert-last [R·T, H/2, E_l] → MASKED [E_l, R·T, H/2] (a view); scales from the
             # swizzled MMA layout back to linear rows (a copy of E_l·R·T·H/16 bytes).

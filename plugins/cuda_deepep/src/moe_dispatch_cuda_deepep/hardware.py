@@ -4,14 +4,22 @@ against the real callables. With ``fake=True`` the fakes stand in for the real l
 same code runs in the tests.
 
 Every check returns ``Row``s: what was compared, the two sides, and whether they agree. A vendor refusal
-(DeepEP's normal mode on one rank) is recorded with its exact message.
+(DeepEP's normal mode on one rank) is recorded with its exact message. Probes that can end the process on a GPU
+(a one-rank normal-mode Buffer throws from its noexcept destructor: ``std::terminate``; a second NVSHMEM Buffer in
+one process) run last, each in a subprocess (``python -m moe_dispatch_cuda_deepep.hardware <probe>``), and their
+exit status and output are recorded: they can fail, the table is still printed.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import inspect
+import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -115,12 +123,19 @@ def pybind_params(fn: Any) -> list[tuple[str, Any]] | None:
     return out
 
 
+def signature_records(module: Any) -> tuple[vendor.VendorSignature, ...]:
+    """The recorded signatures that apply to the installed library: DeepEP's per release (1.x has no
+    ``enable_shrink``, hybrid-ep its own constructor and LL calls), DeepGEMM's per generation and version."""
+    info = vendor.detect_deep_gemm(module)
+    if info.generation is not None:
+        return vendor.deep_gemm_signatures(info.generation, info.version)
+    return vendor.deep_ep_signatures(vendor.release_of(module))
+
+
 def signature_rows(module: Any, records: tuple, section: str) -> list[Row]:
     rows = []
     for record in records:
-        recorded = [(p.split("=")[0].strip(), p.split("=", 1)[1].strip() if "=" in p else "<required>")
-                    for p in _split_top(record.text.strip()[1:-1]) if p.strip() not in ("/", "*")]
-        recorded = [(n, ast.literal_eval(d) if d != "<required>" else d) for n, d in recorded]
+        recorded = [(p.name, p.default) for p in record.params]
         try:
             fn = vendor.lookup(module, record.qualname)
         except AttributeError:
@@ -148,7 +163,7 @@ def _same(a: Any, b: Any) -> bool:
 # -- sizes -------------------------------------------------------------------------------------------------------
 
 
-def size_rows(deep_ep: Any, deep_gemm: Any) -> list[Row]:
+def size_rows(deep_ep: Any, deep_gemm: Any, device: torch.device = torch.device("cpu")) -> list[Row]:
     rows = []
     for t, h, e in ((128, 7168, 256), (128, 7168, 288), (256, 4096, 128), (512, 2048, 64)):
         real = deep_ep.Buffer.get_low_latency_rdma_size_hint(t, h, 8, e)
@@ -180,6 +195,17 @@ def size_rows(deep_ep: Any, deep_gemm: Any) -> list[Row]:
             real_t = [aligned(x, 4) for x in (1, 5, 128, 130)]
             port_t = [vendor.tma_aligned_size(x, 4) for x in (1, 5, 128, 130)]
             rows.append(Row("sizes", "DeepGEMM get_tma_aligned_size(x, 4)", str(real_t), str(port_t), real_t == port_t))
+        arch = vendor.device_capability(deep_gemm)
+        if getattr(deep_gemm, vendor.DG_MN_MAJOR_PACKED_UE8M0, None) is not None and arch and arch[0] == 10:
+            sf = torch.exp2(torch.randint(-8, 8, (2, 130, 8), generator=torch.Generator().manual_seed(0)).float())
+            real_p = vendor.dg_packed_ue8m0_mn_major(deep_gemm, sf.to(device)).cpu()
+            port_p = vendor.ported_packed_ue8m0_mn_major(sf)
+            same = torch.equal(real_p, port_p) and real_p.stride() == port_p.stride()
+            rows.append(Row("sizes", "DeepGEMM packed UE8M0 MN-major (values, strides)", _text(real_p.stride()),
+                            _text(port_p.stride()), same))
+        multiple = vendor.dg_masked_capacity_multiple(info, arch[0] if arch else None, alignment)
+        rows.append(Row("sizes", "DeepGEMM masked capacity multiple (every BLOCK_M)", str(multiple),
+                        str(sorted(vendor.dg_masked_block_ms(info, arch[0] if arch else None, alignment))), True))
     return rows
 
 
@@ -190,7 +216,8 @@ def _fake_deep_gemm_for(real: Any) -> Any:
     """The fake of the same generation, version and architecture as ``real``."""
     info = vendor.detect_deep_gemm(real)
     if info.generation == "v1":
-        return importlib.import_module(vendor.DEEP_GEMM_V1_EMULATOR)
+        return importlib.import_module(vendor.DEEP_GEMM_V1_EMULATOR if info.compiles_odd_k_blocks
+                                       else vendor.DEEP_GEMM_V1_PYPI_EMULATOR)
     fakes = importlib.import_module(vendor.DEEP_GEMM_EMULATOR)
     capability = vendor.device_capability(real) or (9, 0)
     return fakes.emulate(capability, info.version or fakes.__version__)
@@ -203,7 +230,10 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
     rows = []
     h, inter, experts = setup.gemm_hidden, 256, 4
     weights = random_expert_weights(experts, h, inter, generator=torch.Generator().manual_seed(0))
-    counts_packed, counts_masked, capacity = [5, 0, 130, 1], [3, 0, 8, 1], 16
+    # The masked capacity: a multiple of every BLOCK_M the installed DeepGEMM may pick (audit row 15); the counts
+    # end mid-tile so a tile spilling into the next expert would show.
+    capacity = DeepGemmExperts("block_fp8", "low_latency", real_module).masked_capacity_multiple
+    counts_packed, counts_masked = [5, 0, 130, 1], [3, 0, capacity - 1, 1]
     for kind in ("block_fp8", "bf16"):
         if kind == "bf16" and not info.has_bf16:
             rows.append(Row("DeepGEMM", f"{kind}: BF16 grouped GEMMs", "absent", f"{info.generation} has none", True))
@@ -285,10 +315,7 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
         rows.append(Row("DeepEP", f"{label}: received rows (relative error)", f"{err_rows:.2e}", "< 1e-2",
                         err_rows < 1e-2))
         rows.append(Row("DeepEP", f"{label}: combine (relative error)", f"{err_y:.2e}", "< 1e-2", err_y < 1e-2))
-    # One Buffer per dispatcher: a second low-latency Buffer starts NVSHMEM again in this process.
-    two = _outcome(lambda: _two_low_latency_buffers(real_backend, setup))
-    rows.append(Row("DeepEP", "two LL Buffers in one process", _text(two, 60), "(recorded)", True))
-    # Normal mode on one rank: the adapter refuses (typed); what DeepEP itself says, recorded.
+    # Normal mode on one rank: the adapter refuses (typed); what DeepEP itself says, recorded (probe_rows).
     spec = md.DispatchSpec(setup.hidden, 8, 4, output_dtype="bf16")
     adapter = _outcome(lambda: real_backend.check_spec(spec, 1))
     rows.append(Row("DeepEP", "normal one rank: adapter", _text(adapter, 60), "InvalidSpecError world_size",
@@ -296,9 +323,6 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
     tuned = _outcome(lambda: real_module.Buffer.get_dispatch_config(1))
     rows.append(Row("DeepEP", "normal one rank: get_dispatch_config(1)", _text(tuned, 60),
                     "AssertionError Unsupported", "Unsupported number of EP ranks" in tuned))
-    said = _normal_one_rank(real_module, setup.group, setup.device)
-    rows.append(Row("DeepEP", "normal one rank: dispatch with a Config", _text(said, 60), "…Unsupported ranks",
-                    "Unsupported ranks" in said))
     elastic = getattr(real_module, "ElasticBuffer", None)
     if elastic is not None:
         made = _outcome(lambda: type(elastic(setup.group, num_max_tokens_per_rank=setup.tokens, hidden=setup.hidden,
@@ -307,32 +331,122 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
     return rows
 
 
-def _two_low_latency_buffers(backend: DeepEPBackend, setup: Setup) -> str:
-    spec = md.DispatchSpec(setup.hidden, 8, 4, num_max_dispatch_tokens_per_rank=setup.tokens, mode="low_latency",
-                           output_dtype="bf16")
-    first = md.create_dispatcher(backend, spec, group=setup.group, env={})
-    second = md.create_dispatcher(backend, spec, group=setup.group, env={})
-    x = torch.zeros(2, setup.hidden, dtype=torch.bfloat16, device=setup.device)
-    ids, w = torch.tensor([[0, 1, 2, 3]] * 2, device=setup.device), torch.ones(2, 4, device=setup.device)
-    for d in (first, second):
-        d.combine(torch.zeros(8, setup.tokens, setup.hidden, dtype=torch.bfloat16, device=setup.device),
-                  d.dispatch(x, ids, w))
-    return "both dispatched and combined"
+# -- probes that may end the process: run in a subprocess each --------------------------------------------------
+
+PROBE_NORMAL_ONE_RANK = "normal-one-rank"
+PROBE_TWO_LL_BUFFERS = "two-ll-buffers"
+PROBE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """A probe's subprocess: its exit status (negative: killed by that signal, e.g. -6 for ``std::terminate``'s
+    abort) and what it printed."""
+
+    name: str
+    exit_code: int
+    output: str
+
+
+def _two_low_latency_buffers(module: Any, group: Any, device: torch.device) -> str:
+    """Two LL Buffers alive in one process (NVSHMEM started twice), both used, then one destroyed (NVSHMEM
+    finalized) and the other used again: what DeepEP does with each step."""
+    steps = []
+    size = vendor.low_latency_rdma_size_hint(module, 16, 2048, 1, 8)
+    with restored_environ():
+        first = module.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=8)
+        steps.append("first Buffer made")
+        second = module.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=8, explicitly_destroy=True)
+        steps.append("second Buffer made")
+    x = torch.zeros(2, 2048, dtype=torch.bfloat16, device=device)
+    ids = torch.tensor([[0, 1, 2, 3]] * 2, dtype=vendor.topk_idx_dtype(module), device=device)
+    w = torch.ones(2, 4, device=device)
+    for name, buf in (("first", first), ("second", second)):
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, ids, 16, 8, use_fp8=False)
+        buf.low_latency_combine(recv, ids, w, handle)
+        steps.append(f"{name} dispatched and combined")
+    second.destroy()
+    steps.append("second destroyed (nvshmem finalize)")
+    recv, _, handle, _, _ = first.low_latency_dispatch(x, ids, 16, 8, use_fp8=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    steps.append("first dispatched after the finalize")
+    return "; ".join(steps)
 
 
 def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
-    def attempt() -> Any:
-        cfg = module.Config(vendor.DEFAULT_NUM_SMS, 6, 256, 6, 128)
-        with restored_environ():
-            buf = module.Buffer(group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(4096, 1))
-        ids = torch.tensor([[0, 1]] * 4, dtype=vendor.topk_idx_dtype(module), device=device)
-        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, 8)
-        x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=device)
-        return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=ids,
-                            topk_weights=torch.ones(4, 2, device=device), config=cfg)[3]
+    """DeepEP's own answer to normal mode on one rank; the Buffer's destructor then runs on exit."""
+    cfg = module.Config(vendor.DEFAULT_NUM_SMS, 6, 256, 6, 128)
+    with restored_environ():
+        buf = module.Buffer(group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(4096, 1))
+    ids = torch.tensor([[0, 1]] * 4, dtype=vendor.topk_idx_dtype(module), device=device)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, 8)
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16, device=device)
+    said = _outcome(lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                         num_tokens_per_expert=per_expert, topk_idx=ids,
+                                         topk_weights=torch.ones(4, 2, device=device), config=cfg)[3])
+    print(f"dispatch: {said}", flush=True)
+    del buf  # ~Buffer: destroy() → intranode::barrier on one rank
+    return "the Buffer was freed"
 
-    return _outcome(attempt)
+
+_PROBES: dict[str, Callable[[Any, Any, torch.device], str]] = {
+    PROBE_NORMAL_ONE_RANK: _normal_one_rank,
+    PROBE_TWO_LL_BUFFERS: _two_low_latency_buffers,
+}
+
+
+def run_probe(name: str, fake: bool, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeResult:
+    """Run one probe in a fresh process (the real DeepEP on this GPU, or the fake on CPU)."""
+    command = [sys.executable, "-m", __name__, name] + (["--fake"] if fake else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        return ProbeResult(name, -1, f"timed out after {timeout_s} s (a hang): {exc.stdout or ''}{exc.stderr or ''}")
+    return ProbeResult(name, done.returncode, (done.stdout + done.stderr).strip())
+
+
+def probe_rows(fake: bool) -> list[Row]:
+    """The subprocess probes, started together (they are independent) and recorded."""
+    commands = {name: [sys.executable, "-m", __name__, name] + (["--fake"] if fake else []) for name in _PROBES}
+    running = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for name, cmd in commands.items()}
+    results = {}
+    for name, proc in running.items():
+        try:
+            out, _ = proc.communicate(timeout=PROBE_TIMEOUT_S)
+            results[name] = ProbeResult(name, proc.returncode, (out or "").strip())
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            results[name] = ProbeResult(name, -1, f"timed out after {PROBE_TIMEOUT_S} s (a hang)")
+    one = results[PROBE_NORMAL_ONE_RANK]
+    two = results[PROBE_TWO_LL_BUFFERS]
+    flat = lambda text: " | ".join(line for line in text.splitlines() if line.strip())  # noqa: E731
+    return [
+        Row("DeepEP", "normal one rank: DeepEP's dispatch (subprocess)", _text(flat(one.output), 60),
+            "…Unsupported ranks", "Unsupported ranks" in one.output),
+        Row("DeepEP", "normal one rank: exit status (terminate = -6/134)", str(one.exit_code), "(recorded)", True),
+        Row("DeepEP", "two LL Buffers in one process (subprocess)", _text(f"{two.exit_code}: {flat(two.output)}", 60),
+            "(recorded)", True),
+    ]
+
+
+def _probe_main(argv: list[str]) -> int:
+    """``python -m moe_dispatch_cuda_deepep.hardware <probe> [--fake]``: one probe on a one-rank group."""
+    parser = argparse.ArgumentParser(description="one cuda_deepep hardware probe, in its own process")
+    parser.add_argument("probe", choices=sorted(_PROBES))
+    parser.add_argument("--fake", action="store_true")
+    args = parser.parse_args(argv)
+    store = os.path.join(tempfile.mkdtemp(prefix="cuda_deepep_probe_"), "store")
+    if args.fake:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        module, device = importlib.import_module(vendor.EMULATOR), torch.device("cpu")
+    else:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+        module, device = importlib.import_module(vendor.REAL), torch.device("cuda")
+    print(_outcome(lambda: _PROBES[args.probe](module, dist.group.WORLD, device)), flush=True)
+    return 0
 
 
 # -- all --------------------------------------------------------------------------------------------------------
@@ -340,18 +454,17 @@ def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
 
 def run_checks(setup: Setup) -> list[Row]:
     deep_ep = importlib.import_module(setup.deep_ep)
-    rows = signature_rows(deep_ep, vendor.HYBRID_SIGNATURES if vendor.detect(setup.deep_ep).has_nvfp4
-                          else vendor.DEEP_EP_SIGNATURES, "signature")
+    rows = signature_rows(deep_ep, signature_records(deep_ep), "signature")
     deep_gemm_info = vendor.detect_deep_gemm(setup.deep_gemm)
     if deep_gemm_info.module is not None:
-        records = vendor.DEEP_GEMM_V1_SIGNATURES if deep_gemm_info.generation == "v1" else vendor.DEEP_GEMM_SIGNATURES
-        rows += signature_rows(deep_gemm_info.module, records, "signature")
-    rows += size_rows(deep_ep, deep_gemm_info.module)
+        rows += signature_rows(deep_gemm_info.module, signature_records(deep_gemm_info.module), "signature")
+    rows += size_rows(deep_ep, deep_gemm_info.module, setup.device)
     if deep_gemm_info.module is not None:
         rows += deep_gemm_rows(setup)
     else:
         rows.append(Row("DeepGEMM", "import", _text(deep_gemm_info.describe()), "installed", False))
     rows += deep_ep_rows(setup)
+    rows += probe_rows(setup.fake)
     return rows
 
 
@@ -362,4 +475,9 @@ def fake_setup(hidden: int = 2048, tokens: int = 16, gemm_hidden: int = 2048) ->
                  gemm_hidden)
 
 
-__all__ = ["Row", "Setup", "fake_setup", "pybind_params", "run_checks", "signature_rows"]
+__all__ = ["PROBE_NORMAL_ONE_RANK", "PROBE_TWO_LL_BUFFERS", "ProbeResult", "Row", "Setup", "fake_setup",
+           "probe_rows", "pybind_params", "run_checks", "run_probe", "signature_records", "signature_rows"]
+
+
+if __name__ == "__main__":
+    sys.exit(_probe_main(sys.argv[1:]))

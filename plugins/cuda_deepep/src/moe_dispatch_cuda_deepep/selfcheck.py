@@ -1,5 +1,6 @@
-"""Checks that run on every rank, on the fakes in the tests and on real DeepEP on GPUs
-(``scripts/run_on_gpu.py``): what crossed the wire, and agreement with the ``torch`` backend."""
+"""Checks that run on every rank: ``wire_seen`` (the fakes only: it reads their ``Buffer.calls`` record of what
+reached DeepEP) and ``agree_with_torch`` (the fakes in the tests, the real DeepEP on GPUs through
+``scripts/run_on_gpu.py``: agreement with the core ``torch`` backend and round-trip times)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
 
 from .backend import DeepEPBackend
-from .vendor import REAL
+from .vendor import EMULATOR, REAL
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,10 @@ def _batch(spec: md.DispatchSpec, rank: int, world: int, tokens: int, device: to
     return x[mine].to(device), ids[mine].to(device), w[mine].to(device), ids
 
 
-def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 2048,
+def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str = EMULATOR, hidden: int = 2048,
               tokens: int = 8, ue8m0: bool = False) -> WireCheck:
-    """Dispatch once and report what the vendor call got (``Buffer.calls`` on the fakes)."""
+    """Dispatch once and report what the vendor call got, from a fake's ``Buffer.calls`` (the real DeepEP keeps
+    no such record)."""
     gs = 448.0 * 6.0 / 5.0 if dtype == "nvfp4" else None  # NVFP4's global scale for activations up to ~5
     spec = md.DispatchSpec(hidden, 4 * world, 3, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype,
                            quant=md.QuantHints(fp8_ue8m0_scales=ue8m0, input_global_scale=gs))
@@ -69,13 +71,14 @@ def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str =
 
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
                      experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
-                     ue8m0: bool = False) -> dict:
+                     ue8m0: bool = False, backend: DeepEPBackend | None = None) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
-    the relative difference, and the median time per round trip of each."""
+    the relative difference, and the median time per round trip of each. ``backend``: the one to share
+    Buffers through across calls (a new one by default)."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
     spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
                            mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0))
-    deepep = md.create_dispatcher(DeepEPBackend(vendor_module), spec, env={})
+    deepep = md.create_dispatcher(backend or DeepEPBackend(vendor_module), spec, env={})
     reference = md.create_dispatcher("torch", spec, env={})
     x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=1)
     layer = ScaledLayer.for_rank(hidden, spec.num_experts, rank, experts_per_rank)

@@ -3,8 +3,9 @@
 Each fact carries its source as ``owner/repo@commit path [symbol]`` (read from the local mirrors of
 deepseek-ai/DeepEP and deepseek-ai/DeepGEMM). Sizes and layouts the vendor computes itself are called
 through the installed module (``dispatch_config``, ``nvl_buffer_size_hint``, ``low_latency_rdma_size_hint``,
-``mk_alignment``); the ported formulas here are the fallback for planning without DeepEP/DeepGEMM and
-are tested equal to the vendor's published numbers.
+``mk_alignment``, ``dg_tma_aligned_size``, ``dg_mn_major``, ``dg_packed_ue8m0_mn_major``); the ported formulas
+here are the fallback for planning without DeepEP/DeepGEMM and are tested equal to the vendor's published
+numbers. Recorded signatures are ``moe_dispatch.signatures.VendorSignature``s (that module is stdlib-only).
 
 Nothing here imports the adapter or the fakes.
 """
@@ -14,12 +15,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import math
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
+
+from moe_dispatch.signatures import VendorSignature
 
 # =====================================================================================================
 # Module names
@@ -42,8 +46,10 @@ EMULATOR_TOPK_INT32 = "moe_dispatch_cuda_deepep.fakes.deep_ep_topk_int32"
 DEEP_GEMM_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm"
 #: DeepGEMM 2.6.1 (@ 54e2261) on an SM100 device.
 DEEP_GEMM_EMULATOR_SM100 = "moe_dispatch_cuda_deepep.fakes.deep_gemm_sm100"
-#: DeepGEMM v1 (main @ 0c88cd0, the last v1; PyPI deep_gemm 1.0.0 is @ b05ed2f).
+#: DeepGEMM v1 (main @ 0c88cd0, the last v1).
 DEEP_GEMM_V1_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm_v1"
+#: DeepGEMM v1 as PyPI's deep_gemm 1.0.0 has it (@ b05ed2f, 2025-02-27).
+DEEP_GEMM_V1_PYPI_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm_v1_pypi"
 #: The attribute a fake module sets to stand in for the GPU's compute capability.
 EMULATED_CAPABILITY_ATTRIBUTE = "EMULATED_DEVICE_CAPABILITY"
 
@@ -84,12 +90,115 @@ NORMAL_MAX_TOPK = 32
 #: Intranode notify: ``num_experts / num_ranks <= kNumThreads (128) and num_ranks <= 128``
 #: (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/intranode.cu notify_dispatch).
 NORMAL_INTRANODE_MAX_LOCAL_EXPERTS = 128
-#: Internode notify: ``num_nvl_experts <= num_threads (512)``, num_nvl_experts = 8 · local experts
-#: (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu notify_dispatch, kNumThreads = 512).
+#: Internode notify: ``EP_DEVICE_ASSERT(num_rdma_experts <= num_threads)`` with ``num_rdma_experts = num_experts /
+#: kNumRDMARanks`` (= 8 · local experts) and 512 threads (deepseek-ai/DeepEP@dd758ca
+#: csrc/kernels/legacy/internode.cu notify_dispatch): at most 64 local experts past 8 ranks.
 NORMAL_INTERNODE_MAX_NVL_EXPERTS = 512
 #: ``SWITCH_RANKS``: intranode kernels exist for these world sizes only
-#: (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/launch.cuh).
+#: (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/launch.cuh). ``intranode::barrier`` switches on it too, and
+#: ``Buffer::destroy`` calls that barrier whenever it has NVL bytes: a Buffer with NVL bytes on any other
+#: ``min(R, 8)`` throws from its ``noexcept(false)`` destructor, which pybind11 runs inside a noexcept
+#: ``unique_ptr`` destructor: ``std::terminate`` (csrc/legacy/buffer.hpp ~Buffer, destroy; intranode.cu barrier).
 INTRANODE_RANKS = frozenset({2, 4, 8})
+#: ``Buffer.__init__(num_qps_per_rank=24)`` (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/legacy.py).
+DEFAULT_NUM_QPS_PER_RANK = 24
+
+
+def world_size_ok(num_ranks: int) -> bool:
+    """``EP_HOST_ASSERT(num_ranks < LEGACY_NUM_MAX_NVL_PEERS or num_ranks % LEGACY_NUM_MAX_NVL_PEERS == 0)`` in the
+    Buffer constructor, every mode (deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp Buffer::Buffer; the same
+    @ebfe47e csrc/deep_ep.cpp); in LL mode NVSHMEM's team split asserts it again (csrc/kernels/backend/nvshmem.cu
+    init, ``num_ranks % team_split_stride == 0``)."""
+    return num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0
+
+
+def internode_qps_ok(num_qps_per_rank: int, num_sms: int) -> bool:
+    """``EP_DEVICE_ASSERT(num_rc_per_pe == num_channels or num_rc_per_pe >= num_sms)`` in the internode dispatch
+    kernel, ``num_rc_per_pe`` being ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` = ``num_qps_per_rank`` and ``num_channels =
+    num_sms / 2`` (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu dispatch)."""
+    return num_qps_per_rank == num_sms // 2 or num_qps_per_rank >= num_sms
+
+
+def normal_num_qps_per_rank(num_sms: int) -> int:
+    """QPs for a Buffer running internode normal mode with configs of ``num_sms`` SMs: DeepEP's own test uses
+    ``max(num_sms, ...)`` (tests/legacy/test_internode.py), sglang ``DeepEPConfig.num_sms``."""
+    return max(DEFAULT_NUM_QPS_PER_RANK, num_sms)
+
+
+#: ``kNumCombineForwarderWarps`` (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu combine).
+COMBINE_FORWARDER_WARPS = 24
+
+
+def internode_combine_config_problems(num_sms: int, nvl_send: int, nvl_recv: int, rdma_send: int,
+                                      num_ranks: int) -> list[str]:
+    """The ``EP_HOST_ASSERT``s of ``internode::combine`` on the config, past 8 ranks (deepseek-ai/DeepEP@dd758ca
+    csrc/kernels/legacy/internode.cu combine; csrc/legacy/buffer.hpp internode_combine)."""
+    rdma = num_ranks // NUM_MAX_NVL_PEERS
+    per_forwarder = max(COMBINE_FORWARDER_WARPS // rdma, 1)
+    checks = [(rdma <= COMBINE_FORWARDER_WARPS, "num_rdma_ranks <= kNumCombineForwarderWarps"),
+              (nvl_recv % rdma == 0, "num_max_nvl_chunked_recv_tokens % num_rdma_ranks == 0")]
+    if checks[-1][0]:
+        checks += [(nvl_recv // rdma > max(rdma_send, nvl_send), "num_max_nvl_chunked_recv_tokens / num_rdma_ranks > "
+                    "max(num_max_rdma_chunked_send_tokens, num_max_nvl_chunked_send_tokens)"),
+                   (nvl_recv // rdma - per_forwarder >= nvl_send, "num_max_nvl_chunked_recv_tokens / num_rdma_ranks - "
+                    "num_warps_per_forwarder >= num_max_nvl_chunked_send_tokens")]
+    checks.append((rdma_send >= per_forwarder, "num_max_rdma_chunked_send_tokens >= num_warps_per_forwarder "
+                   f"({per_forwarder})"))
+    return [text for ok, text in checks if not ok]
+
+
+# -- normal-mode hidden limits: the TMA staging of a token in shared memory ------------------------------------
+#: Intranode dispatch stages half a token per warp: ``EP_DEVICE_ASSERT(hidden_int4 % 2 == 0 and half_hidden_bytes
+#: + sizeof(uint64_t) <= kNumTMABytesPerWarp)``, kNumTMABytesPerWarp = 8192 (deepseek-ai/DeepEP@dd758ca
+#: csrc/kernels/legacy/intranode.cu dispatch; since c8dceba, the same @e9d053c and on hybrid-ep).
+INTRANODE_DISPATCH_TMA_BYTES = 8192
+#: Internode dispatch (kNumTMABytesPerWarp) and combine senders (kNumTMABytesPerSenderWarp) stage a whole token:
+#: ``num_bytes_per_token + sizeof(uint64_t) <= 16384`` (internode.cu dispatch, combine; since a2fa3b7/06f417d).
+INTERNODE_TMA_BYTES = 16384
+#: The internode combine forwarder's TMA path: ``EP_DEVICE_ASSERT(hidden_int4 % 32 == 0)`` (internode.cu
+#: combine_token, since f9c06bb; a fallback for other sizes was proposed in 6e98f65, not merged): BF16 H % 256.
+INTERNODE_COMBINE_HIDDEN_INT4_MULTIPLE = 32
+TMA_MBARRIER_BYTES = 8
+
+
+def internode_bytes_per_token(hidden_bytes: int, num_scales: int, num_topk_idx: int, num_topk_weights: int) -> int:
+    """``get_num_bytes_per_token``: hidden bytes + SourceMeta (8) + 4 per scale, top-k index (int) and weight,
+    rounded up to 16 (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu)."""
+    return _align(hidden_bytes + SOURCE_META_BYTES + 4 * (num_scales + num_topk_idx + num_topk_weights), 16)
+
+
+def normal_hidden_problems(hidden: int, element_size: int, num_scales: int, top_k: int, num_ranks: int) -> list[str]:
+    """What the normal-mode kernels device-assert about the hidden size, for a dispatch of ``element_size`` bytes per
+    element with ``num_scales`` 4-byte scale columns (and a BF16 combine)."""
+    hidden_bytes = hidden * element_size
+    if num_ranks <= NUM_MAX_NVL_PEERS:
+        half = hidden_bytes // 32 * 16  # half_hidden_int4 · sizeof(int4)
+        ok = (hidden_bytes // 16) % 2 == 0 and half + TMA_MBARRIER_BYTES <= INTRANODE_DISPATCH_TMA_BYTES
+        return [] if ok else [f"intranode dispatch: hidden_int4 % 2 == 0 and half_hidden_bytes ({half}) + 8 <= "
+                              f"{INTRANODE_DISPATCH_TMA_BYTES}"]
+    problems = []
+    dispatch = internode_bytes_per_token(hidden_bytes, num_scales, top_k, top_k)
+    if dispatch + TMA_MBARRIER_BYTES > INTERNODE_TMA_BYTES:
+        problems.append(f"internode dispatch: num_bytes_per_token ({dispatch}) + 8 <= {INTERNODE_TMA_BYTES}")
+    combine = internode_bytes_per_token(2 * hidden, 0, 0, top_k)
+    if combine + TMA_MBARRIER_BYTES > INTERNODE_TMA_BYTES:
+        problems.append(f"internode combine: num_bytes_per_token ({combine}) + 8 <= {INTERNODE_TMA_BYTES}")
+    if (2 * hidden // 16) % INTERNODE_COMBINE_HIDDEN_INT4_MULTIPLE:
+        problems.append("internode combine forwarder (TMA): hidden_int4 % 32 == 0 (BF16 hidden % 256)")
+    return problems
+
+
+#: Internode dispatch sends a token to at most 8 RDMA ranks: ``get_num_topk_rdma_ranks`` = min(RDMA ranks, 8) and
+#: ``EP_DEVICE_ASSERT(num_topk_ranks <= kNumTopkRDMARanks)`` (deepseek-ai/DeepEP@dd758ca
+#: csrc/kernels/legacy/internode.cu dispatch). With top-k <= 8 no token can span more nodes.
+NORMAL_MAX_TOPK_RDMA_RANKS = 8
+
+
+def normal_max_top_k(num_ranks: int) -> int:
+    """The largest top-k whose tokens can never reach more than 8 nodes, whatever the routing."""
+    if num_ranks // NUM_MAX_NVL_PEERS > NORMAL_MAX_TOPK_RDMA_RANKS:
+        return NORMAL_MAX_TOPK_RDMA_RANKS
+    return NORMAL_MAX_TOPK
 #: Low-latency: ``(num_ranks * num_max_dispatch_tokens_per_rank) % 4 == 0`` ("TMA requires the number
 #: of tokens to be multiple of 4"; deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp low_latency_dispatch,
 #: present since @ebfe47e csrc/deep_ep.cpp).
@@ -100,6 +209,34 @@ LOW_LATENCY_FP8_HIDDEN_MULTIPLE = 512
 #: asserts; deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode_ll.cu dispatch). An H100/H200 has 132.
 LOW_LATENCY_MAX_WARP_GROUPS = 14
 H100_NUM_SMS = 132
+#: The attribute a fake module sets for the GPU's SM count (``cudaDeviceProp::multiProcessorCount``).
+EMULATED_DEVICE_SMS_ATTRIBUTE = "EMULATED_DEVICE_SMS"
+
+
+def low_latency_launch_problem(num_experts: int, num_device_sms: int | None) -> str | None:
+    """The LL dispatch kernel's launch shape: ``num_warp_groups = ceil(E / device SMs)``, ``num_sms = ceil(E /
+    num_warp_groups)``; device asserts ``num_sms > 1`` and ``num_warps_per_group > 1 and num_warp_groups < 15``
+    (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode_ll.cu dispatch). Without the SM count only the
+    first is checked."""
+    if num_experts < 2:
+        return "num_sms > 1 (device assert): one expert gives the kernel one SM"
+    if num_device_sms is None:
+        return None
+    groups = -(-num_experts // num_device_sms)
+    if not (32 // groups > 1 and groups <= LOW_LATENCY_MAX_WARP_GROUPS):
+        return (f"num_warp_groups = ceil({num_experts} / {num_device_sms} SMs) = {groups} warp groups; the kernel "
+                f"device-asserts < 15")
+    return None
+
+
+def device_num_sms(module: Any) -> int | None:
+    """The SM count DeepEP's LL kernels divide the experts by: a fake's stand-in, else the current CUDA device's."""
+    emulated = getattr(module, EMULATED_DEVICE_SMS_ATTRIBUTE, None)
+    if emulated is not None:
+        return int(emulated)
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+    return None
 
 # -- environment variables ------------------------------------------------------------------------------
 # The V1 Buffer constructor writes these into os.environ before NVSHMEM starts, whenever it uses NVSHMEM
@@ -122,7 +259,10 @@ NVSHMEM_WRITTEN = (NVSHMEM_DISABLE_P2P, NVSHMEM_IB_ENABLE_IBGDA, NVSHMEM_IBGDA_N
 def low_latency_max_tokens(qp_depth: int = DEFAULT_NVSHMEM_QP_DEPTH) -> int:
     """``assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2`` (deepseek-ai/DeepEP@dd758ca
     deep_ep/buffers/legacy.py low_latency_dispatch/low_latency_combine, since @d981409), bounded by the
-    dispatch kernel's ``FINISHED_SUM_TAG`` count (a rank sends fewer than 1024 tokens to one expert)."""
+    dispatch kernel's finish tag (a rank sends fewer than ``LEGACY_FINISHED_SUM_TAG`` = 1024 tokens to one expert,
+    csrc/kernels/legacy/compiled.cuh). The hybrid-ep branch has ``FINISHED_SUM_TAG`` 2048
+    (deepseek-ai/DeepEP@94a9f8f csrc/kernels/configs.cuh) and no QP-depth assert: this bound is stricter than it
+    needs there, never looser."""
     return min(qp_depth // 2 - 1, FINISHED_SUM_TAG - 1)
 
 
@@ -171,7 +311,11 @@ LOW_LATENCY_HIDDEN_SIZES_V10 = frozenset({2560, 5120, 7168})  # all of 1.0.0
 RDMA_RANKS = frozenset({2, 3, 4, 6, 8, 12, 16, 18, 20})  # @e02e4d2 .. @dd758ca
 RDMA_RANKS_V12_BEFORE_EP48 = frozenset({2, 4, 8, 16, 18, 20})  # @3e2c5d8 .. c939644~1; hybrid-ep @94a9f8f
 RDMA_RANKS_EP48_BEFORE_EP24 = frozenset({2, 4, 6, 8, 12, 16, 18, 20})  # @c939644 .. e02e4d2~1
-RDMA_RANKS_V10_V11 = frozenset({2, 3, 4, 8, 16, 18, 20})  # @ebfe47e .. 1.1.0
+#: 1.0.0 (@ebfe47e .. a107266, and 1.1.0's first commits b8d90fb .. 7b0c25f).
+RDMA_RANKS_V10 = frozenset({2, 3, 4, 8, 16, 18, 20})
+#: 1.1.0 as a whole: bc118b2 (2025-06-24) .. b92d0d4 have {2, 4, 8, 16}; d9767ce (2025-08-11) brings back 18 and
+#: 20; 3 returns only with e02e4d2 (1.2.1). The intersection is the safe set (csrc/kernels/launch.cuh per commit).
+RDMA_RANKS_V11 = frozenset({2, 4, 8, 16})
 
 #: ``Buffer.get_dispatch_config`` / ``get_combine_config``: (nvl send, nvl recv, rdma send, rdma recv)
 #: chunk sizes per EP size, with ``Buffer.num_sms`` SMs (deepseek-ai/DeepEP@dd758ca
@@ -266,10 +410,10 @@ def release_of(module: ModuleType) -> DeepEPRelease:
     base = (version or "").split("+")[0]
     if base.startswith("1.0"):
         return DeepEPRelease("1.x", version, LL_MAX_TOPK_BEFORE_9AF0E0D, LOW_LATENCY_HIDDEN_SIZES_V10,
-                             RDMA_RANKS_V10_V11, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}")
+                             RDMA_RANKS_V10, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}")
     if base.startswith("1.1"):
         return DeepEPRelease("1.x", version, LL_MAX_TOPK_BEFORE_9AF0E0D, LOW_LATENCY_HIDDEN_SIZES_V11,
-                             RDMA_RANKS_V10_V11, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}")
+                             RDMA_RANKS_V11, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}")
     if base.startswith("1.2"):
         topk11 = _at_or_after(commit, COMMIT_LL_TOPK_11)
         if topk11 is None and hasattr(module, "topk_idx_t"):
@@ -281,7 +425,7 @@ def release_of(module: ModuleType) -> DeepEPRelease:
         return DeepEPRelease("1.x", version, LL_MAX_TOPK if topk11 else LL_MAX_TOPK_BEFORE_9AF0E0D, hidden, rdma,
                              TUNED_DISPATCH if ep48 else TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version} ({how})")
     return DeepEPRelease("unknown", version, LL_MAX_TOPK_BEFORE_9AF0E0D, LOW_LATENCY_HIDDEN_SIZES_V10,
-                         RDMA_RANKS_V12_BEFORE_EP48, TUNED_DISPATCH_BEFORE_EP48,
+                         RDMA_RANKS_V11, TUNED_DISPATCH_BEFORE_EP48,
                          f"DeepEP version {version!r} unknown: the safe bounds")
 
 
@@ -381,6 +525,14 @@ class ConfigFields:
                        (rs <= self.rdma_recv // 2,
                         "num_max_rdma_chunked_send_tokens <= num_max_rdma_chunked_recv_tokens / 2")]
         return [text for ok, text in checks if not ok]
+
+    def internode_problems(self, num_ranks: int) -> list[str]:
+        """What ``internode::combine`` asserts of this config past 8 ranks (empty within a node)."""
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return []
+        return internode_combine_config_problems(self.num_sms, self.num_max_nvl_chunked_send_tokens,
+                                                 self.num_max_nvl_chunked_recv_tokens,
+                                                 self.num_max_rdma_chunked_send_tokens, num_ranks)
 
     def to_vendor(self, module: ModuleType) -> Any:
         return module.Config(*self.as_tuple())
@@ -534,23 +686,32 @@ def supported_world_sizes(module: ModuleType | None, release: DeepEPRelease) -> 
 # fp8_m_grouped_gemm_nt_masked. BF16 grouped GEMMs are 2.x only.
 DG_FP8_CONTIGUOUS = "m_grouped_fp8_gemm_nt_contiguous"
 DG_FP8_MASKED = "m_grouped_fp8_gemm_nt_masked"
+#: The masked GEMM's name in PR #112 (9da4a23, its primary name then), an alias since; no contiguous alias ever
+#: existed (``git log --all -S fp8_m_grouped_gemm_nt_contiguous``: no hit).
 DG_FP8_MASKED_ALIAS = "fp8_m_grouped_gemm_nt_masked"
-DG_FP8_CONTIGUOUS_ALIAS = "fp8_m_grouped_gemm_nt_contiguous"
 DG_BF16_CONTIGUOUS = "m_grouped_bf16_gemm_nt_contiguous"
 DG_BF16_MASKED = "m_grouped_bf16_gemm_nt_masked"
 DG_MK_ALIGNMENT = "get_mk_alignment_for_contiguous_layout"  # deep_gemm/utils/layout.py re-export of _C
+#: Settable from 2.4.2 (7f2a703; ``git log -S set_mk_alignment_for_contiguous_layout``).
+DG_SET_MK_ALIGNMENT = "set_mk_alignment_for_contiguous_layout"
+DG_SET_MK_ALIGNMENT_VERSION = (2, 4, 2)
+#: Layout helpers (deepseek-ai/DeepGEMM@54e2261 csrc/apis/layout.hpp register_apis; deep_gemm/utils/layout.py):
+#: ``get_tma_aligned_size(x, element_size)``, ``get_mn_major_tma_aligned_tensor(sf)`` (fp32 only, asserts kFloat),
+#: ``get_mn_major_tma_aligned_packed_ue8m0_tensor(sf, psum_layout=None)`` (fp32 in, packed int32 out).
 DG_TMA_ALIGNED_SIZE = "get_tma_aligned_size"
+DG_MN_MAJOR_TMA_ALIGNED = "get_mn_major_tma_aligned_tensor"
+DG_MN_MAJOR_PACKED_UE8M0 = "get_mn_major_tma_aligned_packed_ue8m0_tensor"
 # deepseek-ai/DeepGEMM@0c88cd0 deep_gemm/jit_kernels/m_grouped_gemm.py (v1; same names @b05ed2f = PyPI 1.0.0)
 DG_V1_CONTIGUOUS = "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"
 DG_V1_MASKED = "m_grouped_gemm_fp8_fp8_bf16_nt_masked"
 DG_V1_ALIGNMENT = "get_m_alignment_for_contiguous_layout"
 DG_V1_TMA_ALIGNED = "get_col_major_tma_aligned_tensor"
-DG_V2_CONTIGUOUS_NAMES = (DG_FP8_CONTIGUOUS, DG_FP8_CONTIGUOUS_ALIAS)
+DG_V2_CONTIGUOUS_NAMES = (DG_FP8_CONTIGUOUS,)
 DG_V2_MASKED_NAMES = (DG_FP8_MASKED, DG_FP8_MASKED_ALIAS)
 DG_ALIGNMENT_NAMES = (DG_MK_ALIGNMENT, DG_V1_ALIGNMENT)
 
 #: ``kLegacyMKAlignmentForContiguousLayout`` (deepseek-ai/DeepGEMM@54e2261 csrc/jit_kernels/heuristics/
-#: runtime.hpp); v1 ``get_m_alignment_for_contiguous_layout`` returns 128 too. 2.6.1 makes it settable.
+#: runtime.hpp); v1 ``get_m_alignment_for_contiguous_layout`` returns 128 too. Settable from 2.4.2 (7f2a703).
 DG_DEFAULT_MK_ALIGNMENT = 128
 DG_BLOCK = 128
 #: ``get_tma_aligned_size``: the MN axis of an MN-major scale tensor padded to 16 bytes
@@ -558,8 +719,27 @@ DG_BLOCK = 128
 TMA_ALIGNMENT_BYTES = 16
 #: v1's masked grouped GEMM: "For masked grouped GEMM, shape M should be multiple of the block M" when
 #: num_groups > 1 and M > block_m (deepseek-ai/DeepGEMM@0c88cd0 m_grouped_gemm.py, since @6da94d2), block_m
-#: chosen by get_best_configs from (64, 128, 256) (@0c88cd0 deep_gemm/jit_kernels/gemm.py).
+#: chosen by get_best_configs from (64, 128, 256) (@0c88cd0 deep_gemm/jit_kernels/gemm.py; @b05ed2f = PyPI
+#: 1.0.0 picks from (64, 128) and has no such assert).
 DG_V1_MASKED_BLOCK_MS = (64, 128, 256)
+DG_V1_PYPI_MASKED_BLOCK_MS = (64, 128)
+#: The masked GEMM's BLOCK_M candidates in 2.x: {64, 128, 256} up to 3f71de7 (2025-09-25, still 2.0.0, which has
+#: no ``__version__``), {64, 128} from it ("Exclude 256 for performance", csrc/jit_kernels/heuristics/common.hpp),
+#: and from 2.4.2 (7f2a703) on SM100 only ``get_mk_alignment_for_contiguous_layout()`` (heuristics/sm100.hpp
+#: get_layout_candidates), on SM90 {64, 128} (heuristics/sm90.hpp).
+DG_MASKED_BLOCK_MS_2_0 = frozenset({64, 128, 256})
+DG_MASKED_BLOCK_MS = frozenset({64, 128})
+DG_MASKED_SM100_MK_VERSION = (2, 4, 2)
+#: v1's fp8_gemm.cuh before 6c5da03 (2025-02-28; so PyPI 1.0.0 @ b05ed2f): ``DG_STATIC_ASSERT(not
+#: kMustUseUniformedScaleB or SHAPE_K_SCALES % 2 == 0, "Misaligned barriers")``, kMustUseUniformedScaleB =
+#: ``BLOCK_K % BLOCK_N == 0``: an odd ceil(K/128) fails to compile whenever the heuristic picks a BLOCK_N dividing
+#: 128. No version string tells the builds apart; ``wgrad_gemm_fp8_fp8_fp32_nt`` (04278f6, 2025-05-14, after the
+#: fix) marks a v1 known to compile them.
+DG_V1_ODD_K_FIXED_MARKER = "wgrad_gemm_fp8_fp8_fp32_nt"
+#: TMA descriptors (``cuTensorMapEncodeTiled``) need every global stride a multiple of 16 bytes; DeepGEMM encodes
+#: the operands' row strides as they are and raises its "CUDA driver" DGException otherwise
+#: (deepseek-ai/DeepGEMM@54e2261 csrc/jit_kernels/impls/runtime_utils.hpp make_tma_2d_desc).
+TMA_STRIDE_BYTES = 16
 #: DeepGEMM 2.x ``__version__`` from which the SM100 fp32 → UE8M0 scale cast device-asserts that every
 #: scale is a power of two (``(bits & 0x807fffff) == 0``, deepseek-ai/DeepGEMM@54e2261
 #: deep_gemm/include/deep_gemm/impls/smxx_layout.cuh, introduced by 54e2261 "#364"; 2.5.0 before it kept
@@ -570,13 +750,71 @@ DG_ARCH_SM90, DG_ARCH_SM100 = 9, 10
 
 
 def tma_aligned_size(mn: int, element_size: int) -> int:
-    """``get_tma_aligned_size(x, element_size)``: ``x`` rounded up to 16 bytes' worth of elements."""
+    """``get_tma_aligned_size(x, element_size)``: ``x`` rounded up to 16 bytes' worth of elements (the port)."""
     return _align(mn, TMA_ALIGNMENT_BYTES // element_size)
 
 
-def v1_masked_m_is_safe(m: int) -> bool:
-    """Whether v1's masked GEMM accepts a capacity ``m`` whatever block M its heuristic picks."""
-    return all(m <= bm or m % bm == 0 for bm in DG_V1_MASKED_BLOCK_MS)
+def dg_tma_aligned_size(module: Any, mn: int, element_size: int) -> int:
+    """The installed DeepGEMM's ``get_tma_aligned_size`` (2.x), else the port (v1 keeps it in jit_kernels.utils,
+    planning has none)."""
+    fn = getattr(module, DG_TMA_ALIGNED_SIZE, None) if module is not None else None
+    return int(fn(mn, element_size)) if fn is not None else tma_aligned_size(mn, element_size)
+
+
+def ported_mn_major(t: torch.Tensor, aligned: int) -> torch.Tensor:
+    """``[..., MN, K]`` → the same values MN-major with an MN stride of ``aligned``, groups dense: the layout
+    ``get_mn_major_tma_aligned_tensor`` gives and DeepGEMM's SM100 kernels require of packed UE8M0 scales."""
+    mn, k = t.shape[-2], t.shape[-1]
+    out = torch.zeros(*t.shape[:-2], k, aligned, dtype=t.dtype, device=t.device).transpose(-1, -2)[..., :mn, :]
+    out.copy_(t)
+    return out
+
+
+def is_mn_major_tma_aligned(module: Any, sf: torch.Tensor) -> bool:
+    """``check_sf_layout(..., tma_stride_check=true)`` holds: MN-major, the MN stride TMA-aligned, groups dense."""
+    mn, k = sf.shape[-2], sf.shape[-1]
+    aligned = dg_tma_aligned_size(module, mn, sf.element_size())
+    dense = sf.dim() == 2 or sf.stride(-3) == aligned * k
+    return dense and (sf.stride(-2) == 1 or mn == 1) and sf.stride(-1) == aligned
+
+
+def dg_mn_major(module: Any, sf: torch.Tensor) -> torch.Tensor:
+    """``sf`` MN-major and TMA-aligned. fp32: the installed DeepGEMM's ``get_mn_major_tma_aligned_tensor``; other
+    dtypes (packed UE8M0 int32, which that function refuses) and planning: the port with DeepGEMM's aligned size."""
+    fn = getattr(module, DG_MN_MAJOR_TMA_ALIGNED, None) if module is not None else None
+    if fn is not None and sf.dtype == torch.float32:
+        return fn(sf)
+    if is_mn_major_tma_aligned(module, sf):
+        return sf
+    return ported_mn_major(sf, dg_tma_aligned_size(module, sf.shape[-2], sf.element_size()))
+
+
+def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= |x|, by bits: exponent + (mantissa != 0), clamped to [1, 254] (a port of
+    deepseek-ai/DeepGEMM@54e2261 deep_gemm/utils/math.py ceil_to_ue8m0). ``exp2(ceil(log2(x)))`` is not the same:
+    log2 rounds to float first, so a value just above 2^n (n >= 2) gives 2^n, below the value."""
+    bits = x.abs().float().contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).ne(0).to(torch.int32)
+    return (exponent.clamp(1, 254) << 23).view(torch.float32)
+
+
+def ported_packed_ue8m0_mn_major(sf: torch.Tensor, module: Any = None) -> torch.Tensor:
+    """fp32 powers of two ``[..., MN, K/128]`` → int32 ``[..., MN, ceil(K/512)]``: the exponent bytes (``bits >>
+    23``), four per word, the first in the low byte, laid out MN-major and TMA-aligned (the port of
+    ``get_mn_major_tma_aligned_packed_ue8m0_tensor``'s PyTorch path, csrc/jit_kernels/impls/smxx_layout.hpp)."""
+    k = sf.shape[-1]
+    exps = (sf.float().contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    padded = torch.zeros(*sf.shape[:-1], _align(k, 4), dtype=torch.uint8, device=sf.device)
+    padded[..., :k] = exps
+    words = padded.view(torch.int32)
+    return ported_mn_major(words, dg_tma_aligned_size(module, sf.shape[-2], 4))
+
+
+def dg_packed_ue8m0_mn_major(module: Any, sf: torch.Tensor) -> torch.Tensor:
+    """fp32 power-of-two scales → packed UE8M0, MN-major, TMA-aligned: the installed DeepGEMM's
+    ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` (2.x), else the port."""
+    fn = getattr(module, DG_MN_MAJOR_PACKED_UE8M0, None) if module is not None else None
+    return fn(sf) if fn is not None else ported_packed_ue8m0_mn_major(sf, module)
 
 
 def version_tuple(version: str | None) -> tuple[int, ...]:
@@ -613,6 +851,11 @@ class DeepGemmInfo:
         return f"DeepGEMM {self.version or ''} ({self.generation} API) {bf16} BF16 grouped GEMMs".replace("  ", " ")
 
     @property
+    def compiles_odd_k_blocks(self) -> bool:
+        """False for a v1 that may be PyPI 1.0.0 (no ``wgrad_gemm_fp8_fp8_fp32_nt``): "Misaligned barriers"."""
+        return self.generation != "v1" or hasattr(self.module, DG_V1_ODD_K_FIXED_MARKER)
+
+    @property
     def casts_pow2_strictly(self) -> bool:
         """SM100 scale cast: device assert (2.6.1+) rather than silent truncation."""
         return self.generation == "v2" and version_tuple(self.version) >= DG_POW2_ASSERT_VERSION
@@ -645,6 +888,35 @@ def detect_deep_gemm(module: str | ModuleType | Any = DEEP_GEMM) -> DeepGemmInfo
     return DeepGemmInfo(name, module, None, False, version=version)
 
 
+def dg_masked_block_ms(info: DeepGemmInfo | None, arch: int | None, mk_alignment: int = DG_DEFAULT_MK_ALIGNMENT
+                       ) -> frozenset[int]:
+    """Every BLOCK_M the installed DeepGEMM's masked GEMM may pick (its heuristic also depends on the SM count and
+    the shapes): the masked GEMM stores whole BLOCK_M tiles into one ``[G·m, n]`` view (2.x
+    csrc/jit_kernels/impls/runtime_utils.hpp make_tma_cd_desc, ``shape_m * num_groups``; the SM90 and SM100
+    epilogues; v1 from 6db7e18), so a capacity ``m`` that is not a multiple of it lets one expert's last tile
+    overwrite the next expert's first rows (DeepGEMM issues #15, #268). ``info`` None: planning, every version."""
+    if info is None or info.generation is None:
+        return DG_MASKED_BLOCK_MS_2_0 | {mk_alignment}
+    if info.generation == "v1":
+        return frozenset(DG_V1_MASKED_BLOCK_MS)
+    version = version_tuple(info.version)
+    if version < (2, 1):
+        return DG_MASKED_BLOCK_MS_2_0
+    if version >= DG_MASKED_SM100_MK_VERSION:
+        if arch == DG_ARCH_SM100:
+            return frozenset({mk_alignment})
+        return DG_MASKED_BLOCK_MS if arch == DG_ARCH_SM90 else DG_MASKED_BLOCK_MS | {mk_alignment}
+    if version >= (2, 4):  # 2.4.0/2.4.1: not on main; either rule
+        return DG_MASKED_BLOCK_MS | {mk_alignment}
+    return DG_MASKED_BLOCK_MS
+
+
+def dg_masked_capacity_multiple(info: DeepGemmInfo | None, arch: int | None,
+                                mk_alignment: int = DG_DEFAULT_MK_ALIGNMENT) -> int:
+    """The capacity (DeepEP LL: R·T) every masked BLOCK_M divides; 1 expert per rank needs none."""
+    return math.lcm(*dg_masked_block_ms(info, arch, mk_alignment))
+
+
 def mk_alignment(module: Any) -> int:
     """The installed DeepGEMM's ``get_mk_alignment_for_contiguous_layout()`` (v1:
     ``get_m_alignment_for_contiguous_layout()``), else 128."""
@@ -666,16 +938,6 @@ def device_capability(module: Any, device: torch.device | None = None) -> tuple[
 # =====================================================================================================
 # Recorded signatures of every vendor callable the adapter calls (and the fakes implement)
 # =====================================================================================================
-
-class VendorSignature(NamedTuple):
-    """A vendor callable's recorded signature: the parameter list of its ``def`` (pybind: its ``py::arg``s),
-    and where it was read. The same fields as ``moe_dispatch.signatures.VendorSignature``, which the
-    tests build from it (importing that module here would import pytest with the plugin)."""
-
-    qualname: str
-    text: str
-    source: str
-
 
 _LEGACY = "deepseek-ai/DeepEP@dd758ca deep_ep/buffers/legacy.py"
 _HYBRID = "deepseek-ai/DeepEP@94a9f8f deep_ep/buffer.py"
@@ -752,6 +1014,26 @@ DG_BF16_CONTIGUOUS_SIG = VendorSignature(
     "ensure_zero_padding=True, expected_m_for_psum_layout=None)", _DG)
 DG_BF16_MASKED_SIG = VendorSignature(DG_BF16_MASKED, "(a, b, d, masked_m, expected_m, compiled_dims='nk')", _DG)
 DG_MK_ALIGNMENT_SIG = VendorSignature(DG_MK_ALIGNMENT, "()", _DG_LAYOUT)
+# No py::arg on get_tma_aligned_size / get_mn_major_tma_aligned_tensor: positional only.
+DG_TMA_ALIGNED_SIZE_SIG = VendorSignature(DG_TMA_ALIGNED_SIZE, "(arg0, arg1, /)", _DG_LAYOUT)
+DG_MN_MAJOR_TMA_ALIGNED_SIG = VendorSignature(DG_MN_MAJOR_TMA_ALIGNED, "(arg0, /)", _DG_LAYOUT)
+DG_MN_MAJOR_PACKED_UE8M0_SIG = VendorSignature(DG_MN_MAJOR_PACKED_UE8M0, "(sf, psum_layout=None)", _DG_LAYOUT)
+# 2.3.0 (0f5f266) .. 2.5.0: ``grouped_layout``, recipe_a/recipe_b, the PSUM layout; no ensure_zero_padding (2.6.1).
+_DG_2_3 = "deepseek-ai/DeepGEMM@0f5f266 csrc/apis/gemm.hpp register_apis (the same @7f2a703, @891d57b)"
+DG_FP8_CONTIGUOUS_SIG_2_3 = VendorSignature(
+    DG_FP8_CONTIGUOUS, "(a, b, d, grouped_layout, recipe=None, recipe_a=None, recipe_b=None, compiled_dims='nk', "
+    "disable_ue8m0_cast=False, use_psum_layout=False, expected_m_for_psum_layout=None)", _DG_2_3)
+DG_BF16_CONTIGUOUS_SIG_2_3 = VendorSignature(
+    DG_BF16_CONTIGUOUS, "(a, b, d, grouped_layout, compiled_dims='nk', use_psum_layout=False, "
+    "expected_m_for_psum_layout=None)", _DG_2_3)
+# Before 2.3.0 (PR #112 @9da4a23 .. 2.2.0 @38f8ef7): the fourth argument is ``m_indices``; no recipe_a/recipe_b.
+_DG_2_0 = "deepseek-ai/DeepGEMM@38f8ef7 csrc/apis/gemm.hpp register_apis (the same @9f19605; @9da4a23 python_api.cpp)"
+DG_FP8_CONTIGUOUS_SIG_2_0 = VendorSignature(
+    DG_FP8_CONTIGUOUS, "(a, b, d, m_indices, recipe=None, compiled_dims='nk', disable_ue8m0_cast=False)", _DG_2_0)
+DG_FP8_MASKED_SIG_2_0 = VendorSignature(
+    DG_FP8_MASKED, "(a, b, d, masked_m, expected_m, recipe=None, compiled_dims='nk', disable_ue8m0_cast=False)",
+    _DG_2_0)
+DG_BF16_CONTIGUOUS_SIG_2_0 = VendorSignature(DG_BF16_CONTIGUOUS, "(a, b, d, m_indices, compiled_dims='nk')", _DG_2_0)
 DG_V1_CONTIGUOUS_SIG = VendorSignature(DG_V1_CONTIGUOUS, "(lhs, rhs, out, m_indices)", _DG_V1)
 DG_V1_MASKED_SIG = VendorSignature(DG_V1_MASKED, "(lhs, rhs, out, masked_m, expected_m)", _DG_V1)
 DG_V1_ALIGNMENT_SIG = VendorSignature(DG_V1_ALIGNMENT, "()",
@@ -764,9 +1046,38 @@ DEEP_EP_SIGNATURES = (BUFFER_INIT, BUFFER_GET_DISPATCH_CONFIG, BUFFER_GET_COMBIN
                       CONFIG_RDMA_HINT)
 #: The hybrid-ep branch differs in these three; the rest as main.
 HYBRID_SIGNATURES = (HYBRID_BUFFER_INIT, HYBRID_LL_DISPATCH, HYBRID_LL_COMBINE)
+#: DeepGEMM 2.6.1 (@54e2261).
 DEEP_GEMM_SIGNATURES = (DG_FP8_CONTIGUOUS_SIG, DG_FP8_MASKED_SIG, DG_BF16_CONTIGUOUS_SIG, DG_BF16_MASKED_SIG,
-                        DG_MK_ALIGNMENT_SIG)
+                        DG_MK_ALIGNMENT_SIG, DG_TMA_ALIGNED_SIZE_SIG, DG_MN_MAJOR_TMA_ALIGNED_SIG,
+                        DG_MN_MAJOR_PACKED_UE8M0_SIG)
+DEEP_GEMM_SIGNATURES_2_3 = (DG_FP8_CONTIGUOUS_SIG_2_3, DG_FP8_MASKED_SIG, DG_BF16_CONTIGUOUS_SIG_2_3,
+                            DG_BF16_MASKED_SIG, DG_MK_ALIGNMENT_SIG, DG_TMA_ALIGNED_SIZE_SIG,
+                            DG_MN_MAJOR_TMA_ALIGNED_SIG, DG_MN_MAJOR_PACKED_UE8M0_SIG)
+DEEP_GEMM_SIGNATURES_2_0 = (DG_FP8_CONTIGUOUS_SIG_2_0, DG_FP8_MASKED_SIG_2_0, DG_BF16_CONTIGUOUS_SIG_2_0,
+                            DG_BF16_MASKED_SIG, DG_MK_ALIGNMENT_SIG)
 DEEP_GEMM_V1_SIGNATURES = (DG_V1_CONTIGUOUS_SIG, DG_V1_MASKED_SIG, DG_V1_ALIGNMENT_SIG)
+
+
+def deep_gemm_signatures(generation: str | None, version: str | None) -> tuple[VendorSignature, ...]:
+    """The recorded signatures of the DeepGEMM found (v1, or 2.x by ``__version__``; 2.0.x has none)."""
+    if generation == "v1":
+        return DEEP_GEMM_V1_SIGNATURES
+    v = version_tuple(version)
+    if v < (2, 3):
+        return DEEP_GEMM_SIGNATURES_2_0
+    return DEEP_GEMM_SIGNATURES if v >= (2, 6) else DEEP_GEMM_SIGNATURES_2_3
+
+
+def deep_ep_signatures(release: DeepEPRelease) -> tuple[VendorSignature, ...]:
+    """The recorded signatures of the DeepEP found: main's, with the hybrid-ep branch's or 1.x's constructor."""
+    if release.line == "hybrid-ep":
+        overrides = HYBRID_SIGNATURES
+    elif release.line in ("1.x", "unknown") and not _at_or_after(_commit_of(release.version), COMMIT_ENABLE_SHRINK):
+        overrides = (V121_BUFFER_INIT,)  # no enable_shrink before c475ec6
+    else:
+        overrides = ()
+    by_name = {r.qualname: r for r in overrides}
+    return tuple(by_name.get(r.qualname, r) for r in DEEP_EP_SIGNATURES)
 
 
 def lookup(module: Any, qualname: str) -> Any:

@@ -17,9 +17,23 @@ What the kernel is handed as ``token_selected_experts`` is not the caller's ids:
 - The kernels are built for a few top-k values; the ids are padded to the next one with copies
   of a valid id, which again add no copy. The id and weight payloads keep the caller's top-k.
 
+Payload order. FlashInfer packs the receive planes back to back (R·T·row bytes each) and, until
+0.7.0, stores each row with the widest vector (16/8/4/2/1 bytes) that divides the row size,
+without looking at the plane's address: a plane that starts off that width is a misaligned-address
+fault. The payloads go in order of that width, widest first (then element size): every plane
+starts at a multiple of the widths of all planes before it, so it is aligned for every R·T·k.
+E.g. H = 7168: bf16 top-8 ``[weights, ids, data]`` (all 16-byte rows), bf16 top-3 ``[data,
+weights, ids]`` (12-byte id/weight rows store 4 bytes at a time); fp8 top-8 ``[weights, ids,
+scale, data]``; nvfp4 top-8 ``[weights, ids, data, scale]``. A source payload not aligned to its
+width (a view into a larger tensor) is copied first.
+
 One ``MoeAlltoAll`` allows one outstanding dispatch (its workspace holds the send state until
 combine), so the dispatcher owns ``in_flight`` instances on distinct workspaces (see backend.py)
-and each dispatch takes a free one; the handle says which, and combine gives it back.
+and each dispatch takes a free one; the handle says which, and a successful combine gives it
+back. FlashInfer resets an instance's state only when its combine returns: after a combine that
+raised, the instance stays out of the pool (a retry of that combine with the same handle may
+complete it), and one whose dispatch succeeded but whose output could not be built is kept out
+for good; a dispatch that finds no free workspace says which ones failed.
 """
 
 from __future__ import annotations
@@ -33,13 +47,29 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.output import group_list_from_counts, rows_by_expert, sum_weighted_rows
 
+from . import vendor
+
 
 @dataclass(frozen=True)
 class A2AHandle:
     owner: object
     instance: int
+    round: int  # the instance's dispatch count when this was dispatched: a handle combines once
     row_slot: torch.Tensor  # [rows] received slot (src_rank·T + i) of each expert row
     row_weight: torch.Tensor  # [rows] fp32 routing weight of each expert row
+
+
+def payload_order(per_token: dict[str, tuple[int, int]]) -> list[str]:
+    """Payload names (``{name: (bytes per token, element size)}``) widest store first: each
+    receive plane then starts aligned to its own vector width whatever R·T is."""
+    return sorted(per_token, key=lambda n: (-vendor.dispatch_vector_width(per_token[n][0]), -per_token[n][1]))
+
+
+def _aligned_source(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at an address its rows can be loaded from with their vector width."""
+    t = t.contiguous()
+    width = vendor.dispatch_vector_width(t.shape[1] * t.element_size())
+    return t if t.data_ptr() % width == 0 else t.clone()
 
 
 def kernel_ids(ids: torch.Tensor, fallback: int, kernel_top_k: int) -> torch.Tensor:
@@ -62,58 +92,91 @@ class FlashInferA2ADispatcher:
         self.kernel_top_k = kernel_top_k
         self.instances = instances
         self._free = list(range(len(instances)))
+        self._rounds = [0] * len(instances)
+        #: Instances FlashInfer still holds dispatched after a failure: index -> what failed.
+        self.failed: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def _acquire(self) -> int:
         with self._lock:
             if not self._free:
                 n = len(self.instances)
+                failed = "; ".join(f"workspace {i}: {why}" for i, why in sorted(self.failed.items()))
                 raise md.CapacityError(
-                    f"all {n} FlashInfer all-to-all workspaces have a dispatch awaiting combine",
+                    f"all {n} FlashInfer all-to-all workspaces have a dispatch awaiting combine"
+                    + (f" ({failed}; FlashInfer keeps those dispatched until a combine of theirs succeeds)"
+                       if failed else ""),
                     parameter="in_flight", value=n, allowed=f"FlashInferA2ABackend(in_flight=N) with N > {n}",
                 )
-            return self._free.pop(0)
+            instance = self._free.pop(0)
+            self._rounds[instance] += 1
+            return instance
 
     def _release(self, instance: int) -> None:
         with self._lock:
+            self.failed.pop(instance, None)
             self._free.append(instance)
             self._free.sort()
+
+    def _fail(self, instance: int, what: str, exc: BaseException) -> None:
+        with self._lock:
+            self.failed[instance] = f"{what} raised {type(exc).__name__}: {exc}"
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         q = self.codec.quantize(x)
         ids32 = topk_ids.to(torch.int32).contiguous()
         first = self.rank * self.local_experts
-        # The kernels require contiguous payloads (CHECK_INPUT).
-        named = {"weights": topk_weights.float().contiguous(), "ids": ids32, "data": q.data.contiguous()}
+        # The kernels require contiguous payloads (CHECK_INPUT) their vector loads can reach.
+        named = {"weights": topk_weights.float(), "ids": ids32, "data": q.data}
         if q.scale is not None:
-            named["scale"] = q.scale.contiguous()
-        # Largest elements first: FlashInfer packs payloads back to back and checks alignment.
-        names = sorted(named, key=lambda n: -named[n].element_size())
+            named["scale"] = q.scale
+        named = {n: _aligned_source(t) for n, t in named.items()}
+        names = payload_order({n: (t.shape[1] * t.element_size(), t.element_size()) for n, t in named.items()})
         instance = self._acquire()
         try:
             got = self.instances[instance].dispatch(
                 kernel_ids(ids32, first, self.kernel_top_k), [named[n] for n in names],
                 self.spec.num_max_dispatch_tokens_per_rank, invalid_token_expert_id=-1,
                 expert_id_payload_index=names.index("ids"))
-        except BaseException:
-            self._release(instance)
+        except BaseException as exc:
+            if vendor.a2a_phase(self.instances[instance]) == "idle":
+                self._release(instance)  # refused before FlashInfer changed its state
+            else:
+                self._fail(instance, "dispatch", exc)
             raise
+        try:
+            return self._output(instance, names, got, topk_ids, topk_weights, first)
+        except BaseException as exc:
+            self._fail(instance, "building the dispatch output", exc)  # no handle reaches the caller
+            raise
+
+    def _output(self, instance: int, names: list[str], got: list[torch.Tensor], topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, first: int) -> md.DispatchOutput:
         recv = {n: g.flatten(0, 1) for n, g in zip(names, got)}  # [R·T, ...] per payload
         ids = recv["ids"].long()
         local = torch.where((ids >= first) & (ids < first + self.local_experts), ids - first, -1)
         row_flat, counts = rows_by_expert(local, self.local_experts)
         row_slot = torch.div(row_flat, ids.shape[1], rounding_mode="floor")
         scale = recv["scale"].index_select(0, row_slot) if "scale" in recv else None
-        handle = A2AHandle(self, instance, row_slot, recv["weights"].reshape(-1)[row_flat])
+        handle = A2AHandle(self, instance, self._rounds[instance], row_slot, recv["weights"].reshape(-1)[row_flat])
         return md.DispatchOutput(recv["data"].index_select(0, row_slot), scale, topk_ids, topk_weights,
                                  group_list_from_counts(counts, self.spec.group_list_type), self.spec.group_list_type,
                                  md.Layout.PACKED, self.dtype, handle, self.spec.quant.input_global_scale)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
         h: A2AHandle = dispatch_output.handle
+        with self._lock:
+            awaiting = h.instance not in self._free and h.round == self._rounds[h.instance]
+        if not awaiting:
+            raise md.InvalidInputError("this dispatch output was combined already", parameter="dispatch_output",
+                                       value=f"workspace {h.instance}",
+                                       allowed="the output of a dispatch not yet combined")
         T = self.spec.num_max_dispatch_tokens_per_rank
         partial = sum_weighted_rows(expert_output, h.row_slot, h.row_weight, self.world * T)
         try:
-            return self.instances[h.instance].combine(partial.to(torch.bfloat16).view(self.world, T, -1), T)
-        finally:
-            self._release(h.instance)
+            out = self.instances[h.instance].combine(partial.to(torch.bfloat16).view(self.world, T, -1), T)
+        except BaseException as exc:
+            self._fail(h.instance, "combine", exc)  # FlashInfer still holds it dispatched
+            raise
+        self._release(h.instance)
+        return out

@@ -8,9 +8,23 @@ size plus 128 bytes times a slot number, the slots being the first ones that no 
 (the ranks agree on them at creation, since allocation is collective). FlashInfer never frees a
 cached workspace, so a dispatcher's workspaces live as long as the process: create one dispatcher
 per shape and use it for every layer.
+
+Refused before anything is allocated, where FlashInfer would fail later:
+
+- a group larger than the one FlashInfer's process-wide MNNVL address range was reserved for
+  (``vendor.mnnvl_reservation``, read from FlashInfer's own class state): its peers would be mapped
+  outside the range and ``cuMemMap`` fails; create the dispatcher on the largest group first;
+- ``TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN`` parsing to 0 on FlashInfer < 0.6.14 (read once per process
+  at the first dispatch): its warp policy never publishes and the ranks trap.
+
+Before 0.7.1 FlashInfer does not barrier after ``moe_a2a_initialize``: a fast rank's first
+dispatch could land in a peer's workspace before that peer's memset erases it. ``create`` ends
+with a barrier on the dispatcher's group (every version; once per dispatcher).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -86,6 +100,7 @@ class FlashInferA2ABackend(md.Backend):
             raise md.InvalidSpecError(
                 f"FlashInfer {'.'.join(map(str, profile.version))}'s all-to-all kernels take top-k up to "
                 f"{profile.max_top_k}", parameter="top_k", value=spec.top_k, allowed=f"1..{profile.max_top_k}")
+        _check_threading_policy(profile.version)
 
     def workspace_bytes(self, spec: md.DispatchSpec, world_size: int, *, planning: bool) -> tuple[int, str]:
         """One workspace (FlashInfer's size function when it can run, else the ported formula)."""
@@ -117,7 +132,7 @@ class FlashInferA2ABackend(md.Backend):
         kernel_k = vendor.kernel_top_k(spec.top_k, info.a2a_profile().version)
         assert kernel_k is not None  # check_spec
         base, _ = self.workspace_bytes(spec, R, planning=False)
-        slots = _free_slots(api.MoeAlltoAll, ctx.comm, rank, R, T, base, self.in_flight)
+        slots = _free_slots(api.MoeAlltoAll, api.MnnvlMemory, ctx.comm, rank, R, T, base, self.in_flight)
         mapping = api.Mapping(world_size=R, rank=rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
         config = api.MnnvlConfig(comm_backend=comm_backend_for(ctx.comm))
         instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
@@ -126,20 +141,54 @@ class FlashInferA2ABackend(md.Backend):
         if len({inst.workspace.data_ptr() for inst in instances}) != len(instances):
             raise md.CapacityError("FlashInfer handed two in-flight slots one workspace", parameter="in_flight",
                                    value=self.in_flight, allowed="distinct workspaces")
+        # No rank dispatches into a workspace before every rank has initialized it (FlashInfer
+        # barriers itself from 0.7.1 only).
+        ctx.comm.barrier("flashinfer_a2a: workspaces initialized")
         return FlashInferA2ADispatcher(ctx, instances, kernel_k)
 
 
-def _free_slots(cls: type, comm: md.Comm, rank: int, world: int, tokens: int, base: int, count: int) -> list[int]:
+def _check_threading_policy(version: vendor.Version) -> None:
+    """Refuse TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN=0 where FlashInfer reads it (< 0.6.14)."""
+    value = os.environ.get(vendor.ENV_ONE_BLOCK_PER_TOKEN)
+    try:
+        one_block = vendor.one_block_per_token(os.environ, version)
+        why = "selects the warp policy, whose dispatch never publishes its completion flags (the ranks trap)"
+    except ValueError as exc:
+        one_block, why = False, f"is not a number std::stoi reads ({exc}): FlashInfer raises at the first dispatch"
+    if one_block is False:
+        raise md.InvalidSpecError(
+            f"FlashInfer {'.'.join(map(str, version))} reads this once per process at the first dispatch; it {why}",
+            parameter=vendor.ENV_ONE_BLOCK_PER_TOKEN, value=value,
+            allowed="unset or a non-zero integer, or FlashInfer >= "
+                    f"{'.'.join(map(str, vendor.ONE_BLOCK_PER_TOKEN_UNTIL))}")
+
+
+def _free_slots(cls: type, memory: type, comm: md.Comm, rank: int, world: int, tokens: int, base: int,
+                count: int) -> list[int]:
     """``count`` slot numbers j whose key (base + 128·j, rank, world, tokens, ...) no rank's
-    ``MoeAlltoAll._WORKSPACE_CACHE`` holds, the same on every rank."""
+    ``MoeAlltoAll._WORKSPACE_CACHE`` holds, the same on every rank; refused on every rank when
+    any rank's MNNVL address range was reserved for fewer ranks than ``world`` and may still
+    take the workspace (``open_mnnvl_memory`` reuses it when the aligned size, >= ``base``, fits)."""
     cache = getattr(cls, vendor.WORKSPACE_CACHE_ATTR, {})
     line = vendor.CACHELINE
     used = [(key[0] - base) // line for key in cache
             if tuple(key[1:4]) == (rank, world, tokens) and key[0] >= base and (key[0] - base) % line == 0]
     first = max(used) + 1 if used else 0
-    everyone = comm.gather_uncounted(as_bytes(torch.tensor([[first]], dtype=torch.int64)).reshape(-1),
+    reserved = vendor.mnnvl_reservation(memory)
+    narrow = reserved.comm_size if reserved is not None and reserved.comm_size < world and reserved.room >= base else 0
+    everyone = comm.gather_uncounted(as_bytes(torch.tensor([[first, narrow]], dtype=torch.int64)).reshape(-1),
                                      "flashinfer_a2a workspace slots")
-    start = int(from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).max())
+    agreed = from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).reshape(comm.world_size, 2)
+    narrowest = [int(n) for n in agreed[:, 1].tolist() if n]
+    if narrowest:
+        raise md.InvalidSpecError(
+            f"FlashInfer's MNNVL address range in this process is reserved for {min(narrowest)} rank(s) (by an "
+            f"earlier allocation over a smaller group) and would take this dispatcher's workspaces; FlashInfer "
+            f"maps a group's peers inside that range, so a group of {world} fails in cuMemMap",
+            parameter="group", value=f"{world} ranks",
+            allowed=f"at most {min(narrowest)} rank(s) in this process, or create the dispatcher on the largest "
+                    "group first")
+    start = int(agreed[:, 0].max())
     return list(range(start, start + count))
 
 

@@ -5,8 +5,10 @@ combine (``apply_without_routing_weights``).
 is driven with top-k 1: each row is a "token" whose one expert is the row's expert
 (``local_expert_offset + e``) with weight 1, so the output is the unweighted expert row and
 dispatch/combine keep the routing. MASKED ``[E_l, capacity, H]`` rows are passed flat; slots
-past an expert's count get id -1, which the kernel skips (no compute, zero output), so there
-is no host sync and no compaction.
+past an expert's count get id -1, which the kernel skips (no compute), so there is no host sync
+and no compaction. Their output rows are zero from FlashInfer 0.6.7; 0.6.4-0.6.6 leave them
+uninitialised (``torch.empty``, only routed rows zeroed), so there the runner zeroes them itself.
+No rows at all (a rank that received none) return zeros without calling FlashInfer.
 
 Input: BF16 rows are quantized here (``fp4_quantize`` with the layer's input global scale,
 linear scales, which the kernel requires), or NVFP4 rows come from the dispatcher (scales
@@ -61,11 +63,16 @@ class CuteDslExperts:
 
     def process_weights(self, weights: md.ExpertWeights, *, first_expert: int, num_experts: int,
                         input_global_scale: float, fc2_input_scale: float) -> CuteDslLayer:
-        """Quantize a rank's experts to W4A4 and build the kernel wrapper for them."""
+        """Quantize a rank's experts to W4A4 and build the kernel wrapper for them.
+
+        :raises InvalidSpecError: an expert range FlashInfer's routing step cannot take
+            (``first_expert`` + local experts past ``num_experts``; ``num_experts`` beyond the
+            version's limit, or not a multiple of 4 before 0.6.8)."""
         reason = self.probe()
         if reason is not None:
             raise md.BackendUnavailableError(f"cannot run here: {reason}; {INSTALL_HINT}",
                                              parameter="runner", value=RUNNER.name)
+        _check_expert_range(self.vendor(), int(weights.w13_weight.shape[0]), first_expert, num_experts)
         layer = CuteDslLayer.from_weights(weights, first_expert=first_expert, num_experts=num_experts,
                                           input_global_scale=input_global_scale, fc2_input_scale=fc2_input_scale)
         api = self.vendor().api
@@ -94,6 +101,9 @@ class CuteDslExperts:
         if not isinstance(layer, CuteDslLayer) or layer.wrapper is None:
             raise md.InvalidInputError("needs the layer CuteDslExperts.process_weights made", parameter="layer",
                                        value=type(layer).__name__, allowed="CuteDslLayer")
+        if layer.device != hidden_states.device:  # the kernels read every tensor by raw pointer
+            raise md.InvalidInputError("the layer's weights are on another device than the rows", parameter="layer",
+                                       value=str(layer.device), allowed=f"{hidden_states.device} (CuteDslLayer.to)")
         el, h = layer.num_local_experts, layer.hidden_size
         if group_list.shape != (el,):
             raise md.InvalidInputError("needs one entry per local expert", parameter="group_list",
@@ -104,20 +114,23 @@ class CuteDslExperts:
             raise md.InvalidInputError("CuTe-DSL MoE takes BF16 or packed NVFP4 rows", parameter="hidden_states",
                                        value=hidden_states, allowed=f"bfloat16 [..., {h}] or uint8 [..., {h // 2}]")
         masked = hidden_states.dim() == 3
-        counts = md.output.group_counts(group_list.to(torch.int64), group_list_type)
+        device = hidden_states.device
+        counts = md.output.group_counts(group_list.to(device=device, dtype=torch.int64), group_list_type)
+        valid = None
         if masked:
             cap = hidden_states.shape[1]
-            slot = torch.arange(cap, device=counts.device).unsqueeze(0)
-            local = torch.where(slot < counts.unsqueeze(1), torch.arange(el, device=counts.device).unsqueeze(1), -1)
-            expert = local.reshape(-1, 1)
+            valid = torch.arange(cap, device=device).unsqueeze(0) < counts.unsqueeze(1)  # [E_l, cap]
+            expert = torch.where(valid, torch.arange(el, device=device).unsqueeze(1), -1).reshape(-1, 1)
         else:
-            expert = torch.repeat_interleave(torch.arange(el, device=counts.device), counts).unsqueeze(1)
+            expert = torch.repeat_interleave(torch.arange(el, device=device), counts).unsqueeze(1)
             if expert.shape[0] != hidden_states.shape[0]:
                 raise md.InvalidInputError(f"counts sum to {expert.shape[0]} but there are {hidden_states.shape[0]} rows",
                                            parameter="group_list", value=group_list.tolist(),
                                            allowed="per-expert counts summing to the row count")
         ids = torch.where(expert >= 0, expert + layer.first_expert, -1).to(torch.int32)
         rows = hidden_states.reshape(-1, width)
+        if rows.shape[0] == 0:  # fp4_quantize would launch an empty grid; nothing to compute
+            return torch.zeros(*hidden_states.shape[:-1], h, dtype=output_dtype, device=device)
         info = self.vendor()
         api = info.api
         assert api is not None
@@ -132,14 +145,35 @@ class CuteDslExperts:
             gs = torch.tensor([gs_in], dtype=torch.float32, device=rows.device)
             x, x_sf = api.fp4_quantize(rows.contiguous(), gs, is_sf_swizzled_layout=False, **_no_4over6(info))
         x, x_sf = _aligned(x, 32), _aligned(x_sf, 16)
-        w1_alpha = 1.0 / (gs_in * layer.w1_global_scale)
-        w2_alpha = 1.0 / (layer.fc2_input_scale * layer.w2_global_scale)
+        # One fp32 per local expert, contiguous: the kernel reads them through raw pointers.
+        w1_alpha = (1.0 / (gs_in * layer.w1_global_scale)).to(device=device, dtype=torch.float32).contiguous()
+        w2_alpha = (1.0 / (layer.fc2_input_scale * layer.w2_global_scale)).to(device=device,
+                                                                                dtype=torch.float32).contiguous()
         out = layer.wrapper.run(
-            x, x_sf, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device),
-            layer.w1_weight, layer.w1_weight_sf, w1_alpha.to(rows.device),
-            torch.tensor([layer.fc2_input_scale], dtype=torch.float32, device=rows.device),
-            layer.w2_weight, layer.w2_weight_sf, w2_alpha.to(rows.device))
-        return out.reshape(*hidden_states.shape[:-1], h).to(output_dtype)
+            x, x_sf, ids, torch.ones(ids.shape, dtype=torch.float32, device=device),
+            layer.w1_weight, layer.w1_weight_sf, w1_alpha,
+            torch.tensor([layer.fc2_input_scale], dtype=torch.float32, device=device),
+            layer.w2_weight, layer.w2_weight_sf, w2_alpha)
+        out = out.reshape(*hidden_states.shape[:-1], h)
+        version = info.version or vendor.VERIFIED_UNTIL
+        if valid is not None and version < vendor.CUTEDSL_DENSE_ZERO_SINCE:
+            out = out.masked_fill(~valid.unsqueeze(-1), 0)  # uninitialised rows of -1 slots (no host sync)
+        return out.to(output_dtype)
+
+
+def _check_expert_range(info: VendorInfo, local_experts: int, first_expert: int, num_experts: int) -> None:
+    """What ``CuteDslMoEWrapper.run``'s routing step (moe_sort) accepts, checked at load time."""
+    limits = vendor.cutedsl_routing_limits(info.version or vendor.VERIFIED_UNTIL)
+    if not 0 <= first_expert or first_expert + local_experts > num_experts:
+        raise md.InvalidSpecError(
+            "the rank's experts must lie inside the model's (ids past num_experts break FlashInfer's routing "
+            "histogram)",
+            parameter="first_expert", value=first_expert,
+            allowed=f"0..{num_experts - local_experts} for {local_experts} local of {num_experts} experts")
+    if num_experts > limits.max_experts or num_experts % limits.multiple:
+        rule = f"<= {limits.max_experts}" + (f", a multiple of {limits.multiple}" if limits.multiple > 1 else "")
+        raise md.InvalidSpecError(f"FlashInfer {info.version_text}'s routing step cannot take this many experts",
+                                  parameter="num_experts", value=num_experts, allowed=rule)
 
 
 def _no_4over6(info: VendorInfo) -> dict[str, Any]:

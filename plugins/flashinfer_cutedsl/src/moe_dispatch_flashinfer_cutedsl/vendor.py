@@ -6,9 +6,9 @@ kernel limits and environment variables per version, the ported workspace formul
 and the fakes (``fakes/``) take these facts from here and from nowhere else.
 
 Citations: ``flashinfer-ai/flashinfer@<commit> <path> <symbol>`` for the git tags (v0.6.0 =
-4230a48, v0.6.4 = f1e6fdc, v0.6.7 = 56ed540, v0.6.8 = b9372aa, v0.6.12 = d768c14, v0.6.13 =
-57ba7ee, v0.6.14 = 19f1a41, v0.6.15 = 8eccd0c, v0.6.16 = 8da13a2, v0.6.17 = a0a6b01, main =
-fb28d72) and ``flashinfer-python==X (wheel) <path>`` for releases that are only on the package
+4230a48, v0.6.4 = f1e6fdc, v0.6.6 = 70b142b, v0.6.7 = 56ed540, v0.6.8 = b9372aa, v0.6.11 = 98f48f8,
+v0.6.12 = d768c14, v0.6.13 = 57ba7ee, v0.6.14 = 19f1a41, v0.6.15 = 8eccd0c, v0.6.16 = 8da13a2,
+v0.6.17 = a0a6b01, main = fb28d72) and ``flashinfer-python==X (wheel) <path>`` for releases that are only on the package
 index (0.6.18, 0.7.0, 0.7.1, 0.7.2.post1). ``csrc/...`` paths of a wheel are under
 ``flashinfer/data/csrc``. ``moeAlltoAllKernels.*`` is short for
 ``csrc/nv_internal/tensorrt_llm/kernels/communicationKernels/moeAlltoAllKernels.*``.
@@ -31,9 +31,13 @@ Version = tuple[int, int, int]
 REAL = "flashinfer"
 #: The fakes' package; one module per version range where FlashInfer behaves differently.
 FAKES_PACKAGE = "moe_dispatch_flashinfer_cutedsl.fakes"
+FAKE_0_6_6 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_6"
 FAKE_0_6_7 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_7"
 FAKE_0_6_13 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_13"
+FAKE_0_6_14 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_14"
+FAKE_0_6_15 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_15"
 FAKE_0_6_17 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_17"
+FAKE_0_7_0 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_0"
 FAKE_0_7_2 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_2"
 #: FlashInfer's own Python (MoeAlltoAll, MnnvlMemory's communicator logic, Mapping) with only the
 #: compiled module and the CUDA-driver memory replaced by the fakes: the optional vendor-code tests.
@@ -42,7 +46,8 @@ REAL_PYTHON_ON_FAKE_KERNELS = "moe_dispatch_flashinfer_cutedsl.fakes.real_python
 EMULATOR = FAKE_0_7_2
 #: Each fake and the release it models, oldest first.
 FAKES: tuple[tuple[str, Version], ...] = (
-    (FAKE_0_6_7, (0, 6, 7)), (FAKE_0_6_13, (0, 6, 13)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_2, (0, 7, 2)))
+    (FAKE_0_6_6, (0, 6, 6)), (FAKE_0_6_7, (0, 6, 7)), (FAKE_0_6_13, (0, 6, 13)), (FAKE_0_6_14, (0, 6, 14)),
+    (FAKE_0_6_15, (0, 6, 15)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_0, (0, 7, 0)), (FAKE_0_7_2, (0, 7, 2)))
 INSTALL_HINT = 'pip install "moe-dispatch-flashinfer-cutedsl[flashinfer]" (flashinfer-python), on a CUDA machine'
 
 # -- versions ----------------------------------------------------------------------------------
@@ -109,9 +114,11 @@ COMBINE_QUANT_SINCE: Version = (0, 6, 14)
 #: The ``backend=`` keyword ("trtllm" | "cake") and a sixth workspace-cache key field from 0.7.1
 #: (flashinfer-python==0.7.1 flashinfer/comm/trtllm_moe_alltoall.py MoeAlltoAll.get_workspace).
 A2A_BACKEND_SINCE: Version = (0, 7, 1)
-#: ``MoeAlltoAll`` is ``@typing_extensions.deprecated`` (a DeprecationWarning at construction)
-#: from 0.7.1 in favour of flashinfer.moe_ep.NVLinkOneSidedAlltoAll (same wheel).
-A2A_DEPRECATED_SINCE: Version = (0, 7, 1)
+#: ``MoeAlltoAll`` is ``@typing_extensions.deprecated`` (a DeprecationWarning at construction) in
+#: favour of flashinfer.moe_ep.NVLinkOneSidedAlltoAll from 0.7.2 (flashinfer-python==0.7.2.post1
+#: flashinfer/comm/trtllm_moe_alltoall.py ``@deprecated("MoeAlltoAll is deprecated; ...")``; its
+#: docstring says ".. deprecated:: 0.7.1", but the 0.7.1 wheel's module has no ``deprecated`` at all).
+A2A_DEPRECATED_SINCE: Version = (0, 7, 2)
 #: Combine's payload dtypes: half, bfloat16, float32 (+ float8_e4m3fn from v0.6.14); anything
 #: else raises TypeError "Unsupported dtype for MoE combine" (trtllm_moe_alltoall.cu toNvDataType).
 COMBINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -128,24 +135,67 @@ CACHE_KEY_RULES: tuple[tuple[Version, tuple[str, ...]], ...] = (
     ((0, 7, 1), ("workspace_size_per_rank", "ep_rank", "ep_size", "max_num_tokens", "eplb_stats_num_experts",
                  "backend")),
 )
-#: From v0.6.15 get_workspace barriers on the allocation's comm after moe_a2a_initialize, and
-#: dispatch/combine raise RuntimeError("MNNVL handles are unmapped") after checkpoint_prepare
-#: (flashinfer-ai/flashinfer@8eccd0c flashinfer/comm/trtllm_moe_alltoall.py).
-A2A_INIT_BARRIER_SINCE: Version = (0, 6, 15)
+#: From v0.6.15 dispatch/combine raise RuntimeError("MNNVL handles are unmapped") after
+#: checkpoint_prepare (flashinfer-ai/flashinfer@8eccd0c flashinfer/comm/trtllm_moe_alltoall.py), and
+#: MnnvlMemory.allocated_map holds ``_MnnvlAllocationRecord``s (tuples before; see mnnvl_reservation).
+A2A_UNMAPPED_CHECK_SINCE: Version = (0, 6, 15)
+#: From 0.7.1 get_workspace barriers on the allocation's comm after moe_a2a_initialize ("Do not let
+#: a peer publish into that workspace until every rank has completed the same initialization, or a
+#: late memset can erase the peer's first completion epoch": flashinfer-python==0.7.1 and 0.7.2.post1
+#: flashinfer/comm/trtllm_moe_alltoall.py MoeAlltoAll.get_workspace; absent in v0.6.15 ... 0.7.0 and
+#: fb28d72). Before it a fast rank's first dispatch can race a peer's memset: the adapter barriers.
+A2A_INIT_BARRIER_SINCE: Version = (0, 7, 1)
+#: The dispatch kernel's vector stores into the packed receive planes (moeAlltoAllKernels.cu
+#: vectorized_dispatch): until 0.7.0 the width is the largest of 16/8/4/2/1 bytes dividing the
+#: row size (``bytes_per_token``) alone (flashinfer-ai/flashinfer@4230a48 ... fb28d72, and the
+#: 0.6.18 / 0.7.0 wheels), while csrc/trtllm_moe_alltoall.cu moeA2ADispatchOp packs the planes back
+#: to back (``offset += payloadByteSizes[i]``, R·T·bytes_per_token each): a plane (or a source
+#: row) not aligned to that width is a "misaligned address" fault. From 0.7.1 the width also
+#: divides every plane and source address (``copy_alignment``; flashinfer-python==0.7.1
+#: moeAlltoAllKernels.cu: "Receive planes are packed without vector-width padding").
+DISPATCH_VECTOR_WIDTHS: tuple[int, ...] = (16, 8, 4, 2, 1)
+PLANE_ALIGNMENT_FIXED_SINCE: Version = (0, 7, 1)
+#: The combine kernel (moeAlltoAllKernels.cu vectorized_combine_impl) sums a token's top-k copies
+#: in a pairwise tree (stride 1, 2, 4, ...: acc[i] += acc[i + s] for i = 0, 2s, 4s, ... with
+#: i + s < top_k; the specialised TOP_K branches of every version are exactly this), a duplicate
+#: or dead slot contributing zero. Until v0.6.15 the adds are in the payload dtype (``T``, bf16
+#: rounding at each add: flashinfer-ai/flashinfer@4230a48 / 8eccd0c ``accumulate_vec<T, ...>``);
+#: from v0.6.16 in float32, cast once (8da13a2: "Accumulate across all valid ranks into float32").
+COMBINE_FP32_SINCE: Version = (0, 6, 16)
+#: ``MoeAlltoAll._state.phase``: "idle" | "dispatched" (every version: 4230a48 ... 0.7.2.post1
+#: flashinfer/comm/trtllm_moe_alltoall.py _A2AState). ``dispatch`` sets "dispatched" after its op
+#: returned (before sanitize); ``combine`` resets it only after its op returned.
+A2A_STATE_ATTR = "_state"
+
+
+def a2a_phase(instance: Any) -> str | None:
+    """The phase of a ``MoeAlltoAll`` instance (None: not readable in this version)."""
+    return getattr(getattr(instance, A2A_STATE_ATTR, None), "phase", None)
+
+
 #: The default kernel backend of 0.7.1+ (``backend="trtllm"``).
 A2A_DEFAULT_BACKEND = "trtllm"
 
 # -- environment variables FlashInfer reads ----------------------------------------------------
 
-#: Threading policy of the all-to-all kernels until v0.6.13 (csrc/nv_internal/cpp/common/envUtils.cpp
-#: getEnvMoeA2AOneBlockPerToken, a function-static: read once per process at the first dispatch;
-#: default true, "0" turns it off). Performance only.
+#: Threading policy of the dispatch kernel until v0.6.13 (csrc/nv_internal/cpp/common/envUtils.cpp
+#: getEnvMoeA2AOneBlockPerToken: ``static ... = getIntEnv(...)``, a function-static read once per
+#: process at the first dispatch; std::stoi, default true, any value parsing to 0 turns it off).
+#: Off is the WarpPolicy, which is broken: its "last token" counter (moeAlltoAllKernels.cu
+#: moeA2ADispatchKernel, 4230a48) is bumped once per block's first warp, so with several warps per
+#: block it counts blocks and no block publishes the receive counters and completion flags; ranks
+#: that do publish wait for them and trap. FlashInfer removed the policy in v0.6.14 (19f1a41,
+#: a28703432 "One sided MOE A2A warp token policy hangs in some cases"). The adapter refuses it.
 ENV_ONE_BLOCK_PER_TOKEN = "TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN"
 ONE_BLOCK_PER_TOKEN_UNTIL: Version = (0, 6, 14)
 #: Block sizes of the dispatch/combine kernels, every version (envUtils.cpp
-#: getEnvMoeA2ADispatchBlockSize / getEnvMoeA2ACombineBlockSize, function-statics). Performance only.
+#: getEnvMoeA2ADispatchBlockSize / getEnvMoeA2ACombineBlockSize, function-statics, sanitizeBlockSize:
+#: default 256, <= 0 → 256, clamped to 1024, rounded up to a multiple of 32). Performance only
+#: (and the warps per block of the WarpPolicy above).
 ENV_DISPATCH_BLOCK_SIZE = "TLLM_MOE_A2A_DISPATCH_BLOCK_SIZE"
 ENV_COMBINE_BLOCK_SIZE = "TLLM_MOE_A2A_COMBINE_BLOCK_SIZE"
+DEFAULT_BLOCK_SIZE = 256
+WARP_SIZE = 32
 #: NVFP4 "4over6" scale search in fp4_quantize, read on every call, on when exactly "1"
 #: (envUtils.cpp getBoolEnv / getEnvNVFP4Use4Over6) from v0.6.12 (d768c14). It changes the
 #: quantized bits and the global-scale recipe; from 0.7.1 ``fp4_quantize(nvfp4_4over6=None)``
@@ -155,10 +205,14 @@ ENV_NVFP4_4OVER6_KNOBS = ("FLASHINFER_NVFP4_4OVER6_ERR_MODE", "FLASHINFER_NVFP4_
                           "FLASHINFER_NVFP4_4OVER6_E4M3_USE_256")
 NVFP4_4OVER6_SINCE: Version = (0, 6, 12)
 NVFP4_4OVER6_ARG_SINCE: Version = (0, 7, 1)
-#: Exact (not fast-math) reciprocals in the FP4 quantize kernels, read on every call, from v0.6.13
-#: (57ba7ee envUtils.cpp getEnvDisableFP4QuantFastMath: either variable "1").
+#: Exact (not fast-math) reciprocals in the FP4 quantize kernels, read on every call
+#: (envUtils.cpp getEnvDisableFP4QuantFastMath): TRTLLM_DISABLE_FP4_QUANT_FAST_MATH from v0.6.12
+#: (flashinfer-ai/flashinfer@d768c14 csrc/nv_internal/cpp/common/envUtils.cpp), either it or
+#: FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH from v0.6.13 (57ba7ee). On when exactly "1".
 ENV_DISABLE_FP4_FAST_MATH = ("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH")
-FP4_FAST_MATH_ENV_SINCE: Version = (0, 6, 13)
+FP4_FAST_MATH_ENV_RULES: tuple[tuple[Version, tuple[str, ...]], ...] = (
+    ((0, 6, 0), ()), ((0, 6, 12), ("TRTLLM_DISABLE_FP4_QUANT_FAST_MATH",)), ((0, 6, 13), ENV_DISABLE_FP4_FAST_MATH))
+FP4_FAST_MATH_ENV_SINCE: Version = (0, 6, 12)
 #: How FlashInfer reads a boolean variable: exactly "1" (envUtils.cpp getBoolEnv; Python
 #: nvfp4_quantization_utils.env_flag_enabled).
 ENV_TRUE = "1"
@@ -166,6 +220,55 @@ ENV_TRUE = "1"
 
 def env_flag(env: Any, name: str) -> bool:
     return env.get(name) == ENV_TRUE
+
+
+def fp4_fast_math_env(version: Version) -> tuple[str, ...]:
+    """The exact-math variables ``fp4_quantize`` reads in ``version`` (either one "1" switches)."""
+    return tuple(_pick(FP4_FAST_MATH_ENV_RULES, version))
+
+
+def cpp_stoi(text: str) -> int:
+    """``std::stoi`` as FlashInfer's getIntEnv reads a variable: leading blanks, a sign, digits,
+    the rest ignored. :raises ValueError: no digits (std::invalid_argument) or out of int32 range."""
+    m = re.match(r"^[ \t\n\v\f\r]*([+-]?\d+)", text)
+    if m is None:
+        raise ValueError(f"std::invalid_argument: stoi({text!r})")
+    value = int(m.group(1))
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"std::out_of_range: stoi({text!r})")
+    return value
+
+
+def one_block_per_token(env: Any, version: Version) -> bool | None:
+    """What getEnvMoeA2AOneBlockPerToken returns in ``version`` (None: not read, v0.6.14+).
+    :raises ValueError: a value std::stoi rejects (FlashInfer raises at the first dispatch)."""
+    if version >= ONE_BLOCK_PER_TOKEN_UNTIL:
+        return None
+    text = env.get(ENV_ONE_BLOCK_PER_TOKEN)
+    return True if text is None else cpp_stoi(text) != 0
+
+
+def sanitize_block_size(text: str | None) -> int:
+    """envUtils.cpp sanitizeBlockSize(getIntEnv(...)): the kernels' block size."""
+    block = DEFAULT_BLOCK_SIZE if text is None else cpp_stoi(text)
+    if block <= 0:
+        block = DEFAULT_BLOCK_SIZE
+    block = min(block, 1024)
+    return (block + WARP_SIZE - 1) // WARP_SIZE * WARP_SIZE
+
+
+def dispatch_vector_width(bytes_per_token: int) -> int:
+    """The store width FlashInfer < 0.7.1 picks for a payload row (vectorized_dispatch)."""
+    return next(w for w in DISPATCH_VECTOR_WIDTHS if bytes_per_token % w == 0)
+
+
+def combine_reduction_pairs(top_k: int) -> list[tuple[int, int]]:
+    """The combine kernel's adds ``acc[i] += acc[j]``, in order (see COMBINE_FP32_SINCE)."""
+    pairs, stride = [], 1
+    while stride < top_k:
+        pairs += [(i, i + stride) for i in range(0, top_k, 2 * stride) if i + stride < top_k]
+        stride *= 2
+    return pairs
 
 
 # -- MNNVL communicator (flashinfer/comm/mnnvl.py) ---------------------------------------------
@@ -183,7 +286,51 @@ COMM_BACKEND_METHODS: tuple[VendorSignature, ...] = tuple(
         ("bcast", "(self, data, root)"), ("barrier", "(self)"), ("Split", "(self, color, key)")))
 #: ``TorchDistBackend.Split`` builds process groups from ``Get_rank()`` of the group it wraps,
 #: i.e. correct for the WORLD group only (4230a48 and 8da13a2 flashinfer/comm/*.py), so the
-#: adapter hands FlashInfer its own CommBackend whose Split is the identity it checks.
+#: adapter hands FlashInfer its own CommBackend whose Split is the identity it checks. Its
+#: ``bcast`` maps the group root to a global rank from v0.6.13 (57ba7ee); before it passes
+#: ``src=root`` as is.
+TORCHDIST_BCAST_GLOBAL_ROOT_SINCE: Version = (0, 6, 13)
+#: The MNNVL address reservation is class-level and per process (every version: 4230a48 ...
+#: 0.7.2.post1 flashinfer/comm/mnnvl.py): ``new_mnnvl_memory_address`` reserves
+#: ``current_rank_stride * comm_size`` bytes of VA for the comm of the allocation that needed it
+#: (stride = the size rounded up to ``fabric_page_size``, 512 MiB); ``open_mnnvl_memory`` puts
+#: every later allocation that fits (``current_mem_offset + aligned_size <= current_rank_stride``)
+#: into that range and maps peer i at ``current_start_address + current_rank_stride * i +
+#: current_mem_offset`` for every i < its own comm's size. An allocation over MORE ranks than the
+#: reservation's maps outside it: ``cuMemMap`` fails (CUDA_ERROR_INVALID_VALUE).
+MNNVL_FABRIC_PAGE_SIZE = 1 << 29
+#: ``allocated_map[ptr]``: a tuple ``(mapping, aligned_size, mem_handles, start_address, rank_stride,
+#: address_offset)`` until v0.6.14, an ``_MnnvlAllocationRecord`` (``comm_size``, ``start_address``,
+#: ...) from v0.6.15 (8eccd0c).
+MNNVL_RECORD_SINCE: Version = (0, 6, 15)
+
+
+@dataclass(frozen=True)
+class MnnvlReservation:
+    """The MNNVL address range new allocations go into: the most ranks any of its allocations
+    mapped (the comm that reserved it had at least that many), and the bytes per rank left."""
+
+    comm_size: int
+    room: int
+
+
+def mnnvl_reservation(memory: Any) -> MnnvlReservation | None:
+    """Read FlashInfer's class-level ``MnnvlMemory`` state (None: no range reserved)."""
+    start = int(getattr(memory, "current_start_address", 0) or 0)
+    stride = int(getattr(memory, "current_rank_stride", 0) or 0)
+    if not start or stride <= 0:
+        return None
+    sizes = []
+    for record in dict(getattr(memory, "allocated_map", {})).values():
+        if hasattr(record, "comm_size"):
+            size, where = int(record.comm_size), int(record.start_address)
+        else:  # (mapping, aligned_size, mem_handles, start_address, rank_stride, address_offset)
+            size, where = len(record[2]), int(record[3])
+        if where == start:
+            sizes.append(size)
+    if not sizes:
+        return None
+    return MnnvlReservation(max(sizes), stride - int(getattr(memory, "current_mem_offset", 0) or 0))
 
 # -- recorded signatures ------------------------------------------------------------------------
 
@@ -274,13 +421,16 @@ SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
               "flashinfer-ai/flashinfer@4230a48 flashinfer/comm/mnnvl.py MnnvlConfig (fields, through 0.7.2.post1)"),
     ),
     "fp4_quantize": (
-        _rule((0, 6, 0), (0, 6, 8), "fp4_quantize", _FP4_A + ", enable_pdl=None)",
+        _rule((0, 6, 0), (0, 6, 7), "fp4_quantize", _FP4_A + ", enable_pdl=None)",
               "flashinfer-ai/flashinfer@4230a48 flashinfer/fp4_quantization.py fp4_quantize"),
-        _rule((0, 6, 8), (0, 6, 12), "fp4_quantize", _FP4_A + ", enable_pdl=None, backend='cuda')",
+        # Moved in v0.6.7; flashinfer/fp4_quantization.py is a re-exporting stub from then on.
+        _rule((0, 6, 7), (0, 6, 8), "fp4_quantize", _FP4_A + ", enable_pdl=None)",
+              "flashinfer-ai/flashinfer@56ed540 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
+        _rule((0, 6, 8), (0, 6, 11), "fp4_quantize", _FP4_A + ", enable_pdl=None, backend='cuda')",
               "flashinfer-ai/flashinfer@b9372aa flashinfer/quantization/fp4_quantization.py fp4_quantize"),
-        _rule((0, 6, 12), (0, 7, 1), "fp4_quantize",
+        _rule((0, 6, 11), (0, 7, 1), "fp4_quantize",
               _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='cuda')",
-              "flashinfer-ai/flashinfer@d768c14 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
+              "flashinfer-ai/flashinfer@98f48f8 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
         _rule((0, 7, 1), None, "fp4_quantize",
               _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='cuda', nvfp4_4over6=_UNSET)",
               "flashinfer-python==0.7.2.post1 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
@@ -340,7 +490,67 @@ W1_UP_FIRST = True
 #: NVFP4: 16 elements per e4m3 block scale (sf_vec_size default 16, every version).
 NVFP4_BLOCK = 16
 #: The e4m3 scales of the weights are 128x4-swizzled and viewed as the MMA layout
-#: (32, 4, ceil(M/128), 4, ceil(K/64), E) (convert_sf_to_mma_layout in the same tests).
+#: (32, 4, ceil(M/128), 4, ceil(K/64), E) (flashinfer-ai/flashinfer@f1e6fdc flashinfer/cute_dsl/utils.py
+#: convert_sf_to_mma_layout; tests/moe/test_cute_dsl_fused_moe.py create_moe_tensors).
+#: ``make_ptr(..., assumed_align=N)`` asserts "pointer must be N bytes aligned"
+#: (flashinfer-ai/flashinfer@f1e6fdc flashinfer/cute_dsl/utils.py _Pointer.__init__, which the host
+#: wrappers import): 32 bytes for activations and weights, 16 for block scales. The kernels read
+#: every tensor through its raw pointer with a layout fixed in the wrapper (gather fusion .py
+#: ``make_ptr(b.data_ptr())``, ``b_scale.data_ptr()``, ``alpha.data_ptr()``): no stride is checked.
+MAKE_PTR_ALIGN_DATA = 32
+MAKE_PTR_ALIGN_SCALES = 16
+#: Output rows of tokens with no local expert: v0.6.4-v0.6.6 allocate the output with
+#: ``torch.empty`` and zero only routed rows (``moe_output_memset``, sparse:
+#: flashinfer-ai/flashinfer@70b142b flashinfer/fused_moe/cute_dsl/fused_moe.py, csrc/nv_internal/
+#: tensorrt_llm/kernels/cuteDslKernels/moeUtils.cu), so those rows are uninitialised; from v0.6.7
+#: the output is zeroed densely (56ed540 fused_moe.py ``moe_output.zero_()``).
+CUTEDSL_DENSE_ZERO_SINCE: Version = (0, 6, 7)
+#: ``token_final_scales`` dtypes the finalize GEMM takes (f1e6fdc
+#: blockscaled_contiguous_grouped_gemm_finalize_fusion.py): float32, bfloat16, float16.
+TOKEN_FINAL_SCALES_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: From 0.6.18 ``run`` raises TypeError for activations that are not packed uint8 with
+#: quant_mode='w4a4' (flashinfer-python==0.6.18 fused_moe.py cute_dsl_fused_moe_nvfp4; 0.7.0
+#: CuteDslMoEWrapper.run "quant_mode='w4a4' requires packed uint8 input").
+CUTEDSL_X_DTYPE_CHECK_SINCE: Version = (0, 6, 18)
+
+
+@dataclass(frozen=True)
+class RoutingLimits:
+    """What ``moe_sort`` (the routing step ``run`` starts with) accepts for ``num_experts``."""
+
+    max_experts: int
+    multiple: int
+    message: str  # what FlashInfer raises beyond ``max_experts``
+
+
+#: ``moe_sort`` → routingDeepSeek::run with precomputed ids. Until v0.6.7 its FLASHINFER_CHECKs
+#: (flashinfer-ai/flashinfer@f1e6fdc csrc/trtllm_fused_moe_routing_deepseek.cu: ``topK <= numExperts``,
+#: ``numExperts <= MaxSupportedExpertCount`` = 512 "Routing kernel expects #experts %d  <= #threads %d",
+#: ``numExperts % 4 == 0`` "... to be a multiple of 4."). From v0.6.8 the ids go to
+#: runPostTopKPipeline (b9372aa csrc/fused_moe/trtllm_backend/trtllm_fused_moe_routing_common.cu),
+#: whose tiers stop at MaxSupportedExperts = 2048 (include/flashinfer/trtllm/fused_moe/
+#: RoutingCustomPolicy.cuh: FLASHINFER_WARN("Unsupported numExperts") and no kernel until v0.6.15;
+#: FLASHINFER_CHECK "runPostTopKPipeline: no compiled tier covers numExperts=" from v0.6.16, 8da13a2).
+CUTEDSL_ROUTING_RULES: tuple[tuple[Version, RoutingLimits], ...] = (
+    ((0, 6, 4), RoutingLimits(512, 4, "Routing kernel expects #experts {e}  <= #threads 512")),
+    ((0, 6, 8), RoutingLimits(2048, 1, "Unsupported numExperts")),
+    ((0, 6, 16), RoutingLimits(2048, 1, "runPostTopKPipeline: no compiled tier covers numExperts={e} topK=1")),
+)
+
+
+def cutedsl_routing_limits(version: Version) -> RoutingLimits:
+    return _pick(CUTEDSL_ROUTING_RULES, version)  # type: ignore[no-any-return]
+
+
+#: fp4_quantize (Python wrapper, every version): a column-major input is transposed, anything else
+#: reaches ``CHECK_CONTIGUOUS(self)`` and ``TVM_FFI_ICHECK_GE(rank, 2)`` (csrc/nv_internal/tensorrt_llm/
+#: thop/fp4Quantize.cpp), leading dims flattened into M. Swizzled scales come back
+#: ``reshape(-1, K/16)`` until v0.6.7 (a torch error when K/16 % 4 != 0, the buffer being padded),
+#: ``reshape(-1, round_up(K/16, 4))`` from v0.6.8 (b9372aa). The global scale is read through a raw
+#: fp32 pointer until v0.6.12 (the dtype check commented out, f1e6fdc fp4Quantize.cpp:44); from v0.6.13
+#: Python casts it to float32 on the input's device (57ba7ee) and C++ checks it.
+FP4_SF_PADDED_COLS_SINCE: Version = (0, 6, 8)
+FP4_GLOBAL_SCALE_CAST_SINCE: Version = (0, 6, 13)
 
 # -- the ported workspace formula (csrc/trtllm_moe_alltoall.cu calculateOffsets) -------------------
 
@@ -428,7 +638,12 @@ class A2AProfile:
     backend_kw: bool
     deprecated: bool
     reads_one_block_per_token: bool
+    unmapped_check: bool
     init_barrier: bool
+    plane_alignment_fixed: bool
+    fp32_combine: bool
+    mnnvl_records: bool
+    bcast_global_root: bool
     max_ranks: int = MAX_RANKS
 
 
@@ -446,8 +661,40 @@ def profile(version: Version) -> A2AProfile:
         backend_kw=version >= A2A_BACKEND_SINCE,
         deprecated=version >= A2A_DEPRECATED_SINCE,
         reads_one_block_per_token=version < ONE_BLOCK_PER_TOKEN_UNTIL,
+        unmapped_check=version >= A2A_UNMAPPED_CHECK_SINCE,
         init_barrier=version >= A2A_INIT_BARRIER_SINCE,
+        plane_alignment_fixed=version >= PLANE_ALIGNMENT_FIXED_SINCE,
+        fp32_combine=version >= COMBINE_FP32_SINCE,
+        mnnvl_records=version >= MNNVL_RECORD_SINCE,
+        bcast_global_root=version >= TORCHDIST_BCAST_GLOBAL_ROOT_SINCE,
     )
+
+
+# -- what FlashInfer raises when the machine cannot run it -----------------------------------------
+
+#: Messages of FlashInfer's own refusals of the environment (not of the adapter's calls): the MNNVL
+#: handle exchange (flashinfer-ai/flashinfer@4230a48 flashinfer/comm/mnnvl.py open_mnnvl_memory:
+#: "pidfd_open(...) failed", "pidfd_getfd(...) failed" (container without SYS_PTRACE, kernel < 5.6);
+#: flashinfer-python==0.7.2.post1 mnnvl.py "[MnnvlMemory] POSIX fd exchange via SCM_RIGHTS requires
+#: all ranks to share the same host"), the driver refusing the handle type (checkCudaErrors:
+#: "CUDA error code=801(CUDA_ERROR_NOT_SUPPORTED)"), and the JIT build (0.7.2.post1
+#: flashinfer/jit/cpp_ext.py "Ninja build failed.", "Could not find nvcc", "nvcc not found";
+#: jit/core.py MissingJITCacheError, "FlashInfer requires GPUs with sm75 or higher").
+ENVIRONMENT_REFUSALS: tuple[str, ...] = (
+    "pidfd_open(", "pidfd_getfd(", "[MnnvlMemory] POSIX fd exchange", "CUDA_ERROR_NOT_SUPPORTED",
+    "Ninja build failed", "Could not find nvcc", "nvcc not found", "MissingJITCacheError",
+    "FlashInfer requires GPUs with sm75")
+
+
+def is_environment_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is FlashInfer refusing this machine."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = f"{type(seen).__name__}: {seen}"
+        if any(marker in text for marker in ENVIRONMENT_REFUSALS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 # -- detect() ---------------------------------------------------------------------------------------
@@ -462,6 +709,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "MoeAlltoAll": ("comm.MoeAlltoAll", "comm.trtllm_moe_alltoall.MoeAlltoAll"),
     "Mapping": ("comm.Mapping", "comm.mapping.Mapping"),
     "MnnvlConfig": ("comm.mnnvl.MnnvlConfig",),
+    "MnnvlMemory": ("comm.mnnvl.MnnvlMemory",),
     "moe_a2a_get_workspace_size_per_rank": ("comm.moe_a2a_get_workspace_size_per_rank",
                                             "comm.trtllm_moe_alltoall.moe_a2a_get_workspace_size_per_rank"),
 }
@@ -476,6 +724,7 @@ class FlashInferAPI:
     MoeAlltoAll: Any
     Mapping: Any
     MnnvlConfig: Any
+    MnnvlMemory: Any
     moe_a2a_get_workspace_size_per_rank: Any
 
 
@@ -487,10 +736,6 @@ class VendorInfo:
     error: str | None
     fake: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def emulated(self) -> bool:  # the old name
-        return self.fake
 
     @property
     def version(self) -> Version | None:
@@ -571,7 +816,8 @@ def detect(module_name: str = REAL) -> VendorInfo:
 
 #: The version range each fake stands for (from this version on, until the next).
 FAKE_RANGES: tuple[tuple[Version, str], ...] = (
-    ((0, 6, 0), FAKE_0_6_7), ((0, 6, 8), FAKE_0_6_13), ((0, 6, 16), FAKE_0_6_17), ((0, 7, 1), FAKE_0_7_2))
+    ((0, 6, 0), FAKE_0_6_6), ((0, 6, 7), FAKE_0_6_7), ((0, 6, 8), FAKE_0_6_13), ((0, 6, 14), FAKE_0_6_14),
+    ((0, 6, 15), FAKE_0_6_15), ((0, 6, 16), FAKE_0_6_17), ((0, 6, 18), FAKE_0_7_0), ((0, 7, 1), FAKE_0_7_2))
 
 
 def fake_for(version: Version) -> str:
@@ -607,7 +853,10 @@ def sm100_reason() -> str | None:
 
 
 __all__ = [
-    "A2AProfile", "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "REAL", "SIGNATURES", "SignatureRule",
-    "VendorInfo", "Version", "aux_data_size", "detect", "fake_for", "kernel_top_k", "metainfo_offsets", "parse_version",
-    "ported_workspace_size_per_rank", "profile", "signature", "sm100_reason", "workspace_size_per_rank",
+    "A2AProfile", "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
+    "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
+    "cpp_stoi", "cutedsl_routing_limits", "detect", "dispatch_vector_width", "fake_for", "fp4_fast_math_env",
+    "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_reservation", "one_block_per_token",
+    "parse_version", "ported_workspace_size_per_rank", "profile", "sanitize_block_size", "signature", "sm100_reason",
+    "workspace_size_per_rank",
 ]

@@ -1,7 +1,8 @@
 """A layer's experts in the layout FlashInfer's CuTe-DSL MoE reads (W4A4 NVFP4).
 
-From ``flashinfer/fused_moe/cute_dsl/fused_moe.py`` and its tests (``create_moe_tensors``,
-``interleave_linear_and_gate``, ``convert_sf_to_mma_layout``; flashinfer 01a2f99):
+From FlashInfer's CuTe-DSL MoE tests and helpers (flashinfer-ai/flashinfer@f1e6fdc, v0.6.4:
+tests/moe/test_cute_dsl_fused_moe.py ``interleave_linear_and_gate`` and ``create_moe_tensors``;
+flashinfer/cute_dsl/utils.py ``convert_sf_to_mma_layout``; unchanged through 0.7.2.post1):
 
 - ``w1_weight`` uint8 ``[E_l, 2I, H/2]``: the up ("linear") and gate rows interleaved in
   groups of 64 (up[0:64], gate[0:64], up[64:128], ...). The core's ``w13_weight`` is gate
@@ -82,6 +83,23 @@ class CuteDslLayer:
     @property
     def num_local_experts(self) -> int:
         return int(self.w1_weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.w1_weight.device
+
+    def to(self, device: torch.device | str) -> "CuteDslLayer":
+        """The weights on ``device`` (the MMA scale views keep their storage order: moved as the
+        swizzled bytes they view)."""
+        def move_mma(mma: torch.Tensor) -> torch.Tensor:
+            storage = mma.permute(5, 2, 4, 0, 1, 3).contiguous()  # (E, m_tiles, k_tiles, 32, 4, 4)
+            return storage.to(device).permute(3, 4, 1, 5, 2, 0)
+
+        self.w1_weight, self.w2_weight = self.w1_weight.to(device), self.w2_weight.to(device)
+        self.w1_weight_sf, self.w2_weight_sf = move_mma(self.w1_weight_sf), move_mma(self.w2_weight_sf)
+        self.w1_global_scale = self.w1_global_scale.to(device)
+        self.w2_global_scale = self.w2_global_scale.to(device)
+        return self
 
     @property
     def hidden_size(self) -> int:

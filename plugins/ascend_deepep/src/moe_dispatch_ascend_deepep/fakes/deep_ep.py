@@ -15,9 +15,23 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
   contiguity, dtypes, shapes, ``T >= num_tokens``, ``low_latency_mode``; the environment read where
   the C++ reads it (``MOE_SHARED_EXPERT_RANK_NUM`` and the long-sequence rounds at construction,
   ``MOE_EXPERT_TOKEN_NUMS_TYPE`` and ``MOE_ENABLE_TOPK_NEG_ONE`` at each call).
-- The aclnn ops' tiling checks (a failed ``EXEC_NPU_CMD`` is a ``RuntimeError``): EP size
-  2..768, batch <= 512, H 1024..8192, top-k <= 16 and <= E, E % R, the HCCL window against
-  ``DEEPEP_HCCL_BUFFSIZE`` / ``HCCL_BUFFSIZE`` read at each call (``vendor.ll_op_window_bytes``).
+- The aclnn ops' tiling checks (a failed ``EXEC_NPU_CMD`` is a ``RuntimeError``): low latency EP
+  size 2..768 (A2 beyond 8 ranks: multiples of 8 up to 256), batch <= 512, H 1024..8192, top-k <= 16
+  and <= E, E % R, the HCCL window against ``DEEPEP_HCCL_BUFFSIZE`` / ``HCCL_BUFFSIZE`` read at each
+  call with ``std::stoi`` into a uint16 (``vendor.ops_window_mb``, ``vendor.ll_op_window_bytes``);
+  normal (``CamMoeDispatchNormal``) EP 2..384, E <= 1024 (A2 512), E % R, E_local·R <= 1280, top-k
+  <= min(16, E), H 1024..8192 (A2 7168), a positive global batch, and its window sized by
+  ``real_max_bs`` (``vendor.normal_op_window_bytes``, A2 ``normal_op_window_bytes_a2``); the combine's
+  ``realMaxBs >= its batch``.
+- State (C++ ``Buffer`` members): ``real_max_bs = max(largest batch over the ranks, num_worst_tokens)``
+  set by each normal dispatch and read by the next normal combine, whichever dispatch that combine
+  belongs to; the HCCL window allocated at construction (``HCCL_BUFFSIZE`` then): a
+  ``DEEPEP_HCCL_BUFFSIZE`` above it makes the normal kernels write past it ("(fake)" RuntimeError)
+  and the low-latency kernels fault (their CheckWindowSize); the chip, from
+  ``fakes.torch_npu.npu.get_soc_version()`` at construction.
+- INT8 as the kernels compute it: normal ``s = 127/(amax + 1e-12)``, ``q = rint(x·s)``, scale ``1/s``
+  (ops/op_kernel/cam_moe_dispatch_normal.h); low latency ``s = 127/amax`` (a zero row: scale 0)
+  (moe_distribute_dispatch_v2.h), in fp32.
 - Layouts: normal rows one per (token, local expert), grouped by local expert, source rank,
   source token; never-filled ``recv_topk_*`` (``[received, k]``); one row when nothing arrived;
   low-latency rows packed expert by expert in ``[T·R·min(k, E_l), H]`` with garbage past the
@@ -29,8 +43,9 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
 Fake-only, marked "(fake)" in messages: ``-1`` ids reaching the low-latency op without
 ``MOE_ENABLE_TOPK_NEG_ONE=1`` raise (the kernel gets no active mask; its behaviour is not
 documented), and so does what is not emulated: the ``alltoall``/``ops`` strategies, shared-expert
-ranks, A2's internode path, A5's FP8/FP4 modes. ``Buffer.SOC_VERSION`` says which chip it stands
-for (A3 by default; ``"Ascend910B"`` makes the A2 layered checks apply).
+ranks, A2's internode path, A5's FP8/FP4 modes and the CCU op (``MOE_ENABLE_CCU=1`` off A2). The
+chip is the fake torch_npu's (``fakes.torch_npu.soc_version(220)`` makes it an A2: the A2 build's
+normal op, layered and multi-server checks apply).
 """
 
 from __future__ import annotations
@@ -48,10 +63,11 @@ from moe_dispatch.distributed.comm import Comm
 from moe_dispatch.wire import WireFormat
 
 from .. import vendor as v
+from . import torch_npu as fake_torch_npu
 
 INT8_ENV, COUNTS_TYPE_ENV = v.INT8_ENV, v.COUNTS_TYPE_ENV  # kept for readers of the old emulator
 QUANT_MODES = ("bf16", "int8")
-A3, A2 = "Ascend910_93", "Ascend910B"
+A3, A2 = v.SOC_A3, v.SOC_A2
 _CONFIG_MAP = {n: (v.NUM_SMS, 6, 256, 6, 128) for n in v.CONFIG_RANKS}  # values do not matter on NPU
 
 
@@ -90,13 +106,39 @@ def _incompatible(fn: str, arg: str, value: Any) -> TypeError:
 
 
 def _window_mb() -> int:
-    """Mc2TilingUtils::GetMaxWindowSize: DEEPEP_HCCL_BUFFSIZE, else HCCL_BUFFSIZE, else 200, into a uint16."""
-    name = v.DEEPEP_HCCL_BUFFSIZE if os.environ.get(v.DEEPEP_HCCL_BUFFSIZE) is not None else v.HCCL_BUFFSIZE
-    raw = os.environ.get(name)
-    try:
-        return v.DEFAULT_HCCL_BUFFSIZE_MB if raw is None else int(raw) % 65536
-    except ValueError:
-        return v.DEFAULT_HCCL_BUFFSIZE_MB
+    """Mc2TilingUtils::GetMaxWindowSize at the call: DEEPEP_HCCL_BUFFSIZE, else HCCL_BUFFSIZE, else 200,
+    std::stoi into a uint16 (``vendor.ops_window_mb``)."""
+    return v.ops_window_mb(os.environ)
+
+
+def _allocated_window_mb() -> int:
+    """The window HCCL allocates when the communicator is created: ``HCCL_BUFFSIZE`` then (parsed as
+    the ops parse it; HCCL's own parser is not in these sources)."""
+    return v.ops_window_mb({k: val for k, val in os.environ.items() if k == v.HCCL_BUFFSIZE})
+
+
+def _quant_rows(x: torch.Tensor, epsilon: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch kernels' per-token INT8, in fp32: ``s = 127/(amax + epsilon)`` (normal: 1e-12f) or
+    ``127/amax`` (low latency, no epsilon: a zero row has s = inf, scale 1/s = 0 and, [U], zero data),
+    ``q = rint(x·s)``, the scale ``1/s``."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    one27 = torch.tensor(127.0, dtype=torch.float32)
+    s = one27 / (amax + torch.tensor(epsilon, dtype=torch.float32)) if epsilon is not None else one27 / amax
+    q = torch.round(xf * s)
+    q = torch.where(torch.isfinite(q), q, torch.zeros((), dtype=q.dtype)).clamp(-127, 127).to(torch.int8)
+    return q, (torch.tensor(1.0, dtype=torch.float32) / s).squeeze(-1)
+
+
+def quant_normal(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CamMoeDispatchNormal's INT8 (KN@f425bdf ops/op_kernel/cam_moe_dispatch_normal.h QuantProcess)."""
+    return _quant_rows(x, 1e-12)
+
+
+def quant_low_latency(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoeDistributeDispatchV2's and the fused op's INT8 (KN@f425bdf ops/op_kernel/moe_distribute_dispatch_v2.h;
+    ops/utils/op_kernel/operator/cam_moe_distribute_combine/op_kernel/a3/cam_moe_distribute_dispatch.h)."""
+    return _quant_rows(x, None)
 
 
 class _Named(str):
@@ -133,10 +175,15 @@ class FuseMode(IntEnum):
 
 
 class Config:
-    """pybind ``deep_ep_cpp.Config(int, int, int, int, int)`` (KN csrc/deepep/config.hpp)."""
+    """pybind ``deep_ep_cpp.Config``: ``init<int, int, int, int, int>`` with keyword names and defaults
+    (``vendor.SIG_CONFIG_INIT``); anything but ints is pybind's TypeError."""
 
-    def __init__(self, *args: Any) -> None:
-        if len(args) != len(v.CONFIG_FIELDS) or not all(isinstance(a, int) for a in args):
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        args = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
+        if not all(isinstance(a, int) for a in args):
             raise TypeError("__init__(): incompatible constructor arguments. The following argument types are "
                             f"supported: (self, {', '.join(f'{n}: int' for n in v.CONFIG_FIELDS)}); invoked with {args}")
         for name, value in zip(v.CONFIG_FIELDS, args):
@@ -163,10 +210,8 @@ class EventOverlap:
 
 
 def _int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric INT8 with an fp32 dequant scale (torch_npu npu_dynamic_quant rounding)."""
-    q = INT8Codec(WireFormat(md.DispatchDtype.INT8, x.shape[-1])).quantize(x)
-    assert q.scale is not None
-    return q.data, q.scale
+    """The low-latency / fused dispatch INT8 (``quant_low_latency``)."""
+    return quant_low_latency(x)
 
 
 @dataclass
@@ -184,8 +229,6 @@ class _Exchange:
 
 class Buffer:
     num_sms: int = v.NUM_SMS
-    #: Which chip the fake stands for (the C++ reads GetSocVersion() at construction).
-    SOC_VERSION: str = A3
 
     def __init__(
         self,
@@ -203,7 +246,10 @@ class Buffer:
         self.comm = Comm(group)
         self.rank, self.group_size = self.comm.rank, self.comm.world_size
         self.low_latency_mode = low_latency_mode
-        self.soc_version = type(self).SOC_VERSION
+        # the C++ reads GetSocVersion() at construction; HCCL allocates the window when the communicator is made
+        self.soc_version = v.soc_family(fake_torch_npu.npu.get_soc_version())
+        self.allocated_window_mb = _allocated_window_mb()
+        self.real_max_bs = 0  # deep_ep.hpp Buffer::real_max_bs
         # deep_ep_cpp.Buffer(...): the constructor's environment (KN deep_ep.cpp Buffer::Buffer)
         _ep_assert(0 <= self.rank < self.group_size, "0 <= rank and rank < num_ranks")
         shared = v.parse_env_int(os.environ.get(v.SHARED_RANKS_ENV), 0)
@@ -309,7 +355,7 @@ class Buffer:
                 raise ValueError(f"Invalid quant_mode: {quant_mode}. Valid options: {set(v.NORMAL_QUANT_MODES)}")
             data, quant = x, quant_mode
         return self._intranode_dispatch(data, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                        topk_idx, topk_weights, config, quant)
+                                        topk_idx, topk_weights, config, quant, num_worst_tokens)
 
     @staticmethod
     def _quant_from_x(x: Any) -> tuple[Any, str]:
@@ -321,7 +367,8 @@ class Buffer:
         raise TypeError(f"Unsupported x type: {type(x)}")
 
     def _intranode_dispatch(self, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
-                            num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str
+                            num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str,
+                            num_worst_tokens: int = 0
                             ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
         if self.num_rdma_ranks > 1:
             raise NotImplementedError("(fake) A2's internode path (more than 8 ranks on ASCEND910B) is not emulated")
@@ -356,10 +403,13 @@ class Buffer:
                                "uses the layout state the last get_dispatch_layout left on this Buffer")
         num_experts = self._layout[1]
         self._layout = None
-        need = v.normal_op_window_bytes(x.shape[0], x.shape[1], topk_idx.shape[1], self.per_round_tokens)
-        _op_check(need <= _window_mb() * v.MIB, "aclnnCamMoeDispatchNormal",
-                  f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB")
-        data, scale = _int8(x) if quant == "int8" else (x, None)
+        # aclnnNotifyDispatch: max_bs = the largest batch over the source ranks; the Buffer member
+        # real_max_bs = max(max_bs, num_worst_tokens) (read again by the next combine)
+        max_bs = self._max_batch_over_ranks(x.shape[0])
+        self.real_max_bs = max(max_bs, int(num_worst_tokens))
+        global_bs = min(self.per_round_tokens, self.real_max_bs) * self.group_size
+        self._normal_op_checks(x, topk_idx, num_experts, global_bs)
+        data, scale = quant_normal(x) if quant == "int8" else (x, None)
         local = num_experts // self.group_size
         recv_data, recv_scale, counts, state = self._exchange("dispatch", data, scale, topk_idx, local)
         total = int(counts.sum())
@@ -374,6 +424,42 @@ class Buffer:
         vendor_handle = (None, None, None, state, is_token_in_rank, counts.to(torch.int32), topk_idx, topk_weights)
         recv_x = (recv_data, recv_scale) if scale is not None else recv_data
         return recv_x, garbage_idx, garbage_w, listed, vendor_handle, EventOverlap()
+
+    def _max_batch_over_ranks(self, n: int) -> int:
+        """aclnnNotifyDispatch's max_bs (outside the traffic counts: the C++ exchanges it in its notify op)."""
+        mine = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+        return int(self.comm.gather_uncounted(mine, "notify_dispatch").view(torch.int64).max())
+
+    def _check_window_extent(self, op: str) -> None:
+        """The normal kernels lay the window out by the size the ops see (totalWinSize/2 is the second
+        half); more than HCCL allocated means writes past it (no check on the device: corruption)."""
+        if _window_mb() > self.allocated_window_mb:
+            raise RuntimeError(f"(fake) {op}: the ops see a {_window_mb()} MB window ({v.DEEPEP_HCCL_BUFFSIZE}) but "
+                               f"HCCL allocated {self.allocated_window_mb} MB ({v.HCCL_BUFFSIZE}): the kernels would "
+                               "write past the window")
+
+    def _normal_op_checks(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, global_bs: int) -> None:
+        """CamMoeDispatchNormal's tiling (KN@f425bdf ops/op_host/cam_moe_dispatch_normal_tiling.cc; ops2 on A2)."""
+        op, R = "aclnnCamMoeDispatchNormal", self.group_size
+        soc = self.soc_version or A3
+        h, k = x.shape[1], topk_idx.shape[1]
+        _op_check(v.MIN_EP_WORLD_SIZE <= R <= v.MAX_EP_WORLD_SIZE_NORMAL, op,
+                  f"epWorldSize is invalid, only support [2, 384], but got epWorldSize={R}")
+        _op_check(0 < num_experts <= v.NORMAL_OP_MAX_EXPERTS[soc], op,
+                  f"moeExpertNum is invalid, only support (0, {v.NORMAL_OP_MAX_EXPERTS[soc]}], got {num_experts}")
+        _op_check(num_experts // R * R <= v.NORMAL_OP_MAX_DISPATCH_STATUS, op,
+                  "The moe experts num must meet the conditions, (moeExpertNum / epWorldSize * epWorldSize <= 1280")
+        _op_check(num_experts % R == 0, op, "moeExpertNum should be divisible by epWorldSize")
+        _op_check(global_bs > 0, op, f"globalBS is invalid, should be positive, but got globalBS={global_bs}")
+        _op_check(v.MIN_HIDDEN <= h <= v.NORMAL_OP_MAX_HIDDEN[soc], op,
+                  f"xShape dims1(H) should be in [1024, {v.NORMAL_OP_MAX_HIDDEN[soc]}], but got {h}")
+        _op_check(0 < k <= min(v.MAX_TOP_K, num_experts), op, f"expertIdShape's dim1(k) should be in (0, 16], got {k}")
+        formula = v.normal_op_window_bytes_a2 if soc == A2 else v.normal_op_window_bytes
+        need = formula(global_bs // R, h, k, self.per_round_tokens)
+        _op_check(need <= _window_mb() * v.MIB, op,
+                  f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB, "
+                  f"HCCL_BUFFSIZE={_window_mb()}MB")
+        self._check_window_extent(op)
 
     def combine(
         self,
@@ -390,7 +476,13 @@ class Buffer:
         config = self.get_combine_config(self.group_size) if config is None else config
         _, _, _, state, _, _, topk_idx, topk_weights_ori = handle  # the sender's own weights, not the argument
         _ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
-        _op_check(x.dtype in (torch.bfloat16, torch.float16), "aclnnCamMoeCombineNormal", "x must be bf16/fp16")
+        op = "aclnnCamMoeCombineNormal"
+        _op_check(x.dtype in (torch.bfloat16, torch.float16), op, "x must be bf16/fp16")
+        bs = topk_idx.shape[0]  # expert_scales = the handle's topk_weights [bs, k]
+        _op_check(self.real_max_bs == 0 or self.real_max_bs >= bs, op,
+                  "realMaxBs is invalid, only support 0 or value greater than or equal to the BS of all ranks."
+                  f"but got realMaxBs={self.real_max_bs}, bs={bs} (real_max_bs is the LAST normal dispatch's)")
+        self._check_window_extent(op)
         if x.shape[0] != state.rows:
             raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
                                "dispatch returned")
@@ -480,6 +572,12 @@ class Buffer:
         k = topk_ids.shape[1]
         _op_check(v.MIN_EP_WORLD_SIZE <= R <= v.MAX_EP_WORLD_SIZE_LL, op,
                   f"epWorldSize is invalid, only support [2, 768], but got epWorldSize={R}")
+        if self.soc_version == A2 and R > v.A2_MAX_HCCS_PEERS:  # ops2 moe_distribute_dispatch_v2_tiling.cc
+            _op_check(R % v.A2_INTERNODE_EP_MULTIPLE == 0 and R <= v.A2_INTERNODE_MAX_EP, op,
+                      f"epWorldSize is invalid: A2 multi-server takes multiples of 8 up to 256, got {R}")
+        if self.soc_version != A2 and v.parse_env_int(os.environ.get(v.CCU_ENV), 0) == 1:
+            raise RuntimeError(f"(fake) {v.CCU_ENV}=1 sends {op} down comm_alg 'ccu', the A5 CCU op "
+                               "(MoeDistributeDispatchA5): not emulated, and not what an A3 runs")
         _op_check(0 < num_experts <= 1024 and num_experts % R == 0, op,
                   f"moeExpertNum should be divisible by epWorldSize and in (0, 1024], got {num_experts}")
         _op_check(n <= v.LL_MAX_TOKENS, op, f"xDim0(BS) is invalid. Should be between [0, 512], but got xDim0={n}")
@@ -490,6 +588,9 @@ class Buffer:
         _op_check(need <= _window_mb() * v.MIB, op,
                   f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB, "
                   f"HCCL_BUFFSIZE={_window_mb()}MB")
+        if _window_mb() > self.allocated_window_mb:  # moe_distribute_dispatch_v2.h CheckWindowSize: a deliberate fault
+            raise RuntimeError(f"{op}: CheckWindowSize failed: tiling window {_window_mb()} MB > the HCCL window "
+                               f"{self.allocated_window_mb} MB")
         enable_neg_one = v.parse_env_int(os.environ.get(v.NEG_ONE_ENV), 0)
         if enable_neg_one:
             layered = self.soc_version == A2 and v.is_layered(os.environ)
@@ -516,7 +617,7 @@ class Buffer:
         _op_check(counts_type in (0, 1), op, "expertTokenNumsType only support 0 or 1")
         local = self._ll_checks(op, x, topk_ids, T, num_experts)
         int8 = name == "int8"
-        data, scale = _int8(x) if int8 else (x, None)
+        data, scale = quant_low_latency(x) if int8 else (x, None)
         recv_data, recv_scale, counts, state = self._exchange("low_latency_dispatch", data, scale, topk_ids, local)
         cap = v.ll_receive_rows(T, self.group_size, local, topk_ids.shape[1])
         state.rows = cap
@@ -556,5 +657,5 @@ class Buffer:
         return combined.to(torch.bfloat16), EventOverlap(), hook
 
 
-__all__ = ["A2", "A3", "Buffer", "Config", "EventHandle", "EventOverlap", "FuseMode", "LowLatencyStrategy", "NormalStrategy",
+__all__ = ["A2", "A3", "Buffer", "Config", "quant_low_latency", "quant_normal", "EventHandle", "EventOverlap", "FuseMode", "LowLatencyStrategy", "NormalStrategy",
            "VendorCall"]

@@ -36,8 +36,9 @@ class Buffer(deep_ep.Buffer):
     ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
         config = self.get_dispatch_config(self.group_size) if config is None else config
         data, quant = self._quant_from_x(x)
+        # KN@be6b5e7f buffer.py Buffer.dispatch hands num_worst_tokens to the C++ (real_max_bs) as later builds do.
         return self._intranode_dispatch(data, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                        topk_idx, topk_weights, config, quant)
+                                        topk_idx, topk_weights, config, quant, num_worst_tokens)
 
     def low_latency_dispatch(  # type: ignore[override]
         self,

@@ -13,9 +13,22 @@ dequantized by weight and token scales, SwiGLU (silu on gate), per-token requant
 dequant, combine weighted by ``topk_weights``. The weight layouts are read here from the vendor
 facts (mode 1: gmm1's N in gate/up tiles of ``vendor.GMM1_TILE_N``; mode 2: int64 scale bits).
 
+Numerics as the kernels compute them: mode 1 quantizes the dispatched rows as the low-latency
+dispatch does (``s = 127/amax``); mode 2 as moe_init_routing_quant_v2 (``scale = amax/127``,
+``x/scale`` truncated to fp16 then rounded) and keeps each GEMM's output after its per-channel
+weight scale in **fp16** (``CType = float16_t``, the uint64 fixpipe dequant;
+dispatch_ffn_combine.h), so an overflow there is an inf in the fake too.
+
+The chip: an Atlas A2 build of DeepEP-Ascend compiles ``csrc/deepep/ops2``, which has neither
+FusedDeepMoe nor DispatchFFNCombine: on the A2 fake chip (``fakes.torch_npu.soc_version(220)``)
+``fused_deep_moe`` raises as EXEC_NPU_CMD does for a missing op.
+
 Fake-only ("(fake)"): mode 2's workspace holds ``max_output_size`` rows (its tiling sizes it so):
-a rank receiving more rows raises instead of overwriting memory; an empty batch in mode 2 raises
-as in mode 1 (undocumented); quant_mode 0 (BF16 weights) is not emulated.
+a rank receiving more rows raises instead of overwriting memory; ``-1`` expert ids in mode 2 (the
+vendor's test: "Currently, topk=-1 is not supported", its routing sorts expert ids) and tokens whose
+ids are all ``-1`` in mode 1 (the vendor's test guarantees each token a valid expert) raise instead
+of computing a clean answer the device may not give; an empty batch in mode 2 raises as in mode 1
+(undocumented); quant_mode 0 (BF16 weights) is not emulated.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ import torch.nn.functional as F
 
 from moe_dispatch_ascend_deepep.fakes import deep_ep as base
 from moe_dispatch_ascend_deepep.fakes.deep_ep import (
-    Config, EventOverlap, FuseMode, VendorCall, _ep_assert, _int8, _op_check,
+    A2, Config, EventOverlap, FuseMode, VendorCall, _ep_assert, _op_check, quant_low_latency,
 )
 
 from .. import vendor as v
@@ -41,6 +54,23 @@ def _untile_gate_up(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fp32_from_int64_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
+
+
+def _trunc_fp16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 → fp16 rounding toward zero (CAST_TRUNC), for values in fp16's normal range."""
+    bits = x.float().contiguous().view(torch.int32) & ~0x1FFF  # drop the 13 mantissa bits fp16 has not
+    return bits.view(torch.float32).to(torch.float16)
+
+
+def quant_mode2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_init_routing_quant_v2's per-token INT8 (KN@f425bdf ops/op_kernel/dispatch_ffn_combine_kernel/
+    moe_init_routing_quant_v2/moe_v2_gather_dynamic_quant.h): ``scale = amax/127``, ``x/scale`` cast to fp16
+    with CAST_TRUNC, then to int8 with CAST_ROUND (half away from zero)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / torch.tensor(127.0)
+    h = _trunc_fp16(xf / scale).float()
+    q = torch.where(torch.isfinite(h), torch.sign(h) * torch.floor(h.abs() + 0.5), torch.zeros(()))
+    return q.clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
 
 
 class Buffer(base.Buffer):
@@ -60,6 +90,15 @@ class Buffer(base.Buffer):
         profile_enable: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         topk_ids = topk_idx.int()
+        if self.soc_version == A2:  # an A2 wheel builds ops2: no aclnnFusedDeepMoe / aclnnDispatchFFNCombine
+            raise RuntimeError("EXEC_NPU_CMD: aclnnFusedDeepMoe / aclnnDispatchFFNCombine not found: this "
+                               "DeepEP-Ascend is an Atlas A2 build (csrc/deepep/ops2 has no fused ops)")
+        if fuse_mode == FuseMode.DISPATCH_FFN_COMBINE and bool((topk_ids < 0).any()):
+            raise RuntimeError("(fake) aclnnDispatchFFNCombine: topk=-1 is not supported (the vendor's "
+                               "test_dispatch_ffn_combine.py); its routing sorts the expert ids")
+        if fuse_mode == FuseMode.FUSED_DEEP_MOE and topk_ids.numel() and bool((topk_ids < 0).all(dim=1).any()):
+            raise RuntimeError("(fake) aclnnFusedDeepMoe: a token without a valid expert (the vendor's "
+                               "test_fused_deep_moe.py guarantees each token at least one)")
         if fuse_mode == FuseMode.FUSED_DEEP_MOE:
             return self._fused(x, topk_ids, topk_weights, gmm1_permuted_weight, gmm1_permuted_weight_scale, gmm2_weight,
                                gmm2_weight_scale, num_max_dispatch_tokens_per_rank, num_experts, quant_mode)
@@ -127,8 +166,10 @@ class Buffer(base.Buffer):
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
                  w2: torch.Tensor, s2: torch.Tensor, local: int, interleaved: bool, name: str,
                  max_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dispatch (INT8), the two GEMMs per local expert, combine; ``w2`` is ``[E_l, I, H]``."""
-        q, s = _int8(x)
+        """Dispatch (INT8), the two GEMMs per local expert, combine; ``w2`` is ``[E_l, I, H]``. Mode 2
+        (not ``interleaved``) keeps each GEMM's output after its per-channel weight scale in fp16."""
+        fp16 = not interleaved
+        q, s = quant_mode2(x) if fp16 else quant_low_latency(x)
         recv_q, recv_s, counts, state = self._exchange(name, q, s, ids, local)
         assert recv_s is not None
         if max_rows is not None:  # every rank learns whether one overflowed, so none waits for the others
@@ -146,11 +187,17 @@ class Buffer(base.Buffer):
             if n:
                 rows = slice(start, start + n)
                 acc = recv_q[rows].double() @ w1[e].double()  # exact int32 accumulate
-                h1 = (acc * s1[e].double() * recv_s[rows].double().unsqueeze(1)).float()
+                c1 = acc * s1[e].double()
+                if fp16:  # CType = float16_t: the fixpipe writes the per-channel dequant in fp16
+                    c1 = c1.to(torch.float16).double()
+                h1 = (c1 * recv_s[rows].double().unsqueeze(1)).float()
                 gate, up = _untile_gate_up(h1) if interleaved else h1.chunk(2, dim=-1)
-                aq, a_s = _int8(F.silu(gate) * up)
+                aq, a_s = quant_low_latency(F.silu(gate) * up)
                 acc2 = aq.double() @ w2[e].double()  # [n, I] @ [I, H]
-                out_rows[rows] = (acc2 * s2[e].double() * a_s.double().unsqueeze(1)).to(torch.bfloat16)
+                c2 = acc2 * s2[e].double()
+                if fp16:
+                    c2 = c2.to(torch.float16).double()
+                out_rows[rows] = (c2 * a_s.double().unsqueeze(1)).to(torch.bfloat16)
             start += n
         back, tok, slot = self._return(out_rows, state)
         out = torch.zeros(x.shape[0], h).index_add_(0, tok, back * weights[tok, slot].float().unsqueeze(1))
@@ -162,4 +209,4 @@ class Buffer(base.Buffer):
         return out.to(torch.bfloat16), counts, per_src
 
 
-__all__ = ["Buffer", "Config", "EventOverlap", "FuseMode", "VendorCall"]
+__all__ = ["Buffer", "Config", "EventOverlap", "FuseMode", "VendorCall", "quant_mode2"]

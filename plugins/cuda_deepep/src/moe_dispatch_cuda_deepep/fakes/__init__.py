@@ -6,6 +6,9 @@ the adapter. The adapter names them by module path (``vendor.EMULATOR``, ``vendo
   9af0e0d (low-latency top-k ≤ 9); ``deep_ep_hybrid``: the hybrid-ep branch @ 94a9f8f (NVFP4);
   ``deep_ep_topk_int32``: a 2.x build with 32-bit top-k indices.
 - ``deep_gemm``: DeepGEMM 2.6.1 @ 54e2261 on SM90; ``deep_gemm_sm100``: the same on SM100 (``emulate()``
-  builds other versions/architectures); ``deep_gemm_v1``: DeepGEMM v1; ``deep_gemm_v1_kernels``: v1's JIT
-  kernels on CPU, for driving DeepGEMM v1's own Python layer.
+  builds other versions/architectures); ``deep_gemm_v1``: DeepGEMM v1 @ 0c88cd0; ``deep_gemm_v1_pypi``: PyPI's
+  deep_gemm 1.0.0 (@ b05ed2f); ``deep_gemm_v1_kernels``: v1's JIT kernels on CPU, for driving DeepGEMM v1's own
+  Python layer.
+- ``_native``: pybind11's conversions, the vendors' exception types, and the process's emulated CUDA context
+  (lost at a device assert, for the rest of the process; ``reset_context`` for the tests).
 """

@@ -54,11 +54,20 @@ def grouped_contiguous(a: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, p
     return out
 
 
-def grouped_masked(a: torch.Tensor, w: torch.Tensor, d: torch.Tensor, masked_m: list[int]) -> None:
-    """Rows ``< masked_m[g]`` of each group into ``d`` (bf16); the rest of ``d`` is left as it was."""
+def grouped_masked(a: torch.Tensor, w: torch.Tensor, d: torch.Tensor, masked_m: list[int], block_m: int) -> None:
+    """Rows ``< masked_m[g]`` of each group into ``d`` (bf16), as whole ``block_m``-row tiles stored into one
+    ``[G·m, n]`` view: the tile rows past ``masked_m[g]`` get garbage (NaN), spilling into the next group's first
+    rows when the tile passes ``m`` (clipped only at ``G·m``). The rest of ``d`` is left as it was."""
+    groups, m = d.shape[0], d.shape[1]
+    flat = d.view(groups * m, d.shape[2])
+    spills = []
     for group, rows in enumerate(masked_m):
         if rows:
             d[group, :rows] = (a[group, :rows] @ w[group].t()).to(d.dtype)
+            end = min(group * m + ceil_div(rows, block_m) * block_m, groups * m)
+            spills.append((group * m + rows, end))
+    for start, end in spills:  # after every group's rows: the store that lands last wins the race
+        flat[start:end] = float("nan")
 
 
 __all__ = ["BLOCK", "ceil_div", "dequant_rows", "exponent_only", "grouped_contiguous", "grouped_masked",

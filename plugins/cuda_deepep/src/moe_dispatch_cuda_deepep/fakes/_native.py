@@ -8,8 +8,13 @@ exceptions DeepEP and DeepGEMM throw.
   deep_ep/include/deep_ep/common/exception.cuh); ``DG_HOST_ASSERT`` throws ``DGException``
   (deepseek-ai/DeepGEMM@54e2261 csrc/utils/exception.hpp). Both derive from ``std::exception``, which
   pybind11 turns into ``RuntimeError`` with the ``what()`` text.
-- A device-side assert (``EP_DEVICE_ASSERT``, ``DG_DEVICE_ASSERT``) traps the kernel; PyTorch reports it
-  as ``RuntimeError: CUDA error: device-side assert triggered`` at the next synchronisation.
+- A device-side assert (``EP_DEVICE_ASSERT``, ``DG_DEVICE_ASSERT``) is ``printf`` + ``asm("trap;")``
+  (deepseek-ai/DeepEP@dd758ca deep_ep/include/deep_ep/common/exception.cuh; deepseek-ai/DeepGEMM@54e2261
+  deep_gemm/include/deep_gemm/common/exception.cuh): CUDA reports ``cudaErrorLaunchFailure`` ("unspecified
+  launch failure") at the next synchronisation, and the context is lost: every later CUDA call in the process
+  fails the same way. The fakes raise in the call (a CPU has no asynchronous error) and poison a process-wide
+  "context" that every fake entry point checks (``check_context``); only a new process clears it on a GPU, the
+  tests call ``reset_context``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ def is_int(value: Any) -> bool:
 
 
 def is_bool(value: Any) -> bool:
-    """pybind11's bool caster (with conversion): True/False, or anything with ``__bool__``/``__index__``
-    that is not a float... in practice the fakes accept bools and ints."""
-    return isinstance(value, bool) or is_int(value)
+    """pybind11's ``type_caster<bool>`` in its convert pass (the one a single overload gets): True/False,
+    None (as False), and any object whose type fills the number protocol's ``nb_bool`` (``__bool__``: ints,
+    floats, tensors); not strings or containers (pybind11 include/pybind11/cast.h)."""
+    if value is None or isinstance(value, bool):
+        return True
+    return not isinstance(value, (str, bytes)) and hasattr(type(value), "__bool__")
 
 
 def is_tensor(value: Any, optional: bool = False) -> bool:
@@ -42,12 +50,13 @@ def incompatible(function: str, signature: str, args: tuple[Any, ...]) -> TypeEr
 
 
 def check_args(function: str, signature: str, args: tuple[Any, ...], kinds: str) -> None:
-    """``kinds``: one letter per argument: t tensor, T optional tensor, i int, u unsigned int (size_t),
+    """``kinds``: one letter per argument: t tensor, T optional tensor, i int, I optional int, u unsigned int (size_t),
     b bool, s str, c the caller checks (a bound class), x anything."""
     ok = {
         "t": lambda a: is_tensor(a),
         "T": lambda a: is_tensor(a, optional=True),
         "i": is_int,
+        "I": lambda a: a is None or is_int(a),
         "u": lambda a: is_int(a) and int(a) >= 0,
         "b": is_bool,
         "s": lambda a: isinstance(a, str),
@@ -70,10 +79,32 @@ def dg_assert(cond: bool, text: str, where: str) -> None:
         raise RuntimeError(f"Assertion error ({where}): {text}")
 
 
+#: The emulated CUDA context of this process: None while healthy, else why it was lost.
+_CONTEXT: dict[str, str | None] = {"lost": None}
+LAUNCH_FAILURE = "CUDA error: unspecified launch failure"
+
+
+def check_context() -> None:
+    """Every CUDA call fails once a kernel has trapped in this process."""
+    if _CONTEXT["lost"] is not None:
+        raise RuntimeError(f"{LAUNCH_FAILURE} (the context was lost earlier: {_CONTEXT['lost']})")
+
+
+def reset_context() -> None:
+    """A fresh process (for the tests; on a GPU only a new process recovers)."""
+    _CONTEXT["lost"] = None
+
+
+def lose_context(why: str) -> RuntimeError:
+    """Poison the context (a trap, an illegal address, NVSHMEM gone) and return the error to raise."""
+    _CONTEXT["lost"] = why
+    return RuntimeError(f"{LAUNCH_FAILURE} ({why})")
+
+
 def device_assert(cond: bool, text: str, where: str) -> None:
-    """A kernel's device-side assert: the kernel traps; CUDA reports it at the next sync."""
+    """A kernel's device-side assert: the kernel traps and the context is lost."""
     if not cond:
-        raise RuntimeError(f"CUDA error: device-side assert triggered ({where}: {text})")
+        raise lose_context(f"{where}: device assert {text}")
 
 
 def scalar_type_check(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -82,5 +113,5 @@ def scalar_type_check(tensor: torch.Tensor, dtype: torch.dtype, what: str) -> No
         raise RuntimeError(f"expected scalar type {dtype} but found {tensor.dtype} ({what})")
 
 
-__all__ = ["check_args", "dg_assert", "device_assert", "ep_assert", "incompatible", "is_bool", "is_int", "is_tensor",
-           "scalar_type_check"]
+__all__ = ["LAUNCH_FAILURE", "check_args", "check_context", "dg_assert", "device_assert", "ep_assert", "incompatible",
+           "is_bool", "is_int", "is_tensor", "lose_context", "reset_context", "scalar_type_check"]

@@ -17,11 +17,25 @@ As strict as the vendor where the adapter can meet it:
   channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``;
   low-latency: ``(src_info, layout_range, T, hidden, num_experts)`` with ``layout_range`` packing the count
   in the low and the begin in the high 32 bits, ``pack2``), and combine reads only the handle.
+- Low-latency receive tensors are ``torch::empty`` in DeepEP: rows past ``recv_count`` hold garbage (NaN
+  here), and rows arrive in atomicAdd order: each source rank's block of an expert lands where the receiver's
+  counter put it, its tokens in the sender's slot order (both shuffled here, seeded). The hook is None unless
+  ``return_recv_hook``; with it the received data is there only after ``hook()``.
+- Device asserts trap and lose the process's CUDA context (``_native.lose_context``); so does using a Buffer
+  whose NVSHMEM was finalized by another Buffer's ``destroy()`` (NVSHMEM is per process: ``NvshmemState``;
+  csrc/kernels/backend/nvshmem.cu init/finalize). The destructor runs ``destroy()`` unless
+  ``explicitly_destroy``; with NVL bytes on a group whose ``min(R, 8)`` has no ``intranode::barrier`` kernel it
+  throws inside a noexcept destructor, and the process aborts (``std::terminate``), as it does on a GPU.
+- A low-latency Buffer used by normal-mode kernels (or by LL kernels of another (T, H, E) layout) has stale
+  signalling counts until ``clean_low_latency_buffer`` (a collective: barrier, clean, barrier) runs: an LL call
+  on it then loses the context (on a GPU: wrong rows or a hang).
+- Normal mode checks what the kernels device-assert about the hidden size (TMA staging) and, past 8 ranks,
+  the internode host and device checks on the config, the QPs and the RDMA ranks a token reaches
+  (``internode_dispatch_checks``) before refusing to move the data (internode is not emulated).
 
 Results are real: bytes move between real processes through the core's ``Comm``. Not emulated: CUDA
-events and streams (calls are synchronous), receive hooks (the data is there on return), cached-handle
-dispatch, internode (more than 8 ranks) normal mode, LogFMT and zero-copy combine. Each call is recorded in
-``Buffer.calls`` for the tests.
+events and streams (calls are synchronous), cached-handle dispatch, internode (more than 8 ranks) normal-mode
+data movement, LogFMT and zero-copy combine. Each call is recorded in ``Buffer.calls`` for the tests.
 
 Version variants subclass ``Buffer`` and change its class-level rules (``fakes.deep_ep_v121_topk9``,
 ``fakes.deep_ep_hybrid``, ``fakes.deep_ep_topk_int32``).
@@ -30,6 +44,7 @@ Version variants subclass ``Buffer`` and change its class-level rules (``fakes.d
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,15 +54,27 @@ from moe_dispatch.codecs import as_bytes, from_bytes
 from moe_dispatch.distributed.comm import Comm
 from moe_dispatch_cuda_deepep import vendor
 
-from ._native import check_args, device_assert, ep_assert, incompatible, is_int, scalar_type_check
+from ._native import (
+    check_args,
+    check_context,
+    device_assert,
+    ep_assert,
+    incompatible,
+    is_int,
+    lose_context,
+    scalar_type_check,
+)
 
 __version__ = "2.1.0"  # deepseek-ai/DeepEP@dd758ca deep_ep/__init__.py
 topk_idx_t = torch.int64
+#: ``cudaDeviceProp::multiProcessorCount`` of the emulated GPU (an H100/H200).
+EMULATED_DEVICE_SMS = vendor.H100_NUM_SMS
 
 _BUFFER_HPP = "csrc/legacy/buffer.hpp"
 _CONFIG_HPP = "csrc/legacy/config.hpp"
 _LL_CU = "csrc/kernels/legacy/internode_ll.cu"
 _INTRANODE_CU = "csrc/kernels/legacy/intranode.cu"
+_INTERNODE_CU = "csrc/kernels/legacy/internode.cu"
 
 
 # -- pybind classes ---------------------------------------------------------------------------------------
@@ -165,6 +192,81 @@ class VendorCall:
     x_dtype: torch.dtype
     use_fp8: bool | None
     payload_bytes: int
+    x_global_scale: Any = None  # hybrid-ep NVFP4: the tensor object passed
+
+
+class NvshmemState:
+    """NVSHMEM's per-process state as DeepEP drives it (deepseek-ai/DeepEP@dd758ca csrc/kernels/backend/nvshmem.cu):
+    ``init`` splits a CPU RDMA team when ``team_split_stride`` (8 in LL mode) is below the PE count and asserts
+    none exists yet; ``finalize`` (every ``Buffer::destroy`` with RDMA bytes) destroys the team and finalizes
+    NVSHMEM for the whole process. ``generation`` counts finalizations: a Buffer initialized in an older one has
+    lost its RDMA memory. Whether NVSHMEM takes a second ``init`` while live is for hardware to say; allowed."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.team = False
+        self.inits = 0
+
+    def init(self, num_ranks: int, team_split_stride: int) -> int:
+        if team_split_stride > 0 and num_ranks > team_split_stride:
+            ep_assert(not self.team, "cpu_rdma_team == NVSHMEM_TEAM_INVALID", _NVSHMEM_CU)
+            ep_assert(num_ranks % team_split_stride == 0, "num_ranks % team_split_stride == 0", _NVSHMEM_CU)
+            self.team = True
+        self.inits += 1
+        return self.generation
+
+    def finalize(self) -> None:
+        self.team = False
+        self.generation += 1
+
+
+_NVSHMEM_CU = "csrc/kernels/backend/nvshmem.cu"
+#: This process's NVSHMEM.
+NVSHMEM = NvshmemState()
+
+
+def reset_nvshmem() -> None:
+    """A fresh process's NVSHMEM (for the tests)."""
+    NVSHMEM.__init__()
+
+
+#: The low-latency signalling area right after DeepEP's constructor memsets the RDMA buffer: clean for any layout.
+_CLEAN_FOR_ANY = ("any",)
+
+
+def _nan_like(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """What ``torch::empty`` may hold, made visible: NaN (all-ones bytes for integer and FP8 types)."""
+    if dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, -1, dtype=torch.int8 if dtype.itemsize == 1 else torch.int32).view(dtype)
+
+
+def internode_dispatch_checks(num_ranks: int, num_qps: int | None, cfg: vendor.ConfigFields, hidden_bytes: int,
+                              num_scales: int, num_topk: int, topk_rdma_ranks: int = 0) -> None:
+    """What internode dispatch checks before moving data (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/
+    internode.cu dispatch): the QPs against the config's SMs, the token's TMA staging, at most 8 RDMA ranks per
+    token (``topk_rdma_ranks``: the most any token reaches)."""
+    device_assert(num_qps is not None and vendor.internode_qps_ok(num_qps, cfg.num_sms),
+                  "ibgda_get_state()->num_rc_per_pe == num_channels or ibgda_get_state()->num_rc_per_pe >= num_sms",
+                  _INTERNODE_CU)
+    per_token = vendor.internode_bytes_per_token(hidden_bytes, num_scales, num_topk, num_topk)
+    device_assert(per_token + vendor.TMA_MBARRIER_BYTES <= vendor.INTERNODE_TMA_BYTES,
+                  "num_bytes_per_token + sizeof(uint64_t) <= kNumTMABytesPerWarp", _INTERNODE_CU)
+    device_assert(topk_rdma_ranks <= min(num_ranks // vendor.NUM_MAX_NVL_PEERS, vendor.NORMAL_MAX_TOPK_RDMA_RANKS),
+                  "num_topk_ranks <= kNumTopkRDMARanks", _INTERNODE_CU)
+
+
+def internode_combine_checks(num_ranks: int, cfg: vendor.ConfigFields, hidden: int, num_topk: int) -> None:
+    """``internode::combine``'s host asserts on the config and the combine kernels' TMA device asserts."""
+    for problem in vendor.internode_combine_config_problems(cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens,
+                                                            cfg.num_max_nvl_chunked_recv_tokens,
+                                                            cfg.num_max_rdma_chunked_send_tokens, num_ranks):
+        ep_assert(False, problem, _INTERNODE_CU)
+    per_token = vendor.internode_bytes_per_token(2 * hidden, 0, 0, num_topk)
+    device_assert(per_token + vendor.TMA_MBARRIER_BYTES <= vendor.INTERNODE_TMA_BYTES,
+                  "num_bytes_per_token + sizeof(uint64_t) <= kNumTMABytesPerSenderWarp", _INTERNODE_CU)
+    device_assert((2 * hidden // 16) % vendor.INTERNODE_COMBINE_HIDDEN_INT4_MULTIPLE == 0, "hidden_int4 % 32 == 0",
+                  _INTERNODE_CU)
 
 
 class _Runtime:
@@ -185,16 +287,30 @@ def _check_torch_deterministic() -> None:
     assert not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory)
 
 
+_FP8_MAX = torch.tensor(448.0, dtype=torch.float32)  # kFinfoAmaxE4M3
+_FP8_MAX_INV = torch.tensor(1 / 448.0, dtype=torch.float32)  # kFinfoAmaxInvE4M3 = 1 / 448.0f
+
+
+def _fast_log2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """``fast_log2_ceil``: the biased exponent - 127, plus one when any mantissa bit is set."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127 + (bits & 0x7FFFFF).ne(0).to(torch.int32)
+
+
 def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LL kernel's cast: per 128 channels, amax ≥ 1e-4 (kFP8Margin), scale_inv amax/448, rounded up to
-    a power of two with ``round_scale`` (csrc/kernels/legacy/utils.cuh calculate_fp8_scales)."""
+    """The LL kernel's cast (csrc/kernels/legacy/utils.cuh calculate_fp8_scales; internode_ll.cu dispatch): per
+    128 channels amax starts at kFP8Margin (1e-4); ``scale = 448 / amax``, ``scale_inv = amax * (1 / 448.0f)``,
+    or with ``round_scale`` both powers of two from ``fast_log2_ceil(amax * (1 / 448.0f))``; values times
+    ``scale``, cast with saturation (``__NV_SATFINITE``)."""
     n, h = x.shape
     blocks = x.float().view(n, h // 128, 128)
     amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
-    inv = amax / 448.0
     if round_scale:
-        inv = torch.exp2(torch.ceil(torch.log2(inv)))
-    data = (blocks / inv.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, h)
+        exponent = _fast_log2_ceil(amax * _FP8_MAX_INV)
+        scale, inv = torch.exp2(-exponent.float()), torch.exp2(exponent.float())
+    else:
+        scale, inv = _FP8_MAX / amax, amax * _FP8_MAX_INV
+    data = (blocks * scale.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, h)
     return data, inv
 
 
@@ -218,7 +334,8 @@ class Buffer:
     _LL_HIDDEN_SIZES = vendor.LOW_LATENCY_HIDDEN_SIZES
     _CHECKS_DETERMINISTIC = True  # 2.x: check_torch_deterministic() (b306af0)
     _ASSERTS_QP_DEPTH = True  # since d981409
-    _NUM_DEVICE_SMS = vendor.H100_NUM_SMS
+    _NUM_DEVICE_SMS = EMULATED_DEVICE_SMS
+    runtime: Any = None
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
                  allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False,
@@ -233,6 +350,7 @@ class Buffer:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         if group is None:
             raise NotImplementedError("the fake runs on torch.distributed process groups, not mpi4py communicators")
+        check_context()
         self._comm = Comm(group)
         self.rank, self.group, self.group_size = self._comm.rank, group, self._comm.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -247,7 +365,16 @@ class Buffer:
         if self.group_size > vendor.NUM_MAX_NVL_PEERS or low_latency_mode:
             assert num_qps_per_rank > 0
             num_qps = self._write_nvshmem_env(num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl)
-        self.runtime = _Runtime(self.group_size, num_qps)
+        runtime = _Runtime(self.group_size, num_qps)
+        # Runtime::sync: NVSHMEM starts (and the RDMA buffer is zeroed) only with RDMA bytes; LL mode puts every
+        # rank in NVSHMEM and splits a team per 8, normal mode one PE per node (csrc/legacy/buffer.hpp sync).
+        self._nvshmem = None
+        if int(num_rdma_bytes) > 0:
+            pes = self.group_size if low_latency_mode else runtime.num_rdma_ranks
+            self._nvshmem = NVSHMEM.init(pes, vendor.NUM_MAX_NVL_PEERS if low_latency_mode else 0)
+        self.runtime = runtime
+        self._clean_for: tuple | None = _CLEAN_FOR_ANY
+        self._arrivals = torch.Generator().manual_seed(1009 + self.rank)
         self.calls: list[VendorCall] = []
 
     def _check_sizes(self, nvl: int, rdma: int, low_latency: bool) -> None:
@@ -297,9 +424,57 @@ class Buffer:
 
     def destroy(self):  # noqa: ANN201
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
-        ep_assert(not self.runtime.destroyed, "not destroyed", _BUFFER_HPP)
-        self.runtime.destroyed = True
+        self._runtime_destroy(self.runtime)
         self.runtime = None
+
+    def _runtime_destroy(self, runtime: _Runtime) -> None:
+        """``Buffer::destroy``: the intranode barrier when there are NVL bytes (a kernel switched on ``min(R,
+        8)``: "Unsupported ranks" otherwise), then NVSHMEM's finalize when there are RDMA bytes."""
+        ep_assert(not runtime.destroyed, "not destroyed", _BUFFER_HPP)
+        if self.num_nvl_bytes > 0:
+            ep_assert(min(self.group_size, vendor.NUM_MAX_NVL_PEERS) in vendor.INTRANODE_RANKS,
+                      "false and \"Unsupported ranks\"", _INTRANODE_CU)
+        runtime.destroyed = True
+        if self._nvshmem is not None:
+            NVSHMEM.finalize()
+
+    def __del__(self) -> None:
+        """``~Buffer() noexcept(false)``: ``destroy()`` unless ``explicitly_destroy``; pybind11 frees the object
+        inside a noexcept ``unique_ptr`` destructor, so an exception there is ``std::terminate``."""
+        runtime = self.runtime
+        if runtime is None or runtime.destroyed or self.explicitly_destroy:
+            return
+        try:
+            self._runtime_destroy(runtime)
+        except RuntimeError as exc:
+            sys.stderr.write(f"terminate called after throwing an instance of 'deep_ep::EPException'\n  what():  {exc}\n")
+            sys.stderr.flush()
+            os.abort()
+
+    def _check_runtime(self, uses_nvshmem: bool = False) -> None:
+        """A CUDA call: the context must be alive, the runtime not destroyed, and its NVSHMEM not finalized."""
+        check_context()
+        ep_assert(self.runtime is not None and not self.runtime.destroyed, "runtime is available", _BUFFER_HPP)
+        if uses_nvshmem and self._nvshmem is not None and self._nvshmem != NVSHMEM.generation:
+            raise lose_context("this Buffer's NVSHMEM memory is gone: another Buffer's destroy() ran "
+                               "nvshmem::finalize() for the whole process")
+
+    def _dirty_after_normal(self) -> None:
+        """Normal-mode kernels write the RDMA buffer where the LL signalling counts live (legacy.py
+        clean_low_latency_buffer: "after running the normal dispatch/combine, you must run this function
+        before executing any low-latency kernel")."""
+        if self.low_latency_mode:
+            self._clean_for = None
+
+    def _ll_signalling(self, T: int, hidden: int, num_experts: int) -> None:
+        layout = (T, hidden, num_experts)
+        if self._clean_for == _CLEAN_FOR_ANY or self._clean_for == layout:
+            self._clean_for = layout
+            return
+        why = ("normal-mode kernels ran on this Buffer" if self._clean_for is None
+               else f"the last LL kernels used the layout (T, hidden, E) = {self._clean_for}, not {layout}")
+        raise lose_context(f"(fake) stale low-latency signalling counts: {why} and clean_low_latency_buffer did not "
+                           "run since; DeepEP's LL kernels would read them (wrong rows or a hang)")
 
     def _deterministic_check(self) -> None:
         if self._CHECKS_DETERMINISTIC:
@@ -313,6 +488,7 @@ class Buffer:
                    "Optional[EventHandle], arg3: bool, arg4: bool)",
                    (topk_idx, num_experts, getattr(previous_event, "event", None), async_finish,
                     allocate_on_comm_stream), "tixbb")
+        self._check_runtime()
         ep_assert(topk_idx.dim() == 2, "topk_idx.dim() == 2", _BUFFER_HPP)
         ep_assert(topk_idx.is_contiguous(), "topk_idx.is_contiguous()", _BUFFER_HPP)
         ep_assert(num_experts > 0, "num_experts > 0", _BUFFER_HPP)
@@ -339,10 +515,21 @@ class Buffer:
                  config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):  # noqa: ANN201
         self._deterministic_check()
         config = self.get_dispatch_config(self.group_size) if config is None else config
+        self._check_runtime(uses_nvshmem=True)
+        self._dirty_after_normal()
         if self.runtime.get_num_rdma_ranks() > 1:
             assert num_worst_tokens == 0, "Internode dispatch does not support `num_worst_tokens > 0`"
-            _fields(config, "internode_dispatch", (x, config), self._CONFIG)
-            raise NotImplementedError("the fake emulates normal mode within one node (at most 8 ranks)")
+            cfg = _fields(config, "internode_dispatch", (x, config), self._CONFIG)
+            data, scales = x if isinstance(x, tuple) else (x, None)
+            reached = 0
+            if topk_idx is not None and num_tokens_per_expert is not None:
+                nodes = torch.where(topk_idx >= 0, topk_idx.long() // max(1, num_tokens_per_expert.numel()
+                                                                          // self.runtime.num_rdma_ranks), -1)
+                reached = max((len(set(row) - {-1}) for row in nodes.tolist()), default=0)
+            internode_dispatch_checks(self.group_size, self.runtime.num_qps, cfg, data.size(1) * data.element_size(),
+                                      0 if scales is None else scales.size(1),
+                                      0 if topk_idx is None else topk_idx.size(1), reached)
+            raise NotImplementedError("the fake emulates normal-mode data movement within one node (at most 8 ranks)")
         data, scales = x if isinstance(x, tuple) else (x, None)
         if handle is not None:
             raise NotImplementedError("the fake does not replay a cached dispatch handle")
@@ -416,6 +603,11 @@ class Buffer:
         ep_assert(need <= self.num_nvl_bytes, "<buffer layout of the dispatch kernel> <= num_nvl_bytes "
                   f"({need} > {self.num_nvl_bytes})", w)
         device_assert(k <= vendor.NORMAL_MAX_TOPK, "num_topk <= 32", _INTRANODE_CU)
+        hidden_int4 = hidden * x.element_size() // 16
+        device_assert(hidden_int4 % 2 == 0 and hidden_int4 // 2 * 16 + vendor.TMA_MBARRIER_BYTES
+                      <= vendor.INTRANODE_DISPATCH_TMA_BYTES,
+                      "hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp",
+                      _INTRANODE_CU)
         return self._exchange(x, x_scales, topk_idx, topk_weights, per_rank, in_rank, local, k, C, expert_alignment,
                               num_worst_tokens, async_finish)
 
@@ -479,9 +671,13 @@ class Buffer:
         """Add-only: each token gets the plain sum of the rows its destination ranks send back."""
         self._deterministic_check()
         config = self.get_combine_config(self.group_size) if config is None else config
+        self._check_runtime(uses_nvshmem=True)
+        self._dirty_after_normal()
         if self.runtime.get_num_rdma_ranks() > 1:
-            _fields(config, "internode_combine", (x, config), self._CONFIG)
-            raise NotImplementedError("the fake emulates normal mode within one node (at most 8 ranks)")
+            cfg = _fields(config, "internode_combine", (x, config), self._CONFIG)
+            internode_combine_checks(self.group_size, cfg, x.size(1), 0 if topk_weights is None else
+                                     topk_weights.size(1))
+            raise NotImplementedError("the fake emulates normal-mode data movement within one node (at most 8 ranks)")
         rank_prefix_matrix, _, channel_prefix_matrix, src_idx, is_recv_token_in_rank, send_head = handle
         bias_0, bias_1 = _unpack_bias(bias)
         args = (x, topk_weights, bias_0, bias_1, src_idx, rank_prefix_matrix, channel_prefix_matrix, send_head, config,
@@ -555,10 +751,15 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
         check_args("clean_low_latency_buffer", "(self: deep_ep._C.Buffer, arg0: int, arg1: int, arg2: int)",
                    (num_max_dispatch_tokens_per_rank, hidden, num_experts), "iii")
+        self._check_runtime(uses_nvshmem=True)
         ep_assert(self.low_latency_mode, "low_latency_mode", _BUFFER_HPP)
         layout = vendor.LowLatencyLayout.build(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         ep_assert(2 * layout.signaling_bytes <= self.num_rdma_bytes,
                   "0 <= offset and offset + num_bytes <= num_rdma_bytes", _BUFFER_HPP)
+        # internode_ll::clean_low_latency_buffer: nvshmemx_barrier_all_block(), zero both signalling areas,
+        # barrier again: a collective every rank must reach.
+        self._comm.all_gather(torch.zeros(1, 1, dtype=torch.uint8), (("metadata", 1),))
+        self._clean_for = (int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts))
 
     def _qp_depth_check(self, T: int) -> None:
         if self._ASSERTS_QP_DEPTH:
@@ -600,7 +801,9 @@ class Buffer:
             ep_assert(hidden % vendor.LOW_LATENCY_FP8_HIDDEN_MULTIPLE == 0, "hidden % 512 == 0", w)
             if use_ue8m0:
                 ep_assert(round_scale, "round_scale", w)
+        self._check_runtime(uses_nvshmem=True)
         self._ll_kernel_checks(x.size(1), topk_idx.size(1), num_experts, use_ue8m0, round_scale)
+        self._ll_signalling(T, hidden, num_experts)
 
     def _ll_kernel_checks(self, hidden: int, num_topk: int, num_experts: int, use_ue8m0: bool,
                           round_scale: bool) -> None:
@@ -637,7 +840,8 @@ class Buffer:
                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
         recv_x, recv_count, handle = self._ll_exchange(x, topk_idx, T, num_experts, use_fp8, round_scale, use_ue8m0,
                                                        cumulative_local_expert_recv_stats)
-        return recv_x, recv_count, handle, EventOverlap(EventHandle() if async_finish else None), _hook()
+        (recv_x, recv_count), hook = _received((recv_x, recv_count), return_recv_hook)
+        return recv_x, recv_count, handle, EventOverlap(EventHandle() if async_finish else None), hook
 
     def _ll_exchange(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, num_experts: int, use_fp8: bool,
                      round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None) -> tuple[Any, torch.Tensor, tuple]:
@@ -651,27 +855,27 @@ class Buffer:
         got, payload = self._gather_slots(x, topk_idx, T, columns, use_fp8)
         k = topk_idx.shape[1]
         slot, expert, position, recv_count = self._place_received(
-            from_bytes(got[:, payload : payload + 8 * k], torch.int64), local)
+            from_bytes(got[:, payload : payload + 8 * k], torch.int64), local, T)
         if stats is not None:
             stats += recv_count
         if use_fp8:
             fp8 = from_bytes(got[:, :h], torch.float8_e4m3fn)
             inv = from_bytes(got[:, h:payload], torch.float32)
-            recv_data = torch.zeros(local, R * T, h, dtype=torch.float8_e4m3fn)
+            recv_data = _nan_like((local, R * T, h), torch.float8_e4m3fn)
             recv_data.view(torch.uint8)[expert, position] = fp8.view(torch.uint8)[slot]
             if use_ue8m0:  # extract_required_scale_format: the fp32 bits >> 23, four per int32, column-major
                 exps = ((inv[slot].view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-                packed = torch.zeros(local, h // 512, R * T, dtype=torch.int32)
+                packed = _nan_like((local, h // 512, R * T), torch.int32)
                 packed.transpose(1, 2)[expert, position] = from_bytes(exps, torch.int32)
                 recv_scales = packed.transpose(1, 2)
             else:  # fp32 scale_inv, column-major [E_l, R·T, H/128]
-                scales = torch.zeros(local, h // 128, R * T, dtype=torch.float32)
+                scales = _nan_like((local, h // 128, R * T), torch.float32)
                 scales.transpose(1, 2)[expert, position] = inv[slot]
                 recv_scales = scales.transpose(1, 2)
             recv_x: Any = (recv_data, recv_scales)
         else:
             bf16 = from_bytes(got[:, :payload], torch.bfloat16)
-            recv_x = torch.zeros(local, R * T, h, dtype=torch.bfloat16)
+            recv_x = _nan_like((local, R * T, h), torch.bfloat16)
             recv_x[expert, position] = bf16[slot]
         handle = self._low_latency_handle(slot, expert, position, local, T, h, num_experts)
         return recv_x, recv_count, handle
@@ -695,15 +899,21 @@ class Buffer:
         self.calls.append(VendorCall("low_latency_dispatch", x.dtype, use_fp8, n * payload * self.group_size))
         return got, payload
 
-    def _place_received(self, gids: torch.Tensor, local: int
+    def _place_received(self, gids: torch.Tensor, local: int, T: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each (received slot, local expert) lands in the masked layout: the slot (src_rank·T +
         token), its local expert, its position in that expert's block, and the per-expert counts. An
-        expert's rows are grouped by source rank (each source's block begins where its atomicAdd put it)."""
+        expert's rows are grouped by source rank, the blocks in the order the receiver's atomicAdd handed
+        them out and each block's tokens in the sender's slot order (internode_ll.cu dispatch): both
+        arbitrary, so both are shuffled here (seeded per rank)."""
         first = self.rank * local
         hits = ((gids >= first) & (gids < first + local)).nonzero()
         expert = gids[hits[:, 0], hits[:, 1]] - first
-        order = torch.sort(expert, stable=True).indices
+        source = hits[:, 0] // T
+        block_order = torch.rand(local, self.group_size, generator=self._arrivals).argsort(dim=1).argsort(dim=1)
+        key = (expert * self.group_size + block_order[expert, source]).double() * 2 + torch.rand(
+            expert.numel(), generator=self._arrivals, dtype=torch.float64)
+        order = torch.argsort(key)
         slot, expert = hits[order, 0], expert[order]
         recv_count = torch.bincount(expert, minlength=local).to(torch.int32)
         start = torch.cumsum(recv_count.long(), 0) - recv_count.long()
@@ -737,7 +947,8 @@ class Buffer:
         combined, event = self._ll_combine(x, topk_idx, topk_weights, src_info, layout_range, T, num_experts,
                                            use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                                            combine_wait_recv_cost_stats)
-        return combined, event, _hook()
+        (combined,), hook = _received((combined,), return_recv_hook)
+        return combined, event, hook
 
     def _ll_combine(self, x: Any, topk_idx: Any, topk_weights: Any, src_info: Any, layout_range: Any, T: Any,
                     num_experts: Any, use_logfmt: Any, zero_copy: Any, async_finish: Any, return_recv_hook: Any,
@@ -784,6 +995,8 @@ class Buffer:
         ep_assert(not (zero_copy and use_logfmt), "not(zero_copy and use_logfmt)", _LL_CU)
         if use_logfmt or zero_copy:
             raise NotImplementedError("the fake sends BF16 rows (no LogFMT, no zero-copy)")
+        self._check_runtime(uses_nvshmem=True)
+        self._ll_signalling(T, hidden, num_experts)
         # Back to each source rank: a [T, E_l, H] block per rank, each expert's row at its source token.
         blocks = torch.zeros(R, T, local, hidden, dtype=torch.bfloat16)
         for e in range(local):
@@ -820,8 +1033,30 @@ def _unpack_bias(bias: Any) -> tuple[Any, Any]:
     return None, None
 
 
-def _hook() -> Callable[[], None]:
-    return lambda: None
+def _poisoned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape and strides whose contents are garbage until the hook fills it."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        out.fill_(float("nan"))
+    else:
+        out.view(torch.uint8 if t.element_size() == 1 else t.dtype).fill_(-1 if t.element_size() > 1 else 255)
+    return out
+
+
+def _received(results: tuple, return_recv_hook: bool) -> tuple[tuple, Callable[[], None] | None]:
+    """DeepEP returns ``std::nullopt`` (None) for the hook unless ``return_recv_hook``; with it the kernel only
+    sends, and the received tensors are filled when the hook runs (csrc/legacy/buffer.hpp low_latency_*)."""
+    if not return_recv_hook:
+        return results, None
+    flat = [t for r in results for t in (r if isinstance(r, tuple) else (r,))]
+    shown = [_poisoned_copy(t) for t in flat]
+
+    def hook() -> None:
+        for dst, src in zip(shown, flat):
+            dst.copy_(src)
+
+    it = iter(shown)
+    return tuple(tuple(next(it) for _ in r) if isinstance(r, tuple) else next(it) for r in results), hook
 
 
 def install_statics(cls: type) -> None:

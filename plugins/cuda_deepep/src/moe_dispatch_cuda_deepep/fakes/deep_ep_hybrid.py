@@ -18,11 +18,15 @@
   allow_mnnvl=False, use_fabric=False, explicitly_destroy=False, comm=None)``: no ``enable_shrink``.
 - No ``check_torch_deterministic``, no QP-depth assert, no ``topk_idx_t`` (int64 asserted), tuned configs
   and ``SWITCH_RDMA_RANKS`` of main before c939644, low-latency hidden sizes without 3072.
+- ``x_global_scale``: "a float32 tensor with dim() == 0" (buffer.py docstring), read on the device as
+  ``x_global_scale->data_ptr<float>()`` (csrc/deep_ep.cpp): pybind refuses a Python float, c10 another dtype, and
+  a tensor on another device is an illegal address in the kernel (the context is lost).
 - ``HybridEPBuffer`` exists (normal-mode NVFP4); the fake does not emulate it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -34,8 +38,8 @@ from moe_dispatch.wire import WireFormat
 from moe_dispatch_cuda_deepep import vendor
 
 from . import deep_ep
-from ._native import check_args, device_assert, ep_assert
-from .deep_ep import Config, EventHandle, EventOverlap, VendorCall, install_statics
+from ._native import check_args, device_assert, ep_assert, lose_context, scalar_type_check
+from .deep_ep import Config, EventHandle, EventOverlap, VendorCall, _nan_like, _received, install_statics
 
 __version__ = "1.2.1+94a9f8f"  # the distribution version of a git build of the branch (it has no __version__)
 
@@ -100,17 +104,25 @@ class Buffer(deep_ep.Buffer):
             if use_ue8m0_for_sf:
                 raise NotImplementedError("the fake implements NVFP4 with e4m3 block scales (use_ue8m0_for_sf=False)")
             device_assert(x_global_scale is not None, "x_global_scale != nullptr", _LL_CU)
+            scalar_type_check(x_global_scale, torch.float32, "x_global_scale->data_ptr<float>()")
+            ep_assert(x_global_scale.dim() == 0, "x_global_scale: a float32 tensor with dim() == 0 (docstring)",
+                      "deep_ep/buffer.py")
+            if x_global_scale.device != x.device:
+                raise lose_context("an illegal memory access: x_global_scale is not on the data's device")
             recv_x, recv_count, handle, placed = self._nvfp4_exchange(x, topk_idx, T, num_experts, x_global_scale,
                                                                       extra)
+            self.calls[-1] = dataclasses.replace(self.calls[-1], x_global_scale=x_global_scale)
         else:
             recv_x, recv_count, handle, placed = self._ll_exchange_with(x, topk_idx, T, num_experts, use_fp8,
                                                                         round_scale, use_ue8m0,
                                                                         cumulative_local_expert_recv_stats, extra)
         event = EventOverlap(EventHandle() if async_finish else None)
         if topk_weights is None:
-            return recv_x, recv_count, handle, event, (lambda: None)
+            (recv_x, recv_count), hook = _received((recv_x, recv_count), return_recv_hook)
+            return recv_x, recv_count, handle, event, hook
+        (recv_x, recv_count, placed), hook = _received((recv_x, recv_count, placed), return_recv_hook)
         recv_weights, recv_rank = placed
-        return recv_x, recv_count, recv_weights, recv_rank, handle, event, (lambda: None)
+        return recv_x, recv_count, recv_weights, recv_rank, handle, event, hook
 
     def _ll_exchange_with(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, num_experts: int, use_fp8: bool,
                           round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None,
@@ -129,10 +141,10 @@ class Buffer(deep_ep.Buffer):
         q = NVFP4Codec(WireFormat(md.DispatchDtype.NVFP4, h), float(x_global_scale)).quantize(x)
         got, payload = self._gather_slots(x, topk_idx, T, [q.data, as_bytes(q.scale)], False, extra)
         slot, expert, position, recv_count = self._place_received(
-            from_bytes(got[:, payload : payload + 8 * k], torch.int64), local)
-        data = torch.zeros(local, R * T, h // 2, dtype=torch.uint8)
+            from_bytes(got[:, payload : payload + 8 * k], torch.int64), local, T)
+        data = _nan_like((local, R * T, h // 2), torch.uint8)
         data[expert, position] = got[slot, : h // 2]
-        linear = torch.zeros(local, R * T, h // 16, dtype=torch.uint8)
+        linear = _nan_like((local, R * T, h // 16), torch.uint8)
         linear[expert, position] = got[slot, h // 2 : payload]
         scales = to_mma_view(linear.view(torch.float8_e4m3fn))  # [32, 4, ⌈R·T/128⌉, 4, H/64, E_l]
         handle = self._low_latency_handle(slot, expert, position, local, T, h, num_experts)
@@ -141,9 +153,9 @@ class Buffer(deep_ep.Buffer):
             weights = from_bytes(got[:, payload + 8 * k :], torch.float32)
             ids = from_bytes(got[:, payload : payload + 8 * k], torch.int64)
             which = (ids[slot] == (expert + self.rank * local)[:, None]).float().argmax(1)
-            recv_weights = torch.zeros(local, R * T, dtype=torch.float32)
+            recv_weights = _nan_like((local, R * T), torch.float32)
             recv_weights[expert, position] = weights[slot, which]
-            recv_rank = torch.zeros(local, R * T, dtype=torch.int32)
+            recv_rank = _nan_like((local, R * T), torch.int32)
             recv_rank[expert, position] = (slot // T).to(torch.int32)
             placed = (recv_weights, recv_rank)
         return (data.permute(1, 2, 0), scales), recv_count, handle, placed
@@ -165,7 +177,8 @@ class Buffer(deep_ep.Buffer):
         combined, event = self._ll_combine_checked(x, topk_idx, topk_weights, src_info, layout_range, int(T),
                                                    int(num_experts), use_logfmt, zero_copy, async_finish,
                                                    return_recv_hook, out, max_topk)
-        return combined, event, (lambda: None)
+        (combined,), hook = _received((combined,), return_recv_hook)
+        return combined, event, hook
 
 
 install_statics(Buffer)

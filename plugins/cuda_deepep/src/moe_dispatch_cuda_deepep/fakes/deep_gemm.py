@@ -17,24 +17,36 @@ The calls are pybind functions (``csrc/apis/gemm.hpp``): the recorded keyword na
   TMA-aligned; fp32 SFA on SM100 with the cast disabled is "Unsupported architecture or scaling factor
   types", as is int32 SFA on SM90.
 
-The contiguous layout's rule from the README (every ``get_mk_alignment_for_contiguous_layout()``-row block
-belongs to one group, -1 for padding) is checked too: DeepGEMM does not check it on the host and computes
-garbage. Padding rows come back NaN on SM90 (unspecified) and zero on SM100 (``ensure_zero_padding``).
+The contiguous layout is read as the kernels read it: every ``get_mk_alignment_for_contiguous_layout()``-row
+block takes its group from its first row (``max(0, grouped_layout[m_block_idx * BLOCK_M])``,
+deep_gemm/include/deep_gemm/scheduler/gemm.cuh); the fake refuses a block whose rows are not that group followed
+by -1 padding (DeepGEMM does not check and computes garbage). Padding rows are unspecified (``ensure_zero_padding``
+only concerns the PSUM layout): NaN here on both architectures. The masked GEMM stores whole BLOCK_M tiles into
+one ``[G·m, n]`` view (csrc/jit_kernels/impls/runtime_utils.hpp make_tma_cd_desc): rows from ``masked_m`` up to
+the tile end get garbage (NaN here) and, where that passes ``m``, the next group's first rows do too. The fake
+picks, from the BLOCK_M values the version's heuristic may choose, one that does not divide ``m`` when there is
+one (the real choice depends on the SM count). TMA descriptors need 16-byte row strides (a "CUDA driver" error).
+
+``emulate(capability, version)`` follows the version: the recorded signatures of 2.0–2.2 (``m_indices``), 2.3–2.5
+and 2.6.1; ``set_mk_alignment_for_contiguous_layout`` from 2.4.2; the SM100 fp32 1D2D path (``disable_ue8m0_cast``)
+before 2.2.0; the masked BLOCK_M values (``vendor.dg_masked_block_ms``); the power-of-two assert from 2.6.1.
 Computed in fp32, written to ``d`` as bf16. Not emulated: ``recipe_a``/``recipe_b``, PSUM layouts, FP4.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from moe_dispatch.signatures import REQUIRED, VendorSignature
 from moe_dispatch_cuda_deepep import vendor
 
 from . import _gemm
-from ._native import check_args, device_assert, dg_assert, is_int
+from ._native import check_args, check_context, device_assert, dg_assert, incompatible, is_int
 
 __version__ = "2.6.1"
 EMULATED_DEVICE_CAPABILITY = (9, 0)
@@ -58,6 +70,18 @@ class _Device:
     @property
     def strict_pow2(self) -> bool:
         return vendor.version_tuple(self.version) >= vendor.DG_POW2_ASSERT_VERSION
+
+    @property
+    def sm100_fp32_kernel(self) -> bool:
+        """SM100's 1D2D kernel with fp32 scales (``disable_ue8m0_cast``) existed up to 2.1.x (9da4a23 .. 38f8ef7^)."""
+        return self.arch == vendor.DG_ARCH_SM100 and vendor.version_tuple(self.version) < (2, 2)
+
+    def masked_block_m(self, m: int) -> int:
+        """A BLOCK_M the heuristic may pick for ``m``: one that does not divide it when there is one."""
+        info = vendor.DeepGemmInfo(vendor.DEEP_GEMM, object(), "v2", True, version=self.version)
+        choices = sorted(vendor.dg_masked_block_ms(info, self.arch, self.mk_alignment))
+        misfits = [bm for bm in choices if m % bm]
+        return (misfits or choices)[-1]
 
 
 def _pair(value: Any, function: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +148,9 @@ def _pack_cast(device: _Device, sf: torch.Tensor) -> torch.Tensor:
     batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
     groups, mn, sf_k = batched.shape
     torch_path = ((mn * sf_k) % 4 != 0 and groups > 1) if batched.is_contiguous() else (mn % 4 != 0 or groups > 1)
+    if not torch_path and not batched.is_contiguous():
+        dg_assert(batched.stride(1) == 1 and batched.stride(2) == mn,
+                  "batched_sf.stride(1) == 1 and batched_sf.stride(2) == mn", "csrc/jit_kernels/impls/smxx_layout.hpp")
     if device.strict_pow2 and not torch_path:
         device_assert(_gemm.is_power_of_two(sf), "(values[j] & 0x807fffffu) == 0", _SMXX)
     return _gemm.exponent_only(sf)
@@ -165,26 +192,32 @@ def _scales(device: _Device, sfa: torch.Tensor, sfb: torch.Tensor, m: int, n: in
             dg_assert(False, "Unknown SF transformation", _LAYOUT)
     (a_vals, a_kind, _), (b_vals, _, b_gran) = values
     supported = (device.arch == vendor.DG_ARCH_SM90 and a_kind == "float") or (
-        device.arch == vendor.DG_ARCH_SM100 and a_kind == "int")
+        device.arch == vendor.DG_ARCH_SM100 and (a_kind == "int" or device.sm100_fp32_kernel))
     dg_assert(supported, "Unsupported architecture or scaling factor types", _GEMM)
     b_rows = _gemm.rows_from_blocks(b_vals, n) if b_gran == 128 else b_vals
     return a_vals, b_rows
 
 
-def _check_contiguous_layout(device: _Device, grouped_layout: torch.Tensor, m: int, num_groups: int) -> None:
-    """The README's contiguous layout: each aligned block of rows is one group's (or all padding)."""
+def _block_groups(device: _Device, grouped_layout: torch.Tensor, m: int, num_groups: int) -> torch.Tensor:
+    """Each row's group as the kernels use it: its block's first row's (``max(0, ...)``), -1 for padding rows.
+    Refuses (as the fake's own check: DeepGEMM computes wrong rows) a layout where that differs from the rows'
+    own ids: blocks of ``get_mk_alignment_for_contiguous_layout()`` rows whose first row carries the group and
+    whose other rows are that group or, after the last valid row, -1."""
     alignment = device.mk_alignment
     ids = grouped_layout.long()
     ok = m % alignment == 0 and bool(((ids >= -1) & (ids < num_groups)).all())
     if ok and m:
         blocks = ids.view(-1, alignment)
-        top = torch.where(blocks >= 0, blocks, -2).amax(dim=1)
-        ok = bool(((blocks == top[:, None]) | (blocks == -1)).all())
+        first = blocks[:, :1]
+        valid = blocks >= 0
+        trailing = valid.int().cummin(dim=1).values.bool() == valid  # no valid row after a -1
+        ok = bool(((blocks == first) | ~valid).all()) and bool(trailing.all())
     if not ok:
         raise RuntimeError(f"(fake) contiguous layout: M={m} rows must come in blocks of "
-                           f"get_mk_alignment_for_contiguous_layout() = {alignment}, each block one group's "
-                           f"(ids in [0, {num_groups})) or -1 padding; DeepGEMM does not check this and computes "
-                           "wrong results")
+                           f"get_mk_alignment_for_contiguous_layout() = {alignment} whose first row carries the "
+                           f"block's group (ids in [0, {num_groups})) and whose other rows are that group, then -1 "
+                           "padding; DeepGEMM reads each block's group from its first row and does not check")
+    return ids
 
 
 def _contiguous(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
@@ -222,9 +255,9 @@ def _contiguous(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: t
         a_f, w_f = _gemm.dequant_rows(a, sa), _gemm.dequant_rows(b, sb)
     else:
         a_f, w_f = a.float(), b.float()
-    _check_contiguous_layout(device, grouped_layout, m, num_groups)
-    zero = device.arch == vendor.DG_ARCH_SM100 and ensure_zero_padding
-    d.copy_(_gemm.grouped_contiguous(a_f, w_f, grouped_layout, 0.0 if zero else float("nan")).to(torch.bfloat16))
+    _check_tma_strides_of(a, b, d)
+    groups = _block_groups(device, grouped_layout, m, num_groups)
+    d.copy_(_gemm.grouped_contiguous(a_f, w_f, groups, float("nan")).to(torch.bfloat16))
 
 
 def _masked(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
@@ -253,9 +286,43 @@ def _masked(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch
         dg_assert(device.arch != vendor.DG_ARCH_SM90 or k % 64 == 0, "k % 64 == 0",
                   "csrc/jit_kernels/impls/sm90_bf16_gemm.hpp")
         a_f, w_f = a.float(), b.float()
+    _check_tma_strides_of(a, b, d)
     counts = masked_m.tolist()
-    device_assert(all(0 <= c <= m for c in counts), f"masked_m within [0, {m}]", "grouped GEMM scheduler")
-    _gemm.grouped_masked(a_f, w_f, d, counts)
+    if not all(0 <= c <= m for c in counts):
+        raise RuntimeError(f"(fake) masked_m {counts} must lie in [0, {m}]: DeepGEMM has no such check, it would "
+                           "read and write the following groups' rows (or past the tensor)")
+    _gemm.grouped_masked(a_f, w_f, d, counts, device.masked_block_m(m))
+
+
+def _check_tma_strides_of(*operands: torch.Tensor) -> None:
+    """``cuTensorMapEncodeTiled`` refuses a global stride that is not a multiple of 16 bytes; DeepGEMM raises its
+    ``DG_CUDA_DRIVER_CHECK`` error (csrc/jit_kernels/impls/runtime_utils.hpp make_tma_2d_desc)."""
+    for t in operands:
+        stride = max(t.stride(-2), t.stride(-1)) * t.element_size()
+        if stride % vendor.TMA_STRIDE_BYTES:
+            raise RuntimeError("CUDA driver error (csrc/jit_kernels/impls/runtime_utils.hpp): 1 "
+                               "(CUDA_ERROR_INVALID_VALUE, invalid argument)")
+
+
+def _versioned(fn: Callable[..., Any], record: VendorSignature) -> Callable[..., Any]:
+    """``fn`` (2.6.1's parameters) behind an older version's recorded signature: pybind refuses any other call
+    (``TypeError``); ``m_indices`` is what 2.3.0 renamed to ``grouped_layout``."""
+    params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                default=inspect.Parameter.empty if p.default == REQUIRED else p.default)
+              for p in record.params]
+    signature = inspect.Signature(params)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            raise incompatible(record.qualname, record.text, args) from None
+        bound.apply_defaults()
+        return fn(**{("grouped_layout" if k == "m_indices" else k): v for k, v in bound.arguments.items()})
+
+    call.__signature__ = signature  # type: ignore[attr-defined]
+    call.__name__ = call.__qualname__ = record.qualname
+    return call
 
 
 def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
@@ -269,7 +336,9 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
                                              ensure_zero_padding=True, expected_m_for_psum_layout=None):  # noqa: ANN202
         (a0, a1), (b0, b1) = _pair(a, vendor.DG_FP8_CONTIGUOUS), _pair(b, vendor.DG_FP8_CONTIGUOUS)
         check_args(vendor.DG_FP8_CONTIGUOUS, sig, (d, grouped_layout, compiled_dims, disable_ue8m0_cast,
-                                                   use_psum_layout, ensure_zero_padding), "ttsbbb")
+                                                   use_psum_layout, ensure_zero_padding, expected_m_for_psum_layout),
+                   "ttsbbbI")
+        check_context()
         _recipe_pair(recipe_a, recipe_b)
         _contiguous(device, a0, a1, b0, b1, d, grouped_layout, recipe, bool(disable_ue8m0_cast), use_psum_layout,
                     ensure_zero_padding, expected_m_for_psum_layout, True)
@@ -278,18 +347,21 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
                                          compiled_dims="nk", disable_ue8m0_cast=False):  # noqa: ANN202
         (a0, a1), (b0, b1) = _pair(a, vendor.DG_FP8_MASKED), _pair(b, vendor.DG_FP8_MASKED)
         check_args(vendor.DG_FP8_MASKED, sig, (d, masked_m, expected_m, compiled_dims, disable_ue8m0_cast), "ttisb")
+        check_context()
         _recipe_pair(recipe_a, recipe_b)
         _masked(device, a0, a1, b0, b1, d, masked_m, int(expected_m), recipe, bool(disable_ue8m0_cast), True)
 
     def m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims="nk", use_psum_layout=False,
                                           ensure_zero_padding=True, expected_m_for_psum_layout=None):  # noqa: ANN202
         check_args(vendor.DG_BF16_CONTIGUOUS, sig, (a, b, d, grouped_layout, compiled_dims, use_psum_layout,
-                                                    ensure_zero_padding), "ttttsbb")
+                                                    ensure_zero_padding, expected_m_for_psum_layout), "ttttsbbI")
+        check_context()
         _contiguous(device, a, None, b, None, d, grouped_layout, None, False, use_psum_layout, ensure_zero_padding,
                     expected_m_for_psum_layout, False)
 
     def m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims="nk"):  # noqa: ANN202
         check_args(vendor.DG_BF16_MASKED, sig, (a, b, d, masked_m, expected_m, compiled_dims), "ttttis")
+        check_context()
         _masked(device, a, None, b, None, d, masked_m, int(expected_m), None, False, False)
 
     def get_mk_alignment_for_contiguous_layout():  # noqa: ANN202
@@ -304,21 +376,85 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
         check_args(vendor.DG_TMA_ALIGNED_SIZE, "(arg0: int, arg1: int) -> int", (arg0, arg1), "ii")
         dg_assert(vendor.TMA_ALIGNMENT_BYTES % int(arg1) == 0, "kNumTMAAlignmentBytes % element_size == 0",
                   "csrc/utils/math.hpp")
-        return vendor.tma_aligned_size(int(arg0), int(arg1))
+        return _aligned(int(arg0), int(arg1))
+
+    def get_mn_major_tma_aligned_tensor(arg0, /):  # noqa: ANN001, ANN202
+        check_args(vendor.DG_MN_MAJOR_TMA_ALIGNED, "(arg0: torch.Tensor) -> torch.Tensor", (arg0,), "t")
+        check_context()
+        return _mn_major_fp32(arg0)
+
+    def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf, psum_layout=None):  # noqa: ANN001, ANN202
+        check_args(vendor.DG_MN_MAJOR_PACKED_UE8M0, "(sf: torch.Tensor, psum_layout: Optional[torch.Tensor] = None)",
+                   (sf, psum_layout), "tT")
+        check_context()
+        if psum_layout is not None:
+            raise NotImplementedError("the fake does not emulate the PSUM layout")
+        return _packed_ue8m0(device, sf)
 
     module = types.ModuleType(name, f"DeepGEMM {version} on an emulated SM{capability[0]}{capability[1]}")
     module.__version__ = version  # type: ignore[attr-defined]
     setattr(module, vendor.EMULATED_CAPABILITY_ATTRIBUTE, tuple(capability))
-    for attr, fn in ((vendor.DG_FP8_CONTIGUOUS, m_grouped_fp8_fp4_gemm_nt_contiguous),
-                     (vendor.DG_FP8_MASKED, m_grouped_fp8_fp4_gemm_nt_masked),
-                     (vendor.DG_FP8_MASKED_ALIAS, m_grouped_fp8_fp4_gemm_nt_masked),
-                     (vendor.DG_BF16_CONTIGUOUS, m_grouped_bf16_gemm_nt_contiguous),
-                     (vendor.DG_BF16_MASKED, m_grouped_bf16_gemm_nt_masked),
-                     (vendor.DG_MK_ALIGNMENT, get_mk_alignment_for_contiguous_layout),
-                     (set_mk_alignment_for_contiguous_layout.__name__, set_mk_alignment_for_contiguous_layout),
-                     (vendor.DG_TMA_ALIGNED_SIZE, get_tma_aligned_size)):
+    v = vendor.version_tuple(version)
+    records = {r.qualname: r for r in vendor.deep_gemm_signatures("v2", version)}
+    functions = [(vendor.DG_FP8_CONTIGUOUS, m_grouped_fp8_fp4_gemm_nt_contiguous),
+                 (vendor.DG_FP8_MASKED, m_grouped_fp8_fp4_gemm_nt_masked),
+                 (vendor.DG_BF16_CONTIGUOUS, m_grouped_bf16_gemm_nt_contiguous),
+                 (vendor.DG_BF16_MASKED, m_grouped_bf16_gemm_nt_masked)]
+    for attr, fn in functions:
+        record = records[attr]
+        if record != {r.qualname: r for r in vendor.DEEP_GEMM_SIGNATURES}[attr]:
+            fn = _versioned(fn, record)  # an older version's parameters
+        setattr(module, attr, fn)
+    setattr(module, vendor.DG_FP8_MASKED_ALIAS, getattr(module, vendor.DG_FP8_MASKED))
+    setattr(module, vendor.DG_MK_ALIGNMENT, get_mk_alignment_for_contiguous_layout)
+    if v >= vendor.DG_SET_MK_ALIGNMENT_VERSION:
+        setattr(module, vendor.DG_SET_MK_ALIGNMENT, set_mk_alignment_for_contiguous_layout)
+    for attr, fn in ((vendor.DG_TMA_ALIGNED_SIZE, get_tma_aligned_size),
+                     (vendor.DG_MN_MAJOR_TMA_ALIGNED, get_mn_major_tma_aligned_tensor),
+                     (vendor.DG_MN_MAJOR_PACKED_UE8M0, get_mn_major_tma_aligned_packed_ue8m0_tensor)):
         setattr(module, attr, fn)
     return module
+
+
+def _aligned(mn: int, element_size: int) -> int:
+    """``get_tma_aligned_size`` (csrc/utils/math.hpp): ``mn`` rounded up to 16 bytes of elements."""
+    per = vendor.TMA_ALIGNMENT_BYTES // element_size
+    return -(-mn // per) * per
+
+
+def _mn_major_layout(values: torch.Tensor) -> torch.Tensor:
+    """``[G?, MN, K]`` values in a fresh MN-major tensor with the MN stride TMA-aligned, groups dense."""
+    batched = values.unsqueeze(0) if values.dim() == 2 else values
+    groups, mn, k = batched.shape
+    aligned = _aligned(mn, values.element_size())
+    out = torch.empty_strided((groups, mn, k), (aligned * k, 1, aligned), dtype=values.dtype)
+    out.copy_(batched)
+    return out.squeeze(0) if values.dim() == 2 else out
+
+
+def _mn_major_fp32(sf: torch.Tensor) -> torch.Tensor:
+    """``get_mn_major_tma_aligned_tensor`` (csrc/jit_kernels/impls/smxx_layout.hpp): fp32 only; returned as it is
+    when already so laid out."""
+    dg_assert(sf.dim() in (2, 3), "dim == 2 or dim == 3", "csrc/jit_kernels/impls/smxx_layout.hpp")
+    dg_assert(sf.dtype == torch.float32, "sf.scalar_type() == torch::kFloat", "csrc/jit_kernels/impls/smxx_layout.hpp")
+    batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
+    mn, k = batched.shape[1], batched.shape[2]
+    aligned = _aligned(mn, 4)
+    if (batched.stride(0) == aligned * k or sf.dim() == 2) and batched.stride(1) == 1 and batched.stride(2) == aligned:
+        return sf
+    return _mn_major_layout(sf)
+
+
+def _packed_ue8m0(device: _Device, sf: torch.Tensor) -> torch.Tensor:
+    """``get_mn_major_tma_aligned_packed_ue8m0_tensor``: fp32 scales → their exponent bytes (with the 2.6.1 power-of-
+    two device assert on the CUDA path), four per int32 (the first in the low byte), MN-major, TMA-aligned."""
+    dg_assert(sf.dtype == torch.float32, "sf.scalar_type() == torch::kFloat", "csrc/jit_kernels/impls/smxx_layout.hpp")
+    values = _pack_cast(device, sf)
+    k = values.shape[-1]
+    exps = (values.contiguous().view(torch.int32) >> 23).to(torch.uint8)
+    padded = torch.zeros(*values.shape[:-1], -(-k // 4) * 4, dtype=torch.uint8)
+    padded[..., :k] = exps
+    return _mn_major_layout(padded.view(torch.int32))
 
 
 def _recipe_pair(recipe_a: Any, recipe_b: Any) -> None:
@@ -333,5 +469,7 @@ fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
 m_grouped_bf16_gemm_nt_contiguous = getattr(_SM90, vendor.DG_BF16_CONTIGUOUS)
 m_grouped_bf16_gemm_nt_masked = getattr(_SM90, vendor.DG_BF16_MASKED)
 get_mk_alignment_for_contiguous_layout = getattr(_SM90, vendor.DG_MK_ALIGNMENT)
-set_mk_alignment_for_contiguous_layout = _SM90.set_mk_alignment_for_contiguous_layout
+set_mk_alignment_for_contiguous_layout = getattr(_SM90, vendor.DG_SET_MK_ALIGNMENT)
 get_tma_aligned_size = getattr(_SM90, vendor.DG_TMA_ALIGNED_SIZE)
+get_mn_major_tma_aligned_tensor = getattr(_SM90, vendor.DG_MN_MAJOR_TMA_ALIGNED)
+get_mn_major_tma_aligned_packed_ue8m0_tensor = getattr(_SM90, vendor.DG_MN_MAJOR_PACKED_UE8M0)

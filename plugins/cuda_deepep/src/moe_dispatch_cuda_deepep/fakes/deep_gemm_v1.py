@@ -6,10 +6,16 @@ masked_m, expected_m)`` with v1's Python ``assert``s (deep_gemm/jit_kernels/m_gr
 fp32 scales, int32 indices, contiguous LHS/RHS/out/indices and RHS scales; LHS scales made TMA-aligned
 column-major by ``get_col_major_tma_aligned_tensor``; the masked GEMM's TMA-store rule (``m % block_m == 0``
 when ``num_groups > 1 and m > block_m``; the fake asserts it for every block M v1's heuristic may choose,
-64/128/256, since the choice depends on the SM count). The kernels are ``fakes.deep_gemm_v1_kernels``.
+64/128/256, since the choice depends on the SM count). The assert exempts ``m <= block_m``, where the whole-tile
+store still spills into the next group (the kernel fake shows it). ``wgrad_gemm_fp8_fp8_fp32_nt`` exists (04278f6).
+The kernels are ``fakes.deep_gemm_v1_kernels``; ``fakes.deep_gemm_v1_pypi`` is PyPI's 1.0.0 (@ b05ed2f).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +45,8 @@ def get_m_alignment_for_contiguous_layout() -> int:
     return vendor.DG_DEFAULT_MK_ALIGNMENT
 
 
-def get_tma_aligned_size(x: int, element_size: int) -> int:
+def _tma_aligned_size(x: int, element_size: int) -> int:
+    """``jit_kernels.utils.get_tma_aligned_size`` (not exported by the package)."""
     assert vendor.TMA_ALIGNMENT_BYTES % element_size == 0
     return vendor.tma_aligned_size(x, element_size)
 
@@ -50,7 +57,7 @@ def get_col_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:
     squeeze = x.dim() == 2
     b = x.unsqueeze(0) if squeeze else x
     groups, m, n = b.shape
-    aligned = get_tma_aligned_size(m, x.element_size())
+    aligned = _tma_aligned_size(m, x.element_size())
     if b.stride(0) == aligned * n and b.stride(1) == 1 and b.stride(2) == aligned:
         return x
     out = torch.empty((groups, n, aligned), dtype=x.dtype, device=x.device).transpose(1, 2)
@@ -59,7 +66,31 @@ def get_col_major_tma_aligned_tensor(x: torch.Tensor) -> torch.Tensor:
     return out.squeeze(0) if squeeze else out
 
 
-def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out, m_indices) -> None:  # noqa: ANN001
+@dataclass(frozen=True)
+class Rules:
+    """What differs between v1 builds: the masked M assert (6da94d2), the block Ms ``get_best_configs`` picks
+    from, whether a block whose first ``m_indices`` entry is -1 is skipped (0c88cd0, #113) or an illegal address,
+    and whether an odd ceil(K/128) compiles (6c5da03)."""
+
+    masked_asserts_block_m: bool
+    masked_block_ms: tuple[int, ...]
+    skips_negative: bool
+    odd_k_blocks_compile: bool
+
+
+#: main @ 0c88cd0 (the last v1).
+RULES = Rules(True, vendor.DG_V1_MASKED_BLOCK_MS, True, True)
+
+
+def _compile(rules: Rules, k: int) -> None:
+    """The JIT build of the kernel: before 6c5da03 an odd ceil(K/128) fails to compile when the heuristic picks a
+    BLOCK_N dividing 128 (the fake assumes it may)."""
+    if not rules.odd_k_blocks_compile and ceil_div(k, 128) % 2:
+        print("error: static assertion failed with \"Misaligned barriers\"", file=sys.stderr)
+        raise subprocess.CalledProcessError(1, ["nvcc", "m_grouped_gemm_fp8_fp8_bf16_nt.cu"])
+
+
+def contiguous(rules: Rules, lhs, rhs, out, m_indices) -> None:  # noqa: ANN001
     lhs, lhs_scales = lhs
     rhs, rhs_scales = rhs
     m, k = lhs.shape
@@ -79,11 +110,12 @@ def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out, m_indices) -> None:
     assert rhs_scales.is_contiguous()
     if m == 0:
         return
+    _compile(rules, k)
     run_contiguous(lhs, lhs_scales, rhs, rhs_scales, out, m_indices, get_m_alignment_for_contiguous_layout(),
-                   skips_negative=True)
+                   skips_negative=rules.skips_negative)
 
 
-def m_grouped_gemm_fp8_fp8_bf16_nt_masked(lhs, rhs, out, masked_m, expected_m) -> None:  # noqa: ANN001
+def masked(rules: Rules, lhs, rhs, out, masked_m, expected_m) -> None:  # noqa: ANN001
     lhs, lhs_scales = lhs
     rhs, rhs_scales = rhs
     num_groups, m, k = lhs.shape
@@ -103,8 +135,23 @@ def m_grouped_gemm_fp8_fp8_bf16_nt_masked(lhs, rhs, out, masked_m, expected_m) -
     assert out.is_contiguous() and masked_m.is_contiguous()
     lhs_scales = get_col_major_tma_aligned_tensor(lhs_scales)
     assert rhs_scales.is_contiguous()
-    if num_groups > 1:
-        for block_m in vendor.DG_V1_MASKED_BLOCK_MS:
+    if num_groups > 1 and rules.masked_asserts_block_m:
+        for block_m in rules.masked_block_ms:
             assert m <= block_m or m % block_m == 0, (
                 f"For masked grouped GEMM, shape M should be multiple of the block M (current block M: {block_m})")
-    run_masked(lhs, lhs_scales, rhs, rhs_scales, out, masked_m)
+    _compile(rules, k)
+    misfits = [bm for bm in rules.masked_block_ms if m % bm]  # the choice depends on the SM count: the worst one
+    run_masked(lhs, lhs_scales, rhs, rhs_scales, out, masked_m, (misfits or list(rules.masked_block_ms))[-1])
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out, m_indices) -> None:  # noqa: ANN001
+    contiguous(RULES, lhs, rhs, out, m_indices)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_masked(lhs, rhs, out, masked_m, expected_m) -> None:  # noqa: ANN001
+    masked(RULES, lhs, rhs, out, masked_m, expected_m)
+
+
+def wgrad_gemm_fp8_fp8_fp32_nt(lhs, rhs, out) -> None:  # noqa: ANN001
+    """Present from 04278f6 (2025-05-14); not emulated."""
+    raise NotImplementedError("the fake does not emulate DeepGEMM v1's weight-gradient GEMMs")

@@ -5,7 +5,12 @@ its arguments, so that layer can be driven for real without a GPU (the optional 
   (``__ldg(grouped_layout + m_block_idx * BLOCK_M)``, deepseek-ai/DeepGEMM@b05ed2f
   deep_gemm/include/deep_gemm/scheduler.cuh); before 0c88cd0 (#113, 2025-06-15) a -1 there is an illegal
   address, from then on ``max(0, ...)``. Every row of a block is multiplied with that group's weights.
-- ``GroupedMasked``: rows ``< masked_m[g]`` of group g; the rest of ``out`` is left as it was.
+- ``GroupedMasked``: rows ``< masked_m[g]`` of group g, stored as whole BLOCK_M tiles (a full ``block_m`` TMA
+  box since 6db7e18, and at b05ed2f: rows past ``masked_m`` get garbage, spilling into the next group when the
+  tile passes M); the rest of ``out`` is left as it was.
+- The JIT compile of b05ed2f's template fails ("Misaligned barriers", a static assert) when ceil(K/128) is odd and
+  BLOCK_N divides 128 (deep_gemm/include/deep_gemm/fp8_gemm.cuh, removed by 6c5da03); nvcc's failure reaches
+  Python as ``subprocess.CalledProcessError`` from ``check_call`` (deep_gemm/jit/compiler.py build).
 
 ``installed(deep_gemm)`` swaps these in for v1 1.0.0's ``jit_tuner`` (deep_gemm/jit_kernels/tuner.py), sets
 the SM count ``get_num_sms()`` would read from the device, and lets ``torch.cuda.current_stream()`` (an
@@ -15,6 +20,8 @@ argument of the kernel) answer without CUDA — in the vendor's ``m_grouped_gemm
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Iterator
@@ -40,11 +47,17 @@ def run_contiguous(lhs: torch.Tensor, lhs_scales: torch.Tensor, rhs: torch.Tenso
 
 
 def run_masked(lhs: torch.Tensor, lhs_scales: torch.Tensor, rhs: torch.Tensor, rhs_scales: torch.Tensor,
-               out: torch.Tensor, masked_m: torch.Tensor) -> None:
+               out: torch.Tensor, masked_m: torch.Tensor, block_m: int) -> None:
     n = out.shape[-1]
     a = _gemm.dequant_rows(lhs, lhs_scales)
     w = _gemm.dequant_rows(rhs, _gemm.rows_from_blocks(rhs_scales, n))
-    _gemm.grouped_masked(a, w, out, masked_m.tolist())
+    _gemm.grouped_masked(a, w, out, masked_m.tolist(), block_m)
+
+
+def misaligned_barriers(k: int, block_n: int) -> bool:
+    """b05ed2f's ``DG_STATIC_ASSERT(not kMustUseUniformedScaleB or SHAPE_K_SCALES % 2 == 0, "Misaligned
+    barriers")`` with kMustUseUniformedScaleB = ``BLOCK_K (128) % BLOCK_N == 0``."""
+    return 128 % block_n == 0 and _gemm.ceil_div(k, 128) % 2 == 1
 
 
 class _Kernel:
@@ -59,7 +72,8 @@ class _Kernel:
             run_contiguous(a["lhs"], a["lhs_scales"], a["rhs"], a["rhs_scales"], a["out"], a["grouped_layout"],
                            int(self.keys["BLOCK_M"]), skips_negative=False)
         elif self.keys["GEMM_TYPE"] == "GroupedMasked":
-            run_masked(a["lhs"], a["lhs_scales"], a["rhs"], a["rhs_scales"], a["out"], a["grouped_layout"])
+            run_masked(a["lhs"], a["lhs_scales"], a["rhs"], a["rhs_scales"], a["out"], a["grouped_layout"],
+                       int(self.keys["BLOCK_M"]))
         else:
             raise NotImplementedError(f"no CPU kernel for {self.keys['GEMM_TYPE']}")
         return 0
@@ -70,6 +84,9 @@ class CpuJitTuner:
 
     def compile_and_tune(self, name: str, keys: dict, space: tuple, includes: tuple, arg_defs: tuple,
                          template: str, args: tuple) -> _Kernel:
+        if misaligned_barriers(int(keys["K"]), int(keys["BLOCK_N"])):
+            print("error: static assertion failed with \"Misaligned barriers\"", file=sys.stderr)
+            raise subprocess.CalledProcessError(1, ["nvcc", f"{name}.cu"])
         return _Kernel(keys, arg_defs)
 
 
@@ -103,4 +120,4 @@ def installed(deep_gemm: ModuleType, num_sms: int = vendor.H100_NUM_SMS) -> Iter
         grouped.jit_tuner, grouped.torch, utils._num_sms = saved
 
 
-__all__ = ["CpuJitTuner", "installed", "run_contiguous", "run_masked"]
+__all__ = ["CpuJitTuner", "installed", "misaligned_barriers", "run_contiguous", "run_masked"]

@@ -2,33 +2,32 @@
 class-level workspace cache, its state machine and asserts, the workspace views, and the size
 function, over the fake compiled module (``kernels``) and MNNVL memory (``mnnvl``).
 
-The version modules subclass ``MoeAlltoAllBase`` with each release's exact signatures (a keyword a
-release does not take is a TypeError, as there) and give it its own ``_WORKSPACE_CACHE``.
-Written from flashinfer-ai/flashinfer@4230a48 (v0.6.0) ... flashinfer-python==0.7.2.post1.
+``MoeAlltoAll_0_6_0`` / ``_0_6_14`` / ``_0_6_16`` / ``_0_7_1`` carry each release range's exact
+signatures (a keyword a release does not take is a TypeError, as there); a version module
+subclasses one and gives it its compiled module (``_KERNELS``), its ``MnnvlMemory`` (``_MNNVL``)
+and its own ``_WORKSPACE_CACHE``. Written from flashinfer-ai/flashinfer@4230a48 (v0.6.0) ...
+flashinfer-python==0.7.2.post1.
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from enum import IntEnum
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from .. import vendor
 from .kernels import MoeA2AKernels
-from .mnnvl import MnnvlMemory
-
-#: Read by the kernels once per process (function-statics in envUtils.cpp); performance only.
-_STATIC_ENV: dict[str, str | None] = {}
 
 
-def _read_static_env(profile: vendor.A2AProfile) -> None:
-    names = [vendor.ENV_DISPATCH_BLOCK_SIZE, vendor.ENV_COMBINE_BLOCK_SIZE]
-    if profile.reads_one_block_per_token:
-        names.append(vendor.ENV_ONE_BLOCK_PER_TOKEN)
-    for name in names:
-        _STATIC_ENV.setdefault(name, os.environ.get(name))
+class SfLayout(IntEnum):
+    """flashinfer/fp4_quantization.py SfLayout (the combine's ``sf_layout`` default)."""
+
+    layout_128x4 = 0
+    layout_8x4 = 1
+    layout_linear = 2
 
 
 def wrap_payload_tensor_in_workspace(workspace: torch.Tensor, leading_shape: list[int], slice_start: int,
@@ -67,6 +66,7 @@ class MoeAlltoAllBase:
     """Shared body; subclasses set ``_KERNELS`` and their own ``_WORKSPACE_CACHE`` dict."""
 
     _KERNELS: ClassVar[MoeA2AKernels]
+    _MNNVL: ClassVar[Any]
     _WORKSPACE_CACHE: ClassVar[dict[tuple[Any, ...], dict[str, Any]]]
     _METAINFO_INDEX: ClassVar[dict[str, int] | None] = None
 
@@ -76,15 +76,15 @@ class MoeAlltoAllBase:
         if key in cls._WORKSPACE_CACHE:
             return cls._WORKSPACE_CACHE[key]
         profile = cls._KERNELS.profile
-        mnnvl_mem = MnnvlMemory(mapping, workspace_size_per_rank)
+        mnnvl_mem = cls._MNNVL(mapping, workspace_size_per_rank)
         workspace = mnnvl_mem.as_torch_strided_tensor(torch.uint8)
         if profile.eplb:
             metainfo = cls._KERNELS.moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens,
                                                        eplb_stats_num_experts)
         else:
             metainfo = cls._KERNELS.moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens)
-        if profile.init_barrier:
-            MnnvlMemory.allocated_map[mnnvl_mem.ptr].comm.barrier()
+        if profile.init_barrier:  # 0.7.1+: no peer publishes before every rank's memset
+            cls._MNNVL.allocated_map[mnnvl_mem.ptr].comm.barrier()
         cls._WORKSPACE_CACHE[key] = {
             "workspace_size_per_rank": workspace_size_per_rank, "max_num_tokens": max_num_tokens,
             "ep_rank": ep_rank, "ep_size": ep_size, "eplb_stats_num_experts": eplb_stats_num_experts,
@@ -119,9 +119,9 @@ class MoeAlltoAllBase:
             per_token = 2 * hidden_size + 8 * top_k
             workspace_size_per_rank = workspace_size_per_rank_of(self._KERNELS, mapping.moe_ep_size, max_num_tokens,
                                                                  per_token, 2 * hidden_size, eplb_stats_num_experts)
-        MnnvlMemory.initialize()
+        self._MNNVL.initialize()
         if mnnvl_config:
-            MnnvlMemory.set_comm_from_config(mapping, mnnvl_config)
+            self._MNNVL.set_comm_from_config(mapping, mnnvl_config)
         self.workspace_size_per_rank = workspace_size_per_rank
         self.max_num_tokens = max_num_tokens
         self.ep_size = mapping.moe_ep_size
@@ -152,7 +152,7 @@ class MoeAlltoAllBase:
                   expert_id_payload_index: int | None, eplb_local_stats: torch.Tensor | None = None,
                   active_rank_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         profile = self._KERNELS.profile
-        if profile.init_barrier and not self.mnnvl_mem.mapped:
+        if profile.unmapped_check and not self.mnnvl_mem.mapped:
             raise RuntimeError("MNNVL handles are unmapped")
         assert self._state.phase == "idle", "dispatch called twice without combine"
         assert runtime_max_tokens_per_rank <= self.max_num_tokens, "runtime_max_tokens_per_rank exceeds max_num_tokens"
@@ -162,7 +162,6 @@ class MoeAlltoAllBase:
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to have been constructed with "
                              "enable_rank_mask=True")
-        _read_static_env(profile)
         k = self._KERNELS
         if profile.eplb:
             got = k.moe_a2a_dispatch(token_selected_experts, input_payloads, self.workspace, self.metainfo,
@@ -196,7 +195,7 @@ class MoeAlltoAllBase:
                  output_scalar_scale: float = 1.0, sf_layout: Any = 2, output: torch.Tensor | None = None,
                  use_low_precision: bool = False, active_rank_mask: torch.Tensor | None = None) -> torch.Tensor:
         profile = self._KERNELS.profile
-        if profile.init_barrier and not self.mnnvl_mem.mapped:
+        if profile.unmapped_check and not self.mnnvl_mem.mapped:
             raise RuntimeError("MNNVL handles are unmapped")
         assert self._state.phase == "dispatched", "combine called before successful dispatch"
         assert runtime_max_tokens_per_rank <= self.max_num_tokens, "runtime_max_tokens_per_rank exceeds max_num_tokens"
@@ -241,4 +240,101 @@ def workspace_size_per_rank_of(kernels: MoeA2AKernels, ep_size: int, max_num_tok
     return workspace_size_per_rank(kernels, ep_size, max_num_tokens, dispatch, combine, eplb_stats_num_experts)
 
 
-__all__ = ["MoeAlltoAllBase", "wrap_payload_tensor_in_workspace", "workspace_size_per_rank"]
+# -- the signatures of each release range ----------------------------------------------------------
+
+
+class MoeAlltoAll_0_6_0(MoeAlltoAllBase):  # noqa: N801 - v0.6.0-v0.6.13
+    @classmethod
+    def get_workspace(cls, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping) -> dict:
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens)
+        return cls._get_workspace(key, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping, 0)
+
+    def __init__(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank=None,
+                 hidden_size=None, mnnvl_config=None) -> None:
+        self._init(mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank, hidden_size, mnnvl_config)
+
+    def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                 invalid_token_expert_id=None, expert_id_payload_index=None) -> list[torch.Tensor]:
+        return self._dispatch(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                              invalid_token_expert_id, expert_id_payload_index)
+
+    def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False) -> torch.Tensor:
+        return self._combine(payload, runtime_max_tokens_per_rank, payload_in_workspace)
+
+
+class MoeAlltoAll_0_6_14(MoeAlltoAll_0_6_0):  # noqa: N801 - v0.6.14-v0.6.15: combine's quant arguments
+    def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False, output_dtype=None,
+                output_scales=None, output_scalar_scale=1.0, sf_layout=SfLayout.layout_linear) -> torch.Tensor:
+        return self._combine(payload, runtime_max_tokens_per_rank, payload_in_workspace, output_dtype, output_scales,
+                             output_scalar_scale, sf_layout)
+
+
+class MoeAlltoAll_0_6_16(MoeAlltoAllBase):  # noqa: N801 - v0.6.16-v0.7.0: EPLB, rank mask, output=
+    @classmethod
+    def get_workspace(cls, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping,
+                      eplb_stats_num_experts=0) -> dict:
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts)
+        return cls._get_workspace(key, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping,
+                                  eplb_stats_num_experts)
+
+    def __init__(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank=None,
+                 hidden_size=None, mnnvl_config=None, eplb_stats_num_experts=0, enable_rank_mask=False) -> None:
+        self._init(mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank, hidden_size, mnnvl_config,
+                   eplb_stats_num_experts, enable_rank_mask)
+
+    def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                 invalid_token_expert_id=None, expert_id_payload_index=None, eplb_local_stats=None,
+                 active_rank_mask=None) -> list[torch.Tensor]:
+        return self._dispatch(token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                              invalid_token_expert_id, expert_id_payload_index, eplb_local_stats, active_rank_mask)
+
+    def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False, output_dtype=None,
+                output_scales=None, output_scalar_scale=1.0, sf_layout=SfLayout.layout_linear, output=None, *,
+                use_low_precision=False, active_rank_mask=None) -> torch.Tensor:
+        return self._combine(payload, runtime_max_tokens_per_rank, payload_in_workspace, output_dtype, output_scales,
+                             output_scalar_scale, sf_layout, output, use_low_precision, active_rank_mask)
+
+
+class MoeAlltoAll_0_7_1(MoeAlltoAll_0_6_16):  # noqa: N801 - 0.7.1+: backend=, six-field key; deprecated 0.7.2
+    @classmethod
+    def get_workspace(cls, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping,
+                      eplb_stats_num_experts=0, *, backend="trtllm") -> dict:
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend)
+        return cls._get_workspace(key, workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, mapping,
+                                  eplb_stats_num_experts)
+
+    def __init__(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank=None,
+                 hidden_size=None, mnnvl_config=None, eplb_stats_num_experts=0, enable_rank_mask=False, *,
+                 backend="trtllm") -> None:
+        if self._KERNELS.profile.deprecated:
+            warnings.warn("MoeAlltoAll is deprecated; use flashinfer.moe_ep.NVLinkOneSidedAlltoAll (CakeAlltoAll for "
+                          "backend='cake'). Its implementation will move into those classes.", DeprecationWarning,
+                          stacklevel=2)
+        self._init(mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank, hidden_size, mnnvl_config,
+                   eplb_stats_num_experts, enable_rank_mask, backend)
+
+
+def size_function(kernels: MoeA2AKernels) -> Callable[..., int]:
+    """``moe_a2a_get_workspace_size_per_rank`` of ``kernels``' version, with its signature."""
+    p = kernels.profile
+    if p.backend_kw:
+        def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                                combine_payload_size_per_token, eplb_stats_num_experts=0, *,
+                                                backend="trtllm") -> int:
+            return workspace_size_per_rank(kernels, ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                           combine_payload_size_per_token, eplb_stats_num_experts)
+    elif p.eplb:
+        def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                                combine_payload_size_per_token, eplb_stats_num_experts=0) -> int:
+            return workspace_size_per_rank(kernels, ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                           combine_payload_size_per_token, eplb_stats_num_experts)
+    else:
+        def moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                                combine_payload_size_per_token) -> int:
+            return workspace_size_per_rank(kernels, ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                           combine_payload_size_per_token)
+    return moe_a2a_get_workspace_size_per_rank
+
+
+__all__ = ["MoeAlltoAllBase", "MoeAlltoAll_0_6_0", "MoeAlltoAll_0_6_14", "MoeAlltoAll_0_6_16", "MoeAlltoAll_0_7_1",
+           "SfLayout", "size_function", "wrap_payload_tensor_in_workspace", "workspace_size_per_rank"]

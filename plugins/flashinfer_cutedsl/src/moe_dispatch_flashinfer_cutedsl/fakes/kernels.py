@@ -9,15 +9,22 @@ moeAlltoAllKernels.cu (what the kernels do) of the version the profile names (se
   (truncation: id -1 goes to rank 0, or to rank -1 with one expert per rank: an out-of-bounds
   store; ids >= num_experts go past the last rank), the first slot per target rank sends and the
   others are duplicates (-1 in ``topk_target_ranks`` / ``topk_send_indices``); each payload row is
-  stored at the target's ``[source rank, slot]``; the target's ``recv_counters[source]`` and
-  completion flag are set; then every peer's flag must equal ours. All routing state lives in the
-  workspace row, so two MoeAlltoAll instances sharing one workspace overwrite each other exactly
-  as on the GPU. Slots are numbered in token order (the GPU's atomics give any order).
+  stored at the target's ``[source rank, slot]`` with the vector width of the version (until
+  0.7.0 chosen from the row size alone: a plane or source row not aligned to it is a "misaligned
+  address" fault); the target's ``recv_counters[source]`` and completion flag are set by the rank's
+  "last token", then every peer's flag must equal ours (a trap otherwise). Until v0.6.13 the
+  threading policy is read once per process (``TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN``, with the block
+  size): the warp policy counts blocks, so with more than one token per block nothing is
+  published. All routing state lives in the workspace row, so two MoeAlltoAll instances sharing
+  one workspace overwrite each other exactly as on the GPU. Slots are numbered in token order (the
+  GPU's atomics give any order).
 - ``moe_a2a_sanitize_expert_ids``: ids of slots at or past ``recv_counters[source]`` become the
   invalid id; other slots keep what is in the workspace (stale rows are not cleared).
-- ``moe_a2a_combine``: the payload is staged into this rank's combine region unless
-  ``payload_in_workspace``; each of this rank's tokens sums, in fp32, the rows its non-duplicate
-  slots were sent to, read from the peers' combine regions, and is cast to the output dtype.
+- ``moe_a2a_combine``: prepare (``flag_val += 1``; the payload's valid slots, those below
+  ``recv_counters``, staged into this rank's combine region unless ``payload_in_workspace``);
+  completion flags to and from every peer; each of this rank's tokens sums the rows its
+  non-duplicate slots were sent to, read from the peers' combine regions, in the kernel's pairwise
+  tree: in the payload dtype until v0.6.15, in fp32 from v0.6.16; cast to the output dtype.
 
 Stores into a peer's row and loads from it travel through the allocation's communicator
 (``mnnvl.Segment.exchange``): one collective per kernel, in place of NVLink.
@@ -25,6 +32,7 @@ Stores into a peer's row and loads from it travel through the allocation's commu
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -64,6 +72,35 @@ class MoeA2AKernels:
     def __init__(self, profile: vendor.A2AProfile) -> None:
         self.profile = profile
         self.calls: list[str] = []
+        self._statics: dict[str, str | None] | None = None
+
+    def _function_statics(self) -> dict[str, str | None]:
+        """envUtils.cpp's function-statics: the environment at this module's first dispatch."""
+        if self._statics is None:
+            names = [vendor.ENV_DISPATCH_BLOCK_SIZE, vendor.ENV_COMBINE_BLOCK_SIZE]
+            if self.profile.reads_one_block_per_token:
+                names.append(vendor.ENV_ONE_BLOCK_PER_TOKEN)
+            self._statics = {name: os.environ.get(name) for name in names}
+        return self._statics
+
+    def reset_function_statics(self) -> None:
+        """Fake-only (tests): forget what the first dispatch read, as a new process would."""
+        self._statics = None
+
+    def _publishes(self, local: int) -> bool:
+        """Whether the dispatch kernel's "last token" writes the counters and flags: always with
+        one block per token; with the warp policy only if its counter (one count per block's first
+        warp) reaches the token count (moeAlltoAllKernels.cu, v0.6.0-v0.6.13)."""
+        statics = self._function_statics()
+        try:
+            one_block = vendor.one_block_per_token(statics, self.profile.version)
+            block = vendor.sanitize_block_size(statics[vendor.ENV_DISPATCH_BLOCK_SIZE])
+        except ValueError as exc:  # std::stoi throws: a C++ exception through tvm-ffi
+            raise RuntimeError(str(exc)) from None
+        if one_block is None or one_block or local == 0:
+            return True
+        warps_per_block = block // vendor.WARP_SIZE
+        return -(-local // warps_per_block) == local
 
     # -- constants -------------------------------------------------------------------------------
 
@@ -184,9 +221,18 @@ class MoeA2AKernels:
         tvm.launch_check(0 < ep_size <= p.max_ranks,
                          "TLLM_CHECK failed: params.ep_size > 0 && params.ep_size <= kMaxRanks")
         tvm.launch_check(top_k in p.top_k_values, "Unsupported top_k")
+        publishes = self._publishes(local)
         seg = self._segment(workspace)
         row = workspace[ep_rank]
         stride = workspace.stride(0)
+        payload_offsets = [off["PAYLOAD_DATA"] + sum(sizes[:i]) for i in range(n_pay)]
+        if not p.plane_alignment_fixed:  # vectorized_dispatch: the width from the row size alone
+            for i, (pay, base) in enumerate(zip(input_payloads, payload_offsets)):
+                width = vendor.dispatch_vector_width(pay.shape[1] * pay.element_size())
+                if base % width or pay.data_ptr() % width:
+                    tvm.device_fault(f"moe_a2a_dispatch: payload {i} stored {width} bytes at a time into a receive "
+                                     f"plane at byte {base} of the rank's workspace, from a source at "
+                                     f"{pay.data_ptr():#x}", "misaligned address")
 
         # prepare_dispatch
         _i32(row, off["SEND_COUNTERS"], R).zero_()
@@ -217,8 +263,8 @@ class MoeA2AKernels:
         _i32(row, off["SEND_COUNTERS"], R).copy_(counts.int())
         _i32(row, off["LOCAL_TOKEN_COUNTER"], 1).fill_(local)
 
-        # Stores into every target's row: the payload rows, recv_counters[me], the completion flag.
-        payload_offsets = [off["PAYLOAD_DATA"] + sum(sizes[:i]) for i in range(n_pay)]
+        # Stores into every target's row: the payload rows, then (by the rank's last token)
+        # recv_counters[me] and the completion flag.
         outgoing: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for r in range(R):
             sel = tok[dest == r]
@@ -226,8 +272,9 @@ class MoeA2AKernels:
             for pay, base in zip(input_payloads, payload_offsets):
                 width = pay.shape[1] * pay.element_size()
                 stores.append((base + ep_rank * T * width, as_bytes(pay[sel]).reshape(-1)))
-            stores.append((off["RECV_COUNTERS"] + ep_rank * _I32, _word(int(counts[r]))))
-            stores.append((off["DISPATCH_COMPLETION_FLAGS"] + ep_rank * _I32, _word(flag_val)))
+            if publishes:
+                stores.append((off["RECV_COUNTERS"] + ep_rank * _I32, _word(int(counts[r]))))
+                stores.append((off["DISPATCH_COMPLETION_FLAGS"] + ep_rank * _I32, _word(flag_val)))
             if eplb_local_stats is not None:
                 n = eplb_local_stats.numel()
                 stores.append((off["EPLB_GATHERED_STATS"] + ep_rank * n * _I32,
@@ -237,7 +284,7 @@ class MoeA2AKernels:
             for offset, raw in stores:
                 row[offset : offset + raw.numel()] = raw
         peers = _i32(row, off["DISPATCH_COMPLETION_FLAGS"], R)
-        if not bool((peers == flag_val).all()):
+        if publishes and not bool((peers == flag_val).all()):
             tvm.device_fault(f"dispatch: rank {ep_rank} timed out waiting for completion flags {peers.tolist()} "
                              f"to reach {flag_val} (trap)")
         self.calls.append(fn)
@@ -343,25 +390,48 @@ class MoeA2AKernels:
         H = payload.shape[2]
         width = H * payload.element_size()
         region = row[combine_offset : combine_offset + nbytes].view(ep_size, T, width)
-        if not in_workspace:  # prepare_combine: stage the payload into our combine region
-            region.copy_(as_bytes(payload.reshape(ep_size * T, H)).view(ep_size, T, width))
-        # Each source rank reads its rows [source, :] of our region (stale past recv_counters).
-        outgoing = {s: [(combine_offset, region[s].reshape(-1))] for s in range(ep_size)}
+        # prepare_combine: a new round (flag_val + 1); the payload's valid slots (below the
+        # source's recv_counter) staged into our combine region; the others keep stale bytes.
+        flag = _i32(row, off["FLAG_VAL"], 1)
+        flag += 1
+        flag_val = int(flag.item())
+        if not in_workspace:
+            recv = _i32(row, off["RECV_COUNTERS"], ep_size).long()
+            valid = torch.arange(T).unsqueeze(0) < recv.unsqueeze(1)  # [R, T]
+            staged = as_bytes(payload.reshape(ep_size * T, H)).view(ep_size, T, width)
+            region[valid] = staged[valid]
+        # Each source rank reads its rows [source, :] of our region; every rank sets its
+        # completion flag in each peer's row and waits for theirs.
+        outgoing = {s: [(combine_offset, region[s].reshape(-1)),
+                        (off["COMBINE_COMPLETION_FLAGS"] + ep_rank * _I32, _word(flag_val))] for s in range(ep_size)}
         incoming = seg.exchange(outgoing)
+        regions: dict[int, torch.Tensor] = {}
+        for r, stores in enumerate(incoming):
+            for their_offset, raw in stores:
+                if their_offset == combine_offset:
+                    regions[r] = raw.view(T, width)
+                elif their_offset == off["COMBINE_COMPLETION_FLAGS"] + r * _I32:
+                    row[their_offset : their_offset + _I32] = raw
+                else:
+                    tvm.device_fault(f"combine: rank {r} stored at byte {their_offset}, outside its combine region "
+                                     "and flag")
+        peers = _i32(row, off["COMBINE_COMPLETION_FLAGS"], ep_size)
+        if not bool((peers == flag_val).all()):
+            tvm.device_fault(f"combine: rank {ep_rank} timed out waiting for completion flags {peers.tolist()} "
+                             f"to reach {flag_val} (trap)")
         targets = _i32(row, off["TOPK_TARGET_RANKS"], local * top_k).view(local, top_k).long()
         sends = _i32(row, off["TOPK_SEND_INDICES"], local * top_k).view(local, top_k).long()
-        acc = torch.zeros(local, H, dtype=torch.float32)
+        acc_dtype = torch.float32 if p.fp32_combine else payload.dtype
+        acc = torch.zeros(top_k, local, H, dtype=acc_dtype)  # a duplicate / dead slot adds zero
         for k in range(top_k):
             for r in range(ep_size):
                 mine = ((targets[:, k] == r) & (sends[:, k] >= 0)).nonzero().squeeze(1)
                 if mine.numel() == 0:
                     continue
-                (their_offset, raw), = incoming[r]
-                if their_offset != combine_offset:
-                    tvm.device_fault(f"combine: rank {r}'s combine region is not at offset {combine_offset}")
-                rows = raw.view(T, width)
-                acc.index_add_(0, mine, from_bytes(rows[sends[mine, k]], payload.dtype).float())
-        result = acc.to(out_dtype)
+                acc[k, mine] = from_bytes(regions[r][sends[mine, k]], payload.dtype).to(acc_dtype)
+        for i, j in vendor.combine_reduction_pairs(top_k):  # each add rounds in acc_dtype
+            acc[i] = acc[i] + acc[j]
+        result = acc[0].to(out_dtype)
         self.calls.append(fn)
         if output is None:
             return result

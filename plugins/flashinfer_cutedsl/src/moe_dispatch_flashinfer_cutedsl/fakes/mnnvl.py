@@ -10,21 +10,30 @@ flashinfer/comm/mnnvl.py), kept as it is:
 - ``open_mnnvl_memory`` allgathers the size over that comm and asserts every rank asks for the same.
 - ``as_torch_strided_tensor`` has one row per rank of the *class-level* comm at call time.
 
-What is faked: the CUDA driver (cuMemCreate/cuMemMap/fabric handles). Each allocation is a CPU
-tensor ``[comm_size, size]`` of which only this rank's row is this process's memory; writes the
-kernels make into a peer's row travel through the allocation's communicator (``Segment.exchange``).
-``patch_real_mnnvl`` puts the same CPU memory under FlashInfer's real ``MnnvlMemory``.
+- The address reservation is class-level: ``current_start_address``, ``current_rank_stride``,
+  ``current_mem_offset``. A range is reserved for ``stride * comm_size`` bytes by the allocation
+  that did not fit the current one; later allocations that fit go into it whatever their comm,
+  and map peer i at ``start + stride * i + offset``: a comm larger than the reserving one maps
+  outside the range, and ``cuMemMap`` fails (``DRIVER.map``: CUDA_ERROR_INVALID_VALUE).
+- ``allocated_map`` holds tuples until v0.6.14, ``_MnnvlAllocationRecord``s from v0.6.15.
+
+What is faked: the CUDA driver (cuMemCreate/cuMemMap/fabric handles; ``DRIVER`` keeps the reserved
+ranges and refuses a mapping outside them). Each allocation's memory is a CPU tensor
+``[comm_size, size]`` of which only this rank's row is this process's memory; writes the kernels
+make into a peer's row travel through the allocation's communicator (``Segment.exchange``).
+``patch_real_mnnvl`` puts the same memory model under FlashInfer's real ``MnnvlMemory``.
 """
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from .. import vendor
 
 #: The fake's allocation granularity (the real one is the driver's, typically 2 MiB): the rank
 #: stride is the size rounded up to it, so a segment is narrower than its stride, as on the GPU.
@@ -113,42 +122,52 @@ class MPIBackend(CommBackend):
 
 class TorchDistBackend(CommBackend):
     """``flashinfer.comm.mnnvl.TorchDistBackend`` (every version): torch.distributed objects.
-    Its ``Split`` gathers ``Get_rank()`` (the rank *in its group*) and builds groups from those
-    numbers as if they were global ranks: right for the WORLD group only, as in FlashInfer."""
+    Its ``Split`` gathers ``Get_rank()`` (the rank *in its group*) and builds the group of its
+    colour from those numbers as if they were global ranks (right for the WORLD group only):
+    ``new_group(ranks=<its colour's ranks by key>)`` on each rank, nothing else (4230a48
+    mnnvl.py; v0.6.16+ comm_backend.py). ``bcast`` passes ``src=root`` until v0.6.12 and the
+    root's global rank from v0.6.13 (``_GLOBAL_ROOT``, set per version)."""
+
+    _GLOBAL_ROOT = True
 
     def __init__(self, group: Any = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized. "
                                "Please call torch.distributed.init_process_group() first.")
         self._group = group
+        self._dist = dist
 
     def Get_rank(self) -> int:  # noqa: N802
-        return dist.get_rank(self._group)
+        return self._dist.get_rank(self._group)
 
     def Get_size(self) -> int:  # noqa: N802
-        return dist.get_world_size(self._group)
+        return self._dist.get_world_size(self._group)
 
-    def allgather(self, data: Any) -> tuple[Any, ...]:
+    def allgather(self, data: Any) -> list[Any]:
         out: list[Any] = [None] * self.Get_size()
-        dist.all_gather_object(out, data, group=self._group)
-        return tuple(out)
+        self._dist.all_gather_object(out, data, group=self._group)
+        return out
 
     def bcast(self, data: Any, root: int) -> Any:
         box = [data]
-        src = dist.get_global_rank(self._group, root) if self._group is not None else root
-        dist.broadcast_object_list(box, src=src, group=self._group)
+        src = root
+        if self._GLOBAL_ROOT and self._group is not None:
+            src = self._dist.get_global_rank(self._group, root)
+        self._dist.broadcast_object_list(box, src=src, group=self._group)
         return box[0]
 
     def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        self._dist.barrier(group=self._group)
 
     def Split(self, color: int, key: int) -> "TorchDistBackend":  # noqa: N802
-        info = self.allgather((color, key, self.Get_rank()))
-        colors = sorted({c for c, _, _ in info})
-        partition = [[r for _, r in sorted((k, r) for c, k, r in info if c == col)] for col in colors]
-        group, _ = dist.new_subgroups_by_enumeration(partition)
-        self.barrier()
-        return TorchDistBackend(group)
+        global_rank = self.Get_rank()
+        color_groups: dict[int, list[tuple[int, int]]] = {}
+        for c, k, r in self.allgather((color, key, global_rank)):
+            color_groups.setdefault(c, []).append((k, r))
+        for c in color_groups:
+            color_groups[c].sort(key=lambda x: x[0])
+        my_group_ranks = [r for _, r in color_groups[color]]
+        return type(self)(group=self._dist.new_group(ranks=my_group_ranks))
 
 
 @dataclass
@@ -161,6 +180,31 @@ class MnnvlConfig:
 
 
 # -- the memory ----------------------------------------------------------------------------------
+
+
+class _Driver:
+    """The CUDA driver's virtual address space, as far as MNNVL memory uses it: reserved ranges
+    (``cuMemAddressReserve``) and mappings into them (``cuMemMap`` fails outside every range)."""
+
+    def __init__(self) -> None:
+        self._next = 1 << 44
+        self.ranges: dict[int, int] = {}  # start -> size
+
+    def reserve(self, size: int, alignment: int) -> int:
+        start = -(-self._next // alignment) * alignment
+        self._next = start + size + alignment  # a gap: ranges are never adjacent
+        self.ranges[start] = size
+        return start
+
+    def free(self, start: int) -> None:
+        self.ranges.pop(start, None)
+
+    def map(self, address: int, size: int) -> None:
+        if not any(s <= address and address + size <= s + n for s, n in self.ranges.items()):
+            raise RuntimeError("CUDA error code=1(CUDA_ERROR_INVALID_VALUE)")  # checkCudaErrors(cuMemMap(...))
+
+
+DRIVER = _Driver()
 
 
 @dataclass
@@ -212,20 +256,11 @@ class Segment:
 
 _NO_GROUP = object()
 
-
 #: data_ptr of every live workspace tensor (row 0) → its segment; what the fake kernels find
 #: from the ``workspace`` argument, as the real ones find peer rows from its base pointer.
 FABRIC: dict[int, Segment] = {}
-_ADDRESSES = itertools.count(1 << 40, 1 << 32)
-
-
-def _allocate(comm: Any, size: int) -> tuple[int, Segment]:
-    rank, comm_size = comm.Get_rank(), comm.Get_size()
-    stride = -(-size // GRANULARITY) * GRANULARITY
-    storage = torch.empty(comm_size * stride, dtype=torch.uint8)  # peers' rows: not our memory
-    seg = Segment(comm, rank, comm_size, size, stride, storage)
-    FABRIC[storage.data_ptr()] = seg
-    return next(_ADDRESSES), seg
+#: MNNVL pointer (a fake virtual address) → its CPU memory.
+_SEGMENTS: dict[int, Segment] = {}
 
 
 def segment_of(workspace: torch.Tensor) -> Segment | None:
@@ -234,6 +269,8 @@ def segment_of(workspace: torch.Tensor) -> Segment | None:
 
 @dataclass
 class _AllocationRecord:
+    """``_MnnvlAllocationRecord`` (v0.6.15+)."""
+
     comm: Any
     comm_size: int
     comm_rank: int
@@ -243,30 +280,62 @@ class _AllocationRecord:
     rank_stride: int
     address_offset: int
     mapped: bool = True
-    segment: Any = field(default=None, repr=False)
 
 
-def _open(cls: Any, record_cls: Callable[..., Any], mapping: Any, size: int) -> tuple[int, int]:
-    """``MnnvlMemory.open_mnnvl_memory``: the comm logic as FlashInfer's, CPU memory."""
+def _tuple_record(comm: Any, comm_size: int, comm_rank: int, aligned_size: int, mem_handles: list[Any],
+                  start_address: int, rank_stride: int, address_offset: int, mapping: Any = None) -> tuple:
+    """``allocated_map[ptr]`` until v0.6.14: (mapping, aligned_size, mem_handles, start, stride, offset)."""
+    return (mapping, aligned_size, mem_handles, start_address, rank_stride, address_offset)
+
+
+def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int) -> tuple[int, int]:
+    """``MnnvlMemory.open_mnnvl_memory`` with CPU memory: FlashInfer's comm logic and its
+    class-level address reservation (``current_start_address`` / ``current_rank_stride`` /
+    ``current_mem_offset``, see ``vendor.mnnvl_reservation``), the fake driver's ranges."""
     comm = cls.get_comm(mapping)
     comm_rank, comm_size = comm.Get_rank(), comm.Get_size()
     sizes = comm.allgather(size)
     assert len(sizes) == comm_size
     assert all(x == size for x in sizes), "Not all rank allocating same size."
-    ptr, seg = _allocate(comm, size)
-    record = record_cls(comm=comm, comm_size=comm_size, comm_rank=comm_rank, aligned_size=seg.rank_stride,
-                        mem_handles=[None] * comm_size, start_address=ptr, rank_stride=seg.rank_stride,
-                        address_offset=0)
-    cls.allocated_map[ptr] = record
+    granularity = cls.allocation_granularity or GRANULARITY
+    aligned = -(-size // granularity) * granularity
+    if cls.current_mem_offset + aligned > cls.current_rank_stride:  # new_mnnvl_memory_address
+        page = cls.fabric_page_size
+        stride = -(-aligned // page) * page
+        cls.current_start_address = DRIVER.reserve(stride * cls.get_comm(mapping).Get_size(), page)
+        cls.current_rank_stride = stride
+        cls.current_mem_offset = 0
+    assert cls.current_mem_offset + aligned <= cls.current_rank_stride
+    start, stride, offset = cls.current_start_address, cls.current_rank_stride, cls.current_mem_offset
+    for i in range(comm_size):  # cuMemMap of every rank's handle at its place in the range
+        DRIVER.map(start + stride * i + offset, aligned)
+    storage = torch.empty(comm_size * aligned, dtype=torch.uint8)  # peers' rows: not our memory
+    seg = Segment(comm, comm_rank, comm_size, size, aligned, storage)
+    FABRIC[storage.data_ptr()] = seg
+    ptr = start + offset
+    cls.allocated_map[ptr] = record(comm=comm, comm_size=comm_size, comm_rank=comm_rank, aligned_size=aligned,
+                                    mem_handles=[None] * comm_size, start_address=start, rank_stride=stride,
+                                    address_offset=offset, **({"mapping": mapping} if record is _tuple_record else {}))
+    cls.address_refcnt[start] = cls.address_refcnt.get(start, 0) + 1
+    cls.current_mem_offset += aligned
     _SEGMENTS[ptr] = seg
-    return ptr, seg.rank_stride
+    return ptr, stride
 
 
 def _close(cls: Any, ptr: int) -> None:
-    cls.allocated_map.pop(ptr, None)
+    record = cls.allocated_map.pop(ptr, None)
     seg = _SEGMENTS.pop(ptr, None)
     if seg is not None:
         FABRIC.pop(seg.storage.data_ptr(), None)
+    if record is None:
+        return
+    start = record.start_address if hasattr(record, "start_address") else record[3]
+    cls.address_refcnt[start] -= 1
+    if cls.address_refcnt[start] == 0:
+        cls.address_refcnt.pop(start)
+        DRIVER.free(start)
+        if start == cls.current_start_address:
+            cls.current_start_address = cls.current_rank_stride = cls.current_mem_offset = 0
 
 
 def _as_tensor(cls: Any, mem: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -275,63 +344,83 @@ def _as_tensor(cls: Any, mem: Any, dtype: torch.dtype) -> torch.Tensor:
     return _SEGMENTS[mem.ptr].rows(num_segments).view(dtype)
 
 
-_SEGMENTS: dict[int, Segment] = {}
+class MnnvlMemoryBase:
+    """``flashinfer.comm.mnnvl.MnnvlMemory``; ``memory_class(version)`` gives each fake release its
+    own class, as each installed FlashInfer has its own class-level state."""
 
-
-class MnnvlMemory:
     initialized: bool = False
+    current_mem_offset: int = 0
+    current_rank_stride: int = 0
+    current_start_address: int = 0
+    allocation_granularity: int = 0
+    fabric_page_size: int = vendor.MNNVL_FABRIC_PAGE_SIZE
     comm: Any = None
     dev_id: Any = None
     allocated_map: dict[int, Any] = {}
     address_refcnt: dict[int, Any] = {}
     config: Any = None
+    _RECORD: Callable[..., Any] = _AllocationRecord
 
     def __init__(self, mapping: Any, size: int) -> None:
         self.mapping = mapping
         self.segment_size = size
-        self.ptr, self.rank_stride = MnnvlMemory.open_mnnvl_memory(mapping, size)
+        self.ptr, self.rank_stride = type(self).open_mnnvl_memory(mapping, size)
 
     def __del__(self) -> None:
         if hasattr(self, "ptr"):
-            MnnvlMemory.close_mnnvl_memory(self.ptr)
+            type(self).close_mnnvl_memory(self.ptr)
 
     @property
-    def mapped(self) -> bool:
-        return MnnvlMemory.allocated_map[self.ptr].mapped
+    def mapped(self) -> bool:  # v0.6.15+ (records)
+        return type(self).allocated_map[self.ptr].mapped
 
     def as_torch_strided_tensor(self, dtype: torch.dtype) -> torch.Tensor:
-        return _as_tensor(MnnvlMemory, self, dtype)
+        return _as_tensor(type(self), self, dtype)
 
-    @staticmethod
-    def initialize() -> None:
-        MnnvlMemory.initialized = True  # the real one creates a CUDA context and initializes NVML
+    @classmethod
+    def initialize(cls) -> None:
+        cls.initialized = True  # the real one creates a CUDA context and initializes NVML
 
-    @staticmethod
-    def set_comm_from_config(mapping: Any, config: Any = None) -> None:
-        MnnvlMemory.config = config or MnnvlConfig(comm_backend=MPIBackend())
+    @classmethod
+    def set_comm_from_config(cls, mapping: Any, config: Any = None) -> None:
+        cls.config = config or MnnvlConfig(comm_backend=MPIBackend())
         comm = config.comm_backend.Split(mapping.pp_rank * mapping.cp_size + mapping.cp_rank, mapping.tp_rank)
-        MnnvlMemory.comm = comm
+        cls.comm = comm
 
-    @staticmethod
-    def get_comm(mapping: Any) -> Any:
-        if MnnvlMemory.comm is not None:
-            return MnnvlMemory.comm
+    @classmethod
+    def get_comm(cls, mapping: Any) -> Any:
+        if cls.comm is not None:
+            return cls.comm
         comm = MpiComm().Split(mapping.pp_rank * mapping.cp_size + mapping.cp_rank, mapping.tp_rank)
-        MnnvlMemory.comm = comm
+        cls.comm = comm
         return comm
 
-    @staticmethod
-    def open_mnnvl_memory(mapping: Any, size: int) -> tuple[int, int]:
-        return _open(MnnvlMemory, _AllocationRecord, mapping, size)
+    @classmethod
+    def open_mnnvl_memory(cls, mapping: Any, size: int) -> tuple[int, int]:
+        return _open(cls, cls._RECORD, mapping, size)
 
-    @staticmethod
-    def close_mnnvl_memory(ptr: int) -> None:
-        _close(MnnvlMemory, ptr)
+    @classmethod
+    def close_mnnvl_memory(cls, ptr: int) -> None:
+        _close(cls, ptr)
+
+
+def memory_class(version: vendor.Version) -> type[MnnvlMemoryBase]:
+    """A fresh ``MnnvlMemory`` (own class-level comm, reservation, allocation map) for ``version``."""
+    records = vendor.profile(version).mnnvl_records
+    return type("MnnvlMemory", (MnnvlMemoryBase,), {
+        "__module__": __name__, "allocated_map": {}, "address_refcnt": {},
+        "_RECORD": staticmethod(_AllocationRecord if records else _tuple_record)})
+
+
+def torch_dist_backend_class(version: vendor.Version) -> type[TorchDistBackend]:
+    return type("TorchDistBackend", (TorchDistBackend,), {
+        "__module__": __name__, "_GLOBAL_ROOT": vendor.profile(version).bcast_global_root})
 
 
 def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
     """Put CPU memory under FlashInfer's real ``MnnvlMemory`` (its comm logic stays: ``get_comm``,
-    ``set_comm_from_config``, the class-level ``comm``); returns the undo."""
+    ``set_comm_from_config``, the class-level ``comm``; the reservation state is its own class
+    attributes, kept as FlashInfer keeps them); returns the undo."""
     saved = {name: real.__dict__[name] for name in
              ("initialize", "open_mnnvl_memory", "close_mnnvl_memory", "as_torch_strided_tensor")}
 
@@ -359,5 +448,6 @@ def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
     return undo
 
 
-__all__ = ["CommBackend", "FABRIC", "MPIBackend", "MnnvlConfig", "MnnvlMemory", "MpiComm", "Segment", "SingletonWorld",
-           "TorchDistBackend", "patch_real_mnnvl", "segment_of"]
+__all__ = ["CommBackend", "DRIVER", "FABRIC", "MPIBackend", "MnnvlConfig", "MnnvlMemoryBase", "MpiComm", "Segment",
+           "SingletonWorld", "TorchDistBackend", "memory_class", "patch_real_mnnvl", "segment_of",
+           "torch_dist_backend_class"]

@@ -29,7 +29,7 @@ from flashinfer.comm.mapping import Mapping
 
 from .. import vendor
 from .kernels import MoeA2AKernels
-from .mnnvl import _AllocationRecord, patch_real_mnnvl
+from .mnnvl import _tuple_record, patch_real_mnnvl
 
 __version__ = str(flashinfer.__version__)
 VERSION = vendor.parse_version(__version__) or vendor.VERIFIED_UNTIL
@@ -43,15 +43,17 @@ def _install() -> None:
         if cache_clear is not None:
             cache_clear()
     _a2a.MoeAlltoAll._METAINFO_INDEX = None
-    patch_real_mnnvl(_mnnvl.MnnvlMemory, getattr(_mnnvl, "_MnnvlAllocationRecord", _AllocationRecord))
+    # allocated_map holds _MnnvlAllocationRecord from v0.6.15, tuples before (vendor.MNNVL_RECORD_SINCE).
+    patch_real_mnnvl(_mnnvl.MnnvlMemory, getattr(_mnnvl, "_MnnvlAllocationRecord", _tuple_record))
 
 
 _install()
 
+MoeAlltoAll = _a2a.MoeAlltoAll
 comm = SimpleNamespace(MoeAlltoAll=_a2a.MoeAlltoAll, Mapping=Mapping,
                        moe_a2a_get_workspace_size_per_rank=_a2a.moe_a2a_get_workspace_size_per_rank,
                        mnnvl=_mnnvl, trtllm_moe_alltoall=_a2a)
 fp4_quantize: Any = None
 CuteDslMoEWrapper: Any = None
 
-__all__ = ["KERNELS", "VERSION", "comm"]
+__all__ = ["KERNELS", "Mapping", "MoeAlltoAll", "VERSION", "comm"]

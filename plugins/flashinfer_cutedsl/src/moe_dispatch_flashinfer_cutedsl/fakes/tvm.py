@@ -26,9 +26,9 @@ def launch_check(ok: bool, message: str) -> None:
         raise RuntimeError(message)
 
 
-def device_fault(message: str) -> None:
-    """What a kernel that writes out of bounds leaves behind (an illegal address, a trap)."""
-    raise RuntimeError(f"CUDA error: an illegal memory access was encountered ({message})")
+def device_fault(message: str, error: str = "an illegal memory access was encountered") -> None:
+    """What a kernel that faults leaves behind (an illegal address, a misaligned address, a trap)."""
+    raise RuntimeError(f"CUDA error: {error} ({message})")
 
 
 def tensor(fn: str, name: str, value: Any, *, optional: bool = False) -> None:

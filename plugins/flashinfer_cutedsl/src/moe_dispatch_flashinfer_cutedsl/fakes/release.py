@@ -1,0 +1,55 @@
+"""One fake FlashInfer release, assembled from the shared pieces: its compiled all-to-all module
+(``kernels``), its own ``MnnvlMemory`` and ``TorchDistBackend`` classes (``mnnvl``), ``MoeAlltoAll``
+with the signatures of its range and its own workspace cache (``a2a``), ``fp4_quantize``
+(``nvfp4``), ``CuteDslMoEWrapper`` (``cute_dsl``, from v0.6.4), laid out as ``flashinfer`` lays them
+out (``comm.MoeAlltoAll``, ``comm.mnnvl.MnnvlConfig`` ...). The version modules are one call each."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from .. import vendor
+from . import a2a, mnnvl, nvfp4
+from .kernels import MoeA2AKernels
+from .mapping import Mapping
+
+
+def _owned(obj: Any, module: str, name: str) -> Any:
+    """``obj`` as the version module's ``name`` (so pickle finds it there, as it finds FlashInfer's)."""
+    obj.__module__, obj.__qualname__ = module, name
+    return obj
+
+
+def build(module: str, version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoAllBase],
+          wrapper: type | None) -> SimpleNamespace:
+    """The public names of the fake release ``version``, owned by the version module ``module``."""
+    kernels = MoeA2AKernels(vendor.profile(version))
+    memory = _owned(mnnvl.memory_class(version), module, "MnnvlMemory")
+    torch_dist = _owned(mnnvl.torch_dist_backend_class(version), module, "TorchDistBackend")
+    moe_a2a = type("MoeAlltoAll", (moe_alltoall,), {"__module__": module, "_KERNELS": kernels, "_MNNVL": memory,
+                                                    vendor.WORKSPACE_CACHE_ATTR: {}})  # its own cache
+    cute = None if wrapper is None else type("CuteDslMoEWrapper", (wrapper,), {"__module__": module,
+                                                                              "_VERSION": version})
+    size = _owned(a2a.size_function(kernels), module, "moe_a2a_get_workspace_size_per_rank")
+
+    def get_moe_alltoall_module(*args: Any, **kwargs: Any) -> MoeA2AKernels:
+        return kernels
+
+    _owned(get_moe_alltoall_module, module, "get_moe_alltoall_module")
+
+    a2a_module = SimpleNamespace(MoeAlltoAll=moe_a2a, get_moe_alltoall_module=get_moe_alltoall_module,
+                                 moe_a2a_get_workspace_size_per_rank=size)
+    comm = SimpleNamespace(
+        MoeAlltoAll=moe_a2a, Mapping=Mapping, moe_a2a_get_workspace_size_per_rank=size, trtllm_moe_alltoall=a2a_module,
+        mnnvl=SimpleNamespace(MnnvlConfig=mnnvl.MnnvlConfig, MnnvlMemory=memory, MpiComm=mnnvl.MpiComm,
+                              MPIBackend=mnnvl.MPIBackend, TorchDistBackend=torch_dist,
+                              CommBackend=mnnvl.CommBackend))
+    return SimpleNamespace(
+        VERSION=version, KERNELS=kernels, MoeAlltoAll=moe_a2a, Mapping=Mapping, comm=comm, SfLayout=a2a.SfLayout,
+        moe_a2a_get_workspace_size_per_rank=size, get_moe_alltoall_module=get_moe_alltoall_module,
+        fp4_quantize=_owned(nvfp4.fp4_quantize_for(version), module, "fp4_quantize"), CuteDslMoEWrapper=cute,
+        MnnvlMemory=memory, TorchDistBackend=torch_dist)
+
+
+__all__ = ["build"]
