@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import moe_dispatch as md
 from moe_dispatch.accuracy import relative_error
 from moe_dispatch.codecs import as_bytes, make_codec, nvfp4_global_scale
+from moe_dispatch.distributed.local import one_rank_group
 from moe_dispatch.routing import random_expert_weights, random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, check_layer
 
@@ -165,16 +165,6 @@ def _capture_and_replay(name: str, step: Callable[[], torch.Tensor], static: tup
     return Check("graph", name, worst < 1e-2, f"replay vs eager: rel {worst:.2e}, bit-equal {bit_equal}")
 
 
-def _init_group(device: torch.device) -> None:
-    if dist.is_initialized():
-        return
-    with socket.socket() as sock:  # a free port on loopback for a one-rank group
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -187,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
-    _init_group(device)
+    started = one_rank_group("nccl" if device.type == "cuda" else "gloo")
     groups = {"codecs": check_codecs, "layers": check_layers, "graph": check_graph}
     checks: list[Check] = []
     try:
@@ -195,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.only is None or group in args.only:
                 checks += run(device)
     finally:
-        dist.destroy_process_group()
+        if started:
+            dist.destroy_process_group()
     about = f"torch {torch.__version__}"
     if device.type == "cuda":
         about += f", CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}"

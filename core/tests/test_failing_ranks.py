@@ -17,6 +17,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.routing import random_routing
+from moe_dispatch.backends.builtin import TorchBackend
 from moe_dispatch.distributed.local import RankPool
 
 SPEC = dict(hidden_size=128, num_experts=12, top_k=2, num_max_dispatch_tokens_per_rank=16)
@@ -54,6 +55,51 @@ def test_ranks_that_disagree_on_the_spec_all_raise_naming_the_field():
         assert attrs["parameter"] == "num_max_dispatch_tokens_per_rank" and attrs["value"] == [16, 32, 16]
         assert "rank 1: 32" in message
         assert seconds < TIMEOUT_S  # found at creation, not by a timeout
+
+
+class _OptionsDecideTheConstructor(TorchBackend):
+    """A backend whose ``create`` would run a collective sized by an option (DeepEP's Buffer)."""
+
+    def agreement(self, ctx):  # type: ignore[no-untyped-def]
+        return {"buffer_bytes": ctx.options.get("buffer_bytes")}
+
+
+def _mismatched_option(rank: int, world: int):
+    return _outcome(lambda: md.create_dispatcher(_OptionsDecideTheConstructor(), md.DispatchSpec(**SPEC), env={},
+                                                 options={"buffer_bytes": 1024 * (2 if rank == 1 else 1)},
+                                                 timeout_s=TIMEOUT_S))
+
+
+def test_ranks_that_disagree_on_what_the_backend_agrees_on_all_raise_before_create():
+    with RankPool(2) as pool:
+        outcomes = pool.map(_mismatched_option)
+    for name, attrs, seconds, message in outcomes:
+        assert name == "ConfigMismatchError"
+        assert attrs["parameter"] == "torch: buffer_bytes" and attrs["value"] == [1024, 2048]
+        assert seconds < TIMEOUT_S
+
+
+class _SizeFunctionFailsOnRank1(TorchBackend):
+    """A plugin whose size function raises an untyped error on one rank (a vendor JIT build)."""
+
+    def buffer_size(self, spec, world_size):  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise RuntimeError("Ninja build failed")
+        return super().buffer_size(spec, world_size)
+
+
+def _untyped_failure_while_planning(rank: int, world: int):
+    return _outcome(lambda: md.create_dispatcher(_SizeFunctionFailsOnRank1(), md.DispatchSpec(**SPEC), env={},
+                                                 timeout_s=TIMEOUT_S))
+
+
+def test_an_untyped_error_while_planning_is_typed_and_reaches_the_peers():
+    with RankPool(2) as pool:
+        (name0, attrs0, seconds0, _), (name1, attrs1, _, message1) = pool.map(_untyped_failure_while_planning)
+    assert name1 == "BackendUnavailableError" and attrs1["parameter"] == "backend" and "Ninja build failed" in message1
+    assert name0 == "PeerFailedError" and attrs0["rank"] == 1 and seconds0 < TIMEOUT_S
 
 
 def _one_rank_cannot_create(rank: int, world: int):

@@ -213,3 +213,16 @@ def test_ue8m0_scales_round_up_exactly_even_just_above_a_power_of_two():
     x[0, 0] = float(above[3]) * FP8_MAX  # block amax / 448 is the float just above 2^16
     q = make_codec(WireFormat(D.FP8, 128, ue8m0=True)).quantize(x)
     assert float(q.scale) == 2.0**17 and float(q.data.float().abs().max()) < FP8_MAX
+
+
+def test_ue8m0_bytes_decode_exactly_from_their_bits():
+    """Byte e is 2^(e-127) exactly (0: the subnormal 2^-127; 255: NaN), built from bits rather
+    than exp2, which a device need not compute exactly; the decode inverts pack_ue8m0."""
+    from moe_dispatch.codecs import ue8m0_value
+
+    e = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    v = ue8m0_value(e)
+    exact = torch.tensor([2.0 ** (i - 127) for i in range(255)], dtype=torch.float64)
+    assert torch.equal(v[:255].double(), exact) and bool(torch.isnan(v[255]))
+    scales = v[1:255].reshape(2, 127)[:, :124]  # powers of two 2^-126 .. 2^123 (a whole number of words)
+    assert torch.equal(unpack_ue8m0(pack_ue8m0(scales), scales.shape[-1]), scales)

@@ -196,6 +196,15 @@ class Backend:
         check. None by default."""
         return ()
 
+    def agreement(self, ctx: DispatchContext) -> Mapping[str, Any]:
+        """What else every rank must agree on before ``create`` runs: the options and
+        environment that decide a collective vendor call in ``create`` (a buffer's size, a
+        shared buffer's mode). Compared field by field with the core's own fingerprint; a
+        difference is a ``ConfigMismatchError`` on every rank instead of a hang inside the
+        vendor's constructor. Values must be plain (numbers, strings, tuples, None). None by
+        default."""
+        return {}
+
     def create(self, ctx: DispatchContext) -> BackendDispatcher:
         """Build the per-layer dispatcher. Called once, at creation, on every rank."""
         raise NotImplementedError

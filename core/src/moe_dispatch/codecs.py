@@ -142,7 +142,7 @@ class FP8Codec(Codec):
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
         if self.wire.ue8m0:
-            return torch.exp2(raw.float() - 127.0)
+            return ue8m0_value(raw)
         return from_bytes(raw, torch.float32)
 
 
@@ -176,8 +176,17 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
             value=packed,
             allowed=f"int32 [..., {-(-groups // 4)}]",
         )
-    exponent = as_bytes(packed)[..., :groups]
-    return torch.exp2(exponent.float() - 127.0)
+    return ue8m0_value(as_bytes(packed)[..., :groups])
+
+
+def ue8m0_value(exponent: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (biased exponents, uint8) → fp32 powers of two, built from the bits so the value
+    is exact on every device (``exp2`` need not be): byte e is 2^(e-127); 0 is 2^-127, a
+    subnormal; 255 is NaN, as in the OCP E8M0 format."""
+    e = exponent.to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
+    value = bits.view(torch.float32)
+    return torch.where(e == 255, torch.full_like(value, float("nan")), value)
 
 
 class INT8Codec(Codec):
@@ -395,6 +404,7 @@ __all__ = [
     "nvfp4_global_scale",
     "pack_ue8m0",
     "pow2_ceil",
+    "ue8m0_value",
     "unpack_ue8m0",
     "torch_dtype_of",
 ]

@@ -167,8 +167,9 @@ def create_dispatcher(
         host = host or default_host()
         backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
         _check_available(host, backend_obj)
-        ctx, resolution = _prepare(host, backend_obj, spec, comm, strict=strict, env=env, options=options)
-        fingerprint = _fingerprint(host, backend_obj, ctx, timeout_s)
+        with host.typed_errors(backend_obj, "planning the dispatcher"):  # a plugin bug reaches the peers too
+            ctx, resolution = _prepare(host, backend_obj, spec, comm, strict=strict, env=env, options=options)
+            fingerprint = _fingerprint(host, backend_obj, ctx, timeout_s)
     except MoEDispatchError as exc:
         # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
         agree(comm, {}, "configuration", failure=exc)
@@ -245,6 +246,7 @@ def _fingerprint(host: PluginHost, backend: Backend, ctx: DispatchContext, timeo
         "world_size": ctx.world_size,
         "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],
         "timeout_s": timeout_s,
+        **{f"{backend.name}: {name}": value for name, value in backend.agreement(ctx).items()},
     }
 
 

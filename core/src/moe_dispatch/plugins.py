@@ -19,6 +19,7 @@ Environment (read once, when a host is created; never written):
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import math
@@ -30,7 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, TextIO
+from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import pluggy
 
@@ -424,15 +425,23 @@ class PluginHost:
         exception (a vendor library failing to initialise, a bug in the plugin) becomes a
         ``BackendUnavailableError`` naming the backend and its distribution, chained to the
         original, so the engine can report it and choose another backend."""
-        try:
+        with self.typed_errors(backend, "create()"):
             return backend.create(ctx)
+
+    @contextlib.contextmanager
+    def typed_errors(self, backend: Backend, where: str) -> Iterator[None]:
+        """Inside: an untyped exception from the backend's code becomes ``BackendUnavailableError``
+        naming the backend, its distribution and ``where``, chained to the original (what
+        ``create_dispatcher`` reports to the peers and the engine)."""
+        try:
+            yield
         except MoEDispatchError:
             raise
         except Exception as exc:
             label = self.label(backend)
-            self._trace(f"create {backend.name} ({label}) FAILED: {type(exc).__name__}: {exc}")
+            self._trace(f"{where} {backend.name} ({label}) FAILED: {type(exc).__name__}: {exc}")
             raise BackendUnavailableError(
-                f"backend {backend.name!r} from {label} failed in create(): {type(exc).__name__}: {exc}",
+                f"backend {backend.name!r} from {label} failed in {where}: {type(exc).__name__}: {exc}",
                 parameter="backend",
                 value=backend.name,
             ) from exc

@@ -6,6 +6,9 @@
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-neg-one-unset
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-mode2-tokens
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-fused-neg-one
+    # Atlas A2 beyond one node (the internode kernels; VENDOR.md §5): on each of two 8-NPU nodes
+    export HCCL_INTRA_PCIE_ENABLE=1 HCCL_INTRA_ROCE_ENABLE=0 HCCL_BUFFSIZE=1300
+    torchrun --nnodes 2 --nproc-per-node 8 ... plugins/ascend_deepep/scripts/hardware_check.py --parts platform,windows,deepep
     # the same checks with the CPU fakes standing in for the vendor (no NPU; 2 local gloo ranks):
     python plugins/ascend_deepep/scripts/hardware_check.py --fake
 

@@ -70,6 +70,7 @@ def _two_layers(rank, world, tokens_first, tokens_second, options_first=None):
         try:
             second = md.create_dispatcher(backend, specs[1], env={})
         except md.MoEDispatchError as exc:
+            backend.close()
             return type(exc).__name__, exc.parameter, str(exc)
     same = first.backend_dispatcher.buffer is second.backend_dispatcher.buffer
     x = torch.randn(4, H).to(torch.bfloat16)
@@ -77,14 +78,15 @@ def _two_layers(rank, world, tokens_first, tokens_second, options_first=None):
     for d in (first, second, first):  # both layers, interleaved, on the one Buffer
         out = d.dispatch(x, ids, w)
         d.combine(out.hidden_states, out)
+    backend.close()  # the Buffer is the process's: closed, the next call starts from none
     return same
 
 
 def test_ep07_layers_share_one_buffer_per_group_and_mode(moe_rank_pools):
     """Row 7: every dispatcher made its own ``deep_ep.Buffer`` (NVSHMEM started per layer; with more than 8
     ranks the second LL Buffer fails DeepEP's team assert, and a collected one finalizes NVSHMEM under the
-    others). Layers now share the backend's Buffer per (group, mode); a later, larger layer is a typed error
-    that says how to pre-size, and ``options["buffer_bytes"]`` does."""
+    others). Layers now share the process's Buffer (round two: per process, not per backend object); a later,
+    larger layer is a typed error that says how to pre-size, and ``options["buffer_bytes"]`` does."""
     pool = moe_rank_pools.get(2)
     assert pool.map(_two_layers, 8, 8) == [True, True]
     errors = pool.map(_two_layers, 8, 64)
@@ -119,9 +121,9 @@ def test_ep07_the_fake_models_one_nvshmem_per_process(moe_rank_pools):
     assert all(e and "finalize" in e for e in errors), errors
     fake = _fake()
     state = fake.NvshmemState()
-    state.init(16, team_split_stride=8)
+    state.init(3, 16, team_split_stride=8)
     with pytest.raises(RuntimeError, match="cpu_rdma_team == NVSHMEM_TEAM_INVALID"):
-        state.init(16, team_split_stride=8)  # a second LL Buffer past 8 ranks in one process
+        state.init(3, 16, team_split_stride=8)  # a second LL Buffer past 8 ranks in one process
 
 
 def _normal_then_low_latency(rank, world, clean_first=False):
@@ -152,8 +154,9 @@ def _normal_then_low_latency(rank, world, clean_first=False):
 
 def test_ep08_low_latency_after_normal_use_of_a_shared_buffer_is_cleaned(moe_rank_pools):
     """Rows 8, 54: after normal dispatch/combine on a Buffer, DeepEP's LL kernels read stale signalling counts
-    unless ``clean_low_latency_buffer`` runs first (legacy.py docstring). The fake now marks the Buffer dirty;
-    the adapter cleans before the next LL kernel."""
+    unless ``clean_low_latency_buffer`` runs first (legacy.py docstring). Round two (rows 31, 38): only internode
+    normal-mode kernels write them, so within 8 ranks this sequence needs no clean and runs; past 8 ranks the
+    adapter cleans at once after each normal-mode combine (test_audit2_2026_11.py)."""
     assert moe_rank_pools.get(2).map(_normal_then_low_latency) == ["ok", "ok"]
 
 
@@ -437,7 +440,7 @@ def test_dg15_the_masked_block_ms_per_version():
     def info(version, generation="v2"):
         return vendor.DeepGemmInfo("deep_gemm", object(), generation, True, version=version)
 
-    assert vendor.dg_masked_block_ms(info(None), 9) == {64, 128, 256}  # 2.0.0: before and after 3f71de7
+    assert vendor.dg_masked_block_ms(info(None), 9) == {64, 128, 256}  # 2.0.0 (before and after 79f48ee), 2.1.0
     assert vendor.dg_masked_block_ms(info("2.3.0"), 10) == {64, 128}
     assert vendor.dg_masked_block_ms(info("2.6.1"), 10, mk_alignment=128) == {128}
     assert vendor.dg_masked_block_ms(info("2.6.1"), 9) == {64, 128}
@@ -549,8 +552,11 @@ def test_dg40_the_vendors_layout_functions_are_used_when_installed():
 
 
 def test_dg19_power_of_two_scales_by_bits():
-    """Row 19: ``exp2(ceil(log2(s)))`` rounds log2 to float first: for s just above 2^16 it gives 2^16 < s."""
+    """Row 19: ``exp2(ceil(log2(s)))`` rounds log2 to float first: for s just above 2^16 it gives 2^16 < s. The
+    runner takes them by bits (the core's ``pow2_ceil``, as DeepGEMM's ``ceil_to_ue8m0``)."""
+    from moe_dispatch.codecs import pow2_ceil
+
     s = torch.tensor([65536 * (1 + 2**-23), 3.0, 0.25])
-    assert vendor.ceil_to_ue8m0(s).tolist() == [131072.0, 4.0, 0.25]
+    assert pow2_ceil(s).tolist() == [131072.0, 4.0, 0.25]
     _, scale = quantize_per_token_group(torch.full((1, 128), 448.0 * 65536 * (1 + 2**-23)), ue8m0=True)
     assert scale.item() == 131072.0

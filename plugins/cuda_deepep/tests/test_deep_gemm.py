@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import moe_dispatch as md
 from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.codecs import make_codec, pack_ue8m0
+from moe_dispatch.codecs import make_codec, pack_ue8m0, pow2_ceil
 from moe_dispatch.experts import dequantize_rows
 from moe_dispatch.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import vendor
@@ -86,7 +86,7 @@ def mirror(layer: DeepGemmLayer, x: torch.Tensor, scale, counts: list[int]) -> t
             blocks = act.unflatten(-1, (-1, 128))
             s = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0
             if layer.ue8m0:
-                s = vendor.ceil_to_ue8m0(s)
+                s = pow2_ceil(s)
             act = ((blocks / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).flatten(-2)
         else:
             act = act.to(torch.bfloat16).float()
@@ -265,7 +265,9 @@ def test_the_fake_masked_gemm_writes_whole_tiles():
 
 def test_the_fake_scale_formats_per_architecture():
     """SM90 takes fp32 only. SM100 takes packed UE8M0 (MN-major, TMA-aligned) and casts fp32 to UE8M0:
-    DeepGEMM 2.6.1 device-asserts powers of two, 2.5.0 kept the exponent bits (silently wrong)."""
+    DeepGEMM 2.6.1 device-asserts powers of two; before it the CUDA cast ORs the later values' mantissa bits into
+    the packed bytes (garbage exponents, audit 2026-11 round two, DeepGEMM row 46); only its PyTorch fallback keeps
+    the exponent."""
     a, _, b, sb = _fp8_operands(128)
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
     q = make_codec(md.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
@@ -286,8 +288,10 @@ def test_the_fake_scale_formats_per_architecture():
         emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, packed), (b, pow2_sb), d_int, ids)
     _native.reset_context()  # a new process
     old = emu.emulate((10, 0), "2.5.0")
-    getattr(old, vendor.DG_FP8_CONTIGUOUS)((q.data, packed), (b, sb), d_int, ids)  # truncated to the exponent
-    assert torch.equal(d_ref, d_int)
+    getattr(old, vendor.DG_FP8_CONTIGUOUS)((q.data, packed), (b, pow2_sb), d_int, ids)
+    assert torch.equal(d_ref, d_int)  # powers of two: the cast is exact
+    getattr(old, vendor.DG_FP8_CONTIGUOUS)((q.data, packed), (b, sb), d_int, ids)  # garbage exponents
+    assert not torch.equal(d_ref, d_int)
     with pytest.raises(RuntimeError, match="stride"):  # row-major packed SFA: not TMA-aligned MN-major
         emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, pack_ue8m0(q.scale)), (b, pow2_sb), d_int, ids)
     with pytest.raises(RuntimeError, match="Unsupported architecture or scaling factor types"):

@@ -12,13 +12,15 @@ Checks, one table row each:
 - a2a ep=1: ``flashinfer_a2a`` through the real MoeAlltoAll at one rank (MNNVL memory: fabric or
   POSIX fd handles) against the same inputs through the fake of that version, and against the
   reference, at the ``--tokens`` shape and at T=17 top-3 (R·T·k odd: the receive-plane alignment
-  FlashInfer 0.6.0-0.7.0 needs, audit #12) with rows that start 8 bytes into their allocation;
+  FlashInfer 0.6.0-0.7.0 needs, audit #12), the rows starting 8 bytes into their allocation on the
+  device (the source half of #12: FlashInfer <= 0.7.0 loads them with vector loads);
 - fp4_quantize: on the GPU against the core NVFP4 codec, bit for bit (data and linear scales), with
   and without the exact-math variables the installed version reads (``vendor.fp4_fast_math_env``);
 - cutedsl ...: the CuTe-DSL runner on the real kernel against the fake, only on compute capability
   10.x (skipped with the reason elsewhere): PACKED BF16; MASKED with -1 slots (valid rows compared,
-  padding rows must be zero); an EP offset (experts 4..7 of 8); pre-quantized NVFP4 rows with
-  their own global scale and an fc2 scale different from the layer's input scale; zero rows.
+  padding rows must be zero); MASKED with every count zero (all ids -1: every row must come back
+  zero, second audit #42); an EP offset (experts 4..7 of 8); pre-quantized NVFP4 rows with their own
+  global scale and an fc2 scale different from the layer's input scale; zero rows.
 
 A row is REFUSED only when FlashInfer itself refuses the machine (``vendor.ENVIRONMENT_REFUSALS``:
 the MNNVL handle exchange, the driver's handle type, the JIT build), and its message is printed;
@@ -36,7 +38,6 @@ import os
 import sys
 import tempfile
 import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -147,19 +148,24 @@ def _failure(check: str, exc: BaseException) -> Row:
     return Row(check, "REFUSED" if vendor.is_environment_refusal(exc) else "FAIL", last)
 
 
+def _source_rows(buf: torch.Tensor, device: torch.device, tokens: int, hidden: int) -> torch.Tensor:
+    """``[tokens, hidden]`` rows 8 bytes into their allocation ON ``device``: the buffer is moved and
+    then viewed (a view moved with ``.to(device)`` would land at the start of a fresh allocation)."""
+    return buf.to(device)[4:].view(tokens, hidden)
+
+
 def _a2a_run(module: str, device: torch.device, hidden: int, tokens: int, group: Any) -> tuple[torch.Tensor, float]:
-    warnings.simplefilter("ignore", DeprecationWarning)
     spec = md.DispatchSpec(hidden, 8, 3, num_max_dispatch_tokens_per_rank=tokens, output_dtype="bf16")
     d = md.create_dispatcher(FlashInferA2ABackend(module), spec, group, env={})
     g = torch.Generator().manual_seed(0)
     buf = torch.randn(tokens * hidden + 4, generator=g).to(torch.bfloat16)
-    x = buf[4:].view(tokens, hidden)  # rows 8 bytes into their allocation
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(tokens)])
     ids[::3, 1] = -1
     ids[1::5] = -1  # tokens with no expert
     w = torch.rand(tokens, 3, generator=g)
-    out = d.dispatch(x.to(device), ids.to(device), w.to(device))
+    out = d.dispatch(_source_rows(buf, device, tokens, hidden), ids.to(device), w.to(device))
     y = d.combine(out.hidden_states, out).float().cpu()
+    x = buf[4:].view(tokens, hidden)  # the same rows on the CPU, for the reference
     ref = x.float() * ((ids >= 0).float() * w).sum(dim=1, keepdim=True)
     return y, relative_error(y, ref)
 
@@ -221,15 +227,17 @@ class CuteCase:
     num_experts: int = 4
     nvfp4_rows: bool = False
     fc2: float = 4.0  # amax of the intermediate the fc2 global scale is made for
-    rows: int = 9
+    counts: tuple[int, ...] = (3, 0, 5, 1)  # rows per local expert
 
 
 CUTE_CASES = (
     CuteCase("cutedsl packed bf16"),
     CuteCase("cutedsl masked, -1 slots", masked=True),
+    # Every count zero: the usual low-latency decode state of a rank whose experts got no token.
+    CuteCase("cutedsl masked, no routed row (all ids -1)", masked=True, counts=(0, 0, 0, 0)),
     CuteCase("cutedsl ep offset (experts 4..7 of 8)", first_expert=4, num_experts=8),
     CuteCase("cutedsl nvfp4 rows, own global scale, fc2 != input scale", nvfp4_rows=True, fc2=2.0),
-    CuteCase("cutedsl zero rows", rows=0),
+    CuteCase("cutedsl zero rows", counts=(0, 0, 0, 0)),
 )
 
 
@@ -245,8 +253,9 @@ def _cutedsl_run(case: CuteCase, module: str, device: torch.device) -> tuple[tor
                                    num_experts=case.num_experts, input_global_scale=gs,
                                    fc2_input_scale=nvfp4_global_scale(case.fc2))
     layer.to(device)
-    counts = torch.tensor([3, 0, 5, 1]) if case.rows else torch.zeros(local, dtype=torch.int64)
-    x = (torch.randn(max(case.rows, 1), hidden, generator=g) * 1.5).to(torch.bfloat16)[: case.rows]
+    counts = torch.tensor(case.counts, dtype=torch.int64)
+    rows = int(counts.sum())
+    x = (torch.randn(max(rows, 1), hidden, generator=g) * 1.5).to(torch.bfloat16)[:rows]
     valid = None
     scale, global_scale = None, None
     if case.masked:
@@ -290,8 +299,10 @@ def check_cutedsl(s: Setup) -> list[Row]:
             diff = relative_error(got, want)
             ok = ok and diff < 2e-2
             detail.insert(0, f"runner on {s.module} vs the fake: {diff:.2e}")
-        else:
+        elif valid is None:
             detail.insert(0, f"{tuple(got.shape)} as the fake, no kernel launched")
+        else:
+            detail.insert(0, f"no routed row in {int(valid.numel())} slots (every id -1)")
         rows.append(Row(case.check, "PASS" if ok else "FAIL", "; ".join(detail)))
     return rows
 

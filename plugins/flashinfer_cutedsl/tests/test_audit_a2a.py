@@ -60,16 +60,13 @@ def _word(mod, inst, name: str, index: int = 0) -> torch.Tensor:  # noqa: ANN001
 
 
 def run_larger_group_after_a_smaller_one(rank: int, world: int, fake: str) -> tuple:
+    from moe_dispatch_flashinfer_cutedsl.fakes.mnnvl import fresh_address_range
+    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
     warnings.simplefilter("ignore", DeprecationWarning)
     mod = _fake(fake)
-    memory = mod.comm.mnnvl.MnnvlMemory
-    names = ("current_start_address", "current_rank_stride", "current_mem_offset")
-    saved = {n: getattr(memory, n, 0) for n in names}
-    for n in names:  # as in a fresh process: no MNNVL address range reserved yet
-        setattr(memory, n, 0)
     groups = [dist.new_group([r]) for r in range(world)]
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
-    try:
+    with fresh_address_range(mod.comm.mnnvl.MnnvlMemory):
         md.create_dispatcher(FlashInferA2ABackend(fake), spec, groups[rank], env={})  # reserves for 1 rank
         try:
             md.create_dispatcher(FlashInferA2ABackend(fake), spec, env={})  # 2 ranks
@@ -77,7 +74,6 @@ def run_larger_group_after_a_smaller_one(rank: int, world: int, fake: str) -> tu
         except md.InvalidSpecError as exc:
             adapter = (exc.parameter, str(exc))
         # FlashInfer asked for the same directly: peer 1 maps outside the one-rank reservation.
-        from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
         mapping = mod.Mapping(world_size=world, rank=rank, gpus_per_node=world, tp_size=world, moe_ep_size=world)
         try:
             mod.MoeAlltoAll(mapping, 4, 2, E, hidden_size=H + 128,
@@ -85,10 +81,7 @@ def run_larger_group_after_a_smaller_one(rank: int, world: int, fake: str) -> tu
             raw = "no error"
         except RuntimeError as exc:
             raw = str(exc)
-        return adapter, raw
-    finally:
-        for n, v in saved.items():
-            setattr(memory, n, v)
+    return adapter, raw
 
 
 @pytest.mark.parametrize("fake", [vendor.FAKE_0_6_13, vendor.FAKE_0_7_2])

@@ -8,6 +8,8 @@ import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import torch
+
 from moe_dispatch.environ import restored_environ
 from moe_dispatch_flashinfer_cutedsl import vendor
 
@@ -39,9 +41,18 @@ def test_the_hardware_check_passes_on_the_fakes(moe_rank_pools):
                                                          "256", "--tokens", "8"], {})
     assert code == 0, text
     for check in ("signatures", "workspace size ep=8 T=128", "a2a ep=1 ", "a2a ep=1 T=17 top-3", "fp4_quantize",
-                  "fp4_quantize exact math", "cutedsl packed bf16", "cutedsl masked, -1 slots", "cutedsl ep offset",
-                  "cutedsl nvfp4 rows", "cutedsl zero rows"):
+                  "fp4_quantize exact math", "cutedsl packed bf16", "cutedsl masked, -1 slots",
+                  "cutedsl masked, no routed row", "cutedsl ep offset", "cutedsl nvfp4 rows", "cutedsl zero rows"):
         assert any(" PASS " in line for line in _rows(text, check)), (check, text)
+
+
+def test_52_the_a2a_rows_hand_the_device_rows_8_bytes_into_their_allocation():
+    """The view is made on the device (``meta`` stands in for CUDA): ``x.to("cuda")`` of a CPU view
+    would be a fresh allocation, aligned, and never exercise the misaligned source (#12)."""
+    module = _load()
+    buf = torch.zeros(5 * 256 + 4, dtype=torch.bfloat16)
+    rows = module._source_rows(buf, torch.device("meta"), 5, 256)  # noqa: SLF001
+    assert rows.device.type == "meta" and rows.shape == (5, 256) and rows.storage_offset() == 4
 
 
 def test_46_an_adapter_exception_fails_the_hardware_check(moe_rank_pools):

@@ -173,32 +173,25 @@ def test_kmaxtopk_and_payload_limits_equal_the_installed_headers():
 
 def run_larger_group(rank: int, world: int) -> tuple:
     import torch.distributed as dist
+    from moe_dispatch_flashinfer_cutedsl.fakes.mnnvl import fresh_address_range
+    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
     mod = _real()
-    memory = mod.comm.mnnvl.MnnvlMemory
-    names = ("current_start_address", "current_rank_stride", "current_mem_offset")
-    saved = {n: getattr(memory, n) for n in names}
-    for n in names:  # a fresh process: no address range reserved yet
-        setattr(memory, n, 0)
     groups = [dist.new_group([r]) for r in range(world)]
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
-    try:
+    with fresh_address_range(mod.comm.mnnvl.MnnvlMemory):
         md.create_dispatcher(FlashInferA2ABackend(REAL), spec, groups[rank], env={})
         try:
             md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
             adapter = None
         except md.InvalidSpecError as exc:
             adapter = exc.parameter
-        from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
         try:  # FlashInfer's own MoeAlltoAll, asked for the same
             mod.MoeAlltoAll(_mapping(mod, rank, world), 4, 2, E, hidden_size=H + 128,
                             mnnvl_config=mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend()))
             raw = "no error"
         except RuntimeError as exc:
             raw = str(exc)
-        return adapter, raw
-    finally:
-        for n, v in saved.items():
-            setattr(memory, n, v)
+    return adapter, raw
 
 
 def test_8_real_mnnvl_state_refuses_a_larger_group_after_a_smaller_one(moe_rank_pools):
@@ -251,3 +244,78 @@ def run_odd(rank: int, world: int) -> float:
 
 def test_12_odd_shapes_run_through_the_real_python(moe_rank_pools):
     assert moe_rank_pools.get(1).map(run_odd)[0] < 1e-2
+
+
+# -- the second audit's rows, through FlashInfer's real Python ---------------------------------------
+
+
+def run_default_sized_after(rank: int, world: int) -> tuple[bool, bool]:
+    mod, tokens = _real(), 31  # a max-tokens no other test uses: nothing cached for it
+    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import LocalCommBackend
+    spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=tokens)
+    d = md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
+    mine = {inst.workspace.data_ptr() for inst in d.backend_dispatcher.instances}
+    config = mod.comm.mnnvl.MnnvlConfig(comm_backend=LocalCommBackend())
+    other = mod.comm.MoeAlltoAll(_mapping(mod, 0, 1), tokens, 2, 2 * E, hidden_size=H, mnnvl_config=config)
+    again = mod.comm.MoeAlltoAll(_mapping(mod, 0, 1), tokens, 2, E, hidden_size=H, mnnvl_config=config)
+    return other.workspace.data_ptr() not in mine, again.workspace is other.workspace
+
+
+def test_6_a_default_sized_real_moealltoall_created_later_gets_its_own_workspace(moe_rank_pools):
+    """FlashInfer's own default size (``hidden_size=H``) is never one of the dispatcher's."""
+    assert moe_rank_pools.get(1).map(run_default_sized_after) == [(True, True)]
+
+
+def run_after_failed_allocation(rank: int, world: int) -> tuple:
+    import torch.distributed as dist
+    from moe_dispatch_flashinfer_cutedsl.fakes.mnnvl import DRIVER, fresh_address_range
+    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
+    mod = _real()
+    memory = mod.comm.mnnvl.MnnvlMemory
+    groups = [dist.new_group([r]) for r in range(world)]
+    spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
+    with fresh_address_range(memory):
+        DRIVER.free_bytes = 0  # cuMemCreate fails after the range was reserved
+        config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(groups[rank]))
+        try:  # another user of FlashInfer's MoeAlltoAll, over a one-rank group
+            mod.comm.MoeAlltoAll(_mapping(mod, 0, 1), 4, 2, E, hidden_size=H, mnnvl_config=config)
+            failed = "no error"
+        except RuntimeError as exc:
+            failed = str(exc)
+        finally:
+            DRIVER.free_bytes = None
+        orphan = vendor.mnnvl_reservation(memory)
+        d = md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})  # the 2-rank group
+        x, ids, w = torch.randn(4, H).to(torch.bfloat16), torch.tensor([[0, 7]] * 4), torch.ones(4, 2)
+        out = d.dispatch(x, ids, w)
+        return failed, orphan, relative_error(d.combine(out.hidden_states, out), x.float() * 2)
+
+
+def test_10_real_mnnvl_state_shows_a_range_a_failed_allocation_left(moe_rank_pools):
+    """FlashInfer's real class attributes and records after a failed allocation (over the fake's port
+    of ``open_mnnvl_memory``): the adapter has FlashInfer reserve a new range for the larger group."""
+    for failed, orphan, error in moe_rank_pools.get(2).map(run_after_failed_allocation):
+        assert "CUDA_ERROR_OUT_OF_MEMORY" in failed, failed
+        assert orphan.comm_size is None and orphan.room > 0 and error < 1e-2, (orphan, error)
+
+
+def run_under_error_filter(rank: int, world: int) -> str:
+    _real()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=9)
+            md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
+        except md.BackendUnavailableError as exc:
+            return f"{type(exc.__cause__).__name__}: {exc.__cause__}"
+    with pytest.warns(DeprecationWarning, match="MoeAlltoAll is deprecated"):  # FlashInfer's @deprecated class
+        mod = importlib.import_module(REAL)
+        mod.comm.MoeAlltoAll(_mapping(mod, 0, 1), 9, 2, E, hidden_size=H + 128)
+    return "created"
+
+
+def test_23_create_runs_under_an_error_warnings_filter_on_real_flashinfer(moe_rank_pools):
+    import flashinfer
+    if vendor.parse_version(flashinfer.__version__) < vendor.A2A_DEPRECATED_SINCE:
+        pytest.skip("this FlashInfer does not deprecate MoeAlltoAll")
+    assert moe_rank_pools.get(1).map(run_under_error_filter) == ["created"]

@@ -185,10 +185,27 @@ class RankPool:
         self.close()
 
 
+def one_rank_group(backend: str, env: "dict[str, str] | os._Environ[str]" = os.environ) -> bool:
+    """Start this process's default process group on ``backend`` unless one is running: the
+    launch's when torchrun set ``RANK`` (``env://``), else a group of one through a file store
+    (no listening socket). Returns whether it started one, so the caller knows to destroy it.
+    What a one-device hardware check needs: vendor libraries take a process group even alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    if "RANK" in env:
+        dist.init_process_group(backend)
+        return True
+    store = os.path.join(tempfile.mkdtemp(prefix="moe_dispatch_one_rank_"), "store")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """Start ``world_size`` local ranks, run ``fn(rank, world_size, *args)`` on each, stop them."""
     with RankPool(world_size) as pool:
         return pool.map(fn, *args, **kwargs)
 
 
-__all__ = ["Outcome", "RankPool", "RanksFailed", "RanksTimedOut", "run_local"]
+__all__ = ["Outcome", "RankPool", "RanksFailed", "RanksTimedOut", "one_rank_group", "run_local"]

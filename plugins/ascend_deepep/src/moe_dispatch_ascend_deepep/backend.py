@@ -22,6 +22,11 @@ MAX_EXPERTS = v.MAX_EXPERTS
 #: no shared-expert ranks; the long-sequence rounds are removed for the call (one round of 8192).
 CONSTRUCTION_ENV = {v.STRATEGY_ENV: v.STRATEGY_DEFAULT, v.SHARED_RANKS_ENV: "0"}
 CONSTRUCTION_UNSET = (v.LONG_SEQ_ROUND_ENV, v.LONG_SEQ_TOKENS_ENV, v.LONG_SEQ_COMBINE_ENV)
+#: ``create_dispatcher(options={WINDOW_OPTION: N})``: the group's HCCL window in MB, for a group whose options
+#: cannot be read (where they can, a different value is an error).
+WINDOW_OPTION = "hccl_window_mb"
+#: The environment that decides the Buffer, its windows and which kernels run: equal on every rank (agreement).
+AGREED_ENV = (v.HCCL_BUFFSIZE, v.DEEPEP_HCCL_BUFFSIZE, v.INTRA_PCIE_ENV, v.INTRA_ROCE_ENV)
 
 
 def capabilities(emulated: bool) -> md.Capabilities:
@@ -55,10 +60,16 @@ def check_hccl_group(process_group: Any) -> None:
                                   parameter="process_group", value=str(name), allowed="hccl (or cpu:gloo,npu:hccl)")
 
 
-def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None) -> None:
+def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None, env: Mapping[str, str] | None = None,
+              max_top_k: int = v.A2_INTERNODE_MAX_TOP_K) -> None:
     """Atlas A2 limits beyond the declared capabilities (vendor.A2_*): more than 8 ranks take
-    DeepEP-Ascend's internode paths. ``soc`` None (planning without the chip): the safe bound,
-    as if it were A2; an A3 that is known to be one is not limited."""
+    DeepEP-Ascend's internode paths. An A3 that is known to be one is not limited. ``soc`` None
+    (planning without the chip): the tiling limits common to the internode ops (R in whole nodes up to
+    256, T <= 4096, top-k >= 2); ``"A2"`` also what the normal internode kernels need (R <= 64, the
+    RDMA area's token cap, BF16, top-k <= ``max_top_k``: 10 on builds that may predate KN@7a396def) and,
+    with ``env`` (creation: where the HCCL variables are read), the layered variables. ``create`` takes
+    a chip torch_npu cannot name as A2. ``spec.output_dtype`` None (auto) is checked again resolved, in
+    ``create``."""
     if soc == v.SOC_A3 or world_size <= v.A2_MAX_HCCS_PEERS:
         return
     why = "on Atlas A2 (ASCEND910B), more than 8 ranks take DeepEP-Ascend's internode kernels" + (
@@ -66,23 +77,57 @@ def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None) -> None:
     if world_size % v.A2_INTERNODE_EP_MULTIPLE or world_size > v.A2_INTERNODE_MAX_EP:
         raise md.InvalidSpecError(f"{why}, which take 8..256 ranks in whole nodes of 8", parameter="world_size",
                                   value=world_size, allowed=f"multiples of 8 up to {v.A2_INTERNODE_MAX_EP}")
+    normal, T = spec.mode is N, spec.num_max_dispatch_tokens_per_rank
     if spec.top_k < v.A2_LAYERED_MIN_TOP_K:
         raise md.InvalidSpecError(f"{why}, which take top-k 2..16", parameter="top_k", value=spec.top_k,
                                   allowed=f"{v.A2_LAYERED_MIN_TOP_K}..{v.MAX_TOP_K}")
-    T = spec.num_max_dispatch_tokens_per_rank
-    if spec.mode is N and T > v.A2_INTERNODE_MAX_TOKENS:
+    if normal and T > v.A2_INTERNODE_MAX_TOKENS:
         raise md.CapacityError(f"{why}, whose normal dispatch takes at most 4096 tokens per rank",
                                parameter="num_max_dispatch_tokens_per_rank", value=T,
                                allowed=f"1..{v.A2_INTERNODE_MAX_TOKENS}")
+    if soc != v.SOC_A2 or not normal:  # planning without the chip; low latency's limits end here
+        return
+    if world_size > v.A2_INTERNODE_MAX_EP_NORMAL:
+        raise md.InvalidSpecError(f"{why}; normal mode's aclnnNotifyDispatchA2 takes at most 64 ranks (its tiling: "
+                                  "rankSize in (0, 64])", parameter="world_size", value=world_size,
+                                  allowed=f"multiples of 8 up to {v.A2_INTERNODE_MAX_EP_NORMAL} (low latency: up to "
+                                  f"{v.A2_INTERNODE_MAX_EP})")
+    if spec.top_k > max_top_k:
+        old = " (builds before KN@7a396def, which this one may be: it has no low_latency_dispatch(quant_mode=))" \
+            if max_top_k < v.A2_INTERNODE_MAX_TOP_K else ""
+        raise md.InvalidSpecError(f"{why}, whose normal dispatch takes top-k {v.A2_LAYERED_MIN_TOP_K}..{max_top_k}"
+                                  f"{old}", parameter="top_k", value=spec.top_k,
+                                  allowed=f"{v.A2_LAYERED_MIN_TOP_K}..{max_top_k}")
+    cap = v.a2_internode_max_tokens(spec.hidden_size, world_size, spec.top_k)
+    if T > cap:
+        room = "" if cap == v.A2_INTERNODE_MAX_TOKENS else \
+            f" (here fewer: each server's share of the kernels' fixed 800 MB RDMA area holds {cap})"
+        raise md.CapacityError(f"{why}, whose normal dispatch takes at most {v.A2_INTERNODE_MAX_TOKENS} tokens per "
+                               f"rank{room}", parameter="num_max_dispatch_tokens_per_rank", value=T,
+                               allowed=f"1..{cap}")
+    if spec.output_dtype in (I8, F8):
+        via = " (FP8 falls back to INT8 here)" if spec.output_dtype is F8 else ""
+        raise md.InvalidSpecError(
+            f"{why}, which have no INT8 kernel{via}: DispatchNormalA2's tiling key for quant mode 2 (2000001002, "
+            "2100001002 layered) has no kernel (dispatch_normal_a2.cpp builds BF16 only); the vendor's README: "
+            "'Normal mode does NOT support quantization' on A2 dual node", parameter="output_dtype",
+            value=spec.output_dtype.value, allowed="bf16 (or low-latency mode for INT8)")
+    if env is not None and not v.is_layered(env):
+        raise md.InvalidSpecError(
+            f"{why}, whose combine (MoeDistributeCombineA2) has a kernel only for the layered tiling key 3000: "
+            f"export {v.INTRA_PCIE_ENV}=1 and {v.INTRA_ROCE_ENV}=0 on every rank before the process group starts "
+            "(the vendor's README: 'A2 Dual Node: Must set')", parameter=f"{v.INTRA_PCIE_ENV}/{v.INTRA_ROCE_ENV}",
+            value=f"{env.get(v.INTRA_PCIE_ENV)}/{env.get(v.INTRA_ROCE_ENV)}", allowed="1/0")
 
 
 class AscendDeepEPBackend(md.Backend):
     """DeepEP-Ascend (sgl-kernel-npu) ``Buffer`` on Atlas A2/A3, or with ``vendor_module=vendor.FAKE``
-    its CPU fake. ``env`` is what the HCCL window variables are read from (``os.environ`` when
-    None), never written; the vendor itself reads the process environment. ``soc`` (``"A2"`` or
-    ``"A3"``) names the chip for planning elsewhere; by default it is read from torch_npu where this
-    process has it (on the NPU; the fakes' torch_npu on CPU), and where it cannot be known the window
-    and limits are the safe bound over both chips."""
+    its CPU fake. ``env`` is what the HCCL variables are read from (``os.environ`` when None), never
+    written; the vendor itself reads the process environment. ``soc`` (``"A2"`` or ``"A3"``) names the
+    chip for planning elsewhere; by default it is read from torch_npu where this process has it (on the
+    NPU; the fakes' torch_npu on CPU), and where it cannot be known the window and limits are the safe
+    bound over both chips. The group's HCCL window is read from its options at creation
+    (``options={"hccl_window_mb": N}`` states it for a group whose options cannot be read)."""
 
     name = "ascend_deepep"
     description = "DeepEP-Ascend Buffer: normal and low-latency modes, BF16 or per-token INT8, HCCL window"
@@ -136,11 +181,20 @@ class AscendDeepEPBackend(md.Backend):
         if spec.mode is LL and v.is_layered(self._env()) and spec.top_k < v.A2_LAYERED_MIN_TOP_K:
             raise md.InvalidSpecError("A2 layered (two-node) low-latency kernels take top-k 2..16", parameter="top_k",
                                       value=spec.top_k, allowed=f"{v.A2_LAYERED_MIN_TOP_K}..{v.MAX_TOP_K}")
-        a2_limits(spec, world_size, self.soc())
+        a2_limits(spec, world_size, self.soc(), None, self._internode_top_k())  # the environment: at creation
 
-    def _window_bytes(self, spec: md.DispatchSpec, world_size: int) -> int:
+    def _internode_top_k(self) -> int:
+        """The A2 internode dispatch's top-k limit on this build: 16 since KN@7a396def, seen from Python as
+        low_latency_dispatch(quant_mode=) (KN@f451a596, later); 10 where the build may be older or unknown."""
+        return v.A2_INTERNODE_MAX_TOP_K if self.vendor().ll_quant_mode else v.A2_INTERNODE_MAX_TOP_K_OLD
+
+    def _window_bytes(self, spec: md.DispatchSpec, world_size: int, soc: str | None = None) -> int:
         return sizes.required_window_bytes(spec.mode, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size,
-                                           world_size, spec.num_experts, spec.top_k, self._env(), self.soc())
+                                           world_size, spec.num_experts, spec.top_k, self._env(), soc or self.soc())
+
+    def window_needed_mb(self, spec: md.DispatchSpec, world_size: int, soc: str | None) -> int:
+        """The window (MB) this spec needs on ``soc`` (None: not known): what every check and report uses."""
+        return v.window_mb(self._window_bytes(spec, world_size, soc))
 
     def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
         T, h = spec.num_max_dispatch_tokens_per_rank, spec.hidden_size
@@ -152,18 +206,71 @@ class AscendDeepEPBackend(md.Backend):
         shared = window if window >= max(dispatch, combine) else None
         return md.BufferSize(
             dispatch, combine,
-            notes=(f"HCCL window (HCCL_BUFFSIZE) >= {v.window_mb(window)} MB: what DeepEP-Ascend's ops check",),
+            notes=(f"HCCL window >= {v.window_mb(window)} MB (the group's, and the ops' DEEPEP_HCCL_BUFFSIZE or "
+                   "HCCL_BUFFSIZE): what DeepEP-Ascend's ops check and its kernels use",),
             allocated_bytes=shared,
         )
 
     def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
-        """HCCL_BUFFSIZE (MB) that ``create`` checks: what DeepEP-Ascend's ops check for this spec on this
-        chip (where the chip is unknown, the largest over Atlas A2 and A3)."""
+        """The window (MB) that ``create`` checks: what DeepEP-Ascend's ops and kernels need for this spec on
+        this chip (where the chip is unknown: the larger of A2 and A3 on one node, A3's beyond; ``create`` then
+        checks A2's), on the variable the ops read (``DEEPEP_HCCL_BUFFSIZE`` when set, else ``HCCL_BUFFSIZE``);
+        the group's window must hold it too."""
         soc = self.soc()
-        where = "the ops' tiling check" + (" on either chip (A2 or A3: not known here)" if soc is None else
-                                           f" on Atlas {soc}")
-        return (md.EnvRequirement(v.HCCL_BUFFSIZE, v.window_mb(self._window_bytes(spec, world_size)), "MB",
-                                  v.DEFAULT_HCCL_BUFFSIZE_MB, f"DeepEP-Ascend's HCCL window ({where})"),)
+        where = "the ops' tiling and kernels" + (" on either chip (A2 or A3: not known here)" if soc is None else
+                                                 f" on Atlas {soc}")
+        env = self._env()
+        name = v.DEEPEP_HCCL_BUFFSIZE if env.get(v.DEEPEP_HCCL_BUFFSIZE) is not None else v.HCCL_BUFFSIZE
+        return (md.EnvRequirement(name, self.window_needed_mb(spec, world_size, soc), "MB",
+                                  v.DEFAULT_HCCL_BUFFSIZE_MB if name == v.HCCL_BUFFSIZE else None,
+                                  f"DeepEP-Ascend's HCCL window ({where}; the group's window must hold it too)"),)
+
+    def group_hccl_config(self, process_group: Any) -> dict[str, Any] | None:
+        """The group's ``hccl_config`` as torch_npu keeps it (the fake torch_npu's for the fakes' gloo groups)."""
+        if self.vendor_module != v.REAL:
+            return importlib.import_module(v.TORCH_NPU_FAKE).hccl_config_of(process_group)
+        return v.group_hccl_config(process_group)
+
+    def check_window(self, spec: md.DispatchSpec, world_size: int, hccl_config: Mapping[str, Any] | None,
+                     options: Mapping[str, Any]) -> sizes.GroupWindow:
+        """What ``create`` checks before the Buffer exists: the need <= the ops' window <= the group's window
+        (``hccl_config``: the group's options as read, None where they cannot be; ``options[WINDOW_OPTION]``
+        states the window then). Returns the group's window."""
+        soc = self._creation_soc()
+        need = self.window_needed_mb(spec, world_size, soc)  # what `moe-dispatch plan` reports (the chip known)
+        env = self._env()
+        group = sizes.group_window(hccl_config, env, options.get(WINDOW_OPTION), WINDOW_OPTION, need)
+        internode = sizes.is_a2_internode(spec.mode, world_size, soc)
+        return sizes.check_hccl_window(need, env, group, v.A2_INTERNODE_MAX_WINDOW_MB if internode else None)
+
+    def check_environment(self, spec: md.DispatchSpec, world_size: int, hccl_config: Mapping[str, Any] | None,
+                          options: Mapping[str, Any]) -> sizes.GroupWindow:
+        """Everything ``create`` checks before the Buffer exists, on the resolved spec: the A2 limits with the
+        environment they need (the layered variables, INT8 that a runner asked for) and the windows. A chip
+        torch_npu cannot name is taken as A2 here (the stricter: its internode kernels need the most)."""
+        a2_limits(spec, world_size, self._creation_soc(), self._env(), self._internode_top_k())
+        return self.check_window(spec, world_size, hccl_config, options)
+
+    def _creation_soc(self) -> str:
+        return self.soc() or v.SOC_A2
+
+    def agreement_values(self, spec: md.DispatchSpec, world_size: int, hccl_config: Mapping[str, Any] | None,
+                         options: Mapping[str, Any]) -> dict[str, Any]:
+        """What decides the Buffer's construction, its windows and which kernels its calls take: the chip, the
+        vendor build, the HCCL variables and the windows they give (a rank that differs would hang in a
+        collective vendor call, or run another kernel, instead of failing)."""
+        env, info = self._env(), self.vendor()
+        need = self.window_needed_mb(spec, world_size, self._creation_soc())
+        group = sizes.group_window(hccl_config, env, options.get(WINDOW_OPTION), WINDOW_OPTION, need)
+        build = (f"ascend={info.is_ascend} supported={info.supported} quant_mode={info.has_quant_mode} "
+                 f"ll_quant_mode={info.ll_quant_mode} strategies={info.has_strategies}")
+        return {"chip": self.soc() or "unknown", "vendor build": build,
+                **{name: env.get(name) for name in AGREED_ENV},
+                "group window MB": group.mb, "ops window MB": v.ops_window_mb(env), "window MB needed": need}
+
+    def agreement(self, ctx: md.DispatchContext) -> Mapping[str, Any]:
+        return self.agreement_values(ctx.spec, ctx.world_size, self.group_hccl_config(ctx.comm.process_group),
+                                     ctx.options)
 
     def _construct(self, info: v.VendorInfo, process_group: Any, low_latency: bool) -> Any:
         """``Buffer(...)`` with the construction-time environment pinned (restored afterwards)."""
@@ -175,8 +282,7 @@ class AscendDeepEPBackend(md.Backend):
 
     def create(self, ctx: md.DispatchContext) -> AscendDeepEPDispatcher:
         spec, R = ctx.spec, ctx.world_size
-        (window,) = self.env_requirements(spec, R)  # what `moe-dispatch plan` reports is what is checked
-        sizes.check_hccl_window(window.minimum, self._env())
+        self.check_environment(spec, R, self.group_hccl_config(ctx.comm.process_group), ctx.options)
         info = self.vendor()
         buffer = ctx.options.get("buffer")
         if buffer is None:

@@ -164,12 +164,17 @@ def _platform_rows(opts: Options) -> list[Row]:
     """The chip, CANN's version and which aclnn variants the installed CANN has (op-plugin picks
     aclnnGroupedMatmulV5/V4, aclnnDequantSwigluQuantV2/V1, aclnnDynamicQuantV2.. by availability; their
     host checks and rounding differ: audit b30/b34/b41)."""
+    module = importlib.import_module(v.TORCH_NPU_FAKE if opts.fake else v.TORCH_NPU)
+    try:
+        name = module.npu.get_device_name()
+    except Exception as exc:  # noqa: BLE001 - information
+        name = f"unknown ({exc})"
+    chip = (f"{module.npu.get_soc_version()} ({name}) -> {v.current_soc(module)}: by code "
+            f"{v.soc_family(module.npu.get_soc_version())}, by name {v.soc_family_from_name(name)}")
+    rows = [Row("platform", "chip (torch_npu.npu.get_soc_version, get_device_name)", None,
+                chip + (" (fake)" if opts.fake else ""))]
     if opts.fake:
-        module = importlib.import_module(v.TORCH_NPU_FAKE)
-        return [Row("platform", "chip (torch_npu.npu.get_soc_version)", None, f"{v.current_soc(module)} (fake)")]
-    module = importlib.import_module(v.TORCH_NPU)
-    rows = [Row("platform", "chip (torch_npu.npu.get_soc_version)", None,
-                f"{module.npu.get_soc_version()} -> {v.current_soc(module)}")]
+        return rows
     try:
         rows.append(Row("platform", "CANN version", None, str(module.npu.utils.get_cann_version())))
     except Exception as exc:  # noqa: BLE001 - information
@@ -191,18 +196,31 @@ def _platform_rows(opts: Options) -> list[Row]:
 # -- sizes ---------------------------------------------------------------------------------------------
 
 
-def _window_rows(opts: Options, world: int) -> list[Row]:
+def _window_rows(opts: Options, world: int, group: Any) -> list[Row]:
+    """The windows: what the group was given (its hccl_config, read as the backend reads it), what the ops see,
+    and what each mode needs; whether the backend's creation check passes."""
     from . import sizes
 
     rows: list[Row] = []
     E = opts.experts_per_rank * world
+    backend = AscendDeepEPBackend(opts.deep_ep)
+    config = backend.group_hccl_config(group)
+    window = sizes.group_window(config, os.environ)
+    rows.append(Row("windows", "the group's HCCL window (its hccl_config, else HCCL_BUFFSIZE)", None,
+                    f"{window.mb} MB: {window.source}; hccl_config read: {config}"))
     for mode in (md.Mode.NORMAL, md.Mode.LOW_LATENCY):
         spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
-        soc = AscendDeepEPBackend(opts.deep_ep).soc()
+        soc = backend.soc()
         need = sizes.required_window_mb(spec, world, os.environ, soc)
-        have = os.environ.get(v.DEEPEP_HCCL_BUFFSIZE) or os.environ.get(v.HCCL_BUFFSIZE) or "200 (default)"
+        have = v.ops_window_mb(os.environ)
+        try:
+            backend.check_environment(spec, world, config, {})
+            verdict = "the creation check passes"
+        except md.MoEDispatchError as exc:
+            verdict = f"the creation check refuses: {type(exc).__name__} {exc.parameter}: {str(exc)[:160]}"
         rows.append(Row("windows", f"HCCL window {mode.value}", None,
-                        f"need {need} MB (ops' tiling check, chip {soc or 'unknown: both'}), have {have}"))
+                        f"need {need} MB (chip {soc or 'unknown: both'}), the ops see {have} MB, the group has "
+                        f"{window.mb} MB; {verdict}"))
     module = importlib.import_module(opts.deep_ep)
     hint = v.low_latency_rdma_size_hint(module, opts.tokens, opts.hidden, world, E)
     rows.append(Row("windows", "get_low_latency_rdma_size_hint is the dummy (returns T)", hint == opts.tokens,
@@ -243,7 +261,12 @@ def _deepep_rows(rank: int, world: int, opts: Options, group: Any, reference_gro
                           ) -> list[Row]:
                     spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens,
                                            mode=mode, output_dtype=dtype)
-                    real = md.create_dispatcher(AscendDeepEPBackend(opts.deep_ep), spec, group, env={})
+                    try:
+                        real = md.create_dispatcher(AscendDeepEPBackend(opts.deep_ep), spec, group, env={})
+                    except md.InvalidSpecError as exc:  # A2 beyond 8 ranks: no INT8 kernel (every rank refuses)
+                        if exc.parameter != "output_dtype":
+                            raise
+                        return [Row("deepep", f"{name}: refused at creation", None, str(exc)[:200])]
                     fake = md.create_dispatcher(AscendDeepEPBackend(v.FAKE), spec, reference_group, env={})
                     x, ids, w = _batch(rank, opts, world, minus_one)
                     c_real, r_real, y_real = _roundtrip(real, x, ids, w, opts.device)
@@ -408,7 +431,7 @@ def run_rank(rank: int, world: int, opts: Options, fuseep: Callable[..., list[Ro
     if rank == 0 and "signatures" in opts.parts:
         rows += _guard("signatures", "signatures", lambda: _signature_rows(opts))
     if rank == 0 and "windows" in opts.parts:
-        rows += _guard("windows", "windows", lambda: _window_rows(opts, world))
+        rows += _guard("windows", "windows", lambda: _window_rows(opts, world, group))
     if "deepep" in opts.parts:
         if world < v.MIN_EP_WORLD_SIZE:
             rows += _guard("deepep", "one rank", lambda: _world_one_rows(opts))

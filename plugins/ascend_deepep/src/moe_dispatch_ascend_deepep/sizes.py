@@ -1,41 +1,56 @@
 """The HCCL window this plugin requires and checks, from the vendor's own formulas.
 
 DeepEP-Ascend ignores ``num_nvl_bytes`` / ``num_rdma_bytes`` (its size hints are dummies); every op
-communicates through the HCCL window (``HCCL_BUFFSIZE`` MB, default 200) and checks it in its
-tiling (``vendor.ll_op_window_bytes``, ``vendor.normal_op_window_bytes``, and on Atlas A2
-``vendor.normal_op_window_bytes_a2``), reading ``DEEPEP_HCCL_BUFFSIZE`` instead when that is set.
-The requirement here is the largest formula that applies on the chip (``soc``: ``"A2"``, ``"A3"``,
-or None when it cannot be known, e.g. planning on a machine without an NPU, where the largest over
-both chips is the safe bound):
+communicates through the HCCL window of its group and checks in its tiling the size it is told
+(``DEEPEP_HCCL_BUFFSIZE`` when set, else ``HCCL_BUFFSIZE``: ``vendor.ops_window_mb``). Two numbers, then:
 
-- low latency: the op's check and the README minimum, plus the A2 layered (two-node) formula
+- the **group's window**, what HCCL allocated: the group's own ``hccl_buffer_size`` option when it was
+  created with one (torch_npu ``pg_options``; sglang sizes its MoE group so, from ``DEEPEP_HCCL_BUFFSIZE``),
+  else ``HCCL_BUFFSIZE``, else 200 MB (``GroupWindow``);
+- the **ops' window**, what the ops check and the normal kernels lay their two halves out by.
+
+The requirement (``required_window_bytes``) is the largest formula that applies on the chip (``soc``:
+``"A2"``, ``"A3"``, or None when it cannot be known, e.g. planning on a machine without an NPU, where
+the largest over both chips is the safe bound):
+
+- low latency: the op's check and the README minimum, plus the A2 layered (two-node) kernels' assert
   when ``HCCL_INTRA_PCIE_ENABLE=1`` and ``HCCL_INTRA_ROCE_ENABLE=0`` (which only A2 reads: required
   on A3 as well, the safe side);
-- normal: the A3 op's check (at least 213 MB whatever the shape), and on A2 with at most 8 ranks
-  the A2 build's (at least 833 MB). A2 with more than 8 ranks takes DeepEP-Ascend's internode
-  path, whose tiling checks no window: the A3 formula is required there as a floor (VENDOR.md,
-  "Only the hardware can settle").
+- normal: the A3 op's check (at least 213 MB whatever the shape), on A2 with at most 8 ranks the A2
+  build's (at least 833 MB), and on A2 beyond 8 ranks the internode kernels' (their RDMA, IPC and
+  notify areas in the real window: at least 1205 MB), which also may not exceed 5299 MB (the combine
+  keeps its IPC size in a uint32). ``create`` takes a chip torch_npu cannot name as A2 (the stricter);
+  planning without the chip keeps, beyond 8 ranks, the A3 op's figure (what ``moe-dispatch plan`` has
+  always shown there; pass ``soc="A2"`` to plan an A2 cluster).
 
-``DEEPEP_HCCL_BUFFSIZE`` is not only the ops' check: the normal kernels place their second window
-half at ``DEEPEP_HCCL_BUFFSIZE/2``, so it must lie between the need and the real window
-(``HCCL_BUFFSIZE``), or the kernels write past the window.
+``check_hccl_window`` requires ``needed <= ops' window <= group's window``: below the need the ops refuse
+(or the kernels assert), and an ops' window above the group's makes the normal kernels write past its end.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import moe_dispatch as md
 
 from . import vendor as v
 
 
+def is_a2_internode(mode: md.Mode, world_size: int, soc: str | None) -> bool:
+    """Normal mode on more than 8 ranks of an Atlas A2 (``create`` takes a chip torch_npu cannot name as
+    A2; planning without the chip keeps the A3 op's figure there, VENDOR.md §3)."""
+    return mode is md.Mode.NORMAL and soc == v.SOC_A2 and world_size > v.A2_MAX_HCCS_PEERS
+
+
 def required_window_bytes(mode: md.Mode, tokens: int, hidden: int, world_size: int, num_experts: int, top_k: int,
                           env: Mapping[str, str], soc: str | None = None) -> int:
     local = num_experts // world_size
     if mode is md.Mode.NORMAL:
-        # The A3 op's check; on A2 beyond 8 ranks (internode: its tiling checks none) the same, as a floor.
-        need = v.normal_op_window_bytes(tokens, hidden, top_k)
+        if is_a2_internode(mode, world_size, soc):  # A2 beyond a node: the internode kernels and the notify op
+            return max(v.normal_internode_window_bytes_a2(tokens, hidden, world_size, local, top_k),
+                       v.notify_dispatch_a2_window_bytes(num_experts, world_size, top_k))
+        need = v.normal_op_window_bytes(tokens, hidden, top_k)  # the A3 op (CamMoeDispatchNormal)
         if soc != v.SOC_A3 and world_size <= v.A2_MAX_HCCS_PEERS:  # A2 (or unknown) single node: the ops2 op
             need = max(need, v.normal_op_window_bytes_a2(tokens, hidden, top_k))
         return need
@@ -47,7 +62,7 @@ def required_window_bytes(mode: md.Mode, tokens: int, hidden: int, world_size: i
 
 
 def required_window_mb(spec: md.DispatchSpec, world_size: int, env: Mapping[str, str], soc: str | None = None) -> int:
-    """What ``HCCL_BUFFSIZE`` must be at least for ``spec`` (MB, the ops' rounding); ``soc`` None: the
+    """What the windows must be at least for ``spec`` (MB, the ops' rounding); ``soc`` None: the
     largest over Atlas A2 and A3."""
     return v.window_mb(required_window_bytes(spec.mode, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size,
                                              world_size, spec.num_experts, spec.top_k, env, soc))
@@ -65,32 +80,82 @@ def _read_mb(name: str, raw: str, needed_mb: int) -> int:
     return have
 
 
-def check_hccl_window(needed_mb: int, env: Mapping[str, str]) -> None:
-    """Raise (not warn: the op refuses at its first call, or corrupts) when HCCL's window or the one
-    the ops see is smaller than ``needed_mb``, or when ``DEEPEP_HCCL_BUFFSIZE`` is larger than the real
-    window (the normal kernels lay their two halves out by it); say the value to export."""
+@dataclass(frozen=True)
+class GroupWindow:
+    """The window HCCL gives the group (MB), the name of what sets it (``parameter`` of an error about
+    it) and how it was found."""
+
+    mb: int
+    parameter: str
+    source: str
+
+
+def group_window(hccl_config: Mapping[str, Any] | None, env: Mapping[str, str], stated: Any = None,
+                 stated_name: str = "hccl_window_mb", needed_mb: int = 0) -> GroupWindow:
+    """The group's window: its ``hccl_buffer_size`` option where ``hccl_config`` (the group's options, as
+    read) has one; else ``HCCL_BUFFSIZE`` (or HCCL's 200). ``hccl_config`` None means the options could not
+    be read: ``stated`` (the caller's ``hccl_window_mb``) then, else the HCCL_BUFFSIZE rule, the window of a
+    group created without options (documented; state the window for any other group)."""
+    if stated is not None and (not isinstance(stated, int) or isinstance(stated, bool) or stated <= 0):
+        raise md.InvalidSpecError("is the group's HCCL window in MB", parameter=stated_name, value=stated,
+                                  allowed="a positive int")
+    option = None if hccl_config is None else hccl_config.get(v.HCCL_BUFFER_SIZE_KEY)
+    if option is not None:
+        if stated is not None and stated != option:
+            raise md.InvalidSpecError(
+                f"the group was created with {v.HCCL_BUFFER_SIZE_KEY}={option} (its HCCL window, read from its "
+                "options)", parameter=stated_name, value=stated, allowed=f"{option} or None")
+        return GroupWindow(int(option), v.HCCL_BUFFER_SIZE_KEY, f"{option} MB, its {v.HCCL_BUFFER_SIZE_KEY} option")
+    if hccl_config is None and stated is not None:
+        return GroupWindow(stated, stated_name, f"{stated} MB, options[{stated_name!r}]: its options cannot be read")
     raw = env.get(v.HCCL_BUFFSIZE)
-    have = v.DEFAULT_HCCL_BUFFSIZE_MB if raw is None else _read_mb(v.HCCL_BUFFSIZE, raw, needed_mb)
-    checked = [(v.HCCL_BUFFSIZE, have, "the default" if raw is None else "set")]
-    deepep = env.get(v.DEEPEP_HCCL_BUFFSIZE)
-    ops_mb = None
-    if deepep is not None:
-        ops_mb = _read_mb(v.DEEPEP_HCCL_BUFFSIZE, deepep, needed_mb)
-        checked.append((v.DEEPEP_HCCL_BUFFSIZE, ops_mb, "set"))
-    for name, mb, where in checked:
-        if mb < needed_mb:
-            raise md.CapacityError(
-                f"the HCCL window ({name} {where} {mb} MB) is smaller than the {needed_mb} MB this spec needs "
-                f"(DeepEP-Ascend's ops check it at each call); export {name}={needed_mb} before the process group "
-                "starts, or lower --num-max-dispatch-tokens-per-rank",
-                parameter=name, value=mb, allowed=f">= {needed_mb}",
-            )
-    if ops_mb is not None and ops_mb > have:
+    unread = "" if hccl_config is not None else \
+        f"; its options cannot be read here: pass options={{{stated_name!r}: N}} if it has its own size"
+    if raw is None:
+        return GroupWindow(v.DEFAULT_HCCL_BUFFSIZE_MB, v.HCCL_BUFFSIZE, f"HCCL's default {v.DEFAULT_HCCL_BUFFSIZE_MB} "
+                           f"MB: {v.HCCL_BUFFSIZE} unset, no {v.HCCL_BUFFER_SIZE_KEY} option{unread}")
+    mb = _read_mb(v.HCCL_BUFFSIZE, raw, needed_mb)
+    return GroupWindow(mb, v.HCCL_BUFFSIZE, f"{v.HCCL_BUFFSIZE}={mb} MB, no {v.HCCL_BUFFER_SIZE_KEY} option{unread}")
+
+
+def check_hccl_window(needed_mb: int, env: Mapping[str, str], group: GroupWindow | None = None,
+                      max_mb: int | None = None) -> GroupWindow:
+    """Raise (not warn: the op refuses at its first call, the kernels assert, or memory is corrupted) unless
+    ``needed_mb <= ops' window <= group's window`` (and the group's window <= ``max_mb`` where the kernels
+    bound it); say what to change. ``group`` None: a group created without options (``HCCL_BUFFSIZE``)."""
+    group = group or group_window({}, env, needed_mb=needed_mb)
+    ops_name = v.DEEPEP_HCCL_BUFFSIZE if env.get(v.DEEPEP_HCCL_BUFFSIZE) is not None else v.HCCL_BUFFSIZE
+    ops_raw = env.get(ops_name)
+    ops_mb = v.DEFAULT_HCCL_BUFFSIZE_MB if ops_raw is None else _read_mb(ops_name, ops_raw, needed_mb)
+    sized = f"the group's HCCL window ({group.source})"
+    if group.mb < needed_mb:
+        fix = (f"export {v.HCCL_BUFFSIZE}={needed_mb} before the process group starts" if group.parameter ==
+               v.HCCL_BUFFSIZE else f"create the group with {v.HCCL_BUFFER_SIZE_KEY} >= {needed_mb}")
+        raise md.CapacityError(
+            f"{sized} is smaller than the {needed_mb} MB this spec needs (DeepEP-Ascend's ops check it and its kernels "
+            f"use it); {fix} ({v.SGLANG_GROUP_WINDOW_RULE}), or lower --num-max-dispatch-tokens-per-rank",
+            parameter=group.parameter, value=group.mb, allowed=f">= {needed_mb}")
+    if max_mb is not None and group.mb > max_mb:
         raise md.InvalidSpecError(
-            f"{v.DEEPEP_HCCL_BUFFSIZE}={ops_mb} MB is larger than the real HCCL window ({v.HCCL_BUFFSIZE} "
-            f"{checked[0][2]} {have} MB): DeepEP-Ascend's normal kernels place their second window half at "
-            f"{v.DEEPEP_HCCL_BUFFSIZE}/2 and would write past the window; unset it or keep it <= {v.HCCL_BUFFSIZE}",
-            parameter=v.DEEPEP_HCCL_BUFFSIZE, value=ops_mb, allowed=f"{needed_mb}..{have}")
+            f"{sized} is larger than the {max_mb} MB DeepEP-Ascend's Atlas A2 internode combine can address (it keeps "
+            f"its IPC size, the window minus 1204 MB, in a uint32)", parameter=group.parameter, value=group.mb,
+            allowed=f"{needed_mb}..{max_mb}")
+    where = "the default" if ops_raw is None else "set"
+    if ops_mb < needed_mb:
+        raise md.CapacityError(
+            f"the window DeepEP-Ascend's ops see ({ops_name} {where} {ops_mb} MB) is smaller than the {needed_mb} MB "
+            f"this spec needs (they check it at each call); export {ops_name}={needed_mb} (at most {group.mb}, the "
+            "group's window), or lower --num-max-dispatch-tokens-per-rank",
+            parameter=ops_name, value=ops_mb, allowed=f">= {needed_mb}")
+    if ops_mb > group.mb:
+        raise md.InvalidSpecError(
+            f"the window DeepEP-Ascend's ops see ({ops_name} {where} {ops_mb} MB) is larger than {sized}: the normal "
+            f"kernels place their second window half at {ops_name}/2 and would write past the window (the "
+            f"low-latency ones fault); export {v.DEEPEP_HCCL_BUFFSIZE} between {needed_mb} and {group.mb}, or give the "
+            f"group {ops_mb} MB ({v.SGLANG_GROUP_WINDOW_RULE})",
+            parameter=ops_name, value=ops_mb, allowed=f"{needed_mb}..{group.mb}")
+    return group
 
 
-__all__ = ["check_hccl_window", "required_window_bytes", "required_window_mb"]
+__all__ = ["GroupWindow", "check_hccl_window", "group_window", "is_a2_internode", "required_window_bytes",
+           "required_window_mb"]

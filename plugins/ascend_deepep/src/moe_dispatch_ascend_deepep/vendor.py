@@ -110,16 +110,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "overrides normal_strategy/low_latency_strategy: default | alltoall | ops; else ValueError",
            "KN@f425bdf python/deep_ep/deep_ep/buffer.py Buffer.__init__"),
     EnvVar(HCCL_BUFFSIZE, "200", "HCCL communicator creation (allocation) and each op's tiling (check)",
-           "the HCCL window in MB, parsed into a uint16", "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h"),
+           "the HCCL window in MB of every group created without its own hccl_buffer_size option (a group's "
+           "pg_options hccl_config wins: HCCL_BUFFER_SIZE_KEY); the ops parse it into a uint16",
+           "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h; Ascend/pytorch@9e73e708 ProcessGroupHCCL.cpp"),
     EnvVar(DEEPEP_HCCL_BUFFSIZE, None, "each op's tiling",
            "replaces HCCL_BUFFSIZE as the window size the ops see: their check AND the normal kernels' layout "
-           "(the second half starts at totalWinSize/2), so it must not exceed the real HCCL_BUFFSIZE window",
+           "(the second half starts at totalWinSize/2), so it must not exceed the group's real window; the README: "
+           "'preliminary validation only; actual HCCL buffer must be configured by the framework (e.g., SGLang)' "
+           "(sglang sizes its MoE group's hccl_buffer_size from it)",
            "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h; ops/op_kernel/cam_moe_dispatch_normal.h, "
-           "cam_moe_combine_normal.h (winDataSizeOffset)"),
-    EnvVar(INTRA_PCIE_ENV, "0", "each low-latency call on ASCEND910B (C++ and op tiling)",
-           "with HCCL_INTRA_ROCE_ENABLE=0: the A2 layered (two-node) kernels", "KN@f425bdf csrc/deepep/deep_ep.cpp"),
-    EnvVar(INTRA_ROCE_ENV, "1", "each low-latency call on ASCEND910B", "see HCCL_INTRA_PCIE_ENABLE",
-           "KN@f425bdf csrc/deepep/deep_ep.cpp"),
+           "cam_moe_combine_normal.h (winDataSizeOffset); python/deep_ep/README.md"),
+    EnvVar(INTRA_PCIE_ENV, "0", "each low-latency call on ASCEND910B (C++ and op tiling); each A2 internode normal "
+           "dispatch and combine (op tiling)",
+           "with HCCL_INTRA_ROCE_ENABLE=0: the A2 layered (two-node) kernels; the A2 internode normal combine has no "
+           "other kernel", "KN@f425bdf csrc/deepep/deep_ep.cpp; ops2/op_host/moe_distribute_combine_a2_tiling.cpp"),
+    EnvVar(INTRA_ROCE_ENV, "1", "as HCCL_INTRA_PCIE_ENABLE", "see HCCL_INTRA_PCIE_ENABLE",
+           "KN@f425bdf csrc/deepep/deep_ep.cpp; ops2/op_host/dispatch_normal_a2_tiling.cpp"),
     EnvVar(LONG_SEQ_ROUND_ENV, None, "Buffer construction (C++)",
            "rounds per dispatch; both long-seq variables or neither (EP_HOST_ASSERT)", "KN@f425bdf deep_ep.cpp"),
     EnvVar(LONG_SEQ_TOKENS_ENV, None, "Buffer construction (C++)", "tokens per round (default 8192)",
@@ -180,6 +186,35 @@ def ops_window_mb(env: Mapping[str, str]) -> int:
     raw = env.get(name)
     parsed = None if raw is None else stoi_prefix(raw)
     return DEFAULT_HCCL_BUFFSIZE_MB if parsed is None else _wrap(parsed, 16, signed=False)
+
+
+# -- the group's HCCL window -----------------------------------------------------------------------------------
+# HCCL gives each communicator its own window (HcclCommConfig.hcclBufferSize, MB). torch_npu fills it from the
+# group's pg_options: ``ProcessGroupHCCL.Options().hccl_config = {"hccl_buffer_size": N}`` (Ascend/pytorch@9e73e708
+# torch_npu/csrc/distributed/ProcessGroupHCCL.cpp createHCCLComm config; docs/zh/developer_notes/distributed/
+# parameter_setting/setting_HCCL_communicator_parameter.md: the group's option > the variable > the default, e.g.
+# HCCL_BUFFSIZE=200 and a group's 100 give that group 100 MB); a group created without it takes HCCL_BUFFSIZE,
+# else 200. The options stay readable: torch_npu binds
+# ``ProcessGroupHCCL.options`` (read-only) and ``Options.hccl_config`` (read-write) (Ascend/pytorch@9e73e708
+# torch_npu/csrc/distributed/Init.cpp), and torch-npu 2.13.0 reads ``group._get_backend(torch.device("npu"))
+# .options.hccl_config`` itself (torch_npu/profiler/profiler_interface.py _add_group_info_to_metadata).
+# sglang sizes its default and MoE groups so: hccl_buffer_size = int(DEEPEP_HCCL_BUFFSIZE or HCCL_BUFFSIZE or 200)
+# (sgl-project/sglang@0005973a python/sglang/srt/distributed/parallel_state.py get_torch_distributed_pg_options).
+HCCL_BUFFER_SIZE_KEY = "hccl_buffer_size"
+SGLANG_GROUP_WINDOW_RULE = ("sglang creates its MoE group with hccl_config={'hccl_buffer_size': DEEPEP_HCCL_BUFFSIZE "
+                            "or HCCL_BUFFSIZE or 200}")
+
+
+def group_hccl_config(process_group: Any) -> dict[str, Any] | None:
+    """The ``hccl_config`` the group's HCCL backend was created with (``{}``: none), or None where it
+    cannot be read (no torch_npu, no NPU backend on the group, an older torch_npu)."""
+    try:
+        import torch
+
+        backend = process_group._get_backend(torch.device(NPU_DEVICE_TYPE))
+        return dict(backend.options.hccl_config)
+    except Exception:  # noqa: BLE001 - unreadable is an answer (the caller takes the documented rule)
+        return None
 
 
 def is_layered(env: Mapping[str, str]) -> bool:
@@ -244,12 +279,19 @@ NORMAL_OP_MAX_DISPATCH_STATUS = 1280
 # -- the chip (SoC) -------------------------------------------------------------------------------------
 
 SOC_A2, SOC_A3 = "A2", "A3"
-# torch_npu.npu.get_soc_version() codes: 220..225 Ascend910B1..B4 (Atlas A2), 250..255 Ascend910_93xx (Atlas A3)
-# (vllm-project/vllm-ascend vllm_ascend/__init__.py ASCEND_A2_SOC_VERSION = range(220, 226),
-# ASCEND_A3_SOC_VERSION = range(250, 256), read in the fork zhangxinyuehfad/vllm-ascend). DeepEP-Ascend's C++ asks
-# the same platform (op::GetCurrentPlatformInfo().GetSocVersion() == ASCEND910B, KN@f425bdf deep_ep.cpp Buffer::Buffer).
+# torch_npu.npu.get_soc_version() codes (torch_npu's c10_npu::SocVersion, Ascend/pytorch@9e73e708
+# torch_npu/csrc/core/npu/NpuVariables.h): Ascend910B1 = 220 .. Ascend910B4_1 = 225 (Atlas A2); Ascend910_9391 = 250,
+# 9392, 9381, 9382, 9372, 9362, Ascend910_9363 = 256 (Atlas A3; 9363 was appended after 9362); Ascend950 = 260 (A5).
+# DeepEP-Ascend's C++ asks the same platform (op::GetCurrentPlatformInfo().GetSocVersion() == ASCEND910B,
+# KN@f425bdf deep_ep.cpp Buffer::Buffer).
 A2_SOC_CODES = range(220, 226)
-A3_SOC_CODES = range(250, 256)
+A3_SOC_CODES = range(250, 257)
+# Where the code is one this table does not know (a newer part), the name decides, as torch_npu itself does
+# (torch-npu 2.13.0 torch_npu/distributed/distributed_c10d.py: "Ascend910B1" <= name <= "Ascend910B4_1",
+# "Ascend910_9362" <= name <= "Ascend910_9392"; NpuVariables.cpp maps "Ascend910B4-1", "Ascend910_9363" ...):
+# "Ascend910B<digit>..." is an Atlas A2 part, "Ascend910_93xx" an Atlas A3 part; anything else is unknown.
+A2_SOC_NAME = re.compile(r"^Ascend910B\d")
+A3_SOC_NAME = re.compile(r"^Ascend910_93\d\d")
 # KN@f425bdf build.sh: "auto-select ops (A3/A5) or ops2 (A2)"; csrc/deepep/ops2 has no FusedDeepMoe and no
 # DispatchFFNCombine op, so an A2 wheel's fused_deep_moe fails in EXEC_NPU_CMD.
 FUSED_OPS_SOCS = frozenset({SOC_A3})
@@ -264,24 +306,75 @@ def soc_family(code: int | None) -> str | None:
     return None
 
 
+def soc_family_from_name(name: str | None) -> str | None:
+    """``"A2"``, ``"A3"`` or None for a ``torch_npu.npu.get_device_name()`` SoC name."""
+    if not isinstance(name, str):
+        return None
+    if A2_SOC_NAME.match(name):
+        return SOC_A2
+    if A3_SOC_NAME.match(name):
+        return SOC_A3
+    return None
+
+
 def current_soc(torch_npu_module: Any) -> str | None:
-    """The chip this process runs on, from ``torch_npu.npu.get_soc_version()`` (None if it cannot say)."""
+    """The chip family ``torch_npu_module`` reports: by ``npu.get_soc_version()``'s code, and by
+    ``npu.get_device_name()`` where the code is not one of the known A2/A3 codes (None if neither says)."""
     try:
-        return soc_family(int(torch_npu_module.npu.get_soc_version()))
-    except Exception:  # noqa: BLE001 - no device, or an older torch_npu: unknown
+        family = soc_family(int(torch_npu_module.npu.get_soc_version()))
+    except Exception:  # noqa: BLE001 - no device, or an older torch_npu: ask the name
+        family = None
+    if family is not None:
+        return family
+    try:
+        return soc_family_from_name(torch_npu_module.npu.get_device_name())
+    except Exception:  # noqa: BLE001 - unknown
         return None
 
 
 # A2 (ASCEND910B) with more than 8 ranks: DeepEP-Ascend takes its internode paths (KN@f425bdf deep_ep.cpp
-# A2_MAX_HCCS_PEERS). Normal mode: global_bs = MAX_BATCH_SIZE(4096)·R whatever the batch (internode_dispatch), and
-# the DispatchNormalA2 tiling (ops2/op_host/dispatch_normal_a2_tiling.cpp MoeDistributeDispatchA2CheckShapeAndSetTiling
-# / ...CheckAttrAndSetTiling): bs <= 4096, k 2..16, H % 32 and <= 7168, R % 8 == 0 and R <= 256, E % R, E <= 512.
-# The same file's `actualSize = R·maxBs·H·2·2·E_l` window check is in MoeDistributeDispatchA3TilingFuncImpl, which
-# IMPL_OP_OPTILING(DispatchNormalA2) never calls: no window check runs on this path (a hardware question).
+# A2_MAX_HCCS_PEERS; strategies/normal_strategy.py DefaultNormalCommStrategy.dispatch: get_num_rdma_ranks() > 1).
+# Normal mode (Buffer::internode_dispatch / internode_combine; the same at KN@0ac00159):
+# - the Python reads only DEEP_NORMAL_MODE_USE_INT8_QUANT (quant_mode and num_worst_tokens are not passed on);
+#   the C++ turns it into quant mode 2 (DYNAMIC_SCALES), global_bs = MAX_BATCH_SIZE(4096)·R;
+# - aclnnNotifyDispatchA2's tiling: rankSize in (0, 64], localRankSize <= 8, and `2·4 B·sendCount + 2 MB` against
+#   the window the ops see (ops2/op_host/notify_dispatch_tiling_a2.cc MAX_A2_WORLD_SIZE, CheckTensorDataType);
+# - aclnnDispatchNormalA2's tiling (ops2/op_host/dispatch_normal_a2_tiling.cpp
+#   MoeDistributeDispatchA2CheckShapeAndSetTiling / ...CheckAttrAndSetTiling): bs <= 4096, k 2..16 (2..10 before
+#   KN@7a396def, 2026-07-15), H % 32 and <= 7168, R % 8 == 0 and R <= 256, E % R, E <= 512, quant mode 0 or 2;
+#   no window check (the `R·maxBs·H·2·2·E_l` one in the same file is in MoeDistributeDispatchA3TilingFuncImpl,
+#   which IMPL_OP_OPTILING never calls);
+# - its tiling key is 2000000000 + 1000 [+ 100000000 with the layered variables] + quant mode [+ 10 with scales]
+#   (MoeDistributeDispatchA2CalcTilingKey) and ops2/op_kernel/dispatch_normal_a2.cpp has kernels for 2100001000,
+#   2000000000 and 2000001000 only, all CamMoeDistributeDispatchA2Layered<bfloat16_t, bfloat16_t, ...>: no INT8;
+#   the README: "A2 Dual Node ... Normal mode does NOT support quantization";
+# - aclnnMoeDistributeCombineA2's tiling (ops2/op_host/moe_distribute_combine_a2_tiling.cpp): key 3000 with the
+#   layered variables (bs <= 4096), else 2000 (bs <= 256); ops2/op_kernel/moe_distribute_combine_a2.cpp has
+#   TILING_KEY_IS(3000) only: the README "A2 Dual Node: Must set HCCL_INTRA_PCIE_ENABLE=1 and
+#   HCCL_INTRA_ROCE_ENABLE=0".
 # Low latency: ops2/op_host/moe_distribute_dispatch_v2_tiling.cc MAX_EP_WORLD_SIZE_A2 = 256, RANK_NUM_PER_NODE_A2 = 8.
 A2_INTERNODE_MAX_TOKENS = 4096
 A2_INTERNODE_MAX_EP = 256
 A2_INTERNODE_EP_MULTIPLE = 8
+A2_INTERNODE_MAX_EP_NORMAL = 64
+A2_INTERNODE_MAX_TOP_K = 16
+#: dispatch_normal_a2_tiling.cpp MAX_K_VALUE_A2 before KN@7a396def (which precedes KN@f451a596, the first change
+#: Python sees: low_latency_dispatch(quant_mode=); a build without it may have the old limit).
+A2_INTERNODE_MAX_TOP_K_OLD = 10
+A2_INTERNODE_DISPATCH_KERNELS = frozenset({2100001000, 2000000000, 2000001000})
+A2_INTERNODE_COMBINE_KERNELS = frozenset({3000})
+A2_INTERNODE_COMBINE_MAX_BS = {True: 4096, False: 256}  # by layered
+QUANT_MODE_NONE, QUANT_MODE_DYNAMIC = 0, 2  # deep_ep.cpp NO_SCALES, DYNAMIC_SCALES
+
+
+def a2_internode_dispatch_tiling_key(quant_mode: int, layered: bool, scales: bool) -> int:
+    """MoeDistributeDispatchA2CalcTilingKey (ops2/op_host/dispatch_normal_a2_tiling.cpp)."""
+    return 2000000000 + 1000 + (100000000 if layered else 0) + quant_mode + (10 if scales else 0)
+
+
+def a2_internode_combine_tiling_key(layered: bool) -> int:
+    """MoeDistributeCombineA2CalcTilingKey (ops2/op_host/moe_distribute_combine_a2_tiling.cpp)."""
+    return 3000 if layered else 2000
 
 
 def ll_receive_rows(tokens: int, world_size: int, local_experts: int, top_k: int) -> int:
@@ -322,9 +415,11 @@ def ll_op_window_bytes(tokens: int, hidden: int, world_size: int, local_experts:
 
 
 def layered_window_bytes(tokens: int, hidden: int, num_experts: int, top_k: int) -> int:
-    """A2 layered (two-node): ``E·bs·(H·2 B + 4·k·4 B) + 4 MB + 800 MB``
-    (KN@f425bdf python/deep_ep/README.md and doc/LOW_LATENCY_API.md, "layered (A2 dual-node)")."""
-    return num_experts * tokens * (hidden * 2 + 4 * top_k * 4) + 4 * MIB + 800 * MIB
+    """A2 layered (two-node) low latency: the dispatch kernel's assert ``E·bs·(H·2 B + 4·RoundUp(k, 8)·4 B) +
+    4 MB + 800 MB`` on the real window (KN@f425bdf csrc/deepep/ops2/op_kernel/moe_distribute_dispatch_v2_layered.h
+    Init: alignK_ = RoundUp(axisK_, 8)); the combine's (moe_distribute_combine_v2_layered.h) and the README's use
+    k unpadded, so this one bounds them."""
+    return num_experts * tokens * (hidden * 2 + 4 * _ceil(top_k, 8) * 4) + 4 * MIB + 800 * MIB
 
 
 def normal_op_window_bytes(tokens: int, hidden: int, top_k: int, per_round_tokens: int = NORMAL_MAX_TOKENS) -> int:
@@ -346,6 +441,83 @@ def normal_op_window_bytes_a2(tokens: int, hidden: int, top_k: int, per_round_to
     combine = _ceil(hidden * _OUT_BYTES, _WIN_ALIGN)
     dispatch = _ceil(_ceil(hidden * _OUT_BYTES, _UB_ALIGN) + _SCALE_IDX, _WIN_ALIGN)
     return (max_bs * top_k * (combine + dispatch) + 8 * MIB + 404 * MIB) * 2 + 4 * 2 * MIB
+
+
+# A2 internode normal mode: the kernels lay out the REAL window (winContext_->winSize: the group's, not what the
+# ops' environment says) as 800 MB of RDMA area (two halves of 400 MB, 1 MB of status each), a 4 MB IPC offset,
+# IPC data, and the notify op's 400 MB at the end (KN@f425bdf csrc/deepep/ops2/op_kernel/a2/
+# cam_moe_distribute_dispatch_a2_layered.h RDMA_DATA_SIZE, IPC_DATA_OFFSET, STATUS_SIZE_LAYERED;
+# ops2/op_kernel/moe_distribute_combine_a2_layered.h NOTIFY_DATA_SIZE; ops2/op_kernel/notify_dispatch_a2.h
+# notifyMemoryOffset = winSize − 2·IPC_BUFF_MAX_SIZE (200 MB, comm_args.h)).
+A2_RDMA_BYTES = 800 * MIB
+A2_IPC_OFFSET_BYTES = 4 * MIB
+A2_NOTIFY_BYTES = 400 * MIB
+A2_STATUS_BYTES = 1 * MIB
+A2_INTERNODE_RESERVED_BYTES = A2_RDMA_BYTES + A2_IPC_OFFSET_BYTES + A2_NOTIFY_BYTES  # 1204 MB
+#: MoeDistributeCombineA2 keeps IPC_DATA_SIZE = winSize − 1204 MB in a uint32_t: from 1204 + 4096 MB it wraps.
+A2_INTERNODE_MAX_WINDOW_MB = 1204 + 4096 - 1
+_SERVER = 8  # SERVER_RANK_SIZE
+
+
+def normal_internode_combine_assert_bytes(tokens: int, hidden: int, world_size: int, top_k: int) -> int:
+    """MoeDistributeCombineA2Layered::Init's ``assert(winSize >= serverNum·bs·(H·2 B + 4·k·4 B) + 4 MB + 800 MB +
+    400 MB)`` ("the HCCL_BUFFSIZE ... the min value should be ...MB") (KN@f425bdf
+    ops2/op_kernel/moe_distribute_combine_a2_layered.h)."""
+    return world_size // _SERVER * tokens * (hidden * 2 + 4 * top_k * 4) + A2_INTERNODE_RESERVED_BYTES
+
+
+def normal_internode_ipc_bytes(tokens: int, hidden: int, world_size: int, local_experts: int, top_k: int) -> int:
+    """The IPC data the combine writes: AlltoAllDispatch puts one ``(H + 16)`` bf16 entry per (token of the
+    destination rank, expert of this server) into that destination's node slice, ``8·floor(IPC_DATA_SIZE / R)``
+    (moe_distribute_combine_a2_layered.h AlltoAllDispatch: ipcSliceSize, tokenOffset over the server's experts):
+    up to ``T·min(k, 8·E_l)`` entries per slice, so IPC_DATA_SIZE >= ``R·ceil(T·min(k, 8·E_l)·(2H + 32) / 8)``."""
+    per_slice = tokens * min(top_k, _SERVER * local_experts) * (hidden * 2 + 32)
+    return world_size * -(-per_slice // _SERVER)
+
+
+def normal_internode_window_bytes_a2(tokens: int, hidden: int, world_size: int, local_experts: int, top_k: int) -> int:
+    """The real window the A2 internode normal kernels need: the combine's assert and its IPC slices
+    (``normal_internode_ipc_bytes`` after the 1204 MB the kernels reserve), the larger."""
+    return max(normal_internode_combine_assert_bytes(tokens, hidden, world_size, top_k),
+               A2_INTERNODE_RESERVED_BYTES + normal_internode_ipc_bytes(tokens, hidden, world_size, local_experts,
+                                                                        top_k))
+
+
+def a2_internode_dispatch_server_bytes(world_size: int) -> int:
+    """The dispatch's share of the RDMA area per destination server: ``floor4K((400 MB − 1 MB) / S)``
+    (cam_moe_distribute_dispatch_a2_layered.h WIN_SIZE, SERVER_SIZE_ON_WIN), holding ``32 B`` of count and one
+    ``H·2 B + 4·RoundUp(k, 8)·4 B`` token struct per token of the rank sent to that server (tokenStructLen_)."""
+    return (A2_RDMA_BYTES // 2 - A2_STATUS_BYTES) // (world_size // _SERVER) // 4096 * 4096
+
+
+def a2_internode_combine_server_bytes(world_size: int) -> int:
+    """The combine's share of the RDMA area per server: ``8·floor32((400 MB − 1 MB) / R)`` (moe_distribute_combine_
+    a2_layered.h dataSpaceSize_, rankSizeOnWin_), holding token i of a rank at ``i·H·2 B``
+    (COMBINE_2SERVER_VERSION)."""
+    return (A2_RDMA_BYTES // 2 - A2_STATUS_BYTES) // world_size // 32 * 32 * _SERVER
+
+
+def a2_internode_max_tokens(hidden: int, world_size: int, top_k: int) -> int:
+    """Tokens per rank the fixed 800 MB RDMA area holds, at most the tiling's 4096 (neither tiling checks it):
+    the dispatch's ``32 B + bs·(H·2 B + 4·RoundUp(k, 8)·4 B)`` and the combine's ``bs·H·2 B`` per server."""
+    per_token = hidden * 2 + 4 * _ceil(top_k, 8) * 4
+    return min(A2_INTERNODE_MAX_TOKENS, (a2_internode_dispatch_server_bytes(world_size) - 32) // per_token,
+               a2_internode_combine_server_bytes(world_size) // (hidden * 2))
+
+
+def a2_internode_ipc_window_bytes(window_bytes: int) -> int:
+    """IPC_DATA_SIZE as the combine computes it from the real window: ``(winSize − 1204 MB) mod 2^32``."""
+    return (window_bytes - A2_INTERNODE_RESERVED_BYTES) % (1 << 32)
+
+
+def notify_dispatch_a2_window_bytes(num_experts: int, world_size: int, top_k: int) -> int:
+    """aclnnNotifyDispatchA2's tiling check against the window the ops see: ``2·4 B·sendCount + 2 MB`` with
+    sendCount = ``E·4097 + S + 4096·(1 + 2S + 2k)`` (deep_ep.cpp get_dispatch_layout notify_send_data_size;
+    ops2/op_host/notify_dispatch_tiling_a2.cc)."""
+    servers = world_size // _SERVER
+    send_count = num_experts * (1 + A2_INTERNODE_MAX_TOKENS) + servers + \
+        A2_INTERNODE_MAX_TOKENS * (1 + 2 * servers + 2 * top_k)
+    return 2 * 4 * send_count + 2 * MIB
 
 
 def window_mb(nbytes: int) -> int:
@@ -704,6 +876,9 @@ VERSION_RULES: tuple[VersionRule, ...] = (
     VersionRule("dispatch(quant_mode=)", "7c2b9e06", "2026-07-22", "2026.7.3", "'quant_mode' in Buffer.dispatch"),
     VersionRule("DEEP_NORMAL_MODE_USE_INT8_QUANT honoured again when quant_mode is None", "929a00ae", "2026-08-04",
                 "2026.8.10", "not visible; the adapter always passes quant_mode and pins the variable"),
+    VersionRule("A2 internode normal dispatch takes top-k up to 16 (was 10: dispatch_normal_a2_tiling.cpp "
+                "MAX_K_VALUE_A2)", "7a396def", "2026-07-15", "2026.7.2",
+                "not visible; implied by 'quant_mode' in Buffer.low_latency_dispatch (KN@f451a596, later)"),
     VersionRule("fused_deep_moe(quant_mode=) (was use_fp8)", "c4e7608f", "2025-10-16", "20251022",
                 "'quant_mode' in Buffer.fused_deep_moe"),
     VersionRule("fused_deep_moe(fuse_mode=): mode 2 dispatch_ffn_combine", "0ac00159", "2026-03-16",
@@ -776,6 +951,11 @@ def detect(module_name: str = REAL) -> VendorInfo:
 
 
 __all__ = [
+    "A2_INTERNODE_MAX_WINDOW_MB", "HCCL_BUFFER_SIZE_KEY", "a2_internode_combine_server_bytes",
+    "a2_internode_combine_tiling_key", "a2_internode_dispatch_server_bytes",
+    "a2_internode_dispatch_tiling_key", "a2_internode_ipc_window_bytes", "a2_internode_max_tokens",
+    "group_hccl_config", "normal_internode_combine_assert_bytes", "normal_internode_ipc_bytes",
+    "normal_internode_window_bytes_a2", "notify_dispatch_a2_window_bytes", "soc_family_from_name",
     "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",
     "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
     "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes",

@@ -91,15 +91,19 @@ class FuseEPBackend(AscendDeepEPBackend):
                     "ops2) has no FusedDeepMoe / DispatchFFNCombine op; use ascend_deepep with the npu_w8a8 runner")
         return reason
 
-    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
-        """HCCL_BUFFSIZE: the largest of the unfused path's and both fused ops' window checks."""
-        (unfused,) = super().env_requirements(spec, world_size)
+    def window_needed_mb(self, spec: md.DispatchSpec, world_size: int, soc: str | None) -> int:
+        """The largest of the unfused path's and both fused ops' window checks (MB): what env_requirements
+        reports (on the variable the ops read) and create checks against the ops' and the group's windows."""
         T, h = spec.num_max_dispatch_tokens_per_rank, spec.hidden_size
         fused = max(v.fused_deep_moe_window_bytes(T, world_size, spec.local_experts(world_size), h),
                     v.dispatch_ffn_combine_window_bytes(T, spec.top_k, h))
-        mb = max(unfused.minimum, v.window_mb(fused))
-        return (md.EnvRequirement(v.HCCL_BUFFSIZE, mb, "MB", v.DEFAULT_HCCL_BUFFSIZE_MB,
-                                  "DeepEP-Ascend's HCCL window (the low-latency and fused ops' tiling checks)"),)
+        return max(super().window_needed_mb(spec, world_size, soc), v.window_mb(fused))
+
+    def agreement(self, ctx: md.DispatchContext) -> Mapping[str, Any]:
+        """ascend_deepep's, and the fuse mode and its bound: they pick the collective op (aclnnFusedDeepMoe or
+        aclnnDispatchFFNCombine) and its workspace, so ranks that differ would wait in different ops."""
+        fuse_mode, max_output = self.check_options(ctx.spec, ctx.options, ctx.world_size)
+        return {**super().agreement(ctx), "fuse_mode": fuse_mode, "max_output_size": max_output}
 
     def check_options(self, spec: md.DispatchSpec, options: Mapping[str, Any],
                       world_size: int | None = None) -> tuple[int, int | None]:

@@ -10,7 +10,8 @@ as ``KN@<commit> <path>`` (KN = sgl-project/sgl-kernel-npu, main f425bdf).
 from __future__ import annotations
 
 from moe_dispatch_ascend_deepep.vendor import (  # noqa: F401 - re-exported vendor facts
-    ACL_FORMAT_FRACTAL_NZ, DEFAULT_HCCL_BUFFSIZE_MB, FUSED_OPS_SOCS, HCCL_BUFFSIZE, INSTALL_HINT, KN, MIB, REAL,
+    ACL_FORMAT_FRACTAL_NZ, DEEPEP_HCCL_BUFFSIZE, DEFAULT_HCCL_BUFFSIZE_MB, FUSED_OPS_SOCS, HCCL_BUFFER_SIZE_KEY,
+    HCCL_BUFFSIZE, INSTALL_HINT, KN, MIB, REAL,
     SIG_FUSED_DEEP_MOE, SIG_FUSED_DEEP_MOE_NO_FUSE_MODE, SIG_FUSED_DEEP_MOE_NO_PROFILE, SIG_NPU_FORMAT_CAST, SOC_A2,
     SOC_A3, TORCH_NPU, VendorInfo, detect, window_mb,
 )

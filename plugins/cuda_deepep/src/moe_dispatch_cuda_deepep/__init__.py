@@ -3,7 +3,8 @@
 The entry point ``cuda_deepep`` names this module; it registers ``DeepEPBackend`` on the real
 ``deep_ep`` (unavailable, with the reason, where DeepEP or a GPU is missing) and the ``deep_gemm``
 runner. Vendor facts live in ``vendor``; tests run the same adapter on the fakes in ``fakes``
-(``vendor.EMULATOR``, ``vendor.DEEP_GEMM_EMULATOR``, ...).
+(``vendor.EMULATOR``, ``vendor.DEEP_GEMM_EMULATOR``, ...). The ``deep_ep.Buffer``s are the process's
+(``buffers.PROCESS_BUFFERS``, one with NVSHMEM per process); ``DeepEPBackend.close()`` destroys them.
 """
 
 import moe_dispatch as md

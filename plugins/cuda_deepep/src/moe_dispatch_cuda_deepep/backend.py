@@ -2,14 +2,17 @@
 
 Every limit is DeepEP's, for the release installed (``vendor.release_of``): what its host and device
 asserts accept. Where a limit depends on the environment (``NVSHMEM_QP_DEPTH``), on the wire dtype (the normal
-kernels' hidden limits), or on ``options`` (user configs, the shared buffer) it is checked in ``buffer_size`` /
-``create``, before DeepEP is touched. The Buffers themselves are shared per (group, mode): ``buffers``.
+kernels' hidden limits), or on ``options`` (user configs, the process's Buffer) it is checked in ``buffer_size`` /
+``agreement`` / ``create``, before DeepEP is touched. The Buffers are the process's (``buffers``: one with NVSHMEM
+per process, as NVSHMEM is); every rank must plan the same one (``agreement``); ``close()`` destroys them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -20,7 +23,7 @@ import torch
 import moe_dispatch as md
 
 from . import sizes, vendor
-from .buffers import BufferRequest, SharedBuffer, SharedBuffers, reserved_bytes
+from .buffers import PROCESS_BUFFERS, BufferPlan, BufferRequest, qps_option, reserved_bytes
 from .dispatcher import DeepEPDispatcher
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
@@ -78,15 +81,17 @@ class LayerConfigs:
 class DeepEPBackend(md.Backend):
     """DeepEP's V1 ``Buffer`` on CUDA (or, with ``vendor_module=vendor.EMULATOR``, its CPU fake).
 
-    Buffers: one ``deep_ep.Buffer`` per (process group, mode), owned by this backend object and shared by every
-    dispatcher it creates (``buffers.SharedBuffers``): create every layer through one backend object (the plugin
-    host's, ``create_dispatcher("cuda_deepep", ...)``).
+    Buffers: the process's (``buffers.PROCESS_BUFFERS``): one ``deep_ep.Buffer`` with NVSHMEM per process (every
+    low-latency layer, and normal mode past 8 ranks), one intranode normal-mode Buffer per process group, shared by
+    every dispatcher of every backend object. ``close()`` (collective) destroys them.
 
     Options (``create_dispatcher(options=...)``): ``dispatch_config`` / ``combine_config``: ``vendor.ConfigFields``
     or a dict of its five fields (sglang's ``--deepep-config``), converted to DeepEP's ``Config``; both with the
-    same ``num_sms``. ``buffer_bytes``: what the shared Buffer reserves when this layer creates it (an int, e.g.
-    ``md.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``). ``buffer``: a ``deep_ep.Buffer`` of the engine's
-    own to use instead (same group; the mode's regions at least this layer's size).
+    same ``num_sms``. ``buffer_bytes``: what the process's Buffer reserves when this layer creates it (an int, e.g.
+    ``md.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``, per mode: ``buffers.reserved_bytes``).
+    ``buffer_num_qps_per_rank``: the QPs per peer of a Buffer this layer creates, or of the one it hands in.
+    ``buffer``: a ``deep_ep.Buffer`` of the engine's own to use instead (the process's only NVSHMEM one; checked
+    as the adapter's own are). Every rank must pass the same (``agreement``).
     """
 
     name = "cuda_deepep"
@@ -97,13 +102,11 @@ class DeepEPBackend(md.Backend):
         self.vendor_module = vendor_module
         self._capabilities: md.Capabilities | None = None
         self._info: vendor.VendorInfo | None = None
-        self._buffers = SharedBuffers()
         self._masked_multiple: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """Backends travel to rank processes; the imported module and the Buffers do not (each process has its
-        own)."""
-        return {**self.__dict__, "_info": None, "_buffers": SharedBuffers()}
+        """Backends travel to rank processes; the imported module does not (the Buffers are each process's own)."""
+        return {**self.__dict__, "_info": None}
 
     def vendor(self) -> vendor.VendorInfo:
         if self._info is None:
@@ -139,6 +142,11 @@ class DeepEPBackend(md.Backend):
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
         super().check_spec(spec, world_size)
+        name = vendor.device_name(self._module) if self._module is not None else None
+        if vendor.pcie_pairs_only(name) and world_size > vendor.PCIE_MAX_RANKS:
+            raise _invalid(f"DeepEP's Buffer asserts at most 2 ranks on PCIe GPUs ({name}: "
+                           f"'{vendor.PCIE_ASSERT_MESSAGE}', check_nvlink_connections)", "world_size", world_size,
+                           f"1..{vendor.PCIE_MAX_RANKS} on this GPU")
         if spec.mode is LL:
             self._check_low_latency(spec, world_size)
             return
@@ -194,10 +202,21 @@ class DeepEPBackend(md.Backend):
         return self._masked_multiple
 
     def check_options(self, spec: md.DispatchSpec, world_size: int, options: Mapping[str, Any]) -> None:
-        """What ``create`` checks in ``options`` before touching DeepEP (typed errors)."""
+        """What ``create`` checks in ``options`` before touching DeepEP, that needs no Buffer (typed errors)."""
         self._configs(spec, world_size, options)
         if options.get("buffer_bytes") is not None:
             reserved_bytes(options["buffer_bytes"], spec.mode is LL, world_size)
+        qps_option(options)
+
+    def both_modes_options(self, normal: md.DispatchSpec, low_latency: md.DispatchSpec, world_size: int,
+                           options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``options`` for the first low-latency layer past 8 ranks, so that the process's one NVSHMEM Buffer (LL mode)
+        also serves ``normal``'s layers (sglang's auto mode; DeepEP's ``test_internode.py --test-ll-compatibility``):
+        both modes' bytes and ``max(local experts, the normal QPs)`` QPs per peer. ``options``: ``normal``'s own
+        (configs)."""
+        ll, n = self.buffer_request(low_latency, world_size), self.buffer_request(normal, world_size, options)
+        return {"buffer_bytes": (max(ll.num_nvl_bytes, n.num_nvl_bytes), max(ll.num_rdma_bytes, n.num_rdma_bytes)),
+                "buffer_num_qps_per_rank": max(ll.num_qps_per_rank, n.num_qps_per_rank)}
 
     def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
         """Low-latency mode: ``NVSHMEM_QP_DEPTH`` (read by the Buffer constructor, default 1024) must be at
@@ -213,6 +232,10 @@ class DeepEPBackend(md.Backend):
     def _tuned(self, world_size: int) -> LayerConfigs:
         module = self._module
         num_sms = int(module.Buffer.num_sms) if getattr(module, "Buffer", None) is not None else vendor.DEFAULT_NUM_SMS
+        problems = vendor.normal_num_sms_problems(num_sms, world_size, self._device_sms())
+        if problems:
+            raise _invalid(f"DeepEP's tuned configs use the class-level Buffer.num_sms, and its kernels assert "
+                           f"{problems[0]}", "deep_ep.Buffer.num_sms", num_sms, self._num_sms_allowed(world_size))
         dcfg, ccfg = vendor.dispatch_config(module, world_size), vendor.combine_config(module, world_size)
         if dcfg is None or ccfg is None:
             raise _invalid("DeepEP has no tuned normal-mode config for this EP size", "world_size", world_size,
@@ -282,9 +305,10 @@ class DeepEPBackend(md.Backend):
         if problems:
             raise _invalid(f"DeepEP's Config asserts {problems[0]}", f"options.{name}", fields,
                            "fields DeepEP's Config constructor accepts")
-        if fields.num_sms % 2:
-            raise _invalid("DeepEP's normal-mode kernels use two SMs per channel", f"options.{name}", fields,
-                           "an even num_sms")
+        problems = vendor.normal_num_sms_problems(fields.num_sms, world_size, self._device_sms())
+        if problems:
+            raise _invalid(f"DeepEP's normal-mode kernels assert {problems[0]} (num_sms {fields.num_sms})",
+                           f"options.{name}", fields, self._num_sms_allowed(world_size))
         if name == "combine_config":
             problems = fields.internode_problems(world_size)
             if problems:
@@ -323,32 +347,71 @@ class DeepEPBackend(md.Backend):
                            "torch.use_deterministic_algorithms", True,
                            "False, or torch.utils.deterministic.fill_uninitialized_memory = False")
 
-    def _shared(self, ctx: md.DispatchContext, need: BufferRequest) -> SharedBuffer:
-        spec, group = ctx.spec, ctx.comm.process_group
-        given = ctx.options.get("buffer")
-        if given is not None:
-            shared = self._buffers.adopt(given, group, ctx.world_size)
-        else:
-            shared = self._buffers.get(group, need.low_latency_mode)
-            if shared is None:
-                module = self._module
-                assert module is not None  # probe() said so before create_dispatcher got here
-                return self._buffers.create(module, group, ctx.world_size, need, spec, ctx.options.get("buffer_bytes"))
-        shared.check_fits(need, spec)
-        return shared
+    def _device_sms(self) -> int | None:
+        return vendor.device_num_sms(self._module) if self._module is not None else None
+
+    def _num_sms_allowed(self, world_size: int) -> str:
+        low = vendor.INTERNODE_MIN_NUM_SMS if world_size > vendor.NUM_MAX_NVL_PEERS else vendor.NORMAL_MIN_NUM_SMS
+        high = vendor.INTERNODE_MAX_NUM_SMS if world_size > vendor.NUM_MAX_NVL_PEERS else None
+        device = self._device_sms()
+        high = device if high is None else high if device is None else min(high, device)
+        return f"an even num_sms in {low}..{high if high is not None else 'the GPU SM count'} on {world_size} ranks"
+
+    def _need(self, spec: md.DispatchSpec, world_size: int, options: Mapping[str, Any]
+              ) -> tuple[BufferRequest, LayerConfigs | None]:
+        configs = self._configs(spec, world_size, options)
+        if configs is None:
+            return self.buffer_request(spec, world_size), None
+        return self._normal_request(spec, world_size, configs), configs
+
+    def _plan(self, ctx: md.DispatchContext) -> tuple[BufferPlan, LayerConfigs | None]:
+        """Which Buffer this layer uses (create, reuse, adopt) and its configs: typed errors first."""
+        module = self._module
+        assert module is not None  # probe() said so before create_dispatcher got here
+        self.check_options(ctx.spec, ctx.world_size, ctx.options)
+        need, configs = self._need(ctx.spec, ctx.world_size, ctx.options)
+        plan = PROCESS_BUFFERS.plan(module, ctx.comm.process_group, ctx.world_size, need, ctx.spec, ctx.options)
+        return plan, configs
+
+    def agreement(self, ctx: md.DispatchContext) -> Mapping[str, Any]:
+        """What decides DeepEP's collective constructor (its bytes, mode and QPs; ``all_gather_object`` then
+        NVSHMEM's symmetric allocation) and the kernels' launch: whether this layer creates, reuses or adopts a
+        Buffer and what it holds, the configs, the QP depth read at construction. Ranks that differ get a
+        ``ConfigMismatchError`` instead of a hang in the constructor."""
+        self._check_torch_flags()
+        plan, configs = self._plan(ctx)
+        fields: dict[str, Any] = plan.agreement()
+        if configs is not None:
+            fields["configs"] = (f"{self._config_text(ctx.options.get('dispatch_config'))}/"
+                                 f"{self._config_text(ctx.options.get('combine_config'))} sms={configs.num_sms}")
+        if plan.decision == "create" and plan.held.low_latency_mode:
+            fields[vendor.NVSHMEM_QP_DEPTH] = vendor.qp_depth_from(os.environ)
+        return fields
+
+    @staticmethod
+    def _config_text(given: Any) -> str:
+        if given is None:
+            return "tuned"
+        fields = given if isinstance(given, vendor.ConfigFields) else vendor.ConfigFields(**dict(given))
+        return ",".join(map(str, fields.as_tuple()))
 
     def create(self, ctx: md.DispatchContext) -> DeepEPDispatcher:
-        spec, R = ctx.spec, ctx.world_size
         module = self._module
         assert module is not None  # probe() said so before create_dispatcher got here
         self._check_torch_flags()
-        configs = self._configs(spec, R, ctx.options)
-        if configs is None:
-            need = self.buffer_request(spec, R)
-        else:
-            need = self._normal_request(spec, R, configs)
-        if ctx.options.get("buffer_bytes") is not None:
-            reserved_bytes(ctx.options["buffer_bytes"], spec.mode is LL, R)
-        shared = self._shared(ctx, need)
+        plan, configs = self._plan(ctx)
+        shared = PROCESS_BUFFERS.open(plan, module, ctx.comm.process_group, ctx.world_size, ctx.spec,
+                                      self.vendor().release.ll_clean_by_experts)
         return DeepEPDispatcher(ctx, shared, None if configs is None else configs.dispatch,
-                                None if configs is None else configs.combine, vendor.topk_idx_dtype(module))
+                                None if configs is None else configs.combine, vendor.topk_idx_dtype(module),
+                                functools.partial(vendor.stream_capturing, module))
+
+    def close(self) -> None:
+        """Destroy the ``deep_ep.Buffer``s the adapter created in this process (every backend object's: they are the
+        process's) and let go of the ones handed in; their dispatchers then raise ``BackendUnavailableError``. A
+        collective, like DeepEP's ``destroy()``: every rank calls it, at the same point (an engine's orderly
+        shutdown). Without it the Buffers live until the process exits, and their destructors run no collective
+        (``explicitly_destroy=True``), so a peer that died cannot make this one hang."""
+        module = self._module
+        if module is not None:
+            PROCESS_BUFFERS.close(vendor.nvshmem_domain(module))

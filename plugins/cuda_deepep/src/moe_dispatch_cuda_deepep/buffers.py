@@ -1,19 +1,38 @@
-"""The ``deep_ep.Buffer``s a backend shares between its dispatchers, and the state they share on one.
+"""The ``deep_ep.Buffer``s of this process, and the state the layers sharing one must agree on.
 
-Why share. Every ``deep_ep.Buffer`` with RDMA bytes starts NVSHMEM in its constructor and its ``destroy()`` (run
-by the destructor) calls ``nvshmem_finalize()`` for the whole process; in low-latency mode past 8 ranks the second
-live Buffer fails DeepEP's ``cpu_rdma_team == NVSHMEM_TEAM_INVALID`` assert (deepseek-ai/DeepEP@dd758ca
-csrc/kernels/backend/nvshmem.cu init/finalize; csrc/legacy/buffer.hpp sync/destroy). So, as sglang's
-``DeepEPBuffer`` does, one Buffer per (process group, mode) serves every layer: the backend object owns it
-(``SharedBuffers``), sized at the first layer's creation for that layer, or for ``options["buffer_bytes"]`` (the
-size ``md.plan_buffers``/``moe-dispatch plan`` give for every layer). A later layer that needs more is a typed
-``CapacityError`` that says how to pre-size. ``options["buffer"]`` adopts a Buffer the engine made itself.
+**One registry per process, as NVSHMEM is.** Every ``deep_ep.Buffer`` with RDMA bytes (low-latency mode, or normal
+mode past 8 ranks) starts NVSHMEM in its constructor, as PE ``rank`` (LL) or ``rdma_rank`` (normal); a second live
+init in the process gets the first's numbering back, or fails DeepEP's team assert past 8 ranks, and any Buffer's
+``destroy()`` finalizes NVSHMEM for every Buffer (deepseek-ai/DeepEP@dd758ca csrc/kernels/backend/nvshmem.cu
+init/finalize; csrc/legacy/buffer.hpp sync/destroy; ``vendor.nvshmem_pe``). So ``PROCESS_BUFFERS``, the adapter's
+only process-wide state, keeps at most one such Buffer per process (per ``vendor.nvshmem_domain``: the fakes
+emulate their own process), whatever the backend object, the layer or the group: every layer that needs NVSHMEM
+uses it, the adapter's own or one handed in as ``options["buffer"]`` (which goes through the same registry: one
+wrapper and one clean state per Buffer object, the same checks). A second one is a typed error that says what to
+do. Intranode normal-mode Buffers (NVL bytes only) start no NVSHMEM; the registry keeps one per process group.
 
-What they share. DeepEP's low-latency kernels need their signalling counts zeroed: after normal-mode kernels ran on
-the Buffer, or after LL kernels of another (T, hidden, E) layout, ``clean_low_latency_buffer`` must run first
-(legacy.py docstring; a collective: barrier, clean, barrier). ``SharedBuffer`` tracks that for every dispatcher on
-the Buffer and cleans right before the next LL kernel; every rank makes the same calls in the same order, so every
-rank cleans at the same point.
+**Sizes and checks.** A Buffer the adapter creates is sized for the first layer that needs it, or for
+``options["buffer_bytes"]`` (validated per mode: ``reserved_bytes``), with ``options["buffer_num_qps_per_rank"]``
+QPs per peer when given. Every layer checks the Buffer it gets, created, reused or adopted, the same way
+(``check_serves``): its mode, its regions, both below INT_MAX for internode normal mode, and the QPs per peer each
+mode it serves needs.
+
+**What they share.** DeepEP's low-latency kernels need their signalling counts zeroed before they run: after
+internode normal-mode kernels used the Buffer, and after LL kernels of another E (before 42253d0: another (T,
+hidden, E)) ``clean_low_latency_buffer`` must run first (``vendor.ll_clean_key``). ``SharedBuffer`` tracks that
+for every layer on the Buffer and cleans right before the next LL kernel; every rank makes the same calls in the
+same order, so every rank cleans at the same point.
+
+**CUDA graphs.** That bookkeeping is Python, which a graph replay skips (sglang PR #11666, DeepEP issue #93). Two
+rules keep every replay correct: after each normal-mode combine past 8 ranks on an LL Buffer the adapter cleans
+at once, for every E on the Buffer (normal mode is never captured: it syncs the host), so the Buffer is clean
+whatever runs next, eager or replayed; and an LL kernel is captured only on a Buffer that serves one E (one
+(T, hidden, E) before 42253d0), whose state no eager call between two replays can change (a typed error
+otherwise, at capture and at the creation of a second E on a captured Buffer).
+
+**Lifetime.** The Buffers live as long as the process. The adapter creates them with ``explicitly_destroy=True``
+(DeepEP from 0c984e2): their destructors run no collective, so a peer that died cannot make the survivors hang at
+exit. ``close()`` (``DeepEPBackend.close``; collective: every rank calls it) destroys them.
 """
 
 from __future__ import annotations
@@ -21,7 +40,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Mapping
 
 import moe_dispatch as md
 from moe_dispatch.environ import restored_environ
@@ -29,13 +48,14 @@ from moe_dispatch.environ import restored_environ
 from . import vendor
 
 #: DeepEP's constructor zeroes the whole RDMA buffer: clean for any layout.
-_CLEAN_FOR_ANY = ("any",)
+ANY = "any"
+BUFFER_OPTIONS = ("buffer", "buffer_bytes", "buffer_num_qps_per_rank")
 
 
 @dataclass(frozen=True)
 class BufferRequest:
-    """The ``deep_ep.Buffer`` one layer needs: bytes per region, the mode, the QPs per peer (LL: at least the local
-    experts; normal past 8 ranks: the configs' channels or at least their SMs), and the configs' SMs."""
+    """A ``deep_ep.Buffer``: bytes per region, the mode, the QPs per peer (LL: at least the local experts; normal past
+    8 ranks: the configs' channels or at least their SMs; 0 where unknown), and the configs' SMs."""
 
     num_nvl_bytes: int
     num_rdma_bytes: int
@@ -46,83 +66,135 @@ class BufferRequest:
     def covers(self, need: "BufferRequest") -> bool:
         return self.num_nvl_bytes >= need.num_nvl_bytes and self.num_rdma_bytes >= need.num_rdma_bytes
 
+    @property
+    def uses_nvshmem(self) -> bool:
+        """``Buffer::sync`` starts NVSHMEM with RDMA bytes (LL mode, or normal mode past 8 ranks)."""
+        return self.num_rdma_bytes > 0
 
-@dataclass(eq=False)
-class SharedBuffer:
-    """One ``deep_ep.Buffer`` and what every dispatcher on it must agree on."""
+    def describe(self) -> str:
+        mode = "low-latency" if self.low_latency_mode else "normal"
+        return f"{mode} NVL {self.num_nvl_bytes} RDMA {self.num_rdma_bytes} QPs {self.num_qps_per_rank}"
 
-    buffer: Any
-    group: Any
-    world_size: int
-    held: BufferRequest  # what it was created with (adopted: what its attributes say)
-    owned: bool
-    qp_depth: int | None
-    clean_for: tuple | None = field(default=_CLEAN_FOR_ANY)
 
-    # -- every dispatcher's calls ------------------------------------------------------------------------------
+# -- the options ---------------------------------------------------------------------------------------------------
 
-    def before_low_latency(self, tokens: int, hidden: int, num_experts: int) -> None:
-        """Clean the signalling counts if normal-mode kernels or another LL layout used the Buffer since."""
-        layout = (tokens, hidden, num_experts)
-        if self.clean_for == layout:
-            return
-        if self.clean_for != _CLEAN_FOR_ANY:
-            self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
-        self.clean_for = layout
 
-    def after_normal(self) -> None:
-        if self.held.low_latency_mode:
-            self.clean_for = None
+def _non_negative_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    # -- a new layer on it ---------------------------------------------------------------------------------------
 
-    def check_fits(self, need: BufferRequest, spec: md.DispatchSpec) -> None:
-        """Typed errors for a layer this Buffer cannot serve (before DeepEP asserts or traps)."""
-        if self.owned:
-            self._check_owned(need, spec)
-        else:
-            self._check_adopted(need, spec)
-        if need.low_latency_mode and self.qp_depth is not None:
-            check_qp_depth(spec, self.qp_depth)
+def reserved_bytes(option: Any, low_latency: bool, world_size: int) -> tuple[int, int]:
+    """``options["buffer_bytes"]``: an int (``BufferPlan.total_bytes``), taken for every region the mode uses (LL: RDMA;
+    normal: NVL, and RDMA past 8 ranks), or an (NVL, RDMA) pair. A pair may not set a region DeepEP refuses: RDMA
+    bytes in normal mode within 8 ranks (``num_ranks > 8 or low_latency_mode``, a constructor assert), NVL bytes on
+    an LL Buffer of 1, 3, 5, 6 or 7 ranks (its destructor's ``intranode::barrier`` has no kernel for them:
+    ``std::terminate``). NVL bytes on an LL Buffer elsewhere reserve room for normal-mode layers on it."""
+    internode = world_size > vendor.NUM_MAX_NVL_PEERS
+    if _non_negative_int(option):
+        if low_latency:
+            return 0, option
+        return option, option if internode else 0
+    if not (isinstance(option, (tuple, list)) and len(option) == 2 and all(_non_negative_int(v) for v in option)):
+        raise md.InvalidSpecError("the bytes to reserve in the process's DeepEP Buffer",
+                                  parameter="options.buffer_bytes", value=option,
+                                  allowed="an int (md.plan_buffers(...).total_bytes) or (nvl, rdma)")
+    nvl, rdma = int(option[0]), int(option[1])
+    if not low_latency and not internode and rdma:
+        raise md.InvalidSpecError("DeepEP's constructor asserts RDMA bytes only past 8 ranks or in low-latency mode",
+                                  parameter="options.buffer_bytes", value=option, allowed="(nvl, 0) within 8 ranks")
+    if low_latency and nvl and min(world_size, vendor.NUM_MAX_NVL_PEERS) not in vendor.INTRANODE_RANKS:
+        raise md.InvalidSpecError(
+            f"a DeepEP Buffer with NVL bytes runs intranode::barrier in its destroy(), which has no kernel for "
+            f"{world_size} ranks: the destructor throws (std::terminate)", parameter="options.buffer_bytes",
+            value=option, allowed=f"(0, rdma) on {world_size} ranks")
+    return nvl, rdma
 
-    def _check_owned(self, need: BufferRequest, spec: md.DispatchSpec) -> None:
-        held = self.held
-        if not held.covers(need):
-            raise md.CapacityError(
-                f"this process group's shared DeepEP Buffer ({spec.mode.value} mode) was created for the first layer "
-                f"(NVL {held.num_nvl_bytes:,} B, RDMA {held.num_rdma_bytes:,} B); this layer needs NVL "
-                f"{need.num_nvl_bytes:,} B, RDMA {need.num_rdma_bytes:,} B. Create the largest layer first, or give "
-                "the first layer options={'buffer_bytes': md.plan_buffers('cuda_deepep', every_layers_spec, "
-                "world_size).total_bytes} (or the (NVL, RDMA) pair DeepEPBackend.buffer_request gives)",
-                parameter="options.buffer_bytes", value=(need.num_nvl_bytes, need.num_rdma_bytes),
-                allowed=f"<= ({held.num_nvl_bytes}, {held.num_rdma_bytes}) on this Buffer")
-        if need.low_latency_mode and held.num_qps_per_rank < need.num_qps_per_rank:
-            raise md.CapacityError(
-                f"DeepEP's LL kernels device-assert QPs per peer >= local experts; this group's shared Buffer has "
-                f"{held.num_qps_per_rank}: create the layer with the most experts per rank first",
-                parameter="num_experts", value=spec.num_experts,
-                allowed=f"at most {held.num_qps_per_rank} experts per rank on this Buffer")
-        if (not need.low_latency_mode and self.world_size > vendor.NUM_MAX_NVL_PEERS and need.num_sms is not None
-                and not vendor.internode_qps_ok(held.num_qps_per_rank, need.num_sms)):
-            raise md.InvalidSpecError(
-                f"DeepEP's internode dispatch device-asserts QPs per peer == channels or >= SMs; this group's shared "
-                f"Buffer has {held.num_qps_per_rank} QPs, this layer's configs use {need.num_sms} SMs",
-                parameter="options.dispatch_config", value=need.num_sms,
-                allowed=f"num_sms <= {held.num_qps_per_rank} or == {2 * held.num_qps_per_rank}")
 
-    def _check_adopted(self, need: BufferRequest, spec: md.DispatchSpec) -> None:
-        def refuse(why: str, allowed: str) -> md.InvalidSpecError:
-            return md.InvalidSpecError(f"the shared DeepEP Buffer {why}", parameter="options.buffer",
-                                       value=type(self.buffer).__name__, allowed=allowed)
+def qps_option(options: Mapping[str, Any]) -> int | None:
+    """``options["buffer_num_qps_per_rank"]``: the QPs per peer of the Buffer (created, or handed in)."""
+    qps = options.get("buffer_num_qps_per_rank")
+    if qps is not None and not (_non_negative_int(qps) and qps > 0):
+        raise md.InvalidSpecError("QPs per peer of the DeepEP Buffer", parameter="options.buffer_num_qps_per_rank",
+                                  value=qps, allowed="a positive int")
+    return qps
 
-        size = getattr(self.buffer, "group_size", self.world_size)
-        if size != self.world_size:
-            raise refuse(f"spans {size} ranks, not {self.world_size}", f"a Buffer of this {self.world_size}-rank group")
-        if need.low_latency_mode and not self.held.low_latency_mode:
-            raise refuse("was not created with low_latency_mode=True", "a low-latency Buffer")
-        if not self.held.covers(need):
-            raise refuse(f"is smaller than this layer needs (NVL {need.num_nvl_bytes:,} B, RDMA "
-                         f"{need.num_rdma_bytes:,} B)", "a Buffer sized for the largest layer sharing it")
+
+def _align(n: int) -> int:
+    a = vendor.NUM_BUFFER_ALIGNMENT_BYTES
+    return -(-n // a) * a
+
+
+def planned_request(need: BufferRequest, options: Mapping[str, Any], world_size: int) -> BufferRequest:
+    """The Buffer the adapter creates for a layer that needs ``need``: grown to ``options["buffer_bytes"]`` and
+    ``options["buffer_num_qps_per_rank"]``."""
+    reserve = options.get("buffer_bytes")
+    nvl, rdma = (0, 0) if reserve is None else reserved_bytes(reserve, need.low_latency_mode, world_size)
+    qps = max(need.num_qps_per_rank, qps_option(options) or 0)
+    held = BufferRequest(_align(max(need.num_nvl_bytes, nvl)), _align(max(need.num_rdma_bytes, rdma)),
+                         need.low_latency_mode, qps, need.num_sms)
+    if not need.low_latency_mode and held.uses_nvshmem and not vendor.internode_bytes_ok(held.num_nvl_bytes,
+                                                                                          held.num_rdma_bytes):
+        raise md.CapacityError("DeepEP's internode notify asserts both buffers below INT_MAX bytes",
+                               parameter="options.buffer_bytes", value=(held.num_nvl_bytes, held.num_rdma_bytes),
+                               allowed=f"< {vendor.INT_MAX} each")
+    return held
+
+
+def adopted_request(buffer: Any, options: Mapping[str, Any]) -> BufferRequest:
+    """What a Buffer handed in holds, from its attributes (deep_ep/buffers/legacy.py sets them) and its QPs per peer:
+    ``options["buffer_num_qps_per_rank"]``, else ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` (DeepEP's constructor writes it,
+    NVSHMEM reads it at init; 0 when neither says)."""
+    held = BufferRequest(int(getattr(buffer, "num_nvl_bytes", 0)), int(getattr(buffer, "num_rdma_bytes", 0)),
+                         bool(getattr(buffer, "low_latency_mode", False)), 0)
+    qps = qps_option(options)
+    if qps is None and held.uses_nvshmem:
+        written = os.environ.get(vendor.NVSHMEM_IBGDA_NUM_RC_PER_PE, "")
+        qps = int(written) if written.isdigit() else None
+    return BufferRequest(held.num_nvl_bytes, held.num_rdma_bytes, held.low_latency_mode, qps or 0)
+
+
+# -- what a Buffer must hold for a layer ---------------------------------------------------------------------------
+
+
+def check_serves(held: BufferRequest, world_size: int, need: BufferRequest, spec: md.DispatchSpec, *,
+                 parameter: str) -> None:
+    """Typed errors for a Buffer holding ``held`` that cannot serve a layer needing ``need`` (before DeepEP asserts
+    or traps). ``parameter``: where the Buffer came from (``options.buffer``, ``options.buffer_bytes``)."""
+    internode = world_size > vendor.NUM_MAX_NVL_PEERS
+    if need.low_latency_mode and not held.low_latency_mode:
+        raise md.InvalidSpecError("DeepEP's low-latency calls assert a Buffer created with low_latency_mode=True",
+                                  parameter=parameter, value=held.describe(), allowed="a low-latency Buffer")
+    if not held.covers(need):
+        raise md.CapacityError(
+            f"the DeepEP Buffer holds NVL {held.num_nvl_bytes:,} B, RDMA {held.num_rdma_bytes:,} B; this layer needs "
+            f"NVL {need.num_nvl_bytes:,} B, RDMA {need.num_rdma_bytes:,} B. Create the largest layer first, or give "
+            "the first layer options={'buffer_bytes': md.plan_buffers('cuda_deepep', every_layers_spec, "
+            "world_size).total_bytes} (or the (NVL, RDMA) pair DeepEPBackend.buffer_request gives)",
+            parameter=parameter, value=(need.num_nvl_bytes, need.num_rdma_bytes),
+            allowed=f"<= ({held.num_nvl_bytes}, {held.num_rdma_bytes}) on this Buffer")
+    if not need.low_latency_mode and internode and not vendor.internode_bytes_ok(held.num_nvl_bytes,
+                                                                                  held.num_rdma_bytes):
+        raise md.CapacityError(
+            "DeepEP's internode notify_dispatch/cached_notify assert num_nvl_bytes and num_rdma_bytes < INT_MAX "
+            "(an LL Buffer may hold more): this Buffer cannot serve normal mode past 8 ranks", parameter=parameter,
+            value=(held.num_nvl_bytes, held.num_rdma_bytes), allowed=f"< {vendor.INT_MAX} each")
+    qps_needed = need.low_latency_mode or internode
+    if not qps_needed:
+        return
+    qps, allowed = held.num_qps_per_rank, ""
+    if need.low_latency_mode and qps < spec.local_experts(world_size):
+        problem = f"ibgda_get_state()->num_rc_per_pe >= num_local_experts ({spec.local_experts(world_size)})"
+        allowed = f">= {spec.local_experts(world_size)}"
+    elif not need.low_latency_mode and need.num_sms is not None and not vendor.internode_qps_ok(qps, need.num_sms):
+        problem = f"num_rc_per_pe == num_channels ({need.num_sms // 2}) or num_rc_per_pe >= num_sms ({need.num_sms})"
+        allowed = f"{need.num_sms // 2} or >= {need.num_sms}"
+    else:
+        return
+    known = "unknown: DeepEP records none, and NVSHMEM_IBGDA_NUM_RC_PER_PE is not set" if not qps else f"{qps}"
+    raise md.InvalidSpecError(
+        f"DeepEP's kernels device-assert {problem}; this Buffer's QPs per peer: {known}. Create the first layer with "
+        "options={'buffer_num_qps_per_rank': ...} large enough for every layer, or pass the QPs of the Buffer you hand "
+        "in", parameter="options.buffer_num_qps_per_rank", value=qps or None, allowed=allowed)
 
 
 def check_qp_depth(spec: md.DispatchSpec, depth: int) -> None:
@@ -135,85 +207,285 @@ def check_qp_depth(spec: md.DispatchSpec, depth: int) -> None:
                                parameter="num_max_dispatch_tokens_per_rank", value=t, allowed=f"1..{most}")
 
 
-def reserved_bytes(option: Any, low_latency: bool, world_size: int) -> tuple[int, int]:
-    """``options["buffer_bytes"]``: an int (``BufferPlan.total_bytes``), taken for every region the mode uses (LL:
-    RDMA; normal: NVL, and RDMA past 8 ranks), or an (NVL, RDMA) pair."""
-    def positive_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    if positive_int(option):
-        if low_latency:
-            return 0, option
-        return option, option if world_size > vendor.NUM_MAX_NVL_PEERS else 0
-    if isinstance(option, (tuple, list)) and len(option) == 2 and all(positive_int(v) for v in option):
-        return int(option[0]), int(option[1])
-    raise md.InvalidSpecError("the bytes to reserve in the shared DeepEP Buffer", parameter="options.buffer_bytes",
-                              value=option, allowed="an int (md.plan_buffers(...).total_bytes) or (nvl, rdma)")
+# -- one Buffer and its state --------------------------------------------------------------------------------------
 
 
-def _align(n: int) -> int:
-    a = vendor.NUM_BUFFER_ALIGNMENT_BYTES
-    return -(-n // a) * a
+@dataclass(eq=False)
+class SharedBuffer:
+    """One ``deep_ep.Buffer`` of this process and what every layer on it must agree on: which LL layouts use it, how
+    clean its signalling counts are, whether a CUDA graph captured LL kernels on it."""
 
+    buffer: Any
+    group: Any
+    world_size: int
+    held: BufferRequest
+    owned: bool
+    qp_depth: int | None
+    domain: str
+    #: ``vendor.ll_clean_key``: the signalling counts move with E only (DeepEP from 42253d0).
+    clean_by_experts: bool = True
+    #: ANY (fresh from the constructor), or the layouts its counts are known clean for.
+    clean: Any = ANY
+    #: clean key → (T, hidden, E) of the first LL layer with it (what ``clean_low_latency_buffer`` is called with).
+    layouts: dict[Any, tuple[int, int, int]] = field(default_factory=dict)
+    captured: bool = False
+    closed: bool = False
+    internode: bool = field(init=False)
 
-@dataclass
-class SharedBuffers:
-    """The Buffers one backend object owns, one per (process group, mode), and the Buffers it adopted
-    (``options["buffer"]``). Engines create every layer through one backend object (the plugin host's)."""
+    def __post_init__(self) -> None:
+        self.internode = self.world_size > vendor.NUM_MAX_NVL_PEERS
 
-    owned: dict[tuple[int, bool], SharedBuffer] = field(default_factory=dict)
-    adopted: dict[int, SharedBuffer] = field(default_factory=dict)
+    def key(self, tokens: int, hidden: int, num_experts: int) -> Any:
+        return vendor.ll_clean_key(self.clean_by_experts, tokens, hidden, num_experts)
 
-    def adopt(self, buffer: Any, group: Any, world_size: int) -> SharedBuffer:
-        known = self.adopted.get(id(buffer))
-        if known is not None and known.buffer is buffer:
-            return known
-        held = BufferRequest(int(getattr(buffer, "num_nvl_bytes", 0)), int(getattr(buffer, "num_rdma_bytes", 0)),
-                             bool(getattr(buffer, "low_latency_mode", False)), 0)
-        # Its history is unknown: clean before the first LL kernel.
-        shared = SharedBuffer(buffer, group, world_size, held, False, getattr(buffer, "nvshmem_qp_depth", None), None)
-        self.adopted[id(buffer)] = shared
-        return shared
+    # -- a new layer on it ---------------------------------------------------------------------------------------
 
-    def get(self, group: Any, low_latency: bool) -> SharedBuffer | None:
-        return self.owned.get((id(group), low_latency))
-
-    def create(self, module: ModuleType, group: Any, world_size: int, need: BufferRequest, spec: md.DispatchSpec,
-               reserve: Any) -> SharedBuffer:
-        """This group's Buffer for ``need.low_latency_mode``, sized for ``need`` and ``reserve``."""
-        other = self.get(group, not need.low_latency_mode)
-        if other is not None and world_size > vendor.NUM_MAX_NVL_PEERS:
+    def check_layout(self, spec: md.DispatchSpec) -> None:
+        """A captured Buffer serves one clean key for its life (a replay cannot clean)."""
+        key = self.key(spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.num_experts)
+        if self.captured and key not in self.layouts:
             raise md.InvalidSpecError(
-                "past 8 ranks both modes' Buffers start NVSHMEM in this process, which DeepEP does once per process "
-                "(a second init is untested, the first Buffer's destroy finalizes it for both): share one "
-                "low_latency_mode=True deep_ep.Buffer sized for both modes through options={'buffer': ...} "
-                "(sglang's auto mode); the adapter cleans its LL signalling after normal-mode use",
-                parameter="mode", value=spec.mode.value,
-                allowed=f"{'normal' if need.low_latency_mode else 'low_latency'} mode only on this group, or "
-                        "options['buffer']")
-        nvl, rdma = (0, 0) if reserve is None else reserved_bytes(reserve, need.low_latency_mode, world_size)
-        held = BufferRequest(_align(max(need.num_nvl_bytes, nvl)), _align(max(need.num_rdma_bytes, rdma)),
-                             need.low_latency_mode, need.num_qps_per_rank, need.num_sms)
-        if not need.low_latency_mode and held.num_rdma_bytes > 0 and max(held.num_nvl_bytes, held.num_rdma_bytes) \
-                >= vendor.INT_MAX:
-            raise md.CapacityError("DeepEP's internode notify asserts both buffers below INT_MAX bytes",
-                                   parameter="options.buffer_bytes", value=(held.num_nvl_bytes, held.num_rdma_bytes),
-                                   allowed=f"< {vendor.INT_MAX} each")
+                "CUDA graphs captured LL kernels on the process's DeepEP Buffer for another "
+                f"{self._what()}: a layer of this one would leave its signalling counts in a state the replays do not "
+                "clean (DeepEP issue #93)", parameter=self._parameter(), value=key,
+                allowed=f"{sorted(self.layouts)} (the captured layers'), or layers created before any capture and not "
+                        "captured")
+
+    def register(self, spec: md.DispatchSpec) -> None:
+        t, h, e = spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.num_experts
+        self.layouts.setdefault(self.key(t, h, e), (t, h, e))
+
+    def _what(self) -> str:
+        return "expert count" if self.clean_by_experts else "(T, hidden, E)"
+
+    def _parameter(self) -> str:
+        return "num_experts" if self.clean_by_experts else "num_max_dispatch_tokens_per_rank, hidden_size, num_experts"
+
+    # -- every layer's calls ---------------------------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise md.BackendUnavailableError("this dispatcher's DeepEP Buffer was closed (DeepEPBackend.close)",
+                                             parameter="dispatcher", value="closed",
+                                             allowed="a dispatcher created after the close")
+
+    def before_low_latency(self, tokens: int, hidden: int, num_experts: int, capturing: bool = False) -> None:
+        """Clean the signalling counts unless they are known clean for this layout; under capture, only on a
+        Buffer whose state no eager call can change between replays."""
+        self.check_open()
+        key = self.key(tokens, hidden, num_experts)
+        if capturing:
+            if len(self.layouts) > 1:
+                raise md.InvalidSpecError(
+                    f"the process's DeepEP Buffer serves LL layers of {len(self.layouts)} {self._what()}s: a CUDA "
+                    "graph replay skips the adapter's cleaning, and the state the graph was captured in can differ at "
+                    "the replay (DeepEP issue #93); capture layers of one, or run these eagerly",
+                    parameter=self._parameter(), value=sorted(self.layouts), allowed="one per process when captured")
+            self.captured = True
+        if self.clean != ANY and key not in self.clean:
+            self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
+        self.clean = frozenset({key})
+
+    def after_normal_dispatch(self) -> None:
+        """Internode normal-mode kernels write the RDMA region where the LL counts live (intranode ones the NVL
+        region only)."""
+        self.check_open()
+        if self.held.low_latency_mode and self.internode:
+            self.clean = frozenset()
+
+    def after_normal(self) -> None:
+        """The end of a normal-mode round (its combine): on an LL Buffer past 8 ranks, clean now for every LL layout
+        on it, so that the next LL kernel finds the counts clean whether it runs eagerly or in a replayed graph."""
+        self.check_open()
+        if not (self.held.low_latency_mode and self.internode):
+            return
+        self.clean = frozenset()
+        if self.clean_by_experts and self.layouts:  # the counts of E sit at offset 0: the largest E covers all
+            t, h, e = max(self.layouts.values(), key=lambda layout: layout[2])
+            self.buffer.clean_low_latency_buffer(t, h, e)
+        else:
+            for t, h, e in self.layouts.values():
+                self.buffer.clean_low_latency_buffer(t, h, e)
+        self.clean = frozenset(self.layouts)
+
+    def close(self) -> None:
+        """Destroy it (the adapter's own; collective) or let it go (one handed in: its owner destroys it). A DeepEP
+        without ``explicitly_destroy`` (before 0c984e2) frees it in its destructor when the last reference goes."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.owned and getattr(self.buffer, "explicitly_destroy", False):
+            self.buffer.destroy()
+        self.buffer = None
+
+
+# -- the registry --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """What a layer will use: ``create`` a Buffer holding ``held``, ``reuse`` the registered ``entry``, or ``adopt``
+    the Buffer handed in. Every rank must plan the same (``DeepEPBackend.agreement``)."""
+
+    decision: str
+    held: BufferRequest
+    entry: SharedBuffer | None = None
+    buffer: Any = None
+
+    def agreement(self) -> dict[str, Any]:
+        h = self.held
+        mode = "LL" if h.low_latency_mode else "normal"
+        return {"buffer": self.decision,
+                "buffer held": f"{h.num_nvl_bytes},{h.num_rdma_bytes},{mode},{h.num_qps_per_rank}"}
+
+
+class ProcessBuffers:
+    """The ``deep_ep.Buffer``s of this process that the adapter uses: at most one with NVSHMEM per process (per
+    ``vendor.nvshmem_domain``), and one intranode normal-mode Buffer per process group."""
+
+    def __init__(self) -> None:
+        self._entries: list[SharedBuffer] = []
+
+    def nvshmem(self, domain: str) -> SharedBuffer | None:
+        return next((e for e in self._entries if e.domain == domain and e.held.uses_nvshmem), None)
+
+    def wrapper_of(self, buffer: Any) -> SharedBuffer | None:
+        return next((e for e in self._entries if e.buffer is buffer), None)
+
+    def nvl_only(self, domain: str, group: Any) -> SharedBuffer | None:
+        return next((e for e in self._entries if e.domain == domain and not e.held.uses_nvshmem and e.group is group),
+                    None)
+
+    def plan(self, module: ModuleType | Any, group: Any, world_size: int, need: BufferRequest, spec: md.DispatchSpec,
+             options: Mapping[str, Any]) -> BufferPlan:
+        """Which Buffer a layer needing ``need`` uses; typed errors for every Buffer that cannot serve it."""
+        domain = vendor.nvshmem_domain(module)
+        given = options.get("buffer")
+        if given is not None:
+            return self._plan_given(domain, given, world_size, need, spec, options)
+        if need.low_latency_mode or need.uses_nvshmem:
+            entry = self.nvshmem(domain)
+            if entry is None:
+                return BufferPlan("create", planned_request(need, options, world_size))
+            if entry.group is not group:
+                raise md.InvalidSpecError(
+                    "NVSHMEM starts once per process, and this process's DeepEP Buffer with NVSHMEM serves another "
+                    "process group: create every layer of the process on one group", parameter="group",
+                    value=f"{world_size} ranks", allowed="the group of the process's NVSHMEM Buffer")
+            if need.low_latency_mode and not entry.held.low_latency_mode:
+                raise md.InvalidSpecError(
+                    "this process's DeepEP Buffer with NVSHMEM is a normal-mode one (past 8 ranks), and NVSHMEM starts "
+                    "once per process: create the low-latency layer first, with options={'buffer_bytes': (nvl, rdma), "
+                    "'buffer_num_qps_per_rank': ...} covering both modes (DeepEPBackend.both_modes_options), or hand "
+                    "every layer one low_latency_mode=True Buffer as options['buffer']", parameter="mode",
+                    value=spec.mode.value, allowed="normal mode only, or low-latency first")
+            self._check_reuse(entry, need, spec, options, world_size)
+            return BufferPlan("reuse", entry.held, entry)
+        entry = self.nvl_only(domain, group)
+        if entry is None:
+            return BufferPlan("create", planned_request(need, options, world_size))
+        self._check_reuse(entry, need, spec, options, world_size)
+        return BufferPlan("reuse", entry.held, entry)
+
+    def _plan_given(self, domain: str, given: Any, world_size: int, need: BufferRequest, spec: md.DispatchSpec,
+                    options: Mapping[str, Any]) -> BufferPlan:
+        size = getattr(given, "group_size", world_size)
+        if size != world_size:
+            raise md.InvalidSpecError(f"the DeepEP Buffer handed in spans {size} ranks, not {world_size}",
+                                      parameter="options.buffer", value=type(given).__name__,
+                                      allowed=f"a Buffer of this {world_size}-rank group")
+        entry = self.wrapper_of(given)
+        if entry is not None:  # the adapter's own, or one adopted before: its one wrapper
+            self._check_reuse(entry, need, spec, options, world_size, parameter="options.buffer")
+            return BufferPlan("reuse", entry.held, entry)
+        held = adopted_request(given, options)
+        other = self.nvshmem(domain) if held.uses_nvshmem else None
+        if other is not None:
+            raise md.InvalidSpecError(
+                "NVSHMEM starts once per process and this process already has a DeepEP Buffer with NVSHMEM (the "
+                "adapter's, or one handed in before): hand that one Buffer to every layer, or leave options['buffer'] "
+                "out and the layers share the process's one", parameter="options.buffer", value=type(given).__name__,
+                allowed="the process's one NVSHMEM Buffer")
+        check_serves(held, world_size, need, spec, parameter="options.buffer")
+        depth = getattr(given, "nvshmem_qp_depth", None)
+        if need.low_latency_mode and depth is not None:
+            check_qp_depth(spec, depth)
+        return BufferPlan("adopt", held, None, given)
+
+    @staticmethod
+    def _check_reuse(entry: SharedBuffer, need: BufferRequest, spec: md.DispatchSpec, options: Mapping[str, Any],
+                     world_size: int, parameter: str | None = None) -> None:
+        entry.check_open()
+        check_serves(entry.held, world_size, need, spec,
+                     parameter=parameter or ("options.buffer_bytes" if entry.owned else "options.buffer"))
+        reserve = options.get("buffer_bytes")
+        if reserve is not None and parameter is None:
+            nvl, rdma = reserved_bytes(reserve, need.low_latency_mode, world_size)
+            if nvl > entry.held.num_nvl_bytes or rdma > entry.held.num_rdma_bytes:
+                raise md.CapacityError(
+                    "the process's DeepEP Buffer was created before this layer, smaller than options['buffer_bytes'] "
+                    "asks: pass the reservation to the first layer", parameter="options.buffer_bytes",
+                    value=(nvl, rdma), allowed=f"<= ({entry.held.num_nvl_bytes}, {entry.held.num_rdma_bytes})")
         if need.low_latency_mode:
-            check_qp_depth(spec, vendor.qp_depth_from(os.environ))
+            entry.check_layout(spec)
+            if entry.qp_depth is not None:
+                check_qp_depth(spec, entry.qp_depth)
+
+    def open(self, plan: BufferPlan, module: ModuleType | Any, group: Any, world_size: int, spec: md.DispatchSpec,
+             clean_by_experts: bool) -> SharedBuffer:
+        """The plan carried out: the Buffer the layer uses, registered, with the layer's LL layout."""
+        if plan.decision == "reuse":
+            entry = plan.entry
+            assert entry is not None
+        elif plan.decision == "adopt":
+            entry = SharedBuffer(plan.buffer, group, world_size, plan.held, False,
+                                 getattr(plan.buffer, "nvshmem_qp_depth", None), vendor.nvshmem_domain(module),
+                                 clean_by_experts, clean=frozenset())  # its history is unknown: clean before LL
+            self._entries.append(entry)
+        else:
+            entry = self._create(plan.held, module, group, world_size, spec, clean_by_experts)
+        if spec.mode is md.Mode.LOW_LATENCY:
+            entry.register(spec)
+        return entry
+
+    def _create(self, held: BufferRequest, module: ModuleType | Any, group: Any, world_size: int,
+                spec: md.DispatchSpec, clean_by_experts: bool) -> SharedBuffer:
         if group is None:
             raise md.BackendUnavailableError(
                 "DeepEP's Buffer needs a torch.distributed process group (it raises ValueError without one): call "
                 "torch.distributed.init_process_group() first; a group of one rank works",
                 parameter="group", value=None, allowed="an initialized process group")
+        depth = vendor.qp_depth_from(os.environ)
+        if held.low_latency_mode:
+            check_qp_depth(spec, depth)
+        extra = {"explicitly_destroy": True} if vendor.takes_explicitly_destroy(module) else {}
         with restored_environ():  # the V1 Buffer writes NVSHMEM_* into os.environ while it starts
-            depth = vendor.qp_depth_from(os.environ)
             buffer = module.Buffer(group, num_nvl_bytes=held.num_nvl_bytes, num_rdma_bytes=held.num_rdma_bytes,
-                                   low_latency_mode=need.low_latency_mode, num_qps_per_rank=held.num_qps_per_rank)
-        shared = SharedBuffer(buffer, group, world_size, held, True,
-                              getattr(buffer, "nvshmem_qp_depth", depth) if need.low_latency_mode else None)
-        self.owned[(id(group), need.low_latency_mode)] = shared
-        return shared
+                                   low_latency_mode=held.low_latency_mode,
+                                   num_qps_per_rank=max(1, held.num_qps_per_rank), **extra)
+        entry = SharedBuffer(buffer, group, world_size, held, True,
+                             getattr(buffer, "nvshmem_qp_depth", depth) if held.low_latency_mode else None,
+                             vendor.nvshmem_domain(module), clean_by_experts)
+        self._entries.append(entry)
+        return entry
+
+    def close(self, domain: str) -> None:
+        """Destroy the adapter's Buffers of ``domain`` and forget the ones handed in, in creation order (every rank
+        registered them in the same order): a collective."""
+        entries = [e for e in self._entries if e.domain == domain]
+        self._entries = [e for e in self._entries if e.domain != domain]
+        for entry in entries:
+            entry.close()
+
+    def reset(self) -> None:
+        """Forget every Buffer without destroying any (what a new process starts with; the tests' fresh process)."""
+        for entry in self._entries:
+            entry.closed = True
+        self._entries = []
 
 
-__all__ = ["BufferRequest", "SharedBuffer", "SharedBuffers", "check_qp_depth", "reserved_bytes"]
+#: This process's Buffers (NVSHMEM is per process).
+PROCESS_BUFFERS = ProcessBuffers()
+
+__all__ = ["ANY", "BUFFER_OPTIONS", "PROCESS_BUFFERS", "BufferPlan", "BufferRequest", "ProcessBuffers", "SharedBuffer",
+           "adopted_request", "check_qp_depth", "check_serves", "planned_request", "qps_option", "reserved_bytes"]

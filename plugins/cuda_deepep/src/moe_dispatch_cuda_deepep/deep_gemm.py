@@ -17,8 +17,9 @@ no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, 
   Rows past an expert's count are zeroed with one ``where`` over the output, whatever
   DeepGEMM left there. DeepGEMM stores whole BLOCK_M-row tiles into one ``[E·capacity, N]``
   view, so with more than one expert the capacity must be a multiple of every BLOCK_M the
-  installed version may pick (``masked_capacity_multiple``: 128 on 2.1+ SM90 and 2.4.2+ SM100,
-  256 on 2.0.x and v1), else one expert's last tile overwrites the next expert's first rows;
+  installed version may pick (``masked_capacity_multiple``: 128 on 2.1.1+ SM90 and 2.4.2+ SM100 (its
+  mk alignment), 256 on 2.0.0 and 2.1.0, which report no version, and on v1), else one expert's last tile
+  overwrites the next expert's first rows;
   a typed error, and ``DeepEPBackend.check_spec`` refuses such a spec at creation.
 
 Between the GEMMs the FP8 path re-quantizes SwiGLU's output per row and 128 channels with
@@ -29,10 +30,13 @@ four per int32 when the dispatched scales came packed (DeepGEMM's SM100 format).
 Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 scales only (in any layout:
 DeepGEMM lays them out itself); SM100 takes packed UE8M0 (four exponent bytes per int32, MN-major with a
 TMA-aligned stride, which the runner lays out with DeepGEMM's ``get_tma_aligned_size`` and packs with its
-``get_mn_major_tma_aligned_packed_ue8m0_tensor`` when installed, the ports in ``vendor`` otherwise) and casts
-fp32 scales to UE8M0 itself — from DeepGEMM 2.6.1 device-asserting that they are powers of two, before that
-keeping the exponent silently. Powers of two are taken by bits (DeepGEMM's ``ceil_to_ue8m0``), never by
-``exp2(ceil(log2))``. ``ue8m0=None`` picks the device's format; the other one is refused (VENDOR.md).
+``get_mn_major_tma_aligned_packed_ue8m0_tensor`` when installed, the ports in ``vendor`` otherwise). fp32 scales
+handed to the runner on SM100 (they must be powers of two: a typed error otherwise, outside CUDA-graph capture) are
+packed by the runner itself, contiguous, with that helper: DeepGEMM's own cast of MN-major fp32 scales asserts
+``mn % 4 == 0 and num_groups == 1`` in some 2.0.0 builds, device-asserts powers of two from 2.6.1 and packs
+garbage exponents for anything else before it. Powers of two are taken by bits (the core's ``pow2_ceil``, as
+DeepGEMM's ``ceil_to_ue8m0``), never by ``exp2(ceil(log2))``. ``ue8m0=None`` picks the device's format; the other
+one is refused (VENDOR.md).
 
 The DeepGEMM generation installed is found by its attributes (``detect``): 2.x
 (deepseek-ai/DeepGEMM ``csrc/apis/gemm.hpp``, ``deep_gemm/__init__.py``; PR #112 and later)
@@ -56,7 +60,7 @@ import torch
 
 import moe_dispatch as md
 
-from moe_dispatch.codecs import FP8_MAX
+from moe_dispatch.codecs import FP8_MAX, pow2_ceil
 from moe_dispatch.experts import dequantized_weights, swiglu
 from moe_dispatch.output import group_counts
 
@@ -106,7 +110,7 @@ def quantize_block_fp8(w: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tens
     blocks = w.float().reshape(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp_min(WEIGHT_AMAX_FLOOR) / FP8_MAX
     if ue8m0:
-        scale = vendor.ceil_to_ue8m0(scale)
+        scale = pow2_ceil(scale)
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(e, n, k)
     return q, scale.reshape(e, n // BLOCK, k // BLOCK)
 
@@ -187,7 +191,7 @@ def quantize_per_token_group(x: torch.Tensor, ue8m0: bool = False) -> tuple[torc
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     scale = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(ACT_AMAX_FLOOR) / FP8_MAX
     if ue8m0:
-        scale = vendor.ceil_to_ue8m0(scale)
+        scale = pow2_ceil(scale)
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-2), scale.squeeze(-1)
 
@@ -253,7 +257,7 @@ class DeepGemmExperts:
 
     def _scale_format(self, weights: str, ue8m0: bool | None, info: DeepGemmInfo) -> bool:
         """UE8M0 scales exactly where DeepGEMM needs them: on SM100 it casts fp32 scales to UE8M0 (from 2.6.1
-        asserting powers of two on the device, before it silently keeping the exponent), on SM90 it takes
+        asserting powers of two on the device, before it packing garbage exponents), on SM90 it takes
         fp32 only (and v1 is SM90-only). ``None`` picks the device's; the other one is a typed error."""
         if weights == "bf16":
             if ue8m0:
@@ -266,7 +270,7 @@ class DeepGemmExperts:
         if self.arch is not None and bool(ue8m0) != needed:
             cc = f"{self.arch}.x"
             why = ("DeepGEMM casts fp32 scales to UE8M0 there (a device assert for non-powers of two from 2.6.1, "
-                   "silently wrong before)" if needed else "DeepGEMM's SM90 kernels take fp32 scales only")
+                   "garbage exponents before)" if needed else "DeepGEMM's SM90 kernels take fp32 scales only")
             raise md.InvalidSpecError(f"block-FP8 on compute capability {cc} needs ue8m0={needed}: {why}",
                                       parameter="ue8m0", value=bool(ue8m0),
                                       allowed=f"{needed} or None (chosen by the device) on compute capability {cc}")
@@ -391,6 +395,20 @@ class DeepGemmExperts:
         else:
             fn(lhs, rhs, d, groups, expected_m)
 
+    def _pack_fp32(self, scale: torch.Tensor) -> torch.Tensor:
+        """fp32 activation scales on SM100 → packed UE8M0, MN-major, TMA-aligned, with DeepGEMM's own helper on a
+        contiguous copy (its cast of MN-major fp32 scales asserts ``mn % 4 == 0 and num_groups == 1`` in 2.0.0 builds
+        of 2025-07-18 .. 07-29 and 08-02 .. 08-04, deepseek-ai/DeepGEMM@9da4a23 smxx_layout.hpp). They must be powers
+        of two: checked here (a host read) outside CUDA-graph capture."""
+        if not vendor.stream_capturing(self.info.module):
+            bits = scale.float().contiguous().view(torch.int32)
+            if bool(((bits & 0x807FFFFF) != 0).any()):
+                raise md.InvalidInputError(
+                    "fp32 scales on SM100 must be powers of two: DeepGEMM casts them to UE8M0 (2.6.1 device-asserts, "
+                    "earlier versions pack garbage exponents)", parameter="hidden_states_scale", value=scale,
+                    allowed="power-of-two fp32 scales (QuantHints(fp8_ue8m0_scales=True)), or packed int32 UE8M0")
+        return vendor.dg_packed_ue8m0_mn_major(self.info.module, scale.float().contiguous())
+
     def _between(self, layer: DeepGemmLayer, h: torch.Tensor, valid: torch.Tensor, packed: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """SwiGLU on gmm1's bf16 output (invalid rows zeroed), then gmm2's input."""
@@ -426,6 +444,8 @@ class DeepGemmExperts:
             a_scale[dest] = scale
             if packed:  # SM100 checks packed UE8M0 for MN-major TMA-aligned strides (fp32: DeepGEMM lays it out)
                 a_scale = vendor.dg_mn_major(self.info.module, a_scale)
+            elif self.arch == vendor.DG_ARCH_SM100:
+                a_scale, packed = self._pack_fp32(a_scale), True
         h1 = torch.empty(total, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(True, a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, m_indices)
         act, act_scale = self._between(layer, h1, (m_indices >= 0).unsqueeze(1), packed)
@@ -451,6 +471,8 @@ class DeepGemmExperts:
                 allowed=f"capacity (DeepEP LL: num_ranks · num_max_dispatch_tokens_per_rank) a multiple of {multiple}")
         if packed:
             scale = vendor.dg_mn_major(self.info.module, scale)
+        elif scale is not None and self.arch == vendor.DG_ARCH_SM100:
+            scale, packed = self._pack_fp32(scale), True
         masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
         expected_m = int(layer.expected_m or capacity)  # a hint; reading the counts would sync the host
         h1 = torch.empty(experts, capacity, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)

@@ -24,14 +24,17 @@ unswizzles the scales to the contract's linear rows.
 Rows of the MASKED layout past an expert's count are whatever DeepEP's ``torch::empty`` held, and rows
 within an expert come in arrival order: nothing here reads either.
 
-The Buffer is shared with the backend's other dispatchers (``buffers.SharedBuffer``): LL calls clean its
-signalling counts first when normal-mode kernels or another LL layout used it since.
+The Buffer is the process's, shared with every other layer (``buffers.SharedBuffer``): LL calls clean its
+signalling counts first when internode normal-mode kernels or LL kernels of another E used it since, and a
+normal-mode combine past 8 ranks on an LL Buffer cleans at once (a replayed CUDA graph runs no Python); an LL call
+under CUDA-graph capture is refused on a Buffer serving several E (``buffers``). Once the backend is closed
+(``DeepEPBackend.close``) every call is a ``BackendUnavailableError``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -66,9 +69,9 @@ class DeepEPDispatcher:
     which every top-k index tensor handed to DeepEP must have."""
 
     def __init__(self, ctx: md.DispatchContext, shared: SharedBuffer, dispatch_config: Any, combine_config: Any,
-                 topk_idx_dtype: torch.dtype = torch.int64) -> None:
+                 topk_idx_dtype: torch.dtype = torch.int64, capturing: Callable[[], bool] = lambda: False) -> None:
         self.shared = shared
-        self.buffer = shared.buffer
+        self._capturing = capturing  # torch.cuda.is_current_stream_capturing() on the vendor's device
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
@@ -79,6 +82,11 @@ class DeepEPDispatcher:
         if self.dtype is md.DispatchDtype.NVFP4:
             self.x_global_scale = torch.tensor(float(ctx.spec.quant.input_global_scale), dtype=torch.float32,
                                                device=ctx.device)
+
+    @property
+    def buffer(self) -> Any:
+        """The ``deep_ep.Buffer`` (the process's, shared with the other layers)."""
+        return self.shared.buffer
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         if self.low_latency:
@@ -92,6 +100,7 @@ class DeepEPDispatcher:
             self._before_low_latency()
             combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
             return combined
+        self.shared.check_open()
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
         combined, _, _ = self.buffer.combine(partial.to(torch.bfloat16), h.vendor_handle, config=self.combine_config)
         self.shared.after_normal()
@@ -99,7 +108,8 @@ class DeepEPDispatcher:
 
     def _before_low_latency(self) -> None:
         s = self.spec
-        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts)
+        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts,
+                                       self._capturing())
 
     def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> md.DispatchOutput:
@@ -111,6 +121,7 @@ class DeepEPDispatcher:
         return topk_ids.to(self.topk_idx_dtype).contiguous()
 
     def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
+        self.shared.check_open()
         ids = self._ids(topk_ids)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
         if self.dtype is md.DispatchDtype.FP8:
@@ -124,7 +135,7 @@ class DeepEPDispatcher:
             vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
             topk_weights=topk_weights.float().contiguous(), config=self.dispatch_config)
-        self.shared.after_normal()
+        self.shared.after_normal_dispatch()
         data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
         row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")

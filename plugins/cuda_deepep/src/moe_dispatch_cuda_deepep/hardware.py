@@ -6,8 +6,11 @@ same code runs in the tests.
 Every check returns ``Row``s: what was compared, the two sides, and whether they agree. A vendor refusal
 (DeepEP's normal mode on one rank) is recorded with its exact message. Probes that can end the process on a GPU
 (a one-rank normal-mode Buffer throws from its noexcept destructor: ``std::terminate``; a second NVSHMEM Buffer in
-one process) run last, each in a subprocess (``python -m moe_dispatch_cuda_deepep.hardware <probe>``), and their
-exit status and output are recorded: they can fail, the table is still printed.
+one process; the V2 ``ElasticBuffer`` beside NVSHMEM) run last, each in a subprocess (``python -m
+moe_dispatch_cuda_deepep.hardware <probe>``), after the adapter's Buffers were closed, and their exit status and
+output are recorded: they can fail, the table is still printed. The records compared are the installed release's
+(``vendor.deep_ep_signatures``: several where the release string cannot tell the builds apart, any one may match;
+``DeepEPRelease.tuned_tables``; ``vendor.deep_gemm_signatures_of``).
 """
 
 from __future__ import annotations
@@ -128,31 +131,47 @@ def signature_records(module: Any) -> tuple[vendor.VendorSignature, ...]:
     ``enable_shrink``, hybrid-ep its own constructor and LL calls), DeepGEMM's per generation and version."""
     info = vendor.detect_deep_gemm(module)
     if info.generation is not None:
-        return vendor.deep_gemm_signatures(info.generation, info.version)
+        return vendor.deep_gemm_signatures_of(info)
     return vendor.deep_ep_signatures(vendor.release_of(module))
 
 
+def _installed_params(fn: Any) -> list[tuple[str, Any]]:
+    try:
+        got = [(p.name, "<required>" if p.default is inspect.Parameter.empty else p.default)
+               for p in inspect.signature(fn).parameters.values()]
+    except (TypeError, ValueError):  # a pybind function: read its docstring
+        got = pybind_params(fn) or []
+    return [(n, d) for n, d in got if n not in ("/", "*")]
+
+
 def signature_rows(module: Any, records: tuple, section: str) -> list[Row]:
+    """One row per recorded callable; records sharing a qualname are alternatives (any one may match)."""
     rows = []
+    by_name: dict[str, list[vendor.VendorSignature]] = {}
     for record in records:
-        recorded = [(p.name, p.default) for p in record.params]
+        by_name.setdefault(record.qualname, []).append(record)
+    for qualname, alternatives in by_name.items():
         try:
-            fn = vendor.lookup(module, record.qualname)
+            fn = vendor.lookup(module, qualname)
         except AttributeError:
-            rows.append(Row(section, f"signature {record.qualname}", "missing", _text(record.text), False))
+            rows.append(Row(section, f"signature {qualname}", "missing", _text(alternatives[0].text), False))
             continue
-        try:
-            got = [(p.name, "<required>" if p.default is inspect.Parameter.empty else p.default)
-                   for p in inspect.signature(fn).parameters.values()]
-        except (TypeError, ValueError):  # a pybind function: read its docstring
-            got = pybind_params(fn) or []
-        got = [(n, d) for n, d in got if n not in ("/", "*")]
-        if record.qualname.count(".") and got and got[0][0] != "self" and recorded and recorded[0][0] == "self":
-            got = [("self", "<required>")] + got
-        names_ok = [n for n, _ in got] == [n for n, _ in recorded]
-        defaults_ok = all(_same(a, b) for (_, a), (_, b) in zip(got, recorded))
-        rows.append(Row(section, f"signature {record.qualname}", _text([n for n, _ in got][-3:]),
-                        _text([n for n, _ in recorded][-3:]), names_ok and defaults_ok))
+        got = _installed_params(fn)
+        matched = None
+        for record in alternatives:
+            recorded = [(p.name, p.default) for p in record.params]
+            mine = got
+            if qualname.count(".") and mine and mine[0][0] != "self" and recorded and recorded[0][0] == "self":
+                mine = [("self", "<required>")] + mine
+            names_ok = [n for n, _ in mine] == [n for n, _ in recorded]
+            if names_ok and all(_same(a, b) for (_, a), (_, b) in zip(mine, recorded)):
+                matched = record
+                break
+        shown = matched or alternatives[0]
+        expected = [p.name for p in shown.params][-3:]
+        rows.append(Row(section, f"signature {qualname}" + (f" (1 of {len(alternatives)})" if len(alternatives) > 1
+                                                            else ""),
+                        _text([n for n, _ in got][-3:]), _text(expected), matched is not None))
     return rows
 
 
@@ -170,21 +189,22 @@ def size_rows(deep_ep: Any, deep_gemm: Any, device: torch.device = torch.device(
         port = vendor.ported_low_latency_rdma_size_hint(t, h, 8, e)
         rows.append(Row("sizes", f"LL rdma hint T={t} H={h} E={e}", f"{real:,}", f"{port:,}", real == port))
     release = vendor.release_of(deep_ep)
-    newest = release.tuned_dispatch == vendor.TUNED_DISPATCH
-    tables = {
-        "dispatch": (vendor.dispatch_config, vendor.TUNED_DISPATCH if newest else vendor.TUNED_DISPATCH_BEFORE_EP48),
-        "combine": (vendor.combine_config, vendor.TUNED_COMBINE if newest else vendor.TUNED_COMBINE_BEFORE_EP48),
-    }
+    getters = {"dispatch": (vendor.dispatch_config, 0), "combine": (vendor.combine_config, 1)}
     for n in sorted(vendor.supported_world_sizes(deep_ep, release)):
-        for which, (getter, table) in tables.items():
+        for which, (getter, side) in getters.items():
             cfg = getter(deep_ep, n)
-            fields = vendor.ConfigFields(deep_ep.Buffer.num_sms, *table[n])
+            # The release's recorded tables (several where the release string cannot tell the builds apart).
+            candidates = [tables[side][n] for tables in release.tuned_tables if n in tables[side]]
             for hb in (7168, 2 * 7168):
                 real = (cfg.get_nvl_buffer_size_hint(hb, n), cfg.get_rdma_buffer_size_hint(hb, n))
-                port = (vendor.ported_nvl_buffer_size_hint(fields, hb, n),
-                        vendor.ported_rdma_buffer_size_hint(fields, hb, n))
-                rows.append(Row("sizes", f"{which} config EP{n} hidden_bytes={hb} (nvl, rdma)", _text(real),
-                                _text(port), real == port))
+                ports = [(vendor.ported_nvl_buffer_size_hint(f, hb, n), vendor.ported_rdma_buffer_size_hint(f, hb, n))
+                         for f in (vendor.ConfigFields(deep_ep.Buffer.num_sms, *c) for c in candidates)]
+                label = f"{which} config EP{n} hidden_bytes={hb} (nvl, rdma)"
+                if not ports:
+                    rows.append(Row("sizes", label, _text(real), "(no recorded table: the getter is used)", True))
+                    continue
+                match = next((p for p in ports if p == real), ports[0])
+                rows.append(Row("sizes", label, _text(real), _text(match), match == real))
     info = vendor.detect_deep_gemm(deep_gemm)
     if info.module is not None:
         alignment = vendor.mk_alignment(deep_gemm)
@@ -220,7 +240,9 @@ def _fake_deep_gemm_for(real: Any) -> Any:
                                        else vendor.DEEP_GEMM_V1_PYPI_EMULATOR)
     fakes = importlib.import_module(vendor.DEEP_GEMM_EMULATOR)
     capability = vendor.device_capability(real) or (9, 0)
-    return fakes.emulate(capability, info.version or fakes.__version__)
+    if info.version is None:  # 2.0.0 or 2.1.0 (no __version__); PR #112's API before f85ec64
+        return fakes.emulate(capability, "2.0.0", before_f85ec64=not hasattr(real, vendor.DG_FP8_MASKED))
+    return fakes.emulate(capability, info.version)
 
 
 def deep_gemm_rows(setup: Setup) -> list[Row]:
@@ -315,19 +337,20 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
         rows.append(Row("DeepEP", f"{label}: received rows (relative error)", f"{err_rows:.2e}", "< 1e-2",
                         err_rows < 1e-2))
         rows.append(Row("DeepEP", f"{label}: combine (relative error)", f"{err_y:.2e}", "< 1e-2", err_y < 1e-2))
+    # The Buffers live as long as the process unless closed (a collective; one rank here): close them before the
+    # subprocess probes, as an engine's orderly shutdown does.
+    real_backend.close()
+    fake_backend.close()
     # Normal mode on one rank: the adapter refuses (typed); what DeepEP itself says, recorded (probe_rows).
     spec = md.DispatchSpec(setup.hidden, 8, 4, output_dtype="bf16")
     adapter = _outcome(lambda: real_backend.check_spec(spec, 1))
     rows.append(Row("DeepEP", "normal one rank: adapter", _text(adapter, 60), "InvalidSpecError world_size",
                     adapter.startswith("InvalidSpecError")))
     tuned = _outcome(lambda: real_module.Buffer.get_dispatch_config(1))
+    one_rank_table = any(1 in tables[0] for tables in info.release.tuned_tables)  # 1.0: any R <= 8
     rows.append(Row("DeepEP", "normal one rank: get_dispatch_config(1)", _text(tuned, 60),
-                    "AssertionError Unsupported", "Unsupported number of EP ranks" in tuned))
-    elastic = getattr(real_module, "ElasticBuffer", None)
-    if elastic is not None:
-        made = _outcome(lambda: type(elastic(setup.group, num_max_tokens_per_rank=setup.tokens, hidden=setup.hidden,
-                                             num_topk=4)).__name__)
-        rows.append(Row("DeepEP", "V2 ElasticBuffer(group of one)", _text(made, 60), "(recorded)", True))
+                    "a Config (1.0)" if one_rank_table else "AssertionError Unsupported",
+                    tuned.startswith("ok") if one_rank_table else "Unsupported number of EP ranks" in tuned))
     return rows
 
 
@@ -335,6 +358,7 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
 
 PROBE_NORMAL_ONE_RANK = "normal-one-rank"
 PROBE_TWO_LL_BUFFERS = "two-ll-buffers"
+PROBE_ELASTIC = "elastic-buffer"
 PROBE_TIMEOUT_S = 300
 
 
@@ -374,6 +398,17 @@ def _two_low_latency_buffers(module: Any, group: Any, device: torch.device) -> s
     return "; ".join(steps)
 
 
+def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
+    """DeepEP V2's ``ElasticBuffer`` on a group of one (deep_ep/buffers/elastic.py): not driven by the adapter; what
+    DeepEP does with it, recorded."""
+    elastic = getattr(module, "ElasticBuffer", None)
+    if elastic is None:
+        return "no ElasticBuffer in this DeepEP"
+    with restored_environ():
+        made = elastic(group, num_max_tokens_per_rank=16, hidden=2048, num_topk=4)
+    return f"made a {type(made).__name__}"
+
+
 def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
     """DeepEP's own answer to normal mode on one rank; the Buffer's destructor then runs on exit."""
     cfg = module.Config(vendor.DEFAULT_NUM_SMS, 6, 256, 6, 128)
@@ -393,7 +428,13 @@ def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
 _PROBES: dict[str, Callable[[Any, Any, torch.device], str]] = {
     PROBE_NORMAL_ONE_RANK: _normal_one_rank,
     PROBE_TWO_LL_BUFFERS: _two_low_latency_buffers,
+    PROBE_ELASTIC: _elastic_buffer,
 }
+
+
+def probe_names() -> tuple[str, ...]:
+    """The probes that run in subprocesses."""
+    return tuple(_PROBES)
 
 
 def run_probe(name: str, fake: bool, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeResult:
@@ -421,6 +462,7 @@ def probe_rows(fake: bool) -> list[Row]:
             results[name] = ProbeResult(name, -1, f"timed out after {PROBE_TIMEOUT_S} s (a hang)")
     one = results[PROBE_NORMAL_ONE_RANK]
     two = results[PROBE_TWO_LL_BUFFERS]
+    elastic = results[PROBE_ELASTIC]
     flat = lambda text: " | ".join(line for line in text.splitlines() if line.strip())  # noqa: E731
     return [
         Row("DeepEP", "normal one rank: DeepEP's dispatch (subprocess)", _text(flat(one.output), 60),
@@ -428,6 +470,8 @@ def probe_rows(fake: bool) -> list[Row]:
         Row("DeepEP", "normal one rank: exit status (terminate = -6/134)", str(one.exit_code), "(recorded)", True),
         Row("DeepEP", "two LL Buffers in one process (subprocess)", _text(f"{two.exit_code}: {flat(two.output)}", 60),
             "(recorded)", True),
+        Row("DeepEP", "V2 ElasticBuffer(group of one) (subprocess)",
+            _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "(recorded)", True),
     ]
 
 
@@ -475,8 +519,9 @@ def fake_setup(hidden: int = 2048, tokens: int = 16, gemm_hidden: int = 2048) ->
                  gemm_hidden)
 
 
-__all__ = ["PROBE_NORMAL_ONE_RANK", "PROBE_TWO_LL_BUFFERS", "ProbeResult", "Row", "Setup", "fake_setup",
-           "probe_rows", "pybind_params", "run_checks", "run_probe", "signature_records", "signature_rows"]
+__all__ = ["PROBE_ELASTIC", "PROBE_NORMAL_ONE_RANK", "PROBE_TWO_LL_BUFFERS", "ProbeResult", "Row", "Setup",
+           "fake_setup", "probe_names", "probe_rows", "pybind_params", "run_checks", "run_probe", "signature_records",
+           "signature_rows"]
 
 
 if __name__ == "__main__":

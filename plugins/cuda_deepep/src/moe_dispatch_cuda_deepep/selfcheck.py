@@ -69,16 +69,23 @@ def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str =
                      None if scale is None else str(scale.dtype))
 
 
+def layer_spec(world: int, mode: str, dtype: str, hidden: int = 7168, experts_per_rank: int = 8, top_k: int = 8,
+               tokens: int = 128, ue8m0: bool = False) -> md.DispatchSpec:
+    """The spec ``agree_with_torch`` runs."""
+    return md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
+                           mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0))
+
+
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
                      experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
-                     ue8m0: bool = False, backend: DeepEPBackend | None = None) -> dict:
+                     ue8m0: bool = False, backend: DeepEPBackend | None = None,
+                     options: dict | None = None) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
-    the relative difference, and the median time per round trip of each. ``backend``: the one to share
-    Buffers through across calls (a new one by default)."""
+    the relative difference, and the median time per round trip of each. ``backend``: the one to create through
+    (a new one by default; the Buffers are the process's either way). ``options``: ``create_dispatcher``'s."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
-    spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0))
-    deepep = md.create_dispatcher(backend or DeepEPBackend(vendor_module), spec, env={})
+    spec = layer_spec(world, mode, dtype, hidden, experts_per_rank, top_k, tokens, ue8m0)
+    deepep = md.create_dispatcher(backend or DeepEPBackend(vendor_module), spec, env={}, options=options)
     reference = md.create_dispatcher("torch", spec, env={})
     x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=1)
     layer = ScaledLayer.for_rank(hidden, spec.num_experts, rank, experts_per_rank)
@@ -107,4 +114,4 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
     return {"relative_difference": float(diff), "seconds": times}
 
 
-__all__ = ["WireCheck", "agree_with_torch", "wire_seen"]
+__all__ = ["WireCheck", "agree_with_torch", "layer_spec", "wire_seen"]

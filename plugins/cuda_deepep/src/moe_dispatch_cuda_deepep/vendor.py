@@ -199,6 +199,105 @@ def normal_max_top_k(num_ranks: int) -> int:
     if num_ranks // NUM_MAX_NVL_PEERS > NORMAL_MAX_TOPK_RDMA_RANKS:
         return NORMAL_MAX_TOPK_RDMA_RANKS
     return NORMAL_MAX_TOPK
+# -- normal-mode SM counts: what the kernels launched with ``config.num_sms`` assert -------------------------------
+#: Intranode ``cached_notify_combine`` launches ``1 + num_channels`` blocks and asserts ``1 + num_channels <=
+#: num_channels * 2``: at least one channel, two SMs (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/intranode.cu).
+NORMAL_MIN_NUM_SMS = 2
+#: Internode ``cached_notify`` asserts ``num_channels * 2 > 3`` (two channels, four SMs) and sets
+#: ``8192 · max(4, num_channels)`` bytes of dynamic shared memory through ``SET_SHARED_MEMORY_FOR_TMA`` (an
+#: ``EP_HOST_ASSERT`` on ``cudaFuncSetAttribute``), whose limit is 227 KiB on SM90/SM100: at most 28 channels
+#: (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu cached_notify; launch.cuh).
+INTERNODE_MIN_NUM_SMS = 4
+INTERNODE_CACHED_NOTIFY_TMA_BYTES_PER_WARP = 8192
+MAX_DYNAMIC_SHARED_MEMORY_BYTES = 227 * 1024
+INTERNODE_MAX_NUM_SMS = 2 * (MAX_DYNAMIC_SHARED_MEMORY_BYTES // INTERNODE_CACHED_NOTIFY_TMA_BYTES_PER_WARP)
+
+
+def normal_num_sms_problems(num_sms: int, num_ranks: int, device_sms: int | None) -> list[str]:
+    """What DeepEP's normal-mode kernels assert of a config's ``num_sms`` beyond its constructor (which takes any
+    ``num_sms >= 0``): an even count (two SMs per channel), the notify kernels' channel bounds, and a cooperative
+    launch of at most the GPU's SMs (launch.cuh ``cudaLaunchAttributeCooperative``)."""
+    problems = []
+    if num_sms % 2:
+        problems.append("num_sms % 2 == 0 (two SMs per channel)")
+    if num_sms < NORMAL_MIN_NUM_SMS:
+        problems.append("1 + num_channels <= num_channels * 2 (intranode cached_notify_combine: at least 2 SMs)")
+    if num_ranks > NUM_MAX_NVL_PEERS:
+        if num_sms < INTERNODE_MIN_NUM_SMS:
+            problems.append("num_channels * 2 > 3 (internode cached_notify: at least 4 SMs)")
+        if num_sms > INTERNODE_MAX_NUM_SMS:
+            problems.append(f"8192 · num_channels bytes of shared memory <= 227 KiB (internode cached_notify: at most "
+                            f"{INTERNODE_MAX_NUM_SMS} SMs)")
+    if device_sms is not None and num_sms > device_sms:
+        problems.append(f"a cooperative launch of num_sms blocks on a GPU of {device_sms} SMs")
+    return problems
+
+
+#: Internode ``notify_dispatch`` and ``cached_notify`` assert ``num_rdma_bytes < INT_MAX`` and ``num_nvl_bytes <
+#: INT_MAX`` (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu), which the constructor does not for an LL
+#: Buffer (``low_latency_mode or num_rdma_bytes <= INT_MAX``): a Buffer serving internode normal mode needs both.
+def internode_bytes_ok(num_nvl_bytes: int, num_rdma_bytes: int) -> bool:
+    return num_nvl_bytes < INT_MAX and num_rdma_bytes < INT_MAX
+
+
+# -- NVSHMEM, one per process ----------------------------------------------------------------------------------
+#: ``Buffer::sync`` starts NVSHMEM whenever the Buffer has RDMA bytes (LL mode, or normal mode past 8 ranks), as
+#: PE ``rank`` of ``num_ranks`` in LL mode and PE ``rdma_rank`` of ``num_rdma_ranks`` in normal mode, and asserts
+#: the PE it gets back (deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp sync; csrc/kernels/backend/nvshmem.cu
+#: init: ``nvshmemx_init_attr`` then, in LL mode past 8 ranks, the team split asserting no team exists). A second
+#: live init in the process gets the first's PE numbering back (or fails the team assert); ``destroy`` finalizes
+#: NVSHMEM for the whole process. Intranode normal-mode Buffers (NVL bytes only) never start it.
+NVSHMEM_INIT_ASSERT = ("nvshmem_rank == nvshmem::init(root_unique_id, nvshmem_rank, num_nvshmem_ranks, "
+                       "low_latency_mode ? LEGACY_NUM_MAX_NVL_PEERS : 0)")
+
+
+def nvshmem_pe(rank: int, num_ranks: int, low_latency_mode: bool) -> tuple[int, int]:
+    """(PE, PE count) a Buffer starts NVSHMEM with (``Buffer::sync``)."""
+    if low_latency_mode:
+        return rank, num_ranks
+    return rank // NUM_MAX_NVL_PEERS, max(1, num_ranks // NUM_MAX_NVL_PEERS)
+
+
+#: ``explicitly_destroy`` (0c984e2, 2025-07-11 "Explicitly destroy the C++ runtime and release resources. (#292)";
+#: 1.0 and early 1.1 builds lack it): with it, ``~Buffer`` runs no teardown and only prints this warning when
+#: ``destroy()`` was not called; without it, ``~Buffer`` runs ``destroy()``: ``cudaDeviceSynchronize``, the
+#: intranode barrier and ``nvshmem_barrier_all``, collectives a dead peer never joins (csrc/legacy/buffer.hpp
+#: ~Buffer, destroy; legacy.py: "Releasing resources in the destructor may cause Python's exception handling
+#: process to hang").
+COMMIT_EXPLICITLY_DESTROY = "0c984e2"
+BUFFER_DESTROY_WARNING = "WARNING: destroy() was not called before DeepEP buffer destruction, which can leak resources."
+
+
+def takes_explicitly_destroy(module: Any) -> bool:
+    """Whether the installed ``Buffer.__init__`` has ``explicitly_destroy``."""
+    buffer = getattr(module, "Buffer", None)
+    try:
+        return buffer is not None and "explicitly_destroy" in inspect.signature(buffer.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- the low-latency signalling counts -------------------------------------------------------------------------
+#: Each LL kernel zeroes the *other* half's signalling counts for its own E (``next_clean``), so nothing else may
+#: write them between LL kernels: internode normal-mode kernels do (they use the RDMA region; intranode ones use
+#: the NVL region only), and ``clean_low_latency_buffer(T, hidden, E)`` (barrier, zero both halves, barrier) must
+#: run first (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/legacy.py clean_low_latency_buffer; csrc/kernels/legacy/
+#: internode_ll.cu dispatch/combine ``next_clean``, clean_low_latency_buffer). Since 42253d0 (2025-07-29, "Fix the
+#: address of dispatch_rdma_recv_count_buffer to avoid cleaning after each change in hidden_size/token_num", #313)
+#: the counts sit at the start of the RDMA region, ``E · 4`` bytes per half (csrc/legacy/config.hpp
+#: LowLatencyLayout): only E decides where they are. Before it (1.0, and 1.1 builds before 2025-07-29) they sat
+#: after the send/receive buffers, whose sizes depend on T and hidden (DeepEP issue #93: graphs of several T on one
+#: Buffer read corrupted counts).
+COMMIT_LL_SIGNALLING_AT_FRONT = "42253d0"
+
+
+def ll_clean_key(by_experts: bool, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
+    """What decides where a layer's LL signalling counts are: E (from 42253d0), or (T, hidden, E) before."""
+    if by_experts:
+        return int(num_experts)
+    return int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)
+
+
 #: Low-latency: ``(num_ranks * num_max_dispatch_tokens_per_rank) % 4 == 0`` ("TMA requires the number
 #: of tokens to be multiple of 4"; deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp low_latency_dispatch,
 #: present since @ebfe47e csrc/deep_ep.cpp).
@@ -211,6 +310,49 @@ LOW_LATENCY_MAX_WARP_GROUPS = 14
 H100_NUM_SMS = 132
 #: The attribute a fake module sets for the GPU's SM count (``cudaDeviceProp::multiProcessorCount``).
 EMULATED_DEVICE_SMS_ATTRIBUTE = "EMULATED_DEVICE_SMS"
+#: The attribute a fake module sets for ``torch.cuda.get_device_name()`` (DeepEP reads it in every V1 constructor).
+EMULATED_DEVICE_NAME_ATTRIBUTE = "EMULATED_DEVICE_NAME"
+#: The attribute a fake module sets to name the process whose NVSHMEM it emulates (the fakes share one; the real
+#: DeepEP has the process's own): the adapter keeps one NVSHMEM Buffer per value.
+EMULATED_NVSHMEM_ATTRIBUTE = "EMULATED_NVSHMEM"
+#: The function a fake module exports for ``torch.cuda.is_current_stream_capturing()`` of its emulated device.
+EMULATED_STREAM_CAPTURING_ATTRIBUTE = "emulated_stream_capturing"
+#: ``check_nvlink_connections(group)``, first in every V1 constructor: ``if 'PCIE' in torch.cuda.get_device_name():
+#: assert group.size() <= 2, 'PCIe GPUs only have pairwise NVLink connections'`` (case-sensitive: A100-PCIE names
+#: match, "H100 PCIe" does not) (deepseek-ai/DeepEP@dd758ca deep_ep/utils/envs.py check_nvlink_connections; the
+#: message since 9ec0612, 2025-06-11, "No NVLink connection between all GPUs" before).
+PCIE_DEVICE_MARKER = "PCIE"
+PCIE_MAX_RANKS = 2
+PCIE_ASSERT_MESSAGE = "PCIe GPUs only have pairwise NVLink connections"
+
+
+def device_name(module: Any) -> str | None:
+    """``torch.cuda.get_device_name()`` as DeepEP's constructor reads it: a fake's stand-in, else the current CUDA
+    device's; None without a GPU (planning)."""
+    emulated = getattr(module, EMULATED_DEVICE_NAME_ATTRIBUTE, None)
+    if emulated is not None:
+        return str(emulated)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return None
+
+
+def pcie_pairs_only(name: str | None) -> bool:
+    """Whether DeepEP's constructor asserts ``group.size() <= 2`` on this GPU."""
+    return name is not None and PCIE_DEVICE_MARKER in name
+
+
+def nvshmem_domain(module: Any) -> str:
+    """Whose NVSHMEM a Buffer of ``module`` starts: the process's (the real DeepEP), or the fakes' emulated one."""
+    return str(getattr(module, EMULATED_NVSHMEM_ATTRIBUTE, "process"))
+
+
+def stream_capturing(module: Any) -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` on the device ``module``'s kernels run on (a fake's stand-in)."""
+    emulated = getattr(module, EMULATED_STREAM_CAPTURING_ATTRIBUTE, None)
+    if emulated is not None:
+        return bool(emulated())
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def low_latency_launch_problem(num_experts: int, num_device_sms: int | None) -> str | None:
@@ -335,8 +477,26 @@ TUNED_COMBINE_BEFORE_EP48 = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 2
                              16: (4, 288, 12, 128), 24: (1, 288, 8, 128), 32: (1, 288, 8, 128),
                              64: (1, 288, 20, 128), 128: (1, 560, 12, 128), 144: (2, 720, 8, 128),
                              160: (2, 720, 8, 128)}
+#: 1.0.0 (@ebfe47e deep_ep/buffer.py): ``if num_ranks <= 8: return Config(Buffer.num_sms, 6, 256, 6, 128)`` (any
+#: R up to 8, both directions), then these.
+TUNED_DISPATCH_V10 = {**{n: (6, 256, 6, 128) for n in range(1, 9)}, 16: (16, 288, 20, 128), 24: (8, 288, 32, 128),
+                      32: (8, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+                      144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+TUNED_COMBINE_V10 = {**{n: (6, 256, 6, 128) for n in range(1, 9)}, 16: (2, 288, 28, 128), 24: (1, 288, 20, 128),
+                     32: (1, 288, 20, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128), 144: (2, 720, 8, 128),
+                     160: (2, 720, 8, 128)}
+#: 1.1.0 from b8d90fb (2025-06) up to d9767ce~1 (2025-08-10); from d9767ce 1.1.x has the ``*_BEFORE_EP48`` tables.
+TUNED_DISPATCH_V11_EARLY = {**TUNED_DISPATCH_V10, 2: (24, 256, 6, 128)}
+for _n in (1, 3, 5, 6, 7):
+    del TUNED_DISPATCH_V11_EARLY[_n]
+TUNED_COMBINE_V11_EARLY = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128),
+                           **{n: c for n, c in TUNED_COMBINE_V10.items() if n > 8}}
 #: The EP sizes to probe the installed DeepEP's ``get_dispatch_config`` with.
 CANDIDATE_EP_SIZES = tuple(sorted(set(TUNED_DISPATCH) | set(TUNED_DISPATCH_BEFORE_EP48)))
+
+
+_ALL_TUNED_TABLES = ((TUNED_DISPATCH, TUNED_COMBINE), (TUNED_DISPATCH_BEFORE_EP48, TUNED_COMBINE_BEFORE_EP48),
+                     (TUNED_DISPATCH_V11_EARLY, TUNED_COMBINE_V11_EARLY), (TUNED_DISPATCH_V10, TUNED_COMBINE_V10))
 
 
 def normal_world_sizes(rdma_ranks: frozenset[int], tuned: dict[int, Any]) -> frozenset[int]:
@@ -362,6 +522,11 @@ class DeepEPRelease:
     reason: str = ""
     #: ``check_torch_deterministic()`` first in every dispatch/combine (2.x, deep_ep/utils/envs.py, b306af0).
     checks_deterministic: bool = False
+    #: The LL signalling counts move with E only (from 42253d0; ``ll_clean_key``); False: with T, hidden and E.
+    ll_clean_by_experts: bool = True
+    #: (dispatch, combine) tuned tables this release may have (``Buffer.get_*_config``): one, or several where the
+    #: release string cannot tell the builds apart (what the hardware check compares the installed getters with).
+    tuned_tables: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def world_sizes(self) -> frozenset[int]:
@@ -402,18 +567,24 @@ def release_of(module: ModuleType) -> DeepEPRelease:
         # Branched from main @abba6ad (after 9af0e0d, before c939644); deepseek-ai/DeepEP@94a9f8f.
         return DeepEPRelease("hybrid-ep", version, LL_MAX_TOPK, LOW_LATENCY_HIDDEN_SIZES_V12,
                              RDMA_RANKS_V12_BEFORE_EP48, TUNED_DISPATCH_BEFORE_EP48,
-                             "hybrid-ep branch (low_latency_dispatch takes use_nvfp4)")
+                             "hybrid-ep branch (low_latency_dispatch takes use_nvfp4)",
+                             tuned_tables=((TUNED_DISPATCH_BEFORE_EP48, TUNED_COMBINE_BEFORE_EP48),))
     if major is not None and major.isdigit() and int(major) >= 2:
         return DeepEPRelease("2.x", version, LL_MAX_TOPK, LOW_LATENCY_HIDDEN_SIZES, RDMA_RANKS, TUNED_DISPATCH,
-                             f"DeepEP {version}", checks_deterministic=True)
+                             f"DeepEP {version}", checks_deterministic=True,
+                             tuned_tables=((TUNED_DISPATCH, TUNED_COMBINE),))
     commit = _commit_of(version)
     base = (version or "").split("+")[0]
     if base.startswith("1.0"):
         return DeepEPRelease("1.x", version, LL_MAX_TOPK_BEFORE_9AF0E0D, LOW_LATENCY_HIDDEN_SIZES_V10,
-                             RDMA_RANKS_V10, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}")
-    if base.startswith("1.1"):
+                             RDMA_RANKS_V10, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}",
+                             ll_clean_by_experts=False, tuned_tables=((TUNED_DISPATCH_V10, TUNED_COMBINE_V10),))
+    if base.startswith("1.1"):  # 42253d0 and d9767ce fall inside 1.1.0: either side
         return DeepEPRelease("1.x", version, LL_MAX_TOPK_BEFORE_9AF0E0D, LOW_LATENCY_HIDDEN_SIZES_V11,
-                             RDMA_RANKS_V11, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}")
+                             RDMA_RANKS_V11, TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version}",
+                             ll_clean_by_experts=False, tuned_tables=(
+                                 (TUNED_DISPATCH_V11_EARLY, TUNED_COMBINE_V11_EARLY),
+                                 (TUNED_DISPATCH_BEFORE_EP48, TUNED_COMBINE_BEFORE_EP48)))
     if base.startswith("1.2"):
         topk11 = _at_or_after(commit, COMMIT_LL_TOPK_11)
         if topk11 is None and hasattr(module, "topk_idx_t"):
@@ -422,16 +593,21 @@ def release_of(module: ModuleType) -> DeepEPRelease:
         rdma = (RDMA_RANKS if ep24 else RDMA_RANKS_EP48_BEFORE_EP24 if ep48 else RDMA_RANKS_V12_BEFORE_EP48)
         hidden = LOW_LATENCY_HIDDEN_SIZES if _at_or_after(commit, COMMIT_HIDDEN_3072) else LOW_LATENCY_HIDDEN_SIZES_V12
         how = f"commit {commit}" if commit in V121_COMMITS else "commit unknown: the safe bounds of 1.2.x"
+        tables = (((TUNED_DISPATCH, TUNED_COMBINE),) if ep48 else
+                  ((TUNED_DISPATCH_BEFORE_EP48, TUNED_COMBINE_BEFORE_EP48),) if ep48 is False else _ALL_TUNED_TABLES)
         return DeepEPRelease("1.x", version, LL_MAX_TOPK if topk11 else LL_MAX_TOPK_BEFORE_9AF0E0D, hidden, rdma,
-                             TUNED_DISPATCH if ep48 else TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version} ({how})")
+                             TUNED_DISPATCH if ep48 else TUNED_DISPATCH_BEFORE_EP48, f"DeepEP {version} ({how})",
+                             tuned_tables=tables)
     return DeepEPRelease("unknown", version, LL_MAX_TOPK_BEFORE_9AF0E0D, LOW_LATENCY_HIDDEN_SIZES_V10,
                          RDMA_RANKS_V11, TUNED_DISPATCH_BEFORE_EP48,
-                         f"DeepEP version {version!r} unknown: the safe bounds")
+                         f"DeepEP version {version!r} unknown: the safe bounds", ll_clean_by_experts=False,
+                         tuned_tables=_ALL_TUNED_TABLES)
 
 
 #: Planning without DeepEP installed: the newest release (main @ dd758ca).
 PLANNING_RELEASE = DeepEPRelease("2.x", None, LL_MAX_TOPK, LOW_LATENCY_HIDDEN_SIZES, RDMA_RANKS, TUNED_DISPATCH,
-                                 "DeepEP not installed: planning with main @ dd758ca", checks_deterministic=True)
+                                 "DeepEP not installed: planning with main @ dd758ca", checks_deterministic=True,
+                                 tuned_tables=((TUNED_DISPATCH, TUNED_COMBINE),))
 
 
 @dataclass(frozen=True)
@@ -686,18 +862,23 @@ def supported_world_sizes(module: ModuleType | None, release: DeepEPRelease) -> 
 # fp8_m_grouped_gemm_nt_masked. BF16 grouped GEMMs are 2.x only.
 DG_FP8_CONTIGUOUS = "m_grouped_fp8_gemm_nt_contiguous"
 DG_FP8_MASKED = "m_grouped_fp8_gemm_nt_masked"
-#: The masked GEMM's name in PR #112 (9da4a23, its primary name then), an alias since; no contiguous alias ever
-#: existed (``git log --all -S fp8_m_grouped_gemm_nt_contiguous``: no hit).
+#: The masked GEMM's name in PR #112 (9da4a23: its only name, deepseek-ai/DeepGEMM@9da4a23 csrc/python_api.cpp), an
+#: alias from f85ec64 (2025-08-15, still 2.0.0) on; no contiguous alias ever existed (``git log --all -S
+#: fp8_m_grouped_gemm_nt_contiguous``: no hit).
 DG_FP8_MASKED_ALIAS = "fp8_m_grouped_gemm_nt_masked"
+#: BF16 grouped GEMMs from f85ec64 (2025-08-15, "Add BF16 support for SM90 and SM100"); 2.0.0 builds before it have
+#: none (and no ``m_grouped_fp8_gemm_nt_masked`` name).
 DG_BF16_CONTIGUOUS = "m_grouped_bf16_gemm_nt_contiguous"
 DG_BF16_MASKED = "m_grouped_bf16_gemm_nt_masked"
+COMMIT_DG_BF16 = "f85ec64"
 DG_MK_ALIGNMENT = "get_mk_alignment_for_contiguous_layout"  # deep_gemm/utils/layout.py re-export of _C
 #: Settable from 2.4.2 (7f2a703; ``git log -S set_mk_alignment_for_contiguous_layout``).
 DG_SET_MK_ALIGNMENT = "set_mk_alignment_for_contiguous_layout"
 DG_SET_MK_ALIGNMENT_VERSION = (2, 4, 2)
 #: Layout helpers (deepseek-ai/DeepGEMM@54e2261 csrc/apis/layout.hpp register_apis; deep_gemm/utils/layout.py):
 #: ``get_tma_aligned_size(x, element_size)``, ``get_mn_major_tma_aligned_tensor(sf)`` (fp32 only, asserts kFloat),
-#: ``get_mn_major_tma_aligned_packed_ue8m0_tensor(sf, psum_layout=None)`` (fp32 in, packed int32 out).
+#: ``get_mn_major_tma_aligned_packed_ue8m0_tensor(sf, psum_layout=None)`` (fp32 in, packed int32 out; ``py::arg``
+#: only from 2.6.1: before it, from 9da4a23 on, bound without names as ``(arg0, /)``).
 DG_TMA_ALIGNED_SIZE = "get_tma_aligned_size"
 DG_MN_MAJOR_TMA_ALIGNED = "get_mn_major_tma_aligned_tensor"
 DG_MN_MAJOR_PACKED_UE8M0 = "get_mn_major_tma_aligned_packed_ue8m0_tensor"
@@ -723,10 +904,11 @@ TMA_ALIGNMENT_BYTES = 16
 #: 1.0.0 picks from (64, 128) and has no such assert).
 DG_V1_MASKED_BLOCK_MS = (64, 128, 256)
 DG_V1_PYPI_MASKED_BLOCK_MS = (64, 128)
-#: The masked GEMM's BLOCK_M candidates in 2.x: {64, 128, 256} up to 3f71de7 (2025-09-25, still 2.0.0, which has
-#: no ``__version__``), {64, 128} from it ("Exclude 256 for performance", csrc/jit_kernels/heuristics/common.hpp),
-#: and from 2.4.2 (7f2a703) on SM100 only ``get_mk_alignment_for_contiguous_layout()`` (heuristics/sm100.hpp
-#: get_layout_candidates), on SM90 {64, 128} (heuristics/sm90.hpp).
+#: The masked GEMM's BLOCK_M candidates in 2.x: {64, 128, 256} up to 79f48ee~1 (2.0.0), {64, 128} from 79f48ee
+#: (2025-09-12, #193, "// Exclude 256 for performance", csrc/jit_kernels/heuristics/common.hpp; still 2.0.0), and
+#: from 2.4.2 (7f2a703) on SM100 only ``get_mk_alignment_for_contiguous_layout()`` (heuristics/sm100.hpp
+#: get_layout_candidates), on SM90 {64, 128} (heuristics/sm90.hpp). 2.0.0 and 2.1.0 (594953a) report no
+#: ``__version__`` (it arrives in 93b3c28, 2.1.1): both are held to {64, 128, 256}, the safe side.
 DG_MASKED_BLOCK_MS_2_0 = frozenset({64, 128, 256})
 DG_MASKED_BLOCK_MS = frozenset({64, 128})
 DG_MASKED_SM100_MK_VERSION = (2, 4, 2)
@@ -742,9 +924,17 @@ DG_V1_ODD_K_FIXED_MARKER = "wgrad_gemm_fp8_fp8_fp32_nt"
 TMA_STRIDE_BYTES = 16
 #: DeepGEMM 2.x ``__version__`` from which the SM100 fp32 → UE8M0 scale cast device-asserts that every
 #: scale is a power of two (``(bits & 0x807fffff) == 0``, deepseek-ai/DeepGEMM@54e2261
-#: deep_gemm/include/deep_gemm/impls/smxx_layout.cuh, introduced by 54e2261 "#364"; 2.5.0 before it kept
-#: the exponent bits only: ``sf.view(int) >> 23``, csrc/jit_kernels/impls/smxx_layout.hpp).
+#: deep_gemm/include/deep_gemm/impls/smxx_layout.cuh, introduced by 54e2261 "#364"). Before it the CUDA cast packs
+#: ``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 << 1`` without a mask (@88965b0, the same from @9da4a23): a non-power of two
+#: brings its mantissa bits into the other bytes (garbage exponents); only the PyTorch fallback
+#: (``get_mn_major_tma_aligned_packed_ue8m0_tensor_torch``) keeps ``bits >> 23``.
 DG_POW2_ASSERT_VERSION = (2, 6, 1)
+#: ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` takes ``py::arg("sf"), py::arg("psum_layout")`` from 2.6.1
+#: (deepseek-ai/DeepGEMM@54e2261 csrc/apis/layout.hpp); before (@0f5f266, @7f2a703, @88965b0; @9da4a23
+#: csrc/python_api.cpp) ``m.def`` with no ``py::arg``: one positional argument.
+DG_PACKED_UE8M0_PY_ARGS_VERSION = (2, 6, 1)
+#: ``deep_gemm.__version__`` exists from 2.1.1 (93b3c28); 2.0.0 and 2.1.0 (594953a) have none.
+DG_FIRST_VERSION_ATTRIBUTE = (2, 1, 1)
 #: Compute-capability majors with grouped GEMMs: 9 (SM90: fp32 scales) and 10 (SM100: packed UE8M0).
 DG_ARCH_SM90, DG_ARCH_SM100 = 9, 10
 
@@ -787,15 +977,6 @@ def dg_mn_major(module: Any, sf: torch.Tensor) -> torch.Tensor:
     if is_mn_major_tma_aligned(module, sf):
         return sf
     return ported_mn_major(sf, dg_tma_aligned_size(module, sf.shape[-2], sf.element_size()))
-
-
-def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= |x|, by bits: exponent + (mantissa != 0), clamped to [1, 254] (a port of
-    deepseek-ai/DeepGEMM@54e2261 deep_gemm/utils/math.py ceil_to_ue8m0). ``exp2(ceil(log2(x)))`` is not the same:
-    log2 rounds to float first, so a value just above 2^n (n >= 2) gives 2^n, below the value."""
-    bits = x.abs().float().contiguous().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).ne(0).to(torch.int32)
-    return (exponent.clamp(1, 254) << 23).view(torch.float32)
 
 
 def ported_packed_ue8m0_mn_major(sf: torch.Tensor, module: Any = None) -> torch.Tensor:
@@ -857,7 +1038,8 @@ class DeepGemmInfo:
 
     @property
     def casts_pow2_strictly(self) -> bool:
-        """SM100 scale cast: device assert (2.6.1+) rather than silent truncation."""
+        """SM100 scale cast: device assert (2.6.1+) rather than garbage exponents (or truncation) for non-powers of
+        two."""
         return self.generation == "v2" and version_tuple(self.version) >= DG_POW2_ASSERT_VERSION
 
     def functions(self, weights: str) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
@@ -1002,6 +1184,13 @@ V121_BUFFER_INIT = VendorSignature(
     "Buffer.__init__", "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, "
     "num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False, "
     "comm=None)", _V121)
+#: 1.2.1 from c475ec6 (``enable_shrink``) to 9249c25~1: main's 2.x constructor.
+#: 1.2.1 from 9249c25 (2025-11-04, "Support cuMem API in cross process shared memory management (#217)") to 567632d,
+#: the last 1.x commit on main: ``use_fabric`` between ``allow_mnnvl`` and ``explicitly_destroy``.
+V121_FABRIC_BUFFER_INIT = VendorSignature(
+    "Buffer.__init__", "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, "
+    "num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False, "
+    "explicitly_destroy=False, enable_shrink=False, comm=None)", "deepseek-ai/DeepEP@567632d deep_ep/buffer.py")
 
 DG_FP8_CONTIGUOUS_SIG = VendorSignature(
     DG_FP8_CONTIGUOUS, "(a, b, d, grouped_layout, recipe=None, recipe_a=None, recipe_b=None, compiled_dims='nk', "
@@ -1018,6 +1207,12 @@ DG_MK_ALIGNMENT_SIG = VendorSignature(DG_MK_ALIGNMENT, "()", _DG_LAYOUT)
 DG_TMA_ALIGNED_SIZE_SIG = VendorSignature(DG_TMA_ALIGNED_SIZE, "(arg0, arg1, /)", _DG_LAYOUT)
 DG_MN_MAJOR_TMA_ALIGNED_SIG = VendorSignature(DG_MN_MAJOR_TMA_ALIGNED, "(arg0, /)", _DG_LAYOUT)
 DG_MN_MAJOR_PACKED_UE8M0_SIG = VendorSignature(DG_MN_MAJOR_PACKED_UE8M0, "(sf, psum_layout=None)", _DG_LAYOUT)
+#: Before 2.6.1: no ``py::arg`` (deepseek-ai/DeepGEMM@88965b0 csrc/apis/layout.hpp; the same @0f5f266, @7f2a703,
+#: @38f8ef7, @9da4a23 csrc/python_api.cpp).
+DG_MN_MAJOR_PACKED_UE8M0_SIG_BEFORE_2_6_1 = VendorSignature(
+    DG_MN_MAJOR_PACKED_UE8M0, "(arg0, /)", "deepseek-ai/DeepGEMM@88965b0 csrc/apis/layout.hpp register_apis")
+#: A lambda with no ``py::arg`` from 2.4.2 (deepseek-ai/DeepGEMM@7f2a703 .. @54e2261 csrc/apis/layout.hpp).
+DG_SET_MK_ALIGNMENT_SIG = VendorSignature(DG_SET_MK_ALIGNMENT, "(arg0, /)", _DG_LAYOUT)
 # 2.3.0 (0f5f266) .. 2.5.0: ``grouped_layout``, recipe_a/recipe_b, the PSUM layout; no ensure_zero_padding (2.6.1).
 _DG_2_3 = "deepseek-ai/DeepGEMM@0f5f266 csrc/apis/gemm.hpp register_apis (the same @7f2a703, @891d57b)"
 DG_FP8_CONTIGUOUS_SIG_2_3 = VendorSignature(
@@ -1034,6 +1229,10 @@ DG_FP8_MASKED_SIG_2_0 = VendorSignature(
     DG_FP8_MASKED, "(a, b, d, masked_m, expected_m, recipe=None, compiled_dims='nk', disable_ue8m0_cast=False)",
     _DG_2_0)
 DG_BF16_CONTIGUOUS_SIG_2_0 = VendorSignature(DG_BF16_CONTIGUOUS, "(a, b, d, m_indices, compiled_dims='nk')", _DG_2_0)
+#: PR #112 (9da4a23) up to f85ec64: the masked GEMM under its old name only (csrc/python_api.cpp).
+DG_FP8_MASKED_SIG_PR112 = VendorSignature(
+    DG_FP8_MASKED_ALIAS, "(a, b, d, masked_m, expected_m, recipe=None, compiled_dims='nk', disable_ue8m0_cast=False)",
+    "deepseek-ai/DeepGEMM@9da4a23 csrc/python_api.cpp")
 DG_V1_CONTIGUOUS_SIG = VendorSignature(DG_V1_CONTIGUOUS, "(lhs, rhs, out, m_indices)", _DG_V1)
 DG_V1_MASKED_SIG = VendorSignature(DG_V1_MASKED, "(lhs, rhs, out, masked_m, expected_m)", _DG_V1)
 DG_V1_ALIGNMENT_SIG = VendorSignature(DG_V1_ALIGNMENT, "()",
@@ -1049,35 +1248,70 @@ HYBRID_SIGNATURES = (HYBRID_BUFFER_INIT, HYBRID_LL_DISPATCH, HYBRID_LL_COMBINE)
 #: DeepGEMM 2.6.1 (@54e2261).
 DEEP_GEMM_SIGNATURES = (DG_FP8_CONTIGUOUS_SIG, DG_FP8_MASKED_SIG, DG_BF16_CONTIGUOUS_SIG, DG_BF16_MASKED_SIG,
                         DG_MK_ALIGNMENT_SIG, DG_TMA_ALIGNED_SIZE_SIG, DG_MN_MAJOR_TMA_ALIGNED_SIG,
-                        DG_MN_MAJOR_PACKED_UE8M0_SIG)
+                        DG_MN_MAJOR_PACKED_UE8M0_SIG, DG_SET_MK_ALIGNMENT_SIG)
 DEEP_GEMM_SIGNATURES_2_3 = (DG_FP8_CONTIGUOUS_SIG_2_3, DG_FP8_MASKED_SIG, DG_BF16_CONTIGUOUS_SIG_2_3,
                             DG_BF16_MASKED_SIG, DG_MK_ALIGNMENT_SIG, DG_TMA_ALIGNED_SIZE_SIG,
-                            DG_MN_MAJOR_TMA_ALIGNED_SIG, DG_MN_MAJOR_PACKED_UE8M0_SIG)
+                            DG_MN_MAJOR_TMA_ALIGNED_SIG, DG_MN_MAJOR_PACKED_UE8M0_SIG_BEFORE_2_6_1)
 DEEP_GEMM_SIGNATURES_2_0 = (DG_FP8_CONTIGUOUS_SIG_2_0, DG_FP8_MASKED_SIG_2_0, DG_BF16_CONTIGUOUS_SIG_2_0,
-                            DG_BF16_MASKED_SIG, DG_MK_ALIGNMENT_SIG)
+                            DG_BF16_MASKED_SIG, DG_MK_ALIGNMENT_SIG, DG_TMA_ALIGNED_SIZE_SIG,
+                            DG_MN_MAJOR_TMA_ALIGNED_SIG, DG_MN_MAJOR_PACKED_UE8M0_SIG_BEFORE_2_6_1)
 DEEP_GEMM_V1_SIGNATURES = (DG_V1_CONTIGUOUS_SIG, DG_V1_MASKED_SIG, DG_V1_ALIGNMENT_SIG)
 
 
-def deep_gemm_signatures(generation: str | None, version: str | None) -> tuple[VendorSignature, ...]:
-    """The recorded signatures of the DeepGEMM found (v1, or 2.x by ``__version__``; 2.0.x has none)."""
+def deep_gemm_signatures(generation: str | None, version: str | None, *, masked_name: str = DG_FP8_MASKED,
+                         has_bf16: bool = True) -> tuple[VendorSignature, ...]:
+    """The recorded signatures of the DeepGEMM found (v1, or 2.x by ``__version__``; 2.0.0 and 2.1.0 have none).
+    ``masked_name``/``has_bf16``: what a 2.0.0 build has (before f85ec64: ``fp8_m_grouped_gemm_nt_masked`` only, no
+    BF16 grouped GEMMs). ``set_mk_alignment_for_contiguous_layout`` is recorded from 2.4.2 on."""
     if generation == "v1":
         return DEEP_GEMM_V1_SIGNATURES
     v = version_tuple(version)
-    if v < (2, 3):
-        return DEEP_GEMM_SIGNATURES_2_0
-    return DEEP_GEMM_SIGNATURES if v >= (2, 6) else DEEP_GEMM_SIGNATURES_2_3
+    records = (DEEP_GEMM_SIGNATURES_2_0 if v < (2, 3) else DEEP_GEMM_SIGNATURES if v >= DG_PACKED_UE8M0_PY_ARGS_VERSION
+               else DEEP_GEMM_SIGNATURES_2_3)
+    if DG_SET_MK_ALIGNMENT_VERSION <= v < DG_PACKED_UE8M0_PY_ARGS_VERSION:
+        records += (DG_SET_MK_ALIGNMENT_SIG,)
+    out = []
+    for record in records:
+        if record.qualname in (DG_BF16_CONTIGUOUS, DG_BF16_MASKED) and not has_bf16:
+            continue
+        if record.qualname == DG_FP8_MASKED and masked_name != DG_FP8_MASKED:
+            record = DG_FP8_MASKED_SIG_PR112
+        out.append(record)
+    return tuple(out)
+
+
+def deep_gemm_signatures_of(info: "DeepGemmInfo") -> tuple[VendorSignature, ...]:
+    """The recorded signatures for the DeepGEMM ``info`` describes (its names tell a 2.0.0 build before f85ec64)."""
+    masked = DG_FP8_MASKED if hasattr(info.module, DG_FP8_MASKED) else DG_FP8_MASKED_ALIAS
+    return deep_gemm_signatures(info.generation, info.version, masked_name=masked, has_bf16=info.has_bf16)
+
+
+#: 1.2.1 from 9249c25: ``use_fabric`` in the constructor.
+COMMIT_USE_FABRIC = "9249c25"
 
 
 def deep_ep_signatures(release: DeepEPRelease) -> tuple[VendorSignature, ...]:
-    """The recorded signatures of the DeepEP found: main's, with the hybrid-ep branch's or 1.x's constructor."""
+    """The recorded signatures of the DeepEP found: main's, with the hybrid-ep branch's or 1.x's constructor. Where
+    the release string cannot tell the builds apart (a 1.2.1 of unknown commit) several records share a qualname:
+    the installed one must equal one of them. 1.0 and 1.1 are compared with 1.2.1's early records (their
+    constructors grew ``allow_mnnvl``, ``explicitly_destroy`` and ``comm`` within 1.1; not recorded one by one)."""
+    commit = _commit_of(release.version)
     if release.line == "hybrid-ep":
-        overrides = HYBRID_SIGNATURES
-    elif release.line in ("1.x", "unknown") and not _at_or_after(_commit_of(release.version), COMMIT_ENABLE_SHRINK):
-        overrides = (V121_BUFFER_INIT,)  # no enable_shrink before c475ec6
-    else:
+        overrides: tuple[VendorSignature, ...] = HYBRID_SIGNATURES
+    elif release.line == "2.x":
         overrides = ()
-    by_name = {r.qualname: r for r in overrides}
-    return tuple(by_name.get(r.qualname, r) for r in DEEP_EP_SIGNATURES)
+    elif commit in V121_COMMITS:
+        overrides = ((V121_FABRIC_BUFFER_INIT,) if _at_or_after(commit, COMMIT_USE_FABRIC) else
+                     () if _at_or_after(commit, COMMIT_ENABLE_SHRINK) else (V121_BUFFER_INIT,))
+    elif release.line == "1.x" and (release.version or "").startswith("1.2"):
+        overrides = (V121_BUFFER_INIT, BUFFER_INIT, V121_FABRIC_BUFFER_INIT)  # which 1.2.1 commit: unknown
+    else:
+        overrides = (V121_BUFFER_INIT,)
+    records: list[VendorSignature] = []
+    for record in DEEP_EP_SIGNATURES:
+        alternatives = [r for r in overrides if r.qualname == record.qualname]
+        records += alternatives or [record]
+    return tuple(records)
 
 
 def lookup(module: Any, qualname: str) -> Any:

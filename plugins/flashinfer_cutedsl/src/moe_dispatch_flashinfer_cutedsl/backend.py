@@ -4,18 +4,33 @@ Workspaces. ``MoeAlltoAll`` caches its MNNVL workspace at class level, keyed by 
 ep rank, ep size, max tokens, ...): two instances built alike share ONE workspace, and a second
 dispatch would overwrite the first one's receive buffers and routing state. So each workspace a
 dispatcher holds gets a key no other live workspace has: ``workspace_size_per_rank`` is FlashInfer's
-size plus 128 bytes times a slot number, the slots being the first ones that no rank's cache holds
-(the ranks agree on them at creation, since allocation is collective). FlashInfer never frees a
-cached workspace, so a dispatcher's workspaces live as long as the process: create one dispatcher
-per shape and use it for every layer.
+size plus 128 bytes times a slot number, the slots being the first ones from 1 that no rank's cache
+holds (gathered at creation, since allocation is collective). Slot 0, FlashInfer's size itself, is
+never used: it is what FlashInfer's default size gives any other ``MoeAlltoAll`` of the same shape
+(``vendor.default_workspace_bytes_per_token``). FlashInfer never frees a cached workspace, so a
+dispatcher's workspaces live as long as the process: create one dispatcher per shape and use it
+for every layer.
 
-Refused before anything is allocated, where FlashInfer would fail later:
+Agreed by every rank before ``create`` (``agreement``: a ``ConfigMismatchError`` on every rank
+instead of mismatched collectives inside FlashInfer's constructor): the FlashInfer, the number of
+workspaces and one workspace's size. Refused before anything is allocated, where FlashInfer would
+fail later:
 
 - a group larger than the one FlashInfer's process-wide MNNVL address range was reserved for
   (``vendor.mnnvl_reservation``, read from FlashInfer's own class state): its peers would be mapped
   outside the range and ``cuMemMap`` fails; create the dispatcher on the largest group first;
 - ``TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN`` parsing to 0 on FlashInfer < 0.6.14 (read once per process
   at the first dispatch): its warp policy never publishes and the ranks trap.
+
+An allocation that fails past its reservation (out of memory, the handle exchange) leaves FlashInfer's
+range as it was: a new range with no record of how many ranks it was reserved for, or a range whose
+current offset may hold the failed allocation's mappings. Either way FlashInfer is made to reserve
+a new range for the next allocation (``vendor.retire_mnnvl_range``: when ``create`` finds a range no
+allocation holds, and after a ``create`` whose constructors raised) rather than map into it.
+
+FlashInfer 0.7.2 warns (DeprecationWarning) at every ``MoeAlltoAll`` construction: exactly that
+warning is ignored, around the constructors only, so an "error" warnings filter does not fail
+``create``.
 
 Before 0.7.1 FlashInfer does not barrier after ``moe_a2a_initialize``: a fast rank's first
 dispatch could land in a peer's workspace before that peer's memset erases it. ``create`` ends
@@ -25,6 +40,10 @@ with a barrier on the dispatcher's group (every version; once per dispatcher).
 from __future__ import annotations
 
 import os
+import re
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -40,6 +59,9 @@ B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.IN
 N = md.Mode.NORMAL
 #: Workspaces per dispatcher: one dispatch may await combine per workspace (two-batch overlap).
 DEFAULT_IN_FLIGHT = 2
+#: A dispatcher's workspaces are FlashInfer's size + 128 B × slot, slots from 1: slot 0 would be
+#: FlashInfer's default size, which another MoeAlltoAll of the same shape would share.
+FIRST_SLOT = 1
 
 
 def capabilities(info: VendorInfo) -> md.Capabilities:
@@ -103,41 +125,79 @@ class FlashInferA2ABackend(md.Backend):
         _check_threading_policy(profile.version)
 
     def workspace_bytes(self, spec: md.DispatchSpec, world_size: int, *, planning: bool) -> tuple[int, str]:
-        """One workspace (FlashInfer's size function when it can run, else the ported formula)."""
-        return vendor.workspace_size_per_rank(self.vendor(), world_size, spec.num_max_dispatch_tokens_per_rank,
-                                              dispatch_bytes_per_token(spec), 2 * spec.hidden_size, planning=planning)
+        """One workspace (FlashInfer's size function when it can run, else the ported formula).
+        It runs while the ranks plan and agree, before the core can tell the peers of an untyped
+        error: a failure of it (its JIT module failing to build) is a typed error, chained."""
+        try:
+            return vendor.workspace_size_per_rank(self.vendor(), world_size, spec.num_max_dispatch_tokens_per_rank,
+                                                  dispatch_bytes_per_token(spec), 2 * spec.hidden_size,
+                                                  planning=planning)
+        except Exception as exc:
+            raise md.BackendUnavailableError(
+                f"FlashInfer's moe_a2a_get_workspace_size_per_rank failed: {type(exc).__name__}: {exc}",
+                parameter="backend", value=self.name) from exc
 
     def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
         total, source = self.workspace_bytes(spec, world_size, planning=True)
         combine = vendor.pad128(world_size * spec.num_max_dispatch_tokens_per_rank * 2 * spec.hidden_size)
-        slack = vendor.CACHELINE * (self.in_flight - 1) * self.in_flight // 2  # the distinct cache keys
+        slots = range(FIRST_SLOT, FIRST_SLOT + self.in_flight)  # the least the distinct cache keys add
         return md.BufferSize(
             total - combine, combine,
-            notes=(f"one workspace = {total:,} B ({source}), x{self.in_flight} workspaces (in_flight) + "
-                   f"{vendor.CACHELINE} B per further slot to keep FlashInfer's cache keys distinct",),
-            allocated_bytes=self.in_flight * total + slack,
+            notes=(f"one workspace = {total:,} B ({source}), x{self.in_flight} workspaces (in_flight), each "
+                   f"{vendor.CACHELINE} B x its slot number (from {FIRST_SLOT}) larger to keep FlashInfer's cache "
+                   "keys distinct",),
+            allocated_bytes=self.in_flight * total + vendor.CACHELINE * sum(slots),
         )
+
+    def agreement(self, ctx: md.DispatchContext) -> dict[str, Any]:
+        """What decides FlashInfer's collective constructors: the FlashInfer (its workspace layout,
+        kernels and cache key), how many workspaces (one collective allocation each) and the size of
+        one. No environment variable decides them (FlashInfer's mnnvl.py and trtllm_moe_alltoall.py
+        read none; the kernels' block sizes are read per rank at the first launch).
+
+        Refused here, on every rank before any allocation: ``options.in_flight`` other than the
+        planned number, and an MNNVL address range reserved for fewer ranks than the group."""
+        in_flight = ctx.options.get("in_flight", self.in_flight)
+        if in_flight != self.in_flight:
+            raise md.InvalidSpecError(
+                "buffer_size planned another number of workspaces", parameter="options.in_flight", value=in_flight,
+                allowed=f"{self.in_flight}, or FlashInferA2ABackend(in_flight={in_flight})")
+        info = self.vendor()
+        assert info.api is not None  # probe
+        base = self._workspace(ctx)
+        _check_reservation(info.api.MnnvlMemory, ctx.world_size, base)
+        return {"FlashInfer": f"{info.module_name} {info.version_text}", "in_flight": self.in_flight,
+                "workspace bytes per rank": base}
+
+    def _workspace(self, ctx: md.DispatchContext) -> int:
+        """One workspace's size, by FlashInfer's own function (the number ``agreement`` carries)."""
+        return self.workspace_bytes(ctx.spec, ctx.world_size, planning=False)[0]
 
     def create(self, ctx: md.DispatchContext) -> FlashInferA2ADispatcher:
         info = self.vendor()
         api = info.api
         assert api is not None
         spec, R, rank = ctx.spec, ctx.world_size, ctx.rank
-        in_flight = ctx.options.get("in_flight", self.in_flight)
-        if in_flight != self.in_flight:
-            raise md.InvalidSpecError(
-                "buffer_size planned another number of workspaces", parameter="options.in_flight", value=in_flight,
-                allowed=f"{self.in_flight}, or FlashInferA2ABackend(in_flight={in_flight})")
         T = spec.num_max_dispatch_tokens_per_rank
         kernel_k = vendor.kernel_top_k(spec.top_k, info.a2a_profile().version)
         assert kernel_k is not None  # check_spec
-        base, _ = self.workspace_bytes(spec, R, planning=False)
-        slots = _free_slots(api.MoeAlltoAll, api.MnnvlMemory, ctx.comm, rank, R, T, base, self.in_flight)
+        base = self._workspace(ctx)
+        slots = _free_slots(api.MoeAlltoAll, ctx.comm, rank, R, T, base, self.in_flight)
+        reserved = vendor.mnnvl_reservation(api.MnnvlMemory)
+        if reserved is not None and reserved.orphaned:  # left by a failed allocation: ranks unknown
+            vendor.retire_mnnvl_range(api.MnnvlMemory)
         mapping = api.Mapping(world_size=R, rank=rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
         config = api.MnnvlConfig(comm_backend=comm_backend_for(ctx.comm))
-        instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
-                                     workspace_size_per_rank=base + vendor.CACHELINE * j, mnnvl_config=config)
-                     for j in slots]
+        try:
+            with _deprecation_ignored():
+                instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
+                                             workspace_size_per_rank=base + vendor.CACHELINE * j, mnnvl_config=config)
+                             for j in slots]
+        except BaseException:
+            # An allocation that failed past its reservation may have mapped handles at the range's
+            # current offset, which FlashInfer neither unmaps nor moves past: allocate elsewhere next.
+            vendor.retire_mnnvl_range(api.MnnvlMemory)
+            raise
         if len({inst.workspace.data_ptr() for inst in instances}) != len(instances):
             raise md.CapacityError("FlashInfer handed two in-flight slots one workspace", parameter="in_flight",
                                    value=self.in_flight, allowed="distinct workspaces")
@@ -163,33 +223,44 @@ def _check_threading_policy(version: vendor.Version) -> None:
                     f"{'.'.join(map(str, vendor.ONE_BLOCK_PER_TOKEN_UNTIL))}")
 
 
-def _free_slots(cls: type, memory: type, comm: md.Comm, rank: int, world: int, tokens: int, base: int,
-                count: int) -> list[int]:
-    """``count`` slot numbers j whose key (base + 128·j, rank, world, tokens, ...) no rank's
-    ``MoeAlltoAll._WORKSPACE_CACHE`` holds, the same on every rank; refused on every rank when
-    any rank's MNNVL address range was reserved for fewer ranks than ``world`` and may still
-    take the workspace (``open_mnnvl_memory`` reuses it when the aligned size, >= ``base``, fits)."""
+@contextmanager
+def _deprecation_ignored() -> Iterator[None]:
+    """FlashInfer's deprecation of ``MoeAlltoAll`` (a DeprecationWarning at every construction from
+    0.7.2), and nothing else, ignored; the caller's filters are back on exit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(vendor.A2A_DEPRECATION), category=DeprecationWarning)
+        yield
+
+
+def _check_reservation(memory: Any, world: int, base: int) -> None:
+    """Refuse a group larger than the one FlashInfer's MNNVL address range was reserved for, when
+    the range may still take the workspace (``open_mnnvl_memory`` reuses it when the aligned size,
+    >= ``base``, fits): FlashInfer would map the group's peers outside it."""
+    reserved = vendor.mnnvl_reservation(memory)
+    if reserved is None or reserved.comm_size is None or reserved.comm_size >= world or reserved.room < base:
+        return
+    raise md.InvalidSpecError(
+        f"FlashInfer's MNNVL address range in this process is reserved for {reserved.comm_size} rank(s) (by an "
+        f"earlier allocation over a smaller group) and would take this dispatcher's workspaces; FlashInfer "
+        f"maps a group's peers inside that range, so a group of {world} fails in cuMemMap",
+        parameter="group", value=f"{world} ranks",
+        allowed=f"at most {reserved.comm_size} rank(s) in this process, or create the dispatcher on the largest "
+                "group first")
+
+
+def _free_slots(cls: type, comm: md.Comm, rank: int, world: int, tokens: int, base: int, count: int) -> list[int]:
+    """``count`` slot numbers j >= FIRST_SLOT whose key (base + 128·j, rank, world, tokens, ...) no
+    rank's ``MoeAlltoAll._WORKSPACE_CACHE`` holds, the same on every rank (each rank's cache may hold
+    other keys: the largest first free slot over the ranks)."""
     cache = getattr(cls, vendor.WORKSPACE_CACHE_ATTR, {})
     line = vendor.CACHELINE
     used = [(key[0] - base) // line for key in cache
             if tuple(key[1:4]) == (rank, world, tokens) and key[0] >= base and (key[0] - base) % line == 0]
-    first = max(used) + 1 if used else 0
-    reserved = vendor.mnnvl_reservation(memory)
-    narrow = reserved.comm_size if reserved is not None and reserved.comm_size < world and reserved.room >= base else 0
-    everyone = comm.gather_uncounted(as_bytes(torch.tensor([[first, narrow]], dtype=torch.int64)).reshape(-1),
+    first = max([FIRST_SLOT - 1, *used]) + 1
+    everyone = comm.gather_uncounted(as_bytes(torch.tensor([first], dtype=torch.int64)),
                                      "flashinfer_a2a workspace slots")
-    agreed = from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).reshape(comm.world_size, 2)
-    narrowest = [int(n) for n in agreed[:, 1].tolist() if n]
-    if narrowest:
-        raise md.InvalidSpecError(
-            f"FlashInfer's MNNVL address range in this process is reserved for {min(narrowest)} rank(s) (by an "
-            f"earlier allocation over a smaller group) and would take this dispatcher's workspaces; FlashInfer "
-            f"maps a group's peers inside that range, so a group of {world} fails in cuMemMap",
-            parameter="group", value=f"{world} ranks",
-            allowed=f"at most {min(narrowest)} rank(s) in this process, or create the dispatcher on the largest "
-                    "group first")
-    start = int(agreed[:, 0].max())
+    start = int(from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).max())
     return list(range(start, start + count))
 
 
-__all__ = ["DEFAULT_IN_FLIGHT", "FlashInferA2ABackend", "capabilities", "dispatch_bytes_per_token"]
+__all__ = ["DEFAULT_IN_FLIGHT", "FIRST_SLOT", "FlashInferA2ABackend", "capabilities", "dispatch_bytes_per_token"]

@@ -38,6 +38,7 @@ FAKE_0_6_14 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_14"
 FAKE_0_6_15 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_15"
 FAKE_0_6_17 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_17"
 FAKE_0_7_0 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_0"
+FAKE_0_7_1 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_1"
 FAKE_0_7_2 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_2"
 #: FlashInfer's own Python (MoeAlltoAll, MnnvlMemory's communicator logic, Mapping) with only the
 #: compiled module and the CUDA-driver memory replaced by the fakes: the optional vendor-code tests.
@@ -47,7 +48,8 @@ EMULATOR = FAKE_0_7_2
 #: Each fake and the release it models, oldest first.
 FAKES: tuple[tuple[str, Version], ...] = (
     (FAKE_0_6_6, (0, 6, 6)), (FAKE_0_6_7, (0, 6, 7)), (FAKE_0_6_13, (0, 6, 13)), (FAKE_0_6_14, (0, 6, 14)),
-    (FAKE_0_6_15, (0, 6, 15)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_0, (0, 7, 0)), (FAKE_0_7_2, (0, 7, 2)))
+    (FAKE_0_6_15, (0, 6, 15)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_0, (0, 7, 0)), (FAKE_0_7_1, (0, 7, 1)),
+    (FAKE_0_7_2, (0, 7, 2)))
 INSTALL_HINT = 'pip install "moe-dispatch-flashinfer-cutedsl[flashinfer]" (flashinfer-python), on a CUDA machine'
 
 # -- versions ----------------------------------------------------------------------------------
@@ -118,7 +120,22 @@ A2A_BACKEND_SINCE: Version = (0, 7, 1)
 #: favour of flashinfer.moe_ep.NVLinkOneSidedAlltoAll from 0.7.2 (flashinfer-python==0.7.2.post1
 #: flashinfer/comm/trtllm_moe_alltoall.py ``@deprecated("MoeAlltoAll is deprecated; ...")``; its
 #: docstring says ".. deprecated:: 0.7.1", but the 0.7.1 wheel's module has no ``deprecated`` at all).
+#: ``typing_extensions.deprecated`` on a class warns in its ``__new__``, at every construction; under
+#: an "error" warnings filter (``python -W error``, pytest ``filterwarnings = error``) that is an
+#: exception. The message starts with A2A_DEPRECATION (0.7.2.post1, as quoted above).
 A2A_DEPRECATED_SINCE: Version = (0, 7, 2)
+A2A_DEPRECATION = "MoeAlltoAll is deprecated; use flashinfer.moe_ep.NVLinkOneSidedAlltoAll"
+#: ``MoeAlltoAll(..., hidden_size=H)`` without ``workspace_size_per_rank`` sizes its workspace with
+#: ``MoeAlltoAll.get_moe_workspace_size_per_rank(ep_size, top_k, max_num_tokens, hidden_size)``: 2H + 4k
+#: + 4k dispatch bytes per token (bf16 rows, int32 ids, fp32 scales) and 2H combine bytes (every
+#: version: flashinfer-ai/flashinfer@4230a48 ... flashinfer-python==0.7.2.post1
+#: flashinfer/comm/trtllm_moe_alltoall.py); FlashInfer's own tests and benchmarks size theirs so too.
+#: That is the adapter's BF16 size, and the workspace-cache key holds no top-k or expert count.
+def default_workspace_bytes_per_token(hidden_size: int, top_k: int) -> tuple[int, int]:
+    """(dispatch, combine) bytes per token of FlashInfer's default workspace size."""
+    return 2 * hidden_size + 8 * top_k, 2 * hidden_size
+
+
 #: Combine's payload dtypes: half, bfloat16, float32 (+ float8_e4m3fn from v0.6.14); anything
 #: else raises TypeError "Unsupported dtype for MoE combine" (trtllm_moe_alltoall.cu toNvDataType).
 COMBINE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -308,10 +325,22 @@ MNNVL_RECORD_SINCE: Version = (0, 6, 15)
 @dataclass(frozen=True)
 class MnnvlReservation:
     """The MNNVL address range new allocations go into: the most ranks any of its allocations
-    mapped (the comm that reserved it had at least that many), and the bytes per rank left."""
+    mapped (the comm that reserved it had at least that many), and the bytes per rank left.
 
-    comm_size: int
+    ``comm_size`` None: no allocation holds the range. ``new_mnnvl_memory_address`` sets the class
+    state before ``_create_and_map_handles`` (cuMemCreate, the handle exchange, cuMemMap), and the
+    record is written only after it: an allocation that failed in between (out of memory, the
+    pidfd / SCM_RIGHTS exchange) leaves its range reserved for an unknown number of ranks, possibly
+    with some of its own mappings in it, and nothing ever frees or replaces it (4230a48 ...
+    0.7.2.post1 flashinfer/comm/mnnvl.py open_mnnvl_memory). A range whose allocations all closed is
+    freed and the state reset (close_mnnvl_memory), so "no record" means exactly that."""
+
+    comm_size: int | None
     room: int
+
+    @property
+    def orphaned(self) -> bool:
+        return self.comm_size is None
 
 
 def mnnvl_reservation(memory: Any) -> MnnvlReservation | None:
@@ -328,9 +357,17 @@ def mnnvl_reservation(memory: Any) -> MnnvlReservation | None:
             size, where = len(record[2]), int(record[3])
         if where == start:
             sizes.append(size)
-    if not sizes:
-        return None
-    return MnnvlReservation(max(sizes), stride - int(getattr(memory, "current_mem_offset", 0) or 0))
+    room = stride - int(getattr(memory, "current_mem_offset", 0) or 0)
+    return MnnvlReservation(max(sizes) if sizes else None, room)
+
+
+def retire_mnnvl_range(memory: Any) -> None:
+    """Mark FlashInfer's current MNNVL address range full (``current_mem_offset =
+    current_rank_stride``): the state FlashInfer itself leaves a full range in, so its next
+    allocation reserves a new range over its own comm (``open_mnnvl_memory``: ``current_mem_offset
+    + aligned_size > current_rank_stride`` → ``new_mnnvl_memory_address``, every version). Used for
+    a range no allocation holds (``MnnvlReservation.orphaned``), which FlashInfer never frees anyway."""
+    memory.current_mem_offset = memory.current_rank_stride
 
 # -- recorded signatures ------------------------------------------------------------------------
 
@@ -777,6 +814,8 @@ class VendorInfo:
         text = f"{what}: {', '.join(parts) or 'neither CuTe-DSL MoE nor MoE all-to-all'}"
         if self.version is not None and self.version[:3] > VERIFIED_UNTIL:
             text += f" (newer than {_text(VERIFIED_UNTIL)}, the last version checked)"
+        if self.api.MoeAlltoAll is not None and self.version is not None and self.version >= A2A_DEPRECATED_SINCE:
+            text += "; its MoeAlltoAll is deprecated in favour of flashinfer.moe_ep (the adapter silences that warning)"
         return text
 
 
@@ -817,7 +856,8 @@ def detect(module_name: str = REAL) -> VendorInfo:
 #: The version range each fake stands for (from this version on, until the next).
 FAKE_RANGES: tuple[tuple[Version, str], ...] = (
     ((0, 6, 0), FAKE_0_6_6), ((0, 6, 7), FAKE_0_6_7), ((0, 6, 8), FAKE_0_6_13), ((0, 6, 14), FAKE_0_6_14),
-    ((0, 6, 15), FAKE_0_6_15), ((0, 6, 16), FAKE_0_6_17), ((0, 6, 18), FAKE_0_7_0), ((0, 7, 1), FAKE_0_7_2))
+    ((0, 6, 15), FAKE_0_6_15), ((0, 6, 16), FAKE_0_6_17), ((0, 6, 18), FAKE_0_7_0), ((0, 7, 1), FAKE_0_7_1),
+    ((0, 7, 2), FAKE_0_7_2))
 
 
 def fake_for(version: Version) -> str:
@@ -855,8 +895,8 @@ def sm100_reason() -> str | None:
 __all__ = [
     "A2AProfile", "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
     "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
-    "cpp_stoi", "cutedsl_routing_limits", "detect", "dispatch_vector_width", "fake_for", "fp4_fast_math_env",
-    "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_reservation", "one_block_per_token",
-    "parse_version", "ported_workspace_size_per_rank", "profile", "sanitize_block_size", "signature", "sm100_reason",
-    "workspace_size_per_rank",
+    "cpp_stoi", "cutedsl_routing_limits", "default_workspace_bytes_per_token", "detect", "dispatch_vector_width",
+    "fake_for", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_reservation",
+    "one_block_per_token", "parse_version", "ported_workspace_size_per_rank", "profile", "retire_mnnvl_range",
+    "sanitize_block_size", "signature", "sm100_reason", "workspace_size_per_rank",
 ]

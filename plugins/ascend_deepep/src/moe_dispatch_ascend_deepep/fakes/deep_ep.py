@@ -25,10 +25,17 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
   ``realMaxBs >= its batch``.
 - State (C++ ``Buffer`` members): ``real_max_bs = max(largest batch over the ranks, num_worst_tokens)``
   set by each normal dispatch and read by the next normal combine, whichever dispatch that combine
-  belongs to; the HCCL window allocated at construction (``HCCL_BUFFSIZE`` then): a
-  ``DEEPEP_HCCL_BUFFSIZE`` above it makes the normal kernels write past it ("(fake)" RuntimeError)
-  and the low-latency kernels fault (their CheckWindowSize); the chip, from
-  ``fakes.torch_npu.npu.get_soc_version()`` at construction.
+  belongs to; the HCCL window allocated the group at construction (its ``hccl_buffer_size`` option,
+  ``fakes.torch_npu.group_hccl_config``, else ``HCCL_BUFFSIZE`` then): an ops' window above it makes the
+  normal kernels write past it ("(fake)" RuntimeError) and the low-latency kernels fault (their
+  CheckWindowSize); on A2 layered the layered kernels' assert on it (k padded to 8 in the dispatch);
+  the chip, from ``fakes.torch_npu.npu.get_soc_version()`` (and its name) at construction.
+- Atlas A2 beyond 8 ranks (normal mode takes DeepEP-Ascend's internode path): INT8 from the variable
+  only; aclnnNotifyDispatchA2's, aclnnDispatchNormalA2's and aclnnMoeDistributeCombineA2's tiling and
+  whether their tiling keys have a kernel (module functions ``a2_internode_*``: INT8 and an unlayered
+  combine have none); the combine kernel's window assert; "(fake)" where the kernels would write past
+  their areas of the real window: the IPC flags at 800 MB + 2 MB, each server's share of the 800 MB
+  RDMA area, the combine's IPC slices (one entry per (token, expert of the server)).
 - INT8 as the kernels compute it: normal ``s = 127/(amax + 1e-12)``, ``q = rint(x·s)``, scale ``1/s``
   (ops/op_kernel/cam_moe_dispatch_normal.h); low latency ``s = 127/amax`` (a zero row: scale 0)
   (moe_distribute_dispatch_v2.h), in fp32.
@@ -43,9 +50,9 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
 Fake-only, marked "(fake)" in messages: ``-1`` ids reaching the low-latency op without
 ``MOE_ENABLE_TOPK_NEG_ONE=1`` raise (the kernel gets no active mask; its behaviour is not
 documented), and so does what is not emulated: the ``alltoall``/``ops`` strategies, shared-expert
-ranks, A2's internode path, A5's FP8/FP4 modes and the CCU op (``MOE_ENABLE_CCU=1`` off A2). The
-chip is the fake torch_npu's (``fakes.torch_npu.soc_version(220)`` makes it an A2: the A2 build's
-normal op, layered and multi-server checks apply).
+ranks, pre-quantized tuple ``x``, A5's FP8/FP4 modes and the CCU op (``MOE_ENABLE_CCU=1`` off A2).
+The chip is the fake torch_npu's (``fakes.torch_npu.soc_version(220)`` makes it an A2: the A2 build's
+normal op, the internode path beyond 8 ranks, layered and multi-server checks apply).
 """
 
 from __future__ import annotations
@@ -71,8 +78,8 @@ A3, A2 = v.SOC_A3, v.SOC_A2
 _CONFIG_MAP = {n: (v.NUM_SMS, 6, 256, 6, 128) for n in v.CONFIG_RANKS}  # values do not matter on NPU
 
 
-#: What a VendorCall notes of the environment at the call (fake-only instrumentation: A2's
-#: internode path, not emulated, would read DEEP_NORMAL_MODE_USE_INT8_QUANT there).
+#: What a VendorCall notes of the environment at the call (fake-only instrumentation; A2's internode
+#: path reads only DEEP_NORMAL_MODE_USE_INT8_QUANT for its INT8 choice).
 NOTED_ENV = (v.INT8_ENV, v.COUNTS_TYPE_ENV, v.NEG_ONE_ENV)
 
 
@@ -111,10 +118,77 @@ def _window_mb() -> int:
     return v.ops_window_mb(os.environ)
 
 
-def _allocated_window_mb() -> int:
-    """The window HCCL allocates when the communicator is created: ``HCCL_BUFFSIZE`` then (parsed as
-    the ops parse it; HCCL's own parser is not in these sources)."""
+def _allocated_window_mb(group: Any) -> int:
+    """The window HCCL allocates for the group's communicator: the group's ``hccl_buffer_size`` option when it
+    was created with one (``fakes.torch_npu.group_hccl_config``), else ``HCCL_BUFFSIZE`` then (parsed as the ops
+    parse it; HCCL's own parser is not in these sources), else 200 (vendor.HCCL_BUFFER_SIZE_KEY)."""
+    option = fake_torch_npu.hccl_config_of(group).get(v.HCCL_BUFFER_SIZE_KEY)
+    if option is not None:
+        return int(option)
     return v.ops_window_mb({k: val for k, val in os.environ.items() if k == v.HCCL_BUFFSIZE})
+
+
+# -- Atlas A2 beyond 8 ranks: the internode ops' checks (module functions: one rank's view, testable alone) ----
+
+
+def a2_internode_notify_tiling(world_size: int, num_experts: int, top_k: int, ops_window_mb: int) -> None:
+    """aclnnNotifyDispatchA2's tiling (KN@f425bdf ops2/op_host/notify_dispatch_tiling_a2.cc)."""
+    op = "aclnnNotifyDispatchA2"
+    _op_check(0 < world_size <= v.A2_INTERNODE_MAX_EP_NORMAL, op,
+              f"rankSize is invalid, only support (0, {v.A2_INTERNODE_MAX_EP_NORMAL}], but got rankSize={world_size}.")
+    need = v.notify_dispatch_a2_window_bytes(num_experts, world_size, top_k)
+    _op_check(need <= ops_window_mb * v.MIB, op, f"HCCL_BUFFSIZE is too SMALL, should larger than {need // v.MIB}MB")
+
+
+def a2_internode_dispatch_tiling(world_size: int, rank: int, bs: int, hidden: int, top_k: int, num_experts: int,
+                                 quant_mode: int, scales: bool, env: Any, max_top_k: int, ops_window_mb: int) -> None:
+    """aclnnNotifyDispatchA2's and aclnnDispatchNormalA2's tiling, and whether the tiling key has a kernel
+    (KN@f425bdf ops2/op_host/dispatch_normal_a2_tiling.cpp; ops2/op_kernel/dispatch_normal_a2.cpp)."""
+    a2_internode_notify_tiling(world_size, num_experts, top_k, ops_window_mb)
+    op = "aclnnDispatchNormalA2"
+    _op_check(hidden % 32 == 0 and 0 < hidden <= v.MAX_HIDDEN, op, "hiddensize is invalid.")
+    _op_check(0 <= bs <= v.A2_INTERNODE_MAX_TOKENS, op,
+              f"batchsize is invalid. bs: {bs}, should satisfy 0<=bs<={v.A2_INTERNODE_MAX_TOKENS}")
+    _op_check(v.A2_LAYERED_MIN_TOP_K <= top_k <= max_top_k, op,
+              f"k should be in [{v.A2_LAYERED_MIN_TOP_K}, {max_top_k}], but got k={top_k}.")
+    _op_check(not (quant_mode == v.QUANT_MODE_NONE and scales), op, "scales should be null when quantMode is unQuant.")
+    _op_check(0 < world_size <= v.A2_INTERNODE_MAX_EP and world_size % v.A2_INTERNODE_EP_MULTIPLE == 0, op,
+              "epWorldSize is invalid.")
+    _op_check(0 <= rank < world_size, op, "epRankId is invalid.")
+    _op_check(0 < num_experts <= v.MAX_EXPERTS and num_experts % world_size == 0, op,
+              f"moeExpertNum is invalid, only support (0, {v.MAX_EXPERTS}], but got moeExpertNum={num_experts}.")
+    _op_check(quant_mode in (v.QUANT_MODE_NONE, v.QUANT_MODE_DYNAMIC), op, "quantMode is invalid.")
+    key = v.a2_internode_dispatch_tiling_key(quant_mode, v.is_layered(env), scales)
+    if key not in v.A2_INTERNODE_DISPATCH_KERNELS:
+        raise RuntimeError(f"{op}: no kernel for tiling key {key} (dispatch_normal_a2.cpp has "
+                           f"{sorted(v.A2_INTERNODE_DISPATCH_KERNELS)}, BF16 only)")
+
+
+def a2_internode_combine_tiling(world_size: int, bs: int, hidden: int, top_k: int, num_experts: int, env: Any) -> None:
+    """aclnnMoeDistributeCombineA2's tiling and kernel choice (KN@f425bdf ops2/op_host/
+    moe_distribute_combine_a2_tiling.cpp; ops2/op_kernel/moe_distribute_combine_a2.cpp: TILING_KEY_IS(3000) only)."""
+    op = "aclnnMoeDistributeCombineA2"
+    layered = v.is_layered(env)
+    _op_check(0 < hidden <= v.MAX_HIDDEN and hidden % 32 == 0, op, "hiddensize is invalid.")
+    _op_check(v.A2_LAYERED_MIN_TOP_K <= top_k <= v.A2_INTERNODE_MAX_TOP_K, op,
+              f"k should be in [{v.A2_LAYERED_MIN_TOP_K}, {v.A2_INTERNODE_MAX_TOP_K}], but got k={top_k}.")
+    most = v.A2_INTERNODE_COMBINE_MAX_BS[layered]
+    _op_check(bs <= most, op, f"Batchsize must be smaller than {most}.")
+    _op_check(0 < world_size <= v.A2_INTERNODE_MAX_EP and world_size % v.A2_INTERNODE_EP_MULTIPLE == 0, op,
+              "epWorldSize is invalid.")
+    _op_check(0 < num_experts <= v.MAX_EXPERTS and num_experts % world_size == 0, op, "moeExpertNum is invalid.")
+    key = v.a2_internode_combine_tiling_key(layered)
+    if key not in v.A2_INTERNODE_COMBINE_KERNELS:
+        raise RuntimeError(f"{op}: no kernel for tiling key {key} (moe_distribute_combine_a2.cpp has "
+                           f"{sorted(v.A2_INTERNODE_COMBINE_KERNELS)}: {v.INTRA_PCIE_ENV}=1, {v.INTRA_ROCE_ENV}=0)")
+
+
+def a2_internode_combine_kernel_window(window_bytes: int, world_size: int, bs: int, hidden: int, top_k: int) -> None:
+    """MoeDistributeCombineA2Layered::Init's assert on the real window (a device assert: RuntimeError here)."""
+    need = v.normal_internode_combine_assert_bytes(bs, hidden, world_size, top_k)
+    if window_bytes < need:
+        raise RuntimeError(f"aclnnMoeDistributeCombineA2: assert failed: The HCCL_BUFFSIZE is "
+                           f"{window_bytes // v.MIB}MB, the min value should be {need // v.MIB}MB.")
 
 
 def _quant_rows(x: torch.Tensor, epsilon: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +299,9 @@ class _Exchange:
     slot: torch.Tensor
     tokens: int
     rows: int  # rows the combine must get back
+    num_experts: int = 0
+    #: A2 internode: every rank's [batch, unique tokens per server (S), rows sent to each rank (R)]
+    notify: torch.Tensor | None = None
 
 
 class Buffer:
@@ -248,7 +325,7 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         # the C++ reads GetSocVersion() at construction; HCCL allocates the window when the communicator is made
         self.soc_version = v.soc_family(fake_torch_npu.npu.get_soc_version())
-        self.allocated_window_mb = _allocated_window_mb()
+        self.allocated_window_mb = _allocated_window_mb(group)
         self.real_max_bs = 0  # deep_ep.hpp Buffer::real_max_bs
         # deep_ep_cpp.Buffer(...): the constructor's environment (KN deep_ep.cpp Buffer::Buffer)
         _ep_assert(0 <= self.rank < self.group_size, "0 <= rank and rank < num_ranks")
@@ -301,9 +378,6 @@ class Buffer:
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("(fake) fused_deep_moe is faked by moe_dispatch_ascend_fuseep.fakes.deep_ep")
 
-    def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("(fake) A2's internode path is not emulated")
-
     # -- normal mode ----------------------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Optional[EventOverlap] = None,
@@ -348,6 +422,9 @@ class Buffer:
         quant_mode: Optional[str] = None,
     ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
         config = self.get_dispatch_config(self.group_size) if config is None else config
+        if self.num_rdma_ranks > 1:  # strategies/normal_strategy.py: get_num_rdma_ranks() > 1 (A2 beyond 8 ranks)
+            return self._internode_dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                            topk_idx, topk_weights, config)
         if quant_mode is None:
             data, quant = self._quant_from_x(x)
         else:  # KN strategies/normal_strategy.py: an explicit quant_mode wins
@@ -366,18 +443,11 @@ class Buffer:
             raise NotImplementedError("(fake) pre-quantized tuple x is not emulated")
         raise TypeError(f"Unsupported x type: {type(x)}")
 
-    def _intranode_dispatch(self, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
-                            num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str,
-                            num_worst_tokens: int = 0
-                            ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
-        if self.num_rdma_ranks > 1:
-            raise NotImplementedError("(fake) A2's internode path (more than 8 ranks on ASCEND910B) is not emulated")
-        if handle is not None:
-            raise NotImplementedError("Optional communication handle is not supported yet.")
-        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+    def _dispatch_asserts(self, fn: str, x: Any, num_tokens_per_rank: Any, num_tokens_per_expert: Any, topk_idx: Any,
+                          topk_weights: Any, config: Any) -> None:
+        """deep_ep.cpp Buffer::intranode_dispatch's and ::internode_dispatch's host asserts (the same list)."""
         if not isinstance(config, Config):
-            raise _incompatible("intranode_dispatch", "config", config)
-        # deep_ep.cpp Buffer::intranode_dispatch
+            raise _incompatible(fn, "config", config)
         _ep_assert(config.num_sms % 2 == 0, "config.num_sms % 2 == 0")
         _ep_assert(num_tokens_per_expert.dtype == torch.int32, "num_tokens_per_expert->scalar_type() == at::kInt")
         _ep_assert(num_tokens_per_rank.dtype == torch.int32, "num_tokens_per_rank->scalar_type() == at::kInt")
@@ -393,6 +463,128 @@ class Buffer:
         _ep_assert(x.shape[0] == topk_idx.shape[0], "num_tokens == topk_idx->size(0)")
         _ep_assert(topk_idx.shape[1] == topk_weights.shape[1], "num_topk == topk_weights->size(1)")
         _ep_assert(topk_weights.dtype == torch.float32, "topk_weights->scalar_type() == at::kFloat")
+
+    # -- Atlas A2 beyond 8 ranks (internode) ------------------------------------------------------------------
+
+    #: dispatch_normal_a2_tiling.cpp MAX_K_VALUE_A2 of this build (16 since KN@7a396def).
+    A2_INTERNODE_MAX_TOP_K = v.A2_INTERNODE_MAX_TOP_K
+
+    def _internode_dispatch(self, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
+                            num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any
+                            ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple,
+                                       EventOverlap]:
+        """strategies/normal_strategy.py DefaultNormalCommStrategy._internode_dispatch: INT8 from
+        DEEP_NORMAL_MODE_USE_INT8_QUANT only (quant_mode, num_worst_tokens are not passed on); deep_ep.cpp
+        Buffer::internode_dispatch; the A2 ops' tiling and kernel choice (a2_internode_*); the kernels' use of
+        the real window and their fixed RDMA area ("(fake)": on the device, writes past them)."""
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        if x_scales is not None:
+            raise NotImplementedError("(fake) pre-quantized tuple x is not emulated")
+        use_quant = os.getenv(v.INT8_ENV) == "1"
+        if handle is not None:
+            raise NotImplementedError("Optional communication handle is not supported yet.")
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        self._dispatch_asserts("internode_dispatch", x, num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                               topk_weights, config)
+        counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
+        _ep_assert(counts_type in (0, 1), "expert_token_nums_type == 1 or expert_token_nums_type == 0")
+        if self._layout is None or not torch.equal(self._layout[0], topk_idx):
+            raise RuntimeError("(fake) dispatch without get_dispatch_layout on the same topk_idx first: the C++ "
+                               "uses the layout state the last get_dispatch_layout left on this Buffer")
+        num_experts = self._layout[1]
+        self._layout = None
+        R, n, h, k = self.group_size, x.shape[0], x.shape[1], topk_idx.shape[1]
+        _op_check(x.dtype in (torch.bfloat16, torch.float16), "aclnnDispatchNormalA2", "x must be bf16/fp16")
+        if x.dtype != torch.bfloat16:  # the op takes fp16; every kernel built is <bfloat16_t, bfloat16_t, ...>
+            raise RuntimeError("(fake) aclnnDispatchNormalA2: fp16 x would be read as bf16 by its only kernels")
+        quant_mode = v.QUANT_MODE_DYNAMIC if use_quant else v.QUANT_MODE_NONE
+        a2_internode_dispatch_tiling(R, self.rank, n, h, k, num_experts, quant_mode, False, os.environ,
+                                     self.A2_INTERNODE_MAX_TOP_K, _window_mb())
+        local = num_experts // R
+        notify = self._internode_notify(topk_idx, local)
+        window = self.allocated_window_mb * v.MIB
+        if window < v.A2_RDMA_BYTES + v.A2_IPC_OFFSET_BYTES // 2:
+            raise RuntimeError(f"(fake) aclnnDispatchNormalA2: its IPC flags sit 800 MB + 2 MB into the window; the "
+                               f"group's is {self.allocated_window_mb} MB: writes past it")
+        servers = R // v.A2_MAX_HCCS_PEERS
+        block = v.a2_internode_dispatch_server_bytes(R)
+        per_token = h * 2 + 4 * -(-k // 8) * 8 * 4
+        most = int(notify[:, 1:1 + servers].max())
+        if 32 + most * per_token > block:
+            raise RuntimeError(f"(fake) aclnnDispatchNormalA2: {most} tokens of one rank to one server take "
+                               f"{32 + most * per_token} B of the RDMA area's {block} B per server: the kernel writes "
+                               "into the next server's block")
+        recv_data, _, counts, state = self._exchange("dispatch", x, None, topk_idx, local)
+        state.num_experts, state.notify = num_experts, notify
+        total = int(counts.sum())
+        if total == 0:  # deep_ep.cpp: never an empty output
+            recv_data = torch.zeros(v.EMPTY_RECEIVE_ROWS, x.shape[1], dtype=x.dtype)
+        state.rows = recv_data.shape[0]
+        listed = counts.tolist() if counts_type == 1 else torch.cumsum(counts, 0).tolist()
+        garbage_idx = torch.empty(total, k, dtype=topk_idx.dtype)
+        garbage_w = torch.empty(total, k, dtype=torch.float32)
+        vendor_handle = (state, is_token_in_rank, None, topk_idx, topk_weights, None, None, None, None)
+        return recv_data, garbage_idx, garbage_w, listed, vendor_handle, EventOverlap()
+
+    def _internode_notify(self, topk_idx: torch.Tensor, local: int) -> torch.Tensor:
+        """aclnnNotifyDispatchA2's exchange, as far as the fake's checks need it: every rank's batch, its
+        tokens per destination server (each once) and its rows per destination rank."""
+        R = self.group_size
+        servers = R // v.A2_MAX_HCCS_PEERS
+        valid = topk_idx >= 0
+        dest = torch.where(valid, topk_idx // local, torch.zeros_like(topk_idx))
+        per_server = torch.zeros(servers, dtype=torch.int64)
+        for j in range(servers):
+            per_server[j] = int(((dest // v.A2_MAX_HCCS_PEERS == j) & valid).any(dim=1).sum())
+        rows = torch.bincount(dest[valid], minlength=R)[:R].to(torch.int64)
+        mine = torch.cat([torch.tensor([topk_idx.shape[0]], dtype=torch.int64), per_server, rows])
+        gathered = self.comm.gather_uncounted(mine.view(torch.uint8), "notify_dispatch_a2")
+        return gathered.view(torch.int64).view(R, -1)
+
+    def _internode_combine(self, x: torch.Tensor, handle: Tuple) -> Tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                            EventOverlap]:
+        """strategies/normal_strategy.py _internode_combine; deep_ep.cpp Buffer::internode_combine (the weights
+        are the dispatch's expand_scales: the sender's); MoeDistributeCombineA2's tiling, kernel choice and
+        assert, and ("(fake)") its IPC slices and RDMA area."""
+        state, _, _, topk_idx, topk_weights_ori, _, _, _, _ = handle
+        _ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
+        op = "aclnnMoeDistributeCombineA2"
+        _op_check(x.dtype in (torch.bfloat16, torch.float16), op, "expandX must be bf16/fp16")
+        R, h, k, bs = self.group_size, x.shape[1], topk_idx.shape[1], topk_idx.shape[0]
+        a2_internode_combine_tiling(R, bs, h, k, state.num_experts, os.environ)
+        notify = state.notify
+        batches = notify[:, 0]
+        window = self.allocated_window_mb * v.MIB
+        # every rank's kernel asserts on its own batch; here every rank raises for the largest
+        a2_internode_combine_kernel_window(window, R, int(batches.max()), h, k)
+        servers, peers = R // v.A2_MAX_HCCS_PEERS, v.A2_MAX_HCCS_PEERS
+        slice_entries = (v.a2_internode_ipc_window_bytes(window) // R * peers) // (h * 2 + 32)
+        sent = notify[:, 1 + servers:]  # [source d, destination r]: rows r received from d
+        entries = sent.view(R, servers, peers).sum(dim=2)  # per (d, server of r): what r's server returns to d
+        if int(entries.max()) > slice_entries:
+            raise RuntimeError(f"(fake) {op}: {int(entries.max())} (token, expert) entries for one rank from one "
+                               f"server in an IPC slice of {slice_entries}: the kernel writes into the next slice")
+        block = v.a2_internode_combine_server_bytes(R)
+        if int(batches.max()) * h * 2 > block:
+            raise RuntimeError(f"(fake) {op}: {int(batches.max())} tokens·{h * 2} B exceed the RDMA area's {block} B "
+                               "per server: the kernel writes into the next server's block")
+        if x.shape[0] != state.rows:
+            raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
+                               "dispatch returned")
+        weights = torch.ones(topk_idx.shape) if topk_weights_ori is None else topk_weights_ori.float()
+        rows, tok, slot = self._return(x, state)
+        out = torch.zeros(state.tokens, x.shape[1]).index_add_(0, tok, rows * weights[tok, slot].unsqueeze(1))
+        return out.to(x.dtype), None, EventOverlap()
+
+    def _intranode_dispatch(self, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
+                            num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str,
+                            num_worst_tokens: int = 0
+                            ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        if handle is not None:
+            raise NotImplementedError("Optional communication handle is not supported yet.")
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
+        self._dispatch_asserts("intranode_dispatch", x, num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                               topk_weights, config)
         counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
         _ep_assert(counts_type in (0, 1), "expert_token_nums_type == 1 or expert_token_nums_type == 0")
         if quant in v.A5_ONLY_QUANT_MODES:
@@ -434,9 +626,9 @@ class Buffer:
         """The normal kernels lay the window out by the size the ops see (totalWinSize/2 is the second
         half); more than HCCL allocated means writes past it (no check on the device: corruption)."""
         if _window_mb() > self.allocated_window_mb:
-            raise RuntimeError(f"(fake) {op}: the ops see a {_window_mb()} MB window ({v.DEEPEP_HCCL_BUFFSIZE}) but "
-                               f"HCCL allocated {self.allocated_window_mb} MB ({v.HCCL_BUFFSIZE}): the kernels would "
-                               "write past the window")
+            raise RuntimeError(f"(fake) {op}: the ops see a {_window_mb()} MB window ({v.DEEPEP_HCCL_BUFFSIZE} or "
+                               f"{v.HCCL_BUFFSIZE}) but HCCL allocated the group {self.allocated_window_mb} MB: the "
+                               "kernels would write past the window")
 
     def _normal_op_checks(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, global_bs: int) -> None:
         """CamMoeDispatchNormal's tiling (KN@f425bdf ops/op_host/cam_moe_dispatch_normal_tiling.cc; ops2 on A2)."""
@@ -474,6 +666,8 @@ class Buffer:
         combine_send_cost_stats: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         config = self.get_combine_config(self.group_size) if config is None else config
+        if self.num_rdma_ranks > 1:
+            return self._internode_combine(x, handle)
         _, _, _, state, _, _, topk_idx, topk_weights_ori = handle  # the sender's own weights, not the argument
         _ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
         op = "aclnnCamMoeCombineNormal"
@@ -588,6 +782,12 @@ class Buffer:
         _op_check(need <= _window_mb() * v.MIB, op,
                   f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB, "
                   f"HCCL_BUFFSIZE={_window_mb()}MB")
+        if self.soc_version == A2 and v.is_layered(os.environ):  # the layered kernels' assert on the real window
+            pad = op.endswith("DispatchV2")  # moe_distribute_dispatch_v2_layered.h pads k to 8; the combine does not
+            need = num_experts * n * (h * 2 + 4 * (-(-k // 8) * 8 if pad else k) * 4) + 804 * v.MIB
+            if need > self.allocated_window_mb * v.MIB:
+                raise RuntimeError(f"{op}: assert failed: The HCCL_BUFFSIZE is {self.allocated_window_mb}MB, the min "
+                                   f"value should be {need // v.MIB}MB.")
         if _window_mb() > self.allocated_window_mb:  # moe_distribute_dispatch_v2.h CheckWindowSize: a deliberate fault
             raise RuntimeError(f"{op}: CheckWindowSize failed: tiling window {_window_mb()} MB > the HCCL window "
                                f"{self.allocated_window_mb} MB")

@@ -3,7 +3,8 @@
 ``quant_mode`` and chooses INT8 only from ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` in the process
 environment at the call; ``low_latency_dispatch`` has no ``quant_mode`` and its C++ takes
 ``use_fp8`` as INT8 (``quant_mode = use_fp8 ? 2 : 0``, KN@7fe4eeb7 csrc/deepep/deep_ep.cpp), returning
-the ``(rows, scales)`` tuple exactly when ``use_fp8``. Everything else is ``fakes.deep_ep``."""
+the ``(rows, scales)`` tuple exactly when ``use_fp8``; the A2 internode dispatch takes top-k up to 10 (before
+KN@7a396def). Everything else is ``fakes.deep_ep``."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
+from .. import vendor as v
 from . import deep_ep
 from .deep_ep import Config, EventOverlap, FuseMode, VendorCall
 
 
 class Buffer(deep_ep.Buffer):
+    #: dispatch_normal_a2_tiling.cpp MAX_K_VALUE_A2 = 10 until KN@7a396def (not an ancestor of KN@be6b5e7f).
+    A2_INTERNODE_MAX_TOP_K = v.A2_INTERNODE_MAX_TOP_K_OLD
+
     def dispatch(  # type: ignore[override]
         self,
         x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -35,6 +40,9 @@ class Buffer(deep_ep.Buffer):
         dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
     ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
         config = self.get_dispatch_config(self.group_size) if config is None else config
+        if self.num_rdma_ranks > 1:  # A2 beyond 8 ranks: the internode path, as in later builds
+            return self._internode_dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                            topk_idx, topk_weights, config)
         data, quant = self._quant_from_x(x)
         # KN@be6b5e7f buffer.py Buffer.dispatch hands num_worst_tokens to the C++ (real_max_bs) as later builds do.
         return self._intranode_dispatch(data, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,

@@ -55,8 +55,10 @@ output of ``npu_dynamic_quant``, ``npu_convert_weight_to_int4pack``'s output). u
 sglang build them; the fake rejects anything in the high word.
 
 ``npu.get_soc_version()`` answers ``SOC_VERSION`` (250, an Atlas A3, unless a test sets another code
-with ``soc_version(code)``); the DeepEP-Ascend fake reads the same, as the vendor's C++ asks the
-same platform.
+with ``soc_version(code, name)``) and ``npu.get_device_name()`` its name; the DeepEP-Ascend fake reads
+the same, as the vendor's C++ asks the same platform. ``group_hccl_config(group, config)`` stands a
+gloo group in for an HCCL group created with ``pg_options`` (``hccl_config_of`` answers what
+``group._get_backend(npu).options.hccl_config`` would): its ``hccl_buffer_size`` is its window.
 
 Not emulated (they raise ``NotImplementedError``): tensor lists longer than one, ``split_item``
 0/1, ``group_type`` -1, ``group_list_type`` 2, activations (``act_type``), int8 output, per-channel
@@ -86,21 +88,65 @@ INT4_MIN, INT4_MAX = -8, 7
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 #: The per-token quant table of the grouped-matmul doc: the scale's dtype decides the output.
 _QUANT_OUT = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
-#: What ``torch_npu.npu.get_soc_version()`` answers here (250..255: Atlas A3; 220..225: Atlas A2).
+#: What ``torch_npu.npu.get_soc_version()`` answers here (250..256: Atlas A3; 220..225: Atlas A2) and
+#: ``torch_npu.npu.get_device_name()`` (the SoC name torch_npu maps the code from, NpuVariables.cpp).
 SOC_VERSION = 250
+DEVICE_NAME = "Ascend910_9391"
+_NAMES = {220: "Ascend910B1", 221: "Ascend910B2", 222: "Ascend910B2C", 223: "Ascend910B3", 224: "Ascend910B4",
+          225: "Ascend910B4-1", 250: "Ascend910_9391", 251: "Ascend910_9392", 252: "Ascend910_9381",
+          253: "Ascend910_9382", 254: "Ascend910_9372", 255: "Ascend910_9362", 256: "Ascend910_9363"}
 #: ``torch_npu.npu``: the part of it the plugins read.
-npu = types.SimpleNamespace(get_soc_version=lambda: SOC_VERSION)
+npu = types.SimpleNamespace(get_soc_version=lambda: SOC_VERSION, get_device_name=lambda device_name=None: DEVICE_NAME)
 
 
 @contextmanager
-def soc_version(code: int) -> Iterator[None]:
-    """Stand for another chip (e.g. 220, an Atlas A2) inside the block; read at Buffer construction."""
-    global SOC_VERSION
-    old, SOC_VERSION = SOC_VERSION, code
+def soc_version(code: int, name: str | None = None) -> Iterator[None]:
+    """Stand for another chip (e.g. 220, an Atlas A2) inside the block, named ``name`` (by default the
+    name torch_npu gives that code); read at Buffer construction."""
+    global SOC_VERSION, DEVICE_NAME
+    old = SOC_VERSION, DEVICE_NAME
+    SOC_VERSION, DEVICE_NAME = code, name if name is not None else _NAMES.get(code, f"Ascend-unknown-{code}")
     try:
         yield
     finally:
-        SOC_VERSION = old
+        SOC_VERSION, DEVICE_NAME = old
+
+
+# -- process groups' HCCL options --------------------------------------------------------------------------
+# torch_npu: ``group._get_backend(torch.device("npu")).options.hccl_config`` is the dict the group was
+# created with (``ProcessGroupHCCL.Options().hccl_config``, passed as ``pg_options``); HCCL sizes the group's
+# window from its "hccl_buffer_size" (MB) and else from HCCL_BUFFSIZE (vendor.group_hccl_config). The fakes
+# run on gloo groups, which have no NPU backend: what a test creates "with options" is recorded here.
+_GROUP_CONFIG: dict[int, dict[str, Any]] = {}
+
+
+def _key(group: Any) -> int:
+    if group is None:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return id(group)
+
+
+@contextmanager
+def group_hccl_config(group: Any, config: dict[str, Any]) -> Iterator[None]:
+    """Inside the block ``group`` stands for an HCCL group created with ``pg_options`` whose ``hccl_config``
+    is ``config`` (``{}``: created without one)."""
+    key = _key(group)
+    old = _GROUP_CONFIG.get(key)
+    _GROUP_CONFIG[key] = dict(config)
+    try:
+        yield
+    finally:
+        if old is None:
+            _GROUP_CONFIG.pop(key, None)
+        else:
+            _GROUP_CONFIG[key] = old
+
+
+def hccl_config_of(group: Any) -> dict[str, Any]:
+    """What ``group._get_backend(torch.device("npu")).options.hccl_config`` answers for ``group``."""
+    return dict(_GROUP_CONFIG.get(_key(group), {}))
 
 
 def _not_emulated(**kwargs: Any) -> None:
@@ -526,7 +572,10 @@ def pack_golden(values: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "DEVICE_NAME",
     "SOC_VERSION",
+    "group_hccl_config",
+    "hccl_config_of",
     "npu",
     "pack_golden",
     "soc_version",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_dispatch.codecs import unpack_ue8m0
+from moe_dispatch.codecs import ue8m0_value, unpack_ue8m0
 
 BLOCK = 128
 
@@ -34,8 +34,29 @@ def ue8m0_values(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def exponent_only(sf: torch.Tensor) -> torch.Tensor:
-    """What a cast to UE8M0 keeps of an fp32 scale: ``2^(biased exponent - 127)`` (the bits >> 23)."""
-    return torch.exp2(((sf.float().contiguous().view(torch.int32) >> 23) & 0xFF).float() - 127.0)
+    """What DeepGEMM's PyTorch cast to UE8M0 keeps of an fp32 scale: the byte ``bits >> 23`` (the exponent of a
+    positive value), as the value ``2^(byte - 127)`` (csrc/jit_kernels/impls/smxx_layout.hpp
+    ``get_mn_major_tma_aligned_packed_ue8m0_tensor_torch``)."""
+    return ue8m0_value(((sf.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8))
+
+
+def cuda_cast_bytes(sf: torch.Tensor) -> torch.Tensor:
+    """The bytes DeepGEMM's CUDA cast packs for fp32 scales ``[..., K]`` (``transpose_and_pack_fp32_into_ue8m0``,
+    ``pack_fp32_into_ue8m0``, deep_gemm/include/deep_gemm/impls/smxx_layout.cuh): per group of four values
+    ``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 << 1`` as a uint32, no mask. For powers of two that is each exponent in its
+    byte; otherwise the mantissa bits of the later values land in the earlier bytes (garbage exponents). 2.6.1
+    device-asserts powers of two first. Returns uint8 ``[..., K]``."""
+    k = sf.shape[-1]
+    bits = sf.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = torch.nn.functional.pad(bits, (0, -k % 4)).unflatten(-1, (-1, 4))
+    word = ((bits[..., 0] >> 23) | (bits[..., 1] >> 15) | (bits[..., 2] >> 7) | (bits[..., 3] << 1)) & 0xFFFFFFFF
+    out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(4)], dim=-1).flatten(-2)
+    return out[..., :k].to(torch.uint8)
+
+
+def cuda_cast(sf: torch.Tensor) -> torch.Tensor:
+    """``cuda_cast_bytes`` as the fp32 values the GEMM then multiplies by."""
+    return ue8m0_value(cuda_cast_bytes(sf))
 
 
 def is_power_of_two(sf: torch.Tensor) -> bool:
@@ -70,5 +91,5 @@ def grouped_masked(a: torch.Tensor, w: torch.Tensor, d: torch.Tensor, masked_m: 
         flat[start:end] = float("nan")
 
 
-__all__ = ["BLOCK", "ceil_div", "dequant_rows", "exponent_only", "grouped_contiguous", "grouped_masked",
-           "is_power_of_two", "rows_from_blocks", "ue8m0_values"]
+__all__ = ["BLOCK", "ceil_div", "cuda_cast", "cuda_cast_bytes", "dequant_rows", "exponent_only", "grouped_contiguous",
+           "grouped_masked", "is_power_of_two", "rows_from_blocks", "ue8m0_values"]

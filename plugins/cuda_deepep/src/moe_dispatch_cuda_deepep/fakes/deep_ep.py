@@ -21,14 +21,25 @@ As strict as the vendor where the adapter can meet it:
   here), and rows arrive in atomicAdd order: each source rank's block of an expert lands where the receiver's
   counter put it, its tokens in the sender's slot order (both shuffled here, seeded). The hook is None unless
   ``return_recv_hook``; with it the received data is there only after ``hook()``.
+- The constructor runs DeepEP's ``check_nvlink_connections``: on a GPU whose name has 'PCIE'
+  (``EMULATED_DEVICE_NAME``) more than two ranks is an ``AssertionError``.
 - Device asserts trap and lose the process's CUDA context (``_native.lose_context``); so does using a Buffer
   whose NVSHMEM was finalized by another Buffer's ``destroy()`` (NVSHMEM is per process: ``NvshmemState``;
-  csrc/kernels/backend/nvshmem.cu init/finalize). The destructor runs ``destroy()`` unless
-  ``explicitly_destroy``; with NVL bytes on a group whose ``min(R, 8)`` has no ``intranode::barrier`` kernel it
-  throws inside a noexcept destructor, and the process aborts (``std::terminate``), as it does on a GPU.
-- A low-latency Buffer used by normal-mode kernels (or by LL kernels of another (T, H, E) layout) has stale
-  signalling counts until ``clean_low_latency_buffer`` (a collective: barrier, clean, barrier) runs: an LL call
-  on it then loses the context (on a GPU: wrong rows or a hang).
+  csrc/kernels/backend/nvshmem.cu init/finalize; a second live init with another PE numbering fails DeepEP's
+  ``nvshmem_rank == nvshmem::init(...)`` assert). ``destroy()`` is a collective (the intranode and NVSHMEM
+  barriers). The destructor runs ``destroy()`` unless ``explicitly_destroy`` (then it only prints DeepEP's
+  warning when ``destroy()`` was not called, and NVSHMEM stays initialized); a destructor's teardown is recorded
+  in ``DESTRUCTOR_TEARDOWNS`` (its barriers hang when a peer died), and with NVL bytes on a group whose ``min(R,
+  8)`` has no ``intranode::barrier`` kernel it throws inside a noexcept destructor, and the process aborts
+  (``std::terminate``), as it does on a GPU.
+- A low-latency Buffer whose RDMA region internode normal-mode kernels wrote, or whose last LL kernels had a
+  smaller E (before 42253d0: another (T, H, E); ``_LL_SIGNALLING_BY_EXPERTS``), has stale signalling counts
+  until ``clean_low_latency_buffer`` (a collective: barrier, clean, barrier) runs: an LL call on it then loses
+  the context (on a GPU: wrong rows or a hang). Intranode normal-mode kernels use the NVL region only.
+- ``CUDAGraph`` emulates ``torch.cuda.CUDAGraph`` for the LL calls: under ``capture()`` their host code runs and
+  their kernels do not (no signalling state is read or changed); ``replay()`` runs the captured kernels again
+  with the state they find then, and none of the Python around them. Normal-mode dispatch cannot be captured
+  (it syncs the host). ``emulated_stream_capturing`` stands in for ``torch.cuda.is_current_stream_capturing``.
 - Normal mode checks what the kernels device-assert about the hidden size (TMA staging) and, past 8 ranks,
   the internode host and device checks on the config, the QPs and the RDMA ranks a token reaches
   (``internode_dispatch_checks``) before refusing to move the data (internode is not emulated).
@@ -43,6 +54,8 @@ Version variants subclass ``Buffer`` and change its class-level rules (``fakes.d
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -50,7 +63,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch.codecs import as_bytes, from_bytes
+from moe_dispatch.codecs import as_bytes, from_bytes, ue8m0_value
 from moe_dispatch.distributed.comm import Comm
 from moe_dispatch_cuda_deepep import vendor
 
@@ -69,6 +82,11 @@ __version__ = "2.1.0"  # deepseek-ai/DeepEP@dd758ca deep_ep/__init__.py
 topk_idx_t = torch.int64
 #: ``cudaDeviceProp::multiProcessorCount`` of the emulated GPU (an H100/H200).
 EMULATED_DEVICE_SMS = vendor.H100_NUM_SMS
+#: ``torch.cuda.get_device_name()`` of the emulated GPU (an SXM H100; set an A100-PCIE name to see DeepEP's
+#: ``check_nvlink_connections`` refuse more than two ranks).
+EMULATED_DEVICE_NAME = "NVIDIA H100 80GB HBM3"
+#: The fakes emulate one process's NVSHMEM (``NVSHMEM`` below), shared by every fake DeepEP module.
+EMULATED_NVSHMEM = "moe_dispatch_cuda_deepep.fakes (emulated process)"
 
 _BUFFER_HPP = "csrc/legacy/buffer.hpp"
 _CONFIG_HPP = "csrc/legacy/config.hpp"
@@ -196,27 +214,39 @@ class VendorCall:
 
 
 class NvshmemState:
-    """NVSHMEM's per-process state as DeepEP drives it (deepseek-ai/DeepEP@dd758ca csrc/kernels/backend/nvshmem.cu):
-    ``init`` splits a CPU RDMA team when ``team_split_stride`` (8 in LL mode) is below the PE count and asserts
-    none exists yet; ``finalize`` (every ``Buffer::destroy`` with RDMA bytes) destroys the team and finalizes
-    NVSHMEM for the whole process. ``generation`` counts finalizations: a Buffer initialized in an older one has
-    lost its RDMA memory. Whether NVSHMEM takes a second ``init`` while live is for hardware to say; allowed."""
+    """NVSHMEM's per-process state as DeepEP drives it (deepseek-ai/DeepEP@dd758ca csrc/kernels/backend/nvshmem.cu;
+    csrc/legacy/buffer.hpp sync): ``init`` splits a CPU RDMA team when ``team_split_stride`` (8 in LL mode) is
+    below the PE count and asserts none exists yet; the Buffer then asserts that the PE NVSHMEM reports is the one
+    it asked for, so a second live init with another PE numbering (a normal-mode Buffer past 8 ranks is PE
+    ``rdma_rank``, an LL Buffer PE ``rank``) fails (``vendor.NVSHMEM_INIT_ASSERT``). A second live init with the
+    same numbering is allowed and counted (``live_inits``): whether NVSHMEM takes it is for hardware to say.
+    ``finalize`` (every ``Buffer::destroy`` with RDMA bytes) destroys the team and finalizes NVSHMEM for the whole
+    process. ``generation`` counts finalizations: a Buffer initialized in an older one has lost its RDMA memory."""
 
     def __init__(self) -> None:
         self.generation = 0
         self.team = False
         self.inits = 0
+        self.live: tuple[int, int] | None = None  # (PE, PE count) of the live init
+        self.live_inits = 0
 
-    def init(self, num_ranks: int, team_split_stride: int) -> int:
-        if team_split_stride > 0 and num_ranks > team_split_stride:
+    def init(self, pe: int, num_pes: int, team_split_stride: int) -> int:
+        if team_split_stride > 0 and num_pes > team_split_stride:
             ep_assert(not self.team, "cpu_rdma_team == NVSHMEM_TEAM_INVALID", _NVSHMEM_CU)
-            ep_assert(num_ranks % team_split_stride == 0, "num_ranks % team_split_stride == 0", _NVSHMEM_CU)
+            ep_assert(num_pes % team_split_stride == 0, "num_ranks % team_split_stride == 0", _NVSHMEM_CU)
             self.team = True
+        if self.live is not None and self.live != (pe, num_pes):
+            ep_assert(False, f"{vendor.NVSHMEM_INIT_ASSERT} (NVSHMEM is live in this process as PE {self.live[0]} "
+                             f"of {self.live[1]}; this Buffer asked for PE {pe} of {num_pes})", _BUFFER_HPP)
+        self.live = (pe, num_pes)
         self.inits += 1
+        self.live_inits += 1
         return self.generation
 
     def finalize(self) -> None:
         self.team = False
+        self.live = None
+        self.live_inits = 0
         self.generation += 1
 
 
@@ -228,6 +258,87 @@ NVSHMEM = NvshmemState()
 def reset_nvshmem() -> None:
     """A fresh process's NVSHMEM (for the tests)."""
     NVSHMEM.__init__()
+    DESTRUCTOR_TEARDOWNS.clear()
+
+
+#: Each time a ``~Buffer`` ran ``destroy()`` (``explicitly_destroy=False``): its barriers wait for every rank, so a
+#: peer that died makes this process hang there (at exit, when Buffers live as long as the process). The fake runs
+#: no collective in a destructor; it records the hazard.
+DESTRUCTOR_TEARDOWNS: list[str] = []
+
+# -- CUDA graphs ------------------------------------------------------------------------------------------------
+
+_CAPTURE: dict[str, Any] = {"graph": None, "recording": False}
+_CAPTURING_NORMAL = "CUDA error: operation not permitted when stream is capturing"
+
+
+def reset_capture() -> None:
+    """No capture open (for the tests: a fresh process)."""
+    _CAPTURE.update(graph=None, recording=False)
+
+
+def emulated_stream_capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` on the emulated device (``vendor.stream_capturing``)."""
+    return _CAPTURE["graph"] is not None
+
+
+class CUDAGraph:
+    """``torch.cuda.CUDAGraph`` for the fake's kernels. While ``capture()`` is open the host code of each LL call
+    (and ``clean_low_latency_buffer``) runs, its asserts included, but its kernels do not: no signalling state is
+    read or changed (the outputs are computed so that the caller can go on). ``replay()`` runs the captured kernels
+    again, in order, with the state they find then, and writes their outputs into the captured output tensors;
+    nothing of the Python code around them runs, as on a GPU. Normal-mode dispatch syncs the host and cannot be
+    captured (``cudaErrorStreamCaptureUnsupported``)."""
+
+    def __init__(self) -> None:
+        self._launches: list[tuple[Callable[[], Any], Any]] = []
+
+    @contextlib.contextmanager
+    def capture(self) -> Any:
+        if _CAPTURE["graph"] is not None:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (nested capture)")
+        _CAPTURE["graph"] = self
+        try:
+            yield self
+        finally:
+            _CAPTURE["graph"] = None
+
+    def replay(self) -> None:
+        check_context()
+        for launch, captured in self._launches:
+            _copy_into(captured, launch())
+
+
+def _copy_into(captured: Any, fresh: Any) -> None:
+    if isinstance(captured, torch.Tensor) and isinstance(fresh, torch.Tensor):
+        captured.copy_(fresh)
+    elif isinstance(captured, (tuple, list)) and isinstance(fresh, (tuple, list)):
+        for a, b in zip(captured, fresh):
+            _copy_into(a, b)
+
+
+def _graph_kernel(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A Buffer method that launches kernels on the current stream: recorded into an open capture."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        graph = _CAPTURE["graph"]
+        if graph is None or _CAPTURE["recording"]:
+            return method(self, *args, **kwargs)
+        _CAPTURE["recording"] = True
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            _CAPTURE["recording"] = False
+        graph._launches.append((lambda: method(self, *args, **kwargs), result))
+        return result
+
+    return call
+
+
+def _kernels_run() -> bool:
+    """False while a capture records: host code runs, kernels do not."""
+    return not _CAPTURE["recording"]
 
 
 #: The low-latency signalling area right after DeepEP's constructor memsets the RDMA buffer: clean for any layout.
@@ -241,11 +352,20 @@ def _nan_like(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, -1, dtype=torch.int8 if dtype.itemsize == 1 else torch.int32).view(dtype)
 
 
+def _internode_notify_checks(num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+    """``notify_dispatch`` / ``cached_notify``: both buffers below INT_MAX bytes (an LL Buffer may hold more)."""
+    ep_assert(num_rdma_bytes < vendor.INT_MAX, "num_rdma_bytes < std::numeric_limits<int>::max()", _INTERNODE_CU)
+    ep_assert(num_nvl_bytes < vendor.INT_MAX, "num_nvl_bytes < std::numeric_limits<int>::max()", _INTERNODE_CU)
+
+
 def internode_dispatch_checks(num_ranks: int, num_qps: int | None, cfg: vendor.ConfigFields, hidden_bytes: int,
-                              num_scales: int, num_topk: int, topk_rdma_ranks: int = 0) -> None:
+                              num_scales: int, num_topk: int, topk_rdma_ranks: int = 0, num_nvl_bytes: int = 0,
+                              num_rdma_bytes: int = 0) -> None:
     """What internode dispatch checks before moving data (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/
-    internode.cu dispatch): the QPs against the config's SMs, the token's TMA staging, at most 8 RDMA ranks per
-    token (``topk_rdma_ranks``: the most any token reaches)."""
+    internode.cu notify_dispatch, dispatch): the buffers below INT_MAX (host), then the QPs against the config's
+    SMs, the token's TMA staging, at most 8 RDMA ranks per token (``topk_rdma_ranks``: the most any token
+    reaches)."""
+    _internode_notify_checks(num_nvl_bytes, num_rdma_bytes)
     device_assert(num_qps is not None and vendor.internode_qps_ok(num_qps, cfg.num_sms),
                   "ibgda_get_state()->num_rc_per_pe == num_channels or ibgda_get_state()->num_rc_per_pe >= num_sms",
                   _INTERNODE_CU)
@@ -256,8 +376,11 @@ def internode_dispatch_checks(num_ranks: int, num_qps: int | None, cfg: vendor.C
                   "num_topk_ranks <= kNumTopkRDMARanks", _INTERNODE_CU)
 
 
-def internode_combine_checks(num_ranks: int, cfg: vendor.ConfigFields, hidden: int, num_topk: int) -> None:
-    """``internode::combine``'s host asserts on the config and the combine kernels' TMA device asserts."""
+def internode_combine_checks(num_ranks: int, cfg: vendor.ConfigFields, hidden: int, num_topk: int,
+                             num_nvl_bytes: int = 0, num_rdma_bytes: int = 0) -> None:
+    """``cached_notify``'s and ``internode::combine``'s host asserts (buffers below INT_MAX, the config) and the
+    combine kernels' TMA device asserts."""
+    _internode_notify_checks(num_nvl_bytes, num_rdma_bytes)
     for problem in vendor.internode_combine_config_problems(cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens,
                                                             cfg.num_max_nvl_chunked_recv_tokens,
                                                             cfg.num_max_rdma_chunked_send_tokens, num_ranks):
@@ -306,8 +429,8 @@ def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, tor
     blocks = x.float().view(n, h // 128, 128)
     amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
     if round_scale:
-        exponent = _fast_log2_ceil(amax * _FP8_MAX_INV)
-        scale, inv = torch.exp2(-exponent.float()), torch.exp2(exponent.float())
+        exponent = _fast_log2_ceil(amax * _FP8_MAX_INV)  # fast_pow2(-e), fast_pow2(e): built from bits
+        scale, inv = ue8m0_value((127 - exponent).to(torch.uint8)), ue8m0_value((127 + exponent).to(torch.uint8))
     else:
         scale, inv = _FP8_MAX / amax, amax * _FP8_MAX_INV
     data = (blocks * scale.unsqueeze(2)).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, h)
@@ -334,6 +457,7 @@ class Buffer:
     _LL_HIDDEN_SIZES = vendor.LOW_LATENCY_HIDDEN_SIZES
     _CHECKS_DETERMINISTIC = True  # 2.x: check_torch_deterministic() (b306af0)
     _ASSERTS_QP_DEPTH = True  # since d981409
+    _LL_SIGNALLING_BY_EXPERTS = True  # since 42253d0 (vendor.ll_clean_key)
     _NUM_DEVICE_SMS = EMULATED_DEVICE_SMS
     runtime: Any = None
 
@@ -350,6 +474,7 @@ class Buffer:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         if group is None:
             raise NotImplementedError("the fake runs on torch.distributed process groups, not mpi4py communicators")
+        self._check_nvlink_connections(group)
         check_context()
         self._comm = Comm(group)
         self.rank, self.group, self.group_size = self._comm.rank, group, self._comm.world_size
@@ -370,12 +495,19 @@ class Buffer:
         # rank in NVSHMEM and splits a team per 8, normal mode one PE per node (csrc/legacy/buffer.hpp sync).
         self._nvshmem = None
         if int(num_rdma_bytes) > 0:
-            pes = self.group_size if low_latency_mode else runtime.num_rdma_ranks
-            self._nvshmem = NVSHMEM.init(pes, vendor.NUM_MAX_NVL_PEERS if low_latency_mode else 0)
+            pe, pes = vendor.nvshmem_pe(self.rank, self.group_size, bool(low_latency_mode))
+            self._nvshmem = NVSHMEM.init(pe, pes, vendor.NUM_MAX_NVL_PEERS if low_latency_mode else 0)
         self.runtime = runtime
-        self._clean_for: tuple | None = _CLEAN_FOR_ANY
+        self._clean_for: Any = _CLEAN_FOR_ANY
         self._arrivals = torch.Generator().manual_seed(1009 + self.rank)
         self.calls: list[VendorCall] = []
+
+    @staticmethod
+    def _check_nvlink_connections(group: Any) -> None:
+        """``check_nvlink_connections(group)`` (deep_ep/utils/envs.py): PCIe GPUs pair up only. (The NVLink P2P status
+        of the pair, read through pynvml, is taken as connected.)"""
+        if vendor.pcie_pairs_only(sys.modules[__name__].EMULATED_DEVICE_NAME):
+            assert group.size() <= vendor.PCIE_MAX_RANKS, vendor.PCIE_ASSERT_MESSAGE
 
     def _check_sizes(self, nvl: int, rdma: int, low_latency: bool) -> None:
         """``Buffer::Buffer`` common checks."""
@@ -425,6 +557,8 @@ class Buffer:
     def destroy(self):  # noqa: ANN201
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
         self._runtime_destroy(self.runtime)
+        # Buffer::destroy's intranode barrier and nvshmem_barrier_all: every rank of the group must get here.
+        self._comm.all_gather(torch.zeros(1, 1, dtype=torch.uint8), (("metadata", 1),))
         self.runtime = None
 
     def _runtime_destroy(self, runtime: _Runtime) -> None:
@@ -439,11 +573,19 @@ class Buffer:
             NVSHMEM.finalize()
 
     def __del__(self) -> None:
-        """``~Buffer() noexcept(false)``: ``destroy()`` unless ``explicitly_destroy``; pybind11 frees the object
-        inside a noexcept ``unique_ptr`` destructor, so an exception there is ``std::terminate``."""
+        """``~Buffer() noexcept(false)``: with ``explicitly_destroy`` only DeepEP's warning when ``destroy()`` was
+        not called (NVSHMEM stays initialized: a later Buffer's init finds it live); else ``destroy()``, whose
+        barriers are collectives (``DESTRUCTOR_TEARDOWNS``). pybind11 frees the object inside a noexcept
+        ``unique_ptr`` destructor, so an exception there is ``std::terminate``."""
         runtime = self.runtime
-        if runtime is None or runtime.destroyed or self.explicitly_destroy:
+        if runtime is None or runtime.destroyed:
             return
+        if self.explicitly_destroy:
+            sys.stdout.write(vendor.BUFFER_DESTROY_WARNING + "\n")
+            sys.stdout.flush()
+            return
+        DESTRUCTOR_TEARDOWNS.append(f"rank {self.rank}: ~Buffer ran destroy() (NVL {self.num_nvl_bytes} B, RDMA "
+                                    f"{self.num_rdma_bytes} B)")
         try:
             self._runtime_destroy(runtime)
         except RuntimeError as exc:
@@ -460,21 +602,51 @@ class Buffer:
                                "nvshmem::finalize() for the whole process")
 
     def _dirty_after_normal(self) -> None:
-        """Normal-mode kernels write the RDMA buffer where the LL signalling counts live (legacy.py
-        clean_low_latency_buffer: "after running the normal dispatch/combine, you must run this function
-        before executing any low-latency kernel")."""
+        """Internode normal-mode kernels write the RDMA buffer where the LL signalling counts live (legacy.py
+        clean_low_latency_buffer: "after running the normal dispatch/combine, you must run this function before
+        executing any low-latency kernel"); intranode ones use the NVL buffer only."""
+        if self.low_latency_mode and self.runtime.get_num_rdma_ranks() > 1 and _kernels_run():
+            self._clean_for = None
+
+    def emulate_internode_normal_kernels(self) -> None:
+        """For the tests: what internode normal-mode dispatch/combine leave in an LL-mode Buffer's RDMA region
+        (stale signalling counts); the fake cannot run the 16 ranks they need on CPU."""
         if self.low_latency_mode:
             self._clean_for = None
 
+    def _clean_key(self, T: int, hidden: int, num_experts: int) -> Any:
+        return vendor.ll_clean_key(self._LL_SIGNALLING_BY_EXPERTS, T, hidden, num_experts)
+
     def _ll_signalling(self, T: int, hidden: int, num_experts: int) -> None:
-        layout = (T, hidden, num_experts)
-        if self._clean_for == _CLEAN_FOR_ANY or self._clean_for == layout:
-            self._clean_for = layout
+        """An LL kernel reads the signalling counts of its half, zeroed for its E by the kernel before it (or by
+        the constructor's memset, or a clean), then zeroes the other half's for its own E. From 42253d0 the counts
+        sit at the start of the buffer: a kernel of E finds them clean after one of E' >= E. Before it they move
+        with T and hidden too: only the same (T, hidden, E) finds them clean (``_LL_SIGNALLING_BY_EXPERTS``)."""
+        if not _kernels_run():
             return
-        why = ("normal-mode kernels ran on this Buffer" if self._clean_for is None
-               else f"the last LL kernels used the layout (T, hidden, E) = {self._clean_for}, not {layout}")
+        key, state = self._clean_key(T, hidden, num_experts), self._clean_for
+        if self._LL_SIGNALLING_BY_EXPERTS:
+            ok = state == _CLEAN_FOR_ANY or (isinstance(state, int) and key <= state)
+            after: Any = key
+        else:
+            ok = state == _CLEAN_FOR_ANY or (isinstance(state, frozenset) and key in state)
+            after = frozenset({key})
+        if ok:
+            self._clean_for = after
+            return
+        why = ("internode normal-mode kernels ran on this Buffer" if state is None
+               else f"the last LL kernels left them clean for {state}, not {key}")
         raise lose_context(f"(fake) stale low-latency signalling counts: {why} and clean_low_latency_buffer did not "
                            "run since; DeepEP's LL kernels would read them (wrong rows or a hang)")
+
+    def _after_clean(self, T: int, hidden: int, num_experts: int) -> None:
+        key, state = self._clean_key(T, hidden, num_experts), self._clean_for
+        if state == _CLEAN_FOR_ANY:
+            return
+        if self._LL_SIGNALLING_BY_EXPERTS:
+            self._clean_for = key if not isinstance(state, int) else max(state, key)
+        else:
+            self._clean_for = (state if isinstance(state, frozenset) else frozenset()) | {key}
 
     def _deterministic_check(self) -> None:
         if self._CHECKS_DETERMINISTIC:
@@ -516,6 +688,8 @@ class Buffer:
         self._deterministic_check()
         config = self.get_dispatch_config(self.group_size) if config is None else config
         self._check_runtime(uses_nvshmem=True)
+        if emulated_stream_capturing():  # the CPU waits for the received-token counter
+            raise RuntimeError(_CAPTURING_NORMAL)
         self._dirty_after_normal()
         if self.runtime.get_num_rdma_ranks() > 1:
             assert num_worst_tokens == 0, "Internode dispatch does not support `num_worst_tokens > 0`"
@@ -528,7 +702,8 @@ class Buffer:
                 reached = max((len(set(row) - {-1}) for row in nodes.tolist()), default=0)
             internode_dispatch_checks(self.group_size, self.runtime.num_qps, cfg, data.size(1) * data.element_size(),
                                       0 if scales is None else scales.size(1),
-                                      0 if topk_idx is None else topk_idx.size(1), reached)
+                                      0 if topk_idx is None else topk_idx.size(1), reached, int(self.num_nvl_bytes),
+                                      int(self.num_rdma_bytes))
             raise NotImplementedError("the fake emulates normal-mode data movement within one node (at most 8 ranks)")
         data, scales = x if isinstance(x, tuple) else (x, None)
         if handle is not None:
@@ -676,7 +851,7 @@ class Buffer:
         if self.runtime.get_num_rdma_ranks() > 1:
             cfg = _fields(config, "internode_combine", (x, config), self._CONFIG)
             internode_combine_checks(self.group_size, cfg, x.size(1), 0 if topk_weights is None else
-                                     topk_weights.size(1))
+                                     topk_weights.size(1), int(self.num_nvl_bytes), int(self.num_rdma_bytes))
             raise NotImplementedError("the fake emulates normal-mode data movement within one node (at most 8 ranks)")
         rank_prefix_matrix, _, channel_prefix_matrix, src_idx, is_recv_token_in_rank, send_head = handle
         bias_0, bias_1 = _unpack_bias(bias)
@@ -748,6 +923,7 @@ class Buffer:
 
     # -- low-latency mode -------------------------------------------------------------------------------------
 
+    @_graph_kernel
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
         check_args("clean_low_latency_buffer", "(self: deep_ep._C.Buffer, arg0: int, arg1: int, arg2: int)",
                    (num_max_dispatch_tokens_per_rank, hidden, num_experts), "iii")
@@ -756,10 +932,12 @@ class Buffer:
         layout = vendor.LowLatencyLayout.build(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         ep_assert(2 * layout.signaling_bytes <= self.num_rdma_bytes,
                   "0 <= offset and offset + num_bytes <= num_rdma_bytes", _BUFFER_HPP)
+        self.calls.append(VendorCall("clean_low_latency_buffer", torch.uint8, None, 0))
         # internode_ll::clean_low_latency_buffer: nvshmemx_barrier_all_block(), zero both signalling areas,
         # barrier again: a collective every rank must reach.
         self._comm.all_gather(torch.zeros(1, 1, dtype=torch.uint8), (("metadata", 1),))
-        self._clean_for = (int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts))
+        if _kernels_run():
+            self._after_clean(int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts))
 
     def _qp_depth_check(self, T: int) -> None:
         if self._ASSERTS_QP_DEPTH:
@@ -823,6 +1001,7 @@ class Buffer:
         device_assert(-(-num_experts // groups) > 1, "num_sms > 1", _LL_CU)
         device_assert(per_group > 1 and groups < 15, "num_warps_per_group > 1 and num_warp_groups < 15", _LL_CU)
 
+    @_graph_kernel
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, use_fp8=True,
                              round_scale=False, use_ue8m0=False, async_finish=False,
@@ -937,6 +1116,7 @@ class Buffer:
                 layout_range[e, r] = (begin << 32) | count
         return (src_info, layout_range, T, h, num_experts)
 
+    @_graph_kernel
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):  # noqa: ANN201

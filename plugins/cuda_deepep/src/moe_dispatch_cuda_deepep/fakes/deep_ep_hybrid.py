@@ -39,7 +39,22 @@ from moe_dispatch_cuda_deepep import vendor
 
 from . import deep_ep
 from ._native import check_args, device_assert, ep_assert, lose_context, scalar_type_check
-from .deep_ep import Config, EventHandle, EventOverlap, VendorCall, _nan_like, _received, install_statics
+# The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
+from .deep_ep import (
+    EMULATED_DEVICE_NAME,  # noqa: F401
+    EMULATED_DEVICE_SMS,  # noqa: F401
+    EMULATED_NVSHMEM,  # noqa: F401
+    Config,
+    CUDAGraph,  # noqa: F401
+    EventHandle,
+    EventOverlap,
+    VendorCall,
+    _graph_kernel,
+    _nan_like,
+    _received,
+    emulated_stream_capturing,  # noqa: F401
+    install_statics,
+)
 
 __version__ = "1.2.1+94a9f8f"  # the distribution version of a git build of the branch (it has no __version__)
 
@@ -80,6 +95,7 @@ class Buffer(deep_ep.Buffer):
                                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                 config, previous_event, async_finish, allocate_on_comm_stream)
 
+    @_graph_kernel
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, topk_weights=None,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              x_global_scale=None, use_fp8=True, round_scale=False, use_ue8m0=False, use_nvfp4=False,
@@ -160,6 +176,7 @@ class Buffer(deep_ep.Buffer):
             placed = (recv_weights, recv_rank)
         return (data.permute(1, 2, 0), scales), recv_count, handle, placed
 
+    @_graph_kernel
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
                             overlap=False, src_signals=None, src_signal_expect_value=0):  # noqa: ANN201
@@ -183,4 +200,4 @@ class Buffer(deep_ep.Buffer):
 
 install_statics(Buffer)
 
-__all__ = ["Buffer", "Config", "EventOverlap", "HybridEPBuffer", "VendorCall"]
+__all__ = ["Buffer", "CUDAGraph", "Config", "EventOverlap", "HybridEPBuffer", "VendorCall"]

@@ -9,7 +9,17 @@ from __future__ import annotations
 import torch
 
 from . import deep_ep
-from .deep_ep import EventOverlap, VendorCall, install_statics
+# The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
+from .deep_ep import (
+    EMULATED_DEVICE_NAME,  # noqa: F401
+    EMULATED_DEVICE_SMS,  # noqa: F401
+    EMULATED_NVSHMEM,  # noqa: F401
+    CUDAGraph,  # noqa: F401
+    EventOverlap,
+    VendorCall,
+    emulated_stream_capturing,  # noqa: F401
+    install_statics,
+)
 
 __version__ = deep_ep.__version__
 topk_idx_t = torch.int32
@@ -28,4 +38,4 @@ class Buffer(deep_ep.Buffer):
 
 install_statics(Buffer)
 
-__all__ = ["Buffer", "Config", "EventOverlap", "VendorCall", "topk_idx_t"]
+__all__ = ["CUDAGraph", "Buffer", "Config", "EventOverlap", "VendorCall", "topk_idx_t"]

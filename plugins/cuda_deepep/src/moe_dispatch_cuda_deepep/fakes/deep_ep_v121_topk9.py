@@ -20,7 +20,18 @@ from __future__ import annotations
 from moe_dispatch_cuda_deepep import vendor
 
 from . import deep_ep
-from .deep_ep import Config, EventOverlap, VendorCall, install_statics
+# The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
+from .deep_ep import (
+    EMULATED_DEVICE_NAME,  # noqa: F401
+    EMULATED_DEVICE_SMS,  # noqa: F401
+    EMULATED_NVSHMEM,  # noqa: F401
+    CUDAGraph,  # noqa: F401
+    Config,
+    EventOverlap,
+    VendorCall,
+    emulated_stream_capturing,  # noqa: F401
+    install_statics,
+)
 
 __version__ = "1.2.1+e9d053c"
 
@@ -44,4 +55,4 @@ class Buffer(deep_ep.Buffer):
 
 install_statics(Buffer)
 
-__all__ = ["Buffer", "Config", "EventOverlap", "VendorCall"]
+__all__ = ["CUDAGraph", "Buffer", "Config", "EventOverlap", "VendorCall"]

@@ -11,11 +11,13 @@ The calls are pybind functions (``csrc/apis/gemm.hpp``): the recorded keyword na
 - scale factors (``csrc/apis/layout.hpp`` ``transform_sf_pair_into_required_layout``): the default recipe
   from their dtypes (SM90: both fp32, else assert; SM100: fp32 128×128 or int32 per-row SFB); SM90 takes
   fp32 SFA in any layout and fp32 SFB contiguous (or contiguous transposed); SM100 casts fp32 scales to
-  UE8M0 (``get_mn_major_tma_aligned_packed_ue8m0_tensor``) unless ``disable_ue8m0_cast`` — from 2.6.1 its
-  kernel device-asserts that every scale is a power of two, before it the exponent bits are kept silently
-  (what this fake does per ``__version__``) — and takes int32 (packed UE8M0) SFA only MN-major and
-  TMA-aligned; fp32 SFA on SM100 with the cast disabled is "Unsupported architecture or scaling factor
-  types", as is int32 SFA on SM90.
+  UE8M0 (``get_mn_major_tma_aligned_packed_ue8m0_tensor``) unless ``disable_ue8m0_cast`` — its CUDA kernels pack
+  ``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 << 1``, exact for powers of two, garbage exponents otherwise before 2.6.1
+  and a device assert from it; its PyTorch fallback keeps ``bits >> 23``; PR #112's 2.0.0 builds assert
+  ``mn % 4 == 0 and num_groups == 1`` for MN-major input instead (``emulate(..., before_f85ec64=True)``) — and
+  takes int32 (packed UE8M0) SFA only MN-major and TMA-aligned; fp32 SFA on SM100 with the cast disabled is
+  "Unsupported architecture or scaling factor types", as is int32 SFA on SM90. The layout helpers are bound
+  without ``py::arg`` (``(arg0, /)``) except the packed one from 2.6.1: a keyword is pybind's ``TypeError``.
 
 The contiguous layout is read as the kernels read it: every ``get_mk_alignment_for_contiguous_layout()``-row
 block takes its group from its first row (``max(0, grouped_layout[m_block_idx * BLOCK_M])``,
@@ -28,8 +30,9 @@ picks, from the BLOCK_M values the version's heuristic may choose, one that does
 one (the real choice depends on the SM count). TMA descriptors need 16-byte row strides (a "CUDA driver" error).
 
 ``emulate(capability, version)`` follows the version: the recorded signatures of 2.0–2.2 (``m_indices``), 2.3–2.5
-and 2.6.1; ``set_mk_alignment_for_contiguous_layout`` from 2.4.2; the SM100 fp32 1D2D path (``disable_ue8m0_cast``)
-before 2.2.0; the masked BLOCK_M values (``vendor.dg_masked_block_ms``); the power-of-two assert from 2.6.1.
+and 2.6.1; no ``__version__`` before 2.1.1; ``set_mk_alignment_for_contiguous_layout`` from 2.4.2; the SM100 fp32
+1D2D path (``disable_ue8m0_cast``) before 2.2.0; the masked BLOCK_M values (``vendor.dg_masked_block_ms``); the
+UE8M0 cast per version (above); ``before_f85ec64``: PR #112's names (``fp8_m_grouped_gemm_nt_masked`` only, no BF16).
 Computed in fp32, written to ``d`` as bf16. Not emulated: ``recipe_a``/``recipe_b``, PSUM layouts, FP4.
 """
 
@@ -46,7 +49,7 @@ from moe_dispatch.signatures import REQUIRED, VendorSignature
 from moe_dispatch_cuda_deepep import vendor
 
 from . import _gemm
-from ._native import check_args, check_context, device_assert, dg_assert, incompatible, is_int
+from ._native import check_args, check_context, device_assert, dg_assert, incompatible
 
 __version__ = "2.6.1"
 EMULATED_DEVICE_CAPABILITY = (9, 0)
@@ -66,6 +69,9 @@ class _Device:
     arch: int
     version: str
     mk_alignment: int = vendor.DG_DEFAULT_MK_ALIGNMENT
+    #: A 2.0.0 build from PR #112 (9da4a23) before f85ec64: the strictest of its layout-cast variants (asserts, no
+    #: PyTorch fallback: 9da4a23 .. 6bc75b5~1 and d9c363f .. 7b6b556~1).
+    before_f85ec64: bool = False
 
     @property
     def strict_pow2(self) -> bool:
@@ -142,18 +148,32 @@ def _check_sm90_sfb(sf: torch.Tensor, groups: int | None) -> None:
 
 
 def _pack_cast(device: _Device, sf: torch.Tensor) -> torch.Tensor:
-    """``get_mn_major_tma_aligned_packed_ue8m0_tensor`` of fp32 scales: the values it passes on (fp32
-    powers of two). Its CUDA kernel asserts powers of two from 2.6.1; the PyTorch fallback (non-contiguous
-    with MN % 4, or batched with MN·K % 4) and earlier versions keep the exponent bits."""
+    """``get_mn_major_tma_aligned_packed_ue8m0_tensor`` of fp32 scales: the fp32 values it passes on
+    (csrc/jit_kernels/impls/smxx_layout.hpp, deep_gemm/include/deep_gemm/impls/smxx_layout.cuh). Batched
+    contiguous scales with ``(mn · sf_k) % 4``, or non-contiguous ones with ``mn % 4`` or several groups, take the
+    PyTorch fallback, which keeps ``bits >> 23``; the 2.0.0 builds before 6bc75b5 (and d9c363f .. 7b6b556~1) assert
+    instead (``before_f85ec64``). The CUDA kernels pack ``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 << 1``: exact for powers
+    of two, garbage exponents otherwise before 2.6.1, a device assert from 2.6.1."""
     batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
     groups, mn, sf_k = batched.shape
-    torch_path = ((mn * sf_k) % 4 != 0 and groups > 1) if batched.is_contiguous() else (mn % 4 != 0 or groups > 1)
-    if not torch_path and not batched.is_contiguous():
+    where = "csrc/jit_kernels/impls/smxx_layout.hpp"
+    if device.before_f85ec64:
+        dg_assert(groups == 1 or (mn * sf_k) % 4 == 0, "num_groups == 1 or (mn * sf_k) % 4 == 0", where)
+        if not batched.is_contiguous():
+            dg_assert(mn % 4 == 0 and groups == 1, "mn % 4 == 0 and num_groups == 1", where)
+        torch_path = False
+    else:
+        torch_path = ((mn * sf_k) % 4 != 0 and groups > 1) if batched.is_contiguous() else (mn % 4 != 0 or groups > 1)
+    if torch_path:
+        return _gemm.exponent_only(sf)
+    if not batched.is_contiguous():
         dg_assert(batched.stride(1) == 1 and batched.stride(2) == mn,
-                  "batched_sf.stride(1) == 1 and batched_sf.stride(2) == mn", "csrc/jit_kernels/impls/smxx_layout.hpp")
-    if device.strict_pow2 and not torch_path:
+                  "batched_sf.stride(1) == 1 and batched_sf.stride(2) == mn", where)
+    if device.strict_pow2:
         device_assert(_gemm.is_power_of_two(sf), "(values[j] & 0x807fffffu) == 0", _SMXX)
-    return _gemm.exponent_only(sf)
+    if batched.is_contiguous():
+        return _gemm.cuda_cast(sf)
+    return _gemm.cuda_cast(sf.contiguous())  # the values, whatever their layout: the kernel reads MN-major
 
 
 def _scales(device: _Device, sfa: torch.Tensor, sfb: torch.Tensor, m: int, n: int, k: int, groups_a: int | None,
@@ -304,20 +324,29 @@ def _check_tma_strides_of(*operands: torch.Tensor) -> None:
                                "(CUDA_ERROR_INVALID_VALUE, invalid argument)")
 
 
+_PARAMETER_KINDS = {"positional-only": inspect.Parameter.POSITIONAL_ONLY,
+                    "positional": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                    "keyword-only": inspect.Parameter.KEYWORD_ONLY}
+
+
 def _versioned(fn: Callable[..., Any], record: VendorSignature) -> Callable[..., Any]:
-    """``fn`` (2.6.1's parameters) behind an older version's recorded signature: pybind refuses any other call
-    (``TypeError``); ``m_indices`` is what 2.3.0 renamed to ``grouped_layout``."""
-    params = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    """``fn`` behind a recorded pybind signature: any other call is pybind's ``TypeError`` ("incompatible function
+    arguments"), a keyword for a parameter bound without ``py::arg`` included. ``fn`` takes 2.6.1's parameters by
+    name (``m_indices`` is what 2.3.0 renamed to ``grouped_layout``), or only positional ones."""
+    params = [inspect.Parameter(p.name, _PARAMETER_KINDS[p.kind],
                                 default=inspect.Parameter.empty if p.default == REQUIRED else p.default)
               for p in record.params]
     signature = inspect.Signature(params)
+    positional_only = all(p.kind == inspect.Parameter.POSITIONAL_ONLY for p in params)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
-            raise incompatible(record.qualname, record.text, args) from None
+            raise incompatible(record.qualname, record.text, args + tuple(kwargs.values())) from None
         bound.apply_defaults()
+        if positional_only:
+            return fn(*bound.args)
         return fn(**{("grouped_layout" if k == "m_indices" else k): v for k, v in bound.arguments.items()})
 
     call.__signature__ = signature  # type: ignore[attr-defined]
@@ -325,10 +354,14 @@ def _versioned(fn: Callable[..., Any], record: VendorSignature) -> Callable[...,
     return call
 
 
-def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
-            name: str = vendor.DEEP_GEMM) -> types.ModuleType:
-    """A ``deep_gemm`` module on an emulated GPU of ``capability`` at library ``version``."""
-    device = _Device(capability[0], version)
+def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__, name: str = vendor.DEEP_GEMM, *,
+            before_f85ec64: bool = False) -> types.ModuleType:
+    """A ``deep_gemm`` module on an emulated GPU of ``capability`` at library ``version``. Versions before 2.1.1 carry
+    no ``__version__`` (as DeepGEMM's). ``before_f85ec64`` (2.0.0 only): PR #112's API, with the masked GEMM only as
+    ``fp8_m_grouped_gemm_nt_masked``, no BF16 grouped GEMMs, and the layout cast's asserts."""
+    if before_f85ec64 and vendor.version_tuple(version) >= (2, 1):
+        raise ValueError("before_f85ec64 is a 2.0.0 build")
+    device = _Device(capability[0], version, before_f85ec64=before_f85ec64)
     sig = "(a: Tuple[torch.Tensor, torch.Tensor], b: ..., d: torch.Tensor, ...)"
 
     def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, recipe_a=None, recipe_b=None,
@@ -367,18 +400,17 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
     def get_mk_alignment_for_contiguous_layout():  # noqa: ANN202
         return device.mk_alignment
 
-    def set_mk_alignment_for_contiguous_layout(new_value):  # noqa: ANN001, ANN202
-        if not is_int(new_value):
-            raise TypeError("set_mk_alignment_for_contiguous_layout(): incompatible function arguments")
-        device.mk_alignment = int(new_value)
+    def set_mk_alignment_for_contiguous_layout(arg0):  # noqa: ANN001, ANN202
+        check_args(vendor.DG_SET_MK_ALIGNMENT, "(arg0: int) -> None", (arg0,), "i")
+        device.mk_alignment = int(arg0)
 
-    def get_tma_aligned_size(arg0, arg1, /):  # noqa: ANN001, ANN202
+    def get_tma_aligned_size(arg0, arg1):  # noqa: ANN001, ANN202
         check_args(vendor.DG_TMA_ALIGNED_SIZE, "(arg0: int, arg1: int) -> int", (arg0, arg1), "ii")
         dg_assert(vendor.TMA_ALIGNMENT_BYTES % int(arg1) == 0, "kNumTMAAlignmentBytes % element_size == 0",
                   "csrc/utils/math.hpp")
         return _aligned(int(arg0), int(arg1))
 
-    def get_mn_major_tma_aligned_tensor(arg0, /):  # noqa: ANN001, ANN202
+    def get_mn_major_tma_aligned_tensor(arg0):  # noqa: ANN001, ANN202
         check_args(vendor.DG_MN_MAJOR_TMA_ALIGNED, "(arg0: torch.Tensor) -> torch.Tensor", (arg0,), "t")
         check_context()
         return _mn_major_fp32(arg0)
@@ -391,27 +423,42 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__,
             raise NotImplementedError("the fake does not emulate the PSUM layout")
         return _packed_ue8m0(device, sf)
 
+    def get_mn_major_tma_aligned_packed_ue8m0_tensor_before_2_6_1(arg0):  # noqa: ANN001, ANN202
+        check_args(vendor.DG_MN_MAJOR_PACKED_UE8M0, "(arg0: torch.Tensor) -> torch.Tensor", (arg0,), "t")
+        check_context()
+        return _packed_ue8m0(device, arg0)
+
     module = types.ModuleType(name, f"DeepGEMM {version} on an emulated SM{capability[0]}{capability[1]}")
-    module.__version__ = version  # type: ignore[attr-defined]
-    setattr(module, vendor.EMULATED_CAPABILITY_ATTRIBUTE, tuple(capability))
     v = vendor.version_tuple(version)
+    if v >= vendor.DG_FIRST_VERSION_ATTRIBUTE:
+        module.__version__ = version  # type: ignore[attr-defined]
+    setattr(module, vendor.EMULATED_CAPABILITY_ATTRIBUTE, tuple(capability))
     records = {r.qualname: r for r in vendor.deep_gemm_signatures("v2", version)}
+    newest = {r.qualname: r for r in vendor.DEEP_GEMM_SIGNATURES}
     functions = [(vendor.DG_FP8_CONTIGUOUS, m_grouped_fp8_fp4_gemm_nt_contiguous),
-                 (vendor.DG_FP8_MASKED, m_grouped_fp8_fp4_gemm_nt_masked),
-                 (vendor.DG_BF16_CONTIGUOUS, m_grouped_bf16_gemm_nt_contiguous),
-                 (vendor.DG_BF16_MASKED, m_grouped_bf16_gemm_nt_masked)]
+                 (vendor.DG_FP8_MASKED, m_grouped_fp8_fp4_gemm_nt_masked)]
+    if not before_f85ec64:
+        functions += [(vendor.DG_BF16_CONTIGUOUS, m_grouped_bf16_gemm_nt_contiguous),
+                      (vendor.DG_BF16_MASKED, m_grouped_bf16_gemm_nt_masked)]
     for attr, fn in functions:
         record = records[attr]
-        if record != {r.qualname: r for r in vendor.DEEP_GEMM_SIGNATURES}[attr]:
+        if record != newest[attr]:
             fn = _versioned(fn, record)  # an older version's parameters
         setattr(module, attr, fn)
     setattr(module, vendor.DG_FP8_MASKED_ALIAS, getattr(module, vendor.DG_FP8_MASKED))
+    if before_f85ec64:  # PR #112 registered the masked GEMM under its old name only
+        delattr(module, vendor.DG_FP8_MASKED)
     setattr(module, vendor.DG_MK_ALIGNMENT, get_mk_alignment_for_contiguous_layout)
     if v >= vendor.DG_SET_MK_ALIGNMENT_VERSION:
-        setattr(module, vendor.DG_SET_MK_ALIGNMENT, set_mk_alignment_for_contiguous_layout)
-    for attr, fn in ((vendor.DG_TMA_ALIGNED_SIZE, get_tma_aligned_size),
-                     (vendor.DG_MN_MAJOR_TMA_ALIGNED, get_mn_major_tma_aligned_tensor),
-                     (vendor.DG_MN_MAJOR_PACKED_UE8M0, get_mn_major_tma_aligned_packed_ue8m0_tensor)):
+        setattr(module, vendor.DG_SET_MK_ALIGNMENT,
+                _versioned(set_mk_alignment_for_contiguous_layout, vendor.DG_SET_MK_ALIGNMENT_SIG))
+    packed = (get_mn_major_tma_aligned_packed_ue8m0_tensor if v >= vendor.DG_PACKED_UE8M0_PY_ARGS_VERSION else
+              _versioned(get_mn_major_tma_aligned_packed_ue8m0_tensor_before_2_6_1,
+                         vendor.DG_MN_MAJOR_PACKED_UE8M0_SIG_BEFORE_2_6_1))
+    for attr, fn in ((vendor.DG_TMA_ALIGNED_SIZE, _versioned(get_tma_aligned_size, vendor.DG_TMA_ALIGNED_SIZE_SIG)),
+                     (vendor.DG_MN_MAJOR_TMA_ALIGNED,
+                      _versioned(get_mn_major_tma_aligned_tensor, vendor.DG_MN_MAJOR_TMA_ALIGNED_SIG)),
+                     (vendor.DG_MN_MAJOR_PACKED_UE8M0, packed)):
         setattr(module, attr, fn)
     return module
 

@@ -13,10 +13,12 @@
 - ``flashinfer_0_6_17`` v0.6.16-v0.6.17: EPLB / rank-mask arguments, five-field cache key, uneven
   expert partition, fp32 combine sum, use_fused_finalize, run(per_token_scale=).
 - ``flashinfer_0_7_0``  0.6.18-0.7.0: SiTU / quant_mode wrapper, the x dtype TypeError.
-- ``flashinfer_0_7_2``  0.7.1-0.7.2: ``backend=``, six-field key, the init barrier, vector widths
-  that respect plane alignment, MoeAlltoAll deprecated (0.7.2), fp4_quantize(nvfp4_4over6=).
+- ``flashinfer_0_7_1``  0.7.1: ``backend=``, six-field key, the init barrier, vector widths that
+  respect plane alignment, fp4_quantize(nvfp4_4over6=).
+- ``flashinfer_0_7_2``  0.7.2: as 0.7.1, and MoeAlltoAll deprecated (a DeprecationWarning at each
+  construction).
 
-Each is one ``release.build`` call over the shared pieces: ``kernels`` (the JIT module
+Each is one ``release.export(globals(), version, ...)`` call over the shared pieces: ``kernels`` (the JIT module
 ``get_moe_alltoall_module()`` returns: the C++ checks, the workspace layout at calculateOffsets'
 offsets, the dispatch and combine kernels' semantics, the function-static environment), ``mnnvl``
 (MNNVL memory on CPU with FlashInfer's class-level address reservation, the communicators), ``a2a``

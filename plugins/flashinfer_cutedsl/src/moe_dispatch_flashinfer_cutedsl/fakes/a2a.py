@@ -116,9 +116,9 @@ class MoeAlltoAllBase:
         self.enable_rank_mask = enable_rank_mask
         if workspace_size_per_rank is None:
             assert hidden_size is not None, "hidden_size must be provided if workspace_size_per_rank is not provided"
-            per_token = 2 * hidden_size + 8 * top_k
+            dispatch, combine = vendor.default_workspace_bytes_per_token(hidden_size, top_k)
             workspace_size_per_rank = workspace_size_per_rank_of(self._KERNELS, mapping.moe_ep_size, max_num_tokens,
-                                                                 per_token, 2 * hidden_size, eplb_stats_num_experts)
+                                                                 dispatch, combine, eplb_stats_num_experts)
         self._MNNVL.initialize()
         if mnnvl_config:
             self._MNNVL.set_comm_from_config(mapping, mnnvl_config)
@@ -307,9 +307,8 @@ class MoeAlltoAll_0_7_1(MoeAlltoAll_0_6_16):  # noqa: N801 - 0.7.1+: backend=, s
                  hidden_size=None, mnnvl_config=None, eplb_stats_num_experts=0, enable_rank_mask=False, *,
                  backend="trtllm") -> None:
         if self._KERNELS.profile.deprecated:
-            warnings.warn("MoeAlltoAll is deprecated; use flashinfer.moe_ep.NVLinkOneSidedAlltoAll (CakeAlltoAll for "
-                          "backend='cake'). Its implementation will move into those classes.", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(f"{vendor.A2A_DEPRECATION} (CakeAlltoAll for backend='cake'). Its implementation will move "
+                          "into those classes.", DeprecationWarning, stacklevel=2)
         self._init(mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank, hidden_size, mnnvl_config,
                    eplb_stats_num_experts, enable_rank_mask, backend)
 

@@ -27,8 +27,9 @@ make into a peer's row travel through the allocation's communicator (``Segment.e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -184,11 +185,19 @@ class MnnvlConfig:
 
 class _Driver:
     """The CUDA driver's virtual address space, as far as MNNVL memory uses it: reserved ranges
-    (``cuMemAddressReserve``) and mappings into them (``cuMemMap`` fails outside every range)."""
+    (``cuMemAddressReserve``) and mappings into them (``cuMemMap`` fails outside every range), and
+    physical allocations (``cuMemCreate``), which fail when the device is out of memory."""
 
     def __init__(self) -> None:
         self._next = 1 << 44
         self.ranges: dict[int, int] = {}  # start -> size
+        #: Device memory left for one cuMemCreate (None: enough). A test lowers it to make an
+        #: allocation fail as on a full GPU: after ``new_mnnvl_memory_address`` reserved its range.
+        self.free_bytes: int | None = None
+
+    def create(self, size: int) -> None:
+        if self.free_bytes is not None and size > self.free_bytes:
+            raise RuntimeError("CUDA error code=2(CUDA_ERROR_OUT_OF_MEMORY)")  # checkCudaErrors(cuMemCreate(...))
 
     def reserve(self, size: int, alignment: int) -> int:
         start = -(-self._next // alignment) * alignment
@@ -306,6 +315,8 @@ def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int) -> tupl
         cls.current_rank_stride = stride
         cls.current_mem_offset = 0
     assert cls.current_mem_offset + aligned <= cls.current_rank_stride
+    # _create_and_map_handles: a failure from here on leaves the range reserved, with no record.
+    DRIVER.create(aligned)
     start, stride, offset = cls.current_start_address, cls.current_rank_stride, cls.current_mem_offset
     for i in range(comm_size):  # cuMemMap of every rank's handle at its place in the range
         DRIVER.map(start + stride * i + offset, aligned)
@@ -417,6 +428,23 @@ def torch_dist_backend_class(version: vendor.Version) -> type[TorchDistBackend]:
         "__module__": __name__, "_GLOBAL_ROOT": vendor.profile(version).bcast_global_root})
 
 
+_RANGE_STATE = ("current_start_address", "current_rank_stride", "current_mem_offset")
+
+
+@contextmanager
+def fresh_address_range(memory: Any) -> Iterator[None]:
+    """``memory`` (a fake's or FlashInfer's real ``MnnvlMemory``) as in a fresh process: no MNNVL
+    address range reserved; its reservation state is put back on exit (tests share processes)."""
+    saved = {name: getattr(memory, name) for name in _RANGE_STATE}
+    for name in _RANGE_STATE:
+        setattr(memory, name, 0)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(memory, name, value)
+
+
 def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
     """Put CPU memory under FlashInfer's real ``MnnvlMemory`` (its comm logic stays: ``get_comm``,
     ``set_comm_from_config``, the class-level ``comm``; the reservation state is its own class
@@ -449,5 +477,5 @@ def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
 
 
 __all__ = ["CommBackend", "DRIVER", "FABRIC", "MPIBackend", "MnnvlConfig", "MnnvlMemoryBase", "MpiComm", "Segment",
-           "SingletonWorld", "TorchDistBackend", "memory_class", "patch_real_mnnvl", "segment_of",
-           "torch_dist_backend_class"]
+           "SingletonWorld", "TorchDistBackend", "fresh_address_range", "memory_class", "patch_real_mnnvl",
+           "segment_of", "torch_dist_backend_class"]

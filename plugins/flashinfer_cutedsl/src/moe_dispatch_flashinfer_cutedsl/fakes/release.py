@@ -2,7 +2,7 @@
 (``kernels``), its own ``MnnvlMemory`` and ``TorchDistBackend`` classes (``mnnvl``), ``MoeAlltoAll``
 with the signatures of its range and its own workspace cache (``a2a``), ``fp4_quantize``
 (``nvfp4``), ``CuteDslMoEWrapper`` (``cute_dsl``, from v0.6.4), laid out as ``flashinfer`` lays them
-out (``comm.MoeAlltoAll``, ``comm.mnnvl.MnnvlConfig`` ...). The version modules are one call each."""
+out (``comm.MoeAlltoAll``, ``comm.mnnvl.MnnvlConfig`` ...). Each version module is one ``export`` call."""
 
 from __future__ import annotations
 
@@ -52,4 +52,13 @@ def build(module: str, version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoA
         MnnvlMemory=memory, TorchDistBackend=torch_dist)
 
 
-__all__ = ["build"]
+def export(namespace: dict[str, Any], version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoAllBase],
+           wrapper: type | None) -> None:
+    """Make the calling version module (``globals()``) the fake of FlashInfer ``version``: its public
+    names (owned by it, so they pickle by its name and ``vendor_module=`` finds them by its path),
+    ``__version__`` and ``__all__``."""
+    release = vars(build(namespace["__name__"], version, moe_alltoall, wrapper))
+    namespace.update(release, __version__=".".join(map(str, version)), __all__=sorted(release))
+
+
+__all__ = ["build", "export"]
