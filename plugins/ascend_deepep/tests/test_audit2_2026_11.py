@@ -314,13 +314,14 @@ def test_33_the_a2_internode_path_end_to_end_on_16_ranks(moe_rank_pools):
 # -- new findings on the A2 internode path ------------------------------------------------------------------------
 
 
-def test_new_a2_internode_normal_takes_at_most_64_ranks():
+def test_new_a2_internode_normal_refused_beyond_64_ranks():
     """aclnnNotifyDispatchA2's tiling: rankSize in (0, 64] (ops2/op_host/notify_dispatch_tiling_a2.cc
-    MAX_A2_WORLD_SIZE), though the dispatch/combine tiling take 256: 128, 144 and 160 (in the config map) fail."""
+    MAX_A2_WORLD_SIZE), though the dispatch/combine tiling take 256: 128, 144 and 160 (in the config map) fail.
+    Round three (N1) found the kernels tighter still: exactly 16 ranks (test_audit3_2026_11 test_n1_*)."""
     with pytest.raises(md.InvalidSpecError) as info:
         _a2().check_spec(_spec(experts=128), 128)
-    assert info.value.parameter == "world_size" and "64" in str(info.value.allowed)
-    _a2().check_spec(_spec(experts=128), 64)
+    assert info.value.parameter == "world_size" and "16" in str(info.value.allowed)
+    _a2().check_spec(_spec(experts=128), 16)
     _a2().check_spec(_spec(mode="low_latency", experts=256), 128)  # low latency: up to 256
 
 
@@ -336,22 +337,25 @@ def test_new_a2_internode_top_k_is_10_before_7a396def():
 
 def test_new_a2_internode_tokens_fit_the_kernels_fixed_rdma_area():
     """The RDMA area is 800 MB whatever the window: the dispatch gives each server floor4K(399 MiB / S) for
-    32 B + T·(2H + 16·ceil8(k)) and the combine each server 8·floor32(399 MiB / R) for T·2H. At R=64, H=7168,
-    k=8 the dispatch fits 3615 tokens per rank, not the tiling's 4096."""
-    assert v.a2_internode_max_tokens(7168, 64, 8) == 3615
-    assert v.a2_internode_max_tokens(7168, 16, 8) == 4096
+    32 B + T·(2H + 16·ceil8(k)), the combine each server 8·floor32(399 MiB / R) for its fixed 4096 rows of 2H
+    (round three: countReL = MAX_BS whatever T). At the one size the kernels take (R = 16) the largest spec
+    fits, so the tiling's 4096 is the limit (round two's 64-rank cap of 3615 went with N1)."""
+    H, k = 7168, 16
+    assert 32 + 4096 * (2 * H + 16 * k) <= v.a2_internode_dispatch_server_bytes(16)
+    assert v.A2_INTERNODE_COMBINE_ROWS * 2 * H <= v.a2_internode_combine_server_bytes(16)
+    _a2().check_spec(_spec(tokens=4096, experts=128, top_k=k), 16)
     with pytest.raises(md.CapacityError) as info:
-        _a2().check_spec(_spec(tokens=4096, experts=512), 64)
-    assert info.value.parameter == "num_max_dispatch_tokens_per_rank" and info.value.allowed == "1..3615"
-    _a2().check_spec(_spec(tokens=3615, experts=512), 64)
+        _a2().check_spec(_spec(tokens=4097, experts=128), 16)
+    assert info.value.parameter == "num_max_dispatch_tokens_per_rank" and info.value.allowed == "1..4096"
 
 
 def test_new_a2_internode_window_above_5299_mb_wraps_the_kernels_ipc_size():
-    """MoeDistributeCombineA2 keeps IPC_DATA_SIZE = winSize − 1204 MiB in a uint32: from 5300 MB it wraps."""
+    """MoeDistributeCombineA2 keeps IPC_DATA_SIZE = winSize − 1204 MiB in a uint32: from 5300 MB it wraps.
+    Round three (N2): the notify op's uint32 offset wraps earlier, from 4496 MB, which is the bound."""
     with pytest.raises(md.InvalidSpecError) as info:
         _a2({**LAYERED, v.HCCL_BUFFSIZE: "5400"}).check_window(_spec(), 16, {}, {})
-    assert info.value.parameter == v.HCCL_BUFFSIZE and info.value.allowed == "1219..5299"
-    _a2({**LAYERED, v.HCCL_BUFFSIZE: "5299"}).check_window(_spec(), 16, {}, {})
+    assert info.value.parameter == v.HCCL_BUFFSIZE and info.value.allowed == "1219..4495"
+    assert v.A2_INTERNODE_COMBINE_MAX_WINDOW_MB == 5299 > v.A2_INTERNODE_MAX_WINDOW_MB
 
 
 def test_new_the_a2_internode_ipc_need_counts_every_expert_of_a_server():

@@ -23,24 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
+from moe_dispatch.distributed.local import one_rank_group
+
 from moe_dispatch_cuda_deepep import hardware, vendor
-
-
-def _init_one_rank(backend: str) -> bool:
-    """Start a one-rank process group unless one is running; True when this started it."""
-    if dist.is_initialized():
-        return False
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group(backend)
-        return True
-    store = os.path.join(tempfile.mkdtemp(prefix="cuda_deepep_check_"), "store")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-hidden", type=int, default=2048, help="hidden size of the DeepGEMM checks")
     args = parser.parse_args(argv)
     if args.fake:
-        started = _init_one_rank("gloo")
+        started = one_rank_group("gloo")
         setup = hardware.fake_setup(args.hidden, args.tokens, args.gemm_hidden)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --fake to check the fakes on CPU", file=sys.stderr)
             return 2
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        started = _init_one_rank("nccl")
+        started = one_rank_group("nccl")
         if dist.get_world_size() != 1:
             print("run on one rank (torchrun --nproc-per-node 1)", file=sys.stderr)
             return 2

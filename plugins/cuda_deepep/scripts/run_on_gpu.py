@@ -12,7 +12,9 @@ The layers of one process share its DeepEP Buffers, as an engine's do (``buffers
 (low-latency) Buffer and one intranode normal-mode Buffer. Past 8 ranks NVSHMEM starts once per process, so one
 Buffer serves both modes: the low-latency layers come first, and the first creates an LL-mode Buffer sized and
 QP'd for the normal-mode layers too (``DeepEPBackend.both_modes_options``), which they then use (the adapter
-cleans its LL signalling after each normal-mode combine). ``backend.close()`` destroys the Buffers at the end, on
+cleans its LL signalling after each normal-mode combine). Normal mode there asserts both regions below INT_MAX, so
+the experts per rank default to 32 halved until the LL region fits (16 on 16 ranks at H=7168, T=128;
+``selfcheck.fitting_experts_per_rank``); an explicit ``--experts-per-rank`` that does not fit is a ``CapacityError``. ``backend.close()`` destroys the Buffers at the end, on
 every rank.
 
 This is the multi-GPU agreement and timing run; ``hardware_check.py`` is the one-GPU check of the
@@ -31,13 +33,14 @@ import torch.distributed as dist
 
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch, layer_spec
+from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch, fitting_experts_per_rank, layer_spec
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts-per-rank", type=int, default=32)
+    parser.add_argument("--experts-per-rank", type=int, default=None,
+                        help="default 32, halved past 8 ranks until one Buffer serves both modes")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--iterations", type=int, default=20)
@@ -47,7 +50,8 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows, ok = [], True
     backend = DeepEPBackend()
-    shape = dict(hidden=args.hidden, experts_per_rank=args.experts_per_rank, top_k=args.top_k, tokens=args.tokens)
+    per_rank = args.experts_per_rank or fitting_experts_per_rank(backend, world, args.hidden, args.top_k, args.tokens)
+    shape = dict(hidden=args.hidden, experts_per_rank=per_rank, top_k=args.top_k, tokens=args.tokens)
     first = None
     if world > vendor.NUM_MAX_NVL_PEERS:  # one LL-mode Buffer for both modes: NVSHMEM starts once per process
         first = backend.both_modes_options(layer_spec(world, "normal", "bf16", **shape),
@@ -68,7 +72,8 @@ def main() -> int:
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        print(f"cuda_deepep vs torch on {world} GPUs, H={args.hidden}, T={args.tokens}, top-{args.top_k}")
+        print(f"cuda_deepep vs torch on {world} GPUs, H={args.hidden}, T={args.tokens}, top-{args.top_k}, "
+              f"{per_rank} experts per rank")
         print(f"{'mode':<12} {'dtype':<6} {'rel diff':>9} {'deepep ms':>10} {'torch ms':>9}")
         for mode, dtype, diff, a, b in rows:
             print(f"{mode:<12} {dtype:<6} {diff:>9.2e} {a * 1e3:>10.3f} {b * 1e3:>9.3f}")

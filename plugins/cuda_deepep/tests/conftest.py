@@ -26,7 +26,4 @@ def _fresh_fake_process_state(request):
     yield
     fresh_process()
     if "moe_rank_pools" in request.fixturenames:
-        pools = request.getfixturevalue("moe_rank_pools")
-        for pool in list(getattr(pools, "_pools", {}).values()):
-            if pool.alive and pool.healthy:
-                pool.try_map(fresh_process)
+        request.getfixturevalue("moe_rank_pools").on_every_live_rank(fresh_process)

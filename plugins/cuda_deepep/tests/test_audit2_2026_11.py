@@ -307,9 +307,9 @@ def _what_dirties(rank, world):
     fake = _fake()
     cfg = fake.Buffer.get_dispatch_config(world)
     nvl = cfg.get_nvl_buffer_size_hint(2 * H, world)
-    rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 8 * world)
+    rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 40 * world)
     with restored_environ():
-        buf = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=8)
+        buf = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=40)
     x, w = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2)
     ids = torch.tensor([[0, 1]] * 2)
 
@@ -324,7 +324,8 @@ def _what_dirties(rank, world):
     try:
         intranode_normal = _outcome(lambda: ll(8, 4 * world) or "clean")
         other_t = _outcome(lambda: ll(4, 4 * world) or "clean")  # same E, another T: the counts did not move
-        larger_e = _outcome(lambda: ll(8, 8 * world) or "clean")
+        # A larger E whose counts lie where E = 4R's kernels wrote data (from 2·align_up(16R, 128); round three).
+        larger_e = _outcome(lambda: ll(8, 40 * world) or "clean")
     finally:
         importlib.import_module("moe_dispatch_cuda_deepep.fakes._native").reset_context()
     return intranode_normal, other_t, "stale" in larger_e[2]

@@ -36,7 +36,6 @@ import importlib.util
 import inspect
 import os
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch.distributed as dist
 import moe_dispatch as md
 from moe_dispatch.accuracy import relative_error
 from moe_dispatch.codecs import NVFP4Codec, nvfp4_global_scale
+from moe_dispatch.distributed.local import one_rank_group
 from moe_dispatch.environ import restored_environ
 from moe_dispatch.signatures import compare, differences, signature_from_source
 from moe_dispatch.wire import WireFormat
@@ -70,17 +70,6 @@ class Setup:
     device: torch.device
     hidden: int
     tokens: int
-
-
-def _init_one_rank(backend: str) -> bool:
-    if dist.is_initialized():
-        return False
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group(backend)
-        return True
-    store = os.path.join(tempfile.mkdtemp(prefix="flashinfer_check_"), "store")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return True
 
 
 # -- the checks ----------------------------------------------------------------------------------
@@ -328,14 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args(argv)
     if args.fake:
-        started = _init_one_rank("gloo")
+        started = one_rank_group("gloo")
         setup = Setup(args.fake_module, args.fake_module, torch.device("cpu"), args.hidden, args.tokens)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --fake to check the fakes on CPU", file=sys.stderr)
             return 2
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        started = _init_one_rank("nccl")
+        started = one_rank_group("nccl")
         info = vendor.detect(vendor.REAL)
         if info.api is None or info.version is None:
             print(info.describe(), file=sys.stderr)

@@ -40,7 +40,8 @@ def _one_rank(mod):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize("fake", [vendor.FAKE_0_6_13, vendor.FAKE_0_7_2])
 def test_6_a_default_sized_moealltoall_created_later_gets_its_own_workspace(fake):
     """FlashInfer's default size (``hidden_size=H``: 2H + 8k dispatch bytes, 2H combine) is the
-    adapter's BF16 size; the cache key has no top-k, so the slot numbers start at 1."""
+    adapter's BF16 size; the cache key has no top-k, so the dispatcher's sizes are that + 64 B +
+    128 B × slot (round three, #1)."""
     mod, tokens = _fake(fake), 29  # a max-tokens no other test uses: nothing cached for it
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=tokens)
     d = md.create_dispatcher(FlashInferA2ABackend(fake), spec, env={})
@@ -49,19 +50,19 @@ def test_6_a_default_sized_moealltoall_created_later_gets_its_own_workspace(fake
     other = mod.MoeAlltoAll(_one_rank(mod), tokens, 2, 2 * E, hidden_size=H, mnnvl_config=config)  # other experts
     assert other.workspace.data_ptr() not in mine
     default = mod.moe_a2a_get_workspace_size_per_rank(1, tokens, 2 * H + 8 * 2, 2 * H)
-    assert {inst.workspace_size_per_rank for inst in d.backend_dispatcher.instances} == {default + 128,
-                                                                                           default + 256}
+    assert {inst.workspace_size_per_rank for inst in d.backend_dispatcher.instances} == {default + 64,
+                                                                                           default + 192}
     x, ids, w = torch.randn(3, H).to(torch.bfloat16), torch.tensor([[0, 1]] * 3), torch.ones(3, 2)
     out = d.dispatch(x, ids, w)
     assert relative_error(d.combine(out.hidden_states, out), x.float() * 2) < 1e-2
 
 
-def test_6_buffer_size_counts_the_slots_from_1():
+def test_6_buffer_size_counts_the_slots():
     spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, output_dtype="bf16")
     for in_flight in (1, 2, 3):
         size = FlashInferA2ABackend(vendor.FAKE_0_6_13, in_flight=in_flight).buffer_size(spec, 8)
         one = size.dispatch_bytes + size.combine_bytes
-        assert size.allocated_bytes == in_flight * one + 128 * in_flight * (in_flight + 1) // 2
+        assert size.allocated_bytes == in_flight * (one + 64) + 128 * in_flight * (in_flight - 1) // 2
 
 
 # -- #10 RISK: an address range reserved by an allocation that failed --------------------------------

@@ -118,10 +118,13 @@ class BackendConformance:
         if per_mode is not None and world_size not in per_mode:
             pytest.skip(f"capabilities.limits[{mode.value}].world_sizes does not include {world_size}")  # type: ignore[union-attr]
 
+    def _runs_on(self, mode: Mode, world_size: int) -> bool:
+        sizes = self.capabilities.world_sizes_for(mode)
+        return sizes is None or world_size in sizes
+
     def _world_for(self, mode: Mode, prefer: int = 2) -> int:
         """A local world size the mode runs on: ``prefer`` when allowed, else the smallest."""
-        allowed = self.capabilities.world_sizes_for(mode)
-        sizes = [w for w in self.world_sizes if allowed is None or w in allowed]
+        sizes = [w for w in self.world_sizes if self._runs_on(mode, w)]
         if not sizes:
             pytest.skip(f"none of {type(self).__name__}.world_sizes {self.world_sizes} runs {mode.value} mode")
         return prefer if prefer in sizes else min(sizes)
@@ -444,7 +447,7 @@ class BackendConformance:
         self._require_mode(m)
         self._require_runnable()
         accepted = self._accepted(m)
-        other_mode = next((o for o in self.capabilities.modes if o is not m), m)
+        other_mode = next((o for o in self.capabilities.modes if o is not m and self._runs_on(o, world_size)), m)
         other = [d for d in self._accepted(other_mode) if d is not accepted[0]] or self._accepted(other_mode)
         routing = standard_routings(world_size, self._shape(m).tokens_per_rank)[1]
         other_routing = standard_routings(world_size, self._shape(other_mode).tokens_per_rank)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from ..distributed.local import RankPool
 
 #: Seconds a collective may wait before gloo gives up; generous for a loaded CI machine.
@@ -25,6 +27,14 @@ class RankPools:
             pool = RankPool(world_size, timeout_s=self.timeout_s)
             self._pools[world_size] = pool
         return pool
+
+    def on_every_live_rank(self, fn: "Callable[..., Any]") -> None:
+        """Run ``fn(rank, world_size)`` on every rank of every live, healthy pool (outcomes
+        ignored): what a plugin's fixture uses to reset per-process state its fakes keep (a lost
+        CUDA context, NVSHMEM) between tests, as a new process would start without it."""
+        for pool in list(self._pools.values()):
+            if pool.alive and pool.healthy:
+                pool.try_map(fn)
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -26,7 +26,7 @@ CONSTRUCTION_UNSET = (v.LONG_SEQ_ROUND_ENV, v.LONG_SEQ_TOKENS_ENV, v.LONG_SEQ_CO
 #: cannot be read (where they can, a different value is an error).
 WINDOW_OPTION = "hccl_window_mb"
 #: The environment that decides the Buffer, its windows and which kernels run: equal on every rank (agreement).
-AGREED_ENV = (v.HCCL_BUFFSIZE, v.DEEPEP_HCCL_BUFFSIZE, v.INTRA_PCIE_ENV, v.INTRA_ROCE_ENV)
+AGREED_ENV = (v.HCCL_BUFFSIZE, v.DEEPEP_HCCL_BUFFSIZE, v.INTRA_PCIE_ENV, v.INTRA_ROCE_ENV, v.OP_EXPANSION_ENV)
 
 
 def capabilities(emulated: bool) -> md.Capabilities:
@@ -47,6 +47,26 @@ def capabilities(emulated: bool) -> md.Capabilities:
     )
 
 
+def check_a2_hccl_options(env: Mapping[str, str], hccl_config: Mapping[str, Any] | None, soc: str,
+                          assumed: bool = False) -> None:
+    """``HCCL_OP_EXPANSION_MODE`` must be unset on Atlas A2 with DeepEP-Ascend (the vendor's README and
+    A2_DEEPEP.md: "unknown operator errors"); torch_npu also sets it per group (``hccl_config`` key
+    ``hccl_op_expansion_mode``). An A3 is not limited. ``assumed``: the chip could not be read, ``soc`` is
+    the backend's assumption (A2 for ascend_deepep, the stricter)."""
+    if soc == v.SOC_A3:
+        return
+    why = "DeepEP-Ascend's README: HCCL_OP_EXPANSION_MODE must be disabled on Atlas A2 (unknown operator errors)" + (
+        "; the chip is not known here, so the A2 rule applies" if assumed else "")
+    if env.get(v.OP_EXPANSION_ENV):
+        raise md.InvalidSpecError(f"{why}: unset it before the process group starts", parameter=v.OP_EXPANSION_ENV,
+                                  value=env[v.OP_EXPANSION_ENV], allowed="unset on Atlas A2")
+    if hccl_config is not None and hccl_config.get(v.HCCL_OP_EXPANSION_KEY) is not None:
+        raise md.InvalidSpecError(f"{why}: the group was created with hccl_config[{v.HCCL_OP_EXPANSION_KEY!r}]",
+                                  parameter="process_group",
+                                  value=f"{v.HCCL_OP_EXPANSION_KEY}={hccl_config[v.HCCL_OP_EXPANSION_KEY]!r}",
+                                  allowed=f"a group without {v.HCCL_OP_EXPANSION_KEY} on Atlas A2")
+
+
 def check_hccl_group(process_group: Any) -> None:
     """DeepEP-Ascend builds its communicator from the group's HCCL backend; without one its Python
     prints "get_hccl_comm_name failed" and every rank initialises its OWN HCCL communicator (no common
@@ -65,8 +85,9 @@ def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None, env: Mapp
     """Atlas A2 limits beyond the declared capabilities (vendor.A2_*): more than 8 ranks take
     DeepEP-Ascend's internode paths. An A3 that is known to be one is not limited. ``soc`` None
     (planning without the chip): the tiling limits common to the internode ops (R in whole nodes up to
-    256, T <= 4096, top-k >= 2); ``"A2"`` also what the normal internode kernels need (R <= 64, the
-    RDMA area's token cap, BF16, top-k <= ``max_top_k``: 10 on builds that may predate KN@7a396def) and,
+    256, T <= 4096, top-k >= 2); ``"A2"`` also what the normal internode kernels need (exactly 16 ranks:
+    they exchange with one peer server, BF16, top-k <= ``max_top_k``: 10 on builds that may predate
+    KN@7a396def) and,
     with ``env`` (creation: where the HCCL variables are read), the layered variables. ``create`` takes
     a chip torch_npu cannot name as A2. ``spec.output_dtype`` None (auto) is checked again resolved, in
     ``create``."""
@@ -87,24 +108,19 @@ def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None, env: Mapp
                                allowed=f"1..{v.A2_INTERNODE_MAX_TOKENS}")
     if soc != v.SOC_A2 or not normal:  # planning without the chip; low latency's limits end here
         return
-    if world_size > v.A2_INTERNODE_MAX_EP_NORMAL:
-        raise md.InvalidSpecError(f"{why}; normal mode's aclnnNotifyDispatchA2 takes at most 64 ranks (its tiling: "
-                                  "rankSize in (0, 64])", parameter="world_size", value=world_size,
-                                  allowed=f"multiples of 8 up to {v.A2_INTERNODE_MAX_EP_NORMAL} (low latency: up to "
-                                  f"{v.A2_INTERNODE_MAX_EP})")
+    if world_size != v.A2_INTERNODE_NORMAL_RANKS:
+        raise md.InvalidSpecError(
+            f"{why}; normal mode's kernels (aclnnNotifyDispatchA2, MoeDistributeCombineA2) exchange with exactly one "
+            "peer server, (1 - serverId)·8 + localRank: two 8-NPU servers (the vendor's 'A2 Dual Node'), although "
+            "the notify tiling takes up to 64 ranks", parameter="world_size", value=world_size,
+            allowed=f"2..8, or {v.A2_INTERNODE_NORMAL_RANKS} (two 8-NPU nodes; low latency: multiples of 8 up to "
+            f"{v.A2_INTERNODE_MAX_EP})")
     if spec.top_k > max_top_k:
         old = " (builds before KN@7a396def, which this one may be: it has no low_latency_dispatch(quant_mode=))" \
             if max_top_k < v.A2_INTERNODE_MAX_TOP_K else ""
         raise md.InvalidSpecError(f"{why}, whose normal dispatch takes top-k {v.A2_LAYERED_MIN_TOP_K}..{max_top_k}"
                                   f"{old}", parameter="top_k", value=spec.top_k,
                                   allowed=f"{v.A2_LAYERED_MIN_TOP_K}..{max_top_k}")
-    cap = v.a2_internode_max_tokens(spec.hidden_size, world_size, spec.top_k)
-    if T > cap:
-        room = "" if cap == v.A2_INTERNODE_MAX_TOKENS else \
-            f" (here fewer: each server's share of the kernels' fixed 800 MB RDMA area holds {cap})"
-        raise md.CapacityError(f"{why}, whose normal dispatch takes at most {v.A2_INTERNODE_MAX_TOKENS} tokens per "
-                               f"rank{room}", parameter="num_max_dispatch_tokens_per_rank", value=T,
-                               allowed=f"1..{cap}")
     if spec.output_dtype in (I8, F8):
         via = " (FP8 falls back to INT8 here)" if spec.output_dtype is F8 else ""
         raise md.InvalidSpecError(
@@ -181,7 +197,23 @@ class AscendDeepEPBackend(md.Backend):
         if spec.mode is LL and v.is_layered(self._env()) and spec.top_k < v.A2_LAYERED_MIN_TOP_K:
             raise md.InvalidSpecError("A2 layered (two-node) low-latency kernels take top-k 2..16", parameter="top_k",
                                       value=spec.top_k, allowed=f"{v.A2_LAYERED_MIN_TOP_K}..{v.MAX_TOP_K}")
-        a2_limits(spec, world_size, self.soc(), None, self._internode_top_k())  # the environment: at creation
+        soc = self.soc()
+        a2_limits(spec, world_size, soc, None, self._internode_top_k())  # the environment: at creation
+        self._check_normal_op_tokens(spec, world_size, soc, soc)
+
+    def _check_normal_op_tokens(self, spec: md.DispatchSpec, world_size: int, need_soc: str | None,
+                                bound_soc: str | None) -> None:
+        """Normal mode on the normal dispatch op: refuse a spec no ops' window holds below the op's 32-bit
+        data-offset bound (``sizes.normal_op_bound``), naming the largest tokens per rank that fit."""
+        if spec.mode is not N or sizes.is_a2_internode(N, world_size, need_soc):
+            return
+        most = sizes.normal_op_max_tokens(spec, world_size, self._env(), need_soc, bound_soc)
+        if most is not None:
+            raise md.CapacityError(
+                "DeepEP-Ascend's normal dispatch op keeps its second-half data offset (half the window plus "
+                "T·k·ceil512(2H)) in a uint32: no window this spec needs stays below it; lower the tokens per rank "
+                "(or top-k)", parameter="num_max_dispatch_tokens_per_rank",
+                value=spec.num_max_dispatch_tokens_per_rank, allowed=f"1..{most}")
 
     def _internode_top_k(self) -> int:
         """The A2 internode dispatch's top-k limit on this build: 16 since KN@7a396def, seen from Python as
@@ -236,22 +268,29 @@ class AscendDeepEPBackend(md.Backend):
         """What ``create`` checks before the Buffer exists: the need <= the ops' window <= the group's window
         (``hccl_config``: the group's options as read, None where they cannot be; ``options[WINDOW_OPTION]``
         states the window then). Returns the group's window."""
-        soc = self._creation_soc()
+        soc, known = self._creation_soc(), self.soc()
         need = self.window_needed_mb(spec, world_size, soc)  # what `moe-dispatch plan` reports (the chip known)
         env = self._env()
         group = sizes.group_window(hccl_config, env, options.get(WINDOW_OPTION), WINDOW_OPTION, need)
-        internode = sizes.is_a2_internode(spec.mode, world_size, soc)
-        return sizes.check_hccl_window(need, env, group, v.A2_INTERNODE_MAX_WINDOW_MB if internode else None)
+        ops_max = None
+        if spec.mode is N and not sizes.is_a2_internode(N, world_size, soc):
+            self._check_normal_op_tokens(spec, world_size, soc, known)
+            ops_max = sizes.normal_op_bound(spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, known)
+        return sizes.check_hccl_window(need, env, group, sizes.window_bounds(spec.mode, world_size, env, soc), ops_max)
 
     def check_environment(self, spec: md.DispatchSpec, world_size: int, hccl_config: Mapping[str, Any] | None,
                           options: Mapping[str, Any]) -> sizes.GroupWindow:
         """Everything ``create`` checks before the Buffer exists, on the resolved spec: the A2 limits with the
-        environment they need (the layered variables, INT8 that a runner asked for) and the windows. A chip
-        torch_npu cannot name is taken as A2 here (the stricter: its internode kernels need the most)."""
+        environment they need (the layered variables, no HCCL_OP_EXPANSION_MODE on A2, INT8 that a runner asked
+        for) and the windows. A chip torch_npu cannot name is taken as A2 here (the stricter: its internode kernels
+        need the most)."""
         a2_limits(spec, world_size, self._creation_soc(), self._env(), self._internode_top_k())
+        check_a2_hccl_options(self._env(), hccl_config, self._creation_soc(), assumed=self.soc() is None)
         return self.check_window(spec, world_size, hccl_config, options)
 
     def _creation_soc(self) -> str:
+        """The chip ``create`` checks for: the known one, else A2 (the stricter: its internode kernels need
+        the most, and it refuses HCCL_OP_EXPANSION_MODE)."""
         return self.soc() or v.SOC_A2
 
     def agreement_values(self, spec: md.DispatchSpec, world_size: int, hccl_config: Mapping[str, Any] | None,

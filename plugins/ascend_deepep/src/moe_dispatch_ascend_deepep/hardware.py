@@ -205,9 +205,16 @@ def _window_rows(opts: Options, world: int, group: Any) -> list[Row]:
     E = opts.experts_per_rank * world
     backend = AscendDeepEPBackend(opts.deep_ep)
     config = backend.group_hccl_config(group)
-    window = sizes.group_window(config, os.environ)
+    seen = (f"hccl_config read: {config}; {v.HCCL_BUFFSIZE}={os.environ.get(v.HCCL_BUFFSIZE)!r}, "
+            f"{v.OP_EXPANSION_ENV}={os.environ.get(v.OP_EXPANSION_ENV)!r}")
+    try:
+        window = sizes.group_window(config, os.environ)
+    except md.MoEDispatchError as exc:  # a shared-buffer group, an unreadable variable: the backend refuses it
+        rows.append(Row("windows", "the group's HCCL window (its hccl_config, else HCCL_BUFFSIZE)", None,
+                        f"refused: {type(exc).__name__} {exc.parameter}: {str(exc)[:160]}; {seen}"))
+        return rows
     rows.append(Row("windows", "the group's HCCL window (its hccl_config, else HCCL_BUFFSIZE)", None,
-                    f"{window.mb} MB: {window.source}; hccl_config read: {config}"))
+                    f"{window.mb} MB: {window.source}; {seen}"))
     for mode in (md.Mode.NORMAL, md.Mode.LOW_LATENCY):
         spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
         soc = backend.soc()

@@ -84,6 +84,13 @@ DEEPEP_HCCL_BUFFSIZE = "DEEPEP_HCCL_BUFFSIZE"
 # KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::low_latency_dispatch: on ASCEND910B, "1"/"0" = layered (two-node).
 INTRA_PCIE_ENV = "HCCL_INTRA_PCIE_ENABLE"
 INTRA_ROCE_ENV = "HCCL_INTRA_ROCE_ENABLE"
+# KN@f425bdf python/deep_ep/README.md (environment table: "Must be disabled on A2 when using DeepEP (remove or
+# unset this variable)"; "A2 Single Node ... Must disable"), python/deep_ep/doc/A2_DEEPEP.md ("On A2, you must
+# disable HCCL_OP_EXPANSION_MODE, otherwise unknown operator errors will occur"). HCCL reads it when it builds a
+# communicator; torch_npu also takes it per group: hccl_config["hccl_op_expansion_mode"] → HcclCommConfig
+# .hcclOpExpansionMode (Ascend/pytorch@9e73e708 torch_npu/csrc/distributed/ProcessGroupHCCL.cpp
+# createHcclCommConfigWithOptions; the key is in torch-npu 2.13.0's libtorch_npu.so).
+OP_EXPANSION_ENV = "HCCL_OP_EXPANSION_MODE"
 # KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::Buffer ("ant moving home", since KN@92f5bb96).
 LONG_SEQ_ROUND_ENV = "DEEPEP_NORMAL_LONG_SEQ_ROUND"
 LONG_SEQ_TOKENS_ENV = "DEEPEP_NORMAL_LONG_SEQ_PER_ROUND_TOKENS"
@@ -109,10 +116,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(STRATEGY_ENV, None, "Buffer construction (Python)",
            "overrides normal_strategy/low_latency_strategy: default | alltoall | ops; else ValueError",
            "KN@f425bdf python/deep_ep/deep_ep/buffer.py Buffer.__init__"),
-    EnvVar(HCCL_BUFFSIZE, "200", "HCCL communicator creation (allocation) and each op's tiling (check)",
+    EnvVar(HCCL_BUFFSIZE, "200", "torch_npu: ONCE, at the first HCCL communicator of the process (a function-static "
+           "strtol, > 0); the ops: each op's tiling (check)",
            "the HCCL window in MB of every group created without its own hccl_buffer_size option (a group's "
-           "pg_options hccl_config wins: HCCL_BUFFER_SIZE_KEY); the ops parse it into a uint16",
-           "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h; Ascend/pytorch@9e73e708 ProcessGroupHCCL.cpp"),
+           "pg_options hccl_config wins: HCCL_BUFFER_SIZE_KEY); the ops parse it with std::stoi into a uint16 "
+           "(ops2's A2 notify tiling: a uint32)",
+           "KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h, ops2/op_host/notify_dispatch_tiling_a2.cc; "
+           "Ascend/pytorch@9e73e708 torch_npu/csrc/core/npu/register/OptionsManager.cpp GetHcclBufferSize, "
+           "ProcessGroupHCCL.cpp getHcclCommConfig"),
     EnvVar(DEEPEP_HCCL_BUFFSIZE, None, "each op's tiling",
            "replaces HCCL_BUFFSIZE as the window size the ops see: their check AND the normal kernels' layout "
            "(the second half starts at totalWinSize/2), so it must not exceed the group's real window; the README: "
@@ -126,6 +137,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "other kernel", "KN@f425bdf csrc/deepep/deep_ep.cpp; ops2/op_host/moe_distribute_combine_a2_tiling.cpp"),
     EnvVar(INTRA_ROCE_ENV, "1", "as HCCL_INTRA_PCIE_ENABLE", "see HCCL_INTRA_PCIE_ENABLE",
            "KN@f425bdf csrc/deepep/deep_ep.cpp; ops2/op_host/dispatch_normal_a2_tiling.cpp"),
+    EnvVar(OP_EXPANSION_ENV, None, "HCCL, when it builds the group's communicator (also the group's "
+           "hccl_config['hccl_op_expansion_mode'])",
+           "must be unset on Atlas A2 with DeepEP-Ascend (the vendor's docs: 'unknown operator errors'); "
+           "A3 deployments set it (AIV)", "KN@f425bdf python/deep_ep/README.md; doc/A2_DEEPEP.md"),
     EnvVar(LONG_SEQ_ROUND_ENV, None, "Buffer construction (C++)",
            "rounds per dispatch; both long-seq variables or neither (EP_HOST_ASSERT)", "KN@f425bdf deep_ep.cpp"),
     EnvVar(LONG_SEQ_TOKENS_ENV, None, "Buffer construction (C++)", "tokens per round (default 8192)",
@@ -160,6 +175,38 @@ def parse_env_int(raw: str | None, default: int) -> int:
     return default if value > _LONG_MAX else _wrap(value, 32, signed=True)
 
 
+_C_SPACE = " \t\n\v\f\r"
+
+
+def strtol_prefix(raw: str) -> int:
+    """``strtol(raw, nullptr, 10)``: leading C whitespace, an optional sign, the longest run of ASCII digits;
+    0 where there are none, LONG_MAX/LONG_MIN beyond a long (what torch_npu reads HCCL_BUFFSIZE with,
+    Ascend/pytorch@9e73e708 torch_npu/csrc/core/npu/register/OptionsManager.cpp GetHcclBufferSize)."""
+    i = 0
+    while i < len(raw) and raw[i] in _C_SPACE:
+        i += 1
+    sign = 1
+    if i < len(raw) and raw[i] in "+-":
+        sign, i = (-1 if raw[i] == "-" else 1), i + 1
+    j = i
+    while j < len(raw) and raw[j] in _ASCII_DIGITS:
+        j += 1
+    value = sign * int(raw[i:j], 10) if j > i else 0
+    return max(-_LONG_MAX - 1, min(_LONG_MAX, value))
+
+
+def plain_decimal(raw: str) -> int | None:
+    """The value of ``raw`` when every reader of a window variable reads it alike: C whitespace, an optional
+    ``+``, ASCII digits, C whitespace (``strtol``: torch_npu's allocation; ``std::stoi``: the ops' check;
+    Python ``int()``: sglang's group size). None for anything else (``1_024``, non-ASCII digits, ``1024MB``,
+    ``0x400``, a sign ``-``), which they read differently."""
+    body = raw.strip(_C_SPACE)
+    digits = body[1:] if body.startswith("+") else body
+    if not digits or not set(digits) <= _ASCII_DIGITS:
+        return None
+    return int(digits, 10)
+
+
 def stoi_prefix(raw: str) -> int | None:
     """``std::stoi(raw)``: leading C whitespace skipped, an optional sign, then the longest run of ASCII
     digits; None where stoi throws (no digits: invalid_argument; beyond int: out_of_range)."""
@@ -181,7 +228,9 @@ def stoi_prefix(raw: str) -> int | None:
 def ops_window_mb(env: Mapping[str, str]) -> int:
     """The window (MB) each op's tiling sees: ``DEEPEP_HCCL_BUFFSIZE`` when set, else ``HCCL_BUFFSIZE``,
     parsed with ``std::stoi`` into a ``uint16_t`` (a value stoi rejects leaves the default 200)
-    (KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h Mc2TilingUtils::GetMaxWindowSize; ops2 the same)."""
+    (KN@f425bdf csrc/deepep/ops/op_host/mc2_tiling_utils.h Mc2TilingUtils::GetMaxWindowSize; ops2's
+    mc2_tiling_utils.h the same; the A2 notify tiling, ops2/op_host/notify_dispatch_tiling_a2.cc GetMaxWindowSize,
+    keeps a uint32: the same for every value this plugin accepts, <= 65535)."""
     name = DEEPEP_HCCL_BUFFSIZE if env.get(DEEPEP_HCCL_BUFFSIZE) is not None else HCCL_BUFFSIZE
     raw = env.get(name)
     parsed = None if raw is None else stoi_prefix(raw)
@@ -201,6 +250,12 @@ def ops_window_mb(env: Mapping[str, str]) -> int:
 # sglang sizes its default and MoE groups so: hccl_buffer_size = int(DEEPEP_HCCL_BUFFSIZE or HCCL_BUFFSIZE or 200)
 # (sgl-project/sglang@0005973a python/sglang/srt/distributed/parallel_state.py get_torch_distributed_pg_options).
 HCCL_BUFFER_SIZE_KEY = "hccl_buffer_size"
+# Other hccl_config keys torch_npu passes to HCCL (Ascend/pytorch@9e73e708 ProcessGroupHCCL.cpp
+# createHcclCommConfigWithOptions; both in torch-npu 2.13.0's libtorch_npu.so): "hccl_buffer_name" makes
+# communicators of that name share ONE buffer (HcclCommConfig.hcclBufferName; getHcclNPUStream also shares their
+# stream), "hccl_op_expansion_mode" is HCCL_OP_EXPANSION_MODE for this group (hcclOpExpansionMode, an int).
+HCCL_BUFFER_NAME_KEY = "hccl_buffer_name"
+HCCL_OP_EXPANSION_KEY = "hccl_op_expansion_mode"
 SGLANG_GROUP_WINDOW_RULE = ("sglang creates its MoE group with hccl_config={'hccl_buffer_size': DEEPEP_HCCL_BUFFSIZE "
                             "or HCCL_BUFFSIZE or 200}")
 
@@ -250,7 +305,10 @@ MAX_EXPERTS = 512
 # KN@f425bdf csrc/deepep/deep_ep.cpp: MAX_TOKENS_PER_ROUND = 8192 = the default per_round_tokens; with round = 1
 # get_dispatch_layout asserts num_tokens <= round * per_round_tokens.
 NORMAL_MAX_TOKENS = 8192
-# KN@f425bdf csrc/deepep/deep_ep.cpp A2_MAX_HCCS_PEERS: on ASCEND910B, ranks > 8 take the internode path.
+# KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::Buffer: on ASCEND910B num_rdma_ranks = max(1, R / A2_MAX_HCCS_PEERS), so
+# ranks >= 16 take the internode path (9..15 stay on one "node"; this plugin refuses R % 8 != 0 there); the ops2
+# low-latency tiling takes its multi-server kernels from R > 8 (moe_distribute_dispatch_v2_tiling.cc
+# MoeDistributeDispatchA2GetIsSingle: epWorldSize <= RANK_NUM_PER_NODE_A2 is the single-server kernel).
 A2_MAX_HCCS_PEERS = 8
 # KN@f425bdf csrc/deepep/deep_ep.cpp PADDING_SIZE: an empty receive still returns this many rows.
 EMPTY_RECEIVE_ROWS = 1
@@ -332,13 +390,20 @@ def current_soc(torch_npu_module: Any) -> str | None:
         return None
 
 
-# A2 (ASCEND910B) with more than 8 ranks: DeepEP-Ascend takes its internode paths (KN@f425bdf deep_ep.cpp
-# A2_MAX_HCCS_PEERS; strategies/normal_strategy.py DefaultNormalCommStrategy.dispatch: get_num_rdma_ranks() > 1).
+# A2 (ASCEND910B) with 16 ranks or more (num_rdma_ranks = max(1, R / 8) > 1; this plugin refuses R % 8 != 0 beyond
+# 8): DeepEP-Ascend takes its internode paths (KN@f425bdf deep_ep.cpp A2_MAX_HCCS_PEERS;
+# strategies/normal_strategy.py DefaultNormalCommStrategy.dispatch: get_num_rdma_ranks() > 1).
 # Normal mode (Buffer::internode_dispatch / internode_combine; the same at KN@0ac00159):
 # - the Python reads only DEEP_NORMAL_MODE_USE_INT8_QUANT (quant_mode and num_worst_tokens are not passed on);
 #   the C++ turns it into quant mode 2 (DYNAMIC_SCALES), global_bs = MAX_BATCH_SIZE(4096)·R;
 # - aclnnNotifyDispatchA2's tiling: rankSize in (0, 64], localRankSize <= 8, and `2·4 B·sendCount + 2 MB` against
 #   the window the ops see (ops2/op_host/notify_dispatch_tiling_a2.cc MAX_A2_WORLD_SIZE, CheckTensorDataType);
+#   but its KERNEL exchanges with exactly one peer server: targetRankId = (1 − serverId)·localRankSize + localRank
+#   ("2个server的计算方式", ops2/op_kernel/notify_dispatch_a2.h CpGM2GMPingPong, ConstructBatchWriteInfo,
+#   offsetInner), deep_ep.cpp internode_dispatch allocates offset_inner [2, MAX_BATCH_SIZE, E] ("the current rank
+#   and the peer rank"), and the combine is built with COMBINE_2SERVER_VERSION (moe_distribute_combine_a2_layered.h):
+#   the path exists for two 8-NPU servers, 16 ranks (the README's "A2 Dual Node"; the vendor's CI runs
+#   node_size 2, tests/python/deepep/run_test_internode.sh WORLD_SIZE=2); the same at KN@0ac00159;
 # - aclnnDispatchNormalA2's tiling (ops2/op_host/dispatch_normal_a2_tiling.cpp
 #   MoeDistributeDispatchA2CheckShapeAndSetTiling / ...CheckAttrAndSetTiling): bs <= 4096, k 2..16 (2..10 before
 #   KN@7a396def, 2026-07-15), H % 32 and <= 7168, R % 8 == 0 and R <= 256, E % R, E <= 512, quant mode 0 or 2;
@@ -356,7 +421,9 @@ def current_soc(torch_npu_module: Any) -> str | None:
 A2_INTERNODE_MAX_TOKENS = 4096
 A2_INTERNODE_MAX_EP = 256
 A2_INTERNODE_EP_MULTIPLE = 8
-A2_INTERNODE_MAX_EP_NORMAL = 64
+A2_INTERNODE_MAX_EP_NORMAL = 64  # the notify TILING's limit; the kernels take exactly A2_INTERNODE_NORMAL_RANKS
+#: The one world size the A2 internode normal kernels handle: two servers of 8 (notify_dispatch_a2.h, above).
+A2_INTERNODE_NORMAL_RANKS = 16
 A2_INTERNODE_MAX_TOP_K = 16
 #: dispatch_normal_a2_tiling.cpp MAX_K_VALUE_A2 before KN@7a396def (which precedes KN@f451a596, the first change
 #: Python sees: low_latency_dispatch(quant_mode=); a build without it may have the old limit).
@@ -454,8 +521,15 @@ A2_IPC_OFFSET_BYTES = 4 * MIB
 A2_NOTIFY_BYTES = 400 * MIB
 A2_STATUS_BYTES = 1 * MIB
 A2_INTERNODE_RESERVED_BYTES = A2_RDMA_BYTES + A2_IPC_OFFSET_BYTES + A2_NOTIFY_BYTES  # 1204 MB
-#: MoeDistributeCombineA2 keeps IPC_DATA_SIZE = winSize − 1204 MB in a uint32_t: from 1204 + 4096 MB it wraps.
-A2_INTERNODE_MAX_WINDOW_MB = 1204 + 4096 - 1
+UINT32_SPAN = 1 << 32
+#: MoeDistributeCombineA2 keeps IPC_DATA_SIZE = winSize − 1204 MB in a uint32_t: from 1204 + 4096 MB it wraps
+#: (moe_distribute_combine_a2_layered.h IPC_DATA_SIZE); the notify op's bound below is the tighter.
+A2_INTERNODE_COMBINE_MAX_WINDOW_MB = 1204 + 4096 - 1
+#: aclnnNotifyDispatchA2 keeps ``notifyMemoryOffset = winSize − 2·IPC_BUFF_MAX_SIZE`` (200 MB, ops2/op_kernel/
+#: comm_args.h) in a uint32_t (ops2/op_kernel/notify_dispatch_a2.h Init, member notifyMemoryOffset; the same at
+#: KN@0ac00159): from 400 + 4096 MB it wraps, and its 400 MB area and persistent magic land in the 0..804 MB the
+#: dispatch and combine rewrite every call. The largest group window the A2 internode path takes.
+A2_INTERNODE_MAX_WINDOW_MB = 400 + 4096 - 1
 _SERVER = 8  # SERVER_RANK_SIZE
 
 
@@ -497,12 +571,14 @@ def a2_internode_combine_server_bytes(world_size: int) -> int:
     return (A2_RDMA_BYTES // 2 - A2_STATUS_BYTES) // world_size // 32 * 32 * _SERVER
 
 
-def a2_internode_max_tokens(hidden: int, world_size: int, top_k: int) -> int:
-    """Tokens per rank the fixed 800 MB RDMA area holds, at most the tiling's 4096 (neither tiling checks it):
-    the dispatch's ``32 B + bs·(H·2 B + 4·RoundUp(k, 8)·4 B)`` and the combine's ``bs·H·2 B`` per server."""
-    per_token = hidden * 2 + 4 * _ceil(top_k, 8) * 4
-    return min(A2_INTERNODE_MAX_TOKENS, (a2_internode_dispatch_server_bytes(world_size) - 32) // per_token,
-               a2_internode_combine_server_bytes(world_size) // (hidden * 2))
+def a2_internode_notify_offset(window_bytes: int) -> int:
+    """notifyMemoryOffset as the notify op computes it from the real window: ``(winSize − 400 MB) mod 2³²``."""
+    return (window_bytes - A2_NOTIFY_BYTES) % UINT32_SPAN
+
+
+#: The combine's RDMA write per server is ``countReL = MAX_BS`` rows of ``H·2 B`` whatever the batch
+#: (moe_distribute_combine_a2_layered.h, COMBINE_2SERVER_VERSION; BatchWrite length countReL·H).
+A2_INTERNODE_COMBINE_ROWS = A2_INTERNODE_MAX_TOKENS
 
 
 def a2_internode_ipc_window_bytes(window_bytes: int) -> int:
@@ -518,6 +594,58 @@ def notify_dispatch_a2_window_bytes(num_experts: int, world_size: int, top_k: in
     send_count = num_experts * (1 + A2_INTERNODE_MAX_TOKENS) + servers + \
         A2_INTERNODE_MAX_TOKENS * (1 + 2 * servers + 2 * top_k)
     return 2 * 4 * send_count + 2 * MIB
+
+
+# -- 32-bit window arithmetic in the kernels: the largest windows they address right ------------------------------
+
+# A2 layered low latency (R > 8 with HCCL_INTRA_PCIE_ENABLE=1, HCCL_INTRA_ROCE_ENABLE=0): the dispatch keeps
+# ``uint32_t totalSize_ = winSize`` and ``RANK_SIZE_ON_IPC = (totalSize_ − 800 MB − 4 MB)/(E_l·R)``
+# (ops2/op_kernel/moe_distribute_dispatch_v2_layered.h Init), the combine ``uint32_t IPC_DATA_SIZE = winSize −
+# 800 MB − 4 MB`` and each destination's slice at ``dstRankId·ipcSliceSize + IPC_DATA_OFFSET`` (4 MB), a uint32
+# sum (moe_distribute_combine_v2_layered.h Init, slice addressing). Both are right while the IPC area and its
+# offset stay below 4 GiB: a window of at most 800 + 4096 MB. The same at KN@0ac00159.
+A2_LAYERED_RESERVED_BYTES = 800 * MIB + 4 * MIB
+A2_LAYERED_MAX_WINDOW_MB = 800 + 4096
+# A2 beyond 8 ranks, not layered (the multi-server "fullmesh" kernels, tiling key 2000001000 / combine 2000): the
+# dispatch keeps ``uint32_t totalSize_ = winSize / 2`` (ops2/op_kernel/moe_distribute_dispatch_v2.h Init) and the
+# combine ``uint32_t halfWinSize_ = winSize / 2`` (ops2/op_kernel/moe_distribute_combine_v2.h Init): from 8192 MB
+# the half wraps. The single-server kernels (R <= 8) and A3's keep uint64 offsets.
+A2_LL_MULTI_SERVER_MAX_WINDOW_MB = 2 * 4096 - 1
+
+
+def a2_layered_ipc_bytes(window_bytes: int) -> int:
+    """The layered kernels' IPC area as they compute it from the real window: ``(winSize − 804 MB) mod 2³²``."""
+    return (window_bytes - A2_LAYERED_RESERVED_BYTES) % UINT32_SPAN
+
+
+# The normal dispatch op (CamMoeDispatchNormal; A3 and A2 up to 8 ranks) keeps its data offset in a uint32:
+# ``uint32_t winDataSizeOffset = dataState·(totalWinSize / 2) + min(realMaxBatchSize, perRoundTokens)·topK·
+# hSizeAlignCombine`` with hSizeAlignCombine = ceil512(2H) (doubled with rounds > 1) and totalWinSize the ops'
+# window (Mc2TilingUtils::GetMaxWindowSize: DEEPEP_HCCL_BUFFSIZE, else HCCL_BUFFSIZE) (KN@f425bdf
+# csrc/deepep/ops/op_kernel/cam_moe_dispatch_normal.h Init, members dataState / winDataSizeOffset; identical at
+# KN@0ac00159 and KN@929a00ae); the A2 build halves ``totalWinSize − 4·STATE_SIZE`` (2 MB,
+# ops2/op_kernel/comm_args.h; ops2/op_kernel/cam_moe_dispatch_normal.h). The data is addressed from that offset (GetWindAddrByRankId), so in
+# state 1 an offset past 4 GiB wraps onto the first half's combine area and dispatch data. The combine keeps its
+# half in a uint64 (cam_moe_combine_normal.h winDataSizeOffset_). The adapter runs one round and passes
+# num_worst_tokens = T, so realMaxBatchSize = T.
+NORMAL_OP_A2_STATE_BYTES = 4 * 2 * MIB
+
+
+def normal_op_state1_offset(window_bytes: int, tokens: int, hidden: int, top_k: int, soc: str,
+                            per_round_tokens: int = NORMAL_MAX_TOKENS, rounds: int = 1) -> int:
+    """The state-1 ``winDataSizeOffset`` before the kernel's uint32 truncation (``soc`` "A3" or "A2"; with
+    ``rounds`` > 1 the kernel doubles hSizeAlignCombine)."""
+    half = (window_bytes - (NORMAL_OP_A2_STATE_BYTES if soc == SOC_A2 else 0)) // 2
+    row = _ceil(hidden * _OUT_BYTES, _WIN_ALIGN) * (2 if rounds > 1 else 1)
+    return half + min(tokens, per_round_tokens) * top_k * row
+
+
+def normal_op_max_window_mb(tokens: int, hidden: int, top_k: int, soc: str | None) -> int:
+    """The largest ops' window (MB) whose state-1 offset stays below 2³² on ``soc`` (None: either chip, the
+    smaller: A3's, which does not subtract the A2 build's 8 MB)."""
+    c = normal_op_state1_offset(0, tokens, hidden, top_k, SOC_A3)
+    most = (UINT32_SPAN - c - 1) // (MIB // 2)
+    return most + NORMAL_OP_A2_STATE_BYTES // MIB if soc == SOC_A2 else most
 
 
 def window_mb(nbytes: int) -> int:
@@ -951,9 +1079,12 @@ def detect(module_name: str = REAL) -> VendorInfo:
 
 
 __all__ = [
-    "A2_INTERNODE_MAX_WINDOW_MB", "HCCL_BUFFER_SIZE_KEY", "a2_internode_combine_server_bytes",
-    "a2_internode_combine_tiling_key", "a2_internode_dispatch_server_bytes",
-    "a2_internode_dispatch_tiling_key", "a2_internode_ipc_window_bytes", "a2_internode_max_tokens",
+    "A2_INTERNODE_COMBINE_MAX_WINDOW_MB", "A2_INTERNODE_COMBINE_ROWS", "A2_INTERNODE_MAX_WINDOW_MB",
+    "A2_INTERNODE_NORMAL_RANKS", "A2_LAYERED_MAX_WINDOW_MB", "A2_LL_MULTI_SERVER_MAX_WINDOW_MB",
+    "HCCL_BUFFER_NAME_KEY", "HCCL_BUFFER_SIZE_KEY", "HCCL_OP_EXPANSION_KEY", "OP_EXPANSION_ENV",
+    "a2_internode_combine_server_bytes", "a2_internode_combine_tiling_key", "a2_internode_dispatch_server_bytes",
+    "a2_internode_dispatch_tiling_key", "a2_internode_ipc_window_bytes", "a2_internode_notify_offset",
+    "a2_layered_ipc_bytes", "normal_op_max_window_mb", "normal_op_state1_offset", "plain_decimal", "strtol_prefix",
     "group_hccl_config", "normal_internode_combine_assert_bytes", "normal_internode_ipc_bytes",
     "normal_internode_window_bytes_a2", "notify_dispatch_a2_window_bytes", "soc_family_from_name",
     "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",

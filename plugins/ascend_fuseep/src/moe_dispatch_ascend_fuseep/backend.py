@@ -91,6 +91,11 @@ class FuseEPBackend(AscendDeepEPBackend):
                     "ops2) has no FusedDeepMoe / DispatchFFNCombine op; use ascend_deepep with the npu_w8a8 runner")
         return reason
 
+    def _creation_soc(self) -> str:
+        """A chip torch_npu cannot name is an A3 here: the fused ops exist on A3 only (an A2 fails them anyway),
+        and A3 deployments set HCCL_OP_EXPANSION_MODE, which ascend_deepep refuses on A2."""
+        return self.soc() or deepep_vendor.SOC_A3
+
     def window_needed_mb(self, spec: md.DispatchSpec, world_size: int, soc: str | None) -> int:
         """The largest of the unfused path's and both fused ops' window checks (MB): what env_requirements
         reports (on the variable the ops read) and create checks against the ops' and the group's windows."""

@@ -131,6 +131,9 @@ class DeepEPBackend(md.Backend):
             return info.describe()
         if not info.has_v1_buffer:
             return f"{info.describe()}; this adapter drives the V1 Buffer"
+        floor = vendor.floor_problem(info.module)
+        if floor is not None:
+            return floor
         if not info.emulated and not torch.cuda.is_available():
             return "no CUDA device"
         return None
@@ -213,10 +216,17 @@ class DeepEPBackend(md.Backend):
         """``options`` for the first low-latency layer past 8 ranks, so that the process's one NVSHMEM Buffer (LL mode)
         also serves ``normal``'s layers (sglang's auto mode; DeepEP's ``test_internode.py --test-ll-compatibility``):
         both modes' bytes and ``max(local experts, the normal QPs)`` QPs per peer. ``options``: ``normal``'s own
-        (configs)."""
+        (configs). A ``CapacityError`` when one Buffer cannot hold both: past 8 ranks normal mode asserts both
+        regions below INT_MAX (internode notify), which an LL region of ``T · E`` bytes often is not."""
         ll, n = self.buffer_request(low_latency, world_size), self.buffer_request(normal, world_size, options)
-        return {"buffer_bytes": (max(ll.num_nvl_bytes, n.num_nvl_bytes), max(ll.num_rdma_bytes, n.num_rdma_bytes)),
-                "buffer_num_qps_per_rank": max(ll.num_qps_per_rank, n.num_qps_per_rank)}
+        nvl, rdma = max(ll.num_nvl_bytes, n.num_nvl_bytes), max(ll.num_rdma_bytes, n.num_rdma_bytes)
+        if world_size > vendor.NUM_MAX_NVL_PEERS and not vendor.internode_bytes_ok(nvl, rdma):
+            raise md.CapacityError(
+                "one DeepEP Buffer cannot serve both modes past 8 ranks: normal mode's internode notify asserts "
+                f"num_nvl_bytes and num_rdma_bytes < INT_MAX, and the low-latency layer needs {ll.num_rdma_bytes:,} "
+                "RDMA bytes; lower num_max_dispatch_tokens_per_rank or the experts per rank of the low-latency layer",
+                parameter="low_latency", value=(nvl, rdma), allowed=f"< {vendor.INT_MAX} bytes each")
+        return {"buffer_bytes": (nvl, rdma), "buffer_num_qps_per_rank": max(ll.num_qps_per_rank, n.num_qps_per_rank)}
 
     def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
         """Low-latency mode: ``NVSHMEM_QP_DEPTH`` (read by the Buffer constructor, default 1024) must be at
@@ -368,6 +378,10 @@ class DeepEPBackend(md.Backend):
         """Which Buffer this layer uses (create, reuse, adopt) and its configs: typed errors first."""
         module = self._module
         assert module is not None  # probe() said so before create_dispatcher got here
+        floor = vendor.floor_problem(module)
+        if floor is not None:  # probe() says so too; create() may be reached without it
+            raise md.BackendUnavailableError(floor, parameter=vendor.REAL, value=vendor.deep_ep_version(module),
+                                             allowed=f"DeepEP from {vendor.COMMIT_UE8M0} on")
         self.check_options(ctx.spec, ctx.world_size, ctx.options)
         need, configs = self._need(ctx.spec, ctx.world_size, ctx.options)
         plan = PROCESS_BUFFERS.plan(module, ctx.comm.process_group, ctx.world_size, need, ctx.spec, ctx.options)

@@ -20,24 +20,30 @@ mode it serves needs.
 **What they share.** DeepEP's low-latency kernels need their signalling counts zeroed before they run: after
 internode normal-mode kernels used the Buffer, and after LL kernels of another E (before 42253d0: another (T,
 hidden, E)) ``clean_low_latency_buffer`` must run first (``vendor.ll_clean_key``). ``SharedBuffer`` tracks that
-for every layer on the Buffer and cleans right before the next LL kernel; every rank makes the same calls in the
-same order, so every rank cleans at the same point.
+for every layer on the Buffer and cleans right before the next LL kernel, or when a low-latency layer is created on
+a Buffer that may not be clean (one handed in; one internode normal mode used); every rank makes the same calls in
+the same order, so every rank cleans at the same point.
 
 **CUDA graphs.** That bookkeeping is Python, which a graph replay skips (sglang PR #11666, DeepEP issue #93). Two
 rules keep every replay correct: after each normal-mode combine past 8 ranks on an LL Buffer the adapter cleans
-at once, for every E on the Buffer (normal mode is never captured: it syncs the host), so the Buffer is clean
-whatever runs next, eager or replayed; and an LL kernel is captured only on a Buffer that serves one E (one
-(T, hidden, E) before 42253d0), whose state no eager call between two replays can change (a typed error
-otherwise, at capture and at the creation of a second E on a captured Buffer).
+at once, once per E on the Buffer (half 1 of E sits at ``align_up(4E, 128)``: no single clean covers every E;
+normal mode is never captured: it syncs the host), so the Buffer is clean whatever runs next, eager or replayed;
+and an LL kernel is captured only on a Buffer that serves one E (one (T, hidden, E) before 42253d0), whose state
+no eager call between two replays can change (a typed error otherwise, at capture and at the creation of a second
+E on a captured Buffer). A graph never holds a clean (it would run only at that graph's replay, on the ranks
+replaying it, while the adapter took the Buffer for clean at capture): a capture while a clean is due is a typed
+error that asks for one eager LL step first.
 
 **Lifetime.** The Buffers live as long as the process. The adapter creates them with ``explicitly_destroy=True``
 (DeepEP from 0c984e2): their destructors run no collective, so a peer that died cannot make the survivors hang at
-exit. ``close()`` (``DeepEPBackend.close``; collective: every rank calls it) destroys them.
+exit. ``close()`` (``DeepEPBackend.close``; collective: every rank calls it) destroys them; CUDA graphs that captured
+LL kernels on one must be dropped first (a replay would run on freed NVSHMEM memory): ``close()`` warns.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Mapping
@@ -132,6 +138,12 @@ def planned_request(need: BufferRequest, options: Mapping[str, Any], world_size:
     qps = max(need.num_qps_per_rank, qps_option(options) or 0)
     held = BufferRequest(_align(max(need.num_nvl_bytes, nvl)), _align(max(need.num_rdma_bytes, rdma)),
                          need.low_latency_mode, qps, need.num_sms)
+    problems = vendor.constructor_bytes_problems(held.num_nvl_bytes, held.num_rdma_bytes, held.low_latency_mode)
+    if problems:
+        raise md.CapacityError(f"DeepEP's Buffer constructor asserts {problems[0]}", parameter="options.buffer_bytes",
+                               value=(held.num_nvl_bytes, held.num_rdma_bytes),
+                               allowed=f"NVL <= {vendor.INT_MAX} when RDMA > 0; each region < "
+                                       f"{vendor.MAX_BUFFER_BYTES} (RDMA <= {vendor.INT_MAX} outside low-latency mode)")
     if not need.low_latency_mode and held.uses_nvshmem and not vendor.internode_bytes_ok(held.num_nvl_bytes,
                                                                                           held.num_rdma_bytes):
         raise md.CapacityError("DeepEP's internode notify asserts both buffers below INT_MAX bytes",
@@ -269,9 +281,21 @@ class SharedBuffer:
                                              parameter="dispatcher", value="closed",
                                              allowed="a dispatcher created after the close")
 
+    def needs_clean(self, key: Any) -> bool:
+        return self.clean != ANY and key not in self.clean
+
+    def clean_now(self, tokens: int, hidden: int, num_experts: int) -> None:
+        """Eager, at a point every rank reaches (a collective kernel): zero this layout's signalling counts."""
+        key = self.key(tokens, hidden, num_experts)
+        if self.needs_clean(key):
+            self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
+            self.clean = self.clean | {key}
+
     def before_low_latency(self, tokens: int, hidden: int, num_experts: int, capturing: bool = False) -> None:
         """Clean the signalling counts unless they are known clean for this layout; under capture, only on a
-        Buffer whose state no eager call can change between replays."""
+        Buffer whose state no eager call can change between replays, and never: a clean captured into a graph runs
+        only when it is replayed (an eager call before that reads stale counts), and only that graph holds it (ranks
+        replaying other graphs skip the collective)."""
         self.check_open()
         key = self.key(tokens, hidden, num_experts)
         if capturing:
@@ -281,8 +305,15 @@ class SharedBuffer:
                     "graph replay skips the adapter's cleaning, and the state the graph was captured in can differ at "
                     "the replay (DeepEP issue #93); capture layers of one, or run these eagerly",
                     parameter=self._parameter(), value=sorted(self.layouts), allowed="one per process when captured")
+            if self.needs_clean(key):
+                raise md.InvalidSpecError(
+                    "the process's DeepEP Buffer needs clean_low_latency_buffer before this LL call (a normal-mode "
+                    "dispatch past 8 ranks wrote its RDMA region and its combine did not run): a clean captured into "
+                    "a graph runs only at that graph's replay, on the ranks replaying it. Run one low-latency step "
+                    "eagerly (it cleans), then capture", parameter="cuda_graph_capture", value="clean due",
+                    allowed="capture after an eager low-latency step")
             self.captured = True
-        if self.clean != ANY and key not in self.clean:
+        if self.needs_clean(key):
             self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
         self.clean = frozenset({key})
 
@@ -300,12 +331,10 @@ class SharedBuffer:
         if not (self.held.low_latency_mode and self.internode):
             return
         self.clean = frozenset()
-        if self.clean_by_experts and self.layouts:  # the counts of E sit at offset 0: the largest E covers all
-            t, h, e = max(self.layouts.values(), key=lambda layout: layout[2])
+        # One clean per E: half 1 of E sits at align_up(4E, 128), outside a larger E's two halves whenever 4·E_max
+        # is not a multiple of 128 (vendor.ll_signalling_halves): no single clean covers every E.
+        for t, h, e in self.layouts.values():
             self.buffer.clean_low_latency_buffer(t, h, e)
-        else:
-            for t, h, e in self.layouts.values():
-                self.buffer.clean_low_latency_buffer(t, h, e)
         self.clean = frozenset(self.layouts)
 
     def close(self) -> None:
@@ -314,6 +343,10 @@ class SharedBuffer:
         if self.closed:
             return
         self.closed = True
+        if self.owned and self.captured:
+            warnings.warn("CUDA graphs captured DeepEP low-latency kernels on a Buffer close() now destroys (its NVSHMEM "
+                          "memory is freed and NVSHMEM finalized): replaying them runs kernels on freed memory; drop "
+                          "them first", RuntimeWarning, stacklevel=3)
         if self.owned and getattr(self.buffer, "explicitly_destroy", False):
             self.buffer.destroy()
         self.buffer = None
@@ -362,7 +395,7 @@ class ProcessBuffers:
         domain = vendor.nvshmem_domain(module)
         given = options.get("buffer")
         if given is not None:
-            return self._plan_given(domain, given, world_size, need, spec, options)
+            return self._plan_given(domain, given, group, world_size, need, spec, options)
         if need.low_latency_mode or need.uses_nvshmem:
             entry = self.nvshmem(domain)
             if entry is None:
@@ -387,14 +420,22 @@ class ProcessBuffers:
         self._check_reuse(entry, need, spec, options, world_size)
         return BufferPlan("reuse", entry.held, entry)
 
-    def _plan_given(self, domain: str, given: Any, world_size: int, need: BufferRequest, spec: md.DispatchSpec,
-                    options: Mapping[str, Any]) -> BufferPlan:
+    def _plan_given(self, domain: str, given: Any, group: Any, world_size: int, need: BufferRequest,
+                    spec: md.DispatchSpec, options: Mapping[str, Any]) -> BufferPlan:
         size = getattr(given, "group_size", world_size)
         if size != world_size:
             raise md.InvalidSpecError(f"the DeepEP Buffer handed in spans {size} ranks, not {world_size}",
                                       parameter="options.buffer", value=type(given).__name__,
                                       allowed=f"a Buffer of this {world_size}-rank group")
-        entry = self.wrapper_of(given)
+        # DeepEP keeps the group it was made on (Buffer.group; deepseek-ai/DeepEP@dd758ca deep_ep/buffers/legacy.py
+        # __init__) and routes by its ranks: another group of the same size routes by another rank order.
+        known = self.wrapper_of(given)
+        if getattr(given, "group", group) is not group or (known is not None and known.group is not group):
+            raise md.InvalidSpecError(
+                "the DeepEP Buffer handed in was made on another process group than this layer's: DeepEP routes by "
+                "the ranks of its own group", parameter="options.buffer", value=type(given).__name__,
+                allowed="a Buffer made on the layer's group (the same group object)")
+        entry = known
         if entry is not None:  # the adapter's own, or one adopted before: its one wrapper
             self._check_reuse(entry, need, spec, options, world_size, parameter="options.buffer")
             return BufferPlan("reuse", entry.held, entry)
@@ -446,6 +487,9 @@ class ProcessBuffers:
             entry = self._create(plan.held, module, group, world_size, spec, clean_by_experts)
         if spec.mode is md.Mode.LOW_LATENCY:
             entry.register(spec)
+            # Clean now (creation is collective: every rank is here) rather than at the first LL call, which may be
+            # captured into a CUDA graph: an adopted Buffer's history is unknown; a reused one may be dirty.
+            entry.clean_now(spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.num_experts)
         return entry
 
     def _create(self, held: BufferRequest, module: ModuleType | Any, group: Any, world_size: int,

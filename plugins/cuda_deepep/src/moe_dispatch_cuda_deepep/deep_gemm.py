@@ -31,7 +31,8 @@ Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 sca
 DeepGEMM lays them out itself); SM100 takes packed UE8M0 (four exponent bytes per int32, MN-major with a
 TMA-aligned stride, which the runner lays out with DeepGEMM's ``get_tma_aligned_size`` and packs with its
 ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` when installed, the ports in ``vendor`` otherwise). fp32 scales
-handed to the runner on SM100 (they must be powers of two: a typed error otherwise, outside CUDA-graph capture) are
+handed to the runner on SM100 (they must be powers of two: a typed error otherwise; the rows past each expert's count
+in masked layout are ignored; under CUDA-graph capture, where the check cannot run, a typed error) are
 packed by the runner itself, contiguous, with that helper: DeepGEMM's own cast of MN-major fp32 scales asserts
 ``mn % 4 == 0 and num_groups == 1`` in some 2.0.0 builds, device-asserts powers of two from 2.6.1 and packs
 garbage exponents for anything else before it. Powers of two are taken by bits (the core's ``pow2_ceil``, as
@@ -395,19 +396,29 @@ class DeepGemmExperts:
         else:
             fn(lhs, rhs, d, groups, expected_m)
 
-    def _pack_fp32(self, scale: torch.Tensor) -> torch.Tensor:
+    def _pack_fp32(self, scale: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 activation scales on SM100 → packed UE8M0, MN-major, TMA-aligned, with DeepGEMM's own helper on a
         contiguous copy (its cast of MN-major fp32 scales asserts ``mn % 4 == 0 and num_groups == 1`` in 2.0.0 builds
         of 2025-07-18 .. 07-29 and 08-02 .. 08-04, deepseek-ai/DeepGEMM@9da4a23 smxx_layout.hpp). They must be powers
-        of two: checked here (a host read) outside CUDA-graph capture."""
-        if not vendor.stream_capturing(self.info.module):
-            bits = scale.float().contiguous().view(torch.int32)
-            if bool(((bits & 0x807FFFFF) != 0).any()):
-                raise md.InvalidInputError(
-                    "fp32 scales on SM100 must be powers of two: DeepGEMM casts them to UE8M0 (2.6.1 device-asserts, "
-                    "earlier versions pack garbage exponents)", parameter="hidden_states_scale", value=scale,
-                    allowed="power-of-two fp32 scales (QuantHints(fp8_ue8m0_scales=True)), or packed int32 UE8M0")
-        return vendor.dg_packed_ue8m0_mn_major(self.info.module, scale.float().contiguous())
+        of two (2.6.1's pack kernels device-assert it, earlier ones pack garbage exponents): checked here, a host
+        read, so refused under CUDA-graph capture. ``valid``: the rows that hold data (masked layout: rows past each
+        expert's count are DeepEP's ``torch::empty``), the others packed as 1.0."""
+        if vendor.stream_capturing(self.info.module):
+            raise md.InvalidInputError(
+                "fp32 activation scales on SM100 under CUDA-graph capture: DeepGEMM casts them to UE8M0 and only "
+                "powers of two survive (2.6.1 device-asserts, earlier versions pack garbage exponents), which cannot "
+                "be checked while capturing (a host read)", parameter="hidden_states_scale", value=scale,
+                allowed="packed int32 UE8M0 (a spec with experts.quant_hints(): QuantHints(fp8_ue8m0_scales=True))")
+        scale = scale.float()
+        if valid is not None:
+            scale = torch.where(valid, scale, torch.ones((), dtype=scale.dtype, device=scale.device))
+        bits = scale.contiguous().view(torch.int32)
+        if bool(((bits & 0x807FFFFF) != 0).any()):
+            raise md.InvalidInputError(
+                "fp32 scales on SM100 must be powers of two: DeepGEMM casts them to UE8M0 (2.6.1 device-asserts, "
+                "earlier versions pack garbage exponents)", parameter="hidden_states_scale", value=scale,
+                allowed="power-of-two fp32 scales (QuantHints(fp8_ue8m0_scales=True)), or packed int32 UE8M0")
+        return vendor.dg_packed_ue8m0_mn_major(self.info.module, scale.contiguous())
 
     def _between(self, layer: DeepGemmLayer, h: torch.Tensor, valid: torch.Tensor, packed: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -469,15 +480,15 @@ class DeepGemmExperts:
                 "capacity that is not a multiple of every BLOCK_M it may pick lets one expert's last tile overwrite "
                 "the next expert's first rows (DeepGEMM issues #15, #268)", parameter="hidden_states", value=x,
                 allowed=f"capacity (DeepEP LL: num_ranks · num_max_dispatch_tokens_per_rank) a multiple of {multiple}")
+        masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
+        valid = (torch.arange(capacity, device=device).unsqueeze(0) < masked_m.unsqueeze(1)).unsqueeze(2)
         if packed:
             scale = vendor.dg_mn_major(self.info.module, scale)
         elif scale is not None and self.arch == vendor.DG_ARCH_SM100:
-            scale, packed = self._pack_fp32(scale), True
-        masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
+            scale, packed = self._pack_fp32(scale, valid), True
         expected_m = int(layer.expected_m or capacity)  # a hint; reading the counts would sync the host
         h1 = torch.empty(experts, capacity, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(False, x, scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, masked_m, expected_m)
-        valid = (torch.arange(capacity, device=device).unsqueeze(0) < masked_m.unsqueeze(1)).unsqueeze(2)
         act, act_scale = self._between(layer, h1, valid, packed)
         h2 = torch.empty(experts, capacity, h, dtype=torch.bfloat16, device=device)
         self._gemm(False, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, masked_m, expected_m)

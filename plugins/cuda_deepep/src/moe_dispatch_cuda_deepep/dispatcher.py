@@ -26,8 +26,9 @@ within an expert come in arrival order: nothing here reads either.
 
 The Buffer is the process's, shared with every other layer (``buffers.SharedBuffer``): LL calls clean its
 signalling counts first when internode normal-mode kernels or LL kernels of another E used it since, and a
-normal-mode combine past 8 ranks on an LL Buffer cleans at once (a replayed CUDA graph runs no Python); an LL call
-under CUDA-graph capture is refused on a Buffer serving several E (``buffers``). Once the backend is closed
+normal-mode combine past 8 ranks on an LL Buffer cleans at once, once per E (a replayed CUDA graph runs no Python);
+an LL call under CUDA-graph capture is refused on a Buffer serving several E, and while a clean is due (a graph never
+holds one; ``buffers``). Once the backend is closed
 (``DeepEPBackend.close``) every call is a ``BackendUnavailableError``.
 """
 

@@ -14,7 +14,7 @@ from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
 
 from .backend import DeepEPBackend
-from .vendor import EMULATOR, REAL
+from .vendor import EMULATOR, NUM_MAX_NVL_PEERS, REAL
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,22 @@ def layer_spec(world: int, mode: str, dtype: str, hidden: int = 7168, experts_pe
                            mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0))
 
 
+def fitting_experts_per_rank(backend: DeepEPBackend, world: int, hidden: int = 7168, top_k: int = 8,
+                             tokens: int = 128, most: int = 32) -> int:
+    """The experts per rank ``scripts/run_on_gpu.py`` runs: ``most``, halved past 8 ranks until one low-latency Buffer
+    serves both modes (``DeepEPBackend.both_modes_options``: normal mode asserts both regions below INT_MAX)."""
+    per_rank = most
+    while world > NUM_MAX_NVL_PEERS and per_rank > 1:
+        shape = dict(hidden=hidden, experts_per_rank=per_rank, top_k=top_k, tokens=tokens)
+        try:
+            backend.both_modes_options(layer_spec(world, "normal", "bf16", **shape),
+                                       layer_spec(world, "low_latency", "bf16", **shape), world)
+            break
+        except md.CapacityError:
+            per_rank //= 2
+    return per_rank
+
+
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
                      experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
                      ue8m0: bool = False, backend: DeepEPBackend | None = None,
@@ -114,4 +130,4 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
     return {"relative_difference": float(diff), "seconds": times}
 
 
-__all__ = ["WireCheck", "agree_with_torch", "layer_spec", "wire_seen"]
+__all__ = ["WireCheck", "agree_with_torch", "fitting_experts_per_rank", "layer_spec", "wire_seen"]

@@ -240,6 +240,21 @@ def internode_bytes_ok(num_nvl_bytes: int, num_rdma_bytes: int) -> bool:
     return num_nvl_bytes < INT_MAX and num_rdma_bytes < INT_MAX
 
 
+def constructor_bytes_problems(num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool) -> list[str]:
+    """The byte bounds of ``Buffer::Buffer``'s common checks (deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp;
+    the same @ebfe47e csrc/deep_ep.cpp): NVL bytes at most INT_MAX on a Buffer with RDMA bytes, RDMA bytes at most
+    INT_MAX outside LL mode, each region ``/ sizeof(int4) < INT_MAX`` (below 32 GiB). Alignment is the caller's."""
+    problems = []
+    if num_nvl_bytes > INT_MAX and num_rdma_bytes != 0:
+        problems.append("num_nvl_bytes <= std::numeric_limits<int>::max() or num_rdma_bytes == 0")
+    if num_rdma_bytes > INT_MAX and not low_latency_mode:
+        problems.append("low_latency_mode or num_rdma_bytes <= std::numeric_limits<int>::max()")
+    for name, n in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+        if n // 16 >= INT_MAX:
+            problems.append(f"{name} / sizeof(int4) < std::numeric_limits<int>::max()")
+    return problems
+
+
 # -- NVSHMEM, one per process ----------------------------------------------------------------------------------
 #: ``Buffer::sync`` starts NVSHMEM whenever the Buffer has RDMA bytes (LL mode, or normal mode past 8 ranks), as
 #: PE ``rank`` of ``num_ranks`` in LL mode and PE ``rdma_rank`` of ``num_rdma_ranks`` in normal mode, and asserts
@@ -284,11 +299,29 @@ def takes_explicitly_destroy(module: Any) -> bool:
 #: run first (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/legacy.py clean_low_latency_buffer; csrc/kernels/legacy/
 #: internode_ll.cu dispatch/combine ``next_clean``, clean_low_latency_buffer). Since 42253d0 (2025-07-29, "Fix the
 #: address of dispatch_rdma_recv_count_buffer to avoid cleaning after each change in hidden_size/token_num", #313)
-#: the counts sit at the start of the RDMA region, ``E · 4`` bytes per half (csrc/legacy/config.hpp
-#: LowLatencyLayout): only E decides where they are. Before it (1.0, and 1.1 builds before 2025-07-29) they sat
+#: the counts sit at the front of the RDMA region, half i at ``align_up(4E, 128)·i``, ``4E`` bytes each (csrc/legacy/
+#: config.hpp LowLatencyLayout; ``ll_signalling_halves``): only E decides where they are. Before it (1.0, and 1.1 builds before 2025-07-29) they sat
 #: after the send/receive buffers, whose sizes depend on T and hidden (DeepEP issue #93: graphs of several T on one
 #: Buffer read corrupted counts).
 COMMIT_LL_SIGNALLING_AT_FRONT = "42253d0"
+
+
+def ll_signalling_halves(num_experts: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The byte ranges of E's two signalling halves (from 42253d0): half i at ``align_up(4E, 128)·i``, ``4E`` bytes
+    (E ints: the dispatch counts ``[local expert · R + source rank]`` and the combine flags ``[expert]`` share them).
+    ``clean_low_latency_buffer(T, hidden, E)`` zeroes exactly these two ranges (``clean_meta()``), an LL kernel on
+    half b reads half b's and zeroes the other's (``next_clean``) (deepseek-ai/DeepEP@dd758ca csrc/legacy/config.hpp
+    LowLatencyLayout, LowLatencyBuffer::clean_meta; csrc/legacy/buffer.hpp clean_low_latency_buffer,
+    low_latency_dispatch/combine; the same @94a9f8f csrc/config.hpp). A smaller E's halves do not sit inside a
+    larger E's when ``4·E_max`` is not a multiple of 128: one clean for the largest E does not cover the others."""
+    aligned = _align(4 * int(num_experts), NUM_BUFFER_ALIGNMENT_BYTES)
+    return (0, 4 * int(num_experts)), (aligned, aligned + 4 * int(num_experts))
+
+
+def ll_data_offset(num_experts: int) -> int:
+    """Where E's send and receive buffers start: ``2·align_up(4E, 128)``, right after its signalling halves (same
+    source). An LL kernel of a smaller E writes data over a larger E's signalling counts."""
+    return 2 * _align(4 * int(num_experts), NUM_BUFFER_ALIGNMENT_BYTES)
 
 
 def ll_clean_key(by_experts: bool, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
@@ -416,6 +449,42 @@ def qp_depth_from(env: dict[str, str] | Any) -> int:
 # =====================================================================================================
 # DeepEP versions
 # =====================================================================================================
+
+#: The oldest DeepEP the adapter drives: 21efbe9 (2025-06-12, "Support UE8M0 data format", #206; 1.1.0) added
+#: ``round_scale`` and ``use_ue8m0`` to ``Buffer.low_latency_dispatch`` and let normal-mode dispatch take int32 (UE8M0)
+#: scales (csrc/deep_ep.cpp: ``x_scales->scalar_type() == torch::kFloat32 or ... == torch::kInt``; float32 only
+#: before). Before it every LL dispatch of the adapter would be a ``TypeError`` (unexpected keyword) and normal-mode
+#: UE8M0 the kFloat32 host assert; before ed7487c (2025-03-10) ``low_latency_dispatch`` has no ``use_fp8`` either
+#: (FP8 only). The floor is read from the installed signature (``missing_ll_dispatch_keywords``), not the version
+#: string: 1.1.0 spans both sides (b8d90fb, 9ec0612 before; deepseek-ai/DeepEP@21efbe9 deep_ep/buffer.py).
+COMMIT_UE8M0 = "21efbe9"
+COMMIT_LL_BF16 = "ed7487c"
+#: What the adapter passes to ``low_latency_dispatch`` beyond the positional four (dispatcher.py).
+LL_DISPATCH_KEYWORDS = ("use_fp8", "round_scale", "use_ue8m0")
+
+
+def missing_ll_dispatch_keywords(module: Any) -> tuple[str, ...]:
+    """The keywords the adapter passes that the installed ``Buffer.low_latency_dispatch`` lacks (empty from
+    21efbe9 on; a DeepEP before it is refused by ``probe()``)."""
+    buffer = getattr(module, "Buffer", None)
+    if buffer is None or not hasattr(buffer, "low_latency_dispatch"):
+        return ()
+    try:
+        params = inspect.signature(buffer.low_latency_dispatch).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(k for k in LL_DISPATCH_KEYWORDS if k not in params)
+
+
+def floor_problem(module: Any) -> str | None:
+    """Why the installed DeepEP is below the supported floor (``COMMIT_UE8M0``), or None."""
+    missing = missing_ll_dispatch_keywords(module)
+    if not missing:
+        return None
+    return (f"this DeepEP's Buffer.low_latency_dispatch has no {', '.join(missing)} (DeepEP 1.0.x and 1.1.0 before "
+            f"{COMMIT_UE8M0}, 2025-06-12; no use_fp8 before {COMMIT_LL_BF16}), and its normal mode takes float32 "
+            f"scales only: this adapter needs DeepEP from {COMMIT_UE8M0} on (1.1.0 of 2025-06-12 or later)")
+
 
 #: Every commit of DeepEP main that setup.py calls 1.2.1, oldest first (linear history;
 #: ``git log --reverse 3e2c5d8^..567632d``). b306af0 (2026-04-30) starts 2.x.
@@ -1180,6 +1249,15 @@ HYBRID_LL_COMBINE = VendorSignature(
     "Buffer.low_latency_combine", "(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, "
     "async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None, overlap=False, "
     "src_signals=None, src_signal_expect_value=0)", _HYBRID)
+#: Below the floor (``COMMIT_UE8M0``), recorded for the refusal's tests: 1.0.0 (@ebfe47e) and 1.1.0 before 21efbe9
+#: (@21efbe9~1 = 9ec0612; ``use_fp8`` from ed7487c, the stats tensor from 5a2e37f).
+V10_LL_DISPATCH = VendorSignature(
+    "Buffer.low_latency_dispatch", "(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
+    "async_finish=False, return_recv_hook=False)", "deepseek-ai/DeepEP@ebfe47e deep_ep/buffer.py")
+V11_BEFORE_UE8M0_LL_DISPATCH = VendorSignature(
+    "Buffer.low_latency_dispatch", "(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
+    "cumulative_local_expert_recv_stats=None, use_fp8=True, async_finish=False, return_recv_hook=False)",
+    "deepseek-ai/DeepEP@9ec0612 deep_ep/buffer.py")
 V121_BUFFER_INIT = VendorSignature(
     "Buffer.__init__", "(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, "
     "num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False, "

@@ -4,10 +4,13 @@ Workspaces. ``MoeAlltoAll`` caches its MNNVL workspace at class level, keyed by 
 ep rank, ep size, max tokens, ...): two instances built alike share ONE workspace, and a second
 dispatch would overwrite the first one's receive buffers and routing state. So each workspace a
 dispatcher holds gets a key no other live workspace has: ``workspace_size_per_rank`` is FlashInfer's
-size plus 128 bytes times a slot number, the slots being the first ones from 1 that no rank's cache
-holds (gathered at creation, since allocation is collective). Slot 0, FlashInfer's size itself, is
-never used: it is what FlashInfer's default size gives any other ``MoeAlltoAll`` of the same shape
-(``vendor.default_workspace_bytes_per_token``). FlashInfer never frees a cached workspace, so a
+size + 64 bytes + 128 bytes times a slot number, the slots being the first ones from 0 that no
+rank's cache holds (gathered at creation, since allocation is collective). Every size FlashInfer's
+own functions give (its default, ``moe_a2a_get_workspace_size_per_rank``, and so what vLLM and
+SGLang pass) is a sum of 128-byte-padded terms, a multiple of 128, whatever the shape, top-k or
+dtype: no such ``MoeAlltoAll`` can have a dispatcher's key (the cache key holds no top-k or hidden
+size, so a neighbouring shape's FlashInfer size could equal FlashInfer's size + 128 B × j of this
+one). The kernels only need ``size >= required``. FlashInfer never frees a cached workspace, so a
 dispatcher's workspaces live as long as the process: create one dispatcher per shape and use it
 for every layer.
 
@@ -21,6 +24,13 @@ fail later:
   outside the range and ``cuMemMap`` fails; create the dispatcher on the largest group first;
 - ``TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN`` parsing to 0 on FlashInfer < 0.6.14 (read once per process
   at the first dispatch): its warp policy never publishes and the ranks trap.
+
+From FlashInfer 0.6.16 the MNNVL handle type is decided once per process, by an AND-reduce over
+the comm of the first allocation (``MnnvlMemory._fabric_supported``): a rank that decided it
+(an earlier MNNVL allocation over another group) skips that collective, a rank that did not makes
+it, and the first allocation over a group holding both pairs the wrong collectives (a raise on
+some ranks, a hang on the others). ``create`` gathers every rank's decision with the slots, and
+where they differ every rank forgets it, so all of them decide again together, over this group.
 
 An allocation that fails past its reservation (out of memory, the handle exchange) leaves FlashInfer's
 range as it was: a new range with no record of how many ranks it was reserved for, or a range whose
@@ -59,9 +69,18 @@ B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.IN
 N = md.Mode.NORMAL
 #: Workspaces per dispatcher: one dispatch may await combine per workspace (two-batch overlap).
 DEFAULT_IN_FLIGHT = 2
-#: A dispatcher's workspaces are FlashInfer's size + 128 B × slot, slots from 1: slot 0 would be
-#: FlashInfer's default size, which another MoeAlltoAll of the same shape would share.
-FIRST_SLOT = 1
+#: A dispatcher's workspaces are FlashInfer's size + SLOT_RESIDUE + 128 B × slot, slots from
+#: FIRST_SLOT: sizes ≡ 64 (mod 128), which none of FlashInfer's size functions gives (every one is
+#: pad_up(aux, 128) + pad_up(R·T·dispatch, 128) + pad_up(R·T·combine, 128): flashinfer-ai/flashinfer@4230a48
+#: ... 0.7.2.post1 flashinfer/comm/trtllm_moe_alltoall.py moe_a2a_get_workspace_size_per_rank), so no
+#: FlashInfer-sized MoeAlltoAll of any shape shares a dispatcher's cache key.
+FIRST_SLOT = 0
+SLOT_RESIDUE = vendor.CACHELINE // 2
+
+
+def slot_size(base: int, slot: int) -> int:
+    """The ``workspace_size_per_rank`` of a dispatcher's workspace in ``slot``."""
+    return base + SLOT_RESIDUE + vendor.CACHELINE * slot
 
 
 def capabilities(info: VendorInfo) -> md.Capabilities:
@@ -144,9 +163,9 @@ class FlashInferA2ABackend(md.Backend):
         return md.BufferSize(
             total - combine, combine,
             notes=(f"one workspace = {total:,} B ({source}), x{self.in_flight} workspaces (in_flight), each "
-                   f"{vendor.CACHELINE} B x its slot number (from {FIRST_SLOT}) larger to keep FlashInfer's cache "
-                   "keys distinct",),
-            allocated_bytes=self.in_flight * total + vendor.CACHELINE * sum(slots),
+                   f"{SLOT_RESIDUE} B + {vendor.CACHELINE} B x its slot number (from {FIRST_SLOT}) larger to keep "
+                   "FlashInfer's cache keys distinct from each other and from every FlashInfer-sized one",),
+            allocated_bytes=sum(slot_size(total, j) for j in slots),
         )
 
     def agreement(self, ctx: md.DispatchContext) -> dict[str, Any]:
@@ -182,7 +201,9 @@ class FlashInferA2ABackend(md.Backend):
         kernel_k = vendor.kernel_top_k(spec.top_k, info.a2a_profile().version)
         assert kernel_k is not None  # check_spec
         base = self._workspace(ctx)
-        slots = _free_slots(api.MoeAlltoAll, ctx.comm, rank, R, T, base, self.in_flight)
+        slots, fabric = _gather_process_state(api, ctx.comm, rank, R, T, base, self.in_flight)
+        if len(set(fabric)) > 1:  # some ranks would skip FlashInfer's FABRIC AND-reduce, some make it
+            vendor.forget_mnnvl_fabric_decision(api.MnnvlMemory)
         reserved = vendor.mnnvl_reservation(api.MnnvlMemory)
         if reserved is not None and reserved.orphaned:  # left by a failed allocation: ranks unknown
             vendor.retire_mnnvl_range(api.MnnvlMemory)
@@ -191,7 +212,7 @@ class FlashInferA2ABackend(md.Backend):
         try:
             with _deprecation_ignored():
                 instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
-                                             workspace_size_per_rank=base + vendor.CACHELINE * j, mnnvl_config=config)
+                                             workspace_size_per_rank=slot_size(base, j), mnnvl_config=config)
                              for j in slots]
         except BaseException:
             # An allocation that failed past its reservation may have mapped handles at the range's
@@ -248,19 +269,28 @@ def _check_reservation(memory: Any, world: int, base: int) -> None:
                 "group first")
 
 
-def _free_slots(cls: type, comm: md.Comm, rank: int, world: int, tokens: int, base: int, count: int) -> list[int]:
-    """``count`` slot numbers j >= FIRST_SLOT whose key (base + 128·j, rank, world, tokens, ...) no
-    rank's ``MoeAlltoAll._WORKSPACE_CACHE`` holds, the same on every rank (each rank's cache may hold
-    other keys: the largest first free slot over the ranks)."""
+def _first_free_slot(cls: type, rank: int, world: int, tokens: int, base: int) -> int:
+    """The first slot j >= FIRST_SLOT past every one whose key (``slot_size(base, j)``, rank, world,
+    tokens, ...) this rank's ``MoeAlltoAll._WORKSPACE_CACHE`` holds."""
     cache = getattr(cls, vendor.WORKSPACE_CACHE_ATTR, {})
-    line = vendor.CACHELINE
-    used = [(key[0] - base) // line for key in cache
-            if tuple(key[1:4]) == (rank, world, tokens) and key[0] >= base and (key[0] - base) % line == 0]
-    first = max([FIRST_SLOT - 1, *used]) + 1
-    everyone = comm.gather_uncounted(as_bytes(torch.tensor([first], dtype=torch.int64)),
-                                     "flashinfer_a2a workspace slots")
-    start = int(from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).max())
-    return list(range(start, start + count))
+    line, first = vendor.CACHELINE, slot_size(base, FIRST_SLOT)
+    used = [(key[0] - first) // line for key in cache
+            if tuple(key[1:4]) == (rank, world, tokens) and key[0] >= first and (key[0] - first) % line == 0]
+    return max([FIRST_SLOT - 1, *used]) + 1
 
 
-__all__ = ["DEFAULT_IN_FLIGHT", "FIRST_SLOT", "FlashInferA2ABackend", "capabilities", "dispatch_bytes_per_token"]
+def _gather_process_state(api: Any, comm: md.Comm, rank: int, world: int, tokens: int, base: int,
+                          count: int) -> tuple[list[int], list[int]]:
+    """One gather over the group of this process's FlashInfer state that ``create`` needs equal on
+    every rank: ``count`` slot numbers no rank's cache holds (each rank's cache may hold other keys:
+    from the largest first free slot over the ranks), and every rank's FABRIC decision
+    (``vendor.mnnvl_fabric_decision``), by rank."""
+    mine = [_first_free_slot(api.MoeAlltoAll, rank, world, tokens, base), vendor.mnnvl_fabric_decision(api.MnnvlMemory)]
+    everyone = comm.gather_uncounted(as_bytes(torch.tensor(mine, dtype=torch.int64)),
+                                     "flashinfer_a2a workspace slots and FABRIC decisions")
+    table = from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).reshape(comm.world_size, len(mine))
+    start = int(table[:, 0].max())
+    return list(range(start, start + count)), [int(v) for v in table[:, 1]]
+
+
+__all__ = ["DEFAULT_IN_FLIGHT", "FIRST_SLOT", "SLOT_RESIDUE", "slot_size", "FlashInferA2ABackend", "capabilities", "dispatch_bytes_per_token"]

@@ -320,6 +320,22 @@ MNNVL_FABRIC_PAGE_SIZE = 1 << 29
 #: address_offset)`` until v0.6.14, an ``_MnnvlAllocationRecord`` (``comm_size``, ``start_address``,
 #: ...) from v0.6.15 (8eccd0c).
 MNNVL_RECORD_SINCE: Version = (0, 6, 15)
+#: The MNNVL handle type (FABRIC or POSIX fd), and with it the handle exchange's collectives. Until
+#: v0.6.15 ``get_allocation_prop`` picks FABRIC when ``platform.machine()`` is aarch64 (no collective;
+#: flashinfer-ai/flashinfer@4230a48 / 8eccd0c flashinfer/comm/mnnvl.py). From v0.6.16
+#: ``open_mnnvl_memory`` calls ``MnnvlMemory._resolve_fabric_support(comm, dev_id)`` after the size
+#: allgather: it returns the class-level ``_fabric_supported`` when set, else AND-reduces every rank's
+#: probe over the allocation's comm (``all_ranks_agree`` = ``all(comm.allgather(local))``, a
+#: collective) and caches the result for the process ("All ranks must take the same handle-exchange
+#: path or the collective deadlocks"; flashinfer-ai/flashinfer@8da13a2 ... fb28d72, 0.6.18 ...
+#: 0.7.2.post1 mnnvl.py ``_resolve_fabric_support``, identical). Ranks of one allocation of which
+#: some have it cached (an earlier allocation over another group) and some not issue different
+#: collectives: the AND-reduce's allgather meets a peer's handle exchange.
+MNNVL_FABRIC_AGREEMENT_SINCE: Version = (0, 6, 16)
+MNNVL_FABRIC_ATTR = "_fabric_supported"
+#: ``mnnvl_fabric_decision``'s values: the class-level decision (None / False / True) as an int
+#: every rank can gather; ``MNNVL_FABRIC_ABSENT`` where the FlashInfer has no decision (< v0.6.16).
+MNNVL_FABRIC_UNDECIDED, MNNVL_FABRIC_ABSENT = -1, -2
 
 
 @dataclass(frozen=True)
@@ -368,6 +384,27 @@ def retire_mnnvl_range(memory: Any) -> None:
     + aligned_size > current_rank_stride`` → ``new_mnnvl_memory_address``, every version). Used for
     a range no allocation holds (``MnnvlReservation.orphaned``), which FlashInfer never frees anyway."""
     memory.current_mem_offset = memory.current_rank_stride
+
+
+
+def mnnvl_fabric_decision(memory: Any) -> int:
+    """FlashInfer's per-process FABRIC decision (``MnnvlMemory._fabric_supported``, v0.6.16+) as an
+    int: ``MNNVL_FABRIC_ABSENT`` before v0.6.16 (no such state), ``MNNVL_FABRIC_UNDECIDED`` (None:
+    the next ``open_mnnvl_memory`` runs the AND-reduce allgather), 0 (False) or 1 (True: cached,
+    no collective)."""
+    if not hasattr(memory, MNNVL_FABRIC_ATTR):
+        return MNNVL_FABRIC_ABSENT
+    decided = getattr(memory, MNNVL_FABRIC_ATTR)
+    return MNNVL_FABRIC_UNDECIDED if decided is None else int(bool(decided))
+
+
+def forget_mnnvl_fabric_decision(memory: Any) -> None:
+    """Unset the decision (``_fabric_supported = None``, its class default): FlashInfer's next
+    ``open_mnnvl_memory`` probes the device again and AND-reduces over that allocation's comm
+    (``_resolve_fabric_support``, v0.6.16+), as in a process that never allocated. Done on every
+    rank of a group at once, that is the collective every rank then makes."""
+    if hasattr(memory, MNNVL_FABRIC_ATTR):
+        setattr(memory, MNNVL_FABRIC_ATTR, None)
 
 # -- recorded signatures ------------------------------------------------------------------------
 
@@ -896,7 +933,8 @@ __all__ = [
     "A2AProfile", "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
     "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
     "cpp_stoi", "cutedsl_routing_limits", "default_workspace_bytes_per_token", "detect", "dispatch_vector_width",
-    "fake_for", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_reservation",
+    "fake_for", "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
+    "mnnvl_reservation",
     "one_block_per_token", "parse_version", "ported_workspace_size_per_rank", "profile", "retire_mnnvl_range",
     "sanitize_block_size", "signature", "sm100_reason", "workspace_size_per_rank",
 ]

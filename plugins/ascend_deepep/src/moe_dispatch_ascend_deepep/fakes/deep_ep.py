@@ -35,7 +35,13 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
   whether their tiling keys have a kernel (module functions ``a2_internode_*``: INT8 and an unlayered
   combine have none); the combine kernel's window assert; "(fake)" where the kernels would write past
   their areas of the real window: the IPC flags at 800 MB + 2 MB, each server's share of the 800 MB
-  RDMA area, the combine's IPC slices (one entry per (token, expert of the server)).
+  RDMA area (the combine writes a fixed 4096 rows), the combine's IPC slices (one entry per (token,
+  expert of the server)); and where the kernels go wrong: the notify kernel's 2-server exchange
+  (R = 16 only) and its uint32 offset (from 4496 MB).
+- 32-bit window arithmetic ("(fake)": silent corruption on the device): the normal dispatch op's
+  ``dataState`` flipping each call and its uint32 state-1 ``winDataSizeOffset``; on A2 the layered
+  low-latency kernels' uint32 IPC area (``winSize − 804 MB``) and the multi-server kernels' uint32
+  ``winSize / 2``.
 - INT8 as the kernels compute it: normal ``s = 127/(amax + 1e-12)``, ``q = rint(x·s)``, scale ``1/s``
   (ops/op_kernel/cam_moe_dispatch_normal.h); low latency ``s = 127/amax`` (a zero row: scale 0)
   (moe_distribute_dispatch_v2.h), in fp32.
@@ -191,6 +197,53 @@ def a2_internode_combine_kernel_window(window_bytes: int, world_size: int, bs: i
                            f"{window_bytes // v.MIB}MB, the min value should be {need // v.MIB}MB.")
 
 
+def a2_internode_notify_kernel(world_size: int, window_bytes: int) -> None:
+    """aclnnNotifyDispatchA2's KERNEL (ops2/op_kernel/notify_dispatch_a2.h): it exchanges with one peer server,
+    ``(1 − serverId)·localRankSize + localRank`` ("2个server的计算方式"), and keeps
+    ``notifyMemoryOffset = winSize − 2·200 MB`` in a uint32 (its area and persistent magic). "(fake)": on the device, wrong peers or a wrapped
+    area over the dispatch's and combine's 0..804 MB, no error."""
+    servers = world_size // v.A2_MAX_HCCS_PEERS
+    if world_size != v.A2_INTERNODE_NORMAL_RANKS:
+        raise RuntimeError(f"(fake) aclnnNotifyDispatchA2: its kernel exchanges with one peer server "
+                           f"((1 - serverId)·8 + localRank); {servers} servers here")
+    offset = v.a2_internode_notify_offset(window_bytes)
+    if offset != window_bytes - v.A2_NOTIFY_BYTES:
+        raise RuntimeError(f"(fake) aclnnNotifyDispatchA2: uint32 notifyMemoryOffset = {window_bytes // v.MIB} MB − "
+                           f"400 MB wraps to {offset // v.MIB} MB, inside the dispatch/combine's 0..804 MB")
+
+
+def a2_internode_combine_rdma(world_size: int, hidden: int) -> None:
+    """MoeDistributeCombineA2Layered (COMBINE_2SERVER_VERSION): each server's RDMA write is ``countReL = MAX_BS``
+    (4096) rows of ``H·2 B`` whatever the batch, into that server's share of the 800 MB RDMA half."""
+    write = v.A2_INTERNODE_COMBINE_ROWS * hidden * 2
+    block = v.a2_internode_combine_server_bytes(world_size)
+    if write > block:
+        raise RuntimeError(f"(fake) aclnnMoeDistributeCombineA2: writes {v.A2_INTERNODE_COMBINE_ROWS} rows·"
+                           f"{hidden * 2} B = {write} B per server into a {block} B share: into the next server's "
+                           "block")
+
+
+def a2_layered_ipc_layout(window_bytes: int, world_size: int, local_experts: int) -> None:
+    """The A2 layered low-latency kernels' IPC area and slices from the real window, in uint32s
+    (moe_distribute_dispatch_v2_layered.h ``totalSize_``, ``RANK_SIZE_ON_IPC``; moe_distribute_combine_v2_layered.h
+    ``IPC_DATA_SIZE``, ``dstRankId·ipcSliceSize + IPC_DATA_OFFSET``)."""
+    ipc = v.a2_layered_ipc_bytes(window_bytes)
+    true = window_bytes - v.A2_LAYERED_RESERVED_BYTES
+    last = (world_size - 1) * (ipc // world_size) + 4 * v.MIB  # the combine's last slice offset
+    if ipc != true or last >= v.UINT32_SPAN:
+        raise RuntimeError(f"(fake) layered low latency: the uint32 IPC area of a {window_bytes // v.MIB} MB window is "
+                           f"{ipc // v.MIB} MB, not {true // v.MIB}: its slices for {local_experts} experts × "
+                           f"{world_size} ranks overlap")
+
+
+def a2_ll_half_window(window_bytes: int) -> None:
+    """The A2 multi-server (not layered) low-latency kernels keep ``winSize / 2`` in a uint32
+    (moe_distribute_dispatch_v2.h ``totalSize_``, moe_distribute_combine_v2.h ``halfWinSize_``)."""
+    if window_bytes // 2 >= v.UINT32_SPAN:
+        raise RuntimeError(f"(fake) A2 multi-server low latency: the uint32 half of a {window_bytes // v.MIB} MB window "
+                           f"wraps to {(window_bytes // 2) % v.UINT32_SPAN // v.MIB} MB: the two halves overlap")
+
+
 def _quant_rows(x: torch.Tensor, epsilon: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dispatch kernels' per-token INT8, in fp32: ``s = 127/(amax + epsilon)`` (normal: 1e-12f) or
     ``127/amax`` (low latency, no epsilon: a zero row has s = inf, scale 1/s = 0 and, [U], zero data),
@@ -327,6 +380,7 @@ class Buffer:
         self.soc_version = v.soc_family(fake_torch_npu.npu.get_soc_version())
         self.allocated_window_mb = _allocated_window_mb(group)
         self.real_max_bs = 0  # deep_ep.hpp Buffer::real_max_bs
+        self.data_state = 0  # the normal dispatch op's dataState, kept in its window's status area (flips each call)
         # deep_ep_cpp.Buffer(...): the constructor's environment (KN deep_ep.cpp Buffer::Buffer)
         _ep_assert(0 <= self.rank < self.group_size, "0 <= rank and rank < num_ranks")
         shared = v.parse_env_int(os.environ.get(v.SHARED_RANKS_ENV), 0)
@@ -501,8 +555,9 @@ class Buffer:
         a2_internode_dispatch_tiling(R, self.rank, n, h, k, num_experts, quant_mode, False, os.environ,
                                      self.A2_INTERNODE_MAX_TOP_K, _window_mb())
         local = num_experts // R
-        notify = self._internode_notify(topk_idx, local)
         window = self.allocated_window_mb * v.MIB
+        a2_internode_notify_kernel(R, window)
+        notify = self._internode_notify(topk_idx, local)
         if window < v.A2_RDMA_BYTES + v.A2_IPC_OFFSET_BYTES // 2:
             raise RuntimeError(f"(fake) aclnnDispatchNormalA2: its IPC flags sit 800 MB + 2 MB into the window; the "
                                f"group's is {self.allocated_window_mb} MB: writes past it")
@@ -564,10 +619,7 @@ class Buffer:
         if int(entries.max()) > slice_entries:
             raise RuntimeError(f"(fake) {op}: {int(entries.max())} (token, expert) entries for one rank from one "
                                f"server in an IPC slice of {slice_entries}: the kernel writes into the next slice")
-        block = v.a2_internode_combine_server_bytes(R)
-        if int(batches.max()) * h * 2 > block:
-            raise RuntimeError(f"(fake) {op}: {int(batches.max())} tokens·{h * 2} B exceed the RDMA area's {block} B "
-                               "per server: the kernel writes into the next server's block")
+        a2_internode_combine_rdma(R, h)
         if x.shape[0] != state.rows:
             raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
                                "dispatch returned")
@@ -652,6 +704,20 @@ class Buffer:
                   f"HCCL_BUFFSIZE is too SMALL, NEEDED_HCCL_BUFFSIZE = {need // v.MIB + 1}MB, "
                   f"HCCL_BUFFSIZE={_window_mb()}MB")
         self._check_window_extent(op)
+        self._normal_op_half_offset(op, soc, h, k)
+
+    def _normal_op_half_offset(self, op: str, soc: str, hidden: int, top_k: int) -> None:
+        """The kernel flips dataState each call and keeps ``winDataSizeOffset = dataState·(totalWinSize/2) +
+        min(realMaxBs, perRound)·k·hSizeAlignCombine`` in a uint32 (ops/op_kernel/cam_moe_dispatch_normal.h Init;
+        A2: half of totalWinSize − 8 MB): "(fake)" where state 1's data wraps onto the first half."""
+        state, self.data_state = self.data_state, 1 - self.data_state
+        if state == 0:
+            return
+        offset = v.normal_op_state1_offset(_window_mb() * v.MIB, self.real_max_bs, hidden, top_k, soc,
+                                           self.per_round_tokens, self.round)
+        if offset >= v.UINT32_SPAN:
+            raise RuntimeError(f"(fake) {op}: the state-1 uint32 winDataSizeOffset {offset} wraps to "
+                               f"{offset % v.UINT32_SPAN}: the data lands on the first half's combine area and data")
 
     def combine(
         self,
@@ -788,6 +854,10 @@ class Buffer:
             if need > self.allocated_window_mb * v.MIB:
                 raise RuntimeError(f"{op}: assert failed: The HCCL_BUFFSIZE is {self.allocated_window_mb}MB, the min "
                                    f"value should be {need // v.MIB}MB.")
+        if self.soc_version == A2 and v.is_layered(os.environ):
+            a2_layered_ipc_layout(self.allocated_window_mb * v.MIB, R, num_experts // R)
+        elif self.soc_version == A2 and R > v.A2_MAX_HCCS_PEERS:
+            a2_ll_half_window(self.allocated_window_mb * v.MIB)
         if _window_mb() > self.allocated_window_mb:  # moe_distribute_dispatch_v2.h CheckWindowSize: a deliberate fault
             raise RuntimeError(f"{op}: CheckWindowSize failed: tiling window {_window_mb()} MB > the HCCL window "
                                f"{self.allocated_window_mb} MB")

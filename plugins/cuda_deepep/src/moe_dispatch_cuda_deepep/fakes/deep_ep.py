@@ -32,10 +32,15 @@ As strict as the vendor where the adapter can meet it:
   in ``DESTRUCTOR_TEARDOWNS`` (its barriers hang when a peer died), and with NVL bytes on a group whose ``min(R,
   8)`` has no ``intranode::barrier`` kernel it throws inside a noexcept destructor, and the process aborts
   (``std::terminate``), as it does on a GPU.
-- A low-latency Buffer whose RDMA region internode normal-mode kernels wrote, or whose last LL kernels had a
-  smaller E (before 42253d0: another (T, H, E); ``_LL_SIGNALLING_BY_EXPERTS``), has stale signalling counts
-  until ``clean_low_latency_buffer`` (a collective: barrier, clean, barrier) runs: an LL call on it then loses
-  the context (on a GPU: wrong rows or a hang). Intranode normal-mode kernels use the NVL region only.
+- The LL signalling counts are modelled byte by byte (``_SignallingBytes``, from 42253d0): E's half i sits at
+  ``align_up(4E, 128)·i``, ``4E`` bytes (``vendor.ll_signalling_halves``); the host toggles
+  ``low_latency_buffer_idx`` at every LL dispatch and combine (a captured kernel keeps the half it was captured
+  with); an LL kernel of E on half b needs its half-b range zero, leaves it written, zeroes the other half's range
+  and writes its send/receive data from ``2·align_up(4E, 128)`` on (over a larger E's counts);
+  ``clean_low_latency_buffer`` (a collective: barrier, clean, barrier) zeroes both halves of its E; internode
+  normal-mode kernels write the whole RDMA region; intranode ones the NVL region only. A kernel that finds its
+  range written loses the context (on a GPU: wrong rows or a hang). Before 42253d0 the counts moved with T and
+  hidden too: only the same (T, H, E) finds them clean (``_LL_SIGNALLING_BY_EXPERTS``).
 - ``CUDAGraph`` emulates ``torch.cuda.CUDAGraph`` for the LL calls: under ``capture()`` their host code runs and
   their kernels do not (no signalling state is read or changed); ``replay()`` runs the captured kernels again
   with the state they find then, and none of the Python around them. Normal-mode dispatch cannot be captured
@@ -268,13 +273,13 @@ DESTRUCTOR_TEARDOWNS: list[str] = []
 
 # -- CUDA graphs ------------------------------------------------------------------------------------------------
 
-_CAPTURE: dict[str, Any] = {"graph": None, "recording": False}
+_CAPTURE: dict[str, Any] = {"graph": None, "recording": False, "replay_half": None}
 _CAPTURING_NORMAL = "CUDA error: operation not permitted when stream is capturing"
 
 
 def reset_capture() -> None:
     """No capture open (for the tests: a fresh process)."""
-    _CAPTURE.update(graph=None, recording=False)
+    _CAPTURE.update(graph=None, recording=False, replay_half=None)
 
 
 def emulated_stream_capturing() -> bool:
@@ -291,7 +296,12 @@ class CUDAGraph:
     captured (``cudaErrorStreamCaptureUnsupported``)."""
 
     def __init__(self) -> None:
-        self._launches: list[tuple[Callable[[], Any], Any]] = []
+        self._launches: list[tuple[str, Callable[[], Any], Any]] = []
+
+    @property
+    def kernels(self) -> list[str]:
+        """The captured calls, by method name (for the tests)."""
+        return [name for name, _, _ in self._launches]
 
     @contextlib.contextmanager
     def capture(self) -> Any:
@@ -305,7 +315,7 @@ class CUDAGraph:
 
     def replay(self) -> None:
         check_context()
-        for launch, captured in self._launches:
+        for _, launch, captured in self._launches:
             _copy_into(captured, launch())
 
 
@@ -330,7 +340,16 @@ def _graph_kernel(method: Callable[..., Any]) -> Callable[..., Any]:
             result = method(self, *args, **kwargs)
         finally:
             _CAPTURE["recording"] = False
-        graph._launches.append((lambda: method(self, *args, **kwargs), result))
+        half = getattr(self, "_ll_half_captured", None)  # the half the host code picked: fixed in the graph
+
+        def launch() -> Any:
+            _CAPTURE["replay_half"] = half
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                _CAPTURE["replay_half"] = None
+
+        graph._launches.append((method.__name__, launch, result))
         return result
 
     return call
@@ -343,6 +362,33 @@ def _kernels_run() -> bool:
 
 #: The low-latency signalling area right after DeepEP's constructor memsets the RDMA buffer: clean for any layout.
 _CLEAN_FOR_ANY = ("any",)
+
+
+class _SignallingBytes:
+    """Which bytes at the front of an LL Buffer's RDMA region are written (nonzero), as disjoint ``[start, end)``
+    ranges (``end`` may be infinite: data written past a point). Fresh from the constructor's memset: none."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[int, float]] = []
+
+    def write(self, start: int, end: float) -> None:
+        self.zero(start, end)
+        self.written = sorted([*self.written, (start, end)])
+
+    def zero(self, start: int, end: float) -> None:
+        kept: list[tuple[int, float]] = []
+        for a, b in self.written:
+            if b <= start or a >= end:
+                kept.append((a, b))
+                continue
+            if a < start:
+                kept.append((a, start))
+            if b > end:
+                kept.append((int(end), b))
+        self.written = kept
+
+    def is_zero(self, start: int, end: int) -> bool:
+        return all(b <= start or a >= end for a, b in self.written)
 
 
 def _nan_like(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -499,6 +545,9 @@ class Buffer:
             self._nvshmem = NVSHMEM.init(pe, pes, vendor.NUM_MAX_NVL_PEERS if low_latency_mode else 0)
         self.runtime = runtime
         self._clean_for: Any = _CLEAN_FOR_ANY
+        self._signalling = _SignallingBytes()
+        self._ll_half = 0  # Buffer::low_latency_buffer_idx
+        self._ll_half_captured: int | None = None
         self._arrivals = torch.Generator().manual_seed(1009 + self.rank)
         self.calls: list[VendorCall] = []
 
@@ -606,46 +655,66 @@ class Buffer:
         clean_low_latency_buffer: "after running the normal dispatch/combine, you must run this function before
         executing any low-latency kernel"); intranode ones use the NVL buffer only."""
         if self.low_latency_mode and self.runtime.get_num_rdma_ranks() > 1 and _kernels_run():
-            self._clean_for = None
+            self._write_everything()
 
     def emulate_internode_normal_kernels(self) -> None:
         """For the tests: what internode normal-mode dispatch/combine leave in an LL-mode Buffer's RDMA region
         (stale signalling counts); the fake cannot run the 16 ranks they need on CPU."""
         if self.low_latency_mode:
-            self._clean_for = None
+            self._write_everything()
+
+    def _write_everything(self) -> None:
+        self._clean_for = None
+        self._signalling.write(0, float("inf"))
 
     def _clean_key(self, T: int, hidden: int, num_experts: int) -> Any:
         return vendor.ll_clean_key(self._LL_SIGNALLING_BY_EXPERTS, T, hidden, num_experts)
 
-    def _ll_signalling(self, T: int, hidden: int, num_experts: int) -> None:
-        """An LL kernel reads the signalling counts of its half, zeroed for its E by the kernel before it (or by
-        the constructor's memset, or a clean), then zeroes the other half's for its own E. From 42253d0 the counts
-        sit at the start of the buffer: a kernel of E finds them clean after one of E' >= E. Before it they move
-        with T and hidden too: only the same (T, hidden, E) finds them clean (``_LL_SIGNALLING_BY_EXPERTS``)."""
+    def _next_half(self) -> int:
+        """``layout.buffers[low_latency_buffer_idx]``, then ``low_latency_buffer_idx ^= 1`` (host code of every LL
+        dispatch and combine, csrc/legacy/buffer.hpp); a replayed kernel uses the half it was captured with."""
+        replayed = _CAPTURE["replay_half"]
+        if replayed is not None:
+            return replayed
+        half, self._ll_half = self._ll_half, self._ll_half ^ 1
+        self._ll_half_captured = half
+        return half
+
+    def _ll_signalling(self, T: int, hidden: int, num_experts: int, half: int) -> None:
+        """An LL kernel on ``half``: reads its counts there (they must be zero), writes them, zeroes the other
+        half's for its E (``next_clean``) and writes its data from ``2·align_up(4E, 128)`` on. Before 42253d0 the
+        counts moved with T and hidden too: only the same (T, hidden, E) finds them clean."""
         if not _kernels_run():
             return
         key, state = self._clean_key(T, hidden, num_experts), self._clean_for
         if self._LL_SIGNALLING_BY_EXPERTS:
-            ok = state == _CLEAN_FOR_ANY or (isinstance(state, int) and key <= state)
-            after: Any = key
+            halves = vendor.ll_signalling_halves(num_experts)
+            ok = self._signalling.is_zero(*halves[half])
+            if ok:
+                self._signalling.write(*halves[half])
+                self._signalling.zero(*halves[half ^ 1])
+                self._signalling.write(vendor.ll_data_offset(num_experts), float("inf"))
+                return
+            why = ("internode normal-mode kernels or LL kernels of another E wrote them" if state is not None
+                   else "internode normal-mode kernels ran on this Buffer")
+            where = f"bytes [{halves[half][0]}, {halves[half][1]}) of half {half} for E={num_experts}"
         else:
             ok = state == _CLEAN_FOR_ANY or (isinstance(state, frozenset) and key in state)
-            after = frozenset({key})
-        if ok:
-            self._clean_for = after
-            return
-        why = ("internode normal-mode kernels ran on this Buffer" if state is None
-               else f"the last LL kernels left them clean for {state}, not {key}")
-        raise lose_context(f"(fake) stale low-latency signalling counts: {why} and clean_low_latency_buffer did not "
-                           "run since; DeepEP's LL kernels would read them (wrong rows or a hang)")
+            if ok:
+                self._clean_for = frozenset({key})
+                return
+            why = ("internode normal-mode kernels ran on this Buffer" if state is None
+                   else f"the last LL kernels left them clean for {state}, not {key}")
+            where = f"layout {key}"
+        raise lose_context(f"(fake) stale low-latency signalling counts ({where}): {why} and "
+                           "clean_low_latency_buffer did not run since; DeepEP's LL kernels would read them (wrong rows "
+                           "or a hang)")
 
     def _after_clean(self, T: int, hidden: int, num_experts: int) -> None:
         key, state = self._clean_key(T, hidden, num_experts), self._clean_for
-        if state == _CLEAN_FOR_ANY:
-            return
-        if self._LL_SIGNALLING_BY_EXPERTS:
-            self._clean_for = key if not isinstance(state, int) else max(state, key)
-        else:
+        for start, end in vendor.ll_signalling_halves(num_experts):
+            self._signalling.zero(start, end)
+        if state != _CLEAN_FOR_ANY:
             self._clean_for = (state if isinstance(state, frozenset) else frozenset()) | {key}
 
     def _deterministic_check(self) -> None:
@@ -980,8 +1049,9 @@ class Buffer:
             if use_ue8m0:
                 ep_assert(round_scale, "round_scale", w)
         self._check_runtime(uses_nvshmem=True)
+        half = self._next_half()  # the host toggles before the launch (and its launch-time asserts)
         self._ll_kernel_checks(x.size(1), topk_idx.size(1), num_experts, use_ue8m0, round_scale)
-        self._ll_signalling(T, hidden, num_experts)
+        self._ll_signalling(T, hidden, num_experts, half)
 
     def _ll_kernel_checks(self, hidden: int, num_topk: int, num_experts: int, use_ue8m0: bool,
                           round_scale: bool) -> None:
@@ -1176,7 +1246,7 @@ class Buffer:
         if use_logfmt or zero_copy:
             raise NotImplementedError("the fake sends BF16 rows (no LogFMT, no zero-copy)")
         self._check_runtime(uses_nvshmem=True)
-        self._ll_signalling(T, hidden, num_experts)
+        self._ll_signalling(T, hidden, num_experts, self._next_half())
         # Back to each source rank: a [T, E_l, H] block per rank, each expert's row at its source token.
         blocks = torch.zeros(R, T, local, hidden, dtype=torch.bfloat16)
         for e in range(local):

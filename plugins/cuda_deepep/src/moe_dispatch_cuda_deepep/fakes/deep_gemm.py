@@ -34,6 +34,7 @@ and 2.6.1; no ``__version__`` before 2.1.1; ``set_mk_alignment_for_contiguous_la
 1D2D path (``disable_ue8m0_cast``) before 2.2.0; the masked BLOCK_M values (``vendor.dg_masked_block_ms``); the
 UE8M0 cast per version (above); ``before_f85ec64``: PR #112's names (``fp8_m_grouped_gemm_nt_masked`` only, no BF16).
 Computed in fp32, written to ``d`` as bf16. Not emulated: ``recipe_a``/``recipe_b``, PSUM layouts, FP4.
+``emulated_stream_capturing`` is the emulated GPU's stream capture, the one ``fakes.deep_ep.CUDAGraph`` opens.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from moe_dispatch_cuda_deepep import vendor
 
 from . import _gemm
 from ._native import check_args, check_context, device_assert, dg_assert, incompatible
+from .deep_ep import emulated_stream_capturing
 
 __version__ = "2.6.1"
 EMULATED_DEVICE_CAPABILITY = (9, 0)
@@ -460,6 +462,8 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__, na
                       _versioned(get_mn_major_tma_aligned_tensor, vendor.DG_MN_MAJOR_TMA_ALIGNED_SIG)),
                      (vendor.DG_MN_MAJOR_PACKED_UE8M0, packed)):
         setattr(module, attr, fn)
+    # The device's stream capture is the one DeepEP's fake records (fakes.deep_ep.CUDAGraph): one emulated GPU.
+    setattr(module, vendor.EMULATED_STREAM_CAPTURING_ATTRIBUTE, emulated_stream_capturing)
     return module
 
 

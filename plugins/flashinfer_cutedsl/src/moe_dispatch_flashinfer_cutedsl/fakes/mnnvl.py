@@ -7,7 +7,14 @@ flashinfer/comm/mnnvl.py), kept as it is:
   ``config.comm_backend.Split(pp_rank * cp_size + cp_rank, tp_rank)``; ``get_comm`` returns it, or
   falls back to ``MpiComm().Split(...)``: mpi4py's COMM_WORLD. In a process that mpirun did not
   start (torchrun) that world has one rank, so a workspace allocated over it is ``[1, size]``.
-- ``open_mnnvl_memory`` allgathers the size over that comm and asserts every rank asks for the same.
+- ``open_mnnvl_memory`` allgathers the size over that comm and asserts every rank asks for the same,
+  then exchanges the memory handles over it: FABRIC handles (``allgather(handle.data)``) or POSIX
+  fds (<= v0.6.15: ``allgather(fd)``, ``allgather(os.getpid())`` for pidfd_getfd; from v0.6.16:
+  ``allgather(socket.gethostname())``, then exchange_fds' ``allgather(sock_path)`` and SCM_RIGHTS).
+  The handle type: <= v0.6.15 FABRIC on aarch64 (``platform.machine()``); from v0.6.16 decided once
+  per process by ``_resolve_fabric_support`` (an AND-reduce allgather over the comm of the first
+  allocation, cached in the class-level ``_fabric_supported``; ``vendor.MNNVL_FABRIC_AGREEMENT_SINCE``).
+  So the collectives of one allocation differ between a rank that decided before and one that did not.
 - ``as_torch_strided_tensor`` has one row per rank of the *class-level* comm at call time.
 
 - The address reservation is class-level: ``current_start_address``, ``current_rank_stride``,
@@ -17,8 +24,9 @@ flashinfer/comm/mnnvl.py), kept as it is:
   outside the range, and ``cuMemMap`` fails (``DRIVER.map``: CUDA_ERROR_INVALID_VALUE).
 - ``allocated_map`` holds tuples until v0.6.14, ``_MnnvlAllocationRecord``s from v0.6.15.
 
-What is faked: the CUDA driver (cuMemCreate/cuMemMap/fabric handles; ``DRIVER`` keeps the reserved
-ranges and refuses a mapping outside them). Each allocation's memory is a CPU tensor
+What is faked: the CUDA driver (cuMemCreate/cuMemMap/handle export and import, the FABRIC probe and
+the machine; ``DRIVER`` keeps the reserved ranges and refuses a mapping outside them, and refuses to
+import anything but a handle it exported). The SCM_RIGHTS / pidfd transfers themselves are not run. Each allocation's memory is a CPU tensor
 ``[comm_size, size]`` of which only this rank's row is this process's memory; writes the kernels
 make into a peer's row travel through the allocation's communicator (``Segment.exchange``).
 ``patch_real_mnnvl`` puts the same memory model under FlashInfer's real ``MnnvlMemory``.
@@ -26,6 +34,11 @@ make into a peer's row travel through the allocation's communicator (``Segment.e
 
 from __future__ import annotations
 
+import itertools
+import os
+import platform
+import socket
+import tempfile
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +52,11 @@ from .. import vendor
 #: The fake's allocation granularity (the real one is the driver's, typically 2 MiB): the rank
 #: stride is the size rounded up to it, so a segment is narrower than its stride, as on the GPU.
 GRANULARITY = 128
+#: The device every fake rank runs on (``cuCtxGetDevice``).
+DEVICE = 0
+#: A FABRIC handle is 64 bytes (``CUmemFabricHandle.data``); the fake's start with this tag.
+FABRIC_HANDLE_BYTES = 64
+_FABRIC_TAG = b"fake-fabric-handle:"
 
 
 class CommBackend(ABC):
@@ -194,6 +212,29 @@ class _Driver:
         #: Device memory left for one cuMemCreate (None: enough). A test lowers it to make an
         #: allocation fail as on a full GPU: after ``new_mnnvl_memory_address`` reserved its range.
         self.free_bytes: int | None = None
+        #: What FlashInfer's ``_probe_fabric_supported`` finds on this rank (v0.6.16+:
+        #: CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED and an NVML fabric clique). False, as on
+        #: a machine without an NVLink fabric (and what the real probe returns without a GPU).
+        self.fabric = False
+        #: ``platform.machine()``: FlashInfer <= v0.6.15 uses FABRIC handles on aarch64 only.
+        self.machine = platform.machine()
+        self._handles = itertools.count(1)
+
+    def export(self, fabric: bool) -> bytes | int:
+        """cuMemExportToShareableHandle: a FABRIC handle's ``.data`` (64 bytes) or a POSIX fd."""
+        number = next(self._handles)
+        if fabric:
+            return (_FABRIC_TAG + f"{os.getpid()}:{number}".encode()).ljust(FABRIC_HANDLE_BYTES, b"\0")
+        return 1000 + number
+
+    def import_handle(self, data: Any, fabric: bool) -> None:
+        """cuMemImportFromShareableHandle: only a handle of the allocation's type that a rank exported
+        (a peer's value from a mis-paired collective is not one; what the real driver and cuda-python
+        make of it is for the hardware to say, the fake raises as checkCudaErrors does)."""
+        valid = (isinstance(data, bytes) and len(data) == FABRIC_HANDLE_BYTES and data.startswith(_FABRIC_TAG)) \
+            if fabric else (isinstance(data, int) and not isinstance(data, bool))
+        if not valid:
+            raise RuntimeError("CUDA error code=1(CUDA_ERROR_INVALID_VALUE)")
 
     def create(self, size: int) -> None:
         if self.free_bytes is not None and size > self.free_bytes:
@@ -297,15 +338,55 @@ def _tuple_record(comm: Any, comm_size: int, comm_rank: int, aligned_size: int, 
     return (mapping, aligned_size, mem_handles, start_address, rank_stride, address_offset)
 
 
-def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int) -> tuple[int, int]:
-    """``MnnvlMemory.open_mnnvl_memory`` with CPU memory: FlashInfer's comm logic and its
-    class-level address reservation (``current_start_address`` / ``current_rank_stride`` /
+def _uses_fabric(cls: Any, version: vendor.Version) -> bool:
+    """``get_allocation_prop``'s handle type: the process's decision (v0.6.16+, probed when there
+    is none) or the machine (<= v0.6.15)."""
+    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+        decided = getattr(cls, vendor.MNNVL_FABRIC_ATTR)
+        return bool(cls._probe_fabric_supported(DEVICE) if decided is None else decided)
+    return "aarch64" in DRIVER.machine.lower()
+
+
+def _exchange_handles(comm: Any, comm_rank: int, fabric: bool, version: vendor.Version) -> list[Any]:
+    """The handle exchange of ``_create_and_map_handles`` (its collectives, in FlashInfer's order):
+    every rank's exported handle, by rank."""
+    local = DRIVER.export(fabric)
+    if fabric:
+        return list(comm.allgather(local))
+    if version < vendor.MNNVL_FABRIC_AGREEMENT_SINCE:  # pidfd_open / pidfd_getfd on every peer's fd
+        fds, pids = list(comm.allgather(local)), list(comm.allgather(os.getpid()))
+        for pid, fd in zip(pids, fds, strict=True):
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                raise RuntimeError(f"pidfd_open({pid}) failed with errno 3: No such process")
+            if not isinstance(fd, int) or isinstance(fd, bool):
+                raise RuntimeError(f"pidfd_getfd(pidfd=3, fd={fd}) failed with errno 9: Bad file descriptor.")
+        return fds
+    hosts = comm.allgather(socket.gethostname())
+    if len(set(hosts)) != 1:
+        raise RuntimeError(
+            "[MnnvlMemory] POSIX fd exchange via SCM_RIGHTS requires all ranks to share the same host, but got "
+            f"differing hostnames: {hosts}. Multi-node MNNVL requires a fabric-capable GPU setup "
+            "(CU_MEM_HANDLE_TYPE_FABRIC).")
+    # exchange_fds: each rank's socket path, then an SCM_RIGHTS connection to every peer's.
+    paths = comm.allgather(os.path.join(tempfile.gettempdir(), f"cuda_fd_xchg_{os.getpid()}_{comm_rank}_", "fd.sock"))
+    for path in paths:
+        if not isinstance(path, str):
+            raise TypeError(f"a bytes-like object is required, not '{type(path).__name__}'")  # socket.connect
+    return [1000] * len(paths)  # the received fds (the fake maps no real memory with them)
+
+
+def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int, version: vendor.Version) -> tuple[int, int]:
+    """``MnnvlMemory.open_mnnvl_memory`` with CPU memory: FlashInfer's comm logic and collectives
+    (the size allgather, the FABRIC decision from v0.6.16, the handle exchange), its class-level
+    address reservation (``current_start_address`` / ``current_rank_stride`` /
     ``current_mem_offset``, see ``vendor.mnnvl_reservation``), the fake driver's ranges."""
     comm = cls.get_comm(mapping)
     comm_rank, comm_size = comm.Get_rank(), comm.Get_size()
     sizes = comm.allgather(size)
     assert len(sizes) == comm_size
     assert all(x == size for x in sizes), "Not all rank allocating same size."
+    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+        cls._resolve_fabric_support(comm, DEVICE)
     granularity = cls.allocation_granularity or GRANULARITY
     aligned = -(-size // granularity) * granularity
     if cls.current_mem_offset + aligned > cls.current_rank_stride:  # new_mnnvl_memory_address
@@ -317,8 +398,12 @@ def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int) -> tupl
     assert cls.current_mem_offset + aligned <= cls.current_rank_stride
     # _create_and_map_handles: a failure from here on leaves the range reserved, with no record.
     DRIVER.create(aligned)
+    fabric = _uses_fabric(cls, version)
+    handles = _exchange_handles(comm, comm_rank, fabric, version)
     start, stride, offset = cls.current_start_address, cls.current_rank_stride, cls.current_mem_offset
-    for i in range(comm_size):  # cuMemMap of every rank's handle at its place in the range
+    for i, handle in enumerate(handles):  # cuMemMap of every rank's handle at its place in the range
+        if i != comm_rank:
+            DRIVER.import_handle(handle, fabric)
         DRIVER.map(start + stride * i + offset, aligned)
     storage = torch.empty(comm_size * aligned, dtype=torch.uint8)  # peers' rows: not our memory
     seg = Segment(comm, comm_rank, comm_size, size, aligned, storage)
@@ -371,6 +456,7 @@ class MnnvlMemoryBase:
     address_refcnt: dict[int, Any] = {}
     config: Any = None
     _RECORD: Callable[..., Any] = _AllocationRecord
+    _VERSION: vendor.Version = vendor.VERIFIED_UNTIL
 
     def __init__(self, mapping: Any, size: int) -> None:
         self.mapping = mapping
@@ -408,18 +494,44 @@ class MnnvlMemoryBase:
 
     @classmethod
     def open_mnnvl_memory(cls, mapping: Any, size: int) -> tuple[int, int]:
-        return _open(cls, cls._RECORD, mapping, size)
+        return _open(cls, cls._RECORD, mapping, size, cls._VERSION)
 
     @classmethod
     def close_mnnvl_memory(cls, ptr: int) -> None:
         _close(cls, ptr)
 
 
+class FabricAgreement:
+    """``MnnvlMemory``'s once-per-process FABRIC decision (v0.6.16+; flashinfer-ai/flashinfer@8da13a2
+    ... flashinfer-python==0.7.2.post1 flashinfer/comm/mnnvl.py ``_fabric_supported``,
+    ``_probe_fabric_supported``, ``_resolve_fabric_support``, ``all_ranks_agree``)."""
+
+    _fabric_supported: bool | None = None
+
+    @staticmethod
+    def _probe_fabric_supported(dev_id: int) -> bool:
+        return bool(DRIVER.fabric)
+
+    @classmethod
+    def _resolve_fabric_support(cls, comm: Any, dev_id: int) -> bool:
+        """The cached decision, or every rank's probe AND-reduced over ``comm`` (an allgather) and
+        cached for the process."""
+        if cls._fabric_supported is not None:
+            return cls._fabric_supported
+        agreed = all(comm.allgather(cls._probe_fabric_supported(dev_id)))
+        cls._fabric_supported = agreed
+        return agreed
+
+
 def memory_class(version: vendor.Version) -> type[MnnvlMemoryBase]:
-    """A fresh ``MnnvlMemory`` (own class-level comm, reservation, allocation map) for ``version``."""
+    """A fresh ``MnnvlMemory`` (own class-level comm, reservation, allocation map, FABRIC decision)
+    for ``version``."""
     records = vendor.profile(version).mnnvl_records
-    return type("MnnvlMemory", (MnnvlMemoryBase,), {
-        "__module__": __name__, "allocated_map": {}, "address_refcnt": {},
+    bases: tuple[type, ...] = (MnnvlMemoryBase,)
+    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+        bases += (FabricAgreement,)
+    return type("MnnvlMemory", bases, {
+        "__module__": __name__, "allocated_map": {}, "address_refcnt": {}, "_VERSION": version,
         "_RECORD": staticmethod(_AllocationRecord if records else _tuple_record)})
 
 
@@ -445,18 +557,21 @@ def fresh_address_range(memory: Any) -> Iterator[None]:
             setattr(memory, name, value)
 
 
-def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
+def patch_real_mnnvl(real: Any, record_cls: Any, version: vendor.Version) -> Callable[[], None]:
     """Put CPU memory under FlashInfer's real ``MnnvlMemory`` (its comm logic stays: ``get_comm``,
-    ``set_comm_from_config``, the class-level ``comm``; the reservation state is its own class
-    attributes, kept as FlashInfer keeps them); returns the undo."""
-    saved = {name: real.__dict__[name] for name in
-             ("initialize", "open_mnnvl_memory", "close_mnnvl_memory", "as_torch_strided_tensor")}
+    ``set_comm_from_config``, the class-level ``comm``, and from v0.6.16 ``_resolve_fabric_support``
+    with its cached ``_fabric_supported``, whose probe of the device becomes ``DRIVER.fabric``; the
+    reservation state is its own class attributes, kept as FlashInfer keeps them); returns the undo."""
+    names = ["initialize", "open_mnnvl_memory", "close_mnnvl_memory", "as_torch_strided_tensor"]
+    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+        names.append("_probe_fabric_supported")
+    saved = {name: real.__dict__[name] for name in names}
 
     def initialize() -> None:
         real.initialized = True
 
     def open_mnnvl_memory(mapping: Any, size: int) -> tuple[int, int]:
-        return _open(real, record_cls, mapping, size)
+        return _open(real, record_cls, mapping, size, version)
 
     def close_mnnvl_memory(ptr: int) -> None:
         _close(real, ptr)
@@ -468,6 +583,8 @@ def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
     real.open_mnnvl_memory = staticmethod(open_mnnvl_memory)
     real.close_mnnvl_memory = staticmethod(close_mnnvl_memory)
     real.as_torch_strided_tensor = as_torch_strided_tensor
+    if "_probe_fabric_supported" in saved:
+        real._probe_fabric_supported = staticmethod(FabricAgreement._probe_fabric_supported)
 
     def undo() -> None:
         for name, value in saved.items():
@@ -476,6 +593,6 @@ def patch_real_mnnvl(real: Any, record_cls: Any) -> Callable[[], None]:
     return undo
 
 
-__all__ = ["CommBackend", "DRIVER", "FABRIC", "MPIBackend", "MnnvlConfig", "MnnvlMemoryBase", "MpiComm", "Segment",
+__all__ = ["CommBackend", "DEVICE", "DRIVER", "FABRIC", "FabricAgreement", "MPIBackend", "MnnvlConfig", "MnnvlMemoryBase", "MpiComm", "Segment",
            "SingletonWorld", "TorchDistBackend", "fresh_address_range", "memory_class", "patch_real_mnnvl",
            "segment_of", "torch_dist_backend_class"]

@@ -7,9 +7,10 @@ machine: its Python modules import without a GPU) and replaces exactly two thing
   ``kernels.MoeA2AKernels`` for the installed version, so FlashInfer's own wrappers, its
   ``get_moe_alltoall_module`` cache, ``moe_a2a_dispatch``'s workspace views and every Python
   check of ``MoeAlltoAll`` run as shipped;
-- the CUDA-driver side of ``MnnvlMemory`` (initialize, open/close, as_torch_strided_tensor): CPU
-  memory (``mnnvl.patch_real_mnnvl``); ``MnnvlMemory.comm``, ``get_comm`` (the MPI fallback) and
-  ``set_comm_from_config`` stay FlashInfer's.
+- the CUDA-driver side of ``MnnvlMemory`` (initialize, open/close, as_torch_strided_tensor, the
+  FABRIC probe): CPU memory and the fake's port of ``open_mnnvl_memory``'s collectives
+  (``mnnvl.patch_real_mnnvl``); ``MnnvlMemory.comm``, ``get_comm`` (the MPI fallback),
+  ``set_comm_from_config`` and, from v0.6.16, ``_resolve_fabric_support`` stay FlashInfer's.
 
 It exposes the layout ``vendor.detect`` looks for (``comm.MoeAlltoAll``, ``comm.Mapping``,
 ``comm.mnnvl.MnnvlConfig``, ``comm.moe_a2a_get_workspace_size_per_rank``); ``fp4_quantize`` and the
@@ -44,7 +45,7 @@ def _install() -> None:
             cache_clear()
     _a2a.MoeAlltoAll._METAINFO_INDEX = None
     # allocated_map holds _MnnvlAllocationRecord from v0.6.15, tuples before (vendor.MNNVL_RECORD_SINCE).
-    patch_real_mnnvl(_mnnvl.MnnvlMemory, getattr(_mnnvl, "_MnnvlAllocationRecord", _tuple_record))
+    patch_real_mnnvl(_mnnvl.MnnvlMemory, getattr(_mnnvl, "_MnnvlAllocationRecord", _tuple_record), VERSION)
 
 
 _install()

@@ -1,0 +1,289 @@
+"""The third independent audit (2026-11, /tmp/audit3/ascend.md): what the kernels (not the tiling) make
+unsafe. ``N#`` / ``F1`` / ``K#`` are the audit's rows; every CRASH/WRONG/FAKE test failed on the code before
+its fix (VENDOR.md §7, round three).
+
+The expected numbers are derived here from the kernels' arithmetic, not from the plugin's functions:
+the normal dispatch keeps ``dataState·(W/2) + min(T, 8192)·k·ceil512(2H)`` in a uint32 (A2's op halves
+``W − 8 MB``), so the largest safe ops' window is ``(2³² − c − 1) >> 19`` MB (A2: + 8)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import moe_dispatch as md
+from moe_dispatch.environ import restored_environ
+from moe_dispatch_ascend_deepep import vendor as v
+from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
+from moe_dispatch_ascend_deepep.fakes import deep_ep as fake
+
+MiB = 1 << 20
+HCCL, DEEPEP = "HCCL_BUFFSIZE", "DEEPEP_HCCL_BUFFSIZE"
+EXPANSION = "HCCL_OP_EXPANSION_MODE"
+LAYERED = {"HCCL_INTRA_PCIE_ENABLE": "1", "HCCL_INTRA_ROCE_ENABLE": "0"}
+
+
+def _spec(mode: str = "normal", tokens: int = 64, experts: int = 128, top_k: int = 8, hidden: int = 7168
+          ) -> md.DispatchSpec:
+    return md.DispatchSpec(hidden, experts, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode)
+
+
+def _a2(env: dict[str, str] | None = None) -> AscendDeepEPBackend:
+    return AscendDeepEPBackend(v.FAKE, env={**LAYERED} if env is None else env, soc="A2")
+
+
+def _a3(env: dict[str, str]) -> AscendDeepEPBackend:
+    return AscendDeepEPBackend(v.FAKE, env=env, soc="A3")
+
+
+SMALL = _spec(tokens=8, experts=16, top_k=2, hidden=1024)
+
+
+# -- N1 CRASH: the A2 internode normal kernels are written for two servers -------------------------------------
+
+
+@pytest.mark.parametrize("world", [24, 32, 64])
+def test_n1_a2_normal_mode_takes_up_to_8_ranks_or_exactly_16(world):
+    """notify_dispatch_a2.h exchanges with one peer, ``(1 − serverId)·8 + localRank`` ("2个server的计算方式");
+    deep_ep.cpp's offset_inner is [2, 4096, E]; the combine is COMBINE_2SERVER_VERSION. 24..64 ranks were
+    accepted (only the notify tiling's 64 was checked)."""
+    spec = _spec(experts=world * 8)
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a2().check_spec(spec, world)
+    assert info.value.parameter == "world_size" and "16" in str(info.value.allowed)
+    with pytest.raises(md.InvalidSpecError) as info:  # creation: a chip torch_npu cannot name counts as A2
+        AscendDeepEPBackend(env={**LAYERED, HCCL: "3000"}).check_environment(spec, world, {}, {})
+    assert info.value.parameter == "world_size"
+    _a2().check_spec(_spec("low_latency", experts=world * 8), world)  # low latency has its own kernels
+    _a3(LAYERED).check_spec(spec, world)  # an A3 runs the intranode op at any size of the config map
+
+
+def test_n1_a2_normal_mode_at_8_and_16_ranks():
+    _a2().check_spec(_spec(experts=128), 16)
+    _a2().check_spec(_spec(experts=64), 8)
+    _a2({**LAYERED, HCCL: "1219"}).check_environment(_spec(), 16, {}, {})
+
+
+def test_f1_the_fake_notify_exchanges_with_one_peer_server():
+    for world in (24, 32, 64):
+        with pytest.raises(RuntimeError, match=r"\(fake\).*peer server"):
+            fake.a2_internode_notify_kernel(world, 1300 * MiB)
+    fake.a2_internode_notify_kernel(16, 1300 * MiB)
+
+
+def test_f1_the_fake_combine_writes_4096_rows_per_server():
+    """moe_distribute_combine_a2_layered.h: countReL = MAX_BS (4096) whatever the batch; each server's share of
+    the 400 MB − 1 MB RDMA half is 8·floor32(399 MB / R): at R = 64 and H = 7168 it is smaller."""
+    assert 8 * (399 * MiB // 64 // 32 * 32) < 4096 * 7168 * 2
+    with pytest.raises(RuntimeError, match=r"\(fake\).*4096"):
+        fake.a2_internode_combine_rdma(64, 7168)
+    fake.a2_internode_combine_rdma(16, 7168)
+
+
+# -- N2 CRASH: the notify op's offset wraps from 4496 MB --------------------------------------------------------
+
+
+def test_n2_a2_internode_group_window_at_most_4495_mb():
+    """notify_dispatch_a2.h: ``uint32_t notifyMemoryOffset = winSize − 2·200 MB``: from 4496 MB it wraps into the
+    dispatch/combine's 0..804 MB. 4496..5299 MB were accepted (the combine's own bound)."""
+    for window in ("4496", "5299"):
+        with pytest.raises(md.InvalidSpecError) as info:
+            _a2({**LAYERED, HCCL: window}).check_window(_spec(), 16, {}, {})
+        assert info.value.parameter == HCCL and info.value.allowed == "1219..4495"
+    _a2({**LAYERED, HCCL: "4495"}).check_window(_spec(), 16, {}, {})
+    with pytest.raises(md.InvalidSpecError) as info:  # the group's own hccl_buffer_size
+        _a2({**LAYERED, HCCL: "2048"}).check_window(_spec(), 16, {"hccl_buffer_size": 4496}, {})
+    assert info.value.parameter == "hccl_buffer_size"
+
+
+def test_f1_the_fake_notify_area_wraps_from_4496_mb():
+    with pytest.raises(RuntimeError, match=r"\(fake\).*notifyMemoryOffset"):
+        fake.a2_internode_notify_kernel(16, 4496 * MiB)
+    fake.a2_internode_notify_kernel(16, 4495 * MiB)
+
+
+# -- N3 WRONG: the A2 layered low-latency kernels keep the window in uint32s -------------------------------------
+
+
+def test_n3_a2_layered_low_latency_group_window_at_most_4896_mb():
+    """moe_distribute_dispatch_v2_layered.h ``uint32_t totalSize_ = winSize``; combine_v2_layered.h
+    ``uint32_t IPC_DATA_SIZE = winSize − 804 MB`` and ``dstRankId·ipcSliceSize + 4 MB`` in uint32: the IPC area
+    and its offset fit below 4 GiB up to 4896 MB. Any group window was accepted."""
+    ll = _spec("low_latency")
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a2({**LAYERED, HCCL: "4897"}).check_window(ll, 16, {}, {})
+    assert info.value.parameter == HCCL and info.value.allowed.endswith("..4896")
+    _a2({**LAYERED, HCCL: "4896"}).check_window(ll, 16, {}, {})
+    with pytest.raises(md.InvalidSpecError) as info:  # a group option is not even capped at 65535
+        _a2({**LAYERED, HCCL: "2048"}).check_window(ll, 16, {"hccl_buffer_size": 100000}, {})
+    assert info.value.parameter == "hccl_buffer_size"
+    _a3({**LAYERED, HCCL: "6000"}).check_window(ll, 16, {}, {})  # the layered kernels are A2's
+
+
+def test_f1_the_fake_layered_ipc_size_wraps_above_4896_mb():
+    with pytest.raises(RuntimeError, match=r"\(fake\)"):
+        fake.a2_layered_ipc_layout(5000 * MiB, 16, 8)
+    fake.a2_layered_ipc_layout(4896 * MiB, 16, 8)
+
+
+# -- N4 CRASH: HCCL_OP_EXPANSION_MODE on Atlas A2 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_n4_hccl_op_expansion_mode_is_refused_on_a2(mode):
+    """The vendor's README: "Must be disabled on A2 when using DeepEP (remove or unset this variable)";
+    A2_DEEPEP.md: "otherwise unknown operator errors will occur". torch_npu also takes it per group
+    (hccl_config["hccl_op_expansion_mode"])."""
+    enough = {**LAYERED, HCCL: "2048"}
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a2({**enough, EXPANSION: "AIV"}).check_environment(_spec(mode), 16, {}, {})
+    assert info.value.parameter == EXPANSION
+    with pytest.raises(md.InvalidSpecError):  # one node too (the README's "A2 Single Node")
+        _a2({HCCL: "2048", EXPANSION: "AIV"}).check_environment(_spec(mode, experts=64), 8, {}, {})
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a2(enough).check_environment(_spec(mode), 16, {"hccl_op_expansion_mode": 3}, {})
+    assert info.value.parameter == "process_group"
+    with pytest.raises(md.InvalidSpecError):  # creation: a chip torch_npu cannot name counts as A2
+        AscendDeepEPBackend(env={**enough, EXPANSION: "AIV"}).check_environment(_spec(mode), 16, {}, {})
+    _a3({**enough, EXPANSION: "AIV"}).check_environment(_spec(mode), 16, {}, {})
+    _a2(enough).check_environment(_spec(mode), 16, {}, {})
+
+
+def test_n4_the_ranks_agree_on_hccl_op_expansion_mode():
+    values = AscendDeepEPBackend(v.FAKE, env={EXPANSION: "AIV"}).agreement_values(SMALL, 2, {}, {})
+    assert values.get(EXPANSION) == "AIV"
+
+
+# -- N5 CRASH (edge): the window variables as torch_npu (strtol) and the ops (std::stoi) read them -------------------
+
+
+@pytest.mark.parametrize("raw", ["1_024", "\uff11\uff10\uff12\uff14", "1024MB", "0x400", "-1024", "0", "70000", ""])
+@pytest.mark.parametrize("name", [HCCL, DEEPEP])
+def test_n5_window_variables_must_be_plain_decimal_mb(raw, name):
+    """Python int("1_024") and int("１０２４") are 1024; strtol and std::stoi read 1 and nothing (so 200 or a
+    refusal): the plugin believed 1024 MB."""
+    env = {name: raw} if name == HCCL else {HCCL: "2048", name: raw}
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a3(env).check_window(SMALL, 2, {}, {})
+    assert info.value.parameter == name
+
+
+@pytest.mark.parametrize("raw", ["1024", " 1024", "+1024", "1024\n", "01024"])
+def test_n5_values_every_reader_reads_alike_are_taken(raw):
+    assert _a3({HCCL: raw}).check_window(SMALL, 2, {}, {}).mb == 1024
+
+
+# -- N8 WRONG: the normal dispatch's window-half offset is a uint32 ---------------------------------------------
+
+
+def test_n8_the_normal_ops_window_is_capped_where_the_half_offset_wraps():
+    """cam_moe_dispatch_normal.h ``uint32_t winDataSizeOffset = dataState·(totalWinSize/2) + min(realMaxBs, 8192)
+    ·k·ceil512(2H)``; ops2 halves ``totalWinSize − 4·2 MB``. T=8192, k=8, H=7168: c = 896 MiB, so the A3 op's
+    window must stay below (4096 − 896)·2 = 6400 MB, A2's (one node) below 6408 MB."""
+    spec = _spec(tokens=8192, experts=16)
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a3({HCCL: "6400"}).check_window(spec, 2, {}, {})
+    assert info.value.parameter == HCCL and info.value.allowed == "3860..6399"
+    _a3({HCCL: "6399"}).check_window(spec, 2, {}, {})
+    with pytest.raises(md.InvalidSpecError) as info:  # DEEPEP_HCCL_BUFFSIZE is the window the kernel halves
+        _a3({HCCL: "8000", DEEPEP: "6400"}).check_window(spec, 2, {}, {})
+    assert info.value.parameter == DEEPEP and info.value.allowed == "3860..6399"
+    with pytest.raises(md.InvalidSpecError) as info:
+        AscendDeepEPBackend(v.FAKE, env={HCCL: "6408"}, soc="A2").check_window(spec, 2, {}, {})
+    assert info.value.allowed == "4480..6407"
+    AscendDeepEPBackend(v.FAKE, env={HCCL: "6407"}, soc="A2").check_window(spec, 2, {}, {})
+    with pytest.raises(md.InvalidSpecError) as info:  # creation with an unnamed chip: A3's (the smaller) bound
+        AscendDeepEPBackend(env={HCCL: "6400"}).check_window(spec, 2, {}, {})
+    assert info.value.allowed == "4480..6399"
+
+
+def _largest_tokens(top_k: int, hidden: int, chips: tuple[str, ...], ceiling_chip: str) -> int:
+    def c512(n: int) -> int:
+        return -(-n // 512) * 512
+
+    def need(t: int, chip: str) -> int:
+        row = c512(2 * hidden) + c512(-(-2 * hidden // 32) * 32 + 44)
+        fixed, extra = (106, 0) if chip == "A3" else (412, 8)
+        return -(-((t * top_k * row + fixed * MiB) * 2 + extra * MiB) // MiB)
+
+    def ceiling(t: int) -> int:
+        return (((1 << 32) - t * top_k * c512(2 * hidden) - 1) >> 19) + (8 if ceiling_chip == "A2" else 0)
+
+    return max(t for t in range(1, 8193) if max(need(t, c) for c in chips) <= ceiling(t))
+
+
+def test_n8_a_spec_no_ops_window_fits_is_refused_with_the_largest_tokens():
+    """T=8192, k=16, H=7168 needs 7508 MB on A3 but the offset wraps from 4608 MB: no window works."""
+    spec = _spec(tokens=8192, experts=16, top_k=16)
+    cases = [(_a3({}), _largest_tokens(16, 7168, ("A3",), "A3")),
+             (AscendDeepEPBackend(v.FAKE, env={}, soc="A2"), _largest_tokens(16, 7168, ("A3", "A2"), "A2")),
+             (AscendDeepEPBackend(env={}), _largest_tokens(16, 7168, ("A3", "A2"), "A3"))]  # planning, no chip
+    assert [t for _, t in cases] == [6008, 5547, 5541]
+    for backend, most in cases:
+        with pytest.raises(md.CapacityError) as info:
+            backend.check_spec(spec, 2)
+        assert info.value.parameter == "num_max_dispatch_tokens_per_rank" and info.value.allowed == f"1..{most}"
+        backend.check_spec(dataclasses.replace(spec, num_max_dispatch_tokens_per_rank=most), 2)
+
+
+def test_n8_a2_multi_server_low_latency_halves_are_uint32():
+    """ops2 moe_distribute_dispatch_v2.h ``uint32_t totalSize_ = winSize / 2``, moe_distribute_combine_v2.h
+    ``uint32_t halfWinSize_ = winSize / 2`` (A2 beyond 8 ranks, not layered): from 8192 MB they wrap."""
+    ll = _spec("low_latency")
+    with pytest.raises(md.InvalidSpecError) as info:
+        _a2({HCCL: "8192"}).check_window(ll, 16, {}, {})
+    assert info.value.parameter == HCCL and info.value.allowed.endswith("..8191")
+    _a2({HCCL: "8191"}).check_window(ll, 16, {}, {})
+    _a3({HCCL: "8192"}).check_window(ll, 16, {}, {})
+    _a2({HCCL: "8192"}).check_window(_spec("low_latency", experts=64), 8, {}, {})  # one node: uint64 offsets
+
+
+def test_f1_the_fake_a2_multi_server_low_latency_halves_wrap():
+    with pytest.raises(RuntimeError, match=r"\(fake\)"):
+        fake.a2_ll_half_window(8192 * MiB)
+    fake.a2_ll_half_window(8191 * MiB)
+
+
+def fake_normal_half_offset(rank: int, world: int, window: str) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    with restored_environ({HCCL: window}):
+        buffer = fake.Buffer(dist.group.WORLD)  # HCCL allocates the group this window
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(8, 1024, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)])
+        w = torch.rand(8, 2, generator=g)
+        for _ in range(2):  # the kernel flips its window half (dataState) each call
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
+            try:
+                buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w, num_worst_tokens=8192)
+                results.append("ok")
+            except RuntimeError as exc:
+                results.append(str(exc))
+    return results
+
+
+def test_f1_the_fake_normal_dispatch_wraps_its_half_offset(moe_rank_pools):
+    """real_max_bs = num_worst_tokens = 8192, k = 2, H = 1024: c = 32 MiB; W = 8128 MB puts the state-1 data at
+    4064 + 32 MiB = 2³²: in the uint32 it lands on the first half."""
+    pool = moe_rank_pools.get(2)
+    assert pool.map(fake_normal_half_offset, "8127") == [["ok", "ok"]] * 2
+    for results in pool.map(fake_normal_half_offset, "8128"):
+        assert results[0] == "ok" and "(fake)" in results[1] and "winDataSizeOffset" in results[1], results
+
+
+# -- K2 RISK: a group whose window is shared by name --------------------------------------------------------------
+
+
+def test_k2_a_group_sharing_its_window_by_name_is_refused():
+    """torch_npu's hccl_config["hccl_buffer_name"]: communicators with the same name share one buffer, so other
+    groups' collectives overwrite DeepEP-Ascend's flags, magic and halves."""
+    backend = _a3({HCCL: "1024"})
+    with pytest.raises(md.InvalidSpecError) as info:
+        backend.check_window(SMALL, 2, {"hccl_buffer_name": "shared"}, {})
+    assert info.value.parameter == "process_group"
+    backend.check_window(SMALL, 2, {}, {})
