@@ -1,4 +1,4 @@
-"""The second independent audit (2026-11, /tmp/audit2/ascend.md): one test per non-OK row, and the
+"""The second independent audit (2026-11, docs/vendor-audits/2026-11/round2/ascend.md): one test per non-OK row, and the
 new findings of the fix. ``#N`` is the audit's row. Every CRASH/WRONG/FAKE test failed on the code
 before its fix (VENDOR.md "Independent audit (2026-11)", round two).
 

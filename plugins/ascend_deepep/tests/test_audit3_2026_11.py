@@ -1,4 +1,4 @@
-"""The third independent audit (2026-11, /tmp/audit3/ascend.md): what the kernels (not the tiling) make
+"""The third independent audit (2026-11, docs/vendor-audits/2026-11/round3/ascend.md): what the kernels (not the tiling) make
 unsafe. ``N#`` / ``F1`` / ``K#`` are the audit's rows; every CRASH/WRONG/FAKE test failed on the code before
 its fix (VENDOR.md §7, round three).
 
@@ -245,18 +245,20 @@ def test_f1_the_fake_a2_multi_server_low_latency_halves_wrap():
     fake.a2_ll_half_window(8191 * MiB)
 
 
-def fake_normal_half_offset(rank: int, world: int, window: str) -> list[str]:
+def fake_normal_half_offset(rank: int, world: int, window: str, buffers: int = 1) -> list[str]:
+    """Two normal dispatches, by turns on ``buffers`` Buffers of the default group."""
     import torch
     import torch.distributed as dist
 
     results = []
     with restored_environ({HCCL: window}):
-        buffer = fake.Buffer(dist.group.WORLD)  # HCCL allocates the group this window
+        made = [fake.Buffer(dist.group.WORLD) for _ in range(buffers)]  # HCCL allocates the group this window
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(8, 1024, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)])
         w = torch.rand(8, 2, generator=g)
-        for _ in range(2):  # the kernel flips its window half (dataState) each call
+        for call in range(2):  # the kernel flips its window half (dataState) each call
+            buffer = made[call % buffers]
             per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
             try:
                 buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
@@ -267,13 +269,60 @@ def fake_normal_half_offset(rank: int, world: int, window: str) -> list[str]:
     return results
 
 
-def test_f1_the_fake_normal_dispatch_wraps_its_half_offset(moe_rank_pools):
+def _wrapped(results: list[str]) -> list[bool]:
+    for r in results:
+        assert r == "ok" or ("(fake)" in r and "winDataSizeOffset" in r), r
+    return [r != "ok" for r in results]
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_f1_the_fake_normal_dispatch_wraps_its_half_offset(moe_rank_pools, buffers):
     """real_max_bs = num_worst_tokens = 8192, k = 2, H = 1024: c = 32 MiB; W = 8128 MB puts the state-1 data at
-    4064 + 32 MiB = 2³²: in the uint32 it lands on the first half."""
+    4064 + 32 MiB = 2³²: in the uint32 it lands on the first half. The state lives in the group's window, so
+    of two calls exactly one is in state 1, whichever Buffer of the group makes it (round four, F2), and
+    whatever state earlier work in the process left."""
     pool = moe_rank_pools.get(2)
-    assert pool.map(fake_normal_half_offset, "8127") == [["ok", "ok"]] * 2
-    for results in pool.map(fake_normal_half_offset, "8128"):
-        assert results[0] == "ok" and "(fake)" in results[1] and "winDataSizeOffset" in results[1], results
+    assert pool.map(fake_normal_half_offset, "8127", buffers) == [["ok", "ok"]] * 2
+    for results in pool.map(fake_normal_half_offset, "8128", buffers):
+        assert sorted(_wrapped(results)) == [False, True], results
+
+
+def fake_low_latency_shares_the_state_word(rank: int, world: int) -> list[str]:
+    """On a new group (fresh window state): normal, low latency (another Buffer of the group), normal, normal at
+    W = 8128 MB."""
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    with restored_environ({HCCL: "8128"}):
+        group = dist.new_group(list(range(world)))
+        buffer, ll_buffer = fake.Buffer(group), fake.Buffer(group, low_latency_mode=True)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(8, 1024, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)])
+        w = torch.rand(8, 2, generator=g)
+        for step in ("normal", "low_latency", "normal", "normal"):
+            try:
+                if step == "low_latency":
+                    ll_buffer.low_latency_dispatch(x, ids, 8, 4, use_fp8=False)
+                else:
+                    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
+                    buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                    num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w,
+                                    num_worst_tokens=8192)
+                results.append("ok")
+            except RuntimeError as exc:
+                results.append(str(exc))
+        dist.destroy_process_group(group)
+    return results
+
+
+def test_f2_the_fake_low_latency_dispatch_flips_the_same_state_word_on_a3(moe_rank_pools):
+    """Round four (review of F2): on A3 MoeDistributeDispatchV2 flips the word at ``localWindowsExp + 950 KB`` the
+    normal op keeps ``dataState`` in (KN@f425bdf ops/op_kernel/moe_distribute_dispatch_v2.h ``STATE_WIN_OFFSET``,
+    ``InitWinState``), so after one low-latency dispatch the next normal one runs in state 0 again."""
+    for results in moe_rank_pools.get(2).map(fake_low_latency_shares_the_state_word):
+        assert _wrapped(results) == [False, False, False, True], results
 
 
 # -- K2 RISK: a group whose window is shared by name --------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The independent audit (2026-11) of this plugin against sgl-kernel-npu f425bdf, op-plugin, CANN
 ops-transformer and torch-npu 2.13.0: one test per non-OK row. ``a<N>`` rows are the DeepEP-Ascend
-audit's (/tmp/audit/ascend_deepep_fuseep.md), ``b<N>`` the torch_npu runners' (ascend_npu_ops.md).
+audit's (docs/vendor-audits/2026-11/round1/ascend_deepep_fuseep.md), ``b<N>`` the torch_npu runners' (ascend_npu_ops.md).
 Every CRASH/WRONG test failed on the adapter before its fix, with the fakes made as strict as the
 vendor (VENDOR.md "Independent audit (2026-11)")."""
 

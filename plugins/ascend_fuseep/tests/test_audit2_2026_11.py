@@ -1,4 +1,4 @@
-"""The second independent audit (2026-11, /tmp/audit2/ascend.md) where it concerns FuseEP: the window
+"""The second independent audit (2026-11, docs/vendor-audits/2026-11/round2/ascend.md) where it concerns FuseEP: the window
 the fused path checks is the group's (#19, inherited from ascend_deepep), and the fuse mode decides
 which collective op runs, so the ranks agree on it before the Buffer exists (new)."""
 

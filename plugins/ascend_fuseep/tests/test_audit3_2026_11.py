@@ -1,4 +1,4 @@
-"""The third independent audit (2026-11, /tmp/audit3/ascend.md) where it reaches FuseEP: the window checks
+"""The third independent audit (2026-11, docs/vendor-audits/2026-11/round3/ascend.md) where it reaches FuseEP: the window checks
 FuseEP inherits from ascend_deepep (N5: the variables read as strtol / std::stoi read them; K2: a group whose
 window is shared by name). The fused ops' own offsets are uint64 (row K6: OK), and FuseEP runs on Atlas A3 only,
 so N1-N4 and N8's A2 rows do not reach it. Written first and failing before the fix."""

@@ -1,5 +1,5 @@
 """The independent audit (2026-11) of FuseEP against sgl-kernel-npu f425bdf: one test per non-OK row
-that concerns this plugin (/tmp/audit/ascend_deepep_fuseep.md #40, #41, #42; VENDOR.md "Independent
+that concerns this plugin (docs/vendor-audits/2026-11/round1/ascend_deepep_fuseep.md #40, #41, #42; VENDOR.md "Independent
 audit (2026-11)"). The CRASH test failed on the adapter before its fix, with the fake as strict as
 the vendor."""
 

@@ -1,7 +1,7 @@
 """The second independent audit of the plugin (VENDOR.md, "Independent audit (2026-11)", round
 two): one test per non-OK row, against fakes as strict as FlashInfer's source, plus the
 creation agreement and the fakes' version modules. Row numbers are the audit's
-(``/tmp/audit2/flashinfer_cutedsl.md``); the same rows through FlashInfer's real Python are in
+(``docs/vendor-audits/2026-11/round2/flashinfer_cutedsl.md``); the same rows through FlashInfer's real Python are in
 ``test_real_flashinfer.py``."""
 
 import ast

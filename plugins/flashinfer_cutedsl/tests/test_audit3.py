@@ -1,6 +1,6 @@
 """The third independent audit of the plugin (VENDOR.md, "Independent audit (2026-11)", round
 three): one test per non-OK row, against fakes as strict as FlashInfer's source. Row numbers are the
-audit's (``/tmp/audit3/flashinfer_cutedsl.md``); the same rows through FlashInfer's real Python are
+audit's (``docs/vendor-audits/2026-11/round3/flashinfer_cutedsl.md``); the same rows through FlashInfer's real Python are
 in ``test_real_flashinfer.py``."""
 
 import importlib

@@ -1,6 +1,6 @@
 """The independent audit of ``flashinfer_a2a`` (VENDOR.md, "Independent audit (2026-11)"): one test
 per non-OK row, each against a fake as strict as FlashInfer's source on that point. Row numbers
-are the audit's (``/tmp/audit/flashinfer_a2a.md``)."""
+are the audit's (``docs/vendor-audits/2026-11/round1/flashinfer_a2a.md``)."""
 
 import importlib
 import warnings

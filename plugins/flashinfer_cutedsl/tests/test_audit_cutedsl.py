@@ -1,6 +1,6 @@
 """The independent audit of the ``flashinfer_cutedsl`` runner (VENDOR.md, "Independent audit
 (2026-11)"): one test per non-OK row, against fakes as strict as FlashInfer's source. Row numbers
-are the audit's (``/tmp/audit/flashinfer_cutedsl.md``)."""
+are the audit's (``docs/vendor-audits/2026-11/round1/flashinfer_cutedsl.md``)."""
 
 import importlib
 

@@ -176,22 +176,21 @@ def parse_env_int(raw: str | None, default: int) -> int:
 
 
 _C_SPACE = " \t\n\v\f\r"
+_C_INTEGER_PREFIX = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+
+
+def _c_integer_prefix(raw: str) -> int | None:
+    """What C's integer parsers read: leading C whitespace, an optional sign, the longest run of ASCII digits;
+    None where there are no digits."""
+    found = _C_INTEGER_PREFIX.match(raw)
+    return int(found.group(1) + found.group(2), 10) if found else None
 
 
 def strtol_prefix(raw: str) -> int:
-    """``strtol(raw, nullptr, 10)``: leading C whitespace, an optional sign, the longest run of ASCII digits;
-    0 where there are none, LONG_MAX/LONG_MIN beyond a long (what torch_npu reads HCCL_BUFFSIZE with,
-    Ascend/pytorch@9e73e708 torch_npu/csrc/core/npu/register/OptionsManager.cpp GetHcclBufferSize)."""
-    i = 0
-    while i < len(raw) and raw[i] in _C_SPACE:
-        i += 1
-    sign = 1
-    if i < len(raw) and raw[i] in "+-":
-        sign, i = (-1 if raw[i] == "-" else 1), i + 1
-    j = i
-    while j < len(raw) and raw[j] in _ASCII_DIGITS:
-        j += 1
-    value = sign * int(raw[i:j], 10) if j > i else 0
+    """``strtol(raw, nullptr, 10)``: 0 where there are no digits, LONG_MAX/LONG_MIN beyond a long (what torch_npu
+    reads HCCL_BUFFSIZE with, Ascend/pytorch@9e73e708 torch_npu/csrc/core/npu/register/OptionsManager.cpp
+    GetHcclBufferSize)."""
+    value = _c_integer_prefix(raw) or 0
     return max(-_LONG_MAX - 1, min(_LONG_MAX, value))
 
 
@@ -208,21 +207,10 @@ def plain_decimal(raw: str) -> int | None:
 
 
 def stoi_prefix(raw: str) -> int | None:
-    """``std::stoi(raw)``: leading C whitespace skipped, an optional sign, then the longest run of ASCII
-    digits; None where stoi throws (no digits: invalid_argument; beyond int: out_of_range)."""
-    i = 0
-    while i < len(raw) and raw[i] in " \t\n\v\f\r":
-        i += 1
-    sign = 1
-    if i < len(raw) and raw[i] in "+-":
-        sign, i = (-1 if raw[i] == "-" else 1), i + 1
-    j = i
-    while j < len(raw) and raw[j] in _ASCII_DIGITS:
-        j += 1
-    if j == i:
-        return None
-    value = sign * int(raw[i:j], 10)
-    return value if -(1 << 31) <= value < (1 << 31) else None
+    """``std::stoi(raw)``: as strtol, but None where stoi throws (no digits: invalid_argument; beyond int:
+    out_of_range)."""
+    value = _c_integer_prefix(raw)
+    return value if value is not None and -(1 << 31) <= value < (1 << 31) else None
 
 
 def ops_window_mb(env: Mapping[str, str]) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Mapping
@@ -241,6 +242,13 @@ class SharedBuffer:
     #: clean key → (T, hidden, E) of the first LL layer with it (what ``clean_low_latency_buffer`` is called with).
     layouts: dict[Any, tuple[int, int, int]] = field(default_factory=dict)
     captured: bool = False
+    #: LL calls captured into CUDA graphs since the last eager one. DeepEP picks the signalling half on the host
+    #: (``low_latency_buffer_idx ^= 1``) at capture, so a replayed kernel keeps its half: graphs holding an odd count
+    #: (a dispatch without its combine) leave the eager calls' half out of step with the replays'.
+    captured_since_eager: int = 0
+    #: The handles of eager LL dispatches not yet combined (a dropped one goes with its handle). A graph captured
+    #: while one is pending starts on the other half from the one its replays find once that combine has run.
+    pending: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     closed: bool = False
     internode: bool = field(init=False)
 
@@ -312,7 +320,27 @@ class SharedBuffer:
                     "a graph runs only at that graph's replay, on the ranks replaying it. Run one low-latency step "
                     "eagerly (it cleans), then capture", parameter="cuda_graph_capture", value="clean due",
                     allowed="capture after an eager low-latency step")
+            if len(self.pending):
+                raise md.InvalidSpecError(
+                    f"{len(self.pending)} eager low-latency dispatch(es) on the process's DeepEP Buffer await their "
+                    "combine: DeepEP picks the signalling half on the host at capture, so this graph would start on "
+                    "the other half from the one its replays find once those combines ran (the replays would read the "
+                    "flags they left). Combine them (or drop their outputs), then capture",
+                    parameter="cuda_graph_capture", value=f"{len(self.pending)} eager dispatches pending",
+                    allowed="capture with every eager low-latency dispatch combined")
             self.captured = True
+            self.captured_since_eager += 1
+        elif self.captured_since_eager % 2:
+            raise md.InvalidSpecError(
+                f"CUDA graphs captured {self.captured_since_eager} low-latency calls on the process's DeepEP Buffer "
+                "since its last eager one, an odd count (a dispatch without its combine): DeepEP picks the signalling "
+                "half on the host at capture, so a replayed kernel keeps its half and an eager call here would read "
+                "the counts or flags a replay left (wrong rows, a wrong sum). Capture each low-latency dispatch with "
+                "its combine in the same graph", parameter="cuda_graph_capture",
+                value=f"{self.captured_since_eager} low-latency calls captured",
+                allowed="an even count: each dispatch captured with its combine")
+        else:
+            self.captured_since_eager = 0
         if self.needs_clean(key):
             self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
         self.clean = frozenset({key})

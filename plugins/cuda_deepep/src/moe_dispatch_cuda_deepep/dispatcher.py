@@ -56,7 +56,7 @@ class NormalHandle:
     num_received: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # by identity: SharedBuffer.pending holds them weakly
 class LowLatencyHandle:
     owner: object
     vendor_handle: tuple
@@ -100,6 +100,7 @@ class DeepEPDispatcher:
             rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
             self._before_low_latency()
             combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
+            self.shared.pending.discard(h)
             return combined
         self.shared.check_open()
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
@@ -107,10 +108,11 @@ class DeepEPDispatcher:
         self.shared.after_normal()
         return combined
 
-    def _before_low_latency(self) -> None:
-        s = self.spec
-        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts,
-                                       self._capturing())
+    def _before_low_latency(self) -> bool:
+        """The shared Buffer's checks and cleaning before an LL call; whether the call is being captured."""
+        s, capturing = self.spec, self._capturing()
+        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts, capturing)
+        return capturing
 
     def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> md.DispatchOutput:
@@ -149,7 +151,7 @@ class DeepEPDispatcher:
         ids = self._ids(topk_ids)
         x = x.contiguous()
         T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
-        self._before_low_latency()
+        capturing = self._before_low_latency()
         if self.dtype is md.DispatchDtype.NVFP4:
             recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
                 x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=self.x_global_scale)
@@ -163,5 +165,7 @@ class DeepEPDispatcher:
                 x, ids, T, E, use_fp8=self.dtype is md.DispatchDtype.FP8, round_scale=self.ue8m0,
                 use_ue8m0=self.ue8m0)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights,
-                            LowLatencyHandle(self, handle, ids, topk_weights.float().contiguous()))
+        ll_handle = LowLatencyHandle(self, handle, ids, topk_weights.float().contiguous())
+        if not capturing:
+            self.shared.pending.add(ll_handle)
+        return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights, ll_handle)

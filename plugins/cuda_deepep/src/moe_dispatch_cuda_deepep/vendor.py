@@ -241,9 +241,10 @@ def internode_bytes_ok(num_nvl_bytes: int, num_rdma_bytes: int) -> bool:
 
 
 def constructor_bytes_problems(num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool) -> list[str]:
-    """The byte bounds of ``Buffer::Buffer``'s common checks (deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp;
-    the same @ebfe47e csrc/deep_ep.cpp): NVL bytes at most INT_MAX on a Buffer with RDMA bytes, RDMA bytes at most
-    INT_MAX outside LL mode, each region ``/ sizeof(int4) < INT_MAX`` (below 32 GiB). Alignment is the caller's."""
+    """The byte bounds of ``Buffer::Buffer``'s common checks (deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp):
+    NVL bytes at most INT_MAX on a Buffer with RDMA bytes and RDMA bytes at most INT_MAX outside LL mode (the same
+    @ebfe47e csrc/deep_ep.cpp), each region ``/ sizeof(int4) < INT_MAX``, below 32 GiB (from 4623c67; checked on
+    every version: stricter than older builds, never looser). Alignment is the caller's."""
     problems = []
     if num_nvl_bytes > INT_MAX and num_rdma_bytes != 0:
         problems.append("num_nvl_bytes <= std::numeric_limits<int>::max() or num_rdma_bytes == 0")

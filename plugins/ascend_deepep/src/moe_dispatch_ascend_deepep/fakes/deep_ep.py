@@ -64,6 +64,7 @@ normal op, the internode path beyond 8 ranks, layered and multi-server checks ap
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, List, Optional, Tuple, Union
@@ -122,6 +123,24 @@ def _window_mb() -> int:
     """Mc2TilingUtils::GetMaxWindowSize at the call: DEEPEP_HCCL_BUFFSIZE, else HCCL_BUFFSIZE, else 200,
     std::stoi into a uint16 (``vendor.ops_window_mb``)."""
     return v.ops_window_mb(os.environ)
+
+
+#: The ``dataState`` word at ``localWindowsExp + 950 KB + block·512`` of the group's HCCL window, by process group:
+#: the normal dispatch op flips it each call (KN@f425bdf ops/op_kernel/cam_moe_dispatch_normal.h Init:
+#: ``dataState = selfDataStatusTensor(0)``), and on A3 so does the low-latency dispatch (ops/op_kernel/
+#: moe_distribute_dispatch_v2.h ``STATE_WIN_OFFSET``, ``InitWinState``; moe_distribute_base.h
+#: ``GetStatusDataSpaceGm``: the same window). Every Buffer on one group shares it for the group's life.
+_WINDOW_DATA_STATE: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _flip_window_state(group: Any) -> int:
+    """Flip the group's ``dataState``; the state the calling kernel runs in."""
+    import torch.distributed as dist
+
+    owner = dist.group.WORLD if group is None else group
+    state = _WINDOW_DATA_STATE.get(owner, 0)
+    _WINDOW_DATA_STATE[owner] = 1 - state
+    return state
 
 
 def _allocated_window_mb(group: Any) -> int:
@@ -380,7 +399,6 @@ class Buffer:
         self.soc_version = v.soc_family(fake_torch_npu.npu.get_soc_version())
         self.allocated_window_mb = _allocated_window_mb(group)
         self.real_max_bs = 0  # deep_ep.hpp Buffer::real_max_bs
-        self.data_state = 0  # the normal dispatch op's dataState, kept in its window's status area (flips each call)
         # deep_ep_cpp.Buffer(...): the constructor's environment (KN deep_ep.cpp Buffer::Buffer)
         _ep_assert(0 <= self.rank < self.group_size, "0 <= rank and rank < num_ranks")
         shared = v.parse_env_int(os.environ.get(v.SHARED_RANKS_ENV), 0)
@@ -710,8 +728,7 @@ class Buffer:
         """The kernel flips dataState each call and keeps ``winDataSizeOffset = dataState·(totalWinSize/2) +
         min(realMaxBs, perRound)·k·hSizeAlignCombine`` in a uint32 (ops/op_kernel/cam_moe_dispatch_normal.h Init;
         A2: half of totalWinSize − 8 MB): "(fake)" where state 1's data wraps onto the first half."""
-        state, self.data_state = self.data_state, 1 - self.data_state
-        if state == 0:
+        if _flip_window_state(self.group) == 0:
             return
         offset = v.normal_op_state1_offset(_window_mb() * v.MIB, self.real_max_bs, hidden, top_k, soc,
                                            self.per_round_tokens, self.round)
@@ -822,6 +839,8 @@ class Buffer:
             raise ValueError(f"Unsupported quant_mode: {quant_mode}")
         recv_x, scales, counts, vendor_handle = self._ll_dispatch(x, topk_idx.int(), num_max_dispatch_tokens_per_rank,
                                                                   num_experts, quant_mode)
+        if self.soc_version != A2:  # A3's MoeDistributeDispatchV2 flips the normal op's dataState word too
+            _flip_window_state(self.group)
         hook: Callable[[], None] = lambda: None  # noqa: E731
         return ((recv_x, scales) if quant_mode is not None else recv_x), counts, vendor_handle, EventOverlap(), hook
 
