@@ -27,15 +27,20 @@ def _outcome(fn):
         return type(exc).__name__, exc.parameter
 
 
-def _graphs_then_eager(rank: int, world: int, split: bool) -> list:
-    """Capture one layer's dispatch and combine (together, or in two graphs when ``split``), or the dispatch alone;
-    replay; then an eager step."""
+def _layer(rank: int, world: int):  # noqa: ANN202
+    """The DeepEP fake, a backend on it, one low-latency layer and a batch for it."""
     fake = importlib.import_module(vendor.EMULATOR)
     backend = DeepEPBackend(vendor.EMULATOR)
     with restored_environ():
         d = md.create_dispatcher(backend, _spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    ids, w = torch.tensor([[0, d.spec.num_experts - 1]] * 4), torch.ones(4, 2)
+    return fake, backend, d, (x, torch.tensor([[0, d.spec.num_experts - 1]] * 4), torch.ones(4, 2))
+
+
+def _graphs_then_eager(rank: int, world: int, split: bool) -> list:
+    """Capture one layer's dispatch and combine (together, or in two graphs when ``split``), or the dispatch alone;
+    replay; then an eager step."""
+    fake, backend, d, (x, ids, w) = _layer(rank, world)
     steps = []
     try:
         out = d.dispatch(x, ids, w)  # one eager step first: the Buffer is clean
@@ -71,12 +76,7 @@ def test_a4_1_an_eager_low_latency_call_after_an_odd_capture_is_refused(moe_rank
 
 
 def _capture_while_an_eager_dispatch_is_pending(rank: int, world: int) -> list:
-    fake = importlib.import_module(vendor.EMULATOR)
-    backend = DeepEPBackend(vendor.EMULATOR)
-    with restored_environ():
-        d = md.create_dispatcher(backend, _spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
-    x = torch.randn(4, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
-    ids, w = torch.tensor([[0, d.spec.num_experts - 1]] * 4), torch.ones(4, 2)
+    fake, backend, d, (x, ids, w) = _layer(rank, world)
 
     graphs = []
 
@@ -117,3 +117,46 @@ def test_a4_1_a_capture_while_an_eager_dispatch_awaits_its_combine_is_refused(mo
     or dropped (the host index moved before the capture, so the graph and its replays agree), it is allowed."""
     assert moe_rank_pools.get(1).map(_capture_while_an_eager_dispatch_is_pending) == [
         [("InvalidSpecError", "cuda_graph_capture"), "captured", "captured", "replayed", "eager", "replayed", "eager"]]
+
+
+def _capture_after_an_aborted_capture(rank: int, world: int) -> list:
+    fake, backend, d, (x, ids, w) = _layer(rank, world)
+    graphs = []
+
+    def capture(two_batches: bool) -> str:
+        graphs.append(fake.CUDAGraph())
+        with graphs[-1].capture():  # two-batch overlap: both dispatches before both combines
+            outs = [d.dispatch(x, ids, w) for _ in range(2 if two_batches else 1)]
+            for out in outs:
+                d.combine(out.hidden_states, out)
+        return "captured"
+
+    def aborted() -> str:
+        try:
+            with fake.CUDAGraph().capture():
+                d.dispatch(x, ids, w)
+                raise KeyboardInterrupt  # the capture dies between the dispatch and its combine
+        except KeyboardInterrupt:
+            return "aborted"
+
+    steps = []
+    try:
+        out = d.dispatch(x, ids, w)
+        d.combine(out.hidden_states, out)
+        steps.append(_outcome(lambda: capture(True)))
+        steps.append(_outcome(lambda: graphs[-1].replay() or "replayed"))
+        steps.append(aborted())
+        steps.append(_outcome(lambda: capture(False)))
+        return steps
+    finally:
+        importlib.import_module("moe_dispatch_cuda_deepep.fakes._native").reset_context()
+        backend.close()
+
+
+def test_c7_a_capture_after_an_aborted_capture_is_refused(moe_rank_pools):
+    """Round five, C7 (WRONG): a capture that died after its dispatch moved DeepEP's host-side half for good, so every
+    later graph starts on the other half from the GPU's state (each replay reads the counts the last kernel left). A
+    captured dispatch at an odd count with no captured dispatch awaiting its combine is now refused; a graph with two
+    micro-batches' dispatches before their combines (sglang's two-batch overlap) stays allowed."""
+    assert moe_rank_pools.get(1).map(_capture_after_an_aborted_capture) == [
+        ["captured", "replayed", "aborted", ("InvalidSpecError", "cuda_graph_capture")]]

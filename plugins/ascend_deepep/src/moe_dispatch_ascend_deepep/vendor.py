@@ -183,7 +183,12 @@ def _c_integer_prefix(raw: str) -> int | None:
     """What C's integer parsers read: leading C whitespace, an optional sign, the longest run of ASCII digits;
     None where there are no digits."""
     found = _C_INTEGER_PREFIX.match(raw)
-    return int(found.group(1) + found.group(2), 10) if found else None
+    if not found:
+        return None
+    sign, digits = -1 if found.group(1) == "-" else 1, found.group(2).lstrip("0") or "0"
+    # beyond 20 digits every reader clamps or throws alike: stand in 10**20 (past any long) and keep clear of
+    # Python's limit on converting long digit strings
+    return sign * (int(digits, 10) if len(digits) <= 20 else 10 ** 20)
 
 
 def strtol_prefix(raw: str) -> int:
@@ -198,12 +203,13 @@ def plain_decimal(raw: str) -> int | None:
     """The value of ``raw`` when every reader of a window variable reads it alike: C whitespace, an optional
     ``+``, ASCII digits, C whitespace (``strtol``: torch_npu's allocation; ``std::stoi``: the ops' check;
     Python ``int()``: sglang's group size). None for anything else (``1_024``, non-ASCII digits, ``1024MB``,
-    ``0x400``, a sign ``-``), which they read differently."""
+    ``0x400``, a sign ``-``, 2³¹ and beyond), which they read differently."""
     body = raw.strip(_C_SPACE)
     digits = body[1:] if body.startswith("+") else body
-    if not digits or not set(digits) <= _ASCII_DIGITS:
+    if not digits or not set(digits) <= _ASCII_DIGITS or len(digits.lstrip("0")) > 10:
         return None
-    return int(digits, 10)
+    value = int(digits, 10)
+    return value if value < 1 << 31 else None  # std::stoi throws out_of_range where strtol reads a number
 
 
 def stoi_prefix(raw: str) -> int | None:

@@ -42,6 +42,7 @@ LL kernels on one must be dropped first (a replay would run on freed NVSHMEM mem
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 import weakref
@@ -249,6 +250,8 @@ class SharedBuffer:
     #: The handles of eager LL dispatches not yet combined (a dropped one goes with its handle). A graph captured
     #: while one is pending starts on the other half from the one its replays find once that combine has run.
     pending: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    #: The handles of LL dispatches captured and not yet combined (in the same graph or the next one).
+    captured_pending: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     closed: bool = False
     internode: bool = field(init=False)
 
@@ -299,7 +302,8 @@ class SharedBuffer:
             self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
             self.clean = self.clean | {key}
 
-    def before_low_latency(self, tokens: int, hidden: int, num_experts: int, capturing: bool = False) -> None:
+    def before_low_latency(self, tokens: int, hidden: int, num_experts: int, capturing: bool = False,
+                           dispatch: bool = True) -> None:
         """Clean the signalling counts unless they are known clean for this layout; under capture, only on a
         Buffer whose state no eager call can change between replays, and never: a clean captured into a graph runs
         only when it is replayed (an eager call before that reads stale counts), and only that graph holds it (ranks
@@ -320,7 +324,7 @@ class SharedBuffer:
                     "a graph runs only at that graph's replay, on the ranks replaying it. Run one low-latency step "
                     "eagerly (it cleans), then capture", parameter="cuda_graph_capture", value="clean due",
                     allowed="capture after an eager low-latency step")
-            if len(self.pending):
+            if _live(self.pending):
                 raise md.InvalidSpecError(
                     f"{len(self.pending)} eager low-latency dispatch(es) on the process's DeepEP Buffer await their "
                     "combine: DeepEP picks the signalling half on the host at capture, so this graph would start on "
@@ -328,6 +332,14 @@ class SharedBuffer:
                     "flags they left). Combine them (or drop their outputs), then capture",
                     parameter="cuda_graph_capture", value=f"{len(self.pending)} eager dispatches pending",
                     allowed="capture with every eager low-latency dispatch combined")
+            if dispatch and self.captured_since_eager % 2 and not _live(self.captured_pending):
+                raise md.InvalidSpecError(
+                    "a capture ended with a low-latency dispatch whose combine was never captured (an aborted "
+                    "capture?): DeepEP moved its host-side signalling half at that capture, so every graph captured "
+                    "from here would read the counts the last kernel run left. The Buffer serves no more CUDA graphs "
+                    "in this process", parameter="cuda_graph_capture",
+                    value=f"{self.captured_since_eager} low-latency calls captured",
+                    allowed="each captured dispatch followed by its combine (in the same graph or the next one)")
             self.captured = True
             self.captured_since_eager += 1
         elif self.captured_since_eager % 2:
@@ -378,6 +390,14 @@ class SharedBuffer:
         if self.owned and getattr(self.buffer, "explicitly_destroy", False):
             self.buffer.destroy()
         self.buffer = None
+
+
+def _live(handles: "weakref.WeakSet[Any]") -> int:
+    """How many of ``handles`` are alive, after a collection when any seems to be: an output dropped in a reference
+    cycle must count as dropped on every rank alike (the refusals it decides are the same on every rank)."""
+    if len(handles):
+        gc.collect()
+    return len(handles)
 
 
 # -- the registry --------------------------------------------------------------------------------------------------

@@ -98,9 +98,10 @@ class DeepEPDispatcher:
         h = dispatch_output.handle
         if isinstance(h, LowLatencyHandle):
             rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
-            self._before_low_latency()
+            self._before_low_latency(dispatch=False)
             combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
             self.shared.pending.discard(h)
+            self.shared.captured_pending.discard(h)
             return combined
         self.shared.check_open()
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
@@ -108,10 +109,11 @@ class DeepEPDispatcher:
         self.shared.after_normal()
         return combined
 
-    def _before_low_latency(self) -> bool:
+    def _before_low_latency(self, dispatch: bool) -> bool:
         """The shared Buffer's checks and cleaning before an LL call; whether the call is being captured."""
         s, capturing = self.spec, self._capturing()
-        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts, capturing)
+        self.shared.before_low_latency(s.num_max_dispatch_tokens_per_rank, s.hidden_size, s.num_experts, capturing,
+                                       dispatch)
         return capturing
 
     def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
@@ -151,7 +153,7 @@ class DeepEPDispatcher:
         ids = self._ids(topk_ids)
         x = x.contiguous()
         T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
-        capturing = self._before_low_latency()
+        capturing = self._before_low_latency(dispatch=True)
         if self.dtype is md.DispatchDtype.NVFP4:
             recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
                 x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=self.x_global_scale)
@@ -166,6 +168,5 @@ class DeepEPDispatcher:
                 use_ue8m0=self.ue8m0)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         ll_handle = LowLatencyHandle(self, handle, ids, topk_weights.float().contiguous())
-        if not capturing:
-            self.shared.pending.add(ll_handle)
+        (self.shared.captured_pending if capturing else self.shared.pending).add(ll_handle)
         return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights, ll_handle)
