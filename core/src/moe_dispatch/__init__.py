@@ -31,7 +31,8 @@ from .layer import MoELayer, moe_forward
 from .output import DispatchOutput
 from .plugins import BackendInfo, PluginHost, available_backends, get_backend
 from .planning import BufferPlan, EnvRequirement, LayerBuffers, Misfit, Peak, plan_buffers
-from .resolution import DtypeFallbackWarning, Resolution, Step, resolve_output_dtype
+from .preparation import PreparedLayer, prepare_layer, resolve_output_dtype
+from .trail import DtypeFallbackWarning, Resolution, Step
 from .spec import DispatchSpec, add_cli_args
 from .wire import WireFormat
 
@@ -90,5 +91,7 @@ __all__ = [
     "make_codec",
     "moe_forward",
     "reference_moe",
+    "PreparedLayer",
+    "prepare_layer",
     "resolve_output_dtype",
 ]

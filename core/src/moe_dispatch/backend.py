@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_chec
 
 import torch
 
-from .capabilities import Capabilities, DtypeDecision
+from .capabilities import Capabilities, DtypeDecision, EnvRequirement
 from .dtypes import DispatchDtype, Mode
 from .errors import CapacityError, InvalidSpecError
 from .output import DispatchOutput
@@ -21,8 +21,7 @@ from .spec import DispatchSpec
 if TYPE_CHECKING:
     from .codecs import Codec
     from .distributed.comm import Comm
-    from .resolution import Resolution
-    from .planning import EnvRequirement
+    from .trail import Resolution
 
 
 @dataclass(frozen=True)

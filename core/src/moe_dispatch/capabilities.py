@@ -143,4 +143,23 @@ class Capabilities:
         }
 
 
-__all__ = ["Capabilities", "DtypeDecision", "Fallback", "Limits"]
+@dataclass(frozen=True)
+class EnvRequirement:
+    """An environment variable a backend reads when it creates its dispatcher and that must be
+    at least ``minimum`` for a spec (Ascend: ``HCCL_BUFFSIZE`` in MB, the HCCL window).
+
+    A backend states these by implementing ``env_requirements(spec, world_size)``; the planner
+    compares them with the ``env`` it was given.
+
+    :param default: the value the vendor uses when the variable is unset (None: no default).
+    """
+
+    variable: str
+    minimum: int
+    unit: str
+    default: int | None = None
+    reason: str = ""
+
+
+
+__all__ = ["EnvRequirement", "Capabilities", "DtypeDecision", "Fallback", "Limits"]

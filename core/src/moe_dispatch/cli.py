@@ -6,13 +6,18 @@ import argparse
 import json
 import sys
 import warnings
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from .dtypes import DispatchDtype, Mode
 from .errors import MoEDispatchError
 from .hints import QuantHints
 from .plugins import PluginHost, default_host
 from .presets import DEMO_SCALE, PRESETS, get_preset
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .preparation import PreparedLayer
+    from .spec import DispatchSpec
 
 
 #: Version of ``moe-dispatch backends --json`` output; bumped only for an incompatible change.
@@ -71,12 +76,25 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, strict: bool = False,
+            host: PluginHost | None = None, env: "Mapping[str, str] | None" = None) -> "PreparedLayer":
+    """What ``moe-dispatch explain`` shows: ``create_dispatcher``'s own preparation of ``spec``
+    (``prepare_layer``), so it refuses exactly what ``create_dispatcher`` refuses, with the
+    same typed error; the dtype fallback is on the trail instead of a warning."""
+    from .preparation import prepare_layer
+    from .resolution import DtypeFallbackWarning
+
+    host = host or default_host()
+    backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
+    with warnings.catch_warnings():  # the trail shows the fallback
+        warnings.simplefilter("ignore", DtypeFallbackWarning)
+        return prepare_layer(backend_obj, spec, world_size, runners=host.runners(), env=env, strict=strict)
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .resolution import DtypeFallbackWarning, resolve_output_dtype
     from .spec import DispatchSpec
 
     host = default_host()
-    backend = host.get_backend(args.backend)
     preset = get_preset(args.preset)
     quant = QuantHints.from_dict(json.loads(args.quant)) if args.quant else QuantHints()
     spec = DispatchSpec(
@@ -89,13 +107,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         quant=quant,
         runner=args.runner,
     )
-    backend.check_spec(spec, args.world_size)
-    with warnings.catch_warnings():  # the trail below shows the fallback
-        warnings.simplefilter("ignore", DtypeFallbackWarning)
-        resolution = resolve_output_dtype(spec, backend, strict=args.strict, runners=host.runners())
-    resolved = spec.with_dtype(resolution.dtype)
-    wire = resolved.wire_format()
-    buffers = backend.buffer_size(resolved, args.world_size)
+    layer = explain(spec, args.backend, args.world_size, strict=args.strict, host=host)
+    backend, resolution, buffers = layer.backend, layer.resolution, layer.buffer_size
+    wire = layer.spec.wire_format()
     reason = host.probe(backend)
     if args.json:
         print(json.dumps({

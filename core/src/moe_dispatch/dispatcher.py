@@ -13,11 +13,12 @@ from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype
 from .distributed.agreement import agree
 from .distributed.watch import DEFAULT_TIMEOUT_S
-from .errors import BackendUnavailableError, CapacityError, CommunicationError, InvalidSpecError, MoEDispatchError
+from .errors import BackendUnavailableError, CommunicationError, MoEDispatchError
 from .output import DispatchOutput
 from .plugins import PluginHost, core_version, default_host
-from .resolution import Resolution, resolve_output_dtype
+from .preparation import prepare_layer
 from .spec import DispatchSpec
+from .trail import Resolution
 from .validation import InputChecks
 
 
@@ -194,37 +195,18 @@ def _prepare(
     host: PluginHost, backend: Backend, spec: DispatchSpec, comm: Comm, *, strict: bool,
     env: Mapping[str, str] | None, options: Mapping[str, Any] | None,
 ) -> tuple[DispatchContext, Resolution]:
-    """Everything local: the spec against the backend, the wire dtype, the buffer plan."""
-    backend.check_spec(spec, comm.world_size)
-    resolution = resolve_output_dtype(spec, backend, env=env, strict=strict, runners=host.runners())
-    resolved = spec.with_dtype(resolution.dtype)
-    if resolved.wire_format().ue8m0 and not backend.capabilities.fp8_ue8m0:
-        raise InvalidSpecError(
-            f"backend {backend.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
-            parameter="quant.fp8_ue8m0_scales",
-            value=True,
-            allowed="False for this backend",
-        )
-    codec = make_codec(resolved.wire_format(), resolved.quant.input_global_scale)
-    buffers = backend.buffer_size(resolved, comm.world_size)
-    limit = backend.capabilities.limits_for(resolved.mode).max_buffer_bytes
-    if limit is not None and buffers.largest_allocation > limit:
-        raise CapacityError(
-            f"backend {backend.name!r} needs {buffers.largest_allocation:,} buffer bytes, "
-            f"more than its limit of {limit:,}; lower --num-max-dispatch-tokens-per-rank",
-            parameter="num_max_dispatch_tokens_per_rank",
-            value=resolved.num_max_dispatch_tokens_per_rank,
-        )
+    """Everything local (``prepare_layer``), then the context the backend creates from."""
+    layer = prepare_layer(backend, spec, comm.world_size, runners=host.runners(), env=env, strict=strict)
     ctx = DispatchContext(
-        spec=resolved,
-        resolution=resolution,
+        spec=layer.spec,
+        resolution=layer.resolution,
         comm=comm,
-        codec=codec,
-        buffer_size=buffers,
+        codec=make_codec(layer.spec.wire_format(), layer.spec.quant.input_global_scale),
+        buffer_size=layer.buffer_size,
         device=comm.device or torch.device("cpu"),
         options=dict(options or {}),
     )
-    return ctx, resolution
+    return ctx, layer.resolution
 
 
 def _fingerprint(host: PluginHost, backend: Backend, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:

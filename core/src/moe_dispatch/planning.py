@@ -21,32 +21,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .backend import Backend, BufferSize
+from .capabilities import EnvRequirement
 from .dtypes import DispatchDtype
 from .errors import CapacityError, InvalidSpecError
 from .plugins import PluginHost, default_host
-from .resolution import DtypeFallbackWarning, Resolution, resolve_output_dtype
+from .preparation import prepare_layer
 from .spec import DispatchSpec
+from .trail import DtypeFallbackWarning, Resolution
 
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class EnvRequirement:
-    """An environment variable a backend reads when it creates its dispatcher and that must be
-    at least ``minimum`` for a spec (Ascend: ``HCCL_BUFFSIZE`` in MB, the HCCL window).
-
-    A backend states these by implementing ``env_requirements(spec, world_size)``; the planner
-    compares them with the ``env`` it was given.
-
-    :param default: the value the vendor uses when the variable is unset (None: no default).
-    """
-
-    variable: str
-    minimum: int
-    unit: str
-    default: int | None = None
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -261,25 +245,16 @@ def plan_buffers(
 
 def _plan_layer(backend: Backend, index: int, name: str, spec: DispatchSpec, world_size: int,
                 env: Mapping[str, str], runners: Mapping[str, Any], strict: bool) -> LayerBuffers:
-    """The checks of ``create_dispatcher`` that come before sizing, then the sizes."""
-    if not isinstance(spec, DispatchSpec):
-        raise InvalidSpecError("must be a DispatchSpec", parameter=f"specs[{name!r}]", value=spec,
-                               allowed="moe_dispatch.DispatchSpec")
-    backend.check_spec(spec, world_size)
+    """``create_dispatcher``'s preparation (``prepare_layer``), the buffer limit left to the misfits."""
     with warnings.catch_warnings():  # the fallback is kept on the resolution; create_dispatcher warns
         warnings.simplefilter("ignore", DtypeFallbackWarning)
-        resolution = resolve_output_dtype(spec, backend, env=env, strict=strict, runners=runners)
-    resolved = spec.with_dtype(resolution.dtype)
-    if resolved.wire_format().ue8m0 and not backend.capabilities.fp8_ue8m0:
-        raise InvalidSpecError(
-            f"backend {backend.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
-            parameter="quant.fp8_ue8m0_scales", value=True, allowed="False for this backend",
-        )
-    size = backend.buffer_size(resolved, world_size)
+        layer = prepare_layer(backend, spec, world_size, runners=runners, env=env, strict=strict,
+                              enforce_limit=False, parameter=f"specs[{name!r}]")
+    resolved, size = layer.spec, layer.buffer_size
     # sglang's params_bytes = 2: the same backend sized for a BF16 wire.
-    bf16 = size if resolution.dtype is DispatchDtype.BF16 else backend.buffer_size(
+    bf16 = size if resolved.output_dtype is DispatchDtype.BF16 else backend.buffer_size(
         resolved.with_dtype(DispatchDtype.BF16), world_size)
-    return LayerBuffers(index, name, resolved, resolution, size, bf16)
+    return LayerBuffers(index, name, resolved, layer.resolution, size, bf16)
 
 
 def _peak(layers: Sequence[LayerBuffers], key: Callable[[LayerBuffers], int]) -> Peak:

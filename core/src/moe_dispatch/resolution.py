@@ -11,12 +11,12 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from .dtypes import DispatchDtype
 from .errors import InvalidSpecError, UnsupportedDtypeError
 from .spec import DispatchSpec
+from .trail import DtypeFallbackWarning, Resolution, Step
 
 if TYPE_CHECKING:
     from .backend import Backend, RunnerInfo
@@ -27,75 +27,20 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-class DtypeFallbackWarning(UserWarning):
-    """The backend replaced the requested wire dtype by another one."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One consulted source: what it said and what became of it."""
-
-    source: str
-    value: str
-    note: str
-    decided: bool = False
-
-    def __str__(self) -> str:
-        mark = "→" if self.decided else " "
-        return f"{mark} {self.source:<34} {self.value:<8} {self.note}"
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """The chosen wire dtype and how it was chosen.
-
-    :param dtype: what crosses the wire.
-    :param requested: what the chain chose before the backend validated it.
-    :param steps: every source consulted, in order, and the validation.
-    :param fallback_reason: set when the backend replaced ``requested``.
-    """
-
-    dtype: DispatchDtype
-    requested: DispatchDtype
-    backend: str
-    steps: tuple[Step, ...]
-    fallback_reason: str | None = None
-
-    @property
-    def is_fallback(self) -> bool:
-        return self.fallback_reason is not None
-
-    def __str__(self) -> str:
-        head = f"wire dtype {self.dtype.value} for backend {self.backend!r}"
-        if self.is_fallback:
-            head += f" (fallback from {self.requested.value})"
-        return "\n".join([head, *(f"  {s}" for s in self.steps)])
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "dtype": self.dtype.value,
-            "requested": self.requested.value,
-            "backend": self.backend,
-            "fallback_reason": self.fallback_reason,
-            "steps": [
-                {"source": s.source, "value": s.value, "note": s.note, "decided": s.decided} for s in self.steps
-            ],
-        }
-
-
-def resolve_output_dtype(
+def resolve_dtype(
     spec: DispatchSpec,
     backend: "Backend",
     *,
+    runners: "Mapping[str, RunnerInfo]",
     env: Mapping[str, str] | None = None,
     strict: bool = False,
-    runners: "Mapping[str, RunnerInfo] | None" = None,
 ) -> Resolution:
-    """Choose the wire dtype for ``spec`` on ``backend``.
+    """Choose the wire dtype for ``spec`` on ``backend``. The public entry, which also takes a
+    backend's name and the registry's runners, is ``moe_dispatch.resolve_output_dtype``.
 
+    :param runners: the known expert-kernel families, by name (a ``PluginHost``'s ``runners()``).
     :param env: the environment to read (``os.environ`` when None); never written.
     :param strict: a fallback raises ``UnsupportedDtypeError`` instead of warning.
-    :param runners: known expert-kernel families (the plugin registry's when None).
     :raises UnsupportedDtypeError: the backend rejects the dtype, or falls back under strict.
     :raises InvalidSpecError: a bad env value, unknown runner, or a dtype the spec cannot use.
     """
@@ -123,7 +68,7 @@ def resolve_output_dtype(
         warnings.warn(
             f"moe-dispatch: backend {backend.name!r} sends {final.value} instead of {chosen.value}: {decision.reason}",
             DtypeFallbackWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     else:
         raise UnsupportedDtypeError(
@@ -164,7 +109,7 @@ def _choose(
     spec: DispatchSpec,
     backend: "Backend",
     env: Mapping[str, str],
-    runners: "Mapping[str, RunnerInfo] | None",
+    runners: "Mapping[str, RunnerInfo]",
     steps: list[Step],
 ) -> DispatchDtype:
     if spec.output_dtype is not None:
@@ -228,11 +173,7 @@ def _choose(
     return DispatchDtype.FP8
 
 
-def _lookup_runner(name: str, runners: "Mapping[str, RunnerInfo] | None") -> "RunnerInfo":
-    if runners is None:
-        from .plugins import default_host
-
-        runners = default_host().runners()
+def _lookup_runner(name: str, runners: "Mapping[str, RunnerInfo]") -> "RunnerInfo":
     info = runners.get(name)
     if info is None:
         close = difflib.get_close_matches(name, list(runners), n=1)
@@ -268,4 +209,4 @@ def _check_usable(spec: DispatchSpec, dtype: DispatchDtype) -> None:
         )
 
 
-__all__ = ["DtypeFallbackWarning", "Resolution", "Step", "resolve_output_dtype"]
+__all__ = ["DtypeFallbackWarning", "Resolution", "Step", "resolve_dtype"]

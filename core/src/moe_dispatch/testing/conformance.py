@@ -33,7 +33,8 @@ from ..errors import CapacityError, InvalidSpecError, UnsupportedDtypeError
 from ..experts import ExpertWeights
 from ..hints import QuantHints
 from ..plugins import PluginHost
-from ..resolution import DtypeFallbackWarning, resolve_output_dtype
+from ..preparation import resolve_output_dtype
+from ..trail import DtypeFallbackWarning
 from ..spec import DispatchSpec
 from . import ranks
 from .cases import Case, KitShape, Routing, Target, standard_routings
