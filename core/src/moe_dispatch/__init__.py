@@ -7,7 +7,7 @@ from ._torch_import import import_torch
 
 import_torch()  # before anything imports torch: torch-npu without CANN must not break the import
 
-from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, RunnerInfo
+from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, FusedBackendDispatcher, RunnerInfo
 from .capabilities import Capabilities, DtypeDecision, Fallback, Limits
 from .codecs import Codec, Quantized, make_codec
 from .dispatcher import Dispatcher, create_dispatcher
@@ -56,6 +56,7 @@ __all__ = [
     "CommunicationError",
     "ConfigMismatchError",
     "DispatchContext",
+    "FusedBackendDispatcher",
     "DispatchDtype",
     "DispatchOutput",
     "DispatchSpec",

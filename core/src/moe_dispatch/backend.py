@@ -109,6 +109,25 @@ class BackendDispatcher(Protocol):
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class FusedBackendDispatcher(BackendDispatcher, Protocol):
+    """What the dispatcher of a backend with ``capabilities.fused_forward`` adds: dispatch, the
+    experts and combine in one call. ``Dispatcher.forward`` runs the core's input checks first
+    and announces a failure to the peers."""
+
+    def process_weights(self, weights: Any) -> Any:
+        """The layer object ``fused_forward`` reads, built once at load time from this rank's
+        experts (``ExpertWeights``): the vendor's layouts, or a typed error for a quantization
+        scheme the fused op cannot take."""
+        ...
+
+    def fused_forward(
+        self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """bf16 ``[T, H]``: the weighted sum of this rank's tokens' expert outputs."""
+        ...
+
+
 class Backend:
     """Base class of dispatch backends. Subclasses set ``name`` and ``capabilities`` and
     implement ``buffer_size`` and ``create``; the rest has table-driven defaults."""
@@ -208,25 +227,6 @@ class Backend:
         """Build the per-layer dispatcher. Called once, at creation, on every rank."""
         raise NotImplementedError
 
-    def fused_forward(
-        self,
-        dispatcher: Any,
-        layer: Any,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """Dispatch, experts and combine in one call (only if ``capabilities.fused_forward``).
-        ``layer`` is what ``process_weights`` returned for this rank's experts."""
-        raise NotImplementedError(f"backend {self.name!r} has no fused forward")
-
-    def process_weights(self, weights: Any, dispatcher: Any) -> Any:
-        """The layer object ``fused_forward`` reads, built once at load time from a rank's
-        experts (``ExpertWeights``) for ``dispatcher`` (its spec and options, e.g. a fuse mode):
-        the vendor's layouts, or a typed error for a quantization scheme the fused op cannot
-        take. Default: the weights as they are."""
-        return weights
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
@@ -269,4 +269,4 @@ class RunnerInfo:
         }
 
 
-__all__ = ["Backend", "BackendDispatcher", "BufferSize", "DispatchContext", "RunnerInfo"]
+__all__ = ["Backend", "BackendDispatcher", "BufferSize", "DispatchContext", "FusedBackendDispatcher", "RunnerInfo"]

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext
+from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, FusedBackendDispatcher
 from .codecs import make_codec
 from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype
 from .distributed.agreement import agree
 from .distributed.watch import DEFAULT_TIMEOUT_S
-from .errors import BackendUnavailableError, CommunicationError, MoEDispatchError
+from .errors import BackendUnavailableError, CommunicationError, InvalidInputError, MoEDispatchError, PluginError
 from .output import DispatchOutput
 from .plugins import PluginHost, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import Resolution
 from .validation import InputChecks
+
+if TYPE_CHECKING:
+    from .experts import ExpertKernel
 
 
 class Dispatcher:
@@ -126,6 +129,51 @@ class Dispatcher:
         except BaseException as exc:
             self._comm.announce_failure("combine", exc)
             raise
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``forward`` runs the backend's fused op (``capabilities.fused_forward``)."""
+        return self.backend.capabilities.fused_forward
+
+    def process_weights(self, weights: Any) -> Any:
+        """The ``layer`` ``forward`` takes, built once at load time from this rank's experts: the
+        fused op's layout on a fused backend; otherwise ``weights`` as they are (the expert kernel's
+        own ``process_weights`` builds its layout)."""
+        return self._fused_impl().process_weights(weights) if self.fused else weights
+
+    def forward(self, experts: "ExpertKernel | None", layer: Any, hidden_states: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer over the group: dispatch → ``experts`` → combine, or the backend's fused
+        op (``experts`` unused); bf16 ``[T, H]`` out. The input checks run either way, and a failure
+        on this rank (the expert kernel's included) is announced to the peers, which stop waiting."""
+        if self.fused:
+            try:
+                self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+                return self._fused_impl().fused_forward(layer, hidden_states, topk_ids, topk_weights)
+            except CommunicationError:
+                raise
+            except BaseException as exc:
+                self._comm.announce_failure("forward", exc)
+                raise
+        if experts is None:
+            raise InvalidInputError("an unfused backend needs the expert kernel", parameter="experts", value=None,
+                                    allowed="an ExpertKernel (apply_without_routing_weights)")
+        out = self.dispatch(hidden_states, topk_ids, topk_weights)
+        try:
+            rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                         out.group_list_type, out.group_list, torch.bfloat16,
+                                                         global_scale=out.global_scale)
+        except BaseException as exc:
+            self._comm.announce_failure("experts", exc)  # the peers wait for this rank's combine
+            raise
+        return self.combine(rows, out)
+
+    def _fused_impl(self) -> FusedBackendDispatcher:
+        if not isinstance(self._impl, FusedBackendDispatcher):
+            raise PluginError(f"backend {self.backend.name!r} declares capabilities.fused_forward, but its dispatcher "
+                              f"{type(self._impl).__name__} has no fused_forward/process_weights "
+                              "(moe_dispatch.FusedBackendDispatcher)")
+        return self._impl
 
     def __repr__(self) -> str:
         return (

@@ -41,7 +41,7 @@ def on_a2(rank: int, world: int) -> str:
             d = _dispatcher(1)
         except md.BackendUnavailableError as exc:
             return f"refused: {exc.parameter}={exc.value}; probe: {reason}"
-        layer = d.backend.process_weights(_weights(LOCAL * world).slice(rank * LOCAL, LOCAL), d)
+        layer = d.process_weights(_weights(LOCAL * world).slice(rank * LOCAL, LOCAL))
         x = torch.randn(T, H).to(torch.bfloat16)
         try:
             md.moe_forward(d, None, layer, x, torch.tensor([[0, 1]] * T), torch.ones(T, K))
@@ -63,7 +63,7 @@ def test_41_fuseep_is_refused_on_atlas_a2(moe_rank_pools):
 def minus_one(rank: int, world: int, fuse_mode: int) -> float:
     d = _dispatcher(fuse_mode)
     weights = _weights(LOCAL * world)
-    layer = d.backend.process_weights(weights.slice(rank * LOCAL, LOCAL), d)
+    layer = d.process_weights(weights.slice(rank * LOCAL, LOCAL))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(LOCAL * world, generator=g)[:K] for _ in range(T)])

@@ -31,7 +31,7 @@ def forward(rank: int, world: int, vendor_module: str, fuse_mode: int, routing: 
     spec = md.DispatchSpec(H, E, k, num_max_dispatch_tokens_per_rank=8, mode="low_latency")
     d = md.create_dispatcher(FuseEPBackend(vendor_module), spec, env={}, options={"fuse_mode": fuse_mode})
     weights = _weights(E)
-    layer = d.backend.process_weights(weights.slice(rank * local, local), d)
+    layer = d.process_weights(weights.slice(rank * local, local))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
     if routing == "all_to_rank_0":  # rank 0 receives T·R·k rows, more than T

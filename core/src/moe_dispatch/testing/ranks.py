@@ -18,7 +18,6 @@ from ..codecs import make_codec
 from ..dtypes import DispatchDtype, Layout
 from ..errors import CapacityError, MoEDispatchError
 from ..experts import TorchExperts, dequantize_rows, reference_moe
-from ..layer import moe_forward
 from ..output import DispatchOutput
 from ..routing import random_expert_weights
 from .cases import Case, GlobalBatch, Routing
@@ -169,10 +168,8 @@ def check_forward(rank: int, world_size: int, case: Case, intermediate: int = 12
     if case.target.weights is not None:  # e.g. W8A8 for a fused op that takes nothing else
         weights = case.target.weights(weights)
     local = weights.slice(rank * case.shape.local_experts, case.shape.local_experts)
-    if dispatcher.backend.capabilities.fused_forward:
-        local = dispatcher.backend.process_weights(local, dispatcher)
     x, ids, w = batch.local(rank)
-    out = moe_forward(dispatcher, TorchExperts(), local, x, ids, w)
+    out = dispatcher.forward(TorchExperts(), dispatcher.process_weights(local), x, ids, w)
     return relative_error(out, reference_moe(x, ids, w, weights))
 
 

@@ -67,6 +67,38 @@ class FuseEPDispatcher(AscendDeepEPDispatcher):
 
     fuse_mode: int = v.FUSED_DEEP_MOE
     max_output_size: int | None = None  # fuse mode 2's row bound
+    #: The NZ weight cast of the real torch_npu (None on the fake: ND layouts).
+    nz_cast: Any = None
+
+    def process_weights(self, weights: Any) -> FuseEPWeights:
+        """The fused op's layout of this rank's W8A8 experts for this dispatcher's fuse mode."""
+        return process_fuseep_weights(weights, self.fuse_mode, self.nz_cast)
+
+    def fused_forward(self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        if not isinstance(layer, FuseEPWeights) or layer.fuse_mode != self.fuse_mode:
+            got = f"FuseEPWeights for fuse mode {layer.fuse_mode}" if isinstance(layer, FuseEPWeights) else \
+                type(layer).__name__
+            raise md.InvalidInputError("needs the layer process_weights made for this dispatcher", parameter="layer",
+                                       value=got, allowed=f"FuseEPWeights for fuse mode {self.fuse_mode}")
+        spec = self.spec
+        x = hidden_states.contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.float().contiguous()
+        n = x.shape[0]
+        if n == 0:  # the op takes batch 1..256 and is a collective: one zero-weight row joins it
+            x = x.new_zeros(1, x.shape[1])
+            ids = torch.arange(spec.top_k, device=ids.device, dtype=ids.dtype).unsqueeze(0)
+            weights = weights.new_zeros(1, spec.top_k)
+        else:  # -1 ids: mode 2 takes none, mode 1 none in a token without a valid expert (vendor.MINUS_ONE_*)
+            only = None if self.fuse_mode in v.MINUS_ONE_UNSUPPORTED_MODES else (ids < 0).all(dim=1)
+            ids, weights = fill_minus_one(ids, weights, spec.num_experts, only)
+        bound = spec.num_max_dispatch_tokens_per_rank if self.fuse_mode == v.FUSED_DEEP_MOE else self.max_output_size
+        out, _ = self.buffer.fused_deep_moe(x, ids, weights, layer.gmm1_permuted_weight,
+                                            layer.gmm1_permuted_weight_scale, layer.gmm2_weight,
+                                            layer.gmm2_weight_scale, bound, spec.num_experts, quant_mode=v.QUANT_INT8,
+                                            fuse_mode=self.fuse_mode)
+        return out[:n]
 
 
 class FuseEPBackend(AscendDeepEPBackend):
@@ -140,35 +172,5 @@ class FuseEPBackend(AscendDeepEPBackend):
         base = super().create(ctx)
         d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode, base.ll_quant_mode)
         d.fuse_mode, d.max_output_size = fuse_mode, max_output
+        d.nz_cast = None if self.vendor().emulated else _nz_cast
         return d
-
-    def process_weights(self, weights: Any, dispatcher: Any) -> FuseEPWeights:
-        impl: FuseEPDispatcher = dispatcher.backend_dispatcher
-        return process_fuseep_weights(weights, impl.fuse_mode, None if self.vendor().emulated else _nz_cast)
-
-    def fused_forward(self, dispatcher: Any, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> torch.Tensor:
-        impl: FuseEPDispatcher = dispatcher.backend_dispatcher
-        if not isinstance(layer, FuseEPWeights) or layer.fuse_mode != impl.fuse_mode:
-            got = f"FuseEPWeights for fuse mode {layer.fuse_mode}" if isinstance(layer, FuseEPWeights) else \
-                type(layer).__name__
-            raise md.InvalidInputError("needs the layer process_weights made for this dispatcher", parameter="layer",
-                                       value=got, allowed=f"FuseEPWeights for fuse mode {impl.fuse_mode}")
-        spec = dispatcher.spec
-        x = hidden_states.contiguous()
-        ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.float().contiguous()
-        n = x.shape[0]
-        if n == 0:  # the op takes batch 1..256 and is a collective: one zero-weight row joins it
-            x = x.new_zeros(1, x.shape[1])
-            ids = torch.arange(spec.top_k, device=ids.device, dtype=ids.dtype).unsqueeze(0)
-            weights = weights.new_zeros(1, spec.top_k)
-        else:  # -1 ids: mode 2 takes none, mode 1 none in a token without a valid expert (vendor.MINUS_ONE_*)
-            only = None if impl.fuse_mode in v.MINUS_ONE_UNSUPPORTED_MODES else (ids < 0).all(dim=1)
-            ids, weights = fill_minus_one(ids, weights, spec.num_experts, only)
-        bound = spec.num_max_dispatch_tokens_per_rank if impl.fuse_mode == v.FUSED_DEEP_MOE else impl.max_output_size
-        out, _ = impl.buffer.fused_deep_moe(x, ids, weights, layer.gmm1_permuted_weight,
-                                            layer.gmm1_permuted_weight_scale, layer.gmm2_weight,
-                                            layer.gmm2_weight_scale, bound, spec.num_experts, quant_mode=v.QUANT_INT8,
-                                            fuse_mode=impl.fuse_mode)
-        return out[:n]

@@ -38,7 +38,7 @@ def _forward(rank: int, world: int, opts: Options, backend_module: str, group: A
     d = md.create_dispatcher(FuseEPBackend(backend_module), spec, group, env={}, options={"fuse_mode": fuse_mode})
     g = torch.Generator().manual_seed(0)
     weights = quantize_weights_w8a8(random_expert_weights(E, opts.hidden, opts.intermediate, generator=g))
-    layer = d.backend.process_weights(_to(weights.slice(rank * local, local), device), d)
+    layer = d.process_weights(_to(weights.slice(rank * local, local), device))
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, opts.hidden, generator=g).to(torch.bfloat16)
     ids = (torch.arange(k).repeat(T, 1) if all_to_rank_0 else
