@@ -19,7 +19,7 @@ import pytest
 from test_plugins import GOOD, make_dist
 
 import moe_dispatch as md
-from moe_dispatch.plugins import DEFAULT_PROBE_TIMEOUT_S, PluginHost
+from moe_dispatch.registry import DEFAULT_PROBE_TIMEOUT_S, PluginHost
 
 DEADLINE_S = 0.2
 

@@ -12,7 +12,7 @@ import os
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 
 
 class DoubleWeight(TorchBackend):

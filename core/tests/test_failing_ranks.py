@@ -17,7 +17,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.routing import random_routing
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 from moe_dispatch.distributed.local import RankPool
 
 SPEC = dict(hidden_size=128, num_experts=12, top_k=2, num_max_dispatch_tokens_per_rank=16)

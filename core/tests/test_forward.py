@@ -11,7 +11,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.experts import reference_moe
 from moe_dispatch.routing import random_expert_weights, random_routing

@@ -10,10 +10,10 @@ import warnings
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 from moe_dispatch.plan_cli import add_plan_command, run_plan_command
 from moe_dispatch.planning import EnvRequirement, plan_buffers
-from moe_dispatch.plugins import PluginHost
+from moe_dispatch.registry import PluginHost
 
 B, F8, I8 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8
 

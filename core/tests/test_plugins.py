@@ -15,11 +15,11 @@ import textwrap
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.plugins import PluginHost
+from moe_dispatch.registry import PluginHost
 
 GOOD = '''
 import moe_dispatch as md
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 
 MOE_DISPATCH_API = 1
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 from moe_dispatch.cli import explain
 
 MIB = 1 << 20

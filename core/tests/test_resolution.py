@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.backends.builtin import TorchBackend
+from moe_dispatch.reference.builtin import TorchBackend
 
 D, M = md.DispatchDtype, md.Mode
 

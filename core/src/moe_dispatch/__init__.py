@@ -29,7 +29,7 @@ from .hints import QuantHints
 from .hookspecs import API_VERSION, hookimpl
 from .layer import MoELayer, moe_forward
 from .output import DispatchOutput
-from .plugins import BackendInfo, PluginHost, available_backends, get_backend
+from .registry import BackendInfo, PluginHost, available_backends, get_backend
 from .planning import BufferPlan, EnvRequirement, LayerBuffers, Misfit, Peak, plan_buffers
 from .preparation import PreparedLayer, prepare_layer, resolve_output_dtype
 from .trail import DtypeFallbackWarning, Resolution, Step

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from .dtypes import DispatchDtype, Mode
 from .errors import MoEDispatchError
 from .hints import QuantHints
-from .plugins import PluginHost, default_host
+from .registry import PluginHost, default_host
 from .presets import DEMO_SCALE, PRESETS, get_preset
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ BACKENDS_JSON_SCHEMA = 1
 def backends_report(host: "PluginHost") -> dict[str, object]:
     """The ``backends --json`` document (schema in docs/cli.md)."""
     from . import hookspecs
-    from .plugins import core_version
+    from .registry import core_version
 
     return {
         "schema": BACKENDS_JSON_SCHEMA,

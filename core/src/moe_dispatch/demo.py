@@ -145,7 +145,7 @@ def run_demo(
     """Spawn local ranks, run every (dtype, mode) case, print progress and a table."""
     from .distributed.local import RankPool
 
-    from .plugins import default_host
+    from .registry import default_host
 
     caps = default_host().get_backend(backend).capabilities
     cases, skipped = [], []

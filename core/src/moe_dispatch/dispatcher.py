@@ -15,7 +15,7 @@ from .distributed.agreement import agree
 from .distributed.watch import DEFAULT_TIMEOUT_S
 from .errors import BackendUnavailableError, CommunicationError, InvalidInputError, MoEDispatchError, PluginError
 from .output import DispatchOutput
-from .plugins import PluginHost, core_version, default_host
+from .registry import PluginHost, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import Resolution

@@ -16,7 +16,7 @@ from .dtypes import DispatchDtype, Mode
 from .errors import InvalidSpecError, MoEDispatchError
 from .hints import QuantHints
 from .planning import BufferPlan, plan_buffers
-from .plugins import PluginHost, default_host
+from .registry import PluginHost, default_host
 from .presets import get_preset
 from .spec import DispatchSpec
 

@@ -24,7 +24,7 @@ from .backend import Backend, BufferSize
 from .capabilities import EnvRequirement
 from .dtypes import DispatchDtype
 from .errors import CapacityError, InvalidSpecError
-from .plugins import PluginHost, default_host
+from .registry import PluginHost, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import DtypeFallbackWarning, Resolution

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from .backend import Backend, BufferSize
 from .errors import CapacityError, InvalidSpecError
-from .plugins import PluginHost, default_host
+from .registry import PluginHost, default_host
 from .resolution import resolve_dtype
 from .spec import DispatchSpec
 from .trail import Resolution

@@ -59,7 +59,7 @@ def _shapes(args: argparse.Namespace) -> list[Shape]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ..plugins import default_host
+    from ..registry import default_host
     from . import report
     from .overhead import measure_overhead
     from .runner import profile_cases, progress_bar, run_bench

@@ -32,7 +32,7 @@ from ..dtypes import DispatchDtype, Mode
 from ..errors import CapacityError, InvalidSpecError, UnsupportedDtypeError
 from ..experts import ExpertWeights
 from ..hints import QuantHints
-from ..plugins import PluginHost
+from ..registry import PluginHost
 from ..preparation import resolve_output_dtype
 from ..trail import DtypeFallbackWarning
 from ..spec import DispatchSpec

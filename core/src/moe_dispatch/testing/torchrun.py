@@ -33,7 +33,7 @@ from ..codecs import nvfp4_global_scale
 from ..dtypes import DispatchDtype, Mode
 from ..experts import ExpertWeights, TorchExperts
 from ..hints import QuantHints
-from ..plugins import default_host
+from ..registry import default_host
 from ..routing import random_expert_weights
 from ..spec import DispatchSpec
 from .cases import KitShape, Target

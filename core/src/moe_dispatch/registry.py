@@ -37,7 +37,7 @@ import pluggy
 
 from . import hookspecs
 from .backend import Backend, BackendDispatcher, DispatchContext, RunnerInfo
-from .backends import BUILTIN_PLUGINS
+from .reference import BUILTIN_PLUGINS
 from .errors import BackendUnavailableError, MoEDispatchError, PluginError
 
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
