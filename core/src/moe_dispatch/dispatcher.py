@@ -156,8 +156,10 @@ class Dispatcher:
                 self._comm.announce_failure("forward", exc)
                 raise
         if experts is None:
-            raise InvalidInputError("an unfused backend needs the expert kernel", parameter="experts", value=None,
-                                    allowed="an ExpertKernel (apply_without_routing_weights)")
+            missing = InvalidInputError("an unfused backend needs the expert kernel", parameter="experts", value=None,
+                                        allowed="an ExpertKernel (apply_without_routing_weights)")
+            self._comm.announce_failure("forward", missing)  # the peers may be in dispatch already
+            raise missing
         out = self.dispatch(hidden_states, topk_ids, topk_weights)
         try:
             rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
