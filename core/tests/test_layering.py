@@ -17,7 +17,7 @@ PACKAGE = Path(moe_dispatch.__file__).parent
 #: Lowest first. A module not listed here fails ``test_every_module_has_a_layer``.
 LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
-    "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "wire", "codecs", "hints", "spec",
+    "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "formats", "wire", "codecs", "hints", "spec",
                  "capabilities", "output", "trail", "scale_layouts", "distributed", "distributed.watch",
                  "distributed.comm", "distributed.agreement", "backend", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts

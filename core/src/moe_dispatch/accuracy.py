@@ -10,13 +10,10 @@ from __future__ import annotations
 import torch
 
 from .dtypes import DispatchDtype
+from .formats import WIRE_DTYPES
 
-TOLERANCES: dict[DispatchDtype, float] = {
-    DispatchDtype.BF16: 0.01,
-    DispatchDtype.FP8: 0.06,
-    DispatchDtype.INT8: 0.03,
-    DispatchDtype.NVFP4: 0.20,
-}
+#: Per wire dtype, from its declaration (``formats.WireDtype.tolerance``).
+TOLERANCES: dict[DispatchDtype, float] = {d: w.tolerance for d, w in WIRE_DTYPES.items()}
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

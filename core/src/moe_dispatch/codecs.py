@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .dtypes import DispatchDtype
 from .errors import InvalidInputError, InvalidSpecError
+from .formats import WIRE_DTYPES
 from .wire import FP8_BLOCK, NVFP4_BLOCK, WireFormat
 
 FP8_MAX = 448.0
@@ -47,7 +49,11 @@ class Quantized:
 
 
 class Codec:
-    """Quantizes ``[..., H]`` activations to one wire format and back."""
+    """Quantizes ``[..., H]`` activations to one wire format and back. A subclass names its format
+    in ``WIRE_DTYPE`` (``make_codec`` picks it by that; ``formats.WIRE_DTYPES`` declares the rest);
+    one whose format has a global scale takes it as its second argument."""
+
+    WIRE_DTYPE: ClassVar[DispatchDtype]
 
     def __init__(self, wire: WireFormat) -> None:
         self.wire = wire
@@ -64,7 +70,8 @@ class Codec:
         raise NotImplementedError
 
     def data_dtype(self) -> torch.dtype:
-        raise NotImplementedError
+        """The tensor dtype of the quantized data (``formats.WireDtype.element``)."""
+        return self.wire.format.element
 
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...] | None:
         return None
@@ -97,18 +104,19 @@ class Codec:
 
 
 class BF16Codec(Codec):
+    WIRE_DTYPE = DispatchDtype.BF16
+
     def quantize(self, x: torch.Tensor) -> Quantized:
         return Quantized(x.to(torch.bfloat16), None)
 
     def dequantize(self, q: Quantized) -> torch.Tensor:
         return q.data.float()
 
-    def data_dtype(self) -> torch.dtype:
-        return torch.bfloat16
-
 
 class FP8Codec(Codec):
     """e4m3 data ``[..., H]`` and fp32 scales ``[..., H/128]`` (powers of two with UE8M0)."""
+    WIRE_DTYPE = DispatchDtype.FP8
+
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         blocks = x.float().unflatten(-1, (-1, FP8_BLOCK))
@@ -126,9 +134,6 @@ class FP8Codec(Codec):
             scale = unpack_ue8m0(scale, self.wire.hidden // FP8_BLOCK)
         blocks = q.data.float().unflatten(-1, (-1, FP8_BLOCK))
         return (blocks * scale.unsqueeze(-1)).flatten(-2)
-
-    def data_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
 
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return (*lead, self.wire.hidden // FP8_BLOCK)
@@ -191,6 +196,8 @@ def ue8m0_value(exponent: torch.Tensor) -> torch.Tensor:
 
 class INT8Codec(Codec):
     """int8 data ``[..., H]`` and one fp32 scale per token ``[...]``."""
+    WIRE_DTYPE = DispatchDtype.INT8
+
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         xf = x.float()
@@ -202,9 +209,6 @@ class INT8Codec(Codec):
     def dequantize(self, q: Quantized) -> torch.Tensor:
         assert q.scale is not None
         return q.data.float() * q.scale.unsqueeze(-1)
-
-    def data_dtype(self) -> torch.dtype:
-        return torch.int8
 
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return lead
@@ -219,6 +223,8 @@ class INT8Codec(Codec):
 class NVFP4Codec(Codec):
     """Packed e2m1 ``[..., H/2]`` uint8 and e4m3 block scales ``[..., H/16]`` (linear layout),
     with one fp32 global scale for the whole dispatcher."""
+    WIRE_DTYPE = DispatchDtype.NVFP4
+
 
     def __init__(self, wire: WireFormat, global_scale: float) -> None:
         super().__init__(wire)
@@ -244,9 +250,6 @@ class NVFP4Codec(Codec):
         values = e2m1_unpack(q.data)
         blocks = values.unflatten(-1, (-1, NVFP4_BLOCK))
         return (blocks * (q.scale.float().unsqueeze(-1) / self.global_scale)).flatten(-2)
-
-    def data_dtype(self) -> torch.dtype:
-        return torch.uint8
 
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return (*lead, self.wire.hidden // NVFP4_BLOCK)
@@ -347,29 +350,24 @@ def nvfp4_global_scale(amax: float) -> float:
     return FP8_MAX * E2M1_MAX / max(float(amax), 1e-12)
 
 
+_CODECS: dict[DispatchDtype, type[Codec]] = {c.WIRE_DTYPE: c for c in (BF16Codec, FP8Codec, INT8Codec, NVFP4Codec)}
+
+
 def make_codec(wire: WireFormat, global_scale: float | None = None) -> Codec:
-    if wire.dtype is DispatchDtype.BF16:
-        return BF16Codec(wire)
-    if wire.dtype is DispatchDtype.FP8:
-        return FP8Codec(wire)
-    if wire.dtype is DispatchDtype.INT8:
-        return INT8Codec(wire)
+    codec = _CODECS[wire.dtype]
+    if not wire.format.global_scale:
+        return codec(wire)
     if global_scale is None:
         raise InvalidSpecError(
-            "NVFP4 dispatch needs a global scale",
+            f"{wire.dtype.value} dispatch needs a global scale",
             parameter="quant.input_global_scale",
             value=None,
             allowed="a positive finite float (FlashInfer's convention: 448*6/amax of the activations)",
         )
-    return NVFP4Codec(wire, global_scale)
+    return codec(wire, global_scale)  # type: ignore[call-arg]
 
 
-_TORCH_DTYPE_OF = {
-    DispatchDtype.BF16: torch.bfloat16,
-    DispatchDtype.FP8: torch.float8_e4m3fn,
-    DispatchDtype.INT8: torch.int8,
-    DispatchDtype.NVFP4: torch.uint8,
-}
+_TORCH_DTYPE_OF = {d: w.element for d, w in WIRE_DTYPES.items()}
 
 
 def torch_dtype_of(dtype: DispatchDtype) -> torch.dtype:

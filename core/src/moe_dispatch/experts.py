@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .codecs import Quantized, dispatch_dtype_of, make_codec
 from .dtypes import DispatchDtype
 from .errors import InvalidInputError
+from .formats import wire_dtype
 from .output import group_counts
 from .wire import WireFormat
 
@@ -158,13 +159,13 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """Dispatched rows in any wire dtype back to fp32 ``[..., H]``."""
     dtype = dispatch_dtype_of(hidden_states)
-    if dtype is not DispatchDtype.BF16 and scale is None:
+    if wire_dtype(dtype).scaled and scale is None:
         raise InvalidInputError(
             f"{dtype.value} rows need their scales", parameter="hidden_states_scale", value=None, allowed="a tensor"
         )
-    if dtype is DispatchDtype.NVFP4 and global_scale is None:
+    if wire_dtype(dtype).global_scale and global_scale is None:
         raise InvalidInputError(
-            "NVFP4 rows need the dispatcher's global scale",
+            f"{dtype.value} rows need the dispatcher's global scale",
             parameter="global_scale",
             value=None,
             allowed="DispatchOutput.global_scale",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from .dtypes import DispatchDtype
 from .errors import InvalidSpecError, UnsupportedDtypeError
+from .formats import wire_dtype
 from .spec import DispatchSpec
 from .trail import DtypeFallbackWarning, Resolution, Step
 
@@ -198,11 +199,11 @@ def _accepted(backend: "Backend", spec: DispatchSpec) -> str:
 
 
 def _check_usable(spec: DispatchSpec, dtype: DispatchDtype) -> None:
-    """The resolved dtype must fit the spec: block divisibility, NVFP4's global scale."""
+    """The resolved dtype must fit the spec: block divisibility, a global scale where the format has one."""
     spec.wire_format(dtype)
-    if dtype is DispatchDtype.NVFP4 and spec.quant.input_global_scale is None:
+    if wire_dtype(dtype).global_scale and spec.quant.input_global_scale is None:
         raise InvalidSpecError(
-            "NVFP4 dispatch needs a global scale",
+            f"{dtype.value} dispatch needs a global scale",
             parameter="quant.input_global_scale",
             value=None,
             allowed="a positive finite float (FlashInfer's convention: 448*6/amax)",

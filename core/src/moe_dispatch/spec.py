@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from .dtypes import DispatchDtype, Mode
 from .errors import InvalidSpecError
 from .hints import QuantHints
+from .formats import wire_dtype
 from .wire import WireFormat
 
 
@@ -91,7 +92,7 @@ class DispatchSpec:
             raise InvalidSpecError(
                 "the wire dtype is not resolved yet", parameter="output_dtype", value="auto", allowed="a concrete dtype"
             )
-        ue8m0 = self.quant.fp8_ue8m0_scales and dtype is DispatchDtype.FP8
+        ue8m0 = self.quant.fp8_ue8m0_scales and wire_dtype(dtype).ue8m0_scale_bytes > 0
         return WireFormat(dtype, self.hidden_size, ue8m0=ue8m0)
 
     def local_experts(self, world_size: int) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from .dtypes import DispatchDtype
 from .errors import CapacityError, InvalidInputError
+from .formats import wire_dtype
 from .output import DispatchOutput
 from .spec import DispatchSpec
 
@@ -55,9 +56,10 @@ class InputChecks:
         # The device of the last inputs that passed: the fast path compares against it, so
         # an index (cuda:3) never needs the slow type comparison after the first call.
         self._seen: torch.device | None = None
-        # Dispatched rows are [..., H] for every dtype but packed NVFP4 ([..., H/2]): then the
-        # expert output has exactly the dispatched rows' shape, one comparison.
-        self._rows_are_hidden = spec.output_dtype is not None and spec.output_dtype is not DispatchDtype.NVFP4
+        # Dispatched rows are [..., H] for every dtype but packed ones (NVFP4: [..., H/2]): then
+        # the expert output has exactly the dispatched rows' shape, one comparison.
+        self._rows_are_hidden = (spec.output_dtype is not None
+                                 and wire_dtype(spec.output_dtype).row_columns(spec.hidden_size) == spec.hidden_size)
 
     def dispatch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, check_values: bool = True

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from .dtypes import DispatchDtype
 from .errors import InvalidSpecError
+from .formats import WIRE_DTYPES, WireDtype, wire_dtype
 
-FP8_BLOCK = 128  # channels per fp32 scale (DeepEP / DeepGEMM per-token-group quantization)
-NVFP4_BLOCK = 16  # elements per e4m3 block scale (FlashInfer NVFP4)
+FP8_BLOCK = wire_dtype(DispatchDtype.FP8).scale_group  # channels per fp32 scale (DeepEP / DeepGEMM)
+NVFP4_BLOCK = wire_dtype(DispatchDtype.NVFP4).scale_group  # elements per e4m3 block scale (FlashInfer NVFP4)
 
 
 @dataclass(frozen=True)
@@ -33,36 +34,31 @@ class WireFormat:
                 f"{self.dtype.value} dispatch needs the hidden size to be a multiple of {block}",
                 parameter="hidden_size",
                 value=self.hidden,
-                allowed=f"multiples of {block}, or bf16/int8 dispatch",
+                allowed=f"multiples of {block}, or " + "/".join(d.value for d, w in WIRE_DTYPES.items()
+                                                                if not w.scale_group) + " dispatch",
             )
-        if self.ue8m0 and self.dtype is not DispatchDtype.FP8:
+        if self.ue8m0 and not self.format.ue8m0_scale_bytes:
             raise InvalidSpecError(
-                "UE8M0 scales exist only for fp8", parameter="fp8_ue8m0_scales", value=True, allowed="fp8 only"
-            )
+                f"UE8M0 scales do not exist for {self.dtype.value}", parameter="fp8_ue8m0_scales", value=True,
+                allowed=", ".join(d.value for d, w in WIRE_DTYPES.items() if w.ue8m0_scale_bytes) + " only")
+
+    @property
+    def format(self) -> WireDtype:
+        """Everything dtype-specific (``formats.WIRE_DTYPES``)."""
+        return wire_dtype(self.dtype)
 
     @property
     def block(self) -> int:
         """The hidden size must be a multiple of this (0: any)."""
-        return {DispatchDtype.FP8: FP8_BLOCK, DispatchDtype.NVFP4: NVFP4_BLOCK}.get(self.dtype, 0)
+        return self.format.scale_group
 
     @property
     def data_bytes(self) -> int:
-        if self.dtype is DispatchDtype.BF16:
-            return 2 * self.hidden
-        if self.dtype is DispatchDtype.NVFP4:
-            return self.hidden // 2
-        return self.hidden
+        return self.format.data_bytes(self.hidden)
 
     @property
     def scale_bytes(self) -> int:
-        if self.dtype is DispatchDtype.FP8:
-            groups = self.hidden // FP8_BLOCK
-            return groups if self.ue8m0 else 4 * groups
-        if self.dtype is DispatchDtype.INT8:
-            return 4
-        if self.dtype is DispatchDtype.NVFP4:
-            return self.hidden // NVFP4_BLOCK
-        return 0
+        return self.format.scale_bytes_per_token(self.hidden, self.ue8m0)
 
     @property
     def bytes_per_token(self) -> int:
