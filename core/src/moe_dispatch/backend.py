@@ -137,6 +137,9 @@ class Backend:
     description: str = ""
     #: What to install or configure when ``probe()`` says the backend cannot run here.
     install_hint: str = ""
+    #: How this backend's buffers sized for a BF16 wire relate to what an engine (sglang) allocates
+    #: for it; ``moe-dispatch plan`` prints it under its BF16 column ("": no engine counterpart).
+    engine_sizing: str = ""
 
     def probe(self) -> str | None:
         """None if the backend can run on this machine, else why not."""

@@ -27,20 +27,6 @@ DEFAULT_EP_SIZES = (8, 16, 32, 64)
 #: An NVFP4 row needs a global scale to resolve; its value does not change any size.
 _PLACEHOLDER_GLOBAL_SCALE = 1.0
 
-#: How the BF16 column relates to what sglang allocates, per backend (others: no sglang counterpart).
-SGLANG_SIZING: Mapping[str, str] = {
-    "cuda_deepep": "normal: sglang's sizing (NVL/RDMA hints of both configs with hidden_bytes = 2H); the buffer "
-                   "is shared with combine, which is BF16, so FP8 saves only where the dispatch config's hint is "
-                   "the larger. low_latency: get_low_latency_rdma_size_hint ignores the dtype (BF16 messages), "
-                   "as in sglang, so nothing is saved.",
-    "ascend_deepep": "sglang sizes nothing here: memory is the HCCL window, HCCL_BUFFSIZE (default 200 MB); the "
-                     "total is DeepEP-Ascend's documented minimum, BF16 rows both ways whatever the dtype.",
-    "ascend_fuseep": "as ascend_deepep (sglang's FuseEP path also fixes params_bytes = 2).",
-    "flashinfer_a2a": "sglang's sizing per workspace: sglang (token_dispatcher/flashinfer.py @008b79d) sizes the "
-                      "dispatch payload as max(quantized, BF16), i.e. for BF16, since a layer without a global scale "
-                      "sends BF16; it keeps one workspace at T = max(chunked_prefill_size, 4096), this backend two "
-                      "(dispatches in flight) at the T planned.",
-}
 _NO_SGLANG = "no sglang counterpart; the BF16 column is this backend sized for a BF16 wire."
 
 
@@ -70,6 +56,8 @@ class PlanRow:
     tokens: int
     plan: BufferPlan | None = None
     error: str | None = None
+    #: What the BF16 column means for this backend (``Backend.engine_sizing``).
+    sizing: str = _NO_SGLANG
 
     @property
     def dtype(self) -> DispatchDtype | None:
@@ -143,8 +131,9 @@ def _plan_row(model: ModelShape, backend: Backend, ep: int, mode: Mode, dtype: D
                             quant=quant)
         plan = plan_buffers(backend, {model.name: spec}, ep, env=env, host=host)
     except MoEDispatchError as exc:  # what create_dispatcher would refuse: a row that says why
-        return PlanRow(model, backend.name, ep, mode, dtype, tokens, error=str(exc).splitlines()[0])
-    return PlanRow(model, backend.name, ep, mode, dtype, tokens, plan=plan)
+        return PlanRow(model, backend.name, ep, mode, dtype, tokens, error=str(exc).splitlines()[0],
+                       sizing=backend.engine_sizing or _NO_SGLANG)
+    return PlanRow(model, backend.name, ep, mode, dtype, tokens, plan=plan, sizing=backend.engine_sizing or _NO_SGLANG)
 
 
 def _human(n: int | None) -> str:
@@ -204,8 +193,8 @@ def format_plan_table(rows: Sequence[PlanRow]) -> str:
     out += ["", f"num_max_dispatch_tokens_per_rank = {', '.join(map(str, tokens))}; total is what one allocation "
                 "for the layer takes (a shared buffer counts once); saving = 1 - total / BF16 total.",
             "BF16 total, per backend:"]
-    for name in sorted({r.backend for r in rows}):
-        out.append(f"  {name}: {SGLANG_SIZING.get(name, _NO_SGLANG)}")
+    for name, sizing in sorted({(r.backend, r.sizing) for r in rows}):
+        out.append(f"  {name}: {sizing}")
     return "\n".join(out)
 
 
@@ -214,7 +203,7 @@ def plan_report(rows: Sequence[PlanRow]) -> dict[str, Any]:
     return {
         "schema": PLAN_JSON_SCHEMA,
         "rows": [r.to_dict() for r in rows],
-        "bf16_sizing": {name: SGLANG_SIZING.get(name, _NO_SGLANG) for name in sorted({r.backend for r in rows})},
+        "bf16_sizing": dict(sorted({(r.backend, r.sizing) for r in rows})),
     }
 
 
@@ -314,5 +303,5 @@ def _overlay(env: Mapping[str, str], assignments: Sequence[str]) -> Mapping[str,
     return merged
 
 
-__all__ = ["DEFAULT_EP_SIZES", "DEFAULT_PRESETS", "ModelShape", "PLAN_JSON_SCHEMA", "PlanRow", "SGLANG_SIZING",
+__all__ = ["DEFAULT_EP_SIZES", "DEFAULT_PRESETS", "ModelShape", "PLAN_JSON_SCHEMA", "PlanRow",
            "add_plan_command", "format_plan_table", "plan_grid", "plan_report", "run_plan_command"]

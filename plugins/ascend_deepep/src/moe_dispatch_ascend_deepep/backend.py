@@ -146,6 +146,8 @@ class AscendDeepEPBackend(md.Backend):
     (``options={"hccl_window_mb": N}`` states it for a group whose options cannot be read)."""
 
     name = "ascend_deepep"
+    engine_sizing = ("sglang sizes nothing here: memory is the HCCL window, HCCL_BUFFSIZE (default 200 MB); the total "
+                     "is DeepEP-Ascend's documented minimum, BF16 rows both ways whatever the dtype.")
     description = "DeepEP-Ascend Buffer: normal and low-latency modes, BF16 or per-token INT8, HCCL window"
     install_hint = v.INSTALL_HINT
 

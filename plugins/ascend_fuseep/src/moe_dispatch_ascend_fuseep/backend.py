@@ -108,6 +108,7 @@ class FuseEPBackend(AscendDeepEPBackend):
     (default ``T·R·k``, the vendor's; at least ``T·R·min(k, E_local)``, what can arrive)."""
 
     name = "ascend_fuseep"
+    engine_sizing = "as ascend_deepep (sglang's FuseEP path also fixes params_bytes = 2)."
     description = "Ascend FuseEP: dispatch, GMM1, SwiGLU, GMM2 and combine in one op (W8A8, Atlas A3)"
 
     def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None) -> None:

@@ -95,6 +95,10 @@ class DeepEPBackend(md.Backend):
     """
 
     name = "cuda_deepep"
+    engine_sizing = ("normal: sglang's sizing (NVL/RDMA hints of both configs with hidden_bytes = 2H); the buffer is "
+                     "shared with combine, which is BF16, so FP8 saves only where the dispatch config's hint is the "
+                     "larger. low_latency: get_low_latency_rdma_size_hint ignores the dtype (BF16 messages), as in "
+                     "sglang, so nothing is saved.")
     description = "DeepEP V1 Buffer: normal (NVLink/RDMA) and low-latency (masked, CUDA-graph safe) modes"
     install_hint = vendor.INSTALL_HINT
 

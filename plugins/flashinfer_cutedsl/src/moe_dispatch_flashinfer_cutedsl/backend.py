@@ -104,6 +104,10 @@ class FlashInferA2ABackend(md.Backend):
     but INT8. ``in_flight``: workspaces per dispatcher (default 2)."""
 
     name = "flashinfer_a2a"
+    engine_sizing = ("sglang's sizing per workspace: sglang (token_dispatcher/flashinfer.py @008b79d) sizes the dispatch "
+                     "payload as max(quantized, BF16), i.e. for BF16, since a layer without a global scale sends BF16; "
+                     "it keeps one workspace at T = max(chunked_prefill_size, 4096), this backend two (dispatches in "
+                     "flight) at the T planned.")
     description = "FlashInfer MoE all-to-all (MNNVL): one copy per destination rank, add-only combine"
     install_hint = INSTALL_HINT
 
