@@ -2,7 +2,7 @@
 
 Each process is one rank on one GPU (NCCL); the cases, the transport floor (the same
 collectives replayed as bare ``all_to_all_single``), the allgather baseline and the report
-are the bench's own (``moe_dispatch.bench``); only the launcher differs. Run on one node::
+are the bench's own (``moe_dispatch.cli.bench``); only the launcher differs. Run on one node::
 
     torchrun --nproc-per-node 8 benchmarks/gpu/bench_torchrun.py --tokens 128 --tokens 4096 --json out.json
 
@@ -19,12 +19,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.bench.cases import BenchSettings, Shape, expand_cases
-from moe_dispatch.bench.report import format_table
-from moe_dispatch.bench.results import summarize_case, with_baselines
-from moe_dispatch.bench.worker import measure_case
+from moe_dispatch.cli.bench.cases import BenchSettings, Shape, expand_cases
+from moe_dispatch.cli.bench.report import format_table
+from moe_dispatch.cli.bench.results import summarize_case, with_baselines
+from moe_dispatch.cli.bench.worker import measure_case
 from moe_dispatch.dtypes import DispatchDtype, Mode
-from moe_dispatch.presets import PRESETS, get_preset
+from moe_dispatch.cli.presets import PRESETS, get_preset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch.bench.cases import BenchCase, BenchSettings
-from moe_dispatch.bench.results import percentile
+from moe_dispatch.cli.bench.cases import BenchCase, BenchSettings
+from moe_dispatch.cli.bench.results import percentile
 from moe_dispatch.cli import main
 from moe_dispatch.dtypes import DispatchDtype, Mode
 from moe_dispatch.errors import InvalidSpecError
@@ -73,7 +73,7 @@ def test_bench_overhead_table(capsys):
 
 
 def test_overhead_of_the_value_checks_is_measured_not_assumed():
-    from moe_dispatch.bench.overhead import measure_overhead
+    from moe_dispatch.cli.bench.overhead import measure_overhead
 
     off = measure_overhead(check_inputs=False, rounds=5, calls_per_round=200)
     on = measure_overhead(check_inputs=True, rounds=5, calls_per_round=200)

@@ -5,8 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.demo import DemoCase, run_case, summarize
-from moe_dispatch.presets import DEMO_SCALE, get_preset
+from moe_dispatch.cli.demo import DemoCase, run_case, summarize
+from moe_dispatch.cli.presets import DEMO_SCALE, get_preset
 
 from dispatch_scenarios import conservation, interleaved
 

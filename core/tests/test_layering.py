@@ -27,10 +27,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # what an engine calls
     "runtime": ("preparation", "planning", "dispatcher", "layer", ""),
     # the wings: the command line and its applications, the test kit
-    "wings": ("__main__", "cli", "plan_cli", "presets", "demo", "bench", "bench.cases", "bench.cli", "bench.overhead",
-              "bench.report", "bench.results", "bench.runner", "bench.worker", "testing", "testing.cases",
-              "testing.conformance", "testing.experts", "testing.layers", "testing.plugin", "testing.pools",
-              "testing.ranks", "testing.torchrun", "routing", "accuracy", "distributed.local"),
+    "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.demo", "cli.bench", "cli.bench.cases",
+              "cli.bench.cli", "cli.bench.overhead", "cli.bench.report", "cli.bench.results", "cli.bench.runner",
+              "cli.bench.worker", "testing", "testing.cases", "testing.conformance", "testing.experts",
+              "testing.layers", "testing.plugin", "testing.pools", "testing.ranks", "testing.torchrun", "routing",
+              "accuracy", "distributed.local"),
 }
 RANK = {module: i for i, (_, modules) in enumerate(LAYERS.items()) for module in modules}
 WINGS = LAYERS["wings"]

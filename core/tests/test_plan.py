@@ -1,4 +1,4 @@
-"""The buffer planner (``moe_dispatch.planning``) and the ``plan`` command (``moe_dispatch.plan_cli``)."""
+"""The buffer planner (``moe_dispatch.planning``) and the ``plan`` command (``moe_dispatch.cli.plan``)."""
 
 import argparse
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 
 import moe_dispatch as md
 from moe_dispatch.reference.builtin import TorchBackend
-from moe_dispatch.plan_cli import add_plan_command, run_plan_command
+from moe_dispatch.cli.plan import add_plan_command, run_plan_command
 from moe_dispatch.planning import EnvRequirement, plan_buffers
 from moe_dispatch.registry import PluginHost
 

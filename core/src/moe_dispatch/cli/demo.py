@@ -11,16 +11,16 @@ from typing import TextIO
 
 import torch
 
-from .accuracy import TOLERANCES, relative_error
-from .codecs import nvfp4_global_scale
-from .dispatcher import create_dispatcher
-from .dtypes import DispatchDtype, Mode
-from .experts import TorchExperts, reference_moe
-from .hints import QuantHints
-from .layer import moe_forward
+from ..accuracy import TOLERANCES, relative_error
+from ..codecs import nvfp4_global_scale
+from ..dispatcher import create_dispatcher
+from ..dtypes import DispatchDtype, Mode
+from ..experts import TorchExperts, reference_moe
+from ..hints import QuantHints
+from ..layer import moe_forward
 from .presets import ModelPreset
-from .routing import random_expert_weights, random_routing
-from .spec import DispatchSpec
+from ..routing import random_expert_weights, random_routing
+from ..spec import DispatchSpec
 
 
 @dataclass(frozen=True)
@@ -143,9 +143,9 @@ def run_demo(
     out: TextIO = sys.stdout,
 ) -> list[DemoResult]:
     """Spawn local ranks, run every (dtype, mode) case, print progress and a table."""
-    from .distributed.local import RankPool
+    from ..distributed.local import RankPool
 
-    from .registry import default_host
+    from ..registry import default_host
 
     caps = default_host().get_backend(backend).capabilities
     cases, skipped = [], []

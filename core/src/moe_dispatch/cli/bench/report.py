@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from ..errors import InvalidSpecError
+from ...errors import InvalidSpecError
 from .overhead import OverheadResult
 from .results import CaseResult
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Iterable
 
-from ..dtypes import DispatchDtype, Mode
-from ..errors import InvalidSpecError
+from ...dtypes import DispatchDtype, Mode
+from ...errors import InvalidSpecError
 
 
 @dataclass(frozen=True)

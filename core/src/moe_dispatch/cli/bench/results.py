@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, replace
 
-from ..dtypes import Mode
+from ...dtypes import Mode
 from .cases import BenchCase
 from .worker import RankSamples
 

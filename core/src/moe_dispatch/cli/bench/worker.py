@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..codecs import nvfp4_global_scale
-from ..dispatcher import create_dispatcher
-from ..distributed.comm import CollectiveRecord, Comm, Traffic
-from ..dtypes import DispatchDtype, Mode
-from ..errors import MoEDispatchError
-from ..hints import QuantHints
-from ..routing import random_routing
-from ..spec import DispatchSpec
+from ...codecs import nvfp4_global_scale
+from ...dispatcher import create_dispatcher
+from ...distributed.comm import CollectiveRecord, Comm, Traffic
+from ...dtypes import DispatchDtype, Mode
+from ...errors import MoEDispatchError
+from ...hints import QuantHints
+from ...routing import random_routing
+from ...spec import DispatchSpec
 from .cases import BenchCase, BenchSettings
 
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..dispatcher import Dispatcher, create_dispatcher
-from ..output import DispatchOutput
-from ..routing import random_routing
-from ..spec import DispatchSpec
+from ...dispatcher import Dispatcher, create_dispatcher
+from ...output import DispatchOutput
+from ...routing import random_routing
+from ...spec import DispatchSpec
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..dtypes import DispatchDtype, Mode
-from ..errors import InvalidSpecError
+from ...dtypes import DispatchDtype, Mode
+from ...errors import InvalidSpecError
 from ..presets import PRESETS, get_preset
 from .cases import BenchSettings, Shape, expand_cases
 
@@ -59,7 +59,7 @@ def _shapes(args: argparse.Namespace) -> list[Shape]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ..registry import default_host
+    from ...registry import default_host
     from . import report
     from .overhead import measure_overhead
     from .runner import profile_cases, progress_bar, run_bench

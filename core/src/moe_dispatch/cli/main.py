@@ -8,16 +8,16 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from .dtypes import DispatchDtype, Mode
-from .errors import MoEDispatchError
-from .hints import QuantHints
-from .registry import PluginHost, default_host
+from ..dtypes import DispatchDtype, Mode
+from ..errors import MoEDispatchError
+from ..hints import QuantHints
+from ..registry import PluginHost, default_host
 from .presets import DEMO_SCALE, PRESETS, get_preset
 
 if TYPE_CHECKING:
-    from .backend import Backend
-    from .preparation import PreparedLayer
-    from .spec import DispatchSpec
+    from ..backend import Backend
+    from ..preparation import PreparedLayer
+    from ..spec import DispatchSpec
 
 
 #: Version of ``moe-dispatch backends --json`` output; bumped only for an incompatible change.
@@ -26,8 +26,8 @@ BACKENDS_JSON_SCHEMA = 1
 
 def backends_report(host: "PluginHost") -> dict[str, object]:
     """The ``backends --json`` document (schema in docs/cli.md)."""
-    from . import hookspecs
-    from .registry import core_version
+    from .. import hookspecs
+    from ..registry import core_version
 
     return {
         "schema": BACKENDS_JSON_SCHEMA,
@@ -81,8 +81,8 @@ def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, 
     """What ``moe-dispatch explain`` shows: ``create_dispatcher``'s own preparation of ``spec``
     (``prepare_layer``), so it refuses exactly what ``create_dispatcher`` refuses, with the
     same typed error; the dtype fallback is on the trail instead of a warning."""
-    from .preparation import prepare_layer
-    from .resolution import DtypeFallbackWarning
+    from ..preparation import prepare_layer
+    from ..resolution import DtypeFallbackWarning
 
     host = host or default_host()
     backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
@@ -92,7 +92,7 @@ def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, 
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .spec import DispatchSpec
+    from ..spec import DispatchSpec
 
     host = default_host()
     preset = get_preset(args.preset)
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     from .bench.cli import add_bench_command
-    from .plan_cli import add_plan_command
+    from .plan import add_plan_command
 
     add_bench_command(sub)
     add_plan_command(sub)

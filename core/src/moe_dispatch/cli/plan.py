@@ -11,14 +11,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TextIO
 
-from .backend import Backend
-from .dtypes import DispatchDtype, Mode
-from .errors import InvalidSpecError, MoEDispatchError
-from .hints import QuantHints
-from .planning import BufferPlan, plan_buffers
-from .registry import PluginHost, default_host
+from ..backend import Backend
+from ..dtypes import DispatchDtype, Mode
+from ..errors import InvalidSpecError, MoEDispatchError
+from ..hints import QuantHints
+from ..planning import BufferPlan, plan_buffers
+from ..registry import PluginHost, default_host
 from .presets import get_preset
-from .spec import DispatchSpec
+from ..spec import DispatchSpec
 
 #: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
 PLAN_JSON_SCHEMA = 1

@@ -42,7 +42,7 @@ def run_bench(
 ) -> list[CaseResult]:
     """Measure every case (and, unless ``baseline`` is None, the same point on the baseline
     backend, in the same pool) and return the results with their ratios."""
-    from ..distributed.local import RankPool
+    from ...distributed.local import RankPool
 
     planned: list[BenchCase] = []
     for case in cases:
@@ -68,7 +68,7 @@ def run_bench(
 
 def profile_cases(cases: list[BenchCase], settings: BenchSettings = BenchSettings()) -> list[str]:
     """Rank 0's profiler table for each case."""
-    from ..distributed.local import RankPool
+    from ...distributed.local import RankPool
 
     tables = []
     for world_size, group in groupby(cases, key=lambda c: c.world_size):
