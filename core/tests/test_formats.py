@@ -77,5 +77,4 @@ def test_the_library_names_a_format_only_where_a_policy_picks_it():
                                                       # for NVFP4, the library default FP8
         "planning.py": {"BF16"},  # sglang sizes every buffer for a BF16 wire
         "capabilities.py": {"BF16"},  # combine sends BF16 back
-        "reference/builtin.py": {"BF16"},  # the cutlass runner quantizes BF16 itself
     }

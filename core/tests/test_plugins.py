@@ -62,7 +62,7 @@ def test_builtins_register_through_the_hook():
     assert {"torch", "allgather"} <= set(host.backend_names())
     record = next(p for p in host.plugins if p.builtin)
     assert record.ok and record.distribution == "moe-dispatch"
-    assert host.runners()["cutlass"].needs is md.DispatchDtype.BF16
+    assert set(host.runners()) == {"torch"} and host.runners()["torch"].needs is None  # no vendor kernel in the core
 
 
 def test_a_broken_plugin_is_listed_and_the_others_load(site):
@@ -174,7 +174,7 @@ def test_backends_command_survives_a_broken_plugin_and_says_what_to_install(site
     assert "to install: pip install frobnicator-runtime" in run.stdout
     assert "available" in lines["torch"]
     runner_lines = {line.split()[0]: line for line in runners.splitlines()[1:] if line.strip()}
-    assert runner_lines["cutlass"].split()[1] == "bf16" and "any backend" in runner_lines["torch"]
+    assert runner_lines["torch"].split()[1] == "any" and "any backend" in runner_lines["torch"]
 
 
 def test_backends_json_is_the_documented_schema(site):
@@ -185,9 +185,9 @@ def test_backends_json_is_the_documented_schema(site):
     doc = json.loads(run.stdout)
     assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched", "runners"}
     assert doc["schema"] == 1
-    cutlass = next(r for r in doc["runners"] if r["name"] == "cutlass")
-    assert cutlass == {"name": "cutlass", "needs": "bf16", "accepts": None, "backends": None, "available": None,
-                       "reason": None}
+    torch_runner = next(r for r in doc["runners"] if r["name"] == "torch")
+    assert torch_runner == {"name": "torch", "needs": None, "accepts": None, "backends": None, "available": None,
+                            "reason": None}
     assert set(doc["core"]) == {"version", "api_version"}
     keys = {"name", "distribution", "version", "status", "available", "reason", "install_hint", "description",
             "capabilities", "error"}

@@ -47,7 +47,7 @@ def specs(draw):
         num_max_dispatch_tokens_per_rank=draw(st.sampled_from([1, 16, 256, 4096])),
         mode=draw(st.sampled_from(["normal", "low_latency"])),
         output_dtype=draw(st.sampled_from([None, "bf16", "fp8", "int8", "nvfp4"])),
-        runner=draw(st.sampled_from([None, "torch", "cutlass"])),
+        runner=draw(st.sampled_from([None, "torch", "no_such_runner"])),
         quant=md.QuantHints(fp8_ue8m0_scales=draw(st.booleans())),
     )
     try:

@@ -33,7 +33,7 @@ class DispatchSpec:
     :param output_dtype: the wire dtype, or ``"auto"`` to let resolution decide.
     :param quant: hints from the layer's quantization method.
     :param runner: the expert-kernel family that consumes the output (``"torch"``,
-        ``"deep_gemm"``, ``"flashinfer_cutedsl"``, ``"cutlass"``, ...).
+        ``"deep_gemm"``, ``"flashinfer_cutedsl"``, ``"npu_w8a8"``, ...).
     :param group_list_type: 0 = cumulative offsets, 1 = per-expert counts.
     """
 
@@ -72,7 +72,7 @@ class DispatchSpec:
                 "must be a non-empty str or None",
                 parameter="runner",
                 value=self.runner,
-                allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'cutlass'",
+                allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'npu_w8a8'",
             )
         if self.group_list_type not in (0, 1):
             raise InvalidSpecError(

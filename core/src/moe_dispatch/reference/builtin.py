@@ -69,4 +69,3 @@ def moe_dispatch_register_backends(register) -> None:  # type: ignore[no-untyped
 @hookimpl
 def moe_dispatch_register_runners(register) -> None:  # type: ignore[no-untyped-def]
     register(RunnerInfo("torch", None, "the torch reference experts dequantize any wire dtype"))
-    register(RunnerInfo("cutlass", DispatchDtype.BF16, "cutlass MoE quantizes its input internally"))

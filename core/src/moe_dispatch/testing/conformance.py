@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar
 import pytest
 
 from ..accuracy import TOLERANCES
-from ..backend import Backend
+from ..backend import Backend, RunnerInfo
 from ..capabilities import Capabilities
 from ..codecs import nvfp4_global_scale
 from ..dtypes import DispatchDtype, Mode
@@ -288,10 +288,11 @@ class BackendConformance:
             assert via_env.dtype is dtype and any(s.source.startswith("env MOE") and s.decided for s in via_env.steps)
             explicit = resolve_output_dtype(self._spec(m, dtype), self.backend, env={"MOE_DISPATCH_OUTPUT_DTYPE": "bf16"})
             assert explicit.dtype is dtype and explicit.steps[0].decided
-        runner = resolve_output_dtype(self._spec(m, quant=QuantHints(), runner="cutlass"), self.backend, env={}) \
-            if self.capabilities.decide(m, DispatchDtype.BF16).kind == "accept" else None
-        if runner is not None:
-            assert any(s.source == "runner cutlass" and s.decided for s in runner.steps)
+        if self.capabilities.decide(m, DispatchDtype.BF16).kind == "accept":  # a runner asking for BF16 decides
+            kit_runner = RunnerInfo("kit_bf16", DispatchDtype.BF16, "a kernel that quantizes its input itself")
+            runner = resolve_output_dtype(self._spec(m, quant=QuantHints(), runner="kit_bf16"), self.backend, env={},
+                                          runners={"kit_bf16": kit_runner})
+            assert any(s.source == "runner kit_bf16" and s.decided for s in runner.steps)
         assert str(auto).count("\n") == len(auto.steps)
 
     # -- buffers ---------------------------------------------------------------------------------
