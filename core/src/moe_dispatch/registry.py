@@ -22,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-import math
 import os
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,16 +37,13 @@ from . import hookspecs
 from .backend import Backend, BackendDispatcher, DispatchContext, RunnerInfo
 from .reference import BUILTIN_PLUGINS
 from .errors import BackendUnavailableError, MoEDispatchError, PluginError
+from .probes import DEFAULT_PROBE_TIMEOUT_S, Prober, ProbeResult, check_probe_timeout
 
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
 ENV_PLUGINS = "MOE_DISPATCH_PLUGINS"
 ENV_TRACE = "MOE_DISPATCH_TRACE_PLUGINS"
 _HOOK_NAMES = ("moe_dispatch_register_backends", "moe_dispatch_register_runners")
 
-#: Seconds one ``probe()`` may take before its backend is reported unavailable. Generous: a
-#: cold CUDA or NPU driver initialisation, or importing a large vendor library, on a loaded
-#: machine takes seconds; a probe that takes longer than this is stuck, not slow.
-DEFAULT_PROBE_TIMEOUT_S = 30.0
 
 
 def core_version() -> str:
@@ -77,81 +72,6 @@ class PluginRecord:
     def label(self) -> str:
         dist = self.distribution or self.module
         return f"{dist} {self.version}" if self.version else dist
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One ``probe()`` answer: ``reason`` is None when the backend runs here.
-
-    :param error: the traceback when ``probe()`` raised (``reason`` names the exception).
-    :param timed_out: ``probe()`` did not return within the deadline. Its thread is left to
-        finish on its own (a thread cannot be stopped); a registered backend keeps the timeout
-        as its answer for the life of the host, so start-up and later calls agree.
-    """
-
-    reason: str | None
-    seconds: float
-    error: str | None = None
-    timed_out: bool = False
-
-
-class _ProbeRun:
-    """One ``probe()`` call on a daemon thread, so the caller can stop waiting for it.
-
-    A thread cannot be killed, so a probe that hangs keeps its thread until it returns or the
-    process exits; being a daemon, it never holds up interpreter exit.
-    """
-
-    def __init__(self, backend: Backend, on_late: Callable[["_ProbeRun"], None]) -> None:
-        self.backend = backend  # held so id(backend) stays unique while the run is tracked
-        self.started = time.perf_counter()
-        self.result: ProbeResult | None = None
-        self._abandoned = False
-        self._done = threading.Event()
-        # Orders "the probe answered" against "the caller gave up", so exactly one of the two
-        # sees the other: the caller uses the answer, or the late answer is only traced.
-        self._lock = threading.Lock()
-        self._on_late = on_late
-        self._thread = threading.Thread(target=self._run, name=f"moe-dispatch-probe-{backend.name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        result = _call_probe(self.backend, self.started)
-        with self._lock:
-            self.result = result
-            self._done.set()
-            late = self._abandoned
-        if late:
-            self._on_late(self)
-
-    def wait(self, timeout_s: float) -> ProbeResult | None:
-        """The answer; None (and the run marked abandoned) if there is none within ``timeout_s``."""
-        self._done.wait(timeout_s)
-        with self._lock:
-            if not self._done.is_set():
-                self._abandoned = True
-            return self.result
-
-
-def _call_probe(backend: Backend, started: float) -> ProbeResult:
-    try:
-        reason = backend.probe()
-    except Exception as exc:  # a probe that raises is a reason, not a crash
-        error = "".join(traceback.format_exception(exc)).rstrip()
-        return ProbeResult(f"probe() raised {type(exc).__name__}: {exc}", time.perf_counter() - started, error)
-    return ProbeResult(reason, time.perf_counter() - started)
-
-
-def _check_probe_timeout(value: object) -> float:
-    """``value`` as a probe deadline in seconds, or a ``PluginError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        raise PluginError(
-            "the probe deadline must be a positive number of seconds",
-            parameter="probe_timeout_s",
-            value=value,
-            allowed="a number > 0, or math.inf to call probe() on the calling thread without a deadline",
-        )
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -212,7 +132,7 @@ class PluginHost:
         trace: TextIO | None = None,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
     ) -> None:
-        self.probe_timeout_s = _check_probe_timeout(probe_timeout_s)
+        self.probe_timeout_s = check_probe_timeout(probe_timeout_s)
         env = os.environ if env is None else env
         self._allow = _parse_allow_list(env.get(ENV_PLUGINS))
         self._trace_to = trace if trace is not None else (sys.stderr if env.get(ENV_TRACE, "") not in ("", "0") else None)
@@ -222,10 +142,8 @@ class PluginHost:
         self._backends: dict[str, tuple[Backend, PluginRecord]] = {}
         self._conflicts: dict[str, list[PluginRecord]] = {}
         self._runners: dict[str, tuple[RunnerInfo, PluginRecord]] = {}
-        self._probes: dict[str, ProbeResult] = {}
-        # Probes still running past their deadline, by id(backend), so asking again waits for
-        # the same call instead of starting another thread on a probe that hangs.
-        self._running: dict[int, _ProbeRun] = {}
+        self._probes: dict[str, ProbeResult] = {}  # the registered backends' answers, for the host's life
+        self._prober = Prober(self._trace)
         self.allow_list_unmatched: list[str] = []
         version = core_version()
         for module_name in BUILTIN_PLUGINS:
@@ -392,33 +310,13 @@ class PluginHost:
         is_registered = registered is not None and registered[0] is backend
         if is_registered and backend.name in self._probes:
             return self._probes[backend.name]
-        deadline = self.probe_timeout_s if timeout_s is None else _check_probe_timeout(timeout_s)
-        result = self._run_probe(backend, deadline)
+        deadline = self.probe_timeout_s if timeout_s is None else check_probe_timeout(timeout_s)
+        result = self._prober.run(backend, deadline)
         detail = f"did not answer within {deadline:g} s" if result.timed_out else (result.reason or "available")
         self._trace(f"probe {backend.name}: {detail} ({result.seconds * 1e3:.1f} ms)")
         if is_registered:
             self._probes[backend.name] = result
         return result
-
-    def _run_probe(self, backend: Backend, deadline: float) -> ProbeResult:
-        if math.isinf(deadline):
-            return _call_probe(backend, time.perf_counter())
-        run = self._running.pop(id(backend), None)
-        if run is None or run.backend is not backend:
-            run = _ProbeRun(backend, self._late_answer)
-        result = run.wait(deadline)
-        if result is not None:
-            return result
-        self._running[id(backend)] = run
-        return ProbeResult(f"probe did not answer within {deadline:g} s", time.perf_counter() - run.started,
-                           timed_out=True)
-
-    def _late_answer(self, run: _ProbeRun) -> None:
-        answer = run.result.reason if run.result is not None else None
-        # A registered backend keeps its timeout for the host's life (start-up already reported
-        # it); the trace still shows the answer, which tells how far to raise the deadline.
-        self._trace(f"probe {run.backend.name} answered past its deadline, {time.perf_counter() - run.started:.1f} s "
-                    f"after it started: {answer or 'available'}")
 
     def call_create(self, backend: Backend, ctx: DispatchContext) -> BackendDispatcher:
         """``backend.create(ctx)``. A typed error from it passes through as it is; any other
