@@ -49,6 +49,9 @@ class Dispatcher:
         self._comm = comm
         self._device = comm.device
         self._checks = InputChecks(spec, self._device, impl)
+        # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
+        # check reads attributes, too slow for every forward.
+        self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None
 
     @property
     def output_dtype(self) -> DispatchDtype:
@@ -133,7 +136,7 @@ class Dispatcher:
     @property
     def fused(self) -> bool:
         """Whether ``forward`` runs the backend's fused op (``capabilities.fused_forward``)."""
-        return self.backend.capabilities.fused_forward
+        return self._fused is not None
 
     def process_weights(self, weights: Any) -> Any:
         """The ``layer`` ``forward`` takes, built once at load time from this rank's experts: the
@@ -171,11 +174,11 @@ class Dispatcher:
         return self.combine(rows, out)
 
     def _fused_impl(self) -> FusedBackendDispatcher:
-        if not isinstance(self._impl, FusedBackendDispatcher):
+        if not self._fused:
             raise PluginError(f"backend {self.backend.name!r} declares capabilities.fused_forward, but its dispatcher "
                               f"{type(self._impl).__name__} has no fused_forward/process_weights "
                               "(moe_dispatch.FusedBackendDispatcher)")
-        return self._impl
+        return self._impl  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return (

@@ -815,11 +815,13 @@ TORCH_NPU_SCHEMAS = {
 }
 
 
-def _split_params(text: str) -> list[str]:
+def _split_params(text: str, opening: str = "([", closing: str = ")]") -> list[str]:
+    """``text`` split at the commas outside any of the brackets (a schema's ``(``/``[``; a documented
+    prototype's type annotations add ``<``/``>``)."""
     parts, depth, cur = [], 0, ""
     for ch in text:
-        depth += ch in "([" and 1 or 0
-        depth -= ch in ")]" and 1 or 0
+        depth += ch in opening and 1 or 0
+        depth -= ch in closing and 1 or 0
         if ch == "," and depth == 0:
             parts.append(cur)
             cur = ""
@@ -932,19 +934,6 @@ def torch_npu_docs_path() -> str | None:
     return path if os.path.exists(path) else None
 
 
-def _top_level_split(text: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch in "([<" and 1 or 0
-        depth -= ch in ")]>" and 1 or 0
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return parts + [cur] if cur.strip() else parts
-
-
 def documented_signature(docs_source: str, op: str) -> str | None:
     """The parameter list of ``op`` as torch_npu's ``_op_plugin_docs.py`` documents its prototype
     (``torch_npu.<op>(Tensor x, *, Tensor? y=None, ...) -> ...``), in Python syntax; None when
@@ -962,7 +951,7 @@ def documented_signature(docs_source: str, op: str) -> str | None:
             for i in range(start, len(doc)):
                 depth += {"(": 1, ")": -1}.get(doc[i], 0)
                 if depth == 0:
-                    params = [_param_from_prototype(p) for p in _top_level_split(doc[start:i])]
+                    params = [_param_from_prototype(p) for p in _split_params(doc[start:i], "([<", ")]>")]
                     return "(" + ", ".join(params) + ")"
     return None
 

@@ -515,9 +515,13 @@ class Buffer:
             raise NotImplementedError("(fake) pre-quantized tuple x is not emulated")
         raise TypeError(f"Unsupported x type: {type(x)}")
 
-    def _dispatch_asserts(self, fn: str, x: Any, num_tokens_per_rank: Any, num_tokens_per_expert: Any, topk_idx: Any,
-                          topk_weights: Any, config: Any) -> None:
-        """deep_ep.cpp Buffer::intranode_dispatch's and ::internode_dispatch's host asserts (the same list)."""
+    def _dispatch_asserts(self, fn: str, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
+                          num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any) -> int:
+        """deep_ep.cpp Buffer::intranode_dispatch's and ::internode_dispatch's host asserts (the same list), then
+        DEEP_EP's expert-token-count type, which both read: 1 counts per expert, 0 their prefix sums."""
+        if handle is not None:
+            raise NotImplementedError("Optional communication handle is not supported yet.")
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         if not isinstance(config, Config):
             raise _incompatible(fn, "config", config)
         _ep_assert(config.num_sms % 2 == 0, "config.num_sms % 2 == 0")
@@ -535,6 +539,9 @@ class Buffer:
         _ep_assert(x.shape[0] == topk_idx.shape[0], "num_tokens == topk_idx->size(0)")
         _ep_assert(topk_idx.shape[1] == topk_weights.shape[1], "num_topk == topk_weights->size(1)")
         _ep_assert(topk_weights.dtype == torch.float32, "topk_weights->scalar_type() == at::kFloat")
+        counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
+        _ep_assert(counts_type in (0, 1), "expert_token_nums_type == 1 or expert_token_nums_type == 0")
+        return counts_type
 
     # -- Atlas A2 beyond 8 ranks (internode) ------------------------------------------------------------------
 
@@ -553,13 +560,8 @@ class Buffer:
         if x_scales is not None:
             raise NotImplementedError("(fake) pre-quantized tuple x is not emulated")
         use_quant = os.getenv(v.INT8_ENV) == "1"
-        if handle is not None:
-            raise NotImplementedError("Optional communication handle is not supported yet.")
-        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
-        self._dispatch_asserts("internode_dispatch", x, num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                               topk_weights, config)
-        counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
-        _ep_assert(counts_type in (0, 1), "expert_token_nums_type == 1 or expert_token_nums_type == 0")
+        counts_type = self._dispatch_asserts("internode_dispatch", x, handle, num_tokens_per_rank, is_token_in_rank,
+                                             num_tokens_per_expert, topk_idx, topk_weights, config)
         if self._layout is None or not torch.equal(self._layout[0], topk_idx):
             raise RuntimeError("(fake) dispatch without get_dispatch_layout on the same topk_idx first: the C++ "
                                "uses the layout state the last get_dispatch_layout left on this Buffer")
@@ -650,13 +652,8 @@ class Buffer:
                             num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str,
                             num_worst_tokens: int = 0
                             ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
-        if handle is not None:
-            raise NotImplementedError("Optional communication handle is not supported yet.")
-        assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
-        self._dispatch_asserts("intranode_dispatch", x, num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                               topk_weights, config)
-        counts_type = v.parse_env_int(os.environ.get(v.COUNTS_TYPE_ENV), 1)
-        _ep_assert(counts_type in (0, 1), "expert_token_nums_type == 1 or expert_token_nums_type == 0")
+        counts_type = self._dispatch_asserts("intranode_dispatch", x, handle, num_tokens_per_rank, is_token_in_rank,
+                                             num_tokens_per_expert, topk_idx, topk_weights, config)
         if quant in v.A5_ONLY_QUANT_MODES:
             _ep_assert(False, f"{quant} is not supported on this device, please use int8 or bf16 instead.")
         _op_check(x.dtype in (torch.bfloat16, torch.float16), "aclnnCamMoeDispatchNormal", "x must be bf16/fp16")
