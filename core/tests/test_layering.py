@@ -19,11 +19,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
     "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "formats", "wire", "codecs", "hints", "spec",
                  "capabilities", "output", "trail", "scale_layouts", "distributed", "distributed.watch",
-                 "distributed.comm", "distributed.agreement", "backend", "hookspecs"),
+                 "distributed.comm", "distributed.agreement", "backend", "commands", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts
     "policy": ("resolution", "validation", "experts"),
     # where backends and runners come from (the built-ins registered like any plugin)
-    "registry": ("registry", "probes", "reference", "reference.builtin", "reference.exchange"),
+    "registry": ("loading", "registry", "probes", "reference", "reference.builtin", "reference.exchange"),
     # what an engine calls
     "runtime": ("preparation", "planning", "dispatcher", "layer", ""),
     # the wings: the command line and its applications, the test kit

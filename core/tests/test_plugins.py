@@ -183,7 +183,9 @@ def test_backends_json_is_the_documented_schema(site):
     run = _cli(site, "backends", "--json")
     assert run.returncode == 0, run.stderr
     doc = json.loads(run.stdout)
-    assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched", "runners"}
+    assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched", "runners", "commands",
+                        "command_conflicts"}
+    assert doc["commands"] == [] and doc["command_conflicts"] == {}
     assert doc["schema"] == 1
     torch_runner = next(r for r in doc["runners"] if r["name"] == "torch")
     assert torch_runner == {"name": "torch", "needs": None, "accepts": None, "backends": None, "available": None,
@@ -245,3 +247,103 @@ def test_torch_npu_without_cann_does_not_break_importing_torch(tmp_path, monkeyp
     assert npu_autoload_would_fail({})
     assert not npu_autoload_would_fail({"ASCEND_HOME_PATH": "/usr/local/Ascend"})  # CANN is set up
     assert not npu_autoload_would_fail({"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})  # the user chose
+
+
+def test_a_plugin_may_not_take_a_builtin_backend_name(site):
+    make_dist(site, "fx-torch", "fx_torch", GOOD.format(name="torch") + "\nRenamed.probe = lambda self: 'impostor'\n")
+    host = PluginHost(env={})
+    assert host.get_backend("torch").probe() is None  # the built-in, still there and available
+    failure = next(p for p in host.failures() if p.name == "fx_torch")
+    assert "belongs to a moe-dispatch built-in" in failure.error
+
+
+@pytest.mark.parametrize("raising", ["SystemExit(3)", "GeneratorExit()", "type('Odd', (BaseException,), {})()"])
+def test_a_plugin_raising_a_base_exception_is_a_failure_not_an_exit(site, raising):
+    make_dist(site, "fx-exit", "fx_exit", f"raise {raising}\n")
+    make_dist(site, "fx-fine", "fx_fine", GOOD.format(name="fine"))
+    host = PluginHost(env={})
+    assert "fine" in host.backend_names()
+    assert next(p for p in host.failures() if p.name == "fx_exit").error
+
+
+def test_a_plugin_is_registered_whole_or_not_at_all(site):
+    # fx-late registers "shared" then fails: fx-early keeps "shared", with no conflict left behind.
+    make_dist(site, "fx-early", "fx_early", GOOD.format(name="shared"))
+    late = GOOD.format(name="shared") + "\n@md.hookimpl\ndef moe_dispatch_register_runners(register):\n    raise RuntimeError('late')\n"
+    make_dist(site, "fx-late", "fx_late", late)
+    host = PluginHost(env={})
+    assert host.get_backend("shared").name == "shared"
+    assert {i.name: i.status for i in host.available_backends()}["shared"] == "available"
+
+
+@pytest.mark.parametrize("name", ["torch", "", 3, None])
+def test_a_backend_whose_name_is_not_a_new_str_is_refused_at_registration(site, name):
+    source = GOOD.replace('name = "{name}"', f"name = {name!r}")
+    make_dist(site, "fx-badname", "fx_badname", source)
+    host = PluginHost(env={})
+    assert next(p for p in host.failures() if p.name == "fx_badname").error
+    assert all(isinstance(info.name, str) for info in host.available_backends())
+
+
+COMMAND = '''
+import moe_dispatch as md
+
+MOE_DISPATCH_API = 1
+
+def _arguments(parser):
+    parser.add_argument("--times", type=int, default=1)
+
+def _run(args):
+    if args.times < 1:
+        raise md.InvalidSpecError("must be positive", parameter="--times", value=args.times, allowed=">= 1")
+    print("{name} ran " * args.times)
+    return 0
+
+@md.hookimpl
+def moe_dispatch_register_commands(register):
+    register(md.Command("{name}", "says it ran", _arguments, _run))
+'''
+
+
+def test_a_plugin_adds_a_subcommand_to_the_command_line(site):
+    make_dist(site, "fx-cmd", "fx_cmd", COMMAND.replace("{name}", "fx-hello"))
+    run = _cli(site, "fx-hello", "--times", "2")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["fx-hello", "ran", "fx-hello", "ran"]
+    helped = _cli(site, "--help")
+    assert "fx-hello" in helped.stdout and "says it ran [fx-cmd 1.0]" in " ".join(helped.stdout.split())
+    listed = _cli(site, "backends")
+    assert "moe-dispatch fx-hello fx-cmd 1.0" in " ".join(listed.stdout.split())
+    bad = _cli(site, "fx-hello", "--times", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "moe-dispatch: error: --times=0: must be positive; allowed: >= 1"
+    ]
+
+
+def test_plugin_commands_cannot_take_a_builtin_name_and_two_owners_lose_theirs(site):
+    make_dist(site, "fx-cmd-bench", "fx_cmd_bench", COMMAND.replace("{name}", "bench"))
+    make_dist(site, "fx-cmd-a", "fx_cmd_a", COMMAND.replace("{name}", "fx-same"))
+    make_dist(site, "fx-cmd-b", "fx_cmd_b", COMMAND.replace("{name}", "fx-same"))
+    host = PluginHost(env={})
+    assert "belongs to moe-dispatch itself" in next(p for p in host.failures() if p.name == "fx_cmd_bench").error
+    assert "fx-same" not in host.commands()
+    assert [p.distribution for p in host.command_conflicts["fx-same"]] == ["fx-cmd-a", "fx-cmd-b"]
+
+
+def test_every_builtin_subcommand_name_is_reserved():
+    from moe_dispatch.cli.main import build_parser
+    from moe_dispatch.commands import RESERVED_COMMAND_NAMES
+
+    sub = next(a for a in build_parser(PluginHost(load_entry_points=False))._actions if a.dest == "command")
+    assert set(sub.choices) <= RESERVED_COMMAND_NAMES
+
+
+@pytest.mark.parametrize("kwargs, parameter", [
+    ({"name": "Bad Name"}, "name"), ({"name": "demo"}, "name"), ({"run": "not callable"}, "run"),
+    ({"help": None}, "help"),
+])
+def test_a_malformed_command_is_a_typed_error(kwargs, parameter):
+    fields = {"name": "fx-ok", "help": "h", "add_arguments": lambda p: None, "run": lambda a: 0, **kwargs}
+    with pytest.raises(md.PluginError) as info:
+        md.Command(**fields)
+    assert info.value.parameter == parameter

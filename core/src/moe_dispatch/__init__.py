@@ -26,6 +26,7 @@ from .errors import (
 )
 from .experts import ExpertKernel, ExpertWeights, TorchExperts, reference_moe
 from .hints import QuantHints
+from .commands import Command
 from .hookspecs import API_VERSION, hookimpl
 from .layer import MoELayer, moe_forward
 from .output import DispatchOutput
@@ -49,6 +50,7 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "BufferSize",
+    "Command",
     "Capabilities",
     "CapacityError",
     "Codec",

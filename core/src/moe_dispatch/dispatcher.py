@@ -15,7 +15,7 @@ from .distributed.agreement import agree
 from .distributed.watch import DEFAULT_TIMEOUT_S
 from .errors import BackendUnavailableError, CommunicationError, InvalidInputError, MoEDispatchError, PluginError
 from .output import DispatchOutput
-from .registry import PluginHost, core_version, default_host
+from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import Resolution
@@ -218,38 +218,29 @@ def create_dispatcher(
     """
     comm = Comm(group, timeout_s=timeout_s)
     try:
-        host = host or default_host()
-        backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
-        _check_available(host, backend_obj)
-        with host.typed_errors(backend_obj, "planning the dispatcher"):  # a plugin bug reaches the peers too
-            ctx, resolution = _prepare(host, backend_obj, spec, comm, strict=strict, env=env, options=options)
-            fingerprint = _fingerprint(host, backend_obj, ctx, timeout_s)
+        chosen = (host or default_host()).select(backend)
+        with chosen.typed_errors("planning the dispatcher"):  # a plugin bug reaches the peers too
+            ctx, resolution = _prepare(chosen, spec, comm, strict=strict, env=env, options=options)
+            fingerprint = _fingerprint(chosen, ctx, timeout_s)
     except MoEDispatchError as exc:
         # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
         agree(comm, {}, "configuration", failure=exc)
         raise
     comm.watch.bind(agree(comm, fingerprint, "configuration"))
     try:
-        impl = host.call_create(backend_obj, ctx)
+        impl = chosen.create(ctx)
     except BaseException as exc:
         comm.announce_failure("create", exc)
         raise
-    return Dispatcher(backend_obj, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
-
-
-def _check_available(host: PluginHost, backend: Backend) -> None:
-    reason = host.probe(backend)
-    if reason is not None:
-        hint = f"; {backend.install_hint}" if backend.install_hint else ""
-        raise BackendUnavailableError(f"cannot run here: {reason}{hint}", parameter="backend", value=backend.name)
+    return Dispatcher(chosen.backend, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
 
 
 def _prepare(
-    host: PluginHost, backend: Backend, spec: DispatchSpec, comm: Comm, *, strict: bool,
+    chosen: Selection, spec: DispatchSpec, comm: Comm, *, strict: bool,
     env: Mapping[str, str] | None, options: Mapping[str, Any] | None,
 ) -> tuple[DispatchContext, Resolution]:
     """Everything local (``prepare_layer``), then the context the backend creates from."""
-    layer = prepare_layer(backend, spec, comm.world_size, runners=host.runners(), env=env, strict=strict)
+    layer = prepare_layer(chosen.backend, spec, comm.world_size, runners=chosen.runners, env=env, strict=strict)
     ctx = DispatchContext(
         spec=layer.spec,
         resolution=layer.resolution,
@@ -262,9 +253,9 @@ def _prepare(
     return ctx, layer.resolution
 
 
-def _fingerprint(host: PluginHost, backend: Backend, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:
+def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:
     """What every rank of the group must agree on (compared field by field at creation)."""
-    spec = ctx.spec
+    spec, backend = ctx.spec, chosen.backend
     return {
         "hidden_size": spec.hidden_size,
         "num_experts": spec.num_experts,
@@ -276,7 +267,7 @@ def _fingerprint(host: PluginHost, backend: Backend, ctx: DispatchContext, timeo
         "runner": spec.runner,
         "group_list_type": spec.group_list_type,
         "backend": backend.name,
-        "backend version": host.label(backend),
+        "backend version": chosen.label,
         "core version": core_version(),
         "world_size": ctx.world_size,
         "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],

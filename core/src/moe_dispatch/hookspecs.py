@@ -1,7 +1,7 @@
 """The hooks a backend plugin implements, documented in the style of pytest's ``hookspec.py``.
 
 A plugin is a module named by an entry point in the ``moe_dispatch.backends`` group. It
-declares the core API it was written for and implements one or both hooks::
+declares the core API it was written for and implements any of the hooks below::
 
     import moe_dispatch as md
 
@@ -22,6 +22,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .backend import Backend, RunnerInfo
+    from .commands import Command
 
 PROJECT = "moe_dispatch"
 
@@ -43,6 +44,10 @@ class RegisterBackend(Protocol):
 
 class RegisterRunner(Protocol):
     def __call__(self, runner: "RunnerInfo") -> None: ...
+
+
+class RegisterCommand(Protocol):
+    def __call__(self, command: "Command") -> None: ...
 
 
 # -- registration -------------------------------------------------------------------------
@@ -74,6 +79,20 @@ def moe_dispatch_register_runners(register: RegisterRunner) -> None:
     """
 
 
+@hookspec
+def moe_dispatch_register_commands(register: RegisterCommand) -> None:
+    """Register subcommands of ``moe-dispatch`` (a hardware check, a vendor report).
+
+    The command line adds each beside its built-in subcommands, so the core never names a
+    plugin's tools. Build the parser cheaply; import vendor libraries in ``Command.run``.
+
+    :param register: call ``register(Command(name, help, add_arguments, run))`` per
+        subcommand. A built-in's name is refused; a name registered by two distributions is
+        left out and shown as a conflict by ``moe-dispatch backends``.
+    :returns: nothing; results go through ``register``.
+    """
+
+
 __all__ = [
     "API_VERSION",
     "PROJECT",
@@ -81,5 +100,6 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "moe_dispatch_register_backends",
+    "moe_dispatch_register_commands",
     "moe_dispatch_register_runners",
 ]

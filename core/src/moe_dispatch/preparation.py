@@ -113,9 +113,8 @@ def resolve_output_dtype(
     :raises InvalidSpecError: a bad env value, unknown runner, or a dtype the spec cannot use.
     """
     if isinstance(backend, str) or runners is None:
-        host = host or default_host()
-        backend = host.get_backend(backend) if isinstance(backend, str) else backend
-        runners = host.runners() if runners is None else runners
+        chosen = (host or default_host()).select(backend, must_run_here=False)
+        backend, runners = chosen.backend, chosen.runners if runners is None else runners
     return resolve_dtype(spec, backend, runners=runners, env=env, strict=strict)
 
 

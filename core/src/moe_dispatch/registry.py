@@ -1,33 +1,23 @@
-"""The plugin host: finds backends through entry points, one plugin at a time.
+"""The plugin host: the backends, runners and commands the plugins registered, and lookup.
 
-A plugin that fails to import, declares an unsupported API version, implements a hook
-that does not exist, or raises while registering is recorded with its error and left out;
-the others load. Asking for one of its backends by name raises with the original error.
+Plugins load one at a time (``loading.load_plugin``); a plugin that failed is recorded with its
+error and left out, and asking for one of its backends by name raises with the original error.
+The built-ins load first and their backend names are theirs alone.
 
 Probes run with a deadline (``probe_timeout_s``, default ``DEFAULT_PROBE_TIMEOUT_S``): a
 ``probe()`` that hangs (a driver that never answers, a vendor import stuck on a lock) makes
 its backend unavailable, "probe did not answer within X s", instead of stalling the engine's
 start-up. A probe that raises makes its backend unavailable with the error. A ``create()``
-that raises is a ``BackendUnavailableError`` naming the backend (``PluginHost.call_create``).
-
-Environment (read once, when a host is created; never written):
-
-- ``MOE_DISPATCH_PLUGINS``: comma-separated allow-list of entry-point or distribution
-  names; empty loads no external plugin; unset loads all. Built-in backends always load.
-- ``MOE_DISPATCH_TRACE_PLUGINS=1``: trace every hook call and probe to stderr.
+that raises is a ``BackendUnavailableError`` naming the backend (``Selection.create``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
 import os
 import sys
-import time
-import traceback
-from dataclasses import dataclass, field
-from importlib import metadata
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
@@ -35,43 +25,23 @@ import pluggy
 
 from . import hookspecs
 from .backend import Backend, BackendDispatcher, DispatchContext, RunnerInfo
-from .reference import BUILTIN_PLUGINS
+from .commands import Command
 from .errors import BackendUnavailableError, MoEDispatchError, PluginError
+from .loading import (
+    ENTRY_POINT_GROUP,
+    ENV_PLUGINS,
+    ENV_TRACE,
+    LoadedPlugin,
+    PluginRecord,
+    builtin_sources,
+    core_version,
+    entry_point_sources,
+    load_plugin,
+    module_sources,
+    parse_allow_list,
+)
 from .probes import DEFAULT_PROBE_TIMEOUT_S, Prober, ProbeResult, check_probe_timeout
-
-ENTRY_POINT_GROUP = "moe_dispatch.backends"
-ENV_PLUGINS = "MOE_DISPATCH_PLUGINS"
-ENV_TRACE = "MOE_DISPATCH_TRACE_PLUGINS"
-_HOOK_NAMES = ("moe_dispatch_register_backends", "moe_dispatch_register_runners")
-
-
-
-def core_version() -> str:
-    try:
-        return metadata.version("moe-dispatch")
-    except metadata.PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
-
-
-@dataclass(frozen=True)
-class PluginRecord:
-    """One plugin module: where it came from and, if it failed, why."""
-
-    name: str
-    module: str
-    distribution: str | None
-    version: str | None
-    builtin: bool = False
-    error: str | None = None
-    exception: BaseException | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    def label(self) -> str:
-        dist = self.distribution or self.module
-        return f"{dist} {self.version}" if self.version else dist
+from .reference import BUILTIN_PLUGINS
 
 
 @dataclass(frozen=True)
@@ -134,7 +104,7 @@ class PluginHost:
     ) -> None:
         self.probe_timeout_s = check_probe_timeout(probe_timeout_s)
         env = os.environ if env is None else env
-        self._allow = _parse_allow_list(env.get(ENV_PLUGINS))
+        allow = parse_allow_list(env.get(ENV_PLUGINS))
         self._trace_to = trace if trace is not None else (sys.stderr if env.get(ENV_TRACE, "") not in ("", "0") else None)
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
@@ -142,115 +112,33 @@ class PluginHost:
         self._backends: dict[str, tuple[Backend, PluginRecord]] = {}
         self._conflicts: dict[str, list[PluginRecord]] = {}
         self._runners: dict[str, tuple[RunnerInfo, PluginRecord]] = {}
+        self._commands: dict[str, tuple[Command, PluginRecord]] = {}
+        self.command_conflicts: dict[str, list[PluginRecord]] = {}
         self._probes: dict[str, ProbeResult] = {}  # the registered backends' answers, for the host's life
         self._prober = Prober(self._trace)
+        for source in builtin_sources(BUILTIN_PLUGINS):
+            self._commit(load_plugin(self.pm, source, self._trace))
+        reserved = frozenset(self._backends)
+        sources = module_sources(extra_plugins)
         self.allow_list_unmatched: list[str] = []
-        version = core_version()
-        for module_name in BUILTIN_PLUGINS:
-            record = PluginRecord(module_name, module_name, "moe-dispatch", version, builtin=True)
-            self._add(record, lambda m=module_name: importlib.import_module(m))
-        for module in extra_plugins:
-            record = PluginRecord(module.__name__, module.__name__, None, None)
-            self._add(record, lambda m=module: m)
         if load_entry_points:
-            self._load_entry_points()
+            found, self.allow_list_unmatched = entry_point_sources(allow, self._trace)
+            sources += found
+        for source in sources:
+            self._commit(load_plugin(self.pm, source, self._trace, reserved_backends=reserved))
 
-    # -- loading ------------------------------------------------------------------------------
+    # -- registration -------------------------------------------------------------------------
 
-    def _load_entry_points(self) -> None:
-        seen: set[str] = set()
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist is not None else None
-            version = ep.dist.version if ep.dist is not None else None
-            if self._allow is not None and ep.name not in self._allow and (dist or "") not in self._allow:
-                self._trace(f"skip {ep.name} ({dist}): not in {ENV_PLUGINS}")
-                continue
-            seen.update({ep.name, dist or ""})
-            record = PluginRecord(ep.name, ep.value, dist, version)
-            self._add(record, ep.load)
-        if self._allow is not None:
-            self.allow_list_unmatched = sorted(self._allow - seen)
-
-    def _add(self, record: PluginRecord, load: Callable[[], Any]) -> None:
-        """Import, check and register one plugin, then run its hooks; any failure leaves
-        nothing of it behind and is kept on the record."""
-        started = time.perf_counter()
-        registered: list[str] = []
-        runners: list[str] = []
-        module = None
-        try:
-            module = load()
-            _check_api(record, module)
-            self.pm.register(module, name=record.name)
-            _check_hook_names(record, self.pm, module)
-            self._run_hooks(record, module, registered, runners)
-        except Exception as exc:  # one bad plugin must not stop the others
-            for name in registered:
-                self._unregister_backend(name, record)
-            for name in runners:
-                self._runners.pop(name, None)
-            if module is not None and self.pm.is_registered(module):
-                self.pm.unregister(module)
-            error = "".join(traceback.format_exception(exc)).rstrip()
-            self.plugins.append(
-                PluginRecord(record.name, record.module, record.distribution, record.version, record.builtin, error, exc)
-            )
-            self._trace(f"plugin {record.label()} FAILED: {type(exc).__name__}: {exc}")
-            return
+    def _commit(self, loaded: LoadedPlugin) -> None:
+        """Keep what one plugin registered; it loaded whole or not at all (``load_plugin``)."""
+        record = loaded.record
         self.plugins.append(record)
-        elapsed = (time.perf_counter() - started) * 1e3
-        self._trace(f"plugin {record.label()} loaded in {elapsed:.1f} ms: backends {registered}, runners {runners}")
-
-    def _run_hooks(self, record: PluginRecord, module: Any, backends: list[str], runners: list[str]) -> None:
-        def register_backend(backend: Backend) -> None:
-            if not isinstance(backend, Backend) or not getattr(backend, "name", ""):
-                raise PluginError(
-                    "register() takes a named moe_dispatch.Backend instance",
-                    parameter="backend",
-                    value=backend,
-                    allowed="an instance of a moe_dispatch.Backend subclass with a non-empty name",
-                )
-            self._register_backend(backend, record)
-            backends.append(backend.name)
-
-        def register_runner(runner: RunnerInfo) -> None:
-            if not isinstance(runner, RunnerInfo):
-                raise PluginError(
-                    "register() takes a moe_dispatch.RunnerInfo", parameter="runner", value=runner, allowed="RunnerInfo"
-                )
+        for backend in loaded.backends:
+            _claim(self._backends, self._conflicts, backend.name, backend, record)
+        for runner in loaded.runners:
             self._runners[runner.name] = (runner, record)
-            runners.append(runner.name)
-
-        callbacks = {"moe_dispatch_register_backends": register_backend, "moe_dispatch_register_runners": register_runner}
-        for hook_name in _HOOK_NAMES:
-            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-                if impl.plugin is module:
-                    self._trace(f"call {record.name}.{hook_name}(register)")
-                    impl.function(register=callbacks[hook_name])
-
-    def _register_backend(self, backend: Backend, record: PluginRecord) -> None:
-        name = backend.name
-        if name in self._conflicts:
-            self._conflicts[name].append(record)
-            return
-        existing = self._backends.get(name)
-        if existing is not None and existing[1].module != record.module:
-            del self._backends[name]
-            self._conflicts[name] = [existing[1], record]
-            return
-        self._backends[name] = (backend, record)
-
-    def _unregister_backend(self, name: str, record: PluginRecord) -> None:
-        entry = self._backends.get(name)
-        if entry is not None and entry[1] is record:
-            del self._backends[name]
-        owners = self._conflicts.get(name)
-        if owners and record in owners:
-            owners.remove(record)
-            if len(owners) == 1:
-                survivor = owners[0]
-                del self._conflicts[name]
-                self._trace(f"conflict on {name!r} resolved: only {survivor.label()} remains, but it must register again")
+        for command in loaded.commands:
+            _claim(self._commands, self.command_conflicts, command.name, command, record)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -262,6 +150,24 @@ class PluginHost:
 
     def runners(self) -> dict[str, RunnerInfo]:
         return {name: info for name, (info, _) in self._runners.items()}
+
+    def commands(self) -> dict[str, tuple[Command, str]]:
+        """The plugins' subcommands of ``moe-dispatch``, each with the label of its distribution."""
+        return {name: (command, record.label()) for name, (command, record) in sorted(self._commands.items())}
+
+    def select(self, backend: "str | Backend", *, must_run_here: bool = True) -> "Selection":
+        """Everything creating a dispatcher needs from the host, asked once: the backend (looked
+        up when given by name), the runners, its distribution's label, and (``must_run_here``)
+        its probe, which raises ``BackendUnavailableError`` with the reason and install hint."""
+        backend_obj = self.get_backend(backend) if isinstance(backend, str) else backend
+        if must_run_here:
+            reason = self.probe(backend_obj)
+            if reason is not None:
+                hint = f"; {backend_obj.install_hint}" if backend_obj.install_hint else ""
+                raise BackendUnavailableError(
+                    f"cannot run here: {reason}{hint}", parameter="backend", value=backend_obj.name
+                )
+        return Selection(backend_obj, self.runners(), self.label(backend_obj), self._trace)
 
     def get_backend(self, name: str) -> Backend:
         """The backend registered as ``name``, or a ``BackendUnavailableError`` that says why not."""
@@ -318,32 +224,6 @@ class PluginHost:
             self._probes[backend.name] = result
         return result
 
-    def call_create(self, backend: Backend, ctx: DispatchContext) -> BackendDispatcher:
-        """``backend.create(ctx)``. A typed error from it passes through as it is; any other
-        exception (a vendor library failing to initialise, a bug in the plugin) becomes a
-        ``BackendUnavailableError`` naming the backend and its distribution, chained to the
-        original, so the engine can report it and choose another backend."""
-        with self.typed_errors(backend, "create()"):
-            return backend.create(ctx)
-
-    @contextlib.contextmanager
-    def typed_errors(self, backend: Backend, where: str) -> Iterator[None]:
-        """Inside: an untyped exception from the backend's code becomes ``BackendUnavailableError``
-        naming the backend, its distribution and ``where``, chained to the original (what
-        ``create_dispatcher`` reports to the peers and the engine)."""
-        try:
-            yield
-        except MoEDispatchError:
-            raise
-        except Exception as exc:
-            label = self.label(backend)
-            self._trace(f"{where} {backend.name} ({label}) FAILED: {type(exc).__name__}: {exc}")
-            raise BackendUnavailableError(
-                f"backend {backend.name!r} from {label} failed in {where}: {type(exc).__name__}: {exc}",
-                parameter="backend",
-                value=backend.name,
-            ) from exc
-
     def label(self, backend: Backend) -> str:
         """"distribution version" of the plugin that registered ``backend`` (its module otherwise)."""
         registered = self._backends.get(backend.name)
@@ -397,44 +277,54 @@ class PluginHost:
             print(f"moe-dispatch trace: {message}", file=self._trace_to, flush=True)
 
 
-def _parse_allow_list(raw: str | None) -> set[str] | None:
-    if raw is None:
-        return None
-    return {part.strip() for part in raw.split(",") if part.strip()}
+@dataclass(frozen=True)
+class Selection:
+    """One backend taken from a host with what creation needs from it (``PluginHost.select``)."""
+
+    backend: Backend
+    runners: Mapping[str, RunnerInfo]
+    label: str  # "distribution version" of the plugin that registered it
+    trace: Callable[[str], None] = lambda message: None
+
+    def create(self, ctx: DispatchContext) -> BackendDispatcher:
+        """``backend.create(ctx)``. A typed error from it passes through as it is; any other
+        exception (a vendor library failing to initialise, a bug in the plugin) becomes a
+        ``BackendUnavailableError`` naming the backend and its distribution, chained to the
+        original, so the engine can report it and choose another backend."""
+        with self.typed_errors("create()"):
+            return self.backend.create(ctx)
+
+    @contextlib.contextmanager
+    def typed_errors(self, where: str) -> Iterator[None]:
+        """Inside: an untyped exception from the backend's code becomes ``BackendUnavailableError``
+        naming the backend, its distribution and ``where``, chained to the original (what
+        ``create_dispatcher`` reports to the peers and the engine)."""
+        try:
+            yield
+        except MoEDispatchError:
+            raise
+        except Exception as exc:
+            name = self.backend.name
+            self.trace(f"{where} {name} ({self.label}) FAILED: {type(exc).__name__}: {exc}")
+            raise BackendUnavailableError(
+                f"backend {name!r} from {self.label} failed in {where}: {type(exc).__name__}: {exc}",
+                parameter="backend",
+                value=name,
+            ) from exc
 
 
-def _check_api(record: PluginRecord, module: Any) -> None:
-    declared = getattr(module, "MOE_DISPATCH_API", None)
-    if declared is None:
-        raise PluginError(
-            f"plugin {record.label()} does not declare MOE_DISPATCH_API; add `MOE_DISPATCH_API = "
-            f"{hookspecs.API_VERSION}` to {record.module.split(':')[0]}",
-            parameter="MOE_DISPATCH_API",
-            value=None,
-            allowed=", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS))),
-        )
-    if declared not in hookspecs.SUPPORTED_API_VERSIONS:
-        raise PluginError(
-            f"plugin {record.label()} was written for core API {declared}, but moe-dispatch {core_version()} "
-            f"implements API {hookspecs.API_VERSION}; install a plugin release built for it",
-            parameter="MOE_DISPATCH_API",
-            value=declared,
-            allowed=", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS))),
-        )
-
-
-def _check_hook_names(record: PluginRecord, pm: pluggy.PluginManager, module: Any) -> None:
-    """pluggy's ``check_pending`` for this plugin alone: a hookimpl without a spec is a typo."""
-    for caller in pm.get_hookcallers(module) or []:
-        if caller.spec is None:
-            close = difflib.get_close_matches(caller.name, list(_HOOK_NAMES), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise PluginError(
-                f"plugin {record.label()} implements a hook that does not exist{hint}",
-                parameter="hook",
-                value=caller.name,
-                allowed=", ".join(_HOOK_NAMES),
-            )
+def _claim(owned: dict[str, tuple[Any, PluginRecord]], conflicts: dict[str, list[PluginRecord]], name: str,
+           item: Any, record: PluginRecord) -> None:
+    """Give ``name`` to ``record``'s ``item``; a name two modules register belongs to neither."""
+    if name in conflicts:
+        conflicts[name].append(record)
+        return
+    existing = owned.get(name)
+    if existing is not None and existing[1].module != record.module:
+        del owned[name]
+        conflicts[name] = [existing[1], record]
+        return
+    owned[name] = (item, record)
 
 
 _DEFAULT: PluginHost | None = None
@@ -466,6 +356,7 @@ __all__ = [
     "PluginHost",
     "PluginRecord",
     "ProbeResult",
+    "Selection",
     "available_backends",
     "default_host",
     "get_backend",

@@ -1,4 +1,5 @@
-"""The ``moe-dispatch`` command: backends, explain, demo, bench, plan."""
+"""The ``moe-dispatch`` command: backends, explain, demo, bench, plan, and the plugins' own
+subcommands (``moe_dispatch_register_commands``)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def backends_report(host: "PluginHost") -> dict[str, object]:
         ],
         "allow_list_unmatched": host.allow_list_unmatched,
         "runners": [info.to_dict() for _, info in sorted(host.runners().items())],
+        "commands": [{"name": name, "help": command.help, "distribution": label}
+                     for name, (command, label) in host.commands().items()],
+        "command_conflicts": {name: [p.label() for p in owners] for name, owners in host.command_conflicts.items()},
     }
 
 
@@ -73,6 +77,12 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print(f"{name:<20} {r['needs'] or 'any':<6} {takes:<24} {here:<10} {behind}")
         if r["reason"]:
             print(f"{'':<20} {'':<6} {'':<24} {'':<10} why not: {r['reason']}")
+    if host.commands() or host.command_conflicts:
+        print(f"\n{'command':<20} from")
+        for name, (_, label) in host.commands().items():
+            print(f"moe-dispatch {name:<7} {label}")
+        for name, owners in host.command_conflicts.items():
+            print(f"moe-dispatch {name:<7} left out: registered by both {' and '.join(p.label() for p in owners)}")
     return 0
 
 
@@ -84,11 +94,10 @@ def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, 
     from ..preparation import prepare_layer
     from ..resolution import DtypeFallbackWarning
 
-    host = host or default_host()
-    backend_obj = host.get_backend(backend) if isinstance(backend, str) else backend
+    chosen = (host or default_host()).select(backend, must_run_here=False)  # explain works for any backend
     with warnings.catch_warnings():  # the trail shows the fallback
         warnings.simplefilter("ignore", DtypeFallbackWarning)
-        return prepare_layer(backend_obj, spec, world_size, runners=host.runners(), env=env, strict=strict)
+        return prepare_layer(chosen.backend, spec, world_size, runners=chosen.runners, env=env, strict=strict)
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -187,7 +196,8 @@ def _demo_torchrun(preset, args, dtypes, modes) -> int:  # type: ignore[no-untyp
     return 0 if all(r.ok for r in results) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
+    """The built-in subcommands, then those the plugins of ``host`` (the default one) register."""
     parser = argparse.ArgumentParser(prog="moe-dispatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -228,11 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_command(sub)
     add_plan_command(sub)
+    for name, (command, label) in (host or default_host()).commands().items():
+        p = sub.add_parser(name, help=f"{command.help} [{label}]")
+        command.add_arguments(p)
+        p.set_defaults(func=command.run)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, host: PluginHost | None = None) -> int:
+    args = build_parser(host).parse_args(argv)
     try:
         return int(args.func(args))
     except MoEDispatchError as exc:

@@ -1,0 +1,248 @@
+"""Loading plugins, one at a time: where each comes from, its API check, its hooks.
+
+``load_plugin`` imports one plugin module, checks the API version it declares and the names of
+the hooks it implements, and runs its registration hooks into lists of its own. Nothing reaches
+the host until the plugin has loaded whole: a plugin that fails to import, declares an
+unsupported API, implements a hook that does not exist, or raises while registering (even
+``SystemExit``) comes back as a record with its error and nothing registered.
+
+Environment (read by the host, once; never written):
+
+- ``MOE_DISPATCH_PLUGINS``: comma-separated allow-list of entry-point or distribution
+  names; empty loads no external plugin; unset loads all. Built-in backends always load.
+- ``MOE_DISPATCH_TRACE_PLUGINS=1``: trace every hook call and probe to stderr.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import time
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from types import ModuleType
+from typing import Any, Callable, Iterable
+
+import pluggy
+
+from . import hookspecs
+from .backend import Backend, RunnerInfo
+from .commands import Command
+from .errors import PluginError
+
+ENTRY_POINT_GROUP = "moe_dispatch.backends"
+ENV_PLUGINS = "MOE_DISPATCH_PLUGINS"
+ENV_TRACE = "MOE_DISPATCH_TRACE_PLUGINS"
+HOOK_NAMES = ("moe_dispatch_register_backends", "moe_dispatch_register_runners", "moe_dispatch_register_commands")
+
+Trace = Callable[[str], None]
+
+
+def core_version() -> str:
+    try:
+        return metadata.version("moe-dispatch")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """One plugin module: where it came from and, if it failed, why."""
+
+    name: str
+    module: str
+    distribution: str | None
+    version: str | None
+    builtin: bool = False
+    error: str | None = None
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def label(self) -> str:
+        dist = self.distribution or self.module
+        return f"{dist} {self.version}" if self.version else dist
+
+    def failed(self, exc: BaseException) -> "PluginRecord":
+        error = "".join(traceback.format_exception(exc)).rstrip()
+        return PluginRecord(self.name, self.module, self.distribution, self.version, self.builtin, error, exc)
+
+
+@dataclass(frozen=True)
+class PluginSource:
+    """A plugin not yet imported: its record and how to import it."""
+
+    record: PluginRecord
+    load: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class LoadedPlugin:
+    """What one plugin registered; empty when ``record`` carries an error."""
+
+    record: PluginRecord
+    backends: tuple[Backend, ...] = ()
+    runners: tuple[RunnerInfo, ...] = ()
+    commands: tuple[Command, ...] = ()
+
+
+def builtin_sources(modules: Iterable[str]) -> list[PluginSource]:
+    version = core_version()
+    return [
+        PluginSource(PluginRecord(m, m, "moe-dispatch", version, builtin=True), lambda m=m: importlib.import_module(m))
+        for m in modules
+    ]
+
+
+def module_sources(modules: Iterable[ModuleType]) -> list[PluginSource]:
+    return [PluginSource(PluginRecord(m.__name__, m.__name__, None, None), lambda m=m: m) for m in modules]
+
+
+def parse_allow_list(raw: str | None) -> set[str] | None:
+    if raw is None:
+        return None
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[PluginSource], list[str]]:
+    """The ``moe_dispatch.backends`` entry points the allow-list admits, and the allow-list's
+    names that matched none."""
+    sources: list[PluginSource] = []
+    seen: set[str] = set()
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else None
+        version = ep.dist.version if ep.dist is not None else None
+        seen.update({ep.name, dist or ""})
+        if allow is not None and ep.name not in allow and (dist or "") not in allow:
+            trace(f"skip {ep.name} ({dist}): not in {ENV_PLUGINS}")
+            continue
+        sources.append(PluginSource(PluginRecord(ep.name, ep.value, dist, version), ep.load))
+    unmatched = sorted((allow or set()) - seen)
+    return sources, unmatched
+
+
+def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
+                reserved_backends: frozenset[str] = frozenset()) -> LoadedPlugin:
+    """Import, check and run the hooks of one plugin; on any failure nothing of it stays in
+    ``pm`` and the record carries the error. ``reserved_backends`` are the built-ins' names,
+    which no other plugin may register."""
+    record = source.record
+    started = time.perf_counter()
+    found = _Registrations(record, reserved_backends)
+    module = None
+    try:
+        module = source.load()
+        _check_api(record, module)
+        pm.register(module, name=record.name)
+        _check_hook_names(record, pm, module)
+        for hook_name in HOOK_NAMES:
+            for impl in getattr(pm.hook, hook_name).get_hookimpls():
+                if impl.plugin is module:
+                    trace(f"call {record.name}.{hook_name}(register)")
+                    impl.function(register=getattr(found, hook_name))
+    except BaseException as exc:  # one bad plugin must not stop the others, not even with SystemExit
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        if module is not None and pm.is_registered(module):
+            pm.unregister(module)
+        trace(f"plugin {record.label()} FAILED: {type(exc).__name__}: {exc}")
+        return LoadedPlugin(record.failed(exc))
+    elapsed = (time.perf_counter() - started) * 1e3
+    trace(f"plugin {record.label()} loaded in {elapsed:.1f} ms: backends {[b.name for b in found.backends]}, "
+          f"runners {[r.name for r in found.runners]}, commands {[c.name for c in found.commands]}")
+    return LoadedPlugin(record, tuple(found.backends), tuple(found.runners), tuple(found.commands))
+
+
+class _Registrations:
+    """The ``register`` callbacks handed to one plugin's hooks (one method per hook)."""
+
+    def __init__(self, record: PluginRecord, reserved_backends: frozenset[str]) -> None:
+        self.record = record
+        self.reserved = reserved_backends
+        self.backends: list[Backend] = []
+        self.runners: list[RunnerInfo] = []
+        self.commands: list[Command] = []
+
+    def moe_dispatch_register_backends(self, backend: Backend) -> None:
+        name = getattr(backend, "name", None)
+        if not isinstance(backend, Backend) or not isinstance(name, str) or not name:
+            raise PluginError(
+                "register() takes a named moe_dispatch.Backend instance",
+                parameter="backend",
+                value=backend,
+                allowed="an instance of a moe_dispatch.Backend subclass whose name is a non-empty str",
+            )
+        if name in self.reserved and not self.record.builtin:
+            raise PluginError(
+                "this backend name belongs to a moe-dispatch built-in; register it under a name of your own",
+                parameter="backend", value=name, allowed=f"any name but {', '.join(sorted(self.reserved))}",
+            )
+        self.backends.append(backend)
+
+    def moe_dispatch_register_runners(self, runner: RunnerInfo) -> None:
+        if not isinstance(runner, RunnerInfo):
+            raise PluginError(
+                "register() takes a moe_dispatch.RunnerInfo", parameter="runner", value=runner, allowed="RunnerInfo"
+            )
+        self.runners.append(runner)
+
+    def moe_dispatch_register_commands(self, command: Command) -> None:
+        if not isinstance(command, Command):
+            raise PluginError(
+                "register() takes a moe_dispatch.Command", parameter="command", value=command, allowed="Command"
+            )
+        self.commands.append(command)
+
+
+def _check_api(record: PluginRecord, module: Any) -> None:
+    declared = getattr(module, "MOE_DISPATCH_API", None)
+    if declared is None:
+        raise PluginError(
+            f"plugin {record.label()} does not declare MOE_DISPATCH_API; add `MOE_DISPATCH_API = "
+            f"{hookspecs.API_VERSION}` to {record.module.split(':')[0]}",
+            parameter="MOE_DISPATCH_API",
+            value=None,
+            allowed=", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS))),
+        )
+    if declared not in hookspecs.SUPPORTED_API_VERSIONS:
+        raise PluginError(
+            f"plugin {record.label()} was written for core API {declared}, but moe-dispatch {core_version()} "
+            f"implements API {hookspecs.API_VERSION}; install a plugin release built for it",
+            parameter="MOE_DISPATCH_API",
+            value=declared,
+            allowed=", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS))),
+        )
+
+
+def _check_hook_names(record: PluginRecord, pm: pluggy.PluginManager, module: Any) -> None:
+    """pluggy's ``check_pending`` for this plugin alone: a hookimpl without a spec is a typo."""
+    for caller in pm.get_hookcallers(module) or []:
+        if caller.spec is None:
+            close = difflib.get_close_matches(caller.name, list(HOOK_NAMES), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise PluginError(
+                f"plugin {record.label()} implements a hook that does not exist{hint}",
+                parameter="hook",
+                value=caller.name,
+                allowed=", ".join(HOOK_NAMES),
+            )
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENV_PLUGINS",
+    "ENV_TRACE",
+    "HOOK_NAMES",
+    "LoadedPlugin",
+    "PluginRecord",
+    "PluginSource",
+    "builtin_sources",
+    "core_version",
+    "entry_point_sources",
+    "load_plugin",
+    "module_sources",
+    "parse_allow_list",
+]
