@@ -51,7 +51,8 @@ def test_payload_bytes_equal_wire_format_times_pairs(moe_rank_pools, dtype, worl
     normal = moe_rank_pools.get(world).map(conservation, {**base, "mode": "normal"})
     for r in normal:
         assert r["payload"] == r["wire"] * r["pairs"]
-        assert r["metadata"] == 8 * 3 * r["pairs"] + 8 * world  # ids + weights per pair, counts per rank
+        # ids + weights per pair; per rank, the counts with the call check (32 B) and combine's call check (32 B)
+        assert r["metadata"] == 8 * 3 * r["pairs"] + 32 * world + 32 * world
     gathered = moe_rank_pools.get(world).map(conservation, {**base, "mode": "normal", "backend": "allgather"})
     for r in gathered:
         assert r["payload"] == r["wire"] * r["tokens"] * world

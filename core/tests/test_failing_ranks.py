@@ -79,25 +79,45 @@ def test_ranks_that_disagree_on_what_the_backend_agrees_on_all_raise_before_crea
         assert seconds < TIMEOUT_S
 
 
-class _SizeFunctionFailsOnRank1(TorchBackend):
-    """A plugin whose size function raises an untyped error on one rank (a vendor JIT build)."""
+class _FailsOnRank1(TorchBackend):
+    """A plugin whose local creation code (``method``) raises an untyped error on rank 1 only
+    (a vendor JIT build, a bug)."""
 
-    def buffer_size(self, spec, world_size):  # type: ignore[no-untyped-def]
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+    def _maybe_fail(self, method: str) -> None:
         import torch.distributed as dist
 
-        if dist.get_rank() == 1:
+        if method == self.method and dist.get_rank() == 1:
             raise RuntimeError("Ninja build failed")
+
+    def buffer_size(self, spec, world_size):  # type: ignore[no-untyped-def]
+        self._maybe_fail("buffer_size")
         return super().buffer_size(spec, world_size)
 
+    def check_spec(self, spec, world_size):  # type: ignore[no-untyped-def]
+        self._maybe_fail("check_spec")
+        return super().check_spec(spec, world_size)
 
-def _untyped_failure_while_planning(rank: int, world: int):
-    return _outcome(lambda: md.create_dispatcher(_SizeFunctionFailsOnRank1(), md.DispatchSpec(**SPEC), env={},
+    def validate_dtype(self, dtype, spec):  # type: ignore[no-untyped-def]
+        self._maybe_fail("validate_dtype")
+        return super().validate_dtype(dtype, spec)
+
+    def agreement(self, ctx):  # type: ignore[no-untyped-def]
+        self._maybe_fail("agreement")
+        return super().agreement(ctx)
+
+
+def _untyped_failure_while_planning(rank: int, world: int, method: str):
+    return _outcome(lambda: md.create_dispatcher(_FailsOnRank1(method), md.DispatchSpec(**SPEC), env={},
                                                  timeout_s=TIMEOUT_S))
 
 
-def test_an_untyped_error_while_planning_is_typed_and_reaches_the_peers():
+@pytest.mark.parametrize("method", ["buffer_size", "check_spec", "validate_dtype", "agreement"])
+def test_an_untyped_error_while_planning_is_typed_and_reaches_the_peers(method):
     with RankPool(2) as pool:
-        (name0, attrs0, seconds0, _), (name1, attrs1, _, message1) = pool.map(_untyped_failure_while_planning)
+        (name0, attrs0, seconds0, _), (name1, attrs1, _, message1) = pool.map(_untyped_failure_while_planning, method)
     assert name1 == "BackendUnavailableError" and attrs1["parameter"] == "backend" and "Ninja build failed" in message1
     assert name0 == "PeerFailedError" and attrs0["rank"] == 1 and seconds0 < TIMEOUT_S
 

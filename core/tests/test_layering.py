@@ -21,7 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                  "capabilities", "output", "trail", "scale_layouts", "distributed", "distributed.watch",
                  "distributed.comm", "distributed.agreement", "backend", "commands", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts
-    "policy": ("resolution", "validation", "experts"),
+    "policy": ("resolution", "validation", "output_checks", "experts"),
     # where backends and runners come from (the built-ins registered like any plugin)
     "registry": ("loading", "registry", "probes", "reference", "reference.builtin", "reference.exchange"),
     # what an engine calls

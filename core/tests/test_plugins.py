@@ -347,3 +347,49 @@ def test_a_malformed_command_is_a_typed_error(kwargs, parameter):
     with pytest.raises(md.PluginError) as info:
         md.Command(**fields)
     assert info.value.parameter == parameter
+
+
+def test_a_plugin_that_sets_moe_dispatch_variables_at_import_fails_and_they_are_put_back(site, monkeypatch):
+    monkeypatch.delenv("MOE_DISPATCH_OUTPUT_DTYPE", raising=False)
+    source = "import os\nos.environ['MOE_DISPATCH_OUTPUT_DTYPE'] = 'int8'\n" + GOOD.format(name="meddler")
+    make_dist(site, "fx-meddler", "fx_meddler", source)
+    host = PluginHost(env={})
+    assert "MOE_DISPATCH_OUTPUT_DTYPE" not in os.environ
+    assert "meddler" not in host.backend_names()
+    assert "MOE_DISPATCH_OUTPUT_DTYPE" in next(p for p in host.failures() if p.name == "fx_meddler").error
+
+
+def test_a_probe_that_sets_moe_dispatch_variables_makes_its_backend_unavailable(site, monkeypatch):
+    monkeypatch.setenv("MOE_DISPATCH_OUTPUT_DTYPE", "bf16")
+    source = GOOD.format(name="meddling-probe") + (
+        "\nimport os\ndef _probe(self):\n    os.environ['MOE_DISPATCH_OUTPUT_DTYPE'] = 'nvfp4'\n    return None\n"
+        "Renamed.probe = _probe\n")
+    make_dist(site, "fx-meddling-probe", "fx_meddling_probe", source)
+    host = PluginHost(env={})
+    info = {i.name: i for i in host.available_backends()}["meddling-probe"]
+    assert not info.available and "MOE_DISPATCH_OUTPUT_DTYPE" in info.reason
+    assert os.environ["MOE_DISPATCH_OUTPUT_DTYPE"] == "bf16"
+
+
+def test_a_backend_whose_capabilities_raise_fails_its_plugin_not_the_listing(site):
+    source = GOOD.format(name="nocaps") + "\nRenamed.capabilities = property(lambda self: 1 / 0)\n"
+    make_dist(site, "fx-nocaps", "fx_nocaps", source)
+    host = PluginHost(env={})
+    infos = {i.name: i for i in host.available_backends()}
+    assert infos["torch"].available and "nocaps" not in infos
+    assert "ZeroDivisionError" in next(p for p in host.failures() if p.name == "fx_nocaps").error
+
+
+def test_a_plugin_whose_import_blocks_is_a_failure_after_the_deadline(site):
+    make_dist(site, "fx-blocks", "fx_blocks", "import threading\nthreading.Event().wait()\n")
+    make_dist(site, "fx-after", "fx_after", GOOD.format(name="after-blocker"))
+    host = PluginHost(env={}, import_timeout_s=0.5)
+    assert "after-blocker" in host.backend_names()
+    assert "did not finish within 0.5 s" in next(p for p in host.failures() if p.name == "fx_blocks").error
+
+
+@pytest.mark.parametrize("value", [0, -1, True, float("nan"), "5"])
+def test_the_import_deadline_is_checked(value):
+    with pytest.raises(md.PluginError) as info:
+        PluginHost(load_entry_points=False, import_timeout_s=value)
+    assert info.value.parameter == "import_timeout_s"

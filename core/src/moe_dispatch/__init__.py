@@ -15,6 +15,7 @@ from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype, Layout, Mode
 from .errors import (
     BackendUnavailableError,
+    CallOrderError,
     CapacityError,
     CommunicationError,
     ConfigMismatchError,
@@ -50,6 +51,7 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "BufferSize",
+    "CallOrderError",
     "Command",
     "Capabilities",
     "CapacityError",

@@ -15,6 +15,7 @@ from .distributed.agreement import agree
 from .distributed.watch import DEFAULT_TIMEOUT_S
 from .errors import BackendUnavailableError, CommunicationError, InvalidInputError, MoEDispatchError, PluginError
 from .output import DispatchOutput
+from .output_checks import OutputChecks
 from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
@@ -27,7 +28,14 @@ if TYPE_CHECKING:
 
 class Dispatcher:
     """One layer's dispatch and combine on one group. Keeps nothing of a call: several
-    dispatches may be in flight, each combined with its own ``DispatchOutput``."""
+    dispatches may be in flight, each combined with its own ``DispatchOutput``.
+
+    Every rank must make the same calls in the same order: the same dispatchers, each
+    dispatch, its combine (by the dispatch it combines) and each fused forward. The calls are
+    numbered; a rank at another call than its peers gets ``CallOrderError`` on every rank
+    (``Comm.begin``). After any failure that involved the peers the dispatcher refuses further
+    calls with ``CommunicationError`` instead of entering a collective the group cannot finish.
+    """
 
     def __init__(
         self,
@@ -49,9 +57,13 @@ class Dispatcher:
         self._comm = comm
         self._device = comm.device
         self._checks = InputChecks(spec, self._device, impl)
+        self._outputs = OutputChecks(backend.name, spec, comm.world_size)
         # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
         # check reads attributes, too slow for every forward.
         self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None
+        self._dispatches = 0
+        self._forwards = 0
+        self._broken: str | None = None  # why this dispatcher can make no more calls
 
     @property
     def output_dtype(self) -> DispatchDtype:
@@ -81,6 +93,11 @@ class Dispatcher:
         return self._checks
 
     @property
+    def uid(self) -> str:
+        """The id its ranks agreed on at creation; ``CallOrderError`` names dispatchers by it."""
+        return self._comm.uid
+
+    @property
     def backend_dispatcher(self) -> BackendDispatcher:
         """The backend's own object, for callers that skip the core's checks."""
         return self._impl
@@ -108,14 +125,21 @@ class Dispatcher:
         the capture, and replays get new values); check inputs before a replay.
         An error here is also posted to the other ranks, which stop waiting for this one.
         """
+        self._usable("dispatch")
         try:
             self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
-            return self._impl.dispatch(hidden_states, topk_ids, topk_weights)
-        except CommunicationError:
-            raise  # a peer's failure: it has told the others already
         except BaseException as exc:
-            self._comm.announce_failure("dispatch", exc)  # the peers stop waiting for this rank
+            self._failed("dispatch", exc, started=False)
             raise
+        try:
+            self._dispatches += 1
+            self._comm.begin("dispatch", self._dispatches)
+            out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights), self.check_inputs)
+        except BaseException as exc:
+            self._failed("dispatch", exc)
+            raise
+        object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
+        return out
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         """Send the unweighted expert rows back, apply the top-k weights, sum: bf16 ``[T, H]``.
@@ -124,14 +148,35 @@ class Dispatcher:
             dispatched row on the dispatch output's device, or a ``dispatch_output`` this
             dispatcher did not return.
         """
+        self._usable("combine")
         try:
             self._checks.combine(expert_output, dispatch_output)
-            return self._impl.combine(expert_output, dispatch_output)
-        except CommunicationError:
-            raise
         except BaseException as exc:
-            self._comm.announce_failure("combine", exc)
+            self._failed("combine", exc, started=False)
             raise
+        try:
+            self._comm.begin("combine", dispatch_output.call)
+            return self._outputs.combine(self._impl.combine(expert_output, dispatch_output), dispatch_output)
+        except BaseException as exc:
+            self._failed("combine", exc)
+            raise
+
+    def _usable(self, operation: str) -> None:
+        if self._broken is not None:
+            raise CommunicationError(
+                f"this dispatcher cannot {operation}: {self._broken}; the process group must be rebuilt (a collective "
+                "its ranks started may never finish) and the dispatcher created again"
+            )
+
+    def _failed(self, operation: str, exc: BaseException, *, started: bool = True) -> None:
+        """A call failed on this rank: tell the peers (unless the failure came from them). Once the
+        call had ``started`` (its collectives, on a group with peers), stop making calls: the peers
+        have left it, and the group may hold an unfinished collective. A refused input leaves the
+        dispatcher as it was on this rank."""
+        if not isinstance(exc, CommunicationError):
+            self._comm.announce_failure(operation, exc)  # the peers stop waiting for this rank
+        if started and self.world_size > 1:
+            self._broken = f"{operation} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
 
     @property
     def fused(self) -> bool:
@@ -150,18 +195,24 @@ class Dispatcher:
         op (``experts`` unused); bf16 ``[T, H]`` out. The input checks run either way, and a failure
         on this rank (the expert kernel's included) is announced to the peers, which stop waiting."""
         if self.fused:
+            self._usable("forward")
             try:
                 self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
-                return self._fused_impl().fused_forward(layer, hidden_states, topk_ids, topk_weights)
-            except CommunicationError:
-                raise
             except BaseException as exc:
-                self._comm.announce_failure("forward", exc)
+                self._failed("forward", exc, started=False)
+                raise
+            try:
+                self._forwards += 1
+                self._comm.begin("forward", self._forwards)
+                return self._fused_impl().fused_forward(layer, hidden_states, topk_ids, topk_weights)
+            except BaseException as exc:
+                self._failed("forward", exc)
                 raise
         if experts is None:
+            self._usable("forward")
             missing = InvalidInputError("an unfused backend needs the expert kernel", parameter="experts", value=None,
                                         allowed="an ExpertKernel (apply_without_routing_weights)")
-            self._comm.announce_failure("forward", missing)  # the peers may be in dispatch already
+            self._failed("forward", missing, started=False)  # the peers may be in dispatch already
             raise missing
         out = self.dispatch(hidden_states, topk_ids, topk_weights)
         try:
@@ -169,7 +220,7 @@ class Dispatcher:
                                                          out.group_list_type, out.group_list, torch.bfloat16,
                                                          global_scale=out.global_scale)
         except BaseException as exc:
-            self._comm.announce_failure("experts", exc)  # the peers wait for this rank's combine
+            self._failed("experts", exc)  # the peers wait for this rank's combine
             raise
         return self.combine(rows, out)
 
@@ -226,9 +277,13 @@ def create_dispatcher(
         # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
         agree(comm, {}, "configuration", failure=exc)
         raise
-    comm.watch.bind(agree(comm, fingerprint, "configuration"))
+    comm.bind(agree(comm, fingerprint, "configuration"))
     try:
         impl = chosen.create(ctx)
+        if not (callable(getattr(impl, "dispatch", None)) and callable(getattr(impl, "combine", None))):
+            raise PluginError(f"backend {chosen.backend.name!r} broke the contract: create() returned this",
+                              parameter="create()", value=type(impl).__name__,
+                              allowed="a BackendDispatcher (an object with dispatch and combine)")
     except BaseException as exc:
         comm.announce_failure("create", exc)
         raise

@@ -102,6 +102,18 @@ class PeerFailedError(CommunicationError):
         self.operation = operation
 
 
+class CallOrderError(CommunicationError):
+    """The ranks of a group reached different calls: another dispatcher, dispatch against
+    combine, or another call number of the same dispatcher. Raised on every rank at the first
+    exchange of the call, before any data moves. ``calls`` is each rank's call, in rank order,
+    as ``(dispatcher uid, phase, number)``. The dispatcher is unusable afterwards (its ranks
+    disagree on how many calls were made): create it again."""
+
+    def __init__(self, message: str, *, calls: tuple[tuple[str, str, int], ...]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+
 class CollectiveTimeoutError(CommunicationError):
     """A collective did not complete within the dispatcher's ``timeout_s``. ``ranks`` are
     the ranks that never arrived (stalled or dead) when that could be established, else
@@ -116,6 +128,7 @@ class CollectiveTimeoutError(CommunicationError):
 
 __all__ = [
     "BackendUnavailableError",
+    "CallOrderError",
     "CollectiveTimeoutError",
     "PeerFailedError",
     "CapacityError",

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import math
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -28,8 +30,10 @@ import pluggy
 
 from . import hookspecs
 from .backend import Backend, RunnerInfo
+from .capabilities import Capabilities
 from .commands import Command
 from .errors import PluginError
+from .probes import own_environ, undo_environ_changes
 
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
 ENV_PLUGINS = "MOE_DISPATCH_PLUGINS"
@@ -124,17 +128,25 @@ def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[Plug
     return sources, unmatched
 
 
+#: Seconds one plugin's import may take before it is recorded as failed (``import_timeout_s``).
+DEFAULT_IMPORT_TIMEOUT_S = 60.0
+
+
 def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
-                reserved_backends: frozenset[str] = frozenset()) -> LoadedPlugin:
+                reserved_backends: frozenset[str] = frozenset(),
+                import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S) -> LoadedPlugin:
     """Import, check and run the hooks of one plugin; on any failure nothing of it stays in
     ``pm`` and the record carries the error. ``reserved_backends`` are the built-ins' names,
-    which no other plugin may register."""
+    which no other plugin may register. The import runs on a daemon thread within
+    ``import_timeout_s`` (``math.inf``: on the calling thread); one that does not finish is a
+    failure, and its thread is left blocked (a thread cannot be stopped)."""
     record = source.record
     started = time.perf_counter()
     found = _Registrations(record, reserved_backends)
     module = None
+    before = own_environ()
     try:
-        module = source.load()
+        module = _import_within(source, import_timeout_s)
         _check_api(record, module)
         pm.register(module, name=record.name)
         _check_hook_names(record, pm, module)
@@ -143,9 +155,22 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
                 if impl.plugin is module:
                     trace(f"call {record.name}.{hook_name}(register)")
                     impl.function(register=getattr(found, hook_name))
+        changed = undo_environ_changes(before)
+        if changed:
+            raise PluginError(
+                "the plugin changed moe-dispatch's environment variables while loading (put back); they steer every "
+                "backend, so a plugin must not set them", parameter="os.environ", value=changed,
+                allowed="no change to MOE_DISPATCH_* variables",
+            )
+        for backend in found.backends:
+            if not isinstance(backend.capabilities, Capabilities):  # a property that raises fails the plugin here
+                raise PluginError(f"backend {backend.name!r} has capabilities that are not a moe_dispatch.Capabilities",
+                                  parameter="capabilities", value=type(backend.capabilities).__name__,
+                                  allowed="Capabilities")
     except BaseException as exc:  # one bad plugin must not stop the others, not even with SystemExit
         if isinstance(exc, KeyboardInterrupt):
             raise
+        undo_environ_changes(before)
         if module is not None and pm.is_registered(module):
             pm.unregister(module)
         trace(f"plugin {record.label()} FAILED: {type(exc).__name__}: {exc}")
@@ -154,6 +179,31 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
     trace(f"plugin {record.label()} loaded in {elapsed:.1f} ms: backends {[b.name for b in found.backends]}, "
           f"runners {[r.name for r in found.runners]}, commands {[c.name for c in found.commands]}")
     return LoadedPlugin(record, tuple(found.backends), tuple(found.runners), tuple(found.commands))
+
+
+def _import_within(source: PluginSource, timeout_s: float) -> Any:
+    if math.isinf(timeout_s):
+        return source.load()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["module"] = source.load()
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"moe-dispatch-import-{source.record.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PluginError(
+            f"importing the plugin did not finish within {timeout_s:g} s (its thread is left blocked); a plugin "
+            "must import vendor libraries lazily, in probe() or create()", parameter="import_timeout_s",
+            value=timeout_s, allowed="a plugin module that imports quickly, or a larger PluginHost(import_timeout_s=)",
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["module"]
 
 
 class _Registrations:
@@ -232,6 +282,7 @@ def _check_hook_names(record: PluginRecord, pm: pluggy.PluginManager, module: An
 
 
 __all__ = [
+    "DEFAULT_IMPORT_TIMEOUT_S",
     "ENTRY_POINT_GROUP",
     "ENV_PLUGINS",
     "ENV_TRACE",

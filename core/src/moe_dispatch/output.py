@@ -21,12 +21,17 @@ class DispatchOutput:
         (``codecs.pack_ue8m0``; what DeepEP hands DeepGEMM on SM100), possibly column-major;
         INT8 ``[...]`` fp32 per row;
         NVFP4 ``[..., H/16]`` e4m3 block scales in linear layout; None for BF16.
-    :param topk_ids: / :param topk_weights: the caller's own routing, kept for combine.
+    :param topk_ids: / :param topk_weights: the routing the caller gave dispatch. Combine uses
+        the routing as it was at dispatch: the engine may overwrite its tensors after dispatch
+        returns (CUDA-graph engines reuse them), so a backend that needs them at combine keeps
+        its own copy in ``handle``.
     :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or cumulative end
         offsets (type 0). In MASKED layout, expert e's first counts[e] rows are valid.
     :param global_scale: NVFP4's global scale (dequant = e2m1 · block_scale / global_scale).
     :param handle: backend-private state that combine needs. Everything of one call lives
         here, never on the dispatcher, so several dispatches may be in flight.
+    :param call: which dispatch of its dispatcher this is (1, 2, ...), set by the ``Dispatcher``;
+        combine is checked against the peers under this number. Backends leave it 0.
     """
 
     hidden_states: torch.Tensor
@@ -39,6 +44,7 @@ class DispatchOutput:
     dtype: DispatchDtype
     handle: Any
     global_scale: float | None = None
+    call: int = 0
 
     @property
     def num_rows(self) -> int:

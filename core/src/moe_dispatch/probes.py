@@ -7,6 +7,7 @@ leaves the backend unavailable instead of stalling an engine's start-up. The plu
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import traceback
@@ -76,23 +77,54 @@ class ProbeRun:
             return self.result
 
 
+#: Variables a plugin may not change: they steer every backend's resolution and the host.
+OWN_VARIABLES = "MOE_DISPATCH_"
+
+
+def own_environ() -> dict[str, str]:
+    """This library's variables as they are now (``MOE_DISPATCH_*``)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(OWN_VARIABLES)}
+
+
+def undo_environ_changes(before: dict[str, str]) -> list[str]:
+    """Put this library's variables back as in ``before``; the names that had changed. A plugin
+    that sets ``MOE_DISPATCH_OUTPUT_DTYPE`` would otherwise change every other backend's choice."""
+    now = own_environ()
+    changed = sorted(k for k in {*before, *now} if before.get(k) != now.get(k))
+    for key in changed:
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            os.environ.pop(key, None)
+    return changed
+
+
 def call_probe(backend: Backend, started: float) -> ProbeResult:
+    before = own_environ()
     try:
         reason = backend.probe()
     except Exception as exc:  # a probe that raises is a reason, not a crash
         error = "".join(traceback.format_exception(exc)).rstrip()
+        undo_environ_changes(before)
         return ProbeResult(f"probe() raised {type(exc).__name__}: {exc}", time.perf_counter() - started, error)
+    changed = undo_environ_changes(before)
+    if changed:
+        return ProbeResult(f"probe() changed the environment ({', '.join(changed)}; put back): a plugin must not set "
+                           "moe-dispatch's variables", time.perf_counter() - started)
+    if reason is not None and not isinstance(reason, str):
+        return ProbeResult(f"probe() returned {type(reason).__name__}, not None or a reason (str)",
+                           time.perf_counter() - started)
     return ProbeResult(reason, time.perf_counter() - started)
 
 
-def check_probe_timeout(value: object) -> float:
-    """``value`` as a probe deadline in seconds, or a ``PluginError`` naming it."""
+def check_probe_timeout(value: object, parameter: str = "probe_timeout_s") -> float:
+    """``value`` as a deadline in seconds, or a ``PluginError`` naming ``parameter``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
         raise PluginError(
-            "the probe deadline must be a positive number of seconds",
-            parameter="probe_timeout_s",
+            "the deadline must be a positive number of seconds",
+            parameter=parameter,
             value=value,
-            allowed="a number > 0, or math.inf to call probe() on the calling thread without a deadline",
+            allowed="a number > 0, or math.inf to call the plugin on the calling thread without a deadline",
         )
     return float(value)
 
@@ -128,4 +160,5 @@ class Prober:
                     f"after it started: {answer or 'available'}")
 
 
-__all__ = ["DEFAULT_PROBE_TIMEOUT_S", "ProbeResult", "Prober", "call_probe", "check_probe_timeout"]
+__all__ = ["DEFAULT_PROBE_TIMEOUT_S", "ProbeResult", "Prober", "call_probe", "check_probe_timeout", "own_environ",
+           "undo_environ_changes"]

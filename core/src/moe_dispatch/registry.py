@@ -28,6 +28,7 @@ from .backend import Backend, BackendDispatcher, DispatchContext, RunnerInfo
 from .commands import Command
 from .errors import BackendUnavailableError, MoEDispatchError, PluginError
 from .loading import (
+    DEFAULT_IMPORT_TIMEOUT_S,
     ENTRY_POINT_GROUP,
     ENV_PLUGINS,
     ENV_TRACE,
@@ -89,6 +90,9 @@ class PluginHost:
 
     :param probe_timeout_s: seconds each ``probe()`` may take (``DEFAULT_PROBE_TIMEOUT_S``);
         one that takes longer leaves its backend unavailable for the life of this host.
+    :param import_timeout_s: seconds each external plugin's import may take
+        (``DEFAULT_IMPORT_TIMEOUT_S``); one that takes longer is recorded as failed.
+        ``math.inf`` imports on the calling thread.
         ``math.inf`` calls ``probe()`` on the calling thread without a deadline, for a vendor
         library that must be initialised on the main thread.
     """
@@ -101,8 +105,10 @@ class PluginHost:
         extra_plugins: Iterable[ModuleType] = (),
         trace: TextIO | None = None,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S,
     ) -> None:
         self.probe_timeout_s = check_probe_timeout(probe_timeout_s)
+        import_timeout_s = check_probe_timeout(import_timeout_s, parameter="import_timeout_s")
         env = os.environ if env is None else env
         allow = parse_allow_list(env.get(ENV_PLUGINS))
         self._trace_to = trace if trace is not None else (sys.stderr if env.get(ENV_TRACE, "") not in ("", "0") else None)
@@ -125,7 +131,8 @@ class PluginHost:
             found, self.allow_list_unmatched = entry_point_sources(allow, self._trace)
             sources += found
         for source in sources:
-            self._commit(load_plugin(self.pm, source, self._trace, reserved_backends=reserved))
+            self._commit(load_plugin(self.pm, source, self._trace, reserved_backends=reserved,
+                                     import_timeout_s=import_timeout_s))
 
     # -- registration -------------------------------------------------------------------------
 
@@ -238,13 +245,18 @@ class PluginHost:
         backend, record = self._backends[name]
         probed = self.probe_result(backend, timeout_s=probe_timeout_s)
         reason = probed.reason
+        try:
+            capabilities = backend.capabilities.to_dict()
+        except Exception as exc:  # checked at registration; a property may still fail later
+            return BackendInfo(name, record.distribution, record.version, "broken",
+                               f"capabilities raised {type(exc).__name__}: {exc}", None)
         return BackendInfo(
             name=name,
             distribution=record.distribution,
             version=record.version,
             status="available" if reason is None else "unavailable",
             reason=reason,
-            capabilities=backend.capabilities.to_dict(),
+            capabilities=capabilities,
             install_hint=backend.install_hint if reason is not None else "",
             description=backend.description,
             error=probed.error,

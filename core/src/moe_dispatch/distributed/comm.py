@@ -17,8 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import as_bytes, from_bytes
-from ..errors import CommunicationError, InvalidInputError, InvalidSpecError
+from ..errors import CallOrderError, CommunicationError, InvalidInputError, InvalidSpecError
 from .watch import DEFAULT_TIMEOUT_S, Watch
+
+#: The calls a dispatcher makes, as they travel in the call check (``Comm.begin``).
+PHASES = ("dispatch", "combine", "forward")
+_CALL_ROW = 4  # int64 words per peer in the call check: count, dispatcher tag, phase, number
 
 
 @dataclass
@@ -103,10 +107,35 @@ class Comm:
             self.world_size = 1
         self.traffic = Traffic()
         self._seq = 0  # collectives entered: the same number names the same call on every rank
+        self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
+        self._tag = 0
+        self._call: tuple[int, int] | None = None  # (phase, number) not yet checked with the peers
         self.watch = Watch(self.rank, self.world_size, float(timeout_s),
                            poll=self.world_size > 1 and self.backend_name == "gloo")
         #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
         self.records: list[CollectiveRecord] | None = None
+
+    def bind(self, uid: str) -> None:
+        """Name this dispatcher's calls and failure notices by the ``uid`` its ranks agreed on."""
+        self.uid = uid
+        self._tag = int(uid[:15], 16) if uid else 0
+        self.watch.bind(uid)
+
+    @property
+    def checks_calls_everywhere(self) -> bool:
+        """Whether every call is checked against the peers' (``begin``): on gloo, whose tensors are
+        host memory, the check reads no device. NCCL and HCCL check only the calls that read the
+        counts on the host anyway (normal-mode dispatch), so low-latency mode stays sync-free."""
+        return self.world_size > 1 and self.backend_name == "gloo"
+
+    def begin(self, phase: str, number: int) -> None:
+        """The collectives that follow belong to call ``number`` of ``phase`` of this dispatcher.
+        The first of them (the counts exchange, or a 32-byte-per-peer exchange of its own) first
+        checks that every rank is at the same call; otherwise ``CallOrderError`` on every rank
+        before any data moves (gloo aborts the process on mismatched sizes; NCCL pairs the wrong
+        buffers)."""
+        if self.world_size > 1:
+            self._call = (PHASES.index(phase), number)
 
     @contextmanager
     def recording(self) -> Iterator[list[CollectiveRecord]]:
@@ -164,6 +193,8 @@ class Comm:
     ) -> torch.Tensor:
         """Rows of ``send`` (uint8 ``[N, W]``) go to ranks in ``send_counts`` slices; the
         received rows come back rank by rank. None counts split evenly (fixed-size)."""
+        if self._call is not None and self.checks_calls_everywhere:
+            self._check_call(None)  # before the first collective of a call, whose sizes may differ
         send = send.contiguous()  # no-op for the backends' own buffers; collectives need dense memory
         self._count(send.shape[0], sections)
         if self.records is not None:
@@ -181,6 +212,8 @@ class Comm:
     def all_gather(self, send: torch.Tensor, sections: Sequence[Section]) -> torch.Tensor:
         """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
         what every destination receives from this rank: ``world_size`` copies."""
+        if self._call is not None and self.checks_calls_everywhere:
+            self._check_call(None)
         send = send.contiguous()
         self._count(send.shape[0] * self.world_size, sections)
         if self.records is not None:
@@ -216,10 +249,40 @@ class Comm:
         self.watch.announce(operation, error)
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets."""
-        raw = as_bytes(counts.to(torch.int64).unsqueeze(1))  # one 8-byte row per rank
-        got = self.all_to_all(raw, None, None, [("metadata", 8)])
-        return from_bytes(got, torch.int64).squeeze(1)
+        """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets.
+        Carries the call check when one is due (``begin``): the same 32 bytes per peer."""
+        if self._call is None:
+            raw = as_bytes(counts.to(torch.int64).unsqueeze(1))  # one 8-byte row per rank
+            got = self.all_to_all(raw, None, None, [("metadata", 8)])
+            return from_bytes(got, torch.int64).squeeze(1)
+        return self._check_call(counts.to(torch.int64))
+
+    def _check_call(self, counts: torch.Tensor | None) -> torch.Tensor:
+        """One all-to-all of (count, dispatcher, phase, number) per peer; every rank compares the
+        calls it received with its own and raises ``CallOrderError`` on any difference (each rank
+        sees every rank's call, so all raise together). Returns the received counts."""
+        assert self._call is not None
+        phase, number = self._call
+        self._call = None
+        rows = torch.tensor([[0, self._tag, phase, number]], dtype=torch.int64).repeat(self.world_size, 1)
+        if counts is not None:
+            rows[:, 0] = counts.to(rows.device)
+        device = counts.device if counts is not None else self.device or torch.device("cpu")
+        if device.type != "cpu":
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        got = from_bytes(self.all_to_all(as_bytes(rows.to(device)), None, None, [("metadata", 8 * _CALL_ROW)]),
+                         torch.int64).view(self.world_size, _CALL_ROW)
+        calls = [tuple(row) for row in got[:, 1:].tolist()]  # gloo: host memory; NCCL: where counts sync anyway
+        if any(call != (self._tag, phase, number) for call in calls):
+            named = tuple((f"{tag:015x}", PHASES[p] if 0 <= p < len(PHASES) else f"phase {p}", int(n))
+                          for tag, p, n in calls)
+            per_rank = "; ".join(f"rank {r}: dispatcher {u} {ph} #{n}" for r, (u, ph, n) in enumerate(named))
+            raise CallOrderError(
+                f"the ranks reached different calls ({per_rank}); every rank must call the same dispatchers, "
+                f"dispatch and combine, in the same order (docs/reliability.md); nothing was exchanged, and this "
+                f"dispatcher must be created again", calls=named,
+            )
+        return got[:, 0]
 
     def _record(
         self, name: str, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,

@@ -1,0 +1,106 @@
+"""The core checks what a backend returns (issue 15, class 3): a plugin's bug is a ``PluginError``
+naming the backend at the call that produced it, never an ``AttributeError`` or a wrong shape
+reaching the engine. Metadata always; the counts against the rows with ``check_inputs``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.reference.builtin import TorchBackend
+from moe_dispatch.reference.exchange import ReferenceDispatcher
+from moe_dispatch.routing import random_routing
+
+H, E, K = 128, 4, 2
+
+
+class _Mangled(ReferenceDispatcher):
+    def __init__(self, ctx, mangle_out: Callable | None, mangle_y: Callable | None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(ctx, send_to_all_ranks=False)
+        self.mangle_out, self.mangle_y = mangle_out, mangle_y
+
+    def dispatch(self, x, ids, w):  # type: ignore[no-untyped-def]
+        out = super().dispatch(x, ids, w)
+        return self.mangle_out(out) if self.mangle_out else out
+
+    def combine(self, y, out):  # type: ignore[no-untyped-def]
+        result = super().combine(y, out)
+        return self.mangle_y(result) if self.mangle_y else result
+
+
+class _Buggy(TorchBackend):
+    name = "buggy"
+
+    def __init__(self, mangle_out=None, mangle_y=None, create_returns=...) -> None:  # type: ignore[no-untyped-def]
+        self.mangle_out, self.mangle_y, self.create_returns = mangle_out, mangle_y, create_returns
+
+    def create(self, ctx):  # type: ignore[no-untyped-def]
+        if self.create_returns is not ...:
+            return self.create_returns
+        return _Mangled(ctx, self.mangle_out, self.mangle_y)
+
+
+def _run(backend: md.Backend, mode: str = "normal", check_inputs: bool = True) -> torch.Tensor:
+    spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=8, mode=mode, output_dtype="bf16")
+    d = md.create_dispatcher(backend, spec, env={}, check_inputs=check_inputs)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(5, E, K, generator=g)
+    out = d.dispatch(x, ids, w)
+    y = torch.ones(*out.hidden_states.shape[:-1], H, dtype=torch.bfloat16)
+    return d.combine(y, out)
+
+
+def _replace(**fields):  # type: ignore[no-untyped-def]
+    return lambda out: dataclasses.replace(out, **{k: v(out) for k, v in fields.items()})
+
+
+BROKEN_DISPATCH = {
+    "not an output": (lambda out: out.hidden_states, "dispatch()"),
+    "None": (lambda out: None, "dispatch()"),
+    "wrong dtype": (_replace(hidden_states=lambda o: o.hidden_states.float()), "hidden_states"),
+    "wrong width": (_replace(hidden_states=lambda o: o.hidden_states[:, :-1]), "hidden_states"),
+    "group_list too short": (_replace(group_list=lambda o: o.group_list[:-1]), "group_list"),
+    "float group_list": (_replace(group_list=lambda o: o.group_list.float()), "group_list"),
+    "rows missing": (_replace(hidden_states=lambda o: o.hidden_states[:-1]), "group_list"),
+    "negative count": (_replace(group_list=lambda o: o.group_list - 1), "group_list"),
+    "masked rows in packed shape": (_replace(layout=lambda o: md.Layout.MASKED), "layout"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_DISPATCH))
+def test_a_dispatch_output_that_breaks_the_contract_is_a_plugin_error_naming_the_backend(case):
+    mangle, parameter = BROKEN_DISPATCH[case]
+    with pytest.raises(md.PluginError, match="backend 'buggy' broke the contract") as info:
+        _run(_Buggy(mangle_out=mangle))
+    assert info.value.parameter == parameter
+
+
+@pytest.mark.parametrize("mangle", [lambda y: y[:-1], lambda y: y.float(), lambda y: y[:, :-1], lambda y: None],
+                         ids=["one token short", "fp32", "narrow", "None"])
+def test_a_combine_result_that_breaks_the_contract_is_a_plugin_error(mangle):
+    with pytest.raises(md.PluginError, match="backend 'buggy' broke the contract: its result") as info:
+        _run(_Buggy(mangle_y=mangle))
+    assert info.value.parameter == "combine()"
+
+
+@pytest.mark.parametrize("returned", [None, 3, object()])
+def test_create_returning_something_else_is_a_plugin_error(returned):
+    with pytest.raises(md.PluginError, match="create\\(\\) returned this"):
+        _run(_Buggy(create_returns=returned))
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_the_builtin_backends_pass_their_own_output_checks(mode):
+    for backend in ("torch", "allgather"):
+        spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=8, mode=mode, output_dtype="bf16")
+        d = md.create_dispatcher(backend, spec, env={})
+        x = torch.randn(5, H).to(torch.bfloat16)
+        ids, w = random_routing(5, E, K)
+        out = d.dispatch(x, ids, w)
+        assert out.call == 1
+        assert d.combine(torch.ones(*out.hidden_states.shape[:-1], H, dtype=torch.bfloat16), out).shape == (5, H)
