@@ -340,9 +340,20 @@ def check_global_scale(global_scale: object, parameter: str = "quant.input_globa
         raise InvalidSpecError(
             f"must be a number, not {type(value).__name__}", parameter=parameter, value=value, allowed=allowed
         )
-    if not math.isfinite(value) or value <= 0:
+    try:
+        scale = float(value)
+    except OverflowError:
+        scale = math.inf
+    if not math.isfinite(scale) or scale <= 0:
         raise InvalidSpecError("must be positive and finite", parameter=parameter, value=value, allowed=allowed)
-    return float(value)
+    if not _FP32_TINY <= scale <= _FP32_MAX:  # the codecs compute in fp32: 1e39 is inf there, 1e-320 is 0
+        raise InvalidSpecError("is outside float32's normal range, where the quantization computes (it would give "
+                               "inf, NaN or all-zero rows)", parameter=parameter, value=value,
+                               allowed=f"{_FP32_TINY:.3g} .. {_FP32_MAX:.3g} (448*6/amax of the activations)")
+    return scale
+
+
+_FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def nvfp4_global_scale(amax: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -12,8 +13,15 @@ from .codecs import make_codec
 from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype
 from .distributed.agreement import agree
-from .distributed.watch import DEFAULT_TIMEOUT_S
-from .errors import BackendUnavailableError, CommunicationError, InvalidInputError, MoEDispatchError, PluginError
+from .distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
+from .errors import (
+    CapacityError,
+    CommunicationError,
+    InvalidInputError,
+    InvalidSpecError,
+    MoEDispatchError,
+    PluginError,
+)
 from .output import DispatchOutput
 from .output_checks import OutputChecks
 from .registry import PluginHost, Selection, core_version, default_host
@@ -136,7 +144,10 @@ class Dispatcher:
             self._comm.begin("dispatch", self._dispatches)
             out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights), self.check_inputs)
         except BaseException as exc:
-            self._failed("dispatch", exc)
+            oom = _out_of_memory(exc, self.buffer_size)
+            self._failed("dispatch", oom or exc)
+            if oom is not None:
+                raise oom from exc
             raise
         object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
         return out
@@ -175,7 +186,8 @@ class Dispatcher:
         dispatcher as it was on this rank."""
         if not isinstance(exc, CommunicationError):
             self._comm.announce_failure(operation, exc)  # the peers stop waiting for this rank
-        if started and self.world_size > 1:
+        # A backend refuses bad input before its collectives (the contract), so that leaves it usable too.
+        if started and self.world_size > 1 and not isinstance(exc, InvalidInputError):
             self._broken = f"{operation} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
 
     @property
@@ -267,11 +279,13 @@ def create_dispatcher(
         ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
         the process group's own timeout.
     """
-    comm = Comm(group, timeout_s=timeout_s)
+    comm = Comm(group, timeout_s=_timeout_or_default(timeout_s))  # a bad one is refused below, with the peers told
     try:
+        _check_arguments(spec, env, options, timeout_s)
         chosen = (host or default_host()).select(backend)
         with chosen.typed_errors("planning the dispatcher"):  # a plugin bug reaches the peers too
             ctx, resolution = _prepare(chosen, spec, comm, strict=strict, env=env, options=options)
+            _check_fits_memory(ctx)
             fingerprint = _fingerprint(chosen, ctx, timeout_s)
     except MoEDispatchError as exc:
         # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
@@ -288,6 +302,63 @@ def create_dispatcher(
         comm.announce_failure("create", exc)
         raise
     return Dispatcher(chosen.backend, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory, where it can be read cheaply (None: unknown)."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info()[1])
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None
+
+
+def _check_fits_memory(ctx: DispatchContext) -> None:
+    """Buffers larger than the device's whole memory cannot be allocated: say so at creation, not
+    with an allocator error at the first dispatch (a low-latency capacity of 2**25 tokens)."""
+    total = _memory_bytes(ctx.device)
+    need = ctx.buffer_size.total_bytes
+    if total is not None and need > total:
+        raise CapacityError(
+            f"the buffers this spec needs ({need:,} bytes on {ctx.world_size} ranks) exceed the device's whole memory "
+            f"({total:,} bytes on {ctx.device.type})", parameter="num_max_dispatch_tokens_per_rank",
+            value=ctx.spec.num_max_dispatch_tokens_per_rank, allowed="a capacity whose buffers fit the device",
+        )
+
+
+def _out_of_memory(exc: BaseException, buffers: BufferSize) -> CapacityError | None:
+    """An allocator failure inside a backend's dispatch, as a typed error (None for anything else)."""
+    text = str(exc)
+    if not (isinstance(exc, torch.OutOfMemoryError)
+            or (isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))):
+        return None
+    return CapacityError(
+        f"the device ran out of memory in dispatch ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+        f"the planned buffers are {buffers.total_bytes:,} bytes", parameter="num_max_dispatch_tokens_per_rank",
+        value=None, allowed="a smaller capacity or batch, or more free device memory",
+    )
+
+
+def _timeout_or_default(timeout_s: object) -> float:
+    try:
+        return check_timeout(timeout_s)
+    except InvalidSpecError:
+        return DEFAULT_TIMEOUT_S
+
+
+def _check_arguments(spec: object, env: object, options: object, timeout_s: object) -> None:
+    """Typed errors for arguments of the wrong kind, raised inside the agreement so the peers hear of them."""
+    check_timeout(timeout_s)
+    if not isinstance(spec, DispatchSpec):
+        raise InvalidSpecError("must be a moe_dispatch.DispatchSpec", parameter="spec", value=spec,
+                               allowed="DispatchSpec(hidden_size, num_experts, top_k, ...)")
+    for name, value in (("env", env), ("options", options)):
+        if value is not None and not isinstance(value, Mapping):
+            raise InvalidSpecError("must be a mapping of names to values, or None", parameter=name,
+                                   value=value, allowed="None or a dict (e.g. os.environ)")
 
 
 def _prepare(

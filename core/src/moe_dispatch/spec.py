@@ -74,7 +74,7 @@ class DispatchSpec:
                 value=self.runner,
                 allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'npu_w8a8'",
             )
-        if self.group_list_type not in (0, 1):
+        if isinstance(self.group_list_type, bool) or self.group_list_type not in (0, 1):
             raise InvalidSpecError(
                 "unknown group_list_type",
                 parameter="group_list_type",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..codecs import as_bytes, from_bytes
 from ..errors import CallOrderError, CommunicationError, InvalidInputError, InvalidSpecError
-from .watch import DEFAULT_TIMEOUT_S, Watch
+from .watch import DEFAULT_TIMEOUT_S, Watch, check_timeout
 
 #: The calls a dispatcher makes, as they travel in the call check (``Comm.begin``).
 PHASES = ("dispatch", "combine", "forward")
@@ -82,9 +82,7 @@ class Comm:
     """
 
     def __init__(self, group: "dist.ProcessGroup | None" = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise InvalidSpecError("must be a positive number of seconds", parameter="timeout_s", value=timeout_s,
-                                   allowed="> 0")
+        timeout_s = check_timeout(timeout_s)
         if dist.is_available() and dist.is_initialized():
             self.group = group
             self.rank = dist.get_rank(group)

@@ -457,6 +457,24 @@ class BackendConformance:
         second = self._case(world_size, other_mode, other[0], other_routing, seed=8, group_list_type=0)
         _run_on_ranks(moe_rank_pools, world_size, ranks.check_in_flight, first, second)
 
+    @pytest.mark.parametrize("mode", _MODES)
+    @pytest.mark.parametrize("world_size", WORLD_SIZES)
+    def test_combine_uses_the_routing_given_to_dispatch(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
+        """Overwriting ``topk_ids`` and ``topk_weights`` in place between dispatch and combine (what
+        a CUDA-graph engine does with its static router outputs) leaves combine's result unchanged.
+
+        Troubleshooting: a combine that reads ``dispatch_output.topk_ids``/``topk_weights`` reads the
+        caller's tensors, which may hold the next batch's routing by then; keep what combine needs
+        in the handle at dispatch (a copy of the small routing tensors, or the vendor's handle).
+        """
+        m = Mode.parse(mode)
+        self._require_world(world_size, m)
+        self._require_mode(m)
+        self._require_runnable()
+        dtype = self._accepted(m)[0]
+        case = self._case(world_size, m, dtype, standard_routings(world_size, self._shape(m).tokens_per_rank)[1], seed=9)
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_routing_reused, case)
+
     # -- errors -------------------------------------------------------------------------------------
 
     @pytest.mark.parametrize("mode", _MODES)

@@ -211,6 +211,28 @@ def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> lis
             for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]
 
 
+def check_routing_reused(rank: int, world_size: int, case: Case) -> list[str]:
+    """Combine uses the routing as it was given to dispatch: an engine that overwrites its
+    ``topk_ids``/``topk_weights`` tensors after dispatch (CUDA-graph engines reuse them) gets the
+    same result as one that does not."""
+    batch, other = case.inputs(), replace(case, seed=case.seed + 1).inputs()
+    d = case.target.create(case.spec(batch))
+    layer = _scaled_layer(case, rank)
+    x, ids, w = batch.local(rank)
+    _, other_ids, other_w = other.local(rank)
+    alone = _combine_scaled(d, layer, d.dispatch(x, ids, w))
+    ids_buf, w_buf = ids.clone(), w.clone()
+    out = d.dispatch(x, ids_buf, w_buf)
+    rows = min(ids_buf.shape[0], other_ids.shape[0])
+    ids_buf[:rows].copy_(other_ids[:rows])  # the router's next output, written into the same tensors
+    w_buf.mul_(0.5).add_(0.25)
+    got = _combine_scaled(d, layer, out)
+    if torch.equal(alone, got):
+        return []
+    return [f"[{case.label()}, rank {rank}] combine read topk_ids/topk_weights after dispatch: overwriting them "
+            f"between dispatch and combine changed the result (max diff {(alone.float() - got.float()).abs().max():.3g})"]
+
+
 def check_environment(rank: int, world_size: int, cases: list[Case]) -> list[str]:
     """Creating, dispatching and combining leave ``os.environ`` exactly as it was."""
     before = dict(os.environ)
