@@ -137,10 +137,8 @@ def group_window_run(rank: int, world: int, env: dict[str, str], group_mb: int |
     import torch.distributed as dist
 
     config = {} if group_mb is None else {v.HCCL_BUFFER_SIZE_KEY: group_mb}
-    with fake_npu.group_hccl_config(dist.group.WORLD, config), restored_environ(env):
-        for name in (v.DEEPEP_HCCL_BUFFSIZE,):
-            if name not in env:
-                os.environ.pop(name, None)
+    with fake_npu.group_hccl_config(dist.group.WORLD, config), \
+            restored_environ({v.DEEPEP_HCCL_BUFFSIZE: None, **env}):  # unset unless the case sets it
         try:
             d = _dispatcher(AscendDeepEPBackend(v.FAKE), mode)
         except md.MoEDispatchError as exc:

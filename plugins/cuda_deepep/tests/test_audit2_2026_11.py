@@ -70,7 +70,7 @@ def _one_nvshmem_buffer(rank, world):
     ll, normal = _ll_spec(world), _normal_spec(world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     nvl, _ = backend.nvl_rdma_bytes(normal, world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         mine = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=4)
         md.create_dispatcher(backend, normal, env={}, options={"buffer": mine, "buffer_num_qps_per_rank": 4})
         low = md.create_dispatcher(backend, ll, env={})  # no options: the process's NVSHMEM Buffer
@@ -99,7 +99,7 @@ def _rewrapped(rank, world):
     ll, normal = _ll_spec(world), _normal_spec(world)
     nvl, _ = backend.nvl_rdma_bytes(normal, world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         low = md.create_dispatcher(backend, ll, env={}, options={"buffer_bytes": (nvl, rdma)})
         normal_d = md.create_dispatcher(backend, normal, env={}, options={"buffer": low.backend_dispatcher.buffer})
     for d in (low, normal_d, low):
@@ -117,7 +117,7 @@ def _graph_of_one_layer(rank, world, two_expert_counts):
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
     small, large = _ll_spec(world), _ll_spec(world, experts_per_rank=8)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         layer_a = md.create_dispatcher(backend, large, env={})  # the captured one
         layer_b = md.create_dispatcher(backend, small if two_expert_counts else large, env={})
     for d in (layer_b, layer_a):
@@ -152,7 +152,7 @@ def test_r2_ep31_cuda_graph_replays_never_skip_a_clean(moe_rank_pools):
 def _internode_normal_between_replays(rank, world):
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         low = md.create_dispatcher(backend, _ll_spec(world), env={})
     _round(low)
     graph = fake.CUDAGraph()
@@ -203,12 +203,12 @@ def _adopted_qps(rank, world, option):
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         mine = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=1)  # 1 QP, 4 local experts
     options = {"buffer": mine} if option is None else {"buffer": mine, "buffer_num_qps_per_rank": option}
 
     def create_and_run():
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             os.environ.pop(vendor.NVSHMEM_IBGDA_NUM_RC_PER_PE, None)  # what DeepEP wrote for it is gone
             d = md.create_dispatcher(backend, _ll_spec(world), env={}, options=options)
         _round(d)
@@ -268,7 +268,7 @@ def test_r2_ep35_config_num_sms_bounds():
 def _disagree(rank, world):
     backend = DeepEPBackend(vendor.EMULATOR)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         return _outcome(lambda: md.create_dispatcher(backend, _ll_spec(world), env={}, options={
             "buffer_bytes": rdma + 128 * rank}) and "created")[:2]
 
@@ -283,7 +283,7 @@ def test_r2_ep36_ranks_agree_on_the_buffer_options(moe_rank_pools):
 def _close(rank, world):
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         low = md.create_dispatcher(backend, _ll_spec(world), env={})
         normal = md.create_dispatcher(backend, _normal_spec(world), env={})
     made = [low.backend_dispatcher.buffer, normal.backend_dispatcher.buffer]
@@ -308,7 +308,7 @@ def _what_dirties(rank, world):
     cfg = fake.Buffer.get_dispatch_config(world)
     nvl = cfg.get_nvl_buffer_size_hint(2 * H, world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 40 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=40)
     x, w = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2)
     ids = torch.tensor([[0, 1]] * 2)
@@ -337,7 +337,7 @@ def _adapter_cleans(rank, world):
     ll, normal = _ll_spec(world), _normal_spec(world)
     nvl, _ = backend.nvl_rdma_bytes(normal, world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         mine = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=4)
         options = {"buffer": mine, "buffer_num_qps_per_rank": 4}
         low = md.create_dispatcher(backend, ll, env={}, options=options)
@@ -379,7 +379,7 @@ def _pcie(rank, world):
     saved = fake.EMULATED_DEVICE_NAME
     fake.EMULATED_DEVICE_NAME = "NVIDIA A100-PCIE-40GB"
     try:
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             return _outcome(lambda: fake.Buffer(_group(), 1 << 20) and "made")[:1]
     finally:
         fake.EMULATED_DEVICE_NAME = saved

@@ -76,7 +76,7 @@ def _reset_context():
 def _fake_signalling(rank, world):
     fake = _fake()
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 256)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=256)
     x, w = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2)
     ids = torch.tensor([[0, 1]] * 2)
@@ -112,7 +112,7 @@ def test_r3_n3_the_fake_signalling_follows_deepeps_layout(moe_rank_pools):
 def _two_expert_counts_after_internode_normal(rank, world):
     backend = DeepEPBackend(vendor.EMULATOR)
     large, small = _ll_spec(world, experts_per_rank=40), _ll_spec(world, experts_per_rank=32)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         a = md.create_dispatcher(backend, large, env={})
         b = md.create_dispatcher(backend, small, env={})
     try:
@@ -139,7 +139,7 @@ def test_r3_n1_after_internode_normal_every_expert_count_is_cleaned(moe_rank_poo
 def _replays(rank, world, pair):
     fake = _fake()
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
     x, w, ids = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2), torch.tensor([[0, 1]] * 2)
     graph = fake.CUDAGraph()
@@ -177,10 +177,10 @@ def _capture_after_adopting_a_dirty_buffer(rank, world):
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         mine = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
     mine.emulate_internode_normal_kernels()  # the engine used it for internode normal mode before handing it in
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer": mine,
                                                                              "buffer_num_qps_per_rank": 4})
     first, second = fake.CUDAGraph(), fake.CUDAGraph()
@@ -208,7 +208,7 @@ def test_r3_n2_an_adopted_buffer_is_cleaned_at_creation_not_in_a_graph(moe_rank_
 def _capture_with_a_normal_dispatch_pending(rank, world):
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     shared = d.backend_dispatcher.shared
     graph, again = fake.CUDAGraph(), fake.CUDAGraph()
@@ -394,7 +394,7 @@ def _buffer_of_another_group(rank, world):
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     options = {"buffer_num_qps_per_rank": 4}
     try:
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             mine = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
             adopted = _outcome(lambda: md.create_dispatcher(backend, spec, other, env={},
                                                             options={**options, "buffer": mine}) and "created")
@@ -424,7 +424,7 @@ def _close_after_capture(rank, world):
 
     fake = _fake()
     backend = DeepEPBackend(vendor.EMULATOR)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     graph = fake.CUDAGraph()
     try:

@@ -31,7 +31,7 @@ def _layer(rank: int, world: int):  # noqa: ANN202
     """The DeepEP fake, a backend on it, one low-latency layer and a batch for it."""
     fake = importlib.import_module(vendor.EMULATOR)
     backend = DeepEPBackend(vendor.EMULATOR)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         d = md.create_dispatcher(backend, _spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     return fake, backend, d, (x, torch.tensor([[0, d.spec.num_experts - 1]] * 4), torch.ones(4, 2))

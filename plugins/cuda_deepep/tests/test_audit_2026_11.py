@@ -65,7 +65,7 @@ def _two_layers(rank, world, tokens_first, tokens_second, options_first=None):
     backend = DeepEPBackend(vendor.EMULATOR)
     specs = [md.DispatchSpec(H, 4 * world, 2, num_max_dispatch_tokens_per_rank=t, mode="low_latency",
                              output_dtype="bf16") for t in (tokens_first, tokens_second)]
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         first = md.create_dispatcher(backend, specs[0], env={}, options=options_first)
         try:
             second = md.create_dispatcher(backend, specs[1], env={})
@@ -99,7 +99,7 @@ def _finalize_under_a_live_buffer(rank, world):
     fake = _fake()
     size = vendor.ported_low_latency_rdma_size_hint(8, H, world, 8)
     try:
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             kept = fake.Buffer(torch.distributed.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=4)
             dropped = fake.Buffer(torch.distributed.group.WORLD, 0, size, low_latency_mode=True,
                                   num_qps_per_rank=4, explicitly_destroy=True)
@@ -134,7 +134,7 @@ def _normal_then_low_latency(rank, world, clean_first=False):
     backend = DeepEPBackend(vendor.EMULATOR)
     nvl, _ = backend.nvl_rdma_bytes(spec_n, world)
     try:
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             shared = fake.Buffer(torch.distributed.group.WORLD, nvl,
                                  vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world),
                                  low_latency_mode=True, num_qps_per_rank=4)
@@ -189,7 +189,7 @@ def _intranode_hidden_8192(rank, world):
     fake = _fake()
     cfg = fake.Buffer.get_dispatch_config(world)
     try:
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             buf = fake.Buffer(torch.distributed.group.WORLD, cfg.get_nvl_buffer_size_hint(2 * 8192, world))
         ids = torch.tensor([[0, 4]] * 2)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, 8)
@@ -282,7 +282,7 @@ def test_ep55_the_one_rank_normal_probe_cannot_kill_the_check():
 def _trap_then_call(rank, world):
     fake = _fake()
     try:
-        with restored_environ():
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(8, H, 1, 8),
                               low_latency_mode=True, num_qps_per_rank=1)  # fewer QPs than the 8 local experts
         x, ids = torch.zeros(2, H, dtype=torch.bfloat16), torch.tensor([[0, 1]] * 2)
@@ -324,7 +324,7 @@ def test_ep47_the_fake_fp8_cast_multiplies_as_the_kernel_does():
 
 def _ll_receive(rank, world, hook=False):
     fake = _fake()
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(16, H, 1, 2),
                           low_latency_mode=True, num_qps_per_rank=2)
     x = torch.arange(12, dtype=torch.float32).repeat_interleave(H).view(12, H).to(torch.bfloat16)
@@ -349,7 +349,7 @@ def test_ep48_ep49_receive_rows_are_garbage_past_the_count_in_any_order_and_no_h
 
 def _hybrid_scale(rank, world, gs):
     fake = _fake(vendor.EMULATOR_NVFP4)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(8, H, 1, 2),
                           low_latency_mode=True, num_qps_per_rank=2)
     try:

@@ -89,7 +89,7 @@ def _undersized_buffer(rank, world):
     import torch
 
     cfg = Buffer.get_dispatch_config(world)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         small = cfg.get_nvl_buffer_size_hint(256, world) // 16 // 128 * 128
         buf = Buffer(torch.distributed.group.WORLD, num_nvl_bytes=small)
     ids = torch.tensor([[0, 3]] * 4)
@@ -180,8 +180,25 @@ def test_explain_shows_the_int8_fallback_on_cuda():
 
 
 def test_restored_environ_undoes_what_a_vendor_constructor_writes():
+    """The variables DeepEP's V1 constructor writes (``vendor.NVSHMEM_WRITTEN``) are named to the block, which
+    restores exactly those; a variable it was not told about is not its to restore."""
     before = dict(os.environ)
-    with restored_environ({"NVSHMEM_QP_DEPTH": "2048"}):
-        os.environ["NVSHMEM_IB_ENABLE_IBGDA"] = "1"
-        assert os.environ["NVSHMEM_QP_DEPTH"] == "2048"
+    with restored_environ({vendor.NVSHMEM_QP_DEPTH: "2048"}, names=vendor.NVSHMEM_WRITTEN):
+        os.environ[vendor.NVSHMEM_IB_ENABLE_IBGDA] = "1"
+        assert os.environ[vendor.NVSHMEM_QP_DEPTH] == "2048"
     assert dict(os.environ) == before
+
+
+def _fake_buffer_in_the_adapters_block(rank, world):
+    """The adapter's own Buffer construction (``buffers.ProcessBuffers._create``) on the fake, which writes the
+    NVSHMEM_* variables: the process environment is as before afterwards."""
+    before = {name: os.environ.get(name) for name in vendor.NVSHMEM_WRITTEN}
+    spec = md.DispatchSpec(2048, 4 * world, 2, num_max_dispatch_tokens_per_rank=8, mode="low_latency",
+                           output_dtype="bf16")
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), spec, env={})
+    after = {name: os.environ.get(name) for name in vendor.NVSHMEM_WRITTEN}
+    return before == after, d.backend_dispatcher.buffer.num_rdma_bytes > 0
+
+
+def test_the_adapter_restores_what_the_vendor_constructor_writes(moe_rank_pools):
+    assert moe_rank_pools.get(2).map(_fake_buffer_in_the_adapters_block) == [(True, True)] * 2

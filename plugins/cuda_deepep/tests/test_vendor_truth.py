@@ -125,7 +125,7 @@ def _ll_layout_range(rank, world, module_name):
     import importlib
 
     fake = importlib.import_module(module_name)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(8, H, world, 8),
                           low_latency_mode=True, num_qps_per_rank=4)
         ids = torch.tensor([[0, 1]] * 3 + [[4, 5]] * 2)  # 3 tokens to rank 0's experts 0, 1; 2 to rank 1's
@@ -165,7 +165,7 @@ def test_the_fake_config_is_the_vendors_pybind_class():
 def _hybrid_positional(rank, world):
     from moe_dispatch_cuda_deepep.fakes import deep_ep_hybrid as fake
 
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(8, H, world, 8),
                           low_latency_mode=True, num_qps_per_rank=4)
         x = torch.randn(4, H).to(torch.bfloat16)
@@ -261,7 +261,7 @@ def _shared_buffer_error(rank, world):
     import importlib
 
     fake = importlib.import_module(vendor.EMULATOR)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         normal = fake.Buffer(torch.distributed.group.WORLD, 1 << 24, 0)
     return _create_error(rank, world, vendor.EMULATOR, "low_latency", 8, {}, {"buffer": normal})
 

@@ -316,15 +316,16 @@ class AscendDeepEPBackend(md.Backend):
     def _construct(self, info: v.VendorInfo, process_group: Any, low_latency: bool) -> Any:
         """``Buffer(...)`` with the construction-time environment pinned (restored afterwards)."""
         assert info.module is not None
-        with restored_environ(CONSTRUCTION_ENV):
-            for name in CONSTRUCTION_UNSET:
-                os.environ.pop(name, None)
+        with restored_environ({**CONSTRUCTION_ENV, **dict.fromkeys(CONSTRUCTION_UNSET)}):  # None: unset for the call
             return info.module.Buffer(process_group, low_latency_mode=low_latency)
 
     def create(self, ctx: md.DispatchContext) -> AscendDeepEPDispatcher:
         spec, R = ctx.spec, ctx.world_size
         self.check_environment(spec, R, self.group_hccl_config(ctx.comm.process_group), ctx.options)
         info = self.vendor()
+        # On a fake, its collectives wait with this dispatcher's Watch: its timeout_s and its peers' failure notices
+        # (vendor.emulated_waits; nothing on the real DeepEP-Ascend).
+        waits = v.emulated_waits(info.module, ctx.comm.watch)
         buffer = ctx.options.get("buffer")
         if buffer is None:
             if not info.supported:
@@ -332,5 +333,6 @@ class AscendDeepEPBackend(md.Backend):
                                                  allowed=f"DeepEP-Ascend from {v.KN}@0ac00159 on")
             if not info.emulated:  # the fakes run on gloo; the vendor needs the group's HCCL communicator
                 check_hccl_group(ctx.comm.process_group)
-            buffer = self._construct(info, ctx.comm.process_group, spec.mode is LL)
-        return AscendDeepEPDispatcher(ctx, buffer, info.has_quant_mode, info.ll_quant_mode)
+            with waits():
+                buffer = self._construct(info, ctx.comm.process_group, spec.mode is LL)
+        return AscendDeepEPDispatcher(ctx, buffer, info.has_quant_mode, info.ll_quant_mode, waits)

@@ -15,6 +15,11 @@ tensor with int64 counts; the adapter hands over the valid prefix (a view, one h
 the counts) as PACKED and pads the expert rows back to the fixed size for the vendor combine,
 which applies the weights.
 
+Routing at combine. Both combines weight by the dispatch's top-k (normal mode: the ``topk_idx``
+and ``topk_weights`` the vendor keeps in its handle; low-latency: the ones passed again), so the
+vendor gets copies of the caller's ids and weights, never the caller's tensors: an engine may
+overwrite its router buffers between dispatch and combine (issue 15).
+
 What the vendor reads from the process environment at a call is set for that call only, in
 ``moe_dispatch.environ.restored_environ`` (one lock per process), whatever the process has:
 
@@ -34,9 +39,10 @@ after, ``quant_mode=None`` with ``use_fp8=True`` means INT8) and as ``quant_mode
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -57,13 +63,23 @@ class AscendHandle:
     low_latency: bool
 
 
+def _kept(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """``t``, made from the caller's ``caller`` (a cast, ``contiguous()``), as memory of the adapter's own: a copy
+    when it still is the caller's."""
+    return t.clone() if t.data_ptr() == caller.data_ptr() else t
+
+
 def _low_latency_env(layered: bool) -> dict[str, str]:
     return {COUNTS_TYPE_ENV: "1", CCU_ENV: "0", NEG_ONE_ENV: "0" if layered else "1"}
 
 
 class AscendDeepEPDispatcher:
-    def __init__(self, ctx: md.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool) -> None:
+    def __init__(self, ctx: md.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool,
+                 waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.buffer = buffer
+        #: The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch (its
+        #: timeout_s, its peers' failure notices; vendor.emulated_waits); nothing on the real DeepEP-Ascend.
+        self.waits = waits
         self.spec, self.dtype = ctx.spec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.int8 = ctx.dtype is md.DispatchDtype.INT8
@@ -81,9 +97,16 @@ class AscendDeepEPDispatcher:
         return _low_latency_env(layered)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
+        with self.waits():
+            return self._dispatch(x, topk_ids, topk_weights)
+
+    def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         x = x.contiguous()  # the C++ EP_HOST_ASSERTs contiguous x, topk_idx and topk_weights
-        ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.float().contiguous()
+        # Combine uses the routing given to this dispatch, and the engine may overwrite its router buffers once
+        # dispatch returns: the vendor keeps topk_idx/topk_weights in its normal-mode handle (combine weights by
+        # them) and the LL combine takes them again, so both get copies of our own ([T, k]: small).
+        ids = _kept(topk_ids.to(torch.int64).contiguous(), topk_ids)
+        weights = _kept(topk_weights.float().contiguous(), topk_weights)
         if self.low_latency:
             T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
             quant: dict[str, Any] = {"use_fp8": self.int8}
@@ -115,6 +138,10 @@ class AscendDeepEPDispatcher:
                                  md.Layout.PACKED, self.dtype, out_handle)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
+        with self.waits():
+            return self._combine(expert_output, dispatch_output)
+
+    def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
         h: AscendHandle = dispatch_output.handle
         rows = expert_output.to(torch.bfloat16)
         if rows.shape[0] < h.padded_rows:  # the vendor wants its own row count back

@@ -14,6 +14,8 @@ fakes live in ``moe_dispatch_ascend_deepep.fakes`` and are chosen by module-name
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import ast
@@ -24,7 +26,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 from moe_dispatch.signatures import VendorSignature
 
@@ -46,6 +48,12 @@ EMULATOR = FAKE
 EMULATOR_ENV_ONLY = FAKE_ENV_ONLY
 TORCH_NPU = "torch_npu"
 TORCH_NPU_FAKE = "moe_dispatch_ascend_deepep.fakes.torch_npu"
+#: The context manager a fake module exports for how its collectives wait: ``emulated_watch(watch)`` makes the fake's
+#: collectives inside it wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its
+#: peers' failure notices). Not DeepEP-Ascend's: its Buffer takes a process group and no deadline (KN@f425bdf
+#: python/deep_ep/deep_ep/buffer.py Buffer.__init__), its ops wait in HCCL under the group's own timeout; a fake that
+#: moves bytes over gloo would otherwise wait its own 300 s and never hear of a peer's failure (issue 15).
+EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
 INSTALL_HINT = ("DeepEP-Ascend builds from source with CANN: see https://github.com/sgl-project/sgl-kernel-npu "
                 "(python/deep_ep), on an Atlas A2/A3 machine, with torch-npu matching torch "
                 "(pip install \"moe-dispatch-ascend-deepep[npu]\" \"torch==<your torch>\")")
@@ -1036,6 +1044,13 @@ def _params(fn: object) -> tuple[str, ...]:
         return ()
 
 
+def emulated_waits(module: Any, watch: Any) -> Callable[[], ContextManager[Any]]:
+    """The scope the adapter makes ``module``'s calls in (a new one per call): a fake's collectives then wait with
+    ``watch`` (the dispatcher's); an empty scope for the real DeepEP-Ascend. Decided once, not per call."""
+    scope = getattr(module, EMULATED_WATCH_ATTRIBUTE, None)
+    return contextlib.nullcontext if scope is None else functools.partial(scope, watch)
+
+
 def detect(module_name: str = REAL) -> VendorInfo:
     """What the installed ``module_name`` is, from its Python signatures only (no NPU touched)."""
     emulated = module_name.startswith("moe_dispatch_")  # the plugins' own fakes of deep_ep
@@ -1070,8 +1085,9 @@ __all__ = [
     "a2_layered_ipc_bytes", "normal_op_max_window_mb", "normal_op_state1_offset", "plain_decimal", "strtol_prefix",
     "group_hccl_config", "normal_internode_combine_assert_bytes", "normal_internode_ipc_bytes",
     "normal_internode_window_bytes_a2", "notify_dispatch_a2_window_bytes", "soc_family_from_name",
+    "EMULATED_WATCH_ATTRIBUTE",
     "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",
-    "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
+    "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "emulated_waits", "is_layered",
     "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes",
     "normal_op_window_bytes_a2", "ops_window_mb", "parse_env_int", "readme_window_bytes", "registered_schema",
     "schema_params", "soc_family", "current_soc", "stoi_prefix", "window_mb",

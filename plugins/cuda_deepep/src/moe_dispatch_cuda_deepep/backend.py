@@ -418,11 +418,15 @@ class DeepEPBackend(md.Backend):
         assert module is not None  # probe() said so before create_dispatcher got here
         self._check_torch_flags()
         plan, configs = self._plan(ctx)
-        shared = PROCESS_BUFFERS.open(plan, module, ctx.comm.process_group, ctx.world_size, ctx.spec,
-                                      self.vendor().release.ll_clean_by_experts)
+        # On a fake, its collectives (the Buffer's clean at creation, every call after) wait with this dispatcher's
+        # Watch: its timeout_s and its peers' failure notices (vendor.emulated_waits; nothing on the real DeepEP).
+        waits = vendor.emulated_waits(module, ctx.comm.watch)
+        with waits():
+            shared = PROCESS_BUFFERS.open(plan, module, ctx.comm.process_group, ctx.world_size, ctx.spec,
+                                          self.vendor().release.ll_clean_by_experts)
         return DeepEPDispatcher(ctx, shared, None if configs is None else configs.dispatch,
                                 None if configs is None else configs.combine, vendor.topk_idx_dtype(module),
-                                functools.partial(vendor.stream_capturing, module))
+                                functools.partial(vendor.stream_capturing, module), waits)
 
     def close(self) -> None:
         """Destroy the ``deep_ep.Buffer``s the adapter created in this process (every backend object's: they are the

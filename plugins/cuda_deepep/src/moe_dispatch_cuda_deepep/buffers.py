@@ -551,7 +551,7 @@ class ProcessBuffers:
         if held.low_latency_mode:
             check_qp_depth(spec, depth)
         extra = {"explicitly_destroy": True} if vendor.takes_explicitly_destroy(module) else {}
-        with restored_environ():  # the V1 Buffer writes NVSHMEM_* into os.environ while it starts
+        with restored_environ(names=vendor.NVSHMEM_WRITTEN):  # the V1 Buffer writes them while it starts
             buffer = module.Buffer(group, num_nvl_bytes=held.num_nvl_bytes, num_rdma_bytes=held.num_rdma_bytes,
                                    low_latency_mode=held.low_latency_mode,
                                    num_qps_per_rank=max(1, held.num_qps_per_rank), **extra)

@@ -9,7 +9,9 @@ multiply-adds) before the vendor's add-only combine sends one BF16 row per token
 Low-latency mode. DeepEP's masked ``[E_local, R·T, H]`` receive layout is the contract's
 MASKED layout as it is (no copy; the FP8 scales stay column-major, which the contract
 allows), ``recv_count`` becomes the group list, and the vendor's combine applies the top-k
-weights itself.
+weights itself: the handle keeps a copy of the dispatch's ids and weights for it, since the
+engine may overwrite its router buffers between dispatch and combine (normal mode weights
+the rows from what DeepEP received, which is the vendor's memory).
 
 UE8M0 (``QuantHints(fp8_ue8m0_scales=True)``, DeepGEMM on SM100): both modes hand over
 int32 scales with four exponent bytes per word (``moe_dispatch.codecs.pack_ue8m0``); LL asks
@@ -34,8 +36,9 @@ holds one; ``buffers``). Once the backend is closed
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -60,8 +63,15 @@ class NormalHandle:
 class LowLatencyHandle:
     owner: object
     vendor_handle: tuple
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor  # the adapter's own copy of the dispatch's routing (``_kept``)
     topk_weights: torch.Tensor
+
+
+def _kept(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """``t``, made from the caller's ``caller`` (a cast, ``contiguous()``), as memory of the adapter's own: a copy
+    when it still is the caller's. Combine must use the routing given to its dispatch, and an engine may overwrite
+    its router output buffers once dispatch has returned (CUDA-graph engines reuse them every step)."""
+    return t.clone() if t.data_ptr() == caller.data_ptr() else t
 
 
 class DeepEPDispatcher:
@@ -70,9 +80,13 @@ class DeepEPDispatcher:
     which every top-k index tensor handed to DeepEP must have."""
 
     def __init__(self, ctx: md.DispatchContext, shared: SharedBuffer, dispatch_config: Any, combine_config: Any,
-                 topk_idx_dtype: torch.dtype = torch.int64, capturing: Callable[[], bool] = lambda: False) -> None:
+                 topk_idx_dtype: torch.dtype = torch.int64, capturing: Callable[[], bool] = lambda: False,
+                 waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.shared = shared
         self._capturing = capturing  # torch.cuda.is_current_stream_capturing() on the vendor's device
+        # The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch
+        # (vendor.emulated_waits); nothing on the real DeepEP.
+        self._waits = waits
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
@@ -90,11 +104,16 @@ class DeepEPDispatcher:
         return self.shared.buffer
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
-        if self.low_latency:
-            return self._dispatch_low_latency(x, topk_ids, topk_weights)
-        return self._dispatch_normal(x, topk_ids, topk_weights)
+        with self._waits():
+            if self.low_latency:
+                return self._dispatch_low_latency(x, topk_ids, topk_weights)
+            return self._dispatch_normal(x, topk_ids, topk_weights)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
+        with self._waits():
+            return self._combine(expert_output, dispatch_output)
+
+    def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
         h = dispatch_output.handle
         if isinstance(h, LowLatencyHandle):
             rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
@@ -167,6 +186,9 @@ class DeepEPDispatcher:
                 x, ids, T, E, use_fp8=self.dtype is md.DispatchDtype.FP8, round_scale=self.ue8m0,
                 use_ue8m0=self.ue8m0)
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        ll_handle = LowLatencyHandle(self, handle, ids, topk_weights.float().contiguous())
+        # DeepEP's low-latency combine takes the top-k ids and weights again (it weights the rows itself): keep the
+        # dispatch's, not the caller's tensors, which the engine may overwrite before combine ([T, k]: a small copy).
+        ll_handle = LowLatencyHandle(self, handle, _kept(ids, topk_ids),
+                                     _kept(topk_weights.float().contiguous(), topk_weights))
         (self.shared.captured_pending if capturing else self.shared.pending).add(ll_handle)
         return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights, ll_handle)

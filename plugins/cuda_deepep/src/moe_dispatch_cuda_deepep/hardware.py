@@ -323,7 +323,7 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
     for dtype in ("bf16", "fp8"):
         label = f"LL {dtype} one rank"
         try:
-            with restored_environ():
+            with restored_environ(names=vendor.NVSHMEM_WRITTEN):
                 r_rows, r_counts, r_y = _ll_round(real_backend, setup.group, setup.device, dtype, setup.hidden,
                                                   setup.tokens)
                 f_rows, f_counts, f_y = _ll_round(fake_backend, setup.fake_group, torch.device("cpu"), dtype,
@@ -377,7 +377,7 @@ def _two_low_latency_buffers(module: Any, group: Any, device: torch.device) -> s
     finalized) and the other used again: what DeepEP does with each step."""
     steps = []
     size = vendor.low_latency_rdma_size_hint(module, 16, 2048, 1, 8)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         first = module.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=8)
         steps.append("first Buffer made")
         second = module.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=8, explicitly_destroy=True)
@@ -404,7 +404,7 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     elastic = getattr(module, "ElasticBuffer", None)
     if elastic is None:
         return "no ElasticBuffer in this DeepEP"
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         made = elastic(group, num_max_tokens_per_rank=16, hidden=2048, num_topk=4)
     return f"made a {type(made).__name__}"
 
@@ -412,7 +412,7 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
 def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
     """DeepEP's own answer to normal mode on one rank; the Buffer's destructor then runs on exit."""
     cfg = module.Config(vendor.DEFAULT_NUM_SMS, 6, 256, 6, 128)
-    with restored_environ():
+    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = module.Buffer(group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(4096, 1))
     ids = torch.tensor([[0, 1]] * 4, dtype=vendor.topk_idx_dtype(module), device=device)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, 8)

@@ -12,6 +12,8 @@ Nothing here imports the adapter or the fakes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -19,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -351,6 +353,12 @@ EMULATED_DEVICE_NAME_ATTRIBUTE = "EMULATED_DEVICE_NAME"
 EMULATED_NVSHMEM_ATTRIBUTE = "EMULATED_NVSHMEM"
 #: The function a fake module exports for ``torch.cuda.is_current_stream_capturing()`` of its emulated device.
 EMULATED_STREAM_CAPTURING_ATTRIBUTE = "emulated_stream_capturing"
+#: The context manager a fake module exports for how its collectives wait: ``emulated_watch(watch)`` makes the fake's
+#: collectives inside it wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its
+#: peers' failure notices). Not DeepEP's: the real Buffer waits on NVSHMEM/NVLink flags in its kernels, under the
+#: process group's own timeout and watchdog (deep_ep/buffers/legacy.py takes a group, never a deadline); a fake that
+#: moves bytes over gloo would otherwise wait its own 300 s and never hear of a peer's failure (issue 15).
+EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
 #: ``check_nvlink_connections(group)``, first in every V1 constructor: ``if 'PCIE' in torch.cuda.get_device_name():
 #: assert group.size() <= 2, 'PCIe GPUs only have pairwise NVLink connections'`` (case-sensitive: A100-PCIE names
 #: match, "H100 PCIe" does not) (deepseek-ai/DeepEP@dd758ca deep_ep/utils/envs.py check_nvlink_connections; the
@@ -379,6 +387,13 @@ def pcie_pairs_only(name: str | None) -> bool:
 def nvshmem_domain(module: Any) -> str:
     """Whose NVSHMEM a Buffer of ``module`` starts: the process's (the real DeepEP), or the fakes' emulated one."""
     return str(getattr(module, EMULATED_NVSHMEM_ATTRIBUTE, "process"))
+
+
+def emulated_waits(module: Any, watch: Any) -> Callable[[], ContextManager[Any]]:
+    """The scope the adapter makes ``module``'s calls in (a new one per call): a fake's collectives then wait with
+    ``watch`` (the dispatcher's); an empty scope for the real DeepEP. Decided once, not per call."""
+    scope = getattr(module, EMULATED_WATCH_ATTRIBUTE, None)
+    return contextlib.nullcontext if scope is None else functools.partial(scope, watch)
 
 
 def stream_capturing(module: Any) -> bool:

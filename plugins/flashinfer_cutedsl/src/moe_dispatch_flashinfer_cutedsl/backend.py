@@ -49,6 +49,7 @@ with a barrier on the dispatcher's group (every version; once per dispatcher).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import warnings
@@ -229,7 +230,10 @@ class FlashInferA2ABackend(md.Backend):
         # No rank dispatches into a workspace before every rank has initialized it (FlashInfer
         # barriers itself from 0.7.1 only).
         ctx.comm.barrier("flashinfer_a2a: workspaces initialized")
-        return FlashInferA2ADispatcher(ctx, instances, kernel_k)
+        # On a fake, its kernels' exchanges wait with this dispatcher's Watch: its timeout_s and its peers' failure
+        # notices (vendor.emulated_waits; nothing on the real FlashInfer).
+        waits = vendor.emulated_waits(importlib.import_module(info.module_name), ctx.comm.watch)
+        return FlashInferA2ADispatcher(ctx, instances, kernel_k, waits)
 
 
 def _check_threading_policy(version: vendor.Version) -> None:

@@ -16,11 +16,13 @@ index (0.6.18, 0.7.0, 0.7.1, 0.7.2.post1). ``csrc/...`` paths of a wheel are und
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -51,6 +53,21 @@ FAKES: tuple[tuple[str, Version], ...] = (
     (FAKE_0_6_15, (0, 6, 15)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_0, (0, 7, 0)), (FAKE_0_7_1, (0, 7, 1)),
     (FAKE_0_7_2, (0, 7, 2)))
 INSTALL_HINT = 'pip install "moe-dispatch-flashinfer-cutedsl[flashinfer]" (flashinfer-python), on a CUDA machine'
+#: The context manager a fake release exports for how its kernels' exchanges wait: ``emulated_watch(watch)`` makes
+#: them wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its peers' failure
+#: notices). Not FlashInfer's: ``MoeAlltoAll`` takes no deadline (flashinfer-python==0.7.2.post1
+#: flashinfer/comm/trtllm_moe_alltoall.py), its kernels spin on completion flags in the workspace and trap
+#: (moeAlltoAllKernels.cu); a fake that moves the stores over gloo would otherwise block in gloo for the group's
+#: timeout and never hear of a peer's failure (issue 15).
+EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
+
+
+def emulated_waits(module: Any, watch: Any) -> Callable[[], ContextManager[Any]]:
+    """The scope the adapter makes ``module``'s calls in (a new one per call): a fake's exchanges then wait with
+    ``watch`` (the dispatcher's); an empty scope for the real FlashInfer. Decided once, not per call."""
+    scope = getattr(module, EMULATED_WATCH_ATTRIBUTE, None)
+    return contextlib.nullcontext if scope is None else functools.partial(scope, watch)
+
 
 # -- versions ----------------------------------------------------------------------------------
 
@@ -930,10 +947,11 @@ def sm100_reason() -> str | None:
 
 
 __all__ = [
-    "A2AProfile", "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
+    "A2AProfile", "EMULATED_WATCH_ATTRIBUTE",
+    "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
     "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
     "cpp_stoi", "cutedsl_routing_limits", "default_workspace_bytes_per_token", "detect", "dispatch_vector_width",
-    "fake_for", "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
+    "emulated_waits", "fake_for", "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
     "mnnvl_reservation",
     "one_block_per_token", "parse_version", "ported_workspace_size_per_rank", "profile", "retire_mnnvl_range",
     "sanitize_block_size", "signature", "sm100_reason", "workspace_size_per_rank",

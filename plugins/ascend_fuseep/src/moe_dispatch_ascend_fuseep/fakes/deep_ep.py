@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_dispatch_ascend_deepep.fakes import deep_ep as base
+from moe_dispatch_ascend_deepep.fakes.deep_ep import emulated_watch  # noqa: F401 (EMULATED_WATCH_ATTRIBUTE)
 from moe_dispatch_ascend_deepep.fakes.deep_ep import (
     A2, Config, EventOverlap, FuseMode, VendorCall, _ep_assert, _op_check, quant_low_latency,
 )

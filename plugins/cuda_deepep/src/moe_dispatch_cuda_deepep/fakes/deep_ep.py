@@ -49,7 +49,9 @@ As strict as the vendor where the adapter can meet it:
   the internode host and device checks on the config, the QPs and the RDMA ranks a token reaches
   (``internode_dispatch_checks``) before refusing to move the data (internode is not emulated).
 
-Results are real: bytes move between real processes through the core's ``Comm``. Not emulated: CUDA
+Results are real: bytes move between real processes through the core's ``Comm``, which waits with the
+dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices) inside ``emulated_watch`` (``fakes._watch``:
+a channel beside the vendor's API, which takes a group and no deadline). Not emulated: CUDA
 events and streams (calls are synchronous), cached-handle dispatch, internode (more than 8 ranks) normal-mode
 data movement, LogFMT and zero-copy combine. Each call is recorded in ``Buffer.calls`` for the tests.
 
@@ -69,7 +71,6 @@ from typing import Any, Callable
 import torch
 
 from moe_dispatch.codecs import as_bytes, from_bytes, ue8m0_value
-from moe_dispatch.distributed.comm import Comm
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import (
@@ -82,6 +83,7 @@ from ._native import (
     lose_context,
     scalar_type_check,
 )
+from ._watch import WatchedComm, emulated_watch  # noqa: F401 (vendor.EMULATED_WATCH_ATTRIBUTE)
 
 __version__ = "2.1.0"  # deepseek-ai/DeepEP@dd758ca deep_ep/__init__.py
 topk_idx_t = torch.int64
@@ -522,7 +524,7 @@ class Buffer:
             raise NotImplementedError("the fake runs on torch.distributed process groups, not mpi4py communicators")
         self._check_nvlink_connections(group)
         check_context()
-        self._comm = Comm(group)
+        self._comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (fakes._watch)
         self.rank, self.group, self.group_size = self._comm.rank, group, self._comm.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode

@@ -53,6 +53,7 @@ from .deep_ep import (
     _nan_like,
     _received,
     emulated_stream_capturing,  # noqa: F401
+    emulated_watch,  # noqa: F401
     install_statics,
 )
 

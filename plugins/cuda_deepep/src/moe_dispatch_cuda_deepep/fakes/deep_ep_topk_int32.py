@@ -18,6 +18,7 @@ from .deep_ep import (
     EventOverlap,
     VendorCall,
     emulated_stream_capturing,  # noqa: F401
+    emulated_watch,  # noqa: F401
     install_statics,
 )
 

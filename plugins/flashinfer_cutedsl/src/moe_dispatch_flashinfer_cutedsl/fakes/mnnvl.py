@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import vendor
+from ._watch import allgather_object, watched_comm
 
 #: The fake's allocation granularity (the real one is the driver's, typically 2 MiB): the rank
 #: stride is the size rounded up to it, so a segment is narrower than its stride, as on the GPU.
@@ -278,16 +279,23 @@ class Segment:
         """Byte stores ``(offset, uint8 tensor)`` to each peer → the stores every source made to
         this rank. The headers travel through the communicator (allgather); the bytes through
         its process group when it has one (``_group``, as FlashInfer's TorchDistBackend), else
-        through the communicator too."""
+        through the communicator too. Inside ``emulated_watch`` (``fakes._watch``) both go through
+        the core's ``Comm`` on that group, waiting with the caller's ``Watch`` (the dispatcher's
+        ``timeout_s``, its peers' failure notices) instead of blocking in gloo."""
         size = self.comm_size
         headers = {peer: [(off, int(data.numel())) for off, data in stores] for peer, stores in outgoing.items()}
-        everyone = self.comm.allgather(headers)
+        group = getattr(self.comm, "_group", _NO_GROUP)
+        watched = watched_comm(group) if size > 1 and group is not _NO_GROUP else None
+        everyone = self.comm.allgather(headers) if watched is None else \
+            allgather_object(watched, headers, "fake MNNVL stores (headers)")
         send = [torch.cat([d.reshape(-1) for _, d in outgoing.get(p, [])] or [torch.empty(0, dtype=torch.uint8)])
                 for p in range(size)]
         send_counts = [int(t.numel()) for t in send]
         recv_counts = [sum(n for _, n in everyone[src].get(self.rank, [])) for src in range(size)]
-        group = getattr(self.comm, "_group", _NO_GROUP)
-        if size > 1 and group is not _NO_GROUP and dist.is_initialized():
+        if watched is not None:
+            got = watched.all_to_all(torch.cat(send).unsqueeze(1), send_counts, recv_counts, [("payload", 1)])
+            chunks = list(torch.split(got.reshape(-1), recv_counts))
+        elif size > 1 and group is not _NO_GROUP and dist.is_initialized():
             out = torch.empty(sum(recv_counts), dtype=torch.uint8)
             dist.all_to_all_single(out, torch.cat(send), recv_counts, send_counts, group=group)
             chunks = list(torch.split(out, recv_counts))

@@ -1,0 +1,213 @@
+"""Issue 15 (an adversarial trial of the library), on DeepEP-Ascend's fakes:
+
+- class 6: combine uses the routing given to its dispatch. An engine that reuses its router output buffers
+  overwrites ``topk_ids``/``topk_weights`` after dispatch returns; the adapter handed the caller's tensors to
+  the vendor, whose normal-mode handle keeps them (``combine`` weights by the handle's ``topk_weights``) and whose
+  low-latency combine takes them again.
+- class 7: the fake's collectives honour the dispatcher's ``timeout_s`` and its peers' failure notices.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.distributed.local import RankPool
+from moe_dispatch.routing import random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
+from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
+
+H, TOKENS, TOP_K, PER_RANK = 1024, 8, 2, 4
+
+
+def _dispatcher(vendor: str, world: int, mode: str, dtype: str, timeout_s: float = 300.0) -> md.Dispatcher:
+    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
+                           output_dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
+        return md.create_dispatcher(AscendDeepEPBackend(vendor), spec, env={}, timeout_s=timeout_s)
+
+
+def _inputs(rank: int, num_experts: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
+    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
+    return x, ids, w, other_ids
+
+
+# -- class 6 -------------------------------------------------------------------------------------------------------
+
+
+def _combine_after_the_router_buffers_change(rank: int, world: int, vendor: str, mode: str, dtype: str):
+    d = _dispatcher(vendor, world, mode, dtype)
+    x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
+    layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
+    experts = ScaledIdentityExperts()
+
+    def round_trip(overwrite: bool) -> torch.Tensor:
+        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
+        out = d.dispatch(x, router_ids, router_w)
+        if overwrite:  # the next step's router writes into the same buffers before this combine
+            router_ids.copy_(other_ids)
+            router_w.mul_(0.5)
+        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                     out.group_list_type, out.group_list, torch.bfloat16)
+        return d.combine(rows, out)
+
+    plain = round_trip(False)
+    overwritten = round_trip(True)
+    again = round_trip(False)
+    return (torch.equal(plain, again), torch.equal(plain, overwritten),
+            float((plain.float() - overwritten.float()).abs().max()))
+
+
+@pytest.mark.parametrize("vendor", [EMULATOR, EMULATOR_ENV_ONLY])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, vendor, mode, dtype):
+    """The caller's ids and weights are overwritten in place after dispatch (ids.copy_(other ids), w.mul_(0.5)):
+    combine's result is bit for bit the one without the overwrite. Before the fix both modes gave another result."""
+    for repeatable, same, diff in moe_rank_pools.get(2).map(_combine_after_the_router_buffers_change, vendor, mode,
+                                                             dtype):
+        assert repeatable, "the round trip itself is not repeatable: the comparison below would mean nothing"
+        assert same, f"combine read the overwritten routing (max difference {diff})"
+
+
+# -- class 7 -------------------------------------------------------------------------------------------------------
+
+TIMEOUT_S = 2.0
+
+
+def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
+    """(error type, its rank/ranks/parameter, seconds, message) of ``call`` on this rank."""
+    start = time.monotonic()
+    try:
+        call()
+    except md.MoEDispatchError as exc:
+        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
+        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
+    return None, {}, time.monotonic() - start, ""
+
+
+def _bad_input_on_rank_1(rank: int, world: int, vendor: str, mode: str):
+    d = _dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S * 15)
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    if rank == 1:
+        ids = ids.clone()
+        ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
+    return _outcome(lambda: d.dispatch(x, ids, w))
+
+
+def _stalls_before_combine(rank: int, world: int, vendor: str, mode: str):
+    d = _dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S)
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    out = d.dispatch(x, ids, w)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
+        return None, {}, 0.0, ""
+    rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
+    return _outcome(lambda: d.combine(rows, out))
+
+
+def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
+    """A failure leaves a collective that never completes in the process group: a pool of its own, closed after."""
+    pool = RankPool(2)
+    try:
+        return pool.map(fn, *args, timeout_s=40)
+    finally:
+        pool.close(force=True)
+
+
+@pytest.mark.parametrize("vendor,mode", [(EMULATOR, "low_latency"), (EMULATOR, "normal"),
+                                         (EMULATOR_ENV_ONLY, "normal")])
+def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake(vendor, mode):
+    """Rank 1's dispatch raises its InvalidInputError (and posts it); rank 0, waiting in the fake's collective, gets
+    PeerFailedError naming rank 1 within a few seconds, though the timeout is 30 s. Before the fix the fake waited
+    with a Watch of its own (300 s, no notices): rank 0 hung until the process group's own timeout."""
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_bad_input_on_rank_1, vendor, mode)
+    assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
+    assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
+    assert "expert id out of range" in message0
+    assert seconds0 < 5.0
+
+
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout(mode):
+    """Rank 1 never calls combine; rank 0 waits in the fake's combine collective and raises CollectiveTimeoutError
+    naming rank 1 after about ``timeout_s`` (2 s), not after the fake's own 300 s."""
+    outcomes = _on_a_fresh_pool(_stalls_before_combine, EMULATOR, mode)
+    name, attrs, seconds, message = outcomes[0]
+    assert name == "CollectiveTimeoutError", message
+    assert attrs["ranks"] == (1,)
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
+
+
+# -- class 5 -------------------------------------------------------------------------------------------------------
+
+
+def _dispatchers_beside_an_environment_writer(rank: int, world: int, rounds: int) -> list[str]:
+    """Two dispatchers on the build without ``quant_mode`` (INT8 and BF16: the vendor takes the choice from
+    ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` at the call) and one on the newer build, interleaved ``rounds`` times, while
+    another thread of the engine sets and deletes variables of its own. Problems, as sentences."""
+    import os
+    import threading
+
+    from moe_dispatch_ascend_deepep.vendor import INT8_ENV
+
+    problems: list[str] = []
+    done = threading.Event()
+    kept: dict[str, str] = {}
+
+    def writing() -> None:
+        j = 0
+        while not done.is_set():
+            j += 1
+            keep, churn = f"MD_TEST_ISSUE15_KEEP_{j}", f"MD_TEST_ISSUE15_CHURN_{j}"
+            os.environ[keep] = kept[keep] = str(j)
+            os.environ[churn] = "x"
+            time.sleep(0)
+            os.environ.pop(churn, None)  # deleted by its thread: must stay deleted
+            for name, value in list(kept.items())[-20:]:
+                if os.environ.get(name) != value:
+                    problems.append(f"{name} was {os.environ.get(name)!r}, set to {value!r} by its thread")
+                    kept[name] = os.environ.get(name)  # type: ignore[assignment]
+
+    dispatchers = [(_dispatcher(EMULATOR_ENV_ONLY, world, "normal", "int8"), "1"),
+                   (_dispatcher(EMULATOR_ENV_ONLY, world, "normal", "bf16"), "0"),
+                   (_dispatcher(EMULATOR, world, "low_latency", "int8"), None)]
+    x, ids, w, _ = _inputs(rank, dispatchers[0][0].spec.num_experts)
+    writer = threading.Thread(target=writing)
+    writer.start()
+    try:
+        for _ in range(rounds):
+            for d, int8 in dispatchers:
+                out = d.dispatch(x, ids, w)
+                seen = dict(d.backend_dispatcher.buffer.calls[-1].env).get(INT8_ENV)
+                if int8 is not None and seen != int8:
+                    problems.append(f"{d.output_dtype.value} dispatcher: the vendor read {INT8_ENV}={seen!r}")
+                d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
+    except BaseException as exc:  # noqa: BLE001 - the point: nothing may escape
+        problems.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        done.set()
+        writer.join(10)
+    problems += [f"{name} vanished" for name, value in kept.items() if os.environ.get(name) != value]
+    if INT8_ENV in os.environ:
+        problems.append(f"{INT8_ENV}={os.environ[INT8_ENV]!r} left in the environment")
+    for name in [n for n in os.environ if n.startswith("MD_TEST_ISSUE15_")]:
+        del os.environ[name]
+    return problems[:10]
+
+
+def test_dispatches_leave_another_threads_variables_alone(moe_rank_pools):
+    """Before the fix the adapter's scoped block restored the whole environment: variables another thread set while
+    a dispatch ran were deleted (and one deleted meanwhile could make the restore raise a raw KeyError). Now each
+    vendor call reads its own dispatcher's INT8 choice and every other variable stays as its thread left it."""
+    for problems in moe_rank_pools.get(2).map(_dispatchers_beside_an_environment_writer, 40):
+        assert not problems, problems

@@ -1,0 +1,122 @@
+"""Issue 15 (an adversarial trial of the library), on FuseEP's fake:
+
+- class 6: the unfused path of a FuseEP dispatcher (DeepEP-Ascend's dispatch and combine) uses at combine the
+  routing given to its dispatch, whatever the engine writes into its router buffers in between. (The fused op is
+  one call: nothing is read later.)
+- class 7: the fused op's collectives in the fake honour the dispatcher's ``timeout_s`` and its peers' failure
+  notices: bad input on one rank reaches the other at once; a stalled rank is named after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.distributed.local import RankPool
+from moe_dispatch.experts import quantize_weights_w8a8
+from moe_dispatch.routing import random_expert_weights, random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch_ascend_fuseep import FuseEPBackend
+from moe_dispatch_ascend_fuseep.vendor import FAKE as EMULATOR
+
+H, I, TOKENS, TOP_K, PER_RANK = 1024, 512, 8, 2, 2
+
+
+def _spec(world: int) -> md.DispatchSpec:
+    return md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode="low_latency")
+
+
+def _inputs(rank: int, num_experts: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g)
+    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
+    return x, ids, w, other_ids
+
+
+# -- class 6 -------------------------------------------------------------------------------------------------------
+
+
+def _unfused_combine_after_the_router_buffers_change(rank: int, world: int):
+    d = md.create_dispatcher(FuseEPBackend(EMULATOR), _spec(world), env={})
+    x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
+    layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
+    experts = ScaledIdentityExperts()
+
+    def round_trip(overwrite: bool) -> torch.Tensor:
+        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
+        out = d.dispatch(x, router_ids, router_w)
+        if overwrite:
+            router_ids.copy_(other_ids)
+            router_w.mul_(0.5)
+        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                     out.group_list_type, out.group_list, torch.bfloat16)
+        return d.combine(rows, out)
+
+    plain = round_trip(False)
+    overwritten = round_trip(True)
+    again = round_trip(False)
+    return torch.equal(plain, again), torch.equal(plain, overwritten)
+
+
+def test_the_unfused_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools):
+    """ids.copy_(other ids) and w.mul_(0.5) after dispatch: combine is bit for bit the one without the overwrite
+    (before the fix the vendor's low-latency combine was handed the caller's tensors again)."""
+    for repeatable, same in moe_rank_pools.get(2).map(_unfused_combine_after_the_router_buffers_change):
+        assert repeatable and same
+
+
+# -- class 7 -------------------------------------------------------------------------------------------------------
+
+TIMEOUT_S = 2.0
+
+
+def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
+    start = time.monotonic()
+    try:
+        call()
+    except md.MoEDispatchError as exc:
+        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
+        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
+    return None, {}, time.monotonic() - start, ""
+
+
+def _fused_forward(rank: int, world: int, timeout_s: float, bad_rank: int | None, stalled_rank: int | None):
+    spec = _spec(world)
+    weights = quantize_weights_w8a8(random_expert_weights(spec.num_experts, H, I,
+                                                          generator=torch.Generator().manual_seed(0)))
+    d = md.create_dispatcher(FuseEPBackend(EMULATOR), spec, env={}, timeout_s=timeout_s)
+    layer = d.process_weights(weights.slice(rank * PER_RANK, PER_RANK))
+    x, ids, w, _ = _inputs(rank, spec.num_experts)
+    if rank == bad_rank:
+        ids = ids.clone()
+        ids[0, 0] = spec.num_experts  # out of range: this rank raises before the op
+    if rank == stalled_rank:
+        time.sleep(timeout_s + 2)  # never enters the op
+        return None, {}, 0.0, ""
+    return _outcome(lambda: d.forward(None, layer, x, ids, w))
+
+
+def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
+    pool = RankPool(2)
+    try:
+        return pool.map(fn, *args, timeout_s=40)
+    finally:
+        pool.close(force=True)
+
+
+def test_bad_input_on_one_rank_reaches_the_other_inside_the_fused_op():
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_fused_forward, 30.0, 1, None)
+    assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
+    assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
+    assert seconds0 < 5.0
+
+
+def test_a_rank_that_never_enters_the_fused_op_is_named_after_the_timeout():
+    name, attrs, seconds, message = _on_a_fresh_pool(_fused_forward, TIMEOUT_S, None, 1)[0]
+    assert name == "CollectiveTimeoutError", message
+    assert attrs["ranks"] == (1,)
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5

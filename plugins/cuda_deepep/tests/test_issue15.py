@@ -1,0 +1,142 @@
+"""Issue 15 (an adversarial trial of the library), on DeepEP's fake:
+
+- class 6: combine uses the routing given to its dispatch. An engine that reuses its router output buffers
+  (CUDA-graph engines do) overwrites ``topk_ids``/``topk_weights`` after dispatch returns; the low-latency adapter
+  handed the caller's tensors to ``low_latency_combine``, which weighted the rows with the new values.
+- class 7: the fake's collectives honour the dispatcher's ``timeout_s`` and its peers' failure notices (they built a
+  ``Comm`` of their own, with the default 300 s and no notices).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.distributed.local import RankPool
+from moe_dispatch.routing import random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+from moe_dispatch_cuda_deepep.vendor import EMULATOR
+
+H, TOKENS, TOP_K, PER_RANK = 2048, 8, 3, 4
+
+
+def _spec(world: int, mode: str, dtype: str) -> md.DispatchSpec:
+    return md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
+                           output_dtype=dtype)
+
+
+def _inputs(rank: int, num_experts: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
+    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
+    return x, ids, w, other_ids
+
+
+# -- class 6 -------------------------------------------------------------------------------------------------------
+
+
+def _combine_after_the_router_buffers_change(rank: int, world: int, mode: str, dtype: str):
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, dtype), env={})
+    x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
+    layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
+    experts = ScaledIdentityExperts()
+
+    def round_trip(overwrite: bool) -> torch.Tensor:
+        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
+        out = d.dispatch(x, router_ids, router_w)
+        if overwrite:  # the next step's router writes into the same buffers before this combine
+            router_ids.copy_(other_ids)
+            router_w.mul_(0.5)
+        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                     out.group_list_type, out.group_list, torch.bfloat16)
+        return d.combine(rows, out)
+
+    plain = round_trip(False)
+    overwritten = round_trip(True)
+    again = round_trip(False)
+    return (torch.equal(plain, again), torch.equal(plain, overwritten),
+            float((plain.float() - overwritten.float()).abs().max()))
+
+
+@pytest.mark.parametrize("mode,dtype", [("low_latency", "bf16"), ("low_latency", "fp8"), ("normal", "bf16"),
+                                        ("normal", "fp8")])
+def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, mode, dtype):
+    """The caller's ids and weights are overwritten in place after dispatch (ids.copy_(other ids), w.mul_(0.5)):
+    combine's result is bit for bit the one without the overwrite. Before the fix the low-latency combine gave
+    another result (it weighted by the halved weights of the new ids)."""
+    for repeatable, same, diff in moe_rank_pools.get(2).map(_combine_after_the_router_buffers_change, mode, dtype):
+        assert repeatable, "the round trip itself is not repeatable: the comparison below would mean nothing"
+        assert same, f"combine read the overwritten routing (max difference {diff})"
+
+
+# -- class 7 -------------------------------------------------------------------------------------------------------
+
+TIMEOUT_S = 2.0
+
+
+def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
+    """(error type, its rank/ranks/parameter, seconds, message) of ``call`` on this rank."""
+    start = time.monotonic()
+    try:
+        call()
+    except md.MoEDispatchError as exc:
+        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
+        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
+    return None, {}, time.monotonic() - start, ""
+
+
+def _bad_input_on_rank_1(rank: int, world: int, mode: str):
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S * 15)
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    if rank == 1:
+        ids = ids.clone()
+        ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
+    return _outcome(lambda: d.dispatch(x, ids, w))
+
+
+def _stalls_before_combine(rank: int, world: int, mode: str):
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S)
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    out = d.dispatch(x, ids, w)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
+        return None, {}, 0.0, ""
+    rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
+    return _outcome(lambda: d.combine(rows, out))
+
+
+def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
+    """A failure leaves a collective that never completes in the process group: a pool of its own, closed after."""
+    pool = RankPool(2)
+    try:
+        return pool.map(fn, *args, timeout_s=40)
+    finally:
+        pool.close(force=True)
+
+
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake(mode):
+    """Rank 1's dispatch raises its InvalidInputError (and posts it); rank 0, waiting in the fake's collective, gets
+    PeerFailedError naming rank 1 within a few seconds, though the timeout is 30 s. Before the fix the fake waited
+    with a Watch of its own (300 s, no notices): rank 0 hung until the process group's own timeout."""
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_bad_input_on_rank_1, mode)
+    assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
+    assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
+    assert "expert id out of range" in message0
+    assert seconds0 < 5.0
+
+
+@pytest.mark.parametrize("mode", ["low_latency", "normal"])
+def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout(mode):
+    """Rank 1 never calls combine; rank 0 waits in the fake's combine collective and raises CollectiveTimeoutError
+    naming rank 1 after about ``timeout_s`` (2 s), not after the fake's own 300 s."""
+    outcomes = _on_a_fresh_pool(_stalls_before_combine, mode)
+    name, attrs, seconds, message = outcomes[0]
+    assert name == "CollectiveTimeoutError", message
+    assert attrs["ranks"] == (1,)
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5

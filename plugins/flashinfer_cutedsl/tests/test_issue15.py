@@ -1,0 +1,141 @@
+"""Issue 15 (an adversarial trial of the library), on FlashInfer's fakes:
+
+- class 6: combine uses the routing given to its dispatch. The adapter sends the top-k ids and weights as
+  payloads and weights the rows at combine from what arrived (the handle's ``row_weight``, FlashInfer's workspace):
+  an engine that overwrites its router buffers after dispatch returns changes nothing.
+- class 7: the fake's collectives (the MNNVL emulation's exchanges) honour the dispatcher's ``timeout_s`` and its
+  peers' failure notices.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.distributed.local import RankPool
+from moe_dispatch.routing import random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch_flashinfer_cutedsl import vendor
+from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
+
+pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
+
+H, TOKENS, TOP_K, PER_RANK = 256, 8, 3, 4
+
+
+def _dispatcher(fake: str, world: int, dtype: str, timeout_s: float = 300.0) -> md.Dispatcher:
+    warnings.simplefilter("ignore", DeprecationWarning)
+    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, output_dtype=dtype)
+    return md.create_dispatcher(FlashInferA2ABackend(fake), spec, env={}, timeout_s=timeout_s)
+
+
+def _inputs(rank: int, num_experts: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
+    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
+    return x, ids, w, other_ids
+
+
+# -- class 6 -------------------------------------------------------------------------------------------------------
+
+
+def _combine_after_the_router_buffers_change(rank: int, world: int, fake: str, dtype: str):
+    d = _dispatcher(fake, world, dtype)
+    x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
+    layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
+    experts = ScaledIdentityExperts()
+
+    def round_trip(overwrite: bool) -> torch.Tensor:
+        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
+        out = d.dispatch(x, router_ids, router_w)
+        if overwrite:  # the next step's router writes into the same buffers before this combine
+            router_ids.copy_(other_ids)
+            router_w.mul_(0.5)
+        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                     out.group_list_type, out.group_list, torch.bfloat16)
+        return d.combine(rows, out)
+
+    plain = round_trip(False)
+    overwritten = round_trip(True)
+    again = round_trip(False)
+    return (torch.equal(plain, again), torch.equal(plain, overwritten),
+            float((plain.float() - overwritten.float()).abs().max()))
+
+
+@pytest.mark.parametrize("fake", [vendor.FAKE_0_6_13, vendor.FAKE_0_7_2])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, fake, dtype):
+    """The caller's ids and weights are overwritten in place after dispatch (ids.copy_(other ids), w.mul_(0.5)):
+    combine's result is bit for bit the one without the overwrite. (This adapter already kept what combine needs in
+    its handle; the test keeps it so.)"""
+    for repeatable, same, diff in moe_rank_pools.get(2).map(_combine_after_the_router_buffers_change, fake, dtype):
+        assert repeatable, "the round trip itself is not repeatable: the comparison below would mean nothing"
+        assert same, f"combine read the overwritten routing (max difference {diff})"
+
+
+# -- class 7 -------------------------------------------------------------------------------------------------------
+
+TIMEOUT_S = 2.0
+
+
+def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
+    start = time.monotonic()
+    try:
+        call()
+    except md.MoEDispatchError as exc:
+        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
+        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
+    return None, {}, time.monotonic() - start, ""
+
+
+def _bad_input_on_rank_1(rank: int, world: int, fake: str):
+    d = _dispatcher(fake, world, "bf16", timeout_s=TIMEOUT_S * 15)
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    if rank == 1:
+        ids = ids.clone()
+        ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
+    return _outcome(lambda: d.dispatch(x, ids, w))
+
+
+def _stalls_before_combine(rank: int, world: int, fake: str):
+    d = _dispatcher(fake, world, "bf16", timeout_s=TIMEOUT_S)
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    out = d.dispatch(x, ids, w)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
+        return None, {}, 0.0, ""
+    rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
+    return _outcome(lambda: d.combine(rows, out))
+
+
+def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
+    """A failure leaves a collective that never completes in the process group: a pool of its own, closed after."""
+    pool = RankPool(2)
+    try:
+        return pool.map(fn, *args, timeout_s=40)
+    finally:
+        pool.close(force=True)
+
+
+def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake():
+    """Rank 1's dispatch raises its InvalidInputError (and posts it); rank 0, waiting in the fake kernel's exchange,
+    gets PeerFailedError naming rank 1 within a few seconds, though the timeout is 30 s. Before the fix the exchange
+    blocked in gloo until the process group's own timeout."""
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_bad_input_on_rank_1,
+                                                                                   vendor.FAKE_0_7_2)
+    assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
+    assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
+    assert "expert id out of range" in message0
+    assert seconds0 < 5.0
+
+
+def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout():
+    name, attrs, seconds, message = _on_a_fresh_pool(_stalls_before_combine, vendor.FAKE_0_7_2)[0]
+    assert name == "CollectiveTimeoutError", message
+    assert attrs["ranks"] == (1,)
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
