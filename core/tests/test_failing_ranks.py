@@ -19,6 +19,7 @@ import moe_dispatch as md
 from moe_dispatch.routing import random_routing
 from moe_dispatch.reference.builtin import TorchBackend
 from moe_dispatch.distributed.local import RankPool
+from moe_dispatch.testing import outcome
 
 SPEC = dict(hidden_size=128, num_experts=12, top_k=2, num_max_dispatch_tokens_per_rank=16)
 TIMEOUT_S = 3.0
@@ -31,20 +32,11 @@ def _inputs(rank: int, tokens: int = 8):
     return x, ids, w
 
 
-def _outcome(call):  # type: ignore[no-untyped-def]
-    """(error type name, error attributes, seconds) of ``call`` on this rank."""
-    start = time.monotonic()
-    try:
-        call()
-    except md.MoEDispatchError as exc:
-        attrs = {k: getattr(exc, k) for k in ("parameter", "value", "rank", "ranks", "operation") if hasattr(exc, k)}
-        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
-    return None, {}, time.monotonic() - start, ""
 
 
 def _mismatched_capacity(rank: int, world: int):
     spec = md.DispatchSpec(**{**SPEC, "num_max_dispatch_tokens_per_rank": 16 if rank != 1 else 32})
-    return _outcome(lambda: md.create_dispatcher("torch", spec, env={}, timeout_s=TIMEOUT_S))
+    return outcome(lambda: md.create_dispatcher("torch", spec, env={}, timeout_s=TIMEOUT_S))
 
 
 def test_ranks_that_disagree_on_the_spec_all_raise_naming_the_field():
@@ -65,7 +57,7 @@ class _OptionsDecideTheConstructor(TorchBackend):
 
 
 def _mismatched_option(rank: int, world: int):
-    return _outcome(lambda: md.create_dispatcher(_OptionsDecideTheConstructor(), md.DispatchSpec(**SPEC), env={},
+    return outcome(lambda: md.create_dispatcher(_OptionsDecideTheConstructor(), md.DispatchSpec(**SPEC), env={},
                                                  options={"buffer_bytes": 1024 * (2 if rank == 1 else 1)},
                                                  timeout_s=TIMEOUT_S))
 
@@ -110,7 +102,7 @@ class _FailsOnRank1(TorchBackend):
 
 
 def _untyped_failure_while_planning(rank: int, world: int, method: str):
-    return _outcome(lambda: md.create_dispatcher(_FailsOnRank1(method), md.DispatchSpec(**SPEC), env={},
+    return outcome(lambda: md.create_dispatcher(_FailsOnRank1(method), md.DispatchSpec(**SPEC), env={},
                                                  timeout_s=TIMEOUT_S))
 
 
@@ -124,7 +116,7 @@ def test_an_untyped_error_while_planning_is_typed_and_reaches_the_peers(method):
 
 def _one_rank_cannot_create(rank: int, world: int):
     backend = "no-such-backend" if rank == 2 else "torch"
-    return _outcome(lambda: md.create_dispatcher(backend, md.DispatchSpec(**SPEC), env={}, timeout_s=TIMEOUT_S))
+    return outcome(lambda: md.create_dispatcher(backend, md.DispatchSpec(**SPEC), env={}, timeout_s=TIMEOUT_S))
 
 
 def test_a_rank_that_cannot_create_the_dispatcher_is_named_on_the_others():
@@ -142,7 +134,7 @@ def _bad_input_on_rank_1(rank: int, world: int):
     if rank == 1:
         ids = ids.clone()
         ids[0, 0] = 99  # out of range
-    return _outcome(lambda: d.dispatch(x, ids, w))
+    return outcome(lambda: d.dispatch(x, ids, w))
 
 
 def test_bad_input_on_one_rank_stops_the_others_without_waiting_for_the_timeout():
@@ -164,7 +156,7 @@ def _rank_2_never_combines(rank: int, world: int):
         time.sleep(TIMEOUT_S + 3)  # stalls: never calls combine
         return None, {}, 0.0, ""
     y = torch.ones(out.hidden_states.shape, dtype=torch.bfloat16)
-    return _outcome(lambda: d.combine(y, out))
+    return outcome(lambda: d.combine(y, out))
 
 
 def test_a_rank_that_never_calls_combine_is_named_after_the_timeout():
@@ -183,7 +175,7 @@ def _wait_to_be_killed(rank: int, world: int, ready_path: str):
         open(ready_path, "w").close()
         time.sleep(60)  # killed by the test while the others wait in combine
     y = torch.ones(out.hidden_states.shape, dtype=torch.bfloat16)
-    return _outcome(lambda: d.combine(y, out))
+    return outcome(lambda: d.combine(y, out))
 
 
 def _kill_when_ready(pid: int, ready_path: str) -> None:

@@ -19,7 +19,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
     "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "formats", "wire", "codecs", "hints", "spec",
                  "capabilities", "output", "trail", "scale_layouts", "distributed", "distributed.watch",
-                 "distributed.comm", "distributed.agreement", "backend", "commands", "hookspecs"),
+                 "distributed.comm", "distributed.emulation", "distributed.agreement", "backend", "commands", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts
     "policy": ("resolution", "validation", "output_checks", "experts"),
     # where backends and runners come from (the built-ins registered like any plugin)
@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.demo", "cli.bench", "cli.bench.cases",
               "cli.bench.cli", "cli.bench.overhead", "cli.bench.report", "cli.bench.results", "cli.bench.runner",
               "cli.bench.worker", "testing", "testing.cases", "testing.conformance", "testing.experts",
-              "testing.layers", "testing.plugin", "testing.pools", "testing.ranks", "testing.torchrun", "routing",
+              "testing.layers", "testing.outcomes", "testing.plugin", "testing.pools", "testing.ranks", "testing.torchrun", "routing",
               "accuracy", "distributed.local"),
 }
 RANK = {module: i for i, (_, modules) in enumerate(LAYERS.items()) for module in modules}

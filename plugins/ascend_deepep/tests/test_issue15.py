@@ -18,7 +18,7 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
 
@@ -48,31 +48,15 @@ def _combine_after_the_router_buffers_change(rank: int, world: int, vendor: str,
     d = _dispatcher(vendor, world, mode, dtype)
     x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
     layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
-    experts = ScaledIdentityExperts()
-
-    def round_trip(overwrite: bool) -> torch.Tensor:
-        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
-        out = d.dispatch(x, router_ids, router_w)
-        if overwrite:  # the next step's router writes into the same buffers before this combine
-            router_ids.copy_(other_ids)
-            router_w.mul_(0.5)
-        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                     out.group_list_type, out.group_list, torch.bfloat16)
-        return d.combine(rows, out)
-
-    plain = round_trip(False)
-    overwritten = round_trip(True)
-    again = round_trip(False)
-    return (torch.equal(plain, again), torch.equal(plain, overwritten),
-            float((plain.float() - overwritten.float()).abs().max()))
+    return tuple(routing_reuse(d, layer, x, ids, w, other_ids))
 
 
 @pytest.mark.parametrize("vendor", [EMULATOR, EMULATOR_ENV_ONLY])
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, vendor, mode, dtype):
-    """The caller's ids and weights are overwritten in place after dispatch (ids.copy_(other ids), w.mul_(0.5)):
-    combine's result is bit for bit the one without the overwrite. Before the fix both modes gave another result."""
+    """The caller's ids and weights are overwritten in place after dispatch (the kit's ``routing_reuse``: ids copied
+    from another routing, w.mul_(0.5).add_(0.25)): combine's result is bit for bit the one without the overwrite. Before the fix both modes gave another result."""
     for repeatable, same, diff in moe_rank_pools.get(2).map(_combine_after_the_router_buffers_change, vendor, mode,
                                                              dtype):
         assert repeatable, "the round trip itself is not repeatable: the comparison below would mean nothing"
@@ -84,15 +68,6 @@ def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, vendor, 
 TIMEOUT_S = 2.0
 
 
-def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
-    """(error type, its rank/ranks/parameter, seconds, message) of ``call`` on this rank."""
-    start = time.monotonic()
-    try:
-        call()
-    except md.MoEDispatchError as exc:
-        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
-        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
-    return None, {}, time.monotonic() - start, ""
 
 
 def _bad_input_on_rank_1(rank: int, world: int, vendor: str, mode: str):
@@ -101,7 +76,7 @@ def _bad_input_on_rank_1(rank: int, world: int, vendor: str, mode: str):
     if rank == 1:
         ids = ids.clone()
         ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
-    return _outcome(lambda: d.dispatch(x, ids, w))
+    return outcome(lambda: d.dispatch(x, ids, w))
 
 
 def _stalls_before_combine(rank: int, world: int, vendor: str, mode: str):
@@ -112,7 +87,7 @@ def _stalls_before_combine(rank: int, world: int, vendor: str, mode: str):
         time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
         return None, {}, 0.0, ""
     rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
-    return _outcome(lambda: d.combine(rows, out))
+    return outcome(lambda: d.combine(rows, out))
 
 
 def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202

@@ -18,7 +18,7 @@ import moe_dispatch as md
 from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.experts import quantize_weights_w8a8
 from moe_dispatch.routing import random_expert_weights, random_routing
-from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
 from moe_dispatch_ascend_fuseep import FuseEPBackend
 from moe_dispatch_ascend_fuseep.vendor import FAKE as EMULATOR
 
@@ -44,27 +44,12 @@ def _unfused_combine_after_the_router_buffers_change(rank: int, world: int):
     d = md.create_dispatcher(FuseEPBackend(EMULATOR), _spec(world), env={})
     x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
     layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
-    experts = ScaledIdentityExperts()
-
-    def round_trip(overwrite: bool) -> torch.Tensor:
-        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
-        out = d.dispatch(x, router_ids, router_w)
-        if overwrite:
-            router_ids.copy_(other_ids)
-            router_w.mul_(0.5)
-        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                     out.group_list_type, out.group_list, torch.bfloat16)
-        return d.combine(rows, out)
-
-    plain = round_trip(False)
-    overwritten = round_trip(True)
-    again = round_trip(False)
-    return torch.equal(plain, again), torch.equal(plain, overwritten)
+    return tuple(routing_reuse(d, layer, x, ids, w, other_ids))[:2]
 
 
 def test_the_unfused_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools):
-    """ids.copy_(other ids) and w.mul_(0.5) after dispatch: combine is bit for bit the one without the overwrite
-    (before the fix the vendor's low-latency combine was handed the caller's tensors again)."""
+    """Ids copied from another routing and w.mul_(0.5).add_(0.25) after dispatch (the kit's ``routing_reuse``):
+    combine is bit for bit the one without the overwrite (before the fix the vendor's low-latency combine was handed the caller's tensors again)."""
     for repeatable, same in moe_rank_pools.get(2).map(_unfused_combine_after_the_router_buffers_change):
         assert repeatable and same
 
@@ -74,14 +59,6 @@ def test_the_unfused_combine_uses_the_routing_given_to_its_dispatch(moe_rank_poo
 TIMEOUT_S = 2.0
 
 
-def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
-    start = time.monotonic()
-    try:
-        call()
-    except md.MoEDispatchError as exc:
-        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
-        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
-    return None, {}, time.monotonic() - start, ""
 
 
 def _fused_forward(rank: int, world: int, timeout_s: float, bad_rank: int | None, stalled_rank: int | None):
@@ -97,7 +74,7 @@ def _fused_forward(rank: int, world: int, timeout_s: float, bad_rank: int | None
     if rank == stalled_rank:
         time.sleep(timeout_s + 2)  # never enters the op
         return None, {}, 0.0, ""
-    return _outcome(lambda: d.forward(None, layer, x, ids, w))
+    return outcome(lambda: d.forward(None, layer, x, ids, w))
 
 
 def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202

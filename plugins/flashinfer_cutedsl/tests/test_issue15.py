@@ -18,7 +18,7 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 
@@ -48,30 +48,14 @@ def _combine_after_the_router_buffers_change(rank: int, world: int, fake: str, d
     d = _dispatcher(fake, world, dtype)
     x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
     layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
-    experts = ScaledIdentityExperts()
-
-    def round_trip(overwrite: bool) -> torch.Tensor:
-        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
-        out = d.dispatch(x, router_ids, router_w)
-        if overwrite:  # the next step's router writes into the same buffers before this combine
-            router_ids.copy_(other_ids)
-            router_w.mul_(0.5)
-        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                     out.group_list_type, out.group_list, torch.bfloat16)
-        return d.combine(rows, out)
-
-    plain = round_trip(False)
-    overwritten = round_trip(True)
-    again = round_trip(False)
-    return (torch.equal(plain, again), torch.equal(plain, overwritten),
-            float((plain.float() - overwritten.float()).abs().max()))
+    return tuple(routing_reuse(d, layer, x, ids, w, other_ids))
 
 
 @pytest.mark.parametrize("fake", [vendor.FAKE_0_6_13, vendor.FAKE_0_7_2])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, fake, dtype):
-    """The caller's ids and weights are overwritten in place after dispatch (ids.copy_(other ids), w.mul_(0.5)):
-    combine's result is bit for bit the one without the overwrite. (This adapter already kept what combine needs in
+    """The caller's ids and weights are overwritten in place after dispatch (the kit's ``routing_reuse``: ids copied
+    from another routing, w.mul_(0.5).add_(0.25)): combine's result is bit for bit the one without the overwrite. (This adapter already kept what combine needs in
     its handle; the test keeps it so.)"""
     for repeatable, same, diff in moe_rank_pools.get(2).map(_combine_after_the_router_buffers_change, fake, dtype):
         assert repeatable, "the round trip itself is not repeatable: the comparison below would mean nothing"
@@ -83,14 +67,6 @@ def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, fake, dt
 TIMEOUT_S = 2.0
 
 
-def _outcome(call) -> tuple[str | None, dict, float, str]:  # noqa: ANN001
-    start = time.monotonic()
-    try:
-        call()
-    except md.MoEDispatchError as exc:
-        attrs = {k: getattr(exc, k) for k in ("parameter", "rank", "ranks", "operation") if hasattr(exc, k)}
-        return type(exc).__name__, attrs, time.monotonic() - start, str(exc)
-    return None, {}, time.monotonic() - start, ""
 
 
 def _bad_input_on_rank_1(rank: int, world: int, fake: str):
@@ -99,7 +75,7 @@ def _bad_input_on_rank_1(rank: int, world: int, fake: str):
     if rank == 1:
         ids = ids.clone()
         ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
-    return _outcome(lambda: d.dispatch(x, ids, w))
+    return outcome(lambda: d.dispatch(x, ids, w))
 
 
 def _stalls_before_combine(rank: int, world: int, fake: str):
@@ -110,7 +86,7 @@ def _stalls_before_combine(rank: int, world: int, fake: str):
         time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
         return None, {}, 0.0, ""
     rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
-    return _outcome(lambda: d.combine(rows, out))
+    return outcome(lambda: d.combine(rows, out))
 
 
 def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202

@@ -14,7 +14,9 @@ from ..routing import random_routing
 from .cases import Case, GlobalBatch, KitShape, Routing, Target, standard_routings
 from .experts import IdentityExperts, ScaledIdentityExperts, ScaledLayer, expert_factor
 from .layers import LayerCheck, check_layer
+from .outcomes import Outcome, outcome
 from .pools import RankPools
+from .ranks import RoutingReuse, routing_reuse
 
 
 def __getattr__(name: str) -> Any:
@@ -34,7 +36,9 @@ __all__ = [
     "IdentityExperts",
     "KitShape",
     "LayerCheck",
+    "Outcome",
     "RankPools",
+    "RoutingReuse",
     "Routing",
     "ScaledIdentityExperts",
     "ScaledLayer",
@@ -42,6 +46,8 @@ __all__ = [
     "check_layer",
     "dense_reference",
     "expert_factor",
+    "outcome",
     "random_routing",
+    "routing_reuse",
     "standard_routings",
 ]

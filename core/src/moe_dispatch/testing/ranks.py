@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -211,26 +211,50 @@ def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> lis
             for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]
 
 
+class RoutingReuse(NamedTuple):
+    """Three round trips of one batch: plain, with the routing overwritten between dispatch and
+    combine, plain again. ``repeatable``: the plain ones agree (else the comparison means nothing);
+    ``unchanged``: the overwritten one agrees with them; ``max_diff`` between the two."""
+
+    repeatable: bool
+    unchanged: bool
+    max_diff: float
+
+
+def routing_reuse(dispatcher: Any, layer: ScaledLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                  other_ids: torch.Tensor) -> RoutingReuse:
+    """Dispatch → scaled-identity experts → combine, with the engine's router buffers overwritten in
+    place after dispatch (``other_ids`` copied into the ids, the weights changed) in the middle run."""
+
+    def round_trip(overwrite: bool) -> torch.Tensor:
+        router_ids, router_w = ids.clone(), w.clone()  # the engine's router output buffers
+        out = dispatcher.dispatch(x, router_ids, router_w)
+        if overwrite:  # the next step's router writes into the same buffers before this combine
+            rows = min(router_ids.shape[0], other_ids.shape[0])
+            router_ids[:rows].copy_(other_ids[:rows])
+            router_w.mul_(0.5).add_(0.25)
+        return _combine_scaled(dispatcher, layer, out)
+
+    plain, overwritten, again = round_trip(False), round_trip(True), round_trip(False)
+    diff = (plain.float() - overwritten.float()).abs()
+    return RoutingReuse(torch.equal(plain, again), torch.equal(plain, overwritten),
+                        float(diff.max()) if diff.numel() else 0.0)  # a rank may have no tokens
+
+
 def check_routing_reused(rank: int, world_size: int, case: Case) -> list[str]:
     """Combine uses the routing as it was given to dispatch: an engine that overwrites its
     ``topk_ids``/``topk_weights`` tensors after dispatch (CUDA-graph engines reuse them) gets the
     same result as one that does not."""
     batch, other = case.inputs(), replace(case, seed=case.seed + 1).inputs()
     d = case.target.create(case.spec(batch))
-    layer = _scaled_layer(case, rank)
     x, ids, w = batch.local(rank)
-    _, other_ids, other_w = other.local(rank)
-    alone = _combine_scaled(d, layer, d.dispatch(x, ids, w))
-    ids_buf, w_buf = ids.clone(), w.clone()
-    out = d.dispatch(x, ids_buf, w_buf)
-    rows = min(ids_buf.shape[0], other_ids.shape[0])
-    ids_buf[:rows].copy_(other_ids[:rows])  # the router's next output, written into the same tensors
-    w_buf.mul_(0.5).add_(0.25)
-    got = _combine_scaled(d, layer, out)
-    if torch.equal(alone, got):
+    result = routing_reuse(d, _scaled_layer(case, rank), x, ids, w, other.local(rank)[1])
+    if not result.repeatable:
+        return [f"[{case.label()}, rank {rank}] the same dispatch and combine twice gave different results"]
+    if result.unchanged:
         return []
     return [f"[{case.label()}, rank {rank}] combine read topk_ids/topk_weights after dispatch: overwriting them "
-            f"between dispatch and combine changed the result (max diff {(alone.float() - got.float()).abs().max():.3g})"]
+            f"between dispatch and combine changed the result (max diff {result.max_diff:.3g})"]
 
 
 def check_environment(rank: int, world_size: int, cases: list[Case]) -> list[str]:
@@ -359,6 +383,8 @@ def measure_traffic(rank: int, world_size: int, cases: list[Case]) -> list[dict[
 
 __all__ = [
     "COMBINE_RTOL",
+    "RoutingReuse",
+    "routing_reuse",
     "check_bad_inputs",
     "check_capacity",
     "check_conservation",

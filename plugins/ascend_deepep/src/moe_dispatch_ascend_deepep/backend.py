@@ -8,6 +8,7 @@ import sys
 from typing import Any, Mapping
 
 import moe_dispatch as md
+from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.environ import restored_environ
 
 from . import sizes
@@ -324,8 +325,8 @@ class AscendDeepEPBackend(md.Backend):
         self.check_environment(spec, R, self.group_hccl_config(ctx.comm.process_group), ctx.options)
         info = self.vendor()
         # On a fake, its collectives wait with this dispatcher's Watch: its timeout_s and its peers' failure notices
-        # (vendor.emulated_waits; nothing on the real DeepEP-Ascend).
-        waits = v.emulated_waits(info.module, ctx.comm.watch)
+        # (moe_dispatch.distributed.emulation; nothing on the real DeepEP-Ascend).
+        waits = emulated_waits(info.module, v.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
         buffer = ctx.options.get("buffer")
         if buffer is None:
             if not info.supported:

@@ -78,7 +78,7 @@ class AscendDeepEPDispatcher:
                  waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.buffer = buffer
         #: The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch (its
-        #: timeout_s, its peers' failure notices; vendor.emulated_waits); nothing on the real DeepEP-Ascend.
+        #: timeout_s, its peers' failure notices; moe_dispatch.distributed.emulation); nothing on the real DeepEP-Ascend.
         self.waits = waits
         self.spec, self.dtype = ctx.spec, ctx.dtype
         self.local_experts = ctx.local_experts

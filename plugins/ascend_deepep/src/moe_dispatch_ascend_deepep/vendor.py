@@ -14,8 +14,6 @@ fakes live in ``moe_dispatch_ascend_deepep.fakes`` and are chosen by module-name
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
 import importlib.util
 import ast
@@ -26,7 +24,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Mapping
 
 from moe_dispatch.signatures import VendorSignature
 
@@ -1044,12 +1042,6 @@ def _params(fn: object) -> tuple[str, ...]:
         return ()
 
 
-def emulated_waits(module: Any, watch: Any) -> Callable[[], ContextManager[Any]]:
-    """The scope the adapter makes ``module``'s calls in (a new one per call): a fake's collectives then wait with
-    ``watch`` (the dispatcher's); an empty scope for the real DeepEP-Ascend. Decided once, not per call."""
-    scope = getattr(module, EMULATED_WATCH_ATTRIBUTE, None)
-    return contextlib.nullcontext if scope is None else functools.partial(scope, watch)
-
 
 def detect(module_name: str = REAL) -> VendorInfo:
     """What the installed ``module_name`` is, from its Python signatures only (no NPU touched)."""
@@ -1087,7 +1079,7 @@ __all__ = [
     "normal_internode_window_bytes_a2", "notify_dispatch_a2_window_bytes", "soc_family_from_name",
     "EMULATED_WATCH_ATTRIBUTE",
     "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",
-    "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "emulated_waits", "is_layered",
+    "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
     "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes",
     "normal_op_window_bytes_a2", "ops_window_mb", "parse_env_int", "readme_window_bytes", "registered_schema",
     "schema_params", "soc_family", "current_soc", "stoi_prefix", "window_mb",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.distributed.emulation import emulated_waits
 
 from . import sizes, vendor
 from .buffers import PROCESS_BUFFERS, BufferPlan, BufferRequest, qps_option, reserved_bytes
@@ -419,8 +420,9 @@ class DeepEPBackend(md.Backend):
         self._check_torch_flags()
         plan, configs = self._plan(ctx)
         # On a fake, its collectives (the Buffer's clean at creation, every call after) wait with this dispatcher's
-        # Watch: its timeout_s and its peers' failure notices (vendor.emulated_waits; nothing on the real DeepEP).
-        waits = vendor.emulated_waits(module, ctx.comm.watch)
+        # Watch: its timeout_s and its peers' failure notices (moe_dispatch.distributed.emulation; nothing on the real
+        # DeepEP).
+        waits = emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
         with waits():
             shared = PROCESS_BUFFERS.open(plan, module, ctx.comm.process_group, ctx.world_size, ctx.spec,
                                           self.vendor().release.ll_clean_by_experts)

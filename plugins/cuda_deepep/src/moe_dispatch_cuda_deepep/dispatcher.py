@@ -85,7 +85,7 @@ class DeepEPDispatcher:
         self.shared = shared
         self._capturing = capturing  # torch.cuda.is_current_stream_capturing() on the vendor's device
         # The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch
-        # (vendor.emulated_waits); nothing on the real DeepEP.
+        # (moe_dispatch.distributed.emulation); nothing on the real DeepEP.
         self._waits = waits
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.local_experts = ctx.local_experts

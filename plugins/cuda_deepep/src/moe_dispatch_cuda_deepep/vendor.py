@@ -12,8 +12,6 @@ Nothing here imports the adapter or the fakes.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -21,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 
@@ -388,12 +386,6 @@ def nvshmem_domain(module: Any) -> str:
     """Whose NVSHMEM a Buffer of ``module`` starts: the process's (the real DeepEP), or the fakes' emulated one."""
     return str(getattr(module, EMULATED_NVSHMEM_ATTRIBUTE, "process"))
 
-
-def emulated_waits(module: Any, watch: Any) -> Callable[[], ContextManager[Any]]:
-    """The scope the adapter makes ``module``'s calls in (a new one per call): a fake's collectives then wait with
-    ``watch`` (the dispatcher's); an empty scope for the real DeepEP. Decided once, not per call."""
-    scope = getattr(module, EMULATED_WATCH_ATTRIBUTE, None)
-    return contextlib.nullcontext if scope is None else functools.partial(scope, watch)
 
 
 def stream_capturing(module: Any) -> bool:

@@ -89,7 +89,7 @@ class FlashInferA2ADispatcher:
     def __init__(self, ctx: md.DispatchContext, instances: list[Any], kernel_top_k: int,
                  waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         #: The scope of every vendor call: on a fake, its kernels' exchanges wait with this dispatcher's Watch (its
-        #: timeout_s, its peers' failure notices; vendor.emulated_waits); nothing on the real FlashInfer.
+        #: timeout_s, its peers' failure notices; moe_dispatch.distributed.emulation); nothing on the real FlashInfer.
         self.waits = waits
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.rank, self.world = ctx.rank, ctx.world_size

@@ -59,6 +59,7 @@ from typing import Any, Iterator
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.codecs import as_bytes, from_bytes
 
 from . import vendor
@@ -231,8 +232,9 @@ class FlashInferA2ABackend(md.Backend):
         # barriers itself from 0.7.1 only).
         ctx.comm.barrier("flashinfer_a2a: workspaces initialized")
         # On a fake, its kernels' exchanges wait with this dispatcher's Watch: its timeout_s and its peers' failure
-        # notices (vendor.emulated_waits; nothing on the real FlashInfer).
-        waits = vendor.emulated_waits(importlib.import_module(info.module_name), ctx.comm.watch)
+        # notices (moe_dispatch.distributed.emulation; nothing on the real FlashInfer).
+        waits = emulated_waits(importlib.import_module(info.module_name), vendor.EMULATED_WATCH_ATTRIBUTE,
+                               ctx.comm.watch)
         return FlashInferA2ADispatcher(ctx, instances, kernel_k, waits)
 
 

@@ -16,13 +16,11 @@ index (0.6.18, 0.7.0, 0.7.1, 0.7.2.post1). ``csrc/...`` paths of a wheel are und
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 
@@ -61,12 +59,6 @@ INSTALL_HINT = 'pip install "moe-dispatch-flashinfer-cutedsl[flashinfer]" (flash
 #: timeout and never hear of a peer's failure (issue 15).
 EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
 
-
-def emulated_waits(module: Any, watch: Any) -> Callable[[], ContextManager[Any]]:
-    """The scope the adapter makes ``module``'s calls in (a new one per call): a fake's exchanges then wait with
-    ``watch`` (the dispatcher's); an empty scope for the real FlashInfer. Decided once, not per call."""
-    scope = getattr(module, EMULATED_WATCH_ATTRIBUTE, None)
-    return contextlib.nullcontext if scope is None else functools.partial(scope, watch)
 
 
 # -- versions ----------------------------------------------------------------------------------
@@ -951,7 +943,7 @@ __all__ = [
     "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
     "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
     "cpp_stoi", "cutedsl_routing_limits", "default_workspace_bytes_per_token", "detect", "dispatch_vector_width",
-    "emulated_waits", "fake_for", "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
+    "fake_for", "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
     "mnnvl_reservation",
     "one_block_per_token", "parse_version", "ported_workspace_size_per_rank", "profile", "retire_mnnvl_range",
     "sanitize_block_size", "signature", "sm100_reason", "workspace_size_per_rank",

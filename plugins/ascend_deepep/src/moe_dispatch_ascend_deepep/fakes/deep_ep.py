@@ -54,7 +54,7 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
   (garbage on the device); ``Buffer.num_sms`` is class-level.
 - Waits: bytes move between the rank processes through the core's ``Comm``, which waits with the
   dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices) inside ``emulated_watch``
-  (``fakes._watch``: a channel beside the vendor's API, which takes a group and no deadline).
+  (``moe_dispatch.distributed.emulation``: a channel beside the vendor's API, which takes a group and no deadline).
 
 Fake-only, marked "(fake)" in messages: ``-1`` ids reaching the low-latency op without
 ``MOE_ENABLE_TOPK_NEG_ONE=1`` raise (the kernel gets no active mask; its behaviour is not
@@ -75,12 +75,12 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.distributed.emulation import WatchedComm, emulated_watch  # noqa: F401 (v.EMULATED_WATCH_ATTRIBUTE)
 from moe_dispatch.codecs import INT8Codec, as_bytes, from_bytes
 from moe_dispatch.wire import WireFormat
 
 from .. import vendor as v
 from . import torch_npu as fake_torch_npu
-from ._watch import WatchedComm, emulated_watch  # noqa: F401 (v.EMULATED_WATCH_ATTRIBUTE)
 
 INT8_ENV, COUNTS_TYPE_ENV = v.INT8_ENV, v.COUNTS_TYPE_ENV  # kept for readers of the old emulator
 QUANT_MODES = ("bf16", "int8")
@@ -395,7 +395,7 @@ class Buffer:
         low_latency_strategy: Union[str, LowLatencyStrategy] = LowLatencyStrategy.DEFAULT,
     ) -> None:
         self.group = group
-        self.comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (fakes._watch)
+        self.comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (moe_dispatch.distributed.emulation)
         self.rank, self.group_size = self.comm.rank, self.comm.world_size
         self.low_latency_mode = low_latency_mode
         # the C++ reads GetSocVersion() at construction; HCCL allocates the window when the communicator is made

@@ -50,7 +50,7 @@ As strict as the vendor where the adapter can meet it:
   (``internode_dispatch_checks``) before refusing to move the data (internode is not emulated).
 
 Results are real: bytes move between real processes through the core's ``Comm``, which waits with the
-dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices) inside ``emulated_watch`` (``fakes._watch``:
+dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices) inside ``emulated_watch`` (``moe_dispatch.distributed.emulation``:
 a channel beside the vendor's API, which takes a group and no deadline). Not emulated: CUDA
 events and streams (calls are synchronous), cached-handle dispatch, internode (more than 8 ranks) normal-mode
 data movement, LogFMT and zero-copy combine. Each call is recorded in ``Buffer.calls`` for the tests.
@@ -70,6 +70,7 @@ from typing import Any, Callable
 
 import torch
 
+from moe_dispatch.distributed.emulation import WatchedComm, emulated_watch  # noqa: F401 (vendor.EMULATED_WATCH_ATTRIBUTE)
 from moe_dispatch.codecs import as_bytes, from_bytes, ue8m0_value
 from moe_dispatch_cuda_deepep import vendor
 
@@ -83,7 +84,6 @@ from ._native import (
     lose_context,
     scalar_type_check,
 )
-from ._watch import WatchedComm, emulated_watch  # noqa: F401 (vendor.EMULATED_WATCH_ATTRIBUTE)
 
 __version__ = "2.1.0"  # deepseek-ai/DeepEP@dd758ca deep_ep/__init__.py
 topk_idx_t = torch.int64
@@ -524,7 +524,7 @@ class Buffer:
             raise NotImplementedError("the fake runs on torch.distributed process groups, not mpi4py communicators")
         self._check_nvlink_connections(group)
         check_context()
-        self._comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (fakes._watch)
+        self._comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (moe_dispatch.distributed.emulation)
         self.rank, self.group, self.group_size = self._comm.rank, group, self._comm.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode

@@ -5,67 +5,30 @@ communicator (``mnnvl.Segment.exchange``): blocking gloo calls that wait the pro
 hear of a peer's failure. FlashInfer itself has no such wait: its kernels spin on completion flags in the workspace
 and trap after their own timeout (``moeAlltoAllKernels.cu``); its ``MoeAlltoAll`` takes no deadline.
 
-So the waits come from the caller, through a channel that is not part of the vendor's API:
-``emulated_watch(watch)`` (``vendor.EMULATED_WATCH_ATTRIBUTE``; every fake FlashInfer release exports it) sets, for
-the current thread or task, the ``moe_dispatch.distributed.watch.Watch`` the fake kernels' exchanges wait with: the
-dispatcher's ``timeout_s`` and the failure notices its peers post (``moe_dispatch/<uid>/failed``). The adapter
-enters it around its vendor calls when the release has it; outside it (a test driving a fake by hand) the
-exchanges run as before. No vendor signature changes.
+So the waits come from the caller (``moe_dispatch.distributed.emulation``: the release exports its
+``emulated_watch`` under ``vendor.EMULATED_WATCH_ATTRIBUTE``): inside it, ``watched_comm`` gives the exchange a
+communicator that waits with the dispatcher's ``timeout_s`` and hears its peers' failure notices; outside it (a test
+driving a fake by hand) the exchanges run as before. No vendor signature changes.
 """
 
 from __future__ import annotations
 
 import pickle
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.distributed.comm import Comm
-from moe_dispatch.distributed.watch import Watch
-
-_CALLER_WATCH: ContextVar[Watch | None] = ContextVar("moe_dispatch_flashinfer_cutedsl.fakes.caller_watch",
-                                                     default=None)
-
-
-@contextmanager
-def emulated_watch(watch: Watch | None) -> Iterator[None]:
-    """The fake kernels' exchanges inside the block wait with ``watch`` (None: as before)."""
-    token = _CALLER_WATCH.set(watch)
-    try:
-        yield
-    finally:
-        _CALLER_WATCH.reset(token)
-
-
-class WatchedComm(Comm):
-    """The core's ``Comm`` whose collectives wait with the caller's ``Watch``."""
-
-    def __init__(self, group: Any, watch: Watch) -> None:
-        super().__init__(group)
-        self._caller = watch
-
-    @property  # type: ignore[override]
-    def watch(self) -> Watch:
-        return self._caller if self._caller is not None else self._own_watch
-
-    @watch.setter
-    def watch(self, value: Watch) -> None:  # Comm.__init__ sets its own
-        self._own_watch = value
+from moe_dispatch.distributed.emulation import WatchedComm, caller_watch
 
 
 def watched_comm(group: Any) -> WatchedComm | None:
     """A ``Comm`` over ``group`` (None: the default group) waiting with the caller's ``Watch``, when the caller set
     one for the same ranks of a group of this size; None otherwise (the exchange runs as before)."""
-    watch = _CALLER_WATCH.get()
-    if watch is None or not dist.is_initialized():
+    if caller_watch() is None or not dist.is_initialized():
         return None
-    comm = WatchedComm(group, watch)
-    if (watch.rank, watch.world_size) != (comm.rank, comm.world_size):
-        return None
-    return comm
+    comm = WatchedComm(group)
+    return comm if comm.caller_watch is not None else None
 
 
 def allgather_object(comm: WatchedComm, obj: Any, operation: str) -> list[Any]:

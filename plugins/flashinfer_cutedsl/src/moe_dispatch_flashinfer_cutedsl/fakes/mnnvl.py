@@ -279,7 +279,7 @@ class Segment:
         """Byte stores ``(offset, uint8 tensor)`` to each peer → the stores every source made to
         this rank. The headers travel through the communicator (allgather); the bytes through
         its process group when it has one (``_group``, as FlashInfer's TorchDistBackend), else
-        through the communicator too. Inside ``emulated_watch`` (``fakes._watch``) both go through
+        through the communicator too. Inside ``emulated_watch`` (``moe_dispatch.distributed.emulation``) both go through
         the core's ``Comm`` on that group, waiting with the caller's ``Watch`` (the dispatcher's
         ``timeout_s``, its peers' failure notices) instead of blocking in gloo."""
         size = self.comm_size

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import vendor
 from . import a2a, mnnvl, nvfp4
-from ._watch import emulated_watch
+from moe_dispatch.distributed.emulation import emulated_watch
 from .kernels import MoeA2AKernels
 from .mapping import Mapping
 
@@ -51,7 +51,7 @@ def build(module: str, version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoA
         moe_a2a_get_workspace_size_per_rank=size, get_moe_alltoall_module=get_moe_alltoall_module,
         fp4_quantize=_owned(nvfp4.fp4_quantize_for(version), module, "fp4_quantize"), CuteDslMoEWrapper=cute,
         MnnvlMemory=memory, TorchDistBackend=torch_dist,
-        emulated_watch=emulated_watch)  # vendor.EMULATED_WATCH_ATTRIBUTE: not FlashInfer's (fakes._watch)
+        emulated_watch=emulated_watch)  # vendor.EMULATED_WATCH_ATTRIBUTE: not FlashInfer's (moe_dispatch.distributed.emulation)
 
 
 def export(namespace: dict[str, Any], version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoAllBase],
