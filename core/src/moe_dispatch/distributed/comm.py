@@ -108,8 +108,9 @@ class Comm:
         self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
         self._tag = 0
         self._call: tuple[int, int] | None = None  # (phase, number) not yet checked with the peers
-        self.watch = Watch(self.rank, self.world_size, float(timeout_s),
-                           poll=self.world_size > 1 and self.backend_name == "gloo")
+        on_gloo = self.world_size > 1 and self.backend_name == "gloo"
+        self.watch = Watch(self.rank, self.world_size, float(timeout_s), poll=on_gloo)
+        self._checks_every_call = on_gloo  # fixed for the group: not asked of torch.distributed per collective
         #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
         self.records: list[CollectiveRecord] | None = None
 
@@ -124,7 +125,7 @@ class Comm:
         """Whether every call is checked against the peers' (``begin``): on gloo, whose tensors are
         host memory, the check reads no device. NCCL and HCCL check only the calls that read the
         counts on the host anyway (normal-mode dispatch), so low-latency mode stays sync-free."""
-        return self.world_size > 1 and self.backend_name == "gloo"
+        return self._checks_every_call
 
     def begin(self, phase: str, number: int) -> None:
         """The collectives that follow belong to call ``number`` of ``phase`` of this dispatcher.
