@@ -1,6 +1,7 @@
 """``restored_environ`` under threads (issue 15, class 5): it touches only the variables it is told
-about, restores each to its own previous value, serializes its users, and never raises KeyError
-while other threads set and delete unrelated variables."""
+about, restores each to its own previous value, runs blocks that agree at once and blocks that
+disagree one after the other, and never raises KeyError while other threads set and delete
+unrelated variables."""
 
 from __future__ import annotations
 
@@ -122,6 +123,76 @@ def test_two_blocks_never_interleave():
     assert SCOPED not in os.environ
 
 
+def test_blocks_that_set_the_same_values_run_at_once():
+    """Two dispatchers of one kind on two threads of a rank (separate groups): their blocks agree, so
+    the second does not wait for the first. With one lock for every block, a rank whose threads
+    entered in the order A, B and a peer whose threads entered B, A waited for each other until the
+    collective's timeout: here the first block stays inside until the second is inside too."""
+    first_inside, second_inside = threading.Event(), threading.Event()
+    seen: list[tuple[bool, str | None]] = []
+
+    def one() -> None:
+        with restored_environ({SCOPED: "same", WRITTEN: None}):
+            first_inside.set()
+            seen.append((second_inside.wait(10), os.environ.get(SCOPED)))
+
+    def two() -> None:
+        first_inside.wait(10)
+        with restored_environ({SCOPED: "same", WRITTEN: None}):
+            second_inside.set()
+
+    _run([threading.Thread(target=one), threading.Thread(target=two)])
+    assert seen == [(True, "same")], "the second block waited for the first"
+    assert SCOPED not in os.environ
+
+
+@pytest.mark.parametrize("first,second,names", [
+    ({SCOPED: "same"}, {SCOPED: "other"}, ()),  # another value: each vendor call sees its own
+    ({SCOPED: "same", WRITTEN: "1"}, {SCOPED: "same", WRITTEN: None}, ()),  # agree on one, not the other
+    ({SCOPED: "same"}, {SCOPED: "same"}, (WRITTEN,)),  # the vendor may write WRITTEN: what it writes is unknown
+])
+def test_blocks_that_disagree_wait(first, second, names):
+    began: list[float] = []
+    ended: list[float] = []
+    inside = threading.Event()
+
+    def one() -> None:
+        with restored_environ(first, names=names):
+            inside.set()
+            time.sleep(0.3)
+            ended.append(time.monotonic())
+
+    def two() -> None:
+        inside.wait(10)
+        with restored_environ(second, names=names):
+            began.append(time.monotonic())
+
+    _run([threading.Thread(target=one), threading.Thread(target=two)])
+    assert began[0] >= ended[0], "the disagreeing block ran inside the first"
+    assert SCOPED not in os.environ and WRITTEN not in os.environ
+
+
+def test_a_shared_value_stays_until_the_last_block_ends():
+    os.environ[SCOPED] = "before"
+    first_may_leave, second_inside = threading.Event(), threading.Event()
+    seen: list[str | None] = []
+
+    def one() -> None:
+        with restored_environ({SCOPED: "same"}):
+            second_inside.wait(10)
+        first_may_leave.set()
+
+    def two() -> None:
+        with restored_environ({SCOPED: "same"}):
+            second_inside.set()
+            first_may_leave.wait(10)
+            seen.append(os.environ.get(SCOPED))  # the first block has ended; this one has not
+
+    _run([threading.Thread(target=one), threading.Thread(target=two)])
+    assert seen == ["same"]
+    assert os.environ[SCOPED] == "before"
+
+
 def test_only_named_variables_are_restored_each_to_its_own_value():
     os.environ[SCOPED] = "before"
     with restored_environ({SCOPED: "during", f"{OTHER}UNSET": None}, names=(WRITTEN,)):
@@ -152,11 +223,17 @@ def test_an_error_in_the_block_still_restores():
 
 
 def test_blocks_nest_on_one_thread():
-    with restored_environ({SCOPED: "outer"}):
-        with restored_environ({SCOPED: "inner"}):
+    os.environ[WRITTEN] = "old"
+    with restored_environ({SCOPED: "outer"}, names=(WRITTEN,)):
+        os.environ[WRITTEN] = "outer wrote"
+        with restored_environ({SCOPED: "inner"}, names=(WRITTEN,)):
             assert os.environ[SCOPED] == "inner"
+            os.environ[WRITTEN] = "inner wrote"
+        assert os.environ[SCOPED] == "outer" and os.environ[WRITTEN] == "outer wrote"
+        with restored_environ({SCOPED: "outer"}):  # agrees: joins the outer block's value
+            assert os.environ[SCOPED] == "outer"
         assert os.environ[SCOPED] == "outer"
-    assert SCOPED not in os.environ
+    assert SCOPED not in os.environ and os.environ[WRITTEN] == "old"
 
 
 @pytest.mark.parametrize("values,names,parameter", [

@@ -186,3 +186,44 @@ def test_dispatches_leave_another_threads_variables_alone(moe_rank_pools):
     vendor call reads its own dispatcher's INT8 choice and every other variable stays as its thread left it."""
     for problems in moe_rank_pools.get(2).map(_dispatchers_beside_an_environment_writer, 40):
         assert not problems, problems
+
+
+def _two_threads_per_rank_on_their_own_groups(rank: int, world: int, rounds: int) -> list[str]:
+    """Two dispatchers of one kind (the build without ``quant_mode``, BF16, normal mode: each dispatch is a block
+    setting ``DEEP_NORMAL_MODE_USE_INT8_QUANT=0`` around the vendor's collective), each on a group of its own and
+    driven by a thread of its own, as an engine overlapping two micro-batches would. Problems, as sentences."""
+    import threading
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]  # the same order on every rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
+        dispatchers = [md.create_dispatcher(AscendDeepEPBackend(EMULATOR_ENV_ONLY), md.DispatchSpec(
+            H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, output_dtype="bf16"),
+            group, env={}, timeout_s=5.0) for group in groups]
+    x, ids, w, _ = _inputs(rank, dispatchers[0].spec.num_experts)
+    problems: list[str] = []
+
+    def drive(d: md.Dispatcher) -> None:
+        try:
+            for _ in range(rounds):
+                out = d.dispatch(x, ids, w)
+                d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
+        except BaseException as exc:  # noqa: BLE001 - the point: nothing may escape
+            problems.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    threads = [threading.Thread(target=drive, args=(d,)) for d in dispatchers]
+    for t in threads if rank == 0 else threads[::-1]:  # the ranks start them in opposite orders
+        t.start()
+    for t in threads:
+        t.join(60)
+    return problems + [f"thread {i} still running" for i, t in enumerate(threads) if t.is_alive()]
+
+
+def test_threads_of_one_kind_do_not_wait_for_each_other_across_ranks():
+    """With one process-wide lock around every block, rank 0's thread A held it inside A's collective while rank 1's
+    thread B held it inside B's: each waited for a peer that waited for the lock, until the 5 s timeout
+    (CollectiveTimeoutError on both ranks). Blocks that set the same values now share, so every round completes."""
+    for problems in _on_a_fresh_pool(_two_threads_per_rank_on_their_own_groups, 30):
+        assert not problems, problems

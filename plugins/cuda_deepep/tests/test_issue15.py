@@ -115,3 +115,35 @@ def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout(mode)
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
     assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
+
+
+def _one_rank_never_closes(rank: int, world: int):
+    backend = DeepEPBackend(EMULATOR)
+    d = md.create_dispatcher(backend, _spec(world, "normal", "bf16"), env={})
+    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    out = d.dispatch(x, ids, w)
+    d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 2)  # an engine whose rank 1 is stuck elsewhere at shutdown
+        return None, {}, 0.0, ""
+    result = outcome(lambda: backend.close(timeout_s=TIMEOUT_S))
+    after = outcome(lambda: d.dispatch(x, ids, w))
+    return (*result, after[0])
+
+
+def test_close_names_a_rank_that_does_not_come_instead_of_waiting_in_the_teardown():
+    """``DeepEPBackend.close()`` destroys the Buffers, a collective (DeepEP's barriers). Rank 1 never calls it: rank 0
+    waited in the (fake's) teardown until the process group's own timeout (the pool's 40 s here). Now the ranks meet in
+    a barrier with ``timeout_s`` first: rank 0 raises CollectiveTimeoutError naming rank 1 after about 2 s, and its
+    dispatcher refuses calls afterwards (the Buffer is closed, not destroyed)."""
+    name, attrs, seconds, message, after = _on_a_fresh_pool(_one_rank_never_closes)[0]
+    assert name == "CollectiveTimeoutError", message
+    assert attrs["ranks"] == (1,)
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
+    assert after == "BackendUnavailableError"
+
+
+def test_close_refuses_a_timeout_that_cannot_work():
+    with pytest.raises(md.InvalidSpecError) as info:
+        DeepEPBackend(EMULATOR).close(timeout_s=-1)
+    assert info.value.parameter == "timeout_s"

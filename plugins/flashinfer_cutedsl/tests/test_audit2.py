@@ -82,7 +82,7 @@ def run_after_a_failed_allocation(rank: int, world: int, fake: str, by: str) -> 
             if by == "adapter":
                 md.create_dispatcher(FlashInferA2ABackend(fake), spec, groups[rank], env={})
             else:
-                config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(groups[rank]))
+                config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(md.Comm(groups[rank])))
                 mod.MoeAlltoAll(_one_rank(mod), 4, 2, E, hidden_size=H, mnnvl_config=config)
             failed = "no error"
         except md.BackendUnavailableError as exc:  # the core's wrapping of a vendor failure in create

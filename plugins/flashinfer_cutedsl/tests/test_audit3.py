@@ -110,7 +110,7 @@ def run_after_one_rank_allocated(rank: int, world: int, fake: str, fabric: bool)
         earlier = None
         if rank == 0:
             memory.set_comm_from_config(_one_rank(mod), mod.comm.mnnvl.MnnvlConfig(
-                comm_backend=GroupCommBackend(groups[0])))
+                comm_backend=GroupCommBackend(md.Comm(groups[0]))))
             earlier = memory(_one_rank(mod), memory.fabric_page_size)  # fills its 512 MiB range (address space)
         try:
             d = md.create_dispatcher(FlashInferA2ABackend(fake), spec, env={}, timeout_s=10)

@@ -67,8 +67,6 @@ def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, fake, dt
 TIMEOUT_S = 2.0
 
 
-
-
 def _bad_input_on_rank_1(rank: int, world: int, fake: str):
     d = _dispatcher(fake, world, "bf16", timeout_s=TIMEOUT_S * 15)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
@@ -115,3 +113,39 @@ def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout():
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
     assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
+
+
+class _RankOneLateOrFailingAtCreation(FlashInferA2ABackend):
+    """Rank 1 stalls (``how="stall"``) or raises (``how="raise"``) in ``create``, after the agreement and before
+    FlashInfer's start-up exchanges, which rank 0 is already in."""
+
+    def __init__(self, fake: str, how: str) -> None:
+        super().__init__(fake)
+        self.how = how
+
+    def create(self, ctx: md.DispatchContext):  # noqa: ANN201
+        if ctx.rank == 1:
+            if self.how == "raise":
+                raise RuntimeError("rank 1's device is gone")
+            time.sleep(TIMEOUT_S + 2)
+        return super().create(ctx)
+
+
+def _created_beside_a_peer_that(rank: int, world: int, how: str):
+    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, output_dtype="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return outcome(lambda: md.create_dispatcher(_RankOneLateOrFailingAtCreation(vendor.FAKE_0_7_2, how), spec,
+                                                    env={}, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.parametrize("how,error", [("stall", "CollectiveTimeoutError"), ("raise", "PeerFailedError")])
+def test_flashinfers_start_up_exchanges_wait_with_the_dispatchers_watch(how, error):
+    """FlashInfer's MNNVL allocation exchanges handles through the adapter's CommBackend while the dispatcher is being
+    created. It called torch.distributed directly: rank 0 waited for a stalled rank 1 until the process group's own
+    timeout (the pool's 40 s here). Now it goes through the dispatcher's Comm: rank 0 names rank 1 after timeout_s,
+    or at once when rank 1 has announced its failure."""
+    name, attrs, seconds, message = _on_a_fresh_pool(_created_beside_a_peer_that, how)[0]
+    assert name == error, message
+    assert 1 in (attrs.get("ranks") or (attrs.get("rank"),)), attrs
+    assert seconds < TIMEOUT_S + 2.5

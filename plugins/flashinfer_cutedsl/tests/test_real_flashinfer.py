@@ -276,7 +276,7 @@ def run_after_failed_allocation(rank: int, world: int) -> tuple:
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
     with fresh_address_range(memory):
         DRIVER.free_bytes = 0  # cuMemCreate fails after the range was reserved
-        config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(groups[rank]))
+        config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(md.Comm(groups[rank])))
         try:  # another user of FlashInfer's MoeAlltoAll, over a one-rank group
             mod.comm.MoeAlltoAll(_mapping(mod, 0, 1), 4, 2, E, hidden_size=H, mnnvl_config=config)
             failed = "no error"
@@ -438,3 +438,10 @@ def test_4_the_fakes_mnnvl_collectives_equal_flashinfers_open_mnnvl_memory(fabri
         seen.append(comm.seen)
     fake = importlib.import_module(vendor.fake_for(vendor.parse_version(flashinfer.__version__)))
     assert seen == mnnvl_collectives(fake, fabric, "aarch64" if fabric else "x86_64")
+
+
+def test_the_real_python_fake_waits_with_the_dispatchers_watch():
+    """Audit 2026-11-23 #9: without the emulated-wait scope the fake kernels' exchanges under FlashInfer's real
+    Python blocked in gloo for the process group's timeout and never heard a peer's failure notice."""
+    from moe_dispatch.distributed.emulation import emulated_watch
+    assert getattr(_real(), vendor.EMULATED_WATCH_ATTRIBUTE) is emulated_watch

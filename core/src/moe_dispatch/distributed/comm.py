@@ -9,9 +9,10 @@ the share it sends to itself, so totals compare directly with ``WireFormat`` × 
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ class Traffic:
     payload_bytes: int = 0
     metadata_bytes: int = 0
     combine_bytes: int = 0
+    #: What the call check (``begin``) adds: 24 bytes per peer beside the counts it rides with, 32 alone.
+    check_bytes: int = 0
     collectives: int = 0
 
     def reset(self) -> None:
@@ -68,7 +71,7 @@ class CollectiveRecord:
     @property
     def carries_data(self) -> bool:
         """False for routing-only exchanges (the per-rank counts)."""
-        return any(c != "metadata" for c in self.categories)
+        return any(c not in ("metadata", "check") for c in self.categories)
 
 
 class Comm:
@@ -177,10 +180,12 @@ class Comm:
                 t.metadata_bytes += nbytes
             elif category == "combine":
                 t.combine_bytes += nbytes
+            elif category == "check":
+                t.check_bytes += nbytes
             else:
                 raise InvalidInputError(
                     "unknown traffic category", parameter="sections", value=category,
-                    allowed="payload, metadata, combine",
+                    allowed="payload, metadata, combine, check",
                 )
 
     def all_to_all(
@@ -237,6 +242,20 @@ class Comm:
         self._run(operation, lambda: _gather(out, send, self.group))
         return out.view(self.world_size, *send.shape).cpu()
 
+    def gather_object(self, obj: Any, operation: str) -> list[Any]:
+        """Every rank's picklable ``obj`` in rank order, outside the traffic counts, with the same
+        failure handling as the data collectives: a vendor's start-up exchanges (FlashInfer's MNNVL
+        handles) and the emulators' stand-ins for device stores. Two gathers: sizes, then bytes."""
+        if self.world_size == 1:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.gather_uncounted(torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8), operation)
+        lengths = [int(n) for n in sizes.view(torch.int64).reshape(-1)]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        rows = self.gather_uncounted(padded, operation)
+        return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
     def barrier(self, operation: str = "barrier") -> None:
         """Every rank arrives here before any leaves, with the same failure handling as the
         data collectives (a peer that failed or died is named, not waited for)."""
@@ -269,7 +288,8 @@ class Comm:
         device = counts.device if counts is not None else self.device or torch.device("cpu")
         if device.type != "cpu":
             device = torch.device(device.type, getattr(torch, device.type).current_device())
-        got = from_bytes(self.all_to_all(as_bytes(rows.to(device)), None, None, [("metadata", 8 * _CALL_ROW)]),
+        sections = [("check", 8 * _CALL_ROW)] if counts is None else [("metadata", 8), ("check", 8 * (_CALL_ROW - 1))]
+        got = from_bytes(self.all_to_all(as_bytes(rows.to(device)), None, None, sections),
                          torch.int64).view(self.world_size, _CALL_ROW)
         calls = [tuple(row) for row in got[:, 1:].tolist()]  # gloo: host memory; NCCL: where counts sync anyway
         if any(call != (self._tag, phase, number) for call in calls):
@@ -297,8 +317,13 @@ class Comm:
             tuple(category for category, _ in sections),
         ))
 
-    def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
+    def _collective_number(self) -> int | str:
+        """The next collective's number, the same on every rank: names its markers in the Watch's store."""
         self._seq += 1
+        return self._seq
+
+    def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
+        number = self._collective_number()
         try:
             work = start()
         except (RuntimeError, dist.DistError) as exc:
@@ -306,7 +331,7 @@ class Comm:
                 f"{name} could not start on rank {self.rank} of {self.world_size}: another rank probably failed, "
                 f"stalled or disagreed on the call ({exc})"
             ) from exc
-        self.watch.wait(work, name, self._seq)
+        self.watch.wait(work, name, number)
 
 
 def _gather(out: torch.Tensor, send: torch.Tensor, group: "dist.ProcessGroup | None"):  # type: ignore[no-untyped-def]

@@ -4,9 +4,9 @@ A plugin's fake of a vendor library moves its bytes between real rank processes 
 core's ``Comm`` on the vendor's process group (gloo). A ``Comm`` of its own would wait with a
 ``Watch`` of its own: the default 300 s and no failure notices, since the notices live under the
 uid the ranks agreed when the dispatcher was created, which a vendor object shared by many
-dispatchers never sees. The real libraries have no such wait (their kernels spin on flags under
-the process group's own timeout), so the waits come from the caller through a channel that is
-not part of the vendor's API:
+dispatchers never sees. The real libraries have no such wait (their kernels spin on flags and
+trap after a compiled-in timeout; HCCL waits under its own), so the waits come from the caller
+through a channel that is not part of the vendor's API:
 
 - a fake module exports ``emulated_watch`` (under the attribute its plugin's ``vendor.py``
   names), and builds its communicators as ``WatchedComm``;
@@ -57,6 +57,15 @@ class WatchedComm(Comm):
     @watch.setter
     def watch(self, value: Watch) -> None:  # Comm.__init__ sets its own
         self._own_watch = value
+
+    def _collective_number(self) -> int | str:
+        """Under the caller's Watch, the emulator's collectives are numbered on that Watch, apart from the
+        dispatcher's own (a fresh ``WatchedComm`` per exchange starts at 1 on every rank)."""
+        caller = self.caller_watch
+        if caller is None:
+            return super()._collective_number()
+        caller.emulated += 1
+        return f"emulated-{caller.emulated}"
 
     @property
     def caller_watch(self) -> Watch | None:

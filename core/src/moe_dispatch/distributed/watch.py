@@ -64,6 +64,9 @@ class Watch:
         self.poll = poll
         self.store = _default_store() if poll else None
         self.prefix: str | None = None
+        #: Collectives a vendor's emulator ran under this Watch (``emulation.WatchedComm``), numbered apart from the
+        #: dispatcher's own so that the markers naming absent ranks never mix the two.
+        self.emulated = 0
 
     def bind(self, uid: str) -> None:
         """Start posting and reading notices under the dispatcher's agreed ``uid``."""
@@ -79,7 +82,7 @@ class Watch:
         except Exception:  # the store itself is gone: the peers will time out instead
             pass
 
-    def wait(self, work, operation: str, seq: int) -> None:  # type: ignore[no-untyped-def]
+    def wait(self, work, operation: str, seq: int | str) -> None:  # type: ignore[no-untyped-def]
         if not self.poll:
             work.wait()
             return
@@ -126,7 +129,7 @@ class Watch:
             rank=int(notice["rank"]), reason=str(notice["reason"]), operation=operation,
         )
 
-    def _broken(self, operation: str, seq: int, exc: BaseException) -> CommunicationError:
+    def _broken(self, operation: str, seq: int | str, exc: BaseException) -> CommunicationError:
         notice = self._notice()
         if notice is not None:
             return self._peer_failed(notice, operation)

@@ -21,7 +21,8 @@ vendor gets copies of the caller's ids and weights, never the caller's tensors: 
 overwrite its router buffers between dispatch and combine (issue 15).
 
 What the vendor reads from the process environment at a call is set for that call only, in
-``moe_dispatch.environ.restored_environ`` (one lock per process), whatever the process has:
+``moe_dispatch.environ.restored_environ`` (blocks that set the same values share; blocks that disagree wait),
+whatever the process has:
 
 - normal dispatch: ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` = this dispatcher's choice (``quant_mode``
   is passed too where it exists; A2's internode path reads only the variable) and

@@ -71,7 +71,9 @@ class EnvVar:
 
 
 # KN@f425bdf python/deep_ep/deep_ep/strategies/normal_strategy.py DefaultNormalCommStrategy._intranode_dispatch
-# (when quant_mode is None, since KN@929a00ae and before KN@7c2b9e06) and ._internode_dispatch (always).
+# (when quant_mode is None, since KN@929a00ae and before KN@7c2b9e06) and ._internode_dispatch (A2, > 8 ranks:
+# always, except KN@7c2b9e06..929a00ae, where use_quant = False is hard-coded); read in Python at each dispatch, so
+# the adapter sets it for every normal dispatch on every build, quant_mode or not.
 INT8_ENV = "DEEP_NORMAL_MODE_USE_INT8_QUANT"
 # KN@f425bdf csrc/deepep/deep_ep.cpp Buffer::intranode_dispatch / internode_dispatch (since KN@cbbddb1d)
 # and Buffer::low_latency_dispatch (since KN@ee7bc7d7, 2025-10-28): get_value_from_env(.., 1).

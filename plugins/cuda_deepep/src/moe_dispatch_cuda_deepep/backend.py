@@ -22,6 +22,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.distributed.emulation import emulated_waits
+from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 
 from . import sizes, vendor
 from .buffers import PROCESS_BUFFERS, BufferPlan, BufferRequest, qps_option, reserved_bytes
@@ -430,12 +431,15 @@ class DeepEPBackend(md.Backend):
                                 None if configs is None else configs.combine, vendor.topk_idx_dtype(module),
                                 functools.partial(vendor.stream_capturing, module), waits)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Destroy the ``deep_ep.Buffer``s the adapter created in this process (every backend object's: they are the
         process's) and let go of the ones handed in; their dispatchers then raise ``BackendUnavailableError``. A
         collective, like DeepEP's ``destroy()``: every rank calls it, at the same point (an engine's orderly
-        shutdown). Without it the Buffers live until the process exits, and their destructors run no collective
+        shutdown). The ranks of each Buffer's group first meet in a barrier that waits ``timeout_s`` (as a
+        dispatcher's collectives do) and names a rank that does not come, instead of waiting in DeepEP's teardown.
+        Without ``close`` the Buffers live until the process exits, and their destructors run no collective
         (``explicitly_destroy=True``), so a peer that died cannot make this one hang."""
+        timeout_s = check_timeout(timeout_s)
         module = self._module
         if module is not None:
-            PROCESS_BUFFERS.close(vendor.nvshmem_domain(module))
+            PROCESS_BUFFERS.close(vendor.nvshmem_domain(module), module, timeout_s)

@@ -43,6 +43,7 @@ LL kernels on one must be dropped first (a replay would run on freed NVSHMEM mem
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import warnings
 import weakref
@@ -51,6 +52,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 import moe_dispatch as md
+from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.environ import restored_environ
 
 from . import vendor
@@ -426,6 +428,7 @@ class ProcessBuffers:
 
     def __init__(self) -> None:
         self._entries: list[SharedBuffer] = []
+        self._closes = 0  # close() calls: every rank makes them in the same order
 
     def nvshmem(self, domain: str) -> SharedBuffer | None:
         return next((e for e in self._entries if e.domain == domain and e.held.uses_nvshmem), None)
@@ -561,13 +564,32 @@ class ProcessBuffers:
         self._entries.append(entry)
         return entry
 
-    def close(self, domain: str) -> None:
+    def close(self, domain: str, module: ModuleType | Any, timeout_s: float) -> None:
         """Destroy the adapter's Buffers of ``domain`` and forget the ones handed in, in creation order (every rank
-        registered them in the same order): a collective."""
+        registered them in the same order): a collective. Before each destroy (itself a collective: DeepEP's barrier
+        kernels, the fake's gloo calls) the ranks of its group meet in a barrier that waits ``timeout_s`` and names a
+        missing rank (``CollectiveTimeoutError``/``PeerFailedError``): a peer that died or never calls ``close`` is
+        not waited for in the vendor's teardown. The Buffers not yet destroyed when that happens are closed without
+        a destroy (their dispatchers refuse calls; DeepEP only warns at exit that ``destroy()`` was not called)."""
         entries = [e for e in self._entries if e.domain == domain]
         self._entries = [e for e in self._entries if e.domain != domain]
-        for entry in entries:
-            entry.close()
+        self._closes += 1
+        try:
+            for i, entry in enumerate(entries):
+                if entry.owned and entry.group is not None and not entry.closed:
+                    comm = md.Comm(entry.group, timeout_s=timeout_s)
+                    # The same name on every rank without an exchange (they close in the same order): the barrier's
+                    # store keys, by which a timeout names the ranks that never came.
+                    comm.bind(hashlib.sha1(f"cuda_deepep close {domain} {self._closes} {i}".encode()).hexdigest())
+                    comm.barrier("cuda_deepep: close (every rank destroys the Buffer)")
+                    with emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, comm.watch)():
+                        entry.close()
+                else:
+                    entry.close()
+        finally:
+            for entry in entries:
+                if not entry.closed:  # a barrier failed: the peers cannot take part in the destroy
+                    entry.closed, entry.buffer = True, None
 
     def reset(self) -> None:
         """Forget every Buffer without destroying any (what a new process starts with; the tests' fresh process)."""

@@ -353,9 +353,11 @@ EMULATED_NVSHMEM_ATTRIBUTE = "EMULATED_NVSHMEM"
 EMULATED_STREAM_CAPTURING_ATTRIBUTE = "emulated_stream_capturing"
 #: The context manager a fake module exports for how its collectives wait: ``emulated_watch(watch)`` makes the fake's
 #: collectives inside it wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its
-#: peers' failure notices). Not DeepEP's: the real Buffer waits on NVSHMEM/NVLink flags in its kernels, under the
-#: process group's own timeout and watchdog (deep_ep/buffers/legacy.py takes a group, never a deadline); a fake that
-#: moves bytes over gloo would otherwise wait its own 300 s and never hear of a peer's failure (issue 15).
+#: peers' failure notices). Not DeepEP's: the real Buffer's kernels spin on NVSHMEM/NVLink flags and ``trap`` after a
+#: compiled-in cycle count (about 100 s: deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/compiled.cuh
+#: LEGACY_NUM_TIMEOUT_CYCLES; internode_ll.cu, utils.cuh), and only its constructor's ``all_gather_object`` waits
+#: under the process group's timeout (deep_ep/buffers/legacy.py takes a group, never a deadline); a fake that moves
+#: bytes over gloo would otherwise wait its own 300 s and never hear of a peer's failure (issue 15).
 EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
 #: ``check_nvlink_connections(group)``, first in every V1 constructor: ``if 'PCIE' in torch.cuda.get_device_name():
 #: assert group.size() <= 2, 'PCIe GPUs only have pairwise NVLink connections'`` (case-sensitive: A100-PCIE names
@@ -432,11 +434,15 @@ NVSHMEM_MAX_TEAMS = "NVSHMEM_MAX_TEAMS"  # '7'
 NVSHMEM_DISABLE_NVLS = "NVSHMEM_DISABLE_NVLS"  # '1'
 NVSHMEM_CUMEM_GRANULARITY = "NVSHMEM_CUMEM_GRANULARITY"  # str(2**29)
 NVSHMEM_DISABLE_MNNVL = "NVSHMEM_DISABLE_MNNVL"  # '1' unless allow_mnnvl
+# 'gpu', written by DeepEP 21efbe9..e6b4f52~1 (1.1.x, 2025-06/07: deep_ep/buffer.py Buffer.__init__), removed by
+# e6b4f52; named so the scoped block puts it back on those builds too.
+NVSHMEM_IBGDA_NIC_HANDLER = "NVSHMEM_IBGDA_NIC_HANDLER"
 DEFAULT_NVSHMEM_QP_DEPTH = 1024
 NVSHMEM_MAX_TEAMS_VALUE = 7
 NVSHMEM_CUMEM_GRANULARITY_VALUE = 2**29
 NVSHMEM_WRITTEN = (NVSHMEM_DISABLE_P2P, NVSHMEM_IB_ENABLE_IBGDA, NVSHMEM_IBGDA_NUM_RC_PER_PE, NVSHMEM_QP_DEPTH,
-                   NVSHMEM_MAX_TEAMS, NVSHMEM_DISABLE_NVLS, NVSHMEM_CUMEM_GRANULARITY, NVSHMEM_DISABLE_MNNVL)
+                   NVSHMEM_MAX_TEAMS, NVSHMEM_DISABLE_NVLS, NVSHMEM_CUMEM_GRANULARITY, NVSHMEM_DISABLE_MNNVL,
+                   NVSHMEM_IBGDA_NIC_HANDLER)
 
 
 def low_latency_max_tokens(qp_depth: int = DEFAULT_NVSHMEM_QP_DEPTH) -> int:

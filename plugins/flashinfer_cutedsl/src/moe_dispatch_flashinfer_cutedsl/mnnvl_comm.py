@@ -19,30 +19,29 @@ import moe_dispatch as md
 
 class GroupCommBackend:
     """FlashInfer's CommBackend interface (Get_rank, Get_size, allgather, bcast, barrier, Split)
-    over a torch.distributed group (None: the default group)."""
+    over the dispatcher's ``Comm``: FlashInfer's start-up exchanges (MNNVL handles, the fabric
+    decision, the workspace barrier) wait with the dispatcher's ``timeout_s`` and hear its peers'
+    failure notices, as its own collectives do; a peer that fails while the workspaces are being
+    allocated is named, not waited for. ``comm`` None: a ``Comm`` over the default group."""
 
-    def __init__(self, group: Any = None) -> None:
-        self._group = group
+    def __init__(self, comm: md.Comm | None = None) -> None:
+        self._comm = comm if comm is not None else md.Comm()
 
     def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's names
-        return dist.get_rank(self._group)
+        return self._comm.rank
 
     def Get_size(self) -> int:  # noqa: N802
-        return dist.get_world_size(self._group)
+        return self._comm.world_size
 
     def allgather(self, data: Any) -> list[Any]:
-        out: list[Any] = [None] * self.Get_size()
-        dist.all_gather_object(out, data, group=self._group)
-        return out
+        return self._comm.gather_object(data, "flashinfer_a2a: MNNVL allgather")
 
     def bcast(self, data: Any, root: int) -> Any:
-        box = [data]
-        src = dist.get_global_rank(self._group, root) if self._group is not None else root
-        dist.broadcast_object_list(box, src=src, group=self._group)
-        return box[0]
+        """``root`` is a rank of the group (FlashInfer's ``Split`` communicators are group-relative)."""
+        return self._comm.gather_object(data if self.Get_rank() == root else None, "flashinfer_a2a: MNNVL bcast")[root]
 
     def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        self._comm.barrier("flashinfer_a2a: MNNVL barrier")
 
     def Split(self, color: int, key: int) -> "GroupCommBackend":  # noqa: N802
         """FlashInfer splits by (pp, cp) colour and tp key; the adapter's Mapping makes that the
@@ -80,7 +79,7 @@ class LocalCommBackend:
 def comm_backend_for(comm: md.Comm) -> GroupCommBackend | LocalCommBackend:
     """The CommBackend for the dispatcher's ``Comm``."""
     if dist.is_available() and dist.is_initialized():
-        return GroupCommBackend(comm.process_group)
+        return GroupCommBackend(comm)
     return LocalCommBackend()
 
 

@@ -36,6 +36,8 @@ class CaseResult:
     dispatch_bytes: float
     combine_bytes: float
     payload_bytes: float
+    #: what the call check (docs/reliability.md) sent per rank per dispatch+combine, beside the bytes above.
+    check_bytes: float
     #: payload bytes over what the wire format says they must be (1.00: no padding, no wrong dtype).
     wire_ratio: float
     #: dispatch + combine over the bare all-to-alls of the same bytes (median of per-iteration ratios).
@@ -93,6 +95,7 @@ def summarize_case(case: BenchCase, samples: list[RankSamples]) -> CaseResult:
         dispatch_bytes=sum(s.dispatch_traffic.payload_bytes + s.dispatch_traffic.metadata_bytes for s in samples) / n,
         combine_bytes=sum(s.combine_traffic.combine_bytes for s in samples) / n,
         payload_bytes=sent / n,
+        check_bytes=sum(s.dispatch_traffic.check_bytes + s.combine_traffic.check_bytes for s in samples) / n,
         wire_ratio=sent / expected if expected else float("nan"),
         floor_ratio=statistics.median(ratios) if ratios else float("nan"),
         iterations=len(dispatch),

@@ -13,10 +13,8 @@ driving a fake by hand) the exchanges run as before. No vendor signature changes
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from moe_dispatch.distributed.emulation import WatchedComm, caller_watch
@@ -29,14 +27,3 @@ def watched_comm(group: Any) -> WatchedComm | None:
         return None
     comm = WatchedComm(group)
     return comm if comm.caller_watch is not None else None
-
-
-def allgather_object(comm: WatchedComm, obj: Any, operation: str) -> list[Any]:
-    """Every rank's ``obj`` in rank order, through ``comm``'s watched collectives (two gathers: sizes, bytes)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = comm.gather_uncounted(torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8), operation)
-    lengths = [int(n) for n in sizes.view(torch.int64).reshape(-1)]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    rows = comm.gather_uncounted(padded, operation)
-    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]

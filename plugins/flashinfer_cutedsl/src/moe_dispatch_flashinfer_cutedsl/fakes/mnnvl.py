@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .. import vendor
-from ._watch import allgather_object, watched_comm
+from ._watch import watched_comm
 
 #: The fake's allocation granularity (the real one is the driver's, typically 2 MiB): the rank
 #: stride is the size rounded up to it, so a segment is narrower than its stride, as on the GPU.
@@ -287,7 +287,7 @@ class Segment:
         group = getattr(self.comm, "_group", _NO_GROUP)
         watched = watched_comm(group) if size > 1 and group is not _NO_GROUP else None
         everyone = self.comm.allgather(headers) if watched is None else \
-            allgather_object(watched, headers, "fake MNNVL stores (headers)")
+            watched.gather_object(headers, "fake MNNVL stores (headers)")
         send = [torch.cat([d.reshape(-1) for _, d in outgoing.get(p, [])] or [torch.empty(0, dtype=torch.uint8)])
                 for p in range(size)]
         send_counts = [int(t.numel()) for t in send]

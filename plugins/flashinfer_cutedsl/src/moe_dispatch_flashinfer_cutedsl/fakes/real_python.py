@@ -28,6 +28,10 @@ from flashinfer.comm import mnnvl as _mnnvl
 from flashinfer.comm import trtllm_moe_alltoall as _a2a
 from flashinfer.comm.mapping import Mapping
 
+# Exported as vendor.EMULATED_WATCH_ATTRIBUTE (not FlashInfer's): the fake kernels' exchanges wait with the
+# dispatcher's Watch (moe_dispatch.distributed.emulation), as in the all-fake releases.
+from moe_dispatch.distributed.emulation import emulated_watch
+
 from .. import vendor
 from .kernels import MoeA2AKernels
 from .mnnvl import _tuple_record, patch_real_mnnvl
@@ -57,4 +61,4 @@ comm = SimpleNamespace(MoeAlltoAll=_a2a.MoeAlltoAll, Mapping=Mapping,
 fp4_quantize: Any = None
 CuteDslMoEWrapper: Any = None
 
-__all__ = ["KERNELS", "Mapping", "MoeAlltoAll", "VERSION", "comm"]
+__all__ = ["KERNELS", "Mapping", "MoeAlltoAll", "VERSION", "comm", "emulated_watch"]
