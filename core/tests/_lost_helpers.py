@@ -539,11 +539,12 @@ def _experts(d: md.Dispatcher, out: md.DispatchOutput) -> torch.Tensor:
 
 
 def output_bits(out: md.DispatchOutput) -> list[torch.Tensor]:
-    """A DispatchOutput's tensors as raw bytes, for bit comparisons."""
+    """A copy of a DispatchOutput's tensors as raw bytes, for bit comparisons after its combine
+    (the output itself is valid only until then: its buffers serve later dispatches)."""
     parts = [out.hidden_states, out.group_list]
     if out.hidden_states_scale is not None:
         parts.append(out.hidden_states_scale)
-    return [p.contiguous().view(-1).view(torch.uint8) if p.numel() else p.new_empty(0, dtype=torch.uint8)
+    return [p.contiguous().view(-1).view(torch.uint8).clone() if p.numel() else p.new_empty(0, dtype=torch.uint8)
             for p in parts]
 
 

@@ -74,6 +74,7 @@ def conservation(rank: int, world: int, p: dict) -> dict:
         "max_diff": (result.float() - ref.float()).abs().max().item() if ref.numel() else 0.0,
         "payload": d.traffic.payload_bytes,
         "metadata": d.traffic.metadata_bytes,
+        "check": d.traffic.check_bytes,
         "combine": d.traffic.combine_bytes,
         "wire": spec.wire_format().bytes_per_token,
         "pairs": sum(dests),

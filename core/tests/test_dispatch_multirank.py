@@ -51,8 +51,10 @@ def test_payload_bytes_equal_wire_format_times_pairs(moe_rank_pools, dtype, worl
     normal = moe_rank_pools.get(world).map(conservation, {**base, "mode": "normal"})
     for r in normal:
         assert r["payload"] == r["wire"] * r["pairs"]
-        # ids + weights per pair; per rank, the counts with the call check (32 B) and combine's call check (32 B)
-        assert r["metadata"] == 8 * 3 * r["pairs"] + 32 * world + 32 * world
+        # ids + weights per pair, and the 8-byte counts per peer; the call check adds 24 B per peer beside the
+        # counts and combine's own 32 B per peer
+        assert r["metadata"] == 8 * 3 * r["pairs"] + 8 * world
+        assert r["check"] == 24 * world + 32 * world
     gathered = moe_rank_pools.get(world).map(conservation, {**base, "mode": "normal", "backend": "allgather"})
     for r in gathered:
         assert r["payload"] == r["wire"] * r["tokens"] * world

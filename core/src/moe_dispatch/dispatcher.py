@@ -162,9 +162,15 @@ class Dispatcher:
         self._usable("combine")
         try:
             self._checks.combine(expert_output, dispatch_output)
+            if dispatch_output.combined:  # its buffers may already hold a later dispatch's rows
+                raise InvalidInputError(
+                    f"dispatch #{dispatch_output.call} was already combined; its buffers may now hold a later "
+                    "dispatch's rows (an output is valid until its combine)", parameter="dispatch_output",
+                    value=f"dispatch #{dispatch_output.call}", allowed="an output not yet combined")
         except BaseException as exc:
             self._failed("combine", exc, started=False)
             raise
+        object.__setattr__(dispatch_output, "combined", True)
         try:
             self._comm.begin("combine", dispatch_output.call)
             return self._outputs.combine(self._impl.combine(expert_output, dispatch_output), dispatch_output)

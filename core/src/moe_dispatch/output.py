@@ -32,6 +32,14 @@ class DispatchOutput:
         here, never on the dispatcher, so several dispatches may be in flight.
     :param call: which dispatch of its dispatcher this is (1, 2, ...), set by the ``Dispatcher``;
         combine is checked against the peers under this number. Backends leave it 0.
+    :param combined: set by the ``Dispatcher`` when combine takes this output; a second combine
+        is refused.
+
+    **Lifetime.** The tensors of a dispatch output may live in buffers the backend reuses for a
+    later dispatch (the reference backends do; DeepEP's and FlashInfer's receive buffers too):
+    they are valid until this output's combine. An engine that needs the rows after combine
+    copies them first. Several outputs may be in flight at once; each keeps its own buffers
+    until its combine, or until the engine drops it.
     """
 
     hidden_states: torch.Tensor
@@ -45,6 +53,7 @@ class DispatchOutput:
     handle: Any
     global_scale: float | None = None
     call: int = 0
+    combined: bool = False
 
     @property
     def num_rows(self) -> int:

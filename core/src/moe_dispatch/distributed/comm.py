@@ -194,9 +194,12 @@ class Comm:
         send_counts: list[int] | None,
         recv_counts: list[int] | None,
         sections: Sequence[Section],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows of ``send`` (uint8 ``[N, W]``) go to ranks in ``send_counts`` slices; the
-        received rows come back rank by rank. None counts split evenly (fixed-size)."""
+        received rows come back rank by rank. None counts split evenly (fixed-size). ``out``:
+        where to receive (a backend's reused buffer), exactly the received shape; with world
+        size 1 the rows stay where they are and ``send`` is returned."""
         if self._call is not None and self.checks_calls_everywhere:
             self._check_call(None)  # before the first collective of a call, whose sizes may differ
         send = send.contiguous()  # no-op for the backends' own buffers; collectives need dense memory
@@ -206,16 +209,17 @@ class Comm:
         if self.world_size == 1:
             return send
         rows = sum(recv_counts) if recv_counts is not None else send.shape[0]
-        out = send.new_empty((rows, *send.shape[1:]))
+        out = _receive_into(out, send, (rows, *send.shape[1:]))
         self._run(
             "all_to_all",
             lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True),
         )
         return out
 
-    def all_gather(self, send: torch.Tensor, sections: Sequence[Section]) -> torch.Tensor:
+    def all_gather(self, send: torch.Tensor, sections: Sequence[Section], out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
-        what every destination receives from this rank: ``world_size`` copies."""
+        what every destination receives from this rank: ``world_size`` copies. ``out`` as for
+        ``all_to_all``."""
         if self._call is not None and self.checks_calls_everywhere:
             self._check_call(None)
         send = send.contiguous()
@@ -225,7 +229,7 @@ class Comm:
             self._record("all_gather", send, per_peer, per_peer, sections)
         if self.world_size == 1:
             return send
-        out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
+        out = _receive_into(out, send, (self.world_size * send.shape[0], *send.shape[1:]))
         self._run("all_gather", lambda: _gather(out, send, self.group))
         return out
 
@@ -332,6 +336,18 @@ class Comm:
                 f"stalled or disagreed on the call ({exc})"
             ) from exc
         self.watch.wait(work, name, number)
+
+
+def _receive_into(out: torch.Tensor | None, send: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The receive buffer: a new one, or the caller's, checked to be exactly what arrives (a
+    short buffer would leave rows unwritten; a long one would hand back rows of an earlier call)."""
+    if out is None:
+        return send.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != send.dtype or out.device != send.device or not out.is_contiguous():
+        raise InvalidInputError(
+            "the receive buffer does not match what arrives", parameter="out",
+            value=f"{tuple(out.shape)} {out.dtype} {out.device}", allowed=f"contiguous {shape} {send.dtype} {send.device}")
+    return out
 
 
 def _gather(out: torch.Tensor, send: torch.Tensor, group: "dist.ProcessGroup | None"):  # type: ignore[no-untyped-def]

@@ -28,6 +28,7 @@ from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
 from ..dtypes import Layout, Mode
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
+from .slots import Lease, SlotPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class NormalHandle:
     num_received: int
     row_token: torch.Tensor  # [rows] received-token index of each expanded row
     row_weight: torch.Tensor  # [rows] fp32 routing weight of each row
+    lease: Lease  # the slot this dispatch's buffers live in, until its combine
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class MaskedHandle:
     entry_row: torch.Tensor  # [M] flat masked row of each entry (clamped to 0 when invalid)
     entry_weight: torch.Tensor  # [M] fp32 weight, 0 for entries of other ranks
     entry_valid: torch.Tensor  # [M] bool
+    lease: Lease
 
 
 class ReferenceDispatcher:
@@ -73,6 +76,8 @@ class ReferenceDispatcher:
         self.meta_width = 8 * spec.top_k  # k int32 expert ids + k fp32 weights
         self.sections = (("payload", self.payload_width), ("metadata", self.meta_width))
         self.low_latency = spec.mode is Mode.LOW_LATENCY
+        #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
+        self.slots = SlotPool()
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -106,11 +111,17 @@ class ReferenceDispatcher:
             in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device).scatter_(1, dest, True)[:, :R]
         pair_token = in_rank.t().reshape(-1).nonzero().squeeze(1) % max(T, 1)  # by rank, then token
         send_counts_t = in_rank.sum(dim=0)
-        send = self._token_rows(x, topk_ids, topk_weights).index_select(0, pair_token)
+        lease = self.slots.acquire()
+        slot = lease.slot
+        rows = self._token_rows(x, topk_ids, topk_weights)
+        send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), rows.shape[1]),
+                                                                         rows.dtype, rows.device))
 
         recv_counts = self.comm.exchange_counts(send_counts_t).tolist()  # the host sync
         send_counts = send_counts_t.tolist()
-        recv = self.comm.all_to_all(send, send_counts, recv_counts, self.sections)
+        recv = self.comm.all_to_all(send, send_counts, recv_counts, self.sections,
+                                    out=None if self.world == 1 else
+                                    slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype, send.device))
         q, gids, rweights = self._split_rows(recv)
 
         # Expand to rows per (token, local expert), grouped by expert, token order within.
@@ -118,8 +129,8 @@ class ReferenceDispatcher:
         local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
         row_slot, counts = rows_by_expert(local, El)
         row_token = torch.div(row_slot, k, rounding_mode="floor")
-        hidden = q.data.index_select(0, row_token)
-        scale = None if q.scale is None else q.scale.index_select(0, row_token)
+        hidden = _select_rows(q.data, row_token, slot.take, "rows")
+        scale = None if q.scale is None else _select_rows(q.scale, row_token, slot.take, "row_scales")
         handle = NormalHandle(
             owner=self,
             pair_token=pair_token,
@@ -129,6 +140,7 @@ class ReferenceDispatcher:
             num_received=recv.shape[0],
             row_token=row_token,
             row_weight=rweights.reshape(-1).index_select(0, row_slot),
+            lease=lease,
         )
         return DispatchOutput(
             hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts, self.group_list_type),
@@ -138,12 +150,16 @@ class ReferenceDispatcher:
     def _dispatch_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         R, El, k, C = self.world, self.local_experts, self.top_k, self.capacity
         T = x.shape[0]
-        send = self._token_rows(x, topk_ids, topk_weights)
+        lease = self.slots.acquire()
+        slot = lease.slot
+        rows = self._token_rows(x, topk_ids, topk_weights)
+        send = slot.take("send", (C, rows.shape[1]), rows.dtype, rows.device)
+        send[:T] = rows
         if T < C:  # empty slots route nowhere: zero payload, ids -1 (all bits set)
-            pad = send.new_zeros((C - T, send.shape[1]))
-            pad[:, self.payload_width : self.payload_width + 4 * k] = 255
-            send = torch.cat([send, pad])
-        recv = self.comm.all_gather(send, self.sections)
+            send[T:] = 0
+            send[T:, self.payload_width : self.payload_width + 4 * k] = 255
+        recv = self.comm.all_gather(send, self.sections, out=None if R == 1 else
+                                    slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
         q, gids, gweights = self._split_rows(recv)
 
         first = self.rank * El
@@ -162,8 +178,9 @@ class ReferenceDispatcher:
         entry_row = torch.where(entry_valid, sorted_key * rows_per_expert + position, trash)
         entry_slot = torch.div(order, k, rounding_mode="floor")
 
-        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert)
-        scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert)
+        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot.take, "rows")
+        scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert,
+                                                           slot.take, "row_scales")
         handle = MaskedHandle(
             owner=self,
             num_tokens=T,
@@ -171,6 +188,7 @@ class ReferenceDispatcher:
             entry_row=torch.where(entry_valid, entry_row, 0),
             entry_weight=torch.where(entry_valid, gweights.reshape(-1)[order], 0.0),
             entry_valid=entry_valid,
+            lease=lease,
         )
         return DispatchOutput(
             hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts_ext[:El], self.group_list_type),
@@ -181,29 +199,36 @@ class ReferenceDispatcher:
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         handle = dispatch_output.handle
-        if isinstance(handle, MaskedHandle):
-            return self._combine_masked(expert_output, handle)
-        return self._combine_packed(expert_output, handle)
+        try:
+            if isinstance(handle, MaskedHandle):
+                return self._combine_masked(expert_output, handle)
+            return self._combine_packed(expert_output, handle)
+        finally:
+            handle.lease.release()  # the slot's buffers may now serve a later dispatch
 
     def _combine_packed(self, y: torch.Tensor, h: NormalHandle) -> torch.Tensor:
-        H = self.hidden
-        partial = torch.zeros(h.num_received, H, dtype=torch.float32, device=y.device)
+        H, slot = self.hidden, h.lease.slot
+        partial = slot.zeros("partial", (h.num_received, H), torch.float32, y.device)
         _add_rows(partial, h.row_token, y, h.row_weight)
+        send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device).copy_(partial)
         back = self.comm.all_to_all(
-            as_bytes(partial.to(torch.bfloat16)), h.recv_counts, h.send_counts, (("combine", 2 * H),)
+            as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
+            out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
         )
-        out = torch.zeros(h.num_tokens, H, dtype=torch.float32, device=y.device)
+        out = slot.zeros("out", (h.num_tokens, H), torch.float32, y.device)
         _add_rows(out, h.pair_token, from_bytes(back, torch.bfloat16))
         return out.to(torch.bfloat16)
 
     def _combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> torch.Tensor:
-        R, C, H = self.world, self.capacity, self.hidden
-        partial = torch.zeros(R * C, H, dtype=torch.float32, device=y.device)
+        R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
+        partial = slot.zeros("partial", (R * C, H), torch.float32, y.device)
         _add_rows(partial, h.entry_slot, y.reshape(-1, H), h.entry_weight, rows=h.entry_row, valid=h.entry_valid)
-        back = self.comm.all_to_all(as_bytes(partial.to(torch.bfloat16)), None, None, (("combine", 2 * H),))
-        slot = torch.arange(R * C, device=y.device) % C
-        out = torch.zeros(C, H, dtype=torch.float32, device=y.device)
-        _add_rows(out, slot, from_bytes(back, torch.bfloat16))
+        send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device).copy_(partial)
+        back = self.comm.all_to_all(as_bytes(send), None, None, (("combine", 2 * H),),
+                                    out=None if R == 1 else slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
+        source = torch.arange(R * C, device=y.device) % C
+        out = slot.zeros("out", (C, H), torch.float32, y.device)
+        _add_rows(out, source, from_bytes(back, torch.bfloat16))
         return out[: h.num_tokens].to(torch.bfloat16)
 
 
@@ -237,14 +262,22 @@ def _add_rows(
         out.index_add_(0, index[part], chunk)
 
 
+def _select_rows(src: torch.Tensor, index: torch.Tensor, take, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``src[index]`` written into the slot's buffer ``name``."""
+    raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_select(out=)
+    out = take(name, (index.numel(), *raw.shape[1:]), raw.dtype, raw.device)
+    return torch.index_select(raw, 0, index, out=out).view(src.dtype)
+
+
 def _scatter_rows(
-    src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int, rows_per_expert: int
+    src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int, rows_per_expert: int,
+    take, name: str,  # type: ignore[no-untyped-def]
 ) -> torch.Tensor:
     """Rows ``src[src_index]`` written at ``dest_row`` of a zeroed ``[experts, rows_per_expert, ...]``
-    buffer; entries of other ranks all land on one extra trash row that is cut off."""
+    slot buffer ``name``; entries of other ranks all land on one extra trash row that is cut off."""
     raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_copy_
     tail = raw.shape[1:]
-    buf = raw.new_zeros((trash + 1, *tail))
+    buf = take(name, (trash + 1, *tail), raw.dtype, raw.device).zero_()
     buf.index_copy_(0, dest_row, raw.index_select(0, src_index))
     return buf[:trash].view(src.dtype).view(experts, rows_per_expert, *tail)
 

@@ -459,6 +459,25 @@ class BackendConformance:
 
     @pytest.mark.parametrize("mode", _MODES)
     @pytest.mark.parametrize("world_size", WORLD_SIZES)
+    def test_outputs_live_until_their_combine(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
+        """An output's tensors stay as dispatch left them until its combine while later dispatches
+        run and are combined (the lifetime rule of ``DispatchOutput``); combining it again is an
+        ``InvalidInputError`` naming ``dispatch_output``, after which the dispatcher still works.
+
+        Troubleshooting: a backend that reuses its buffers must not hand one to a dispatch while
+        an earlier output that lives in it has not been combined (the core's reference backends
+        keep slots, ``moe_dispatch.reference.slots``); the second-combine refusal is the core's.
+        """
+        m = Mode.parse(mode)
+        self._require_world(world_size, m)
+        self._require_mode(m)
+        self._require_runnable()
+        case = self._case(world_size, m, self._accepted(m)[0],
+                          standard_routings(world_size, self._shape(m).tokens_per_rank)[1], seed=11)
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_lifetime, case)
+
+    @pytest.mark.parametrize("mode", _MODES)
+    @pytest.mark.parametrize("world_size", WORLD_SIZES)
     def test_combine_uses_the_routing_given_to_dispatch(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
         """Overwriting ``topk_ids`` and ``topk_weights`` in place between dispatch and combine (what
         a CUDA-graph engine does with its static router outputs) leaves combine's result unchanged.

@@ -16,7 +16,7 @@ import torch
 from ..accuracy import relative_error
 from ..codecs import make_codec
 from ..dtypes import DispatchDtype, Layout
-from ..errors import CapacityError, MoEDispatchError
+from ..errors import CapacityError, InvalidInputError, MoEDispatchError
 from ..experts import TorchExperts, dequantize_rows, reference_moe
 from ..output import DispatchOutput
 from ..routing import random_expert_weights
@@ -211,6 +211,47 @@ def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> lis
             for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]
 
 
+def _tensors(out: DispatchOutput) -> list[torch.Tensor]:
+    """An output's tensors as bytes (MASKED padding may hold NaN, which ``torch.equal`` never matches)."""
+    return [t.contiguous().view(-1).view(torch.uint8) for t in (out.hidden_states, out.hidden_states_scale,
+                                                                out.group_list) if t is not None]
+
+
+def check_lifetime(rank: int, world_size: int, case: Case) -> list[str]:
+    """The lifetime rule of ``DispatchOutput``: an output's tensors stay as dispatch left them
+    until its combine, whatever else is dispatched meanwhile (buffers reused by the backend
+    belong to one output at a time); a second combine of one output is an ``InvalidInputError``
+    naming ``dispatch_output`` on every rank, and the dispatcher goes on working after it."""
+    batch, other_batch = case.inputs(), replace(case, seed=case.seed + 1).inputs()
+    d = case.target.create(case.spec(batch))
+    layer = _scaled_layer(case, rank)
+    x, x_other = batch.local(rank), other_batch.local(rank)
+    problems: list[str] = []
+    alone = _combine_scaled(d, layer, d.dispatch(*x))
+    first = d.dispatch(*x)
+    kept = [t.clone() for t in _tensors(first)]
+    for _ in range(2):  # two more in flight, then combined, while the first waits
+        _combine_scaled(d, layer, d.dispatch(*x_other))
+    later = d.dispatch(*x_other)
+    if not all(torch.equal(a, b) for a, b in zip(kept, _tensors(first))):
+        problems.append(f"[{case.label()}, rank {rank}] an output's rows changed before its combine "
+                        "(a later dispatch wrote its buffers)")
+    if not torch.equal(_combine_scaled(d, layer, first), alone):
+        problems.append(f"[{case.label()}, rank {rank}] an output combined after later dispatches differs from alone")
+    try:
+        _combine_scaled(d, layer, first)
+        problems.append(f"[{case.label()}, rank {rank}] a second combine of one output was accepted")
+    except InvalidInputError as exc:
+        if exc.parameter != "dispatch_output":
+            problems.append(f"[{case.label()}, rank {rank}] a second combine names {exc.parameter!r}")
+    except Exception as exc:  # noqa: BLE001 - an untyped error is the finding
+        problems.append(f"[{case.label()}, rank {rank}] a second combine raised {type(exc).__name__}: {exc}")
+    _combine_scaled(d, layer, later)
+    if not torch.equal(_combine_scaled(d, layer, d.dispatch(*x)), alone):
+        problems.append(f"[{case.label()}, rank {rank}] the dispatcher gave other bits after a refused combine")
+    return problems
+
+
 class RoutingReuse(NamedTuple):
     """Three round trips of one batch: plain, with the routing overwritten between dispatch and
     combine, plain again. ``repeatable``: the plain ones agree (else the comparison means nothing);
@@ -391,6 +432,7 @@ __all__ = [
     "check_environment",
     "check_forward",
     "check_in_flight",
+    "check_lifetime",
     "check_repeatable",
     "measure_traffic",
 ]

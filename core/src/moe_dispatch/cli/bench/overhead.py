@@ -54,11 +54,11 @@ class _Replay:
     """A backend object that answers instantly with recorded results."""
 
     def __init__(self, out: DispatchOutput, combined: torch.Tensor) -> None:
-        self.out = replace(out, handle=_ReplayHandle(self))
+        self.out = replace(out, handle=_ReplayHandle(self), call=0, combined=False)
         self.combined = combined
 
     def dispatch(self, hidden_states, topk_ids, topk_weights) -> DispatchOutput:  # type: ignore[no-untyped-def]
-        return self.out
+        return replace(self.out)  # a new output per call, as a backend returns (each is combined once)
 
     def combine(self, expert_output, dispatch_output) -> torch.Tensor:  # type: ignore[no-untyped-def]
         return self.combined

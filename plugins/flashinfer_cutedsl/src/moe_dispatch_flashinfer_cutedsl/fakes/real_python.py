@@ -61,4 +61,4 @@ comm = SimpleNamespace(MoeAlltoAll=_a2a.MoeAlltoAll, Mapping=Mapping,
 fp4_quantize: Any = None
 CuteDslMoEWrapper: Any = None
 
-__all__ = ["KERNELS", "Mapping", "MoeAlltoAll", "VERSION", "comm", "emulated_watch"]
+__all__ = ["KERNELS", "Mapping", "MoeAlltoAll", "VERSION", "comm"]

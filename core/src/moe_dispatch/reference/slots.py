@@ -1,0 +1,112 @@
+"""The reference backends' buffers: kept per dispatcher and reused, never allocated per call.
+
+A dispatch writes its send rows, received rows, expanded expert rows and combine accumulators
+into one *slot*: a set of named byte buffers that belongs to that dispatch until its combine
+(or until its output is dropped without one). The next dispatch takes a free slot, so an
+engine that alternates dispatch and combine, or keeps two micro-batches in flight, runs on
+two slots in the steady state and allocates nothing large per call: a bare all-to-all into a
+fresh 52 MB buffer took 179 ms on this machine's CPU, into a reused one 74 ms (issue 16).
+
+- A buffer grows to the largest size a call has needed (normal mode's sizes follow the
+  routing) and never shrinks; low-latency mode's sizes are fixed by the spec, so its buffers
+  are sized once.
+- A slot is free again when its dispatch's combine has finished, or when its output's handle
+  is garbage-collected (an engine that drops an output). A dispatch with every slot taken
+  makes one more slot: more dispatches in flight cost memory, never wrong data.
+- What dispatch returns lives in its slot: valid until its combine (the contract's lifetime
+  rule, ``DispatchOutput``); the core refuses a second combine of one output.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Slot:
+    """Named byte buffers for one dispatch and its combine."""
+
+    number: int
+    #: Which hold of the slot is current (one per dispatch that took it); 0 when free.
+    holder: int = 0
+    holds: int = 0
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def free(self) -> bool:
+        return self.holder == 0
+
+    def hold(self) -> int:
+        self.holds += 1
+        self.holder = self.holds
+        return self.holder
+
+    def release(self, hold: int) -> None:
+        """Hold ``hold`` has ended (its combine finished, or its output was collected); a later
+        hold's end is not this one's."""
+        if self.holder == hold:
+            self.holder = 0
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A ``shape``/``dtype`` view of the slot's buffer ``name`` (contents undefined)."""
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        raw = self.buffers.get(name)
+        if raw is None or raw.numel() < nbytes or raw.device != device:
+            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self.buffers[name] = raw
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.take(name, shape, dtype, device).zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+
+@dataclass(eq=False)
+class Lease:
+    """One dispatch's hold on a slot: kept in its handle; ends at ``release`` (combine) or when
+    the handle, and with it the lease, is collected."""
+
+    slot: Slot
+    hold: int
+
+    def release(self) -> None:
+        self.slot.release(self.hold)
+
+    @property
+    def current(self) -> bool:
+        """Whether the slot is still this dispatch's."""
+        return self.slot.holder == self.hold
+
+
+class SlotPool:
+    """The slots of one dispatcher."""
+
+    def __init__(self) -> None:
+        self.slots: list[Slot] = []
+
+    def acquire(self) -> Lease:
+        """A free slot (a new one when every slot is held), held by the returned lease."""
+        slot = next((s for s in self.slots if s.free), None)
+        if slot is None:
+            slot = Slot(len(self.slots))
+            self.slots.append(slot)
+        lease = Lease(slot, slot.hold())
+        weakref.finalize(lease, slot.release, lease.hold)
+        return lease
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every slot: what the reuse costs in memory."""
+        return sum(s.nbytes for s in self.slots)
+
+
+__all__ = ["Lease", "Slot", "SlotPool"]
