@@ -170,13 +170,14 @@ class Dispatcher:
         except BaseException as exc:
             self._failed("combine", exc, started=False)
             raise
-        object.__setattr__(dispatch_output, "combined", True)
         try:
             self._comm.begin("combine", dispatch_output.call)
-            return self._outputs.combine(self._impl.combine(expert_output, dispatch_output), dispatch_output)
+            result = self._outputs.combine(self._impl.combine(expert_output, dispatch_output), dispatch_output)
         except BaseException as exc:
-            self._failed("combine", exc)
+            self._failed("combine", exc)  # with peers, the dispatcher is broken; alone, a retry may complete it
             raise
+        object.__setattr__(dispatch_output, "combined", True)
+        return result
 
     def _usable(self, operation: str) -> None:
         if self._broken is not None:

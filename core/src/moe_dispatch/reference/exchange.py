@@ -199,12 +199,14 @@ class ReferenceDispatcher:
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         handle = dispatch_output.handle
-        try:
-            if isinstance(handle, MaskedHandle):
-                return self._combine_masked(expert_output, handle)
-            return self._combine_packed(expert_output, handle)
-        finally:
-            handle.lease.release()  # the slot's buffers may now serve a later dispatch
+        if isinstance(handle, MaskedHandle):
+            result = self._combine_masked(expert_output, handle)
+        else:
+            result = self._combine_packed(expert_output, handle)
+        # The slot's buffers may now serve a later dispatch. A combine that raised keeps them (a retry at world size
+        # 1 needs them); its handle gives them back when it is collected.
+        handle.lease.release()
+        return result
 
     def _combine_packed(self, y: torch.Tensor, h: NormalHandle) -> torch.Tensor:
         H, slot = self.hidden, h.lease.slot

@@ -10,8 +10,8 @@ fresh 52 MB buffer took 179 ms on this machine's CPU, into a reused one 74 ms (i
 - A buffer grows to the largest size a call has needed (normal mode's sizes follow the
   routing) and never shrinks; low-latency mode's sizes are fixed by the spec, so its buffers
   are sized once.
-- A slot is free again when its dispatch's combine has finished, or when its output's handle
-  is garbage-collected (an engine that drops an output). A dispatch with every slot taken
+- A slot is free again when its dispatch's combine has returned, or when its output's handle
+  is garbage-collected (an engine that drops an output, or a combine that raised). A dispatch with every slot taken
   makes one more slot: more dispatches in flight cost memory, never wrong data.
 - What dispatch returns lives in its slot: valid until its combine (the contract's lifetime
   rule, ``DispatchOutput``); the core refuses a second combine of one output.
