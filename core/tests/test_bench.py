@@ -115,3 +115,13 @@ def test_the_gpu_script_runs_under_torchrun_on_gloo(tmp_path):
     assert {(r["case"]["backend"], r["case"]["mode"]) for r in rows} == {
         (b, m.value) for b in ("torch", "allgather") for m in Mode}
     assert all(r["wire_ratio"] == 1.0 for r in rows)
+
+
+def test_the_combine_reduction_benchmark_checks_its_bits_and_runs():
+    """benchmarks/combine_reduction.py refuses to time a reduction whose bits differ from the baseline's."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "combine_reduction.py"), "--tokens", "7", "--tokens", "300",
+         "--hidden", "256", "--rows-per-token", "3", "--iters", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()[1:]] == ["7", "300"]

@@ -20,6 +20,7 @@ bit-identical run to run (CPU ``index_add_`` adds in index order; on CUDA set
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,22 @@ from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
 from ..dtypes import Layout, Mode
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
-from .slots import Lease, SlotPool
+from .slots import Lease, Slot, SlotPool
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTerms:
+    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (times
+    ``weight[e]``; nothing where ``valid[e]`` is False) into token ``token[e]``. Entries are
+    token-major, in the fixed order within a token; ``blocks`` are ``(t0, t1, e0, e1)``: tokens
+    ``t0..t1`` own entries ``e0..e1``, each block cache-sized. Low-latency mode's blocks follow from
+    the spec alone (every slot has k entries), so its combine reads nothing on the host."""
+
+    rows: torch.Tensor  # [entries] int64
+    token: torch.Tensor  # [entries] int64
+    weight: torch.Tensor | None  # [entries] fp32
+    valid: torch.Tensor | None  # [entries] bool
+    blocks: tuple[tuple[int, int, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +55,8 @@ class NormalHandle:
     recv_counts: list[int]
     num_tokens: int
     num_received: int
-    row_token: torch.Tensor  # [rows] received-token index of each expanded row
-    row_weight: torch.Tensor  # [rows] fp32 routing weight of each row
+    terms: "TokenTerms"  # each received token's expert rows and weights, in ascending expert order
+    returns: "TokenTerms"  # each own token's returned rows, in ascending rank order
     lease: Lease  # the slot this dispatch's buffers live in, until its combine
 
 
@@ -48,10 +64,7 @@ class NormalHandle:
 class MaskedHandle:
     owner: object
     num_tokens: int
-    entry_slot: torch.Tensor  # [M] gathered slot of each (slot, k) entry, expert-major
-    entry_row: torch.Tensor  # [M] flat masked row of each entry (clamped to 0 when invalid)
-    entry_weight: torch.Tensor  # [M] fp32 weight, 0 for entries of other ranks
-    entry_valid: torch.Tensor  # [M] bool
+    terms: "TokenTerms"  # each gathered slot's MASKED rows and weights, in ascending expert order
     lease: Lease
 
 
@@ -138,8 +151,9 @@ class ReferenceDispatcher:
             recv_counts=recv_counts,
             num_tokens=T,
             num_received=recv.shape[0],
-            row_token=row_token,
-            row_weight=rweights.reshape(-1).index_select(0, row_slot),
+            terms=_token_major(row_token, recv.shape[0], self.hidden,
+                               rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
+            returns=_token_major(pair_token, T, self.hidden),
             lease=lease,
         )
         return DispatchOutput(
@@ -181,13 +195,13 @@ class ReferenceDispatcher:
         hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot.take, "rows")
         scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert,
                                                            slot.take, "row_scales")
+        row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=x.device)
+        row_of_entry[order] = torch.where(entry_valid, entry_row, 0)
         handle = MaskedHandle(
             owner=self,
             num_tokens=T,
-            entry_slot=entry_slot,
-            entry_row=torch.where(entry_valid, entry_row, 0),
-            entry_weight=torch.where(entry_valid, gweights.reshape(-1)[order], 0.0),
-            entry_valid=entry_valid,
+            terms=_slots_by_expert(key.view(R * C, k), El, row_of_entry.view(R * C, k), gweights.to(torch.float32),
+                                   self.hidden),
             lease=lease,
         )
         return DispatchOutput(
@@ -210,28 +224,73 @@ class ReferenceDispatcher:
 
     def _combine_packed(self, y: torch.Tensor, h: NormalHandle) -> torch.Tensor:
         H, slot = self.hidden, h.lease.slot
-        partial = slot.zeros("partial", (h.num_received, H), torch.float32, y.device)
-        _add_rows(partial, h.row_token, y, h.row_weight)
-        send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device).copy_(partial)
+        send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
+        _sum_terms(send, y, h.terms, slot)
         back = self.comm.all_to_all(
             as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
             out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
         )
-        out = slot.zeros("out", (h.num_tokens, H), torch.float32, y.device)
-        _add_rows(out, h.pair_token, from_bytes(back, torch.bfloat16))
-        return out.to(torch.bfloat16)
+        out = torch.empty(h.num_tokens, H, dtype=torch.bfloat16, device=y.device)
+        _sum_terms(out, from_bytes(back, torch.bfloat16), h.returns, slot)
+        return out
 
     def _combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> torch.Tensor:
         R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
-        partial = slot.zeros("partial", (R * C, H), torch.float32, y.device)
-        _add_rows(partial, h.entry_slot, y.reshape(-1, H), h.entry_weight, rows=h.entry_row, valid=h.entry_valid)
-        send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device).copy_(partial)
+        send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
+        _sum_terms(send, y.reshape(-1, H), h.terms, slot)
         back = self.comm.all_to_all(as_bytes(send), None, None, (("combine", 2 * H),),
                                     out=None if R == 1 else slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
-        source = torch.arange(R * C, device=y.device) % C
-        out = slot.zeros("out", (C, H), torch.float32, y.device)
-        _add_rows(out, source, from_bytes(back, torch.bfloat16))
-        return out[: h.num_tokens].to(torch.bfloat16)
+        # Token c's partials come back from every rank at rows r·C + c, added in rank order.
+        T = h.num_tokens
+        rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
+        token = torch.arange(T, device=y.device).repeat_interleave(R)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
+        _sum_terms(out, from_bytes(back, torch.bfloat16), TokenTerms(rows, token, None, None, _even_blocks(T, R, H)),
+                   slot)
+        return out
+
+
+def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int,
+                 weight: torch.Tensor | None = None) -> TokenTerms:
+    """The rows in token-major order, keeping their order within a token (rows come expert-major
+    to the experts, and pairs rank-major from the sender). One host read (the per-token counts),
+    in normal mode, which reads its counts on the host anyway."""
+    order = torch.sort(token_of_row, stable=True).indices
+    counts = torch.bincount(token_of_row, minlength=num_tokens).tolist()
+    return TokenTerms(order, token_of_row[order], None if weight is None else weight[order], None,
+                      _blocks(counts, hidden))
+
+
+def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor, weight: torch.Tensor,
+                     hidden: int) -> TokenTerms:
+    """Low-latency: each gathered slot's k entries (``key``: local expert, ``experts`` for none)
+    sorted by local expert within the slot; entries for no local expert stay, marked invalid."""
+    slots, k = key.shape
+    by_expert = torch.sort(key, dim=1, stable=True).indices
+    token = torch.arange(slots, device=key.device).repeat_interleave(k)
+    return TokenTerms(row_of_entry.gather(1, by_expert).reshape(-1), token, weight.gather(1, by_expert).reshape(-1),
+                      (key.gather(1, by_expert) < experts).reshape(-1), _even_blocks(slots, k, hidden))
+
+
+@functools.lru_cache(maxsize=64)
+def _even_blocks(tokens: int, per_token: int, hidden: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``_blocks`` for tokens with ``per_token`` entries each (low-latency mode: from the spec)."""
+    return _blocks([per_token] * tokens, hidden)
+
+
+def _blocks(counts: list[int], hidden: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Consecutive tokens grouped while their accumulator and their entries' fp32 rows stay within
+    ``_CHUNK_BYTES`` each (at least one token per block)."""
+    row = 4 * max(hidden, 1)
+    blocks, t0, e0, tokens, entries = [], 0, 0, 0, 0
+    for t, n in enumerate(counts):
+        if tokens and ((tokens + 1) * row > _CHUNK_BYTES or (entries + n) * row > _CHUNK_BYTES):
+            blocks.append((t0, t, e0, e0 + entries))
+            t0, e0, tokens, entries = t, e0 + entries, 0, 0
+        tokens, entries = tokens + 1, entries + n
+    if tokens:
+        blocks.append((t0, t0 + tokens, e0, e0 + entries))
+    return tuple(blocks)
 
 
 #: fp32 temporaries of this size come from the allocator's heap and stay in cache; one
@@ -239,29 +298,29 @@ class ReferenceDispatcher:
 _CHUNK_BYTES = 4 << 20
 
 
-def _add_rows(
-    out: torch.Tensor,
-    index: torch.Tensor,
-    src: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    *,
-    rows: torch.Tensor | None = None,
-    valid: torch.Tensor | None = None,
-) -> None:
-    """``out[index[i]] += fp32(src[rows[i]]) · weight[i]`` for every i in order (entries
-    with ``valid`` False add zero), a cache-sized chunk at a time. The same fp32 operations
-    in the same order as one big ``index_add_``, so the bits do not depend on the chunking."""
-    n = index.shape[0]
-    step = max(1, _CHUNK_BYTES // (4 * out.shape[1]))
-    for start in range(0, n, step):
-        part = slice(start, min(n, start + step))
-        chunk = src[part] if rows is None else src.index_select(0, rows[part])
-        chunk = chunk.to(torch.float32, copy=True)
-        if weight is not None:
-            chunk.mul_(weight[part].unsqueeze(1))
-        if valid is not None:  # padding rows of a MASKED expert output may hold anything, NaN included
-            chunk.masked_fill_(~valid[part].unsqueeze(1), 0.0)
-        out.index_add_(0, index[part], chunk)
+def _sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slot) -> None:
+    """``out[t] = bf16(0 + fp32(src[r1])·w1 + fp32(src[r2])·w2 + ...)`` over token t's entries in
+    their order, a cache-sized block of tokens at a time: the block's fp32 accumulator stays in
+    cache and each token's BF16 sum is written once (no zeroed full-size fp32 tensor, no separate
+    cast). The same fp32 operations in the same order as adding every row into a zeroed fp32
+    tensor with ``index_add_`` and casting it, so the bits are those."""
+    H = out.shape[1]
+    most_tokens = max((t1 - t0 for t0, t1, _, _ in terms.blocks), default=0)
+    most_entries = max((e1 - e0 for _, _, e0, e1 in terms.blocks), default=0)
+    acc_buf = slot.take("sum", (most_tokens, H), torch.float32, out.device)
+    term_buf = slot.take("term", (most_entries, H), torch.float32, out.device)
+    gathered = slot.take("gathered", (most_entries, H), src.dtype, out.device)
+    for t0, t1, e0, e1 in terms.blocks:
+        acc = acc_buf[: t1 - t0].zero_()
+        if e1 > e0:
+            term = term_buf[: e1 - e0]
+            term.copy_(torch.index_select(src, 0, terms.rows[e0:e1], out=gathered[: e1 - e0]))
+            if terms.weight is not None:
+                term.mul_(terms.weight[e0:e1].unsqueeze(1))
+            if terms.valid is not None:  # MASKED padding rows may hold anything, NaN included
+                term.masked_fill_(~terms.valid[e0:e1].unsqueeze(1), 0.0)
+            acc.index_add_(0, terms.token[e0:e1] - t0, term)
+        out[t0:t1].copy_(acc)
 
 
 def _select_rows(src: torch.Tensor, index: torch.Tensor, take, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
