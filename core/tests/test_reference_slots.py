@@ -66,3 +66,17 @@ def test_a_lease_ended_late_does_not_free_a_later_dispatchs_slot():
     del first  # the first output's handle is collected only now
     gc.collect()
     assert not second.slot.free
+
+
+def test_masked_padding_reads_zero_after_a_fuller_call_in_the_same_slot():
+    """Low-latency dispatch re-zeroes only the rows its slot's previous call wrote: after a full batch, a batch of
+    three tokens with other experts must still show zero everywhere past each expert's count."""
+    d = _dispatcher("low_latency")
+    _round(d, 0)  # every slot of the buffer written by a full batch
+    x, ids, w = _inputs(1)
+    out = d.dispatch(x[:3], ids[:3], w[:3])
+    rows = out.hidden_states.view(torch.uint8)
+    counts = out.expert_counts().tolist()
+    padding = [rows[e, n:] for e, n in enumerate(counts)]
+    assert sum(counts) == 3 * K and all(int(p.count_nonzero()) == 0 for p in padding)
+    d.combine(torch.ones(out.hidden_states.shape, dtype=torch.bfloat16), out)

@@ -37,8 +37,9 @@ class DispatchOutput:
 
     **Lifetime.** The tensors of a dispatch output may live in buffers the backend reuses for a
     later dispatch (the reference backends do; DeepEP's and FlashInfer's receive buffers too):
-    they are valid until this output's combine. An engine that needs the rows after combine
-    copies them first. Several outputs may be in flight at once; each keeps its own buffers
+    they are valid until this output's combine, and read-only (a backend may rely on what it
+    wrote, e.g. that MASKED padding rows are still zero). An engine that needs the rows after
+    combine, or wants to change them, copies them first. Several outputs may be in flight at once; each keeps its own buffers
     until its combine, or until the engine drops it.
     """
 

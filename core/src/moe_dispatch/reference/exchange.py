@@ -192,9 +192,9 @@ class ReferenceDispatcher:
         entry_row = torch.where(entry_valid, sorted_key * rows_per_expert + position, trash)
         entry_slot = torch.div(order, k, rounding_mode="floor")
 
-        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot.take, "rows")
+        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot, "rows")
         scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert,
-                                                           slot.take, "row_scales")
+                                                           slot, "row_scales")
         row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=x.device)
         row_of_entry[order] = torch.where(entry_valid, entry_row, 0)
         handle = MaskedHandle(
@@ -332,13 +332,14 @@ def _select_rows(src: torch.Tensor, index: torch.Tensor, take, name: str) -> tor
 
 def _scatter_rows(
     src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int, rows_per_expert: int,
-    take, name: str,  # type: ignore[no-untyped-def]
+    slot: Slot, name: str,
 ) -> torch.Tensor:
-    """Rows ``src[src_index]`` written at ``dest_row`` of a zeroed ``[experts, rows_per_expert, ...]``
-    slot buffer ``name``; entries of other ranks all land on one extra trash row that is cut off."""
+    """Rows ``src[src_index]`` written at ``dest_row`` of a ``[experts, rows_per_expert, ...]`` slot
+    buffer ``name`` that is zero elsewhere (only the rows its previous call wrote are zeroed again);
+    entries of other ranks all land on one extra trash row that is cut off."""
     raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_copy_
     tail = raw.shape[1:]
-    buf = take(name, (trash + 1, *tail), raw.dtype, raw.device).zero_()
+    buf = slot.scattered(name, (trash + 1, *tail), raw.dtype, raw.device, dest_row)
     buf.index_copy_(0, dest_row, raw.index_select(0, src_index))
     return buf[:trash].view(src.dtype).view(experts, rows_per_expert, *tail)
 

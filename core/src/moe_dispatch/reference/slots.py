@@ -34,6 +34,8 @@ class Slot:
     holder: int = 0
     holds: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Per buffer of ``scattered``: the rows the last call wrote, and the layout it had.
+    written: dict[str, tuple[torch.Tensor, tuple]] = field(default_factory=dict)
 
     @property
     def free(self) -> bool:
@@ -64,6 +66,22 @@ class Slot:
 
     def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.take(name, shape, dtype, device).zero_()
+
+    def scattered(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  rows: torch.Tensor) -> torch.Tensor:
+        """A ``shape`` buffer that is zero except where this call will write (``rows`` of dim 0):
+        only the rows the previous call through ``name`` wrote are zeroed again, not the whole
+        buffer (MASKED layout: most rows are padding, which must read as zero, never as an earlier
+        call's data). The caller writes ``rows`` next."""
+        raw = self.buffers.get(name)
+        previous = self.written.get(name)
+        buf = self.take(name, shape, dtype, device)
+        if raw is not self.buffers[name] or previous is None or previous[1] != (shape, dtype):
+            buf.zero_()  # new memory, or laid out otherwise last time: every row
+        else:
+            buf.index_fill_(0, previous[0], 0)
+        self.written[name] = (rows, (shape, dtype))
+        return buf
 
     @property
     def nbytes(self) -> int:
