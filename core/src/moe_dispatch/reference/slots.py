@@ -57,7 +57,7 @@ class Slot:
         count = 1
         for n in shape:
             count *= n
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         raw = self.buffers.get(name)
         if raw is None or raw.numel() < nbytes or raw.device != device:
             raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
