@@ -102,4 +102,14 @@ def group_list_from_counts(counts: torch.Tensor, group_list_type: int) -> torch.
     return counts if group_list_type == 1 else torch.cumsum(counts, 0)
 
 
-__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts", "rows_by_expert", "sum_weighted_rows"]
+def kept_routing(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """``t``, made from the caller's routing tensor ``caller`` (a cast, ``contiguous()``), as memory
+    of the backend's own: a copy when it still is the caller's memory. For a backend whose vendor
+    reads the routing again at combine: combine must use the routing given to its dispatch, and an
+    engine may overwrite its router output buffers once dispatch has returned (CUDA-graph engines
+    reuse them every step)."""
+    return t.clone() if t.data_ptr() == caller.data_ptr() else t
+
+
+__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts", "kept_routing", "rows_by_expert",
+           "sum_weighted_rows"]

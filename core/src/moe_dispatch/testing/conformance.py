@@ -484,7 +484,8 @@ class BackendConformance:
 
         Troubleshooting: a combine that reads ``dispatch_output.topk_ids``/``topk_weights`` reads the
         caller's tensors, which may hold the next batch's routing by then; keep what combine needs
-        in the handle at dispatch (a copy of the small routing tensors, or the vendor's handle).
+        in the handle at dispatch (a copy of the small routing tensors, ``moe_dispatch.output.kept_routing``,
+        or the vendor's handle).
         """
         m = Mode.parse(mode)
         self._require_world(world_size, m)

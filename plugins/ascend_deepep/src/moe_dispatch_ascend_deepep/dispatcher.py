@@ -49,7 +49,7 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.environ import restored_environ
-from moe_dispatch.output import group_list_from_counts
+from moe_dispatch.output import group_list_from_counts, kept_routing
 
 from .vendor import CCU_ENV, COUNTS_TYPE_ENV, INT8_ENV, NEG_ONE_ENV, is_layered
 
@@ -62,12 +62,6 @@ class AscendHandle:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     low_latency: bool
-
-
-def _kept(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
-    """``t``, made from the caller's ``caller`` (a cast, ``contiguous()``), as memory of the adapter's own: a copy
-    when it still is the caller's."""
-    return t.clone() if t.data_ptr() == caller.data_ptr() else t
 
 
 def _low_latency_env(layered: bool) -> dict[str, str]:
@@ -106,8 +100,8 @@ class AscendDeepEPDispatcher:
         # Combine uses the routing given to this dispatch, and the engine may overwrite its router buffers once
         # dispatch returns: the vendor keeps topk_idx/topk_weights in its normal-mode handle (combine weights by
         # them) and the LL combine takes them again, so both get copies of our own ([T, k]: small).
-        ids = _kept(topk_ids.to(torch.int64).contiguous(), topk_ids)
-        weights = _kept(topk_weights.float().contiguous(), topk_weights)
+        ids = kept_routing(topk_ids.to(torch.int64).contiguous(), topk_ids)
+        weights = kept_routing(topk_weights.float().contiguous(), topk_weights)
         if self.low_latency:
             T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
             quant: dict[str, Any] = {"use_fp8": self.int8}

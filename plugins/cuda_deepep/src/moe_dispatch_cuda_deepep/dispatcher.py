@@ -45,7 +45,7 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.scale_layouts import from_mma_view
-from moe_dispatch.output import group_list_from_counts, rows_by_expert, sum_weighted_rows
+from moe_dispatch.output import group_list_from_counts, kept_routing, rows_by_expert, sum_weighted_rows
 
 from .buffers import SharedBuffer
 
@@ -63,15 +63,8 @@ class NormalHandle:
 class LowLatencyHandle:
     owner: object
     vendor_handle: tuple
-    topk_ids: torch.Tensor  # the adapter's own copy of the dispatch's routing (``_kept``)
+    topk_ids: torch.Tensor  # the adapter's own copy of the dispatch's routing (``kept_routing``)
     topk_weights: torch.Tensor
-
-
-def _kept(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
-    """``t``, made from the caller's ``caller`` (a cast, ``contiguous()``), as memory of the adapter's own: a copy
-    when it still is the caller's. Combine must use the routing given to its dispatch, and an engine may overwrite
-    its router output buffers once dispatch has returned (CUDA-graph engines reuse them every step)."""
-    return t.clone() if t.data_ptr() == caller.data_ptr() else t
 
 
 class DeepEPDispatcher:
@@ -188,7 +181,7 @@ class DeepEPDispatcher:
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         # DeepEP's low-latency combine takes the top-k ids and weights again (it weights the rows itself): keep the
         # dispatch's, not the caller's tensors, which the engine may overwrite before combine ([T, k]: a small copy).
-        ll_handle = LowLatencyHandle(self, handle, _kept(ids, topk_ids),
-                                     _kept(topk_weights.float().contiguous(), topk_weights))
+        ll_handle = LowLatencyHandle(self, handle, kept_routing(ids, topk_ids),
+                                     kept_routing(topk_weights.float().contiguous(), topk_weights))
         (self.shared.captured_pending if capturing else self.shared.pending).add(ll_handle)
         return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights, ll_handle)
