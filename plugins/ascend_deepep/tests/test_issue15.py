@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
+from moe_dispatch.testing import (
+    ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, routing_reuse,
+)
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
 
@@ -68,35 +69,16 @@ def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, vendor, 
 TIMEOUT_S = 2.0
 
 
-
-
 def _bad_input_on_rank_1(rank: int, world: int, vendor: str, mode: str):
     d = _dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S * 15)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
-    if rank == 1:
-        ids = ids.clone()
-        ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
-    return outcome(lambda: d.dispatch(x, ids, w))
+    return dispatch_with_a_bad_id(d, x, ids, w, bad=rank == 1)
 
 
 def _stalls_before_combine(rank: int, world: int, vendor: str, mode: str):
     d = _dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
-    out = d.dispatch(x, ids, w)
-    if rank == 1:
-        time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
-        return None, {}, 0.0, ""
-    rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
-    return outcome(lambda: d.combine(rows, out))
-
-
-def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
-    """A failure leaves a collective that never completes in the process group: a pool of its own, closed after."""
-    pool = RankPool(2)
-    try:
-        return pool.map(fn, *args, timeout_s=40)
-    finally:
-        pool.close(force=True)
+    return combine_unless_stalled(d, x, ids, w, stall_s=TIMEOUT_S + 2 if rank == 1 else None)  # rank 1 never combines
 
 
 @pytest.mark.parametrize("vendor,mode", [(EMULATOR, "low_latency"), (EMULATOR, "normal"),
@@ -105,7 +87,7 @@ def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake(vendor, mode):
     """Rank 1's dispatch raises its InvalidInputError (and posts it); rank 0, waiting in the fake's collective, gets
     PeerFailedError naming rank 1 within a few seconds, though the timeout is 30 s. Before the fix the fake waited
     with a Watch of its own (300 s, no notices): rank 0 hung until the process group's own timeout."""
-    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_bad_input_on_rank_1, vendor, mode)
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = on_a_fresh_pool(_bad_input_on_rank_1, vendor, mode)
     assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
     assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
     assert "expert id out of range" in message0
@@ -116,7 +98,7 @@ def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake(vendor, mode):
 def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout(mode):
     """Rank 1 never calls combine; rank 0 waits in the fake's combine collective and raises CollectiveTimeoutError
     naming rank 1 after about ``timeout_s`` (2 s), not after the fake's own 300 s."""
-    outcomes = _on_a_fresh_pool(_stalls_before_combine, EMULATOR, mode)
+    outcomes = on_a_fresh_pool(_stalls_before_combine, EMULATOR, mode)
     name, attrs, seconds, message = outcomes[0]
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
@@ -225,5 +207,5 @@ def test_threads_of_one_kind_do_not_wait_for_each_other_across_ranks():
     """With one process-wide lock around every block, rank 0's thread A held it inside A's collective while rank 1's
     thread B held it inside B's: each waited for a peer that waited for the lock, until the 5 s timeout
     (CollectiveTimeoutError on both ranks). Blocks that set the same values now share, so every round completes."""
-    for problems in _on_a_fresh_pool(_two_threads_per_rank_on_their_own_groups, 30):
+    for problems in on_a_fresh_pool(_two_threads_per_rank_on_their_own_groups, 30):
         assert not problems, problems

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.experts import quantize_weights_w8a8
 from moe_dispatch.routing import random_expert_weights, random_routing
-from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
+from moe_dispatch.testing import ScaledLayer, on_a_fresh_pool, outcome, routing_reuse
 from moe_dispatch_ascend_fuseep import FuseEPBackend
 from moe_dispatch_ascend_fuseep.vendor import FAKE as EMULATOR
 
@@ -59,8 +57,6 @@ def test_the_unfused_combine_uses_the_routing_given_to_its_dispatch(moe_rank_poo
 TIMEOUT_S = 2.0
 
 
-
-
 def _fused_forward(rank: int, world: int, timeout_s: float, bad_rank: int | None, stalled_rank: int | None):
     spec = _spec(world)
     weights = quantize_weights_w8a8(random_expert_weights(spec.num_experts, H, I,
@@ -77,23 +73,15 @@ def _fused_forward(rank: int, world: int, timeout_s: float, bad_rank: int | None
     return outcome(lambda: d.forward(None, layer, x, ids, w))
 
 
-def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
-    pool = RankPool(2)
-    try:
-        return pool.map(fn, *args, timeout_s=40)
-    finally:
-        pool.close(force=True)
-
-
 def test_bad_input_on_one_rank_reaches_the_other_inside_the_fused_op():
-    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_fused_forward, 30.0, 1, None)
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = on_a_fresh_pool(_fused_forward, 30.0, 1, None)
     assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
     assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
     assert seconds0 < 5.0
 
 
 def test_a_rank_that_never_enters_the_fused_op_is_named_after_the_timeout():
-    name, attrs, seconds, message = _on_a_fresh_pool(_fused_forward, TIMEOUT_S, None, 1)[0]
+    name, attrs, seconds, message = on_a_fresh_pool(_fused_forward, TIMEOUT_S, None, 1)[0]
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
     assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5

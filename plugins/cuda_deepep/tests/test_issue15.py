@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
+from moe_dispatch.testing import (
+    ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome, routing_reuse,
+)
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.vendor import EMULATOR
 
@@ -63,35 +64,16 @@ def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, mode, dt
 TIMEOUT_S = 2.0
 
 
-
-
 def _bad_input_on_rank_1(rank: int, world: int, mode: str):
     d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S * 15)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
-    if rank == 1:
-        ids = ids.clone()
-        ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
-    return outcome(lambda: d.dispatch(x, ids, w))
+    return dispatch_with_a_bad_id(d, x, ids, w, bad=rank == 1)
 
 
 def _stalls_before_combine(rank: int, world: int, mode: str):
     d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
-    out = d.dispatch(x, ids, w)
-    if rank == 1:
-        time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
-        return None, {}, 0.0, ""
-    rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
-    return outcome(lambda: d.combine(rows, out))
-
-
-def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
-    """A failure leaves a collective that never completes in the process group: a pool of its own, closed after."""
-    pool = RankPool(2)
-    try:
-        return pool.map(fn, *args, timeout_s=40)
-    finally:
-        pool.close(force=True)
+    return combine_unless_stalled(d, x, ids, w, stall_s=TIMEOUT_S + 2 if rank == 1 else None)  # rank 1 never combines
 
 
 @pytest.mark.parametrize("mode", ["low_latency", "normal"])
@@ -99,7 +81,7 @@ def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake(mode):
     """Rank 1's dispatch raises its InvalidInputError (and posts it); rank 0, waiting in the fake's collective, gets
     PeerFailedError naming rank 1 within a few seconds, though the timeout is 30 s. Before the fix the fake waited
     with a Watch of its own (300 s, no notices): rank 0 hung until the process group's own timeout."""
-    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_bad_input_on_rank_1, mode)
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = on_a_fresh_pool(_bad_input_on_rank_1, mode)
     assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
     assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
     assert "expert id out of range" in message0
@@ -110,7 +92,7 @@ def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake(mode):
 def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout(mode):
     """Rank 1 never calls combine; rank 0 waits in the fake's combine collective and raises CollectiveTimeoutError
     naming rank 1 after about ``timeout_s`` (2 s), not after the fake's own 300 s."""
-    outcomes = _on_a_fresh_pool(_stalls_before_combine, mode)
+    outcomes = on_a_fresh_pool(_stalls_before_combine, mode)
     name, attrs, seconds, message = outcomes[0]
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
@@ -136,7 +118,7 @@ def test_close_names_a_rank_that_does_not_come_instead_of_waiting_in_the_teardow
     waited in the (fake's) teardown until the process group's own timeout (the pool's 40 s here). Now the ranks meet in
     a barrier with ``timeout_s`` first: rank 0 raises CollectiveTimeoutError naming rank 1 after about 2 s, and its
     dispatcher refuses calls afterwards (the Buffer is closed, not destroyed)."""
-    name, attrs, seconds, message, after = _on_a_fresh_pool(_one_rank_never_closes)[0]
+    name, attrs, seconds, message, after = on_a_fresh_pool(_one_rank_never_closes)[0]
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
     assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5

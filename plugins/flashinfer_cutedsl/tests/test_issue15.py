@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import RankPool
 from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledLayer, outcome, routing_reuse
+from moe_dispatch.testing import (
+    ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome, routing_reuse,
+)
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 
@@ -70,37 +71,20 @@ TIMEOUT_S = 2.0
 def _bad_input_on_rank_1(rank: int, world: int, fake: str):
     d = _dispatcher(fake, world, "bf16", timeout_s=TIMEOUT_S * 15)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
-    if rank == 1:
-        ids = ids.clone()
-        ids[0, 0] = d.spec.num_experts  # out of range: rank 1 raises before its first collective
-    return outcome(lambda: d.dispatch(x, ids, w))
+    return dispatch_with_a_bad_id(d, x, ids, w, bad=rank == 1)
 
 
 def _stalls_before_combine(rank: int, world: int, fake: str):
     d = _dispatcher(fake, world, "bf16", timeout_s=TIMEOUT_S)
     x, ids, w, _ = _inputs(rank, d.spec.num_experts)
-    out = d.dispatch(x, ids, w)
-    if rank == 1:
-        time.sleep(TIMEOUT_S + 2)  # a stalled engine: never calls combine
-        return None, {}, 0.0, ""
-    rows = torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16)
-    return outcome(lambda: d.combine(rows, out))
-
-
-def _on_a_fresh_pool(fn, *args):  # noqa: ANN001, ANN202
-    """A failure leaves a collective that never completes in the process group: a pool of its own, closed after."""
-    pool = RankPool(2)
-    try:
-        return pool.map(fn, *args, timeout_s=40)
-    finally:
-        pool.close(force=True)
+    return combine_unless_stalled(d, x, ids, w, stall_s=TIMEOUT_S + 2 if rank == 1 else None)  # rank 1 never combines
 
 
 def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake():
     """Rank 1's dispatch raises its InvalidInputError (and posts it); rank 0, waiting in the fake kernel's exchange,
     gets PeerFailedError naming rank 1 within a few seconds, though the timeout is 30 s. Before the fix the exchange
     blocked in gloo until the process group's own timeout."""
-    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = _on_a_fresh_pool(_bad_input_on_rank_1,
+    (name0, attrs0, seconds0, message0), (name1, attrs1, _, _) = on_a_fresh_pool(_bad_input_on_rank_1,
                                                                                    vendor.FAKE_0_7_2)
     assert name1 == "InvalidInputError" and attrs1["parameter"] == "topk_ids"
     assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
@@ -109,7 +93,7 @@ def test_bad_input_on_one_rank_reaches_the_other_inside_the_fake():
 
 
 def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout():
-    name, attrs, seconds, message = _on_a_fresh_pool(_stalls_before_combine, vendor.FAKE_0_7_2)[0]
+    name, attrs, seconds, message = on_a_fresh_pool(_stalls_before_combine, vendor.FAKE_0_7_2)[0]
     assert name == "CollectiveTimeoutError", message
     assert attrs["ranks"] == (1,)
     assert TIMEOUT_S <= seconds < TIMEOUT_S + 2.5
@@ -145,7 +129,7 @@ def test_flashinfers_start_up_exchanges_wait_with_the_dispatchers_watch(how, err
     created. It called torch.distributed directly: rank 0 waited for a stalled rank 1 until the process group's own
     timeout (the pool's 40 s here). Now it goes through the dispatcher's Comm: rank 0 names rank 1 after timeout_s,
     or at once when rank 1 has announced its failure."""
-    name, attrs, seconds, message = _on_a_fresh_pool(_created_beside_a_peer_that, how)[0]
+    name, attrs, seconds, message = on_a_fresh_pool(_created_beside_a_peer_that, how)[0]
     assert name == error, message
     assert 1 in (attrs.get("ranks") or (attrs.get("rank"),)), attrs
     assert seconds < TIMEOUT_S + 2.5

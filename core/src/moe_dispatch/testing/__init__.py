@@ -14,8 +14,8 @@ from ..routing import random_routing
 from .cases import Case, GlobalBatch, KitShape, Routing, Target, standard_routings
 from .experts import IdentityExperts, ScaledIdentityExperts, ScaledLayer, expert_factor
 from .layers import LayerCheck, check_layer
-from .outcomes import Outcome, outcome
-from .pools import RankPools
+from .outcomes import Outcome, combine_unless_stalled, dispatch_with_a_bad_id, outcome
+from .pools import RankPools, on_a_fresh_pool
 from .ranks import RoutingReuse, routing_reuse
 
 
@@ -44,8 +44,11 @@ __all__ = [
     "ScaledLayer",
     "Target",
     "check_layer",
+    "combine_unless_stalled",
     "dense_reference",
+    "dispatch_with_a_bad_id",
     "expert_factor",
+    "on_a_fresh_pool",
     "outcome",
     "random_routing",
     "routing_reuse",

@@ -42,4 +42,14 @@ class RankPools:
         self._pools.clear()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankPools"]
+def on_a_fresh_pool(fn: "Callable[..., Any]", *args: Any, world_size: int = 2, timeout_s: float = 40.0) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank of a pool of its own, closed after: for tests
+    that leave a collective unfinished in the process group (a rank that failed or stalled)."""
+    pool = RankPool(world_size)
+    try:
+        return pool.map(fn, *args, timeout_s=timeout_s)
+    finally:
+        pool.close(force=True)
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "RankPools", "on_a_fresh_pool"]
