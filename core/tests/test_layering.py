@@ -18,7 +18,7 @@ PACKAGE = Path(moe_dispatch.__file__).parent
 LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
     "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "formats", "wire", "codecs", "hints", "spec",
-                 "capabilities", "output", "trail", "scale_layouts", "distributed", "distributed.watch",
+                 "capabilities", "output", "pending", "trail", "scale_layouts", "distributed", "distributed.watch",
                  "distributed.comm", "distributed.emulation", "distributed.agreement", "backend", "commands", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts
     "policy": ("resolution", "validation", "output_checks", "experts"),
@@ -28,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runtime": ("preparation", "planning", "dispatcher", "layer", ""),
     # the wings: the command line and its applications, the test kit
     "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.demo", "cli.bench", "cli.bench.cases",
-              "cli.bench.cli", "cli.bench.overhead", "cli.bench.report", "cli.bench.results", "cli.bench.runner",
+              "cli.bench.cli", "cli.bench.overhead", "cli.bench.overlap", "cli.bench.report", "cli.bench.results", "cli.bench.runner",
               "cli.bench.worker", "testing", "testing.cases", "testing.conformance", "testing.experts",
               "testing.layers", "testing.outcomes", "testing.plugin", "testing.pools", "testing.ranks", "testing.torchrun", "routing",
               "accuracy", "distributed.local"),

@@ -7,7 +7,15 @@ from ._torch_import import import_torch
 
 import_torch()  # before anything imports torch: torch-npu without CANN must not break the import
 
-from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, FusedBackendDispatcher, RunnerInfo
+from .backend import (
+    Backend,
+    BackendDispatcher,
+    BufferSize,
+    DispatchContext,
+    FusedBackendDispatcher,
+    RunnerInfo,
+    SplitPhaseBackendDispatcher,
+)
 from .capabilities import Capabilities, DtypeDecision, Fallback, Limits
 from .codecs import Codec, Quantized, make_codec
 from .dispatcher import Dispatcher, create_dispatcher
@@ -31,6 +39,7 @@ from .commands import Command
 from .hookspecs import API_VERSION, hookimpl
 from .layer import MoELayer, moe_forward
 from .output import DispatchOutput
+from .pending import Pending
 from .registry import BackendInfo, PluginHost, available_backends, get_backend
 from .planning import BufferPlan, EnvRequirement, LayerBuffers, Misfit, Peak, plan_buffers
 from .preparation import PreparedLayer, prepare_layer, resolve_output_dtype
@@ -77,7 +86,9 @@ __all__ = [
     "MoEDispatchError",
     "MoELayer",
     "Mode",
+    "Pending",
     "PluginError",
+    "SplitPhaseBackendDispatcher",
     "PluginHost",
     "QuantHints",
     "Quantized",

@@ -21,6 +21,7 @@ from .spec import DispatchSpec
 if TYPE_CHECKING:
     from .codecs import Codec
     from .distributed.comm import Comm
+    from .pending import Pending
     from .trail import Resolution
 
 
@@ -107,6 +108,21 @@ class BackendDispatcher(Protocol):
     ) -> DispatchOutput: ...
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SplitPhaseBackendDispatcher(BackendDispatcher, Protocol):
+    """What the dispatcher of a backend with ``capabilities.split_phase`` adds: each call in two
+    halves. ``*_start`` checks nothing the core has checked, issues the collectives (or the
+    vendor's send kernels) and returns; the ``Pending``'s ``wait()`` receives and finishes. The
+    buffers a started call reads and writes stay its own until its ``wait()`` has returned, even
+    when the engine starts the other micro-batch's calls meanwhile or drops the ``Pending``."""
+
+    def dispatch_start(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> "Pending[DispatchOutput]": ...
+
+    def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> "Pending[torch.Tensor]": ...
 
 
 @runtime_checkable
@@ -272,4 +288,5 @@ class RunnerInfo:
         }
 
 
-__all__ = ["Backend", "BackendDispatcher", "BufferSize", "DispatchContext", "FusedBackendDispatcher", "RunnerInfo"]
+__all__ = ["Backend", "BackendDispatcher", "BufferSize", "DispatchContext", "FusedBackendDispatcher", "RunnerInfo",
+           "SplitPhaseBackendDispatcher"]

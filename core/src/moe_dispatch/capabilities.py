@@ -78,6 +78,10 @@ class Capabilities:
     :param combine_dtype: what combine sends back.
     :param fused_forward: the backend replaces dispatch → experts → combine with one call.
     :param cuda_graph_modes: modes whose dispatch and combine make no host sync.
+    :param split_phase: modes whose ``dispatch_start``/``combine_start`` return while the data is
+        still on its way (``SplitPhaseBackendDispatcher``), so an engine overlaps them with other
+        work; in the other modes the core runs the call to the end at start (``Pending.overlapped``
+        is False).
     :param devices: device types it runs on (``"cpu"``, ``"cuda"``, ``"npu"``).
     :param limits: per mode, shape limits.
     :param fp8_ue8m0: FP8 with power-of-two (UE8M0) scales is supported.
@@ -92,6 +96,7 @@ class Capabilities:
     combine_dtype: DispatchDtype = DispatchDtype.BF16
     fused_forward: bool = False
     cuda_graph_modes: frozenset[Mode] = frozenset()
+    split_phase: frozenset[Mode] = frozenset()
     devices: frozenset[str] = frozenset({"cpu"})
     limits: Mapping[Mode, Limits] = field(default_factory=dict)
     fp8_ue8m0: bool = False
@@ -136,6 +141,7 @@ class Capabilities:
             "combine_dtype": self.combine_dtype.value,
             "fused_forward": self.fused_forward,
             "cuda_graph_modes": sorted(m.value for m in self.cuda_graph_modes),
+            "split_phase": sorted(m.value for m in self.split_phase),
             "devices": sorted(self.devices),
             "limits": {m.value: lim.to_dict() for m, lim in sorted(self.limits.items(), key=lambda kv: kv[0].value)},
             "fp8_ue8m0": self.fp8_ue8m0,

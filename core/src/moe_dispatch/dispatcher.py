@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, BackendDispatcher, BufferSize, DispatchContext, FusedBackendDispatcher
+from .backend import (
+    Backend,
+    BackendDispatcher,
+    BufferSize,
+    DispatchContext,
+    FusedBackendDispatcher,
+    SplitPhaseBackendDispatcher,
+)
 from .codecs import make_codec
 from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype
@@ -23,6 +31,7 @@ from .errors import (
     PluginError,
 )
 from .output import DispatchOutput
+from .pending import Pending
 from .output_checks import OutputChecks
 from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
@@ -69,6 +78,9 @@ class Dispatcher:
         # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
         # check reads attributes, too slow for every forward.
         self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None
+        # None: no split phase in this mode (the core runs each call at its start); else whether impl has the halves.
+        self._split: bool | None = (isinstance(impl, SplitPhaseBackendDispatcher)
+                                    if spec.mode in backend.capabilities.split_phase else None)
         self._dispatches = 0
         self._forwards = 0
         self._broken: str | None = None  # why this dispatcher can make no more calls
@@ -134,21 +146,13 @@ class Dispatcher:
         An error here is also posted to the other ranks, which stop waiting for this one.
         """
         self._usable("dispatch")
-        try:
-            self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
-        except BaseException as exc:
-            self._failed("dispatch", exc, started=False)
-            raise
+        self._check_dispatch(hidden_states, topk_ids, topk_weights)
         try:
             self._dispatches += 1
             self._comm.begin("dispatch", self._dispatches)
             out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights), self.check_inputs)
         except BaseException as exc:
-            oom = _out_of_memory(exc, self.buffer_size)
-            self._failed("dispatch", oom or exc)
-            if oom is not None:
-                raise oom from exc
-            raise
+            self._dispatch_failed(exc)
         object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
         return out
 
@@ -157,19 +161,10 @@ class Dispatcher:
 
         :raises InvalidInputError: ``expert_output`` that is not bf16 ``[..., H]`` with one row per
             dispatched row on the dispatch output's device, or a ``dispatch_output`` this
-            dispatcher did not return.
+            dispatcher did not return, or one already combined.
         """
         self._usable("combine")
-        try:
-            self._checks.combine(expert_output, dispatch_output)
-            if dispatch_output.combined:  # its buffers may already hold a later dispatch's rows
-                raise InvalidInputError(
-                    f"dispatch #{dispatch_output.call} was already combined; its buffers may now hold a later "
-                    "dispatch's rows (an output is valid until its combine)", parameter="dispatch_output",
-                    value=f"dispatch #{dispatch_output.call}", allowed="an output not yet combined")
-        except BaseException as exc:
-            self._failed("combine", exc, started=False)
-            raise
+        self._check_combine(expert_output, dispatch_output)
         try:
             self._comm.begin("combine", dispatch_output.call)
             result = self._outputs.combine(self._impl.combine(expert_output, dispatch_output), dispatch_output)
@@ -178,6 +173,107 @@ class Dispatcher:
             raise
         object.__setattr__(dispatch_output, "combined", True)
         return result
+
+    # -- split phase ------------------------------------------------------------------------
+
+    @property
+    def split_phase(self) -> bool:
+        """Whether ``dispatch_start``/``combine_start`` return while the data is on its way
+        (``capabilities.split_phase`` names this dispatcher's mode). When False they still work,
+        running each call to its end at start (``Pending.overlapped`` is False)."""
+        return self._split is not None
+
+    def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+        """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and
+        compute something else in between (the other micro-batch, shared experts).
+
+        The same checks and errors as ``dispatch``, raised here, before anything is sent; a peer's
+        failure while the rows travel is raised by ``wait()``. Calls are numbered at their start:
+        every rank starts the same calls in the same order, as for ``dispatch``; waits may come in
+        any order. Buffers stay the call's own until its combine, so two micro-batches in flight use
+        two sets. On an accelerator ``wait()`` orders the current stream after the exchange without
+        blocking the host where the backend can (DeepEP's receive hook); on gloo it blocks.
+        """
+        if self._split is None:
+            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights))
+        self._usable("dispatch")
+        self._check_dispatch(hidden_states, topk_ids, topk_weights)
+        try:
+            self._dispatches += 1
+            number = self._dispatches
+            self._comm.begin("dispatch", number)
+            started = self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights)
+        except BaseException as exc:
+            self._dispatch_failed(exc)
+        return Pending(functools.partial(self._receive_dispatch, started, number))
+
+    def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
+        """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
+        the bf16 ``[T, H]``. Checked as ``combine``; the output counts as combined from here on."""
+        if self._split is None:
+            return Pending.completed(self.combine(expert_output, dispatch_output))
+        self._usable("combine")
+        self._check_combine(expert_output, dispatch_output)
+        try:
+            self._comm.begin("combine", dispatch_output.call)
+            started = self._split_impl().combine_start(expert_output, dispatch_output)
+        except BaseException as exc:
+            self._failed("combine", exc)
+            raise
+        object.__setattr__(dispatch_output, "combined", True)  # its rows are on their way back: no second combine
+        return Pending(functools.partial(self._receive_combine, started, dispatch_output))
+
+    def _receive_dispatch(self, started: Pending[DispatchOutput], number: int) -> DispatchOutput:
+        try:
+            out = self._outputs.dispatch(started.wait(), self.check_inputs)
+        except BaseException as exc:
+            self._dispatch_failed(exc)
+        object.__setattr__(out, "call", number)
+        return out
+
+    def _receive_combine(self, started: Pending[torch.Tensor], dispatch_output: DispatchOutput) -> torch.Tensor:
+        try:
+            return self._outputs.combine(started.wait(), dispatch_output)
+        except BaseException as exc:
+            self._failed("combine", exc)
+            raise
+
+    def _split_impl(self) -> SplitPhaseBackendDispatcher:
+        if not self._split:
+            raise PluginError(f"backend {self.backend.name!r} declares capabilities.split_phase for "
+                              f"{self.spec.mode.value} mode, but its dispatcher {type(self._impl).__name__} has no "
+                              "dispatch_start/combine_start (moe_dispatch.SplitPhaseBackendDispatcher)")
+        return self._impl  # type: ignore[return-value]
+
+    # -- shared by the calls ----------------------------------------------------------------
+
+    def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        try:
+            self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+        except BaseException as exc:
+            self._failed("dispatch", exc, started=False)
+            raise
+
+    def _dispatch_failed(self, exc: BaseException) -> NoReturn:
+        oom = _out_of_memory(exc, self.buffer_size)
+        self._failed("dispatch", oom or exc)
+        if oom is not None:
+            raise oom from exc
+        raise exc
+
+    def _check_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
+        try:
+            self._checks.combine(expert_output, dispatch_output)
+            if dispatch_output.combined:  # its buffers may already hold a later dispatch's rows
+                raise InvalidInputError(
+                    f"dispatch #{dispatch_output.call} was already combined (or its combine started); its buffers "
+                    "may now hold a later dispatch's rows (an output is valid until its combine)",
+                    parameter="dispatch_output", value=f"dispatch #{dispatch_output.call}",
+                    allowed="an output not yet combined")
+        except BaseException as exc:
+            self._failed("combine", exc, started=False)
+            raise
 
     def _usable(self, operation: str) -> None:
         if self._broken is not None:

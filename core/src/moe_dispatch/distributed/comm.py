@@ -200,6 +200,20 @@ class Comm:
         received rows come back rank by rank. None counts split evenly (fixed-size). ``out``:
         where to receive (a backend's reused buffer), exactly the received shape; with world
         size 1 the rows stay where they are and ``send`` is returned."""
+        return self.all_to_all_start(send, send_counts, recv_counts, sections, out).wait()
+
+    def all_to_all_start(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int] | None,
+        recv_counts: list[int] | None,
+        sections: Sequence[Section],
+        out: torch.Tensor | None = None,
+    ) -> "Transfer":
+        """``all_to_all`` started: the rows are on their way when it returns; ``wait()`` on the
+        ``Transfer`` hands back the received rows (split phase). ``send`` and ``out`` must stay
+        untouched until then. Collectives are numbered when they start, so every rank must
+        start the same ones in the same order; waits may come in any order."""
         if self._call is not None and self.checks_calls_everywhere:
             self._check_call(None)  # before the first collective of a call, whose sizes may differ
         send = send.contiguous()  # no-op for the backends' own buffers; collectives need dense memory
@@ -207,19 +221,23 @@ class Comm:
         if self.records is not None:
             self._record("all_to_all", send, send_counts, recv_counts, sections)
         if self.world_size == 1:
-            return send
+            return Transfer(send)
         rows = sum(recv_counts) if recv_counts is not None else send.shape[0]
         out = _receive_into(out, send, (rows, *send.shape[1:]))
-        self._run(
-            "all_to_all",
+        return self._start(
+            "all_to_all", out,
             lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True),
         )
-        return out
 
     def all_gather(self, send: torch.Tensor, sections: Sequence[Section], out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
         what every destination receives from this rank: ``world_size`` copies. ``out`` as for
         ``all_to_all``."""
+        return self.all_gather_start(send, sections, out).wait()
+
+    def all_gather_start(self, send: torch.Tensor, sections: Sequence[Section],
+                         out: torch.Tensor | None = None) -> "Transfer":
+        """``all_gather`` started (as ``all_to_all_start``)."""
         if self._call is not None and self.checks_calls_everywhere:
             self._check_call(None)
         send = send.contiguous()
@@ -228,10 +246,9 @@ class Comm:
             per_peer = [send.shape[0]] * self.world_size
             self._record("all_gather", send, per_peer, per_peer, sections)
         if self.world_size == 1:
-            return send
+            return Transfer(send)
         out = _receive_into(out, send, (self.world_size * send.shape[0], *send.shape[1:]))
-        self._run("all_gather", lambda: _gather(out, send, self.group))
-        return out
+        return self._start("all_gather", out, lambda: _gather(out, send, self.group))
 
     def gather_uncounted(self, send: torch.Tensor, operation: str) -> torch.Tensor:
         """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the
@@ -327,6 +344,9 @@ class Comm:
         return self._seq
 
     def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
+        self._start(name, None, start).wait()
+
+    def _start(self, name: str, out: torch.Tensor | None, start) -> "Transfer":  # type: ignore[no-untyped-def]
         number = self._collective_number()
         try:
             work = start()
@@ -335,7 +355,33 @@ class Comm:
                 f"{name} could not start on rank {self.rank} of {self.world_size}: another rank probably failed, "
                 f"stalled or disagreed on the call ({exc})"
             ) from exc
-        self.watch.wait(work, name, number)
+        return Transfer(out, work, self.watch, name, number)
+
+
+class Transfer:
+    """A collective in flight (``Comm.all_to_all_start``): ``wait()`` returns its received rows, under
+    the dispatcher's ``Watch`` (a peer that failed or stalled is named, not waited for forever)."""
+
+    __slots__ = ("out", "_work", "_watch", "_name", "_number")
+
+    def __init__(self, out, work=None, watch: "Watch | None" = None, name: str = "",  # type: ignore[no-untyped-def]
+                 number: int | str = 0) -> None:
+        self.out = out
+        self._work = work
+        self._watch = watch
+        self._name = name
+        self._number = number
+
+    @property
+    def done(self) -> bool:
+        """Whether the bytes are in (or the collective failed): its buffers are free to reuse."""
+        return self._work is None or bool(self._work.is_completed())
+
+    def wait(self):  # type: ignore[no-untyped-def]
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._watch.wait(work, self._name, self._number)  # type: ignore[union-attr]
+        return self.out
 
 
 def _receive_into(out: torch.Tensor | None, send: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -355,4 +401,4 @@ def _gather(out: torch.Tensor, send: torch.Tensor, group: "dist.ProcessGroup | N
     return gather(out, send, group=group, async_op=True)
 
 
-__all__ = ["CollectiveRecord", "Comm", "Traffic"]
+__all__ = ["CollectiveRecord", "Comm", "Traffic", "Transfer"]

@@ -28,7 +28,9 @@ import torch
 from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
 from ..dtypes import Layout, Mode
+from ..distributed.comm import Transfer
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
+from ..pending import Pending
 from .slots import Lease, Slot, SlotPool
 
 
@@ -95,9 +97,15 @@ class ReferenceDispatcher:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        return self.dispatch_start(hidden_states, topk_ids, topk_weights).wait()
+
+    def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+        """The payload's collective started (split phase); ``wait()`` lays the received rows out.
+        Normal mode reads the per-rank counts on the host first (the one sync it makes anyway)."""
         if self.low_latency:
-            return self._dispatch_masked(hidden_states, topk_ids, topk_weights)
-        return self._dispatch_packed(hidden_states, topk_ids, topk_weights)
+            return self._start_masked(hidden_states, topk_ids, topk_weights)
+        return self._start_packed(hidden_states, topk_ids, topk_weights)
 
     def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One wire row per token: the payload, then its global top-k ids (int32) and fp32
@@ -113,8 +121,9 @@ class ReferenceDispatcher:
         weights = from_bytes(rows[:, pw + 4 * k :], torch.float32)
         return q, ids, weights
 
-    def _dispatch_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        R, El, k = self.world, self.local_experts, self.top_k
+    def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+        R, El = self.world, self.local_experts
         T = x.shape[0]
         if self.send_to_all_ranks:
             in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
@@ -132,9 +141,19 @@ class ReferenceDispatcher:
 
         recv_counts = self.comm.exchange_counts(send_counts_t).tolist()  # the host sync
         send_counts = send_counts_t.tolist()
-        recv = self.comm.all_to_all(send, send_counts, recv_counts, self.sections,
-                                    out=None if self.world == 1 else
-                                    slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype, send.device))
+        transfer = self.comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
+                                              out=None if self.world == 1 else
+                                              slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype,
+                                                        send.device))
+        self.slots.keep_until_done(lease, transfer)
+        return Pending(functools.partial(self._finish_packed, transfer, lease, topk_ids, topk_weights, pair_token,
+                                         send_counts, recv_counts))
+
+    def _finish_packed(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       pair_token: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> DispatchOutput:
+        El, k, slot = self.local_experts, self.top_k, lease.slot
+        T = topk_ids.shape[0]
+        recv = transfer.wait()
         q, gids, rweights = self._split_rows(recv)
 
         # Expand to rows per (token, local expert), grouped by expert, token order within.
@@ -161,8 +180,9 @@ class ReferenceDispatcher:
             self.group_list_type, Layout.PACKED, self.dtype, handle, self.global_scale,
         )
 
-    def _dispatch_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        R, El, k, C = self.world, self.local_experts, self.top_k, self.capacity
+    def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+        R, k, C = self.world, self.top_k, self.capacity
         T = x.shape[0]
         lease = self.slots.acquire()
         slot = lease.slot
@@ -172,20 +192,27 @@ class ReferenceDispatcher:
         if T < C:  # empty slots route nowhere: zero payload, ids -1 (all bits set)
             send[T:] = 0
             send[T:, self.payload_width : self.payload_width + 4 * k] = 255
-        recv = self.comm.all_gather(send, self.sections, out=None if R == 1 else
-                                    slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
-        q, gids, gweights = self._split_rows(recv)
+        transfer = self.comm.all_gather_start(send, self.sections, out=None if R == 1 else
+                                              slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
+        self.slots.keep_until_done(lease, transfer)
+        return Pending(functools.partial(self._finish_masked, transfer, lease, topk_ids, topk_weights))
+
+    def _finish_masked(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> DispatchOutput:
+        R, El, k, C, slot = self.world, self.local_experts, self.top_k, self.capacity, lease.slot
+        device = topk_ids.device
+        q, gids, gweights = self._split_rows(transfer.wait())
 
         first = self.rank * El
         local = gids.reshape(-1).to(torch.int64) - first
         valid = (local >= 0) & (local < El)
         key = torch.where(valid, local, El)
         ones = torch.ones_like(key)
-        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, ones)
+        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=device).scatter_add_(0, key, ones)
         order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
         sorted_key = key[order]
         start = torch.cumsum(counts_ext, 0) - counts_ext
-        position = torch.arange(key.numel(), device=x.device) - start[sorted_key]
+        position = torch.arange(key.numel(), device=device) - start[sorted_key]
         entry_valid = sorted_key < El
         rows_per_expert = R * C
         trash = El * rows_per_expert
@@ -195,11 +222,11 @@ class ReferenceDispatcher:
         hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot, "rows")
         scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert,
                                                            slot, "row_scales")
-        row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=x.device)
+        row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=device)
         row_of_entry[order] = torch.where(entry_valid, entry_row, 0)
         handle = MaskedHandle(
             owner=self,
-            num_tokens=T,
+            num_tokens=topk_ids.shape[0],
             terms=_slots_by_expert(key.view(R * C, k), El, row_of_entry.view(R * C, k), gweights.to(torch.float32),
                                    self.hidden),
             lease=lease,
@@ -212,42 +239,51 @@ class ReferenceDispatcher:
     # -- combine ----------------------------------------------------------------------------
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        return self.combine_start(expert_output, dispatch_output).wait()
+
+    def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
+        """This rank's partial sums computed and sent (split phase); ``wait()`` adds what comes back."""
         handle = dispatch_output.handle
         if isinstance(handle, MaskedHandle):
-            result = self._combine_masked(expert_output, handle)
-        else:
-            result = self._combine_packed(expert_output, handle)
+            return self._start_combine_masked(expert_output, handle)
+        return self._start_combine_packed(expert_output, handle)
+
+    def _returned(self, handle: "NormalHandle | MaskedHandle", transfer: Transfer, returns: TokenTerms,
+                  device: torch.device) -> torch.Tensor:
+        """Combine's second half: each token's rows from the ranks, added in rank order."""
+        back = transfer.wait()
+        out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=device)
+        _sum_terms(out, from_bytes(back, torch.bfloat16), returns, handle.lease.slot)
         # The slot's buffers may now serve a later dispatch. A combine that raised keeps them (a retry at world size
         # 1 needs them); its handle gives them back when it is collected.
         handle.lease.release()
-        return result
+        return out
 
-    def _combine_packed(self, y: torch.Tensor, h: NormalHandle) -> torch.Tensor:
+    def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle) -> Pending[torch.Tensor]:
         H, slot = self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
         _sum_terms(send, y, h.terms, slot)
-        back = self.comm.all_to_all(
+        transfer = self.comm.all_to_all_start(
             as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
             out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
         )
-        out = torch.empty(h.num_tokens, H, dtype=torch.bfloat16, device=y.device)
-        _sum_terms(out, from_bytes(back, torch.bfloat16), h.returns, slot)
-        return out
+        self.slots.keep_until_done(h.lease, transfer)
+        return Pending(functools.partial(self._returned, h, transfer, h.returns, y.device))
 
-    def _combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> torch.Tensor:
+    def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> Pending[torch.Tensor]:
         R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
         _sum_terms(send, y.reshape(-1, H), h.terms, slot)
-        back = self.comm.all_to_all(as_bytes(send), None, None, (("combine", 2 * H),),
-                                    out=None if R == 1 else slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
+        transfer = self.comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
+                                              out=None if R == 1 else
+                                              slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
+        self.slots.keep_until_done(h.lease, transfer)
         # Token c's partials come back from every rank at rows r·C + c, added in rank order.
         T = h.num_tokens
         rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
         token = torch.arange(T, device=y.device).repeat_interleave(R)
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
-        _sum_terms(out, from_bytes(back, torch.bfloat16), TokenTerms(rows, token, None, None, _even_blocks(T, R, H)),
-                   slot)
-        return out
+        returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H))
+        return Pending(functools.partial(self._returned, h, transfer, returns, y.device))
 
 
 def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int,

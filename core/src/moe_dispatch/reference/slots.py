@@ -15,14 +15,23 @@ fresh 52 MB buffer took 179 ms on this machine's CPU, into a reused one 74 ms (i
   makes one more slot: more dispatches in flight cost memory, never wrong data.
 - What dispatch returns lives in its slot: valid until its combine (the contract's lifetime
   rule, ``DispatchOutput``); the core refuses a second combine of one output.
+- A started call (split phase) has collectives writing into its slot: the pool keeps its lease
+  until they are done, so an engine that drops a ``Pending`` without waiting costs a slot
+  for a while, never a buffer shared with a transfer still in flight.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class _InFlight(Protocol):
+    @property
+    def done(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -110,9 +119,18 @@ class SlotPool:
 
     def __init__(self) -> None:
         self.slots: list[Slot] = []
+        #: Leases kept alive while a collective may still read or write their slot.
+        self._in_flight: list[tuple[Lease, _InFlight]] = []
+
+    def keep_until_done(self, lease: Lease, transfer: _InFlight) -> None:
+        """Hold ``lease`` at least until ``transfer`` is done, whatever happens to its call's
+        ``Pending`` or output (``Comm.all_to_all_start``'s ``Transfer``)."""
+        self._in_flight.append((lease, transfer))
 
     def acquire(self) -> Lease:
         """A free slot (a new one when every slot is held), held by the returned lease."""
+        if self._in_flight:
+            self._in_flight = [(lease, t) for lease, t in self._in_flight if not t.done]
         slot = next((s for s in self.slots if s.free), None)
         if slot is None:
             slot = Slot(len(self.slots))

@@ -211,6 +211,7 @@ class BackendConformance:
                 f"default dtype {caps.default_dtype.value} is rejected in every mode")
         assert caps.combine_dtype is DispatchDtype.BF16, "combine sends BF16 by contract"
         assert caps.cuda_graph_modes <= set(caps.modes), "cuda_graph_modes names an undeclared mode"
+        assert caps.split_phase <= set(caps.modes), "split_phase names an undeclared mode"
         if self.backend.probe() is not None:
             assert self.backend.install_hint, "probe() says the backend cannot run here, but install_hint is empty"
 
@@ -456,6 +457,28 @@ class BackendConformance:
         first = self._case(world_size, m, accepted[0], routing, seed=7)
         second = self._case(world_size, other_mode, other[0], other_routing, seed=8, group_list_type=0)
         _run_on_ranks(moe_rank_pools, world_size, ranks.check_in_flight, first, second)
+
+    @pytest.mark.parametrize("mode", _MODES)
+    @pytest.mark.parametrize("world_size", WORLD_SIZES)
+    def test_two_micro_batches_overlap(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
+        """Two micro-batches in split phase, interleaved as an engine's two-batch overlap runs
+        them (``dispatch_start`` both, ``wait`` one, its experts, ``combine_start``, the other, the
+        combines received in reverse), give the bits of blocking calls; ``Pending.overlapped``
+        matches ``Dispatcher.split_phase``; a combine started twice is refused.
+
+        Troubleshooting: a backend that declares ``capabilities.split_phase`` implements
+        ``dispatch_start``/``combine_start`` (``SplitPhaseBackendDispatcher``) and keeps each
+        started call's buffers its own until its ``wait()`` returns, even while the other
+        micro-batch's calls start; a backend without declares nothing and the core runs each call
+        to its end at start.
+        """
+        m = Mode.parse(mode)
+        self._require_world(world_size, m)
+        self._require_mode(m)
+        self._require_runnable()
+        case = self._case(world_size, m, self._accepted(m)[0],
+                          standard_routings(world_size, self._shape(m).tokens_per_rank)[1], seed=13)
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_overlap, case)
 
     @pytest.mark.parametrize("mode", _MODES)
     @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -81,13 +81,17 @@ def _scaled_layer(case: Case, rank: int) -> ScaledLayer:
     return ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
 
 
-def _combine_scaled(dispatcher: Any, layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
-    """Scaled-identity experts on a dispatch output, then combine."""
-    rows = ScaledIdentityExperts().apply_without_routing_weights(
+def _scaled_rows(layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
+    """Scaled-identity experts on a dispatch output."""
+    return ScaledIdentityExperts().apply_without_routing_weights(
         layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16,
         global_scale=out.global_scale,
     )
-    return dispatcher.combine(rows, out)
+
+
+def _combine_scaled(dispatcher: Any, layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
+    """Scaled-identity experts on a dispatch output, then combine."""
+    return dispatcher.combine(_scaled_rows(layer, out), out)
 
 
 def _dispatch_and_combine(case: Case, rank: int, batch: GlobalBatch, dispatcher: Any) -> tuple[DispatchOutput, torch.Tensor]:
@@ -209,6 +213,44 @@ def check_in_flight(rank: int, world_size: int, case: Case, second: Case) -> lis
     names = ["the first of two in flight", "the second of two in flight", "the interleaved second dispatcher"]
     return [f"[{case.label()}, rank {rank}] {name} differs from running alone"
             for name, x, y in zip(names, alone, got) if not torch.equal(x, y)]
+
+
+def check_overlap(rank: int, world_size: int, case: Case) -> list[str]:
+    """Two micro-batches interleaved in split phase as an engine's two-batch overlap runs them
+    (start both dispatches; receive the first, compute, start its combine; receive the second,
+    compute, start its combine; receive the combines in the other order) give the bits each gives
+    in blocking calls. ``Pending.overlapped`` says what ``Dispatcher.split_phase`` declares; a
+    second ``wait()`` returns the same result; a combine started twice is refused."""
+    smaller = Routing("smaller batches", tuple(t // 2 for t in case.routing.tokens), drop=case.routing.drop,
+                      skew=case.routing.skew)
+    batches = [case.inputs(), replace(case, seed=case.seed + 1, routing=smaller).inputs()]
+    d = case.target.create(case.spec(batches[0]))
+    layer = _scaled_layer(case, rank)
+    xs = [b.local(rank) for b in batches]
+    label = f"[{case.label()}, rank {rank}]"
+    alone = [_combine_scaled(d, layer, d.dispatch(*x)) for x in xs]
+
+    started = [d.dispatch_start(*x) for x in xs]
+    outs, combines = [], []
+    for pending in started:
+        outs.append(pending.wait())
+        combines.append(d.combine_start(_scaled_rows(layer, outs[-1]), outs[-1]))
+    got = [c.wait() for c in reversed(combines)][::-1]
+    problems = [f"{label} micro-batch {i} in split phase differs from blocking calls"
+                for i, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
+    if any(p.overlapped is not d.split_phase for p in (*started, *combines)):
+        problems.append(f"{label} Pending.overlapped disagrees with Dispatcher.split_phase ({d.split_phase})")
+    if started[0].wait() is not outs[0] or combines[0].wait() is not got[0]:
+        problems.append(f"{label} a second wait() gave another result")
+    try:
+        d.combine_start(_scaled_rows(layer, outs[0]), outs[0])
+        problems.append(f"{label} a second combine_start of one output was accepted")
+    except InvalidInputError as exc:
+        if exc.parameter != "dispatch_output":
+            problems.append(f"{label} a second combine_start names {exc.parameter!r}")
+    if not torch.equal(_combine_scaled(d, layer, d.dispatch(*xs[0])), alone[0]):
+        problems.append(f"{label} blocking calls after split-phase ones gave other bits")
+    return problems
 
 
 def _tensors(out: DispatchOutput) -> list[torch.Tensor]:

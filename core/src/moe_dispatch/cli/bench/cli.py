@@ -34,8 +34,9 @@ def add_bench_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", default="allgather", help="backend to compare with, or 'none'")
     p.add_argument("--check-inputs", action="store_true", help="time dispatch with the value checks on")
-    p.add_argument("--only", choices=["all", "cases", "overhead"], default="all",
-                   help="cases: the grid; overhead: the core API's per-call cost; all: both")
+    p.add_argument("--only", choices=["all", "cases", "overhead", "overlap"], default="all",
+                   help="cases: the grid; overhead: the core API's per-call cost; overlap: two micro-batches "
+                        "overlapped in split phase against sequential (world size 2 unless --world-size); all: every one")
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's op table (rank 0) for each case: the cost of each stage")
     p.add_argument("--json", action="store_true", help="print JSON (schema 1) instead of tables")
@@ -62,6 +63,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from ...registry import default_host
     from . import report
     from .overhead import measure_overhead
+    from .overlap import format_overlap, run_overlap
     from .runner import profile_cases, progress_bar, run_bench
 
     host = default_host()
@@ -79,11 +81,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 cases += expand_cases([backend], dtypes, [mode], args.world_size or [4],
                                       args.tokens or [128, 512], _shapes(args))
     cases.sort(key=lambda c: c.world_size)  # one pool per world size
+    overlap_cases = []
+    if args.only in ("all", "overlap"):
+        for backend in backends:
+            caps = host.get_backend(backend).capabilities
+            for mode in modes:
+                dtypes = [d for d in wanted if d in caps.dtypes.get(mode, ())][:1]  # one dtype: the schedule is the point
+                overlap_cases += expand_cases([backend], dtypes, [mode], args.world_size or [2],
+                                              args.tokens or [128, 512], _shapes(args))
     baseline = None if args.baseline == "none" else args.baseline
     if baseline:
         host.get_backend(baseline)  # a typo fails before any rank starts
     results = run_bench(cases, settings, baseline=baseline, progress=progress_bar(sys.stderr)) if cases else []
     profiles = profile_cases(cases, settings) if args.profile and cases else []
+    overlap = run_overlap(overlap_cases, settings) if overlap_cases else []
     overhead = []
     if args.only in ("all", "overhead"):
         overhead = [measure_overhead(check_inputs=False), measure_overhead(check_inputs=True)]
@@ -92,14 +103,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         for table in profiles:
             print(table, file=sys.stderr)
-        print(report.to_json(results, overhead, {"warmup": settings.warmup, "iterations": settings.iterations,
+        print(report.to_json(results, overhead, overlap, {"warmup": settings.warmup, "iterations": settings.iterations,
                                                  "seed": settings.seed, "check_inputs": settings.check_inputs,
                                                  "baseline": baseline}))
         return 0
     if results:
         print(report.format_table(results))
-    if overhead:
+    if overlap:
         if results:
+            print()
+        print(format_overlap(overlap))
+    if overhead:
+        if results or overlap:
             print()
         print(report.format_overhead(overhead))
     for table in profiles:

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from ...errors import InvalidSpecError
 from .overhead import OverheadResult
+from .overlap import OverlapResult
 from .results import CaseResult
 
 #: Version of ``moe-dispatch bench --json``; bumped only for an incompatible change.
@@ -58,12 +59,14 @@ def format_overhead(results: list[OverheadResult]) -> str:
     return "\n".join(lines)
 
 
-def to_json(results: list[CaseResult], overhead: list[OverheadResult], settings: dict[str, object]) -> str:
+def to_json(results: list[CaseResult], overhead: list[OverheadResult], overlap: list[OverlapResult],
+            settings: dict[str, object]) -> str:
     return json.dumps({
         "schema": BENCH_JSON_SCHEMA,
         "settings": settings,
         "cases": [r.to_dict() for r in results],
         "overhead": [o.to_dict() for o in overhead],
+        "overlap": [o.to_dict() for o in overlap],
     }, indent=2)
 
 
