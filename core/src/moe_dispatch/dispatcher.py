@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 
 class Dispatcher:
     """One layer's dispatch and combine on one group. Keeps nothing of a call: several
-    dispatches may be in flight, each combined with its own ``DispatchOutput``.
+    dispatches may be in flight, each combined with its own ``DispatchOutput``, and each call
+    may be split in two (``dispatch_start``/``combine_start`` → ``Pending``) to overlap
+    micro-batches.
 
     Every rank must make the same calls in the same order: the same dispatchers, each
     dispatch, its combine (by the dispatch it combines) and each fused forward. The calls are

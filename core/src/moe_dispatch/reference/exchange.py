@@ -11,6 +11,11 @@ call is capturable in a CUDA graph on NCCL), and scatters its local (token, expe
 into the MASKED layout ``[E_local, capacity·world, H]``. A fixed-size exchange cannot know
 which slots are empty without a host sync, so both backends move the same bytes here.
 
+Split phase, both modes: ``dispatch_start`` does everything up to the payload's collective and
+starts it (``Comm.all_to_all_start``/``all_gather_start``); ``wait()`` lays out what arrived.
+``combine_start`` sends this rank's partial sums; ``wait()`` adds what comes back. The blocking
+calls are ``start().wait()``.
+
 Combine, both modes: the destination weights each row (fp32) and sums a token's local
 rows in ascending expert order; the BF16 partial goes back with the reverse exchange and
 the source sums ranks in ascending order in fp32. The order is fixed, so results are

@@ -56,6 +56,7 @@ def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRele
         default_dtype=F8,
         fp8_ue8m0=True,
         cuda_graph_modes=frozenset({LL}),
+        split_phase=frozenset({N, LL}),  # LL: return_recv_hook; normal: async_finish (dispatcher.py)
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
             N: md.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES,

@@ -49,7 +49,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import moe_dispatch as md
 from moe_dispatch.distributed.emulation import emulated_waits
@@ -254,6 +254,10 @@ class SharedBuffer:
     pending: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     #: The handles of LL dispatches captured and not yet combined (in the same graph or the next one).
     captured_pending: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    #: The receive of the last LL call made with DeepEP's receive hook that has not run yet: the next LL call on this
+    #: Buffer, from any layer, would zero the signalling half it waits on (``vendor.LL_CALLS_AWAITING_RECEIVE``), so
+    #: every call settles it first, as vLLM does before each new call (``dbo_maybe_run_recv_hook``).
+    unreceived: "Receive | None" = None
     closed: bool = False
     internode: bool = field(init=False)
 
@@ -287,6 +291,27 @@ class SharedBuffer:
         return "num_experts" if self.clean_by_experts else "num_max_dispatch_tokens_per_rank, hidden_size, num_experts"
 
     # -- every layer's calls ---------------------------------------------------------------------------------------
+
+    def sent(self, hook: Callable[[], None] | None) -> "Receive | None":
+        """A call DeepEP made with ``return_recv_hook=True`` has sent (its hook; None for a whole call)."""
+        if hook is None:
+            return None
+        self.unreceived = Receive(hook)
+        return self.unreceived
+
+    def receive(self, receipt: "Receive | None") -> None:
+        """Run ``receipt``'s hook unless it ran already (settled by a later call): once, as DeepEP needs (a second
+        run adds the dispatch's counts again)."""
+        if receipt is None:
+            return
+        if self.unreceived is receipt:
+            self.unreceived = None
+        receipt.run()
+
+    def settle(self) -> None:
+        """Before any call on the Buffer: the receive still awaited, at the same point on every rank (every rank
+        makes the same calls in the same order)."""
+        self.receive(self.unreceived)
 
     def check_open(self) -> None:
         if self.closed:
@@ -390,8 +415,24 @@ class SharedBuffer:
                           "memory is freed and NVSHMEM finalized): replaying them runs kernels on freed memory; drop "
                           "them first", RuntimeWarning, stacklevel=3)
         if self.owned and getattr(self.buffer, "explicitly_destroy", False):
+            self.settle()  # a receive kernel still to launch would wait on memory the destroy frees
             self.buffer.destroy()
         self.buffer = None
+
+
+class Receive:
+    """DeepEP's receive hook of one call: it launches the receive kernel (stream-ordered; the host does not wait).
+    Runs once."""
+
+    __slots__ = ("_hook",)
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self._hook: Callable[[], None] | None = hook
+
+    def run(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
 
 
 def _live(handles: "weakref.WeakSet[Any]") -> int:

@@ -97,29 +97,88 @@ class DeepEPDispatcher:
         return self.shared.buffer
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
-        with self._waits():
-            if self.low_latency:
-                return self._dispatch_low_latency(x, topk_ids, topk_weights)
-            return self._dispatch_normal(x, topk_ids, topk_weights)
+        return self._dispatch(x, topk_ids, topk_weights, split=False)()
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
-        with self._waits():
-            return self._combine(expert_output, dispatch_output)
+        return self._combine(expert_output, dispatch_output, split=False)()
 
-    def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
-        h = dispatch_output.handle
-        if isinstance(h, LowLatencyHandle):
-            rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
-            self._before_low_latency(dispatch=False)
-            combined, _, _ = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle)
-            self.shared.pending.discard(h)
-            self.shared.captured_pending.discard(h)
+    # -- split phase (capabilities.split_phase) ----------------------------------------------------------------
+
+    def dispatch_start(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> md.Pending[md.DispatchOutput]:
+        """LL: DeepEP's send kernel (``return_recv_hook=True``); ``wait()`` runs the hook (the receive kernel,
+        stream-ordered, no host wait) and builds the output. Normal: the host waits in DeepEP's notify until every
+        rank has entered dispatch, then the data kernel runs on DeepEP's comm stream (``async_finish``); ``wait()``
+        orders the current stream after it and expands the rows."""
+        return md.Pending(self._dispatch(x, topk_ids, topk_weights, split=True))
+
+    def combine_start(self, expert_output: torch.Tensor,
+                      dispatch_output: md.DispatchOutput) -> md.Pending[torch.Tensor]:
+        return md.Pending(self._combine(expert_output, dispatch_output, split=True))
+
+    def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  split: bool) -> Callable[[], md.DispatchOutput]:
+        with self._waits():
+            self.shared.settle()  # one LL call awaiting its receive at a time per Buffer (vendor.LL_CALLS_AWAITING_RECEIVE)
+            if self.low_latency:
+                finish = self._dispatch_low_latency(x, topk_ids, topk_weights, split)
+            else:
+                finish = self._dispatch_normal(x, topk_ids, topk_weights, split)
+        return self._waiting(finish)
+
+    def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput,
+                 split: bool) -> Callable[[], torch.Tensor]:
+        with self._waits():
+            self.shared.settle()
+            h = dispatch_output.handle
+            if isinstance(h, LowLatencyHandle):
+                finish = self._combine_low_latency(expert_output, h, split)
+            else:
+                finish = self._combine_normal(expert_output, h, split)
+        return self._waiting(finish)
+
+    def _waiting(self, finish: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with self._waits():
+                return finish()
+        return run
+
+    def _combine_low_latency(self, expert_output: torch.Tensor, h: LowLatencyHandle,
+                             split: bool) -> Callable[[], torch.Tensor]:
+        rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
+        capturing = self._before_low_latency(dispatch=False)
+        hook_mode = split and not capturing  # a capture records the whole call, its receive included
+        combined, _, hook = self.buffer.low_latency_combine(rows, h.topk_ids, h.topk_weights, h.vendor_handle,
+                                                            return_recv_hook=hook_mode)
+        receive = self.shared.sent(hook)
+        self.shared.pending.discard(h)
+        self.shared.captured_pending.discard(h)
+
+        def finish() -> torch.Tensor:
+            self.shared.receive(receive)
             return combined
+        return finish
+
+    def _combine_normal(self, expert_output: torch.Tensor, h: NormalHandle,
+                        split: bool) -> Callable[[], torch.Tensor]:
         self.shared.check_open()
-        partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received)
-        combined, _, _ = self.buffer.combine(partial.to(torch.bfloat16), h.vendor_handle, config=self.combine_config)
+        partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received).to(torch.bfloat16)
+        combined, _, event = self.buffer.combine(partial, h.vendor_handle, config=self.combine_config,
+                                                 **self._async_kwargs(split))
         self.shared.after_normal()
-        return combined
+
+        def finish() -> torch.Tensor:
+            if split:
+                event.current_stream_wait()
+            return combined
+        return finish
+
+    def _async_kwargs(self, split: bool) -> dict[str, Any]:
+        """Normal mode in split phase: DeepEP's kernels on its comm stream, after what the current stream has queued
+        so far (``previous_event``), outputs allocated there; ``wait()`` orders the current stream after them."""
+        if not split:
+            return {}
+        return {"previous_event": self.buffer.capture(), "async_finish": True, "allocate_on_comm_stream": True}
 
     def _before_low_latency(self, dispatch: bool) -> bool:
         """The shared Buffer's checks and cleaning before an LL call; whether the call is being captured."""
@@ -137,7 +196,8 @@ class DeepEPDispatcher:
     def _ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         return topk_ids.to(self.topk_idx_dtype).contiguous()
 
-    def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
+    def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         split: bool) -> Callable[[], md.DispatchOutput]:
         self.shared.check_open()
         ids = self._ids(topk_ids)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
@@ -148,40 +208,56 @@ class DeepEPDispatcher:
             vendor_x: Any = (q.data, pack_ue8m0(q.scale) if self.ue8m0 else q.scale)
         else:
             vendor_x = x.contiguous()
-        recv_x, recv_ids, recv_weights, _, handle, _ = self.buffer.dispatch(
+        recv_x, recv_ids, recv_weights, _, handle, event = self.buffer.dispatch(
             vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
-            topk_weights=topk_weights.float().contiguous(), config=self.dispatch_config)
+            topk_weights=topk_weights.float().contiguous(), config=self.dispatch_config, **self._async_kwargs(split))
         self.shared.after_normal_dispatch()
-        data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
-        row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
-        handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(), data.shape[0])
-        return self._output(data.index_select(0, row_token), None if scale is None else scale.index_select(0, row_token),
-                            counts, md.Layout.PACKED, topk_ids, topk_weights, handle_out)
 
-    def _dispatch_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-                              ) -> md.DispatchOutput:
+        def finish() -> md.DispatchOutput:
+            if split:
+                event.current_stream_wait()
+            data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
+            row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
+            handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(),
+                                      data.shape[0])
+            return self._output(data.index_select(0, row_token),
+                                None if scale is None else scale.index_select(0, row_token),
+                                counts, md.Layout.PACKED, topk_ids, topk_weights, handle_out)
+        return finish
+
+    def _dispatch_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                              split: bool) -> Callable[[], md.DispatchOutput]:
         ids = self._ids(topk_ids)
         x = x.contiguous()
         T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
         capturing = self._before_low_latency(dispatch=True)
+        hook_mode = split and not capturing  # a capture records the whole call, its receive included
         if self.dtype is md.DispatchDtype.NVFP4:
-            recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
-                x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=self.x_global_scale)
-            packed, mma = recv_x
-            # Expert-last [R·T, H/2, E_l] → MASKED [E_l, R·T, H/2] (a view); scales from the
-            # swizzled MMA layout back to linear rows (a copy of E_l·R·T·H/16 bytes).
-            data = packed.permute(2, 0, 1)
-            scale = from_mma_view(mma, data.shape[1], self.spec.hidden_size // 16)
+            recv_x, recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
+                x, ids, T, E, use_fp8=False, use_nvfp4=True, x_global_scale=self.x_global_scale,
+                return_recv_hook=hook_mode)
         else:
-            recv_x, recv_count, handle, _, _ = self.buffer.low_latency_dispatch(
+            recv_x, recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
                 x, ids, T, E, use_fp8=self.dtype is md.DispatchDtype.FP8, round_scale=self.ue8m0,
-                use_ue8m0=self.ue8m0)
-            data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+                use_ue8m0=self.ue8m0, return_recv_hook=hook_mode)
+        receive = self.shared.sent(hook)
         # DeepEP's low-latency combine takes the top-k ids and weights again (it weights the rows itself): keep the
         # dispatch's, not the caller's tensors, which the engine may overwrite before combine ([T, k]: a small copy).
         ll_handle = LowLatencyHandle(self, handle, kept_routing(ids, topk_ids),
                                      kept_routing(topk_weights.float().contiguous(), topk_weights))
         (self.shared.captured_pending if capturing else self.shared.pending).add(ll_handle)
-        return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights, ll_handle)
+
+        def finish() -> md.DispatchOutput:
+            self.shared.receive(receive)  # the data, counts and handle are DeepEP's only after its receive
+            if self.dtype is md.DispatchDtype.NVFP4:
+                packed, mma = recv_x
+                # Expert-last [R·T, H/2, E_l] → MASKED [E_l, R·T, H/2] (a view); scales from the
+                # swizzled MMA layout back to linear rows (a copy of E_l·R·T·H/16 bytes).
+                data = packed.permute(2, 0, 1)
+                scale = from_mma_view(mma, data.shape[1], self.spec.hidden_size // 16)
+            else:
+                data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            return self._output(data, scale, recv_count, md.Layout.MASKED, topk_ids, topk_weights, ll_handle)
+        return finish

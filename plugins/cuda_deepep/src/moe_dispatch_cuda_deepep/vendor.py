@@ -332,6 +332,17 @@ def ll_clean_key(by_experts: bool, num_max_dispatch_tokens_per_rank: int, hidden
     return int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts)
 
 
+#: Low-latency calls per Buffer that may have sent and not yet received (``return_recv_hook=True``, the hook not yet
+#: run): one. Every LL dispatch and combine toggles ``low_latency_buffer_idx`` on the host and its send phase zeroes
+#: the other half's signalling counts (``next_clean``), the half the pending call's receive waits on: it would spin
+#: until the ~100 s trap (deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp:1504-1505,1644-1645 and
+#: csrc/kernels/legacy/internode_ll.cu:286-289,776-780; the same since @ebfe47e; DeepEP issue #513). The docstring's
+#: "cannot hold more than 2 low-latency kernels' result tensors" (legacy.py low_latency_dispatch) is about result
+#: tensors before 6cc3497, not pending receives. The hook must run exactly once (a second run atomically adds the
+#: dispatch's counts again: internode_ll.cu:408). ``async_finish`` and ``return_recv_hook`` exclude each other
+#: (buffer.hpp ``EP_HOST_ASSERT(not(async and return_recv_hook))``).
+LL_CALLS_AWAITING_RECEIVE = 1
+
 #: Low-latency: ``(num_ranks * num_max_dispatch_tokens_per_rank) % 4 == 0`` ("TMA requires the number
 #: of tokens to be multiple of 4"; deepseek-ai/DeepEP@dd758ca csrc/legacy/buffer.hpp low_latency_dispatch,
 #: present since @ebfe47e csrc/deep_ep.cpp).
@@ -1243,6 +1254,10 @@ BUFFER_LL_COMBINE = VendorSignature(
     "Buffer.low_latency_combine", "(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, "
     "async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)", _LEGACY)
 BUFFER_DESTROY = VendorSignature("Buffer.destroy", "(self)", _LEGACY)
+#: ``previous_event`` for normal mode in split phase: an event on the current stream (deep_ep/buffers/legacy.py capture).
+BUFFER_CAPTURE = VendorSignature("Buffer.capture", "()", _LEGACY)
+EVENT_OVERLAP_WAIT = VendorSignature("EventOverlap.current_stream_wait", "(self, release_handle=False)",
+                                     "deepseek-ai/DeepEP@dd758ca deep_ep/utils/event.py")
 CONFIG_INIT = VendorSignature(
     "Config.__init__", "(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256, "
     "num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256)", _CONFIG)
@@ -1333,7 +1348,7 @@ DG_V1_ALIGNMENT_SIG = VendorSignature(DG_V1_ALIGNMENT, "()",
 #: (module attribute path, signature) of the main-line DeepEP V1 API the adapter calls.
 DEEP_EP_SIGNATURES = (BUFFER_INIT, BUFFER_GET_DISPATCH_CONFIG, BUFFER_GET_COMBINE_CONFIG, BUFFER_LL_SIZE_HINT,
                       BUFFER_SET_NUM_SMS, BUFFER_GET_DISPATCH_LAYOUT, BUFFER_DISPATCH, BUFFER_COMBINE, BUFFER_CLEAN_LL,
-                      BUFFER_LL_DISPATCH, BUFFER_LL_COMBINE, BUFFER_DESTROY, CONFIG_INIT, CONFIG_NVL_HINT,
+                      BUFFER_LL_DISPATCH, BUFFER_LL_COMBINE, BUFFER_DESTROY, BUFFER_CAPTURE, CONFIG_INIT, CONFIG_NVL_HINT,
                       CONFIG_RDMA_HINT)
 #: The hybrid-ep branch differs in these three; the rest as main.
 HYBRID_SIGNATURES = (HYBRID_BUFFER_INIT, HYBRID_LL_DISPATCH, HYBRID_LL_COMBINE)

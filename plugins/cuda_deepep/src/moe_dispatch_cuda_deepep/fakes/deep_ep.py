@@ -549,6 +549,7 @@ class Buffer:
         self._clean_for: Any = _CLEAN_FOR_ANY
         self._signalling = _SignallingBytes()
         self._ll_half = 0  # Buffer::low_latency_buffer_idx
+        self._pending_receive: _Receipt | None = None  # a hook-mode LL call whose receive has not run
         self._ll_half_captured: int | None = None
         self._arrivals = torch.Generator().manual_seed(1009 + self.rank)
         self.calls: list[VendorCall] = []
@@ -665,7 +666,13 @@ class Buffer:
         if self.low_latency_mode:
             self._write_everything()
 
+    def _overwrite_pending_receive(self, by: str) -> None:
+        if self._pending_receive is not None and _kernels_run():
+            self._pending_receive.overwritten = by
+            self._pending_receive = None
+
     def _write_everything(self) -> None:
+        self._overwrite_pending_receive("internode normal-mode kernels")
         self._clean_for = None
         self._signalling.write(0, float("inf"))
 
@@ -678,6 +685,7 @@ class Buffer:
         replayed = _CAPTURE["replay_half"]
         if replayed is not None:
             return replayed
+        self._overwrite_pending_receive("the next low-latency call's send phase")
         half, self._ll_half = self._ll_half, self._ll_half ^ 1
         self._ll_half_captured = half
         return half
@@ -1008,6 +1016,7 @@ class Buffer:
         # barrier again: a collective every rank must reach.
         self._comm.all_gather(torch.zeros(1, 1, dtype=torch.uint8), (("metadata", 1),))
         if _kernels_run():
+            self._overwrite_pending_receive("clean_low_latency_buffer")
             self._after_clean(int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_experts))
 
     def _qp_depth_check(self, T: int) -> None:
@@ -1091,7 +1100,7 @@ class Buffer:
                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
         recv_x, recv_count, handle = self._ll_exchange(x, topk_idx, T, num_experts, use_fp8, round_scale, use_ue8m0,
                                                        cumulative_local_expert_recv_stats)
-        (recv_x, recv_count), hook = _received((recv_x, recv_count), return_recv_hook)
+        (recv_x, recv_count), handle, hook = _received(self, (recv_x, recv_count), return_recv_hook, handle, recv_count)
         return recv_x, recv_count, handle, EventOverlap(EventHandle() if async_finish else None), hook
 
     def _ll_exchange(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, num_experts: int, use_fp8: bool,
@@ -1199,7 +1208,7 @@ class Buffer:
         combined, event = self._ll_combine(x, topk_idx, topk_weights, src_info, layout_range, T, num_experts,
                                            use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                                            combine_wait_recv_cost_stats)
-        (combined,), hook = _received((combined,), return_recv_hook)
+        (combined,), _, hook = _received(self, (combined,), return_recv_hook)
         return combined, event, hook
 
     def _ll_combine(self, x: Any, topk_idx: Any, topk_weights: Any, src_info: Any, layout_range: Any, T: Any,
@@ -1295,20 +1304,50 @@ def _poisoned_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _received(results: tuple, return_recv_hook: bool) -> tuple[tuple, Callable[[], None] | None]:
+class _Receipt:
+    """One hook-mode LL call's receive phase, pending on its Buffer until the hook runs. The next LL call on the
+    Buffer (its send zeroes the other signalling half: ``vendor.LL_CALLS_AWAITING_RECEIVE``), a clean or internode
+    normal-mode kernels overwrite what it waits on: its receive kernel then spins until DeepEP's trap."""
+
+    def __init__(self) -> None:
+        self.overwritten = ""
+        self.runs = 0
+
+
+def _received(buffer: Any, results: tuple, return_recv_hook: bool, handle: tuple | None = None,
+              counts: torch.Tensor | None = None) -> tuple[tuple, tuple | None, Callable[[], None] | None]:
     """DeepEP returns ``std::nullopt`` (None) for the hook unless ``return_recv_hook``; with it the kernel only
-    sends, and the received tensors are filled when the hook runs (csrc/legacy/buffer.hpp low_latency_*)."""
+    sends, and the received tensors, the dispatch's counts and its handle's ``src_info``/``layout_range`` are
+    filled when the hook runs the receive kernel (csrc/legacy/buffer.hpp low_latency_*; internode_ll.cu receive
+    phase). A second run adds the counts again (``atomicAdd``); a receive whose signalling was overwritten first
+    loses the context."""
     if not return_recv_hook:
-        return results, None
-    flat = [t for r in results for t in (r if isinstance(r, tuple) else (r,))]
+        return results, handle, None
+    handle_tensors = [] if handle is None else [t for t in handle if isinstance(t, torch.Tensor)]
+    flat = [t for r in results for t in (r if isinstance(r, tuple) else (r,))] + handle_tensors
     shown = [_poisoned_copy(t) for t in flat]
+    receipt = _Receipt()
+    if _kernels_run():
+        buffer._pending_receive = receipt
 
     def hook() -> None:
+        if receipt.overwritten:
+            raise lose_context(f"(fake) a low-latency receive kernel waited for signalling that {receipt.overwritten} "
+                               "overwrote before its hook ran (DeepEP: a spin until the ~100 s trap; one LL call per "
+                               "Buffer may await its receive)")
+        if buffer._pending_receive is receipt:
+            buffer._pending_receive = None
+        receipt.runs += 1
         for dst, src in zip(shown, flat):
-            dst.copy_(src)
+            if receipt.runs > 1 and src is counts:
+                dst.add_(src)  # recv_count accumulates by atomicAdd in the receive phase
+            else:
+                dst.copy_(src)
 
     it = iter(shown)
-    return tuple(tuple(next(it) for _ in r) if isinstance(r, tuple) else next(it) for r in results), hook
+    received = tuple(tuple(next(it) for _ in r) if isinstance(r, tuple) else next(it) for r in results)
+    new_handle = None if handle is None else tuple(next(it) if isinstance(t, torch.Tensor) else t for t in handle)
+    return received, new_handle, hook
 
 
 def install_statics(cls: type) -> None:

@@ -135,9 +135,11 @@ class Buffer(deep_ep.Buffer):
                                                                         cumulative_local_expert_recv_stats, extra)
         event = EventOverlap(EventHandle() if async_finish else None)
         if topk_weights is None:
-            (recv_x, recv_count), hook = _received((recv_x, recv_count), return_recv_hook)
+            (recv_x, recv_count), handle, hook = _received(self, (recv_x, recv_count), return_recv_hook, handle,
+                                                           recv_count)
             return recv_x, recv_count, handle, event, hook
-        (recv_x, recv_count, placed), hook = _received((recv_x, recv_count, placed), return_recv_hook)
+        (recv_x, recv_count, placed), handle, hook = _received(self, (recv_x, recv_count, placed), return_recv_hook,
+                                                               handle, recv_count)
         recv_weights, recv_rank = placed
         return recv_x, recv_count, recv_weights, recv_rank, handle, event, hook
 
@@ -195,7 +197,7 @@ class Buffer(deep_ep.Buffer):
         combined, event = self._ll_combine_checked(x, topk_idx, topk_weights, src_info, layout_range, int(T),
                                                    int(num_experts), use_logfmt, zero_copy, async_finish,
                                                    return_recv_hook, out, max_topk)
-        (combined,), hook = _received((combined,), return_recv_hook)
+        (combined,), _, hook = _received(self, (combined,), return_recv_hook)
         return combined, event, hook
 
 
