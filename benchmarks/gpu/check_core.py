@@ -10,7 +10,11 @@ The first checks of ``shared/GPU.md``, in one process (world size 1, NCCL on CUD
    backends, every mode and dtype, against the dense fp32 reference (the kit's tolerance);
 3. **graph**: low-latency dispatch + combine captured once in a CUDA graph and replayed with new
    inputs copied into the same static tensors, against eager runs on those inputs, with the
-   value checks off and with the default (on): the proof that the mode makes no host sync.
+   value checks off and with them on (they stand aside during a capture);
+4. **nosync**: low-latency dispatch + combine, blocking and in split phase, with the default
+   ``check_inputs`` under ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises),
+   and the time per pair with the default against ``check_inputs=True`` (what the value checks'
+   sync costs: the measurement behind the default, issue 16).
 
 ``--device cpu`` runs 1 and 2 on gloo (how this script is tested without a GPU); 3 needs CUDA.
 Prints a table; the exit status is 1 if any check fails.
@@ -139,6 +143,51 @@ def check_graph(device: torch.device) -> list[Check]:
     return checks
 
 
+def check_nosync(device: torch.device) -> list[Check]:
+    if device.type != "cuda":
+        return [Check("nosync", "low_latency without a host sync", True, "skipped: needs CUDA")]
+    import time
+
+    checks = []
+    layer = ScaledLayer.for_rank(H, E, 0, E)
+    for backend in BACKENDS:
+        spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode="low_latency", output_dtype="fp8")
+        default, checked = (md.create_dispatcher(backend, spec, env={}, check_inputs=c) for c in (None, True))
+        x, ids, w = _inputs(20, device)
+
+        def split_step(d: md.Dispatcher = default) -> torch.Tensor:
+            out = d.dispatch_start(x, ids, w).wait()
+            rows = ScaledIdentityExperts().apply_without_routing_weights(
+                layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16)
+            return d.combine_start(rows, out).wait()
+
+        for name, step in (("blocking", lambda: _graph_step(default, layer, x, ids, w)), ("split phase", split_step)):
+            step()  # warm-up outside the debug mode (first-call allocations)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+                ok, detail = True, "no host sync"
+            except RuntimeError as exc:
+                ok, detail = False, f"synced: {str(exc).splitlines()[0]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checks.append(Check("nosync", f"{backend} fp8 {name}, default checks", ok, detail))
+        per_pair = {}
+        for label, d in (("default", default), ("check_inputs=True", checked)):
+            for _ in range(3):
+                _graph_step(d, layer, x, ids, w)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(50):
+                _graph_step(d, layer, x, ids, w)
+            torch.cuda.synchronize()
+            per_pair[label] = (time.perf_counter() - start) / 50 * 1e6
+        checks.append(Check("nosync", f"{backend} fp8 time per pair", True,
+                            ", ".join(f"{k} {v:.0f} us" for k, v in per_pair.items())))
+    return checks
+
+
 def _capture_and_replay(name: str, step: Callable[[], torch.Tensor], static: tuple[torch.Tensor, ...],
                         device: torch.device) -> Check:
     side = torch.cuda.Stream()
@@ -168,7 +217,7 @@ def _capture_and_replay(name: str, step: Callable[[], torch.Tensor], static: tup
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--only", choices=["codecs", "layers", "graph"], action="append")
+    p.add_argument("--only", choices=["codecs", "layers", "graph", "nosync"], action="append")
     p.add_argument("--json", help="write the checks as JSON to this path")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -178,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
     started = one_rank_group("nccl" if device.type == "cuda" else "gloo")
-    groups = {"codecs": check_codecs, "layers": check_layers, "graph": check_graph}
+    groups = {"codecs": check_codecs, "layers": check_layers, "graph": check_graph, "nosync": check_nosync}
     checks: list[Check] = []
     try:
         for group, run in groups.items():

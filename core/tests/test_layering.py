@@ -23,7 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the policies: the wire dtype, the input checks, the reference experts
     "policy": ("resolution", "validation", "output_checks", "experts"),
     # where backends and runners come from (the built-ins registered like any plugin)
-    "registry": ("loading", "registry", "probes", "reference", "reference.builtin", "reference.exchange", "reference.slots"),
+    "registry": ("loading", "registry", "probes", "reference", "reference.builtin", "reference.exchange", "reference.receiver", "reference.slots"),
     # what an engine calls
     "runtime": ("preparation", "planning", "dispatcher", "layer", ""),
     # the wings: the command line and its applications, the test kit

@@ -65,7 +65,7 @@ class Dispatcher:
         comm: Comm,
         buffer_size: BufferSize,
         *,
-        check_inputs: bool = True,
+        check_inputs: bool | None = None,
     ) -> None:
         self.backend = backend
         self.spec = spec
@@ -141,8 +141,10 @@ class Dispatcher:
         Every check runs on this rank before any collective is entered; no input is modified.
         Shape, dtype, device and capacity checks read only metadata and always run (about
         0.5 µs). The value checks read the data (on an accelerator: a few small kernels and one
-        device sync per call); they are on by default, and off with
-        ``create_dispatcher(check_inputs=False)`` or ``dispatcher.check_inputs = False``.
+        device sync per call). By default (``check_inputs=None``) they run on host memory and
+        not on an accelerator, where the sync would stall the device queue (no overlap, no
+        CUDA-graph capture); ``check_inputs=True`` runs them everywhere, ``False`` nowhere
+        (``create_dispatcher(check_inputs=...)`` or ``dispatcher.check_inputs = ...``).
         While a CUDA graph is being captured the value checks stand aside (a sync would abort
         the capture, and replays get new values); check inputs before a replay.
         An error here is also posted to the other ranks, which stop waiting for this one.
@@ -152,7 +154,8 @@ class Dispatcher:
         try:
             self._dispatches += 1
             self._comm.begin("dispatch", self._dispatches)
-            out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights), self.check_inputs)
+            out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
+                                         self._values(hidden_states))
         except BaseException as exc:
             self._dispatch_failed(exc)
         object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
@@ -208,7 +211,7 @@ class Dispatcher:
             started = self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights)
         except BaseException as exc:
             self._dispatch_failed(exc)
-        return Pending(functools.partial(self._receive_dispatch, started, number))
+        return Pending(functools.partial(self._receive_dispatch, started, number, hidden_states))
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
         """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
@@ -226,9 +229,10 @@ class Dispatcher:
         object.__setattr__(dispatch_output, "combined", True)  # its rows are on their way back: no second combine
         return Pending(functools.partial(self._receive_combine, started, dispatch_output))
 
-    def _receive_dispatch(self, started: Pending[DispatchOutput], number: int) -> DispatchOutput:
+    def _receive_dispatch(self, started: Pending[DispatchOutput], number: int,
+                          started_on: torch.Tensor) -> DispatchOutput:
         try:
-            out = self._outputs.dispatch(started.wait(), self.check_inputs)
+            out = self._outputs.dispatch(started.wait(), self._values(started_on))
         except BaseException as exc:
             self._dispatch_failed(exc)
         object.__setattr__(out, "call", number)
@@ -256,6 +260,14 @@ class Dispatcher:
         except BaseException as exc:
             self._failed("dispatch", exc, started=False)
             raise
+
+    def _values(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this call runs the value checks (on inputs whose metadata passed): ``check_inputs``,
+        or by default (None) where the data is host memory: on an accelerator they would sync the
+        device every call."""
+        if self.check_inputs is None:
+            return hidden_states.device.type == "cpu"
+        return self.check_inputs
 
     def _dispatch_failed(self, exc: BaseException) -> NoReturn:
         oom = _out_of_memory(exc, self.buffer_size)
@@ -362,7 +374,7 @@ def create_dispatcher(
     *,
     strict: bool = False,
     env: Mapping[str, str] | None = None,
-    check_inputs: bool = True,
+    check_inputs: bool | None = None,
     host: PluginHost | None = None,
     options: Mapping[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -379,7 +391,9 @@ def create_dispatcher(
     :param env: environment for the resolution (``os.environ`` when None); never written.
     :param check_inputs: run the value checks (ids in range, no duplicate ids, finite
         values) on every dispatch; they read the data (a device sync on an accelerator).
-        The shape, dtype, device and capacity checks always run.
+        None (the default): on host memory only, so an accelerator's hot path makes no host
+        sync; True: everywhere; False: nowhere. The shape, dtype, device and capacity checks
+        always run.
     :param timeout_s: how long a rank waits for the others in one collective (gloo) before
         ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
         the process group's own timeout.

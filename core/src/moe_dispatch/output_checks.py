@@ -24,10 +24,13 @@ from .output import DispatchOutput, group_counts
 from .spec import DispatchSpec
 
 
+_PACKED, _MASKED = Layout.PACKED, Layout.MASKED
+
+
 class OutputChecks:
     """The output checks of one dispatcher, against values computed once."""
 
-    __slots__ = ("backend", "hidden", "element", "columns", "local_experts")
+    __slots__ = ("backend", "hidden", "element", "columns", "local_experts", "_groups")
 
     def __init__(self, backend: str, spec: DispatchSpec, world_size: int) -> None:
         self.backend = backend
@@ -36,8 +39,28 @@ class OutputChecks:
         self.element = dtype.element
         self.columns = dtype.row_columns(spec.hidden_size)
         self.local_experts = spec.num_experts // world_size
+        self._groups = (self.local_experts,)
 
     def dispatch(self, out: object, check_values: bool) -> DispatchOutput:
+        # One combined test on the hot path (dtypes and enums are singletons: ``is``); the checks
+        # below only run, to say what is wrong, when it fails.
+        try:
+            rows, groups, layout = out.hidden_states, out.group_list, out.layout  # type: ignore[attr-defined]
+            shape = rows.shape
+            ok = (type(out) is DispatchOutput and rows.dtype is self.element and shape[-1] == self.columns
+                  and groups.shape == self._groups and not groups.is_floating_point()
+                  and (len(shape) == 2 if layout is _PACKED else
+                       (layout is _MASKED and len(shape) == 3 and shape[0] == self.local_experts))
+                  and out.group_list_type in (0, 1))  # type: ignore[attr-defined]
+        except (AttributeError, TypeError, IndexError):
+            ok = False
+        if not ok:
+            self._diagnose(out)
+        if check_values:
+            self._check_counts(out)  # type: ignore[arg-type]
+        return out  # type: ignore[return-value]
+
+    def _diagnose(self, out: object) -> None:
         if not isinstance(out, DispatchOutput):
             raise self._broken("dispatch()", "its result", type(out).__name__, "a moe_dispatch.DispatchOutput")
         rows, groups = out.hidden_states, out.group_list
@@ -56,9 +79,6 @@ class OutputChecks:
         if layout is Layout.MASKED and rows.shape[0] != self.local_experts:
             raise self._broken("hidden_states", "dispatch() returned these MASKED rows", _described(rows),
                                f"[{self.local_experts}, capacity, {self.columns}]")
-        if check_values:
-            self._check_counts(out)
-        return out
 
     def _check_counts(self, out: DispatchOutput) -> None:
         counts = group_counts(out.group_list, out.group_list_type)

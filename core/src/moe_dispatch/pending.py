@@ -7,8 +7,9 @@ An engine that overlaps two micro-batches (sglang's two-batch overlap, vLLM's
     wait  ──► (the rows have arrived: finish the layout) ──► DispatchOutput / combined tensor
 
 ``Dispatcher.dispatch_start`` and ``combine_start`` return one. On an accelerator ``wait()`` orders
-the current stream after the exchange and does not block the host (DeepEP's receive hook, an
-NCCL work's ``wait``); on gloo it blocks until the bytes are in.
+the stream current at the wait after the exchange, whichever stream the call started on, and does
+not block the host (DeepEP's receive hook, an NCCL work's ``wait``); on gloo it blocks until the
+bytes are in.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ class Pending(Generic[T]):
     def completed(cls, result: T) -> "Pending[T]":
         """A call that ran to the end at start (the synchronous fallback)."""
         pending: Pending[T] = cls(lambda: result, overlapped=False)
+        pending._finish, pending._result = None, result
         return pending
 
     @property
     def done(self) -> bool:
-        """Whether ``wait()`` has run (the result, or its error, is kept)."""
+        """Whether the result (or its error) is in: ``wait()`` has run, or the call ran to its end at start."""
         return self._finish is None
 
     def wait(self) -> T:

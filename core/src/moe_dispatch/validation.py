@@ -14,10 +14,11 @@ Two kinds of check:
 - **Values** (the ``check_inputs`` switch): expert ids in ``-1, 0..E-1``, no expert twice in
   a token, finite ``topk_weights`` and ``hidden_states``. They read the data, so on an
   accelerator they cost kernels and one device sync per dispatch (all flags are reduced to
-  one boolean first). ``create_dispatcher(check_inputs=True)`` is the default;
-  ``create_dispatcher(check_inputs=False)``, or setting ``Dispatcher.check_inputs = False``,
-  turns them off for production hot paths once the engine's router is trusted. The metadata
-  checks stay on either way.
+  one boolean first). By default (``check_inputs=None``) they run where the data is host
+  memory (gloo, one process on a CPU) and not on an accelerator, where a sync per call would
+  stall the device queue: no micro-batch overlap, no CUDA-graph capture (issue 16).
+  ``check_inputs=True`` runs them everywhere (debugging an engine's router on a GPU),
+  ``False`` nowhere. The metadata checks stay on either way.
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ class InputChecks:
                                  and wire_dtype(spec.output_dtype).row_columns(spec.hidden_size) == spec.hidden_size)
 
     def dispatch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, check_values: bool = True
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        check_values: bool | None = True,
     ) -> None:
-        """Raise a typed error for a bad dispatch input; ``check_values`` adds the value checks."""
+        """Raise a typed error for a bad dispatch input; ``check_values`` adds the value checks (None:
+        where the data is host memory, the dispatcher's default)."""
         try:
             t, h = hidden_states.shape
             dev = hidden_states.device
@@ -87,6 +90,8 @@ class InputChecks:
             t = hidden_states.shape[0]
             if topk_ids.device == hidden_states.device == topk_weights.device:
                 self._seen = hidden_states.device
+        if check_values is None:
+            check_values = hidden_states.device.type == "cpu"
         if check_values and t:
             check_dispatch_values(self.spec, hidden_states, topk_ids, topk_weights)
 

@@ -14,18 +14,21 @@ import pytest
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.codecs import nvfp4_global_scale
 from moe_dispatch.routing import random_routing
+from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, on_a_fresh_pool, outcome
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.fakes._native import check_context
-from moe_dispatch_cuda_deepep.vendor import EMULATOR
+from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4
 
 H, TOKENS, TOP_K, PER_RANK = 2048, 8, 3, 4
 
 
-def _dispatcher(world: int, mode: str) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
-                           output_dtype="bf16")
-    return md.create_dispatcher(DeepEPBackend(EMULATOR), spec, env={})
+def _dispatcher(world: int, mode: str, dtype: str = "bf16", per_rank: int = PER_RANK) -> md.Dispatcher:
+    quant = md.QuantHints(input_global_scale=nvfp4_global_scale(8.0)) if dtype == "nvfp4" else md.QuantHints()
+    spec = md.DispatchSpec(H, per_rank * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
+                           output_dtype=dtype, quant=quant)
+    return md.create_dispatcher(DeepEPBackend(EMULATOR_NVFP4 if dtype == "nvfp4" else EMULATOR), spec, env={})
 
 
 def _inputs(rank: int, num_experts: int, seed: int = 0):
@@ -36,7 +39,11 @@ def _inputs(rank: int, num_experts: int, seed: int = 0):
 
 
 def _rows(out: md.DispatchOutput) -> torch.Tensor:
-    return (out.hidden_states.float() * 0.5).to(torch.bfloat16)
+    """Scaled-identity experts (any wire dtype): rows that depend on what arrived."""
+    layer = ScaledLayer.for_rank(H, out.group_list.numel() * 2, 0, out.group_list.numel())
+    return ScaledIdentityExperts().apply_without_routing_weights(
+        layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16,
+        global_scale=out.global_scale)
 
 
 def _vendor_buffer(d: md.Dispatcher):
@@ -110,10 +117,10 @@ def test_the_fake_loses_the_context_when_a_later_call_overwrites_a_pending_recei
 # -- the adapter ---------------------------------------------------------------------------------------------------
 
 
-def _two_layers_interleaved(rank: int, world: int):
+def _two_layers_interleaved(rank: int, world: int, dtype: str):
     """Two LL layers on the process's one Buffer, micro-batches interleaved across them: each start settles the
     receive the other layer's start left awaited (else the fake loses the context); results equal blocking calls."""
-    a, b = _dispatcher(world, "low_latency"), _dispatcher(world, "low_latency")
+    a, b = _dispatcher(world, "low_latency", dtype), _dispatcher(world, "low_latency", dtype)
     assert _vendor_buffer(a) is _vendor_buffer(b)
     xa, xb = _inputs(rank, a.spec.num_experts, 1), _inputs(rank, b.spec.num_experts, 2)
     alone = []
@@ -130,8 +137,9 @@ def _two_layers_interleaved(rank: int, world: int):
     return awaiting, [bool(torch.equal(x, y)) for x, y in zip(alone, got)], _vendor_buffer(a)._pending_receive is None
 
 
-def test_layers_sharing_the_buffer_interleave_their_micro_batches(moe_rank_pools):
-    for awaiting, same, settled in moe_rank_pools.get(2).map(_two_layers_interleaved):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
+def test_layers_sharing_the_buffer_interleave_their_micro_batches(dtype):
+    for awaiting, same, settled in on_a_fresh_pool(_two_layers_interleaved, dtype):
         assert awaiting, "dispatch_start did not leave its receive to wait() (no return_recv_hook)"
         assert same == [True, True]
         assert settled
@@ -179,3 +187,106 @@ def test_normal_mode_starts_on_the_comm_stream(moe_rank_pools):
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_split_phase_is_declared_for_both_modes(mode):
     assert md.Mode.parse(mode) in DeepEPBackend(EMULATOR).capabilities.split_phase
+
+
+# -- the audit of issue 16 (docs/vendor-audits/2026-11/issue16-split-phase-audit.md) ----------------------------------
+
+
+def _capture_with_a_receive_awaited(rank: int, world: int):
+    """Audit #6: an eager dispatch_start, then a capture: the awaited hook would be captured into the graph."""
+    import importlib
+
+    fake = importlib.import_module(EMULATOR)
+    d = _dispatcher(world, "low_latency")
+    x, ids, w = _inputs(rank, d.spec.num_experts)
+    warm = d.dispatch(x, ids, w)
+    d.combine(_rows(warm), warm)
+    pending = d.dispatch_start(x, ids, w)
+    graph = fake.CUDAGraph()
+    with graph.capture():
+        refused = outcome(lambda: d.dispatch(x, ids, w))
+    out = pending.wait()  # received eagerly, after the capture (the refusal, like the other capture refusals, ends
+    return refused.error, refused.attrs.get("parameter"), bool(out.expert_counts().sum() > 0)  # the dispatcher)
+
+
+def test_a_capture_with_a_receive_awaited_is_refused():
+    for error, parameter, received in on_a_fresh_pool(_capture_with_a_receive_awaited):
+        assert (error, parameter) == ("InvalidSpecError", "cuda_graph_capture")
+        assert received
+
+
+def _new_layer_while_a_receive_is_awaited(rank: int, world: int):
+    """Audit #2d: creating an LL layer of another E cleans the Buffer (both signalling halves): it must receive the
+    awaited call first (else that receive spins until the trap: the fake loses the context)."""
+    d = _dispatcher(world, "low_latency", per_rank=8)  # the largest layer first: it sizes the process's Buffer
+    x, ids, w = _inputs(rank, d.spec.num_experts)
+    pending = d.dispatch_start(x, ids, w)
+    _dispatcher(world, "low_latency", per_rank=2)  # another E on the same Buffer: a clean at creation
+    out = pending.wait()
+    return bool(torch.isfinite(d.combine(_rows(out), out).float()).all())
+
+
+def test_a_new_layer_receives_the_awaited_call_before_its_clean():
+    assert on_a_fresh_pool(_new_layer_while_a_receive_is_awaited) == [True, True]
+
+
+def _close_with_a_receive_awaited(rank: int, world: int):
+    """Audit #2e: close() receives the awaited call while the Buffer lives; a call after close() is the typed
+    refusal, not a stale hook."""
+    backend = DeepEPBackend(EMULATOR)
+    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode="low_latency",
+                           output_dtype="bf16")
+    d = md.create_dispatcher(backend, spec, env={})
+    x, ids, w = _inputs(rank, d.spec.num_experts)
+    pending = d.dispatch_start(x, ids, w)
+    backend.close()
+    after = outcome(lambda: d.dispatch(x, ids, w))
+    return pending.done, after.error
+
+
+def test_close_receives_the_awaited_call_and_later_calls_are_refused():
+    for waited_by_close, error in on_a_fresh_pool(_close_with_a_receive_awaited):
+        assert not waited_by_close  # the engine never waited; close ran the hook itself without raising
+        assert error == "BackendUnavailableError"
+
+
+def _combine_hook_reads_the_routing_late(rank: int, world: int):
+    """The fake's combine receive reads topk_idx/topk_weights when the hook runs (internode_ll.cu receive phase)."""
+    d = _dispatcher(world, "low_latency")
+    buf = _vendor_buffer(d)
+    x, ids, w = _inputs(rank, d.spec.num_experts)
+    ids = ids.to(torch.int64)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, ids, TOKENS, d.spec.num_experts, use_fp8=False)
+    rows = recv_x.contiguous()
+    plain, _, _ = buf.low_latency_combine(rows, ids, w, handle)
+    weights = w.clone()
+    late, _, hook = buf.low_latency_combine(rows, ids, weights, handle, return_recv_hook=True)
+    weights.mul_(2)  # changed after the call, before the hook
+    hook()
+    return bool(torch.equal(late.float(), (plain.float() * 2).to(torch.bfloat16).float()))
+
+
+def test_the_fake_combine_reads_the_routing_when_the_hook_runs(moe_rank_pools):
+    assert moe_rank_pools.get(2).map(_combine_hook_reads_the_routing_late) == [True, True]
+
+
+def _normal_outputs_before_the_event(rank: int, world: int):
+    """The fake's async normal dispatch: outputs are garbage until current_stream_wait (DeepEP writes them on its comm
+    stream)."""
+    d = _dispatcher(world, "normal")
+    buf = _vendor_buffer(d)
+    x, ids, w = _inputs(rank, d.spec.num_experts)
+    ids = ids.to(torch.int64)
+    layout = buf.get_dispatch_layout(ids, d.spec.num_experts)
+    kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                  topk_idx=ids, topk_weights=w)
+    plain = buf.dispatch(x, **kwargs)[0]
+    recv, _, _, _, _, event = buf.dispatch(x, previous_event=buf.capture(), async_finish=True,
+                                           allocate_on_comm_stream=True, **kwargs)
+    before = bool(torch.equal(recv, plain))
+    event.current_stream_wait()
+    return before, bool(torch.equal(recv, plain))
+
+
+def test_the_fake_fills_async_normal_outputs_at_the_event(moe_rank_pools):
+    assert moe_rank_pools.get(2).map(_normal_outputs_before_the_event) == [(False, True), (False, True)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
@@ -36,7 +37,11 @@ from ..dtypes import Layout, Mode
 from ..distributed.comm import Transfer
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
 from ..pending import Pending
+from .receiver import Receiver
 from .slots import Lease, Slot, SlotPool
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +103,35 @@ class ReferenceDispatcher:
         self.low_latency = spec.mode is Mode.LOW_LATENCY
         #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
         self.slots = SlotPool()
+        #: Receives started calls on host memory while the caller works (receiver.py); made on first use.
+        self.receiver: Receiver | None = None
 
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        return self.dispatch_start(hidden_states, topk_ids, topk_weights).wait()
+        return self._start_dispatch(hidden_states, topk_ids, topk_weights)()
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
-        """The payload's collective started (split phase); ``wait()`` lays the received rows out.
-        Normal mode reads the per-rank counts on the host first (the one sync it makes anyway)."""
+        """The payload's collective started (split phase); the received rows are laid out as soon as
+        they are in (``receiver.py``) or at ``wait()``. Normal mode reads the per-rank counts on the
+        host first (the one sync it makes anyway)."""
+        return self._receiving(self._start_dispatch(hidden_states, topk_ids, topk_weights))
+
+    def _start_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
         if self.low_latency:
-            return self._start_masked(hidden_states, topk_ids, topk_weights)
-        return self._start_packed(hidden_states, topk_ids, topk_weights)
+            return self._start_masked(x, topk_ids, topk_weights)
+        return self._start_packed(x, topk_ids, topk_weights)
+
+    def _receiving(self, finish: Callable[[], T]) -> Pending[T]:
+        """A started call's ``Pending``: on host memory with peers, its receiving half runs on the
+        dispatcher's ``Receiver`` thread while the caller works; otherwise at ``wait()``."""
+        if self.world == 1 or self.comm.device is None or self.comm.device.type != "cpu":
+            return Pending(finish)
+        if self.receiver is None:
+            self.receiver = Receiver(f"moe-dispatch receiver {self.comm.uid[:8]}")
+        return Pending(self.receiver.submit(finish).result)
 
     def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One wire row per token: the payload, then its global top-k ids (int32) and fp32
@@ -127,7 +148,7 @@ class ReferenceDispatcher:
         return q, ids, weights
 
     def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+                      topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
         R, El = self.world, self.local_experts
         T = x.shape[0]
         if self.send_to_all_ranks:
@@ -151,8 +172,8 @@ class ReferenceDispatcher:
                                               slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype,
                                                         send.device))
         self.slots.keep_until_done(lease, transfer)
-        return Pending(functools.partial(self._finish_packed, transfer, lease, topk_ids, topk_weights, pair_token,
-                                         send_counts, recv_counts))
+        return functools.partial(self._finish_packed, transfer, lease, topk_ids, topk_weights, pair_token,
+                                 send_counts, recv_counts)
 
     def _finish_packed(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        pair_token: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> DispatchOutput:
@@ -186,7 +207,7 @@ class ReferenceDispatcher:
         )
 
     def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+                      topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
         R, k, C = self.world, self.top_k, self.capacity
         T = x.shape[0]
         lease = self.slots.acquire()
@@ -200,7 +221,7 @@ class ReferenceDispatcher:
         transfer = self.comm.all_gather_start(send, self.sections, out=None if R == 1 else
                                               slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
         self.slots.keep_until_done(lease, transfer)
-        return Pending(functools.partial(self._finish_masked, transfer, lease, topk_ids, topk_weights))
+        return functools.partial(self._finish_masked, transfer, lease, topk_ids, topk_weights)
 
     def _finish_masked(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> DispatchOutput:
@@ -244,10 +265,14 @@ class ReferenceDispatcher:
     # -- combine ----------------------------------------------------------------------------
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
-        return self.combine_start(expert_output, dispatch_output).wait()
+        return self._start_combine(expert_output, dispatch_output)()
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
-        """This rank's partial sums computed and sent (split phase); ``wait()`` adds what comes back."""
+        """This rank's partial sums computed and sent (split phase); what comes back is added as
+        soon as it is in, or at ``wait()``."""
+        return self._receiving(self._start_combine(expert_output, dispatch_output))
+
+    def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Callable[[], torch.Tensor]:
         handle = dispatch_output.handle
         if isinstance(handle, MaskedHandle):
             return self._start_combine_masked(expert_output, handle)
@@ -264,7 +289,7 @@ class ReferenceDispatcher:
         handle.lease.release()
         return out
 
-    def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle) -> Pending[torch.Tensor]:
+    def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle) -> Callable[[], torch.Tensor]:
         H, slot = self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
         _sum_terms(send, y, h.terms, slot)
@@ -273,9 +298,9 @@ class ReferenceDispatcher:
             out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
         )
         self.slots.keep_until_done(h.lease, transfer)
-        return Pending(functools.partial(self._returned, h, transfer, h.returns, y.device))
+        return functools.partial(self._returned, h, transfer, h.returns, y.device)
 
-    def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> Pending[torch.Tensor]:
+    def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> Callable[[], torch.Tensor]:
         R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
         _sum_terms(send, y.reshape(-1, H), h.terms, slot)
@@ -288,7 +313,7 @@ class ReferenceDispatcher:
         rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
         token = torch.arange(T, device=y.device).repeat_interleave(R)
         returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H))
-        return Pending(functools.partial(self._returned, h, transfer, returns, y.device))
+        return functools.partial(self._returned, h, transfer, returns, y.device)
 
 
 def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int,

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
+import torch
+
 import moe_dispatch as md
 from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.environ import restored_environ
@@ -296,17 +298,19 @@ class SharedBuffer:
         """A call DeepEP made with ``return_recv_hook=True`` has sent (its hook; None for a whole call)."""
         if hook is None:
             return None
-        self.unreceived = Receive(hook)
+        self.unreceived = Receive(hook, _current_stream())
         return self.unreceived
 
     def receive(self, receipt: "Receive | None") -> None:
         """Run ``receipt``'s hook unless it ran already (settled by a later call): once, as DeepEP needs (a second
-        run adds the dispatch's counts again)."""
+        run adds the dispatch's counts again); then order the current stream after it. Not on a closed Buffer."""
         if receipt is None:
             return
         if self.unreceived is receipt:
             self.unreceived = None
-        receipt.run()
+        if not self.closed:
+            receipt.run()
+            receipt.order()
 
     def settle(self) -> None:
         """Before any call on the Buffer: the receive still awaited, at the same point on every rank (every rank
@@ -326,6 +330,7 @@ class SharedBuffer:
         """Eager, at a point every rank reaches (a collective kernel): zero this layout's signalling counts."""
         key = self.key(tokens, hidden, num_experts)
         if self.needs_clean(key):
+            self.settle()  # the clean zeroes both signalling halves, the awaited receive's included
             self.buffer.clean_low_latency_buffer(tokens, hidden, num_experts)
             self.clean = self.clean | {key}
 
@@ -409,30 +414,48 @@ class SharedBuffer:
         without ``explicitly_destroy`` (before 0c984e2) frees it in its destructor when the last reference goes."""
         if self.closed:
             return
+        if self.buffer is not None:
+            self.settle()  # the hook holds the Buffer's memory: run it while the Buffer lives (owned or handed in)
         self.closed = True
         if self.owned and self.captured:
             warnings.warn("CUDA graphs captured DeepEP low-latency kernels on a Buffer close() now destroys (its NVSHMEM "
                           "memory is freed and NVSHMEM finalized): replaying them runs kernels on freed memory; drop "
                           "them first", RuntimeWarning, stacklevel=3)
         if self.owned and getattr(self.buffer, "explicitly_destroy", False):
-            self.settle()  # a receive kernel still to launch would wait on memory the destroy frees
             self.buffer.destroy()
         self.buffer = None
 
 
 class Receive:
-    """DeepEP's receive hook of one call: it launches the receive kernel (stream-ordered; the host does not wait).
-    Runs once."""
+    """DeepEP's receive hook of one call: it launches the receive kernel on the stream that was current when the
+    call started (the hook keeps it: csrc/legacy/buffer.hpp ``launch_stream``), and the host does not wait. Runs
+    once; ``order`` makes the current stream wait for that one (the next call's send, or the engine's reads, may be
+    on another stream)."""
 
-    __slots__ = ("_hook",)
+    __slots__ = ("_hook", "stream")
 
-    def __init__(self, hook: Callable[[], None]) -> None:
+    def __init__(self, hook: Callable[[], None], stream: Any) -> None:
         self._hook: Callable[[], None] | None = hook
+        self.stream = stream
+
+    @property
+    def pending(self) -> bool:
+        return self._hook is not None
 
     def run(self) -> None:
         hook, self._hook = self._hook, None
         if hook is not None:
             hook()
+
+    def order(self) -> None:
+        current = _current_stream()
+        if self.stream is not None and current is not None and current != self.stream:
+            current.wait_stream(self.stream)
+
+
+def _current_stream() -> Any:
+    """The current CUDA stream, where CUDA has started in this process (None on a CPU host: the fake's calls)."""
+    return torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def _live(handles: "weakref.WeakSet[Any]") -> int:

@@ -119,7 +119,7 @@ class DeepEPDispatcher:
     def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   split: bool) -> Callable[[], md.DispatchOutput]:
         with self._waits():
-            self.shared.settle()  # one LL call awaiting its receive at a time per Buffer (vendor.LL_CALLS_AWAITING_RECEIVE)
+            self._settle()
             if self.low_latency:
                 finish = self._dispatch_low_latency(x, topk_ids, topk_weights, split)
             else:
@@ -129,13 +129,34 @@ class DeepEPDispatcher:
     def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput,
                  split: bool) -> Callable[[], torch.Tensor]:
         with self._waits():
-            self.shared.settle()
+            self._settle()
             h = dispatch_output.handle
             if isinstance(h, LowLatencyHandle):
                 finish = self._combine_low_latency(expert_output, h, split)
             else:
                 finish = self._combine_normal(expert_output, h, split)
         return self._waiting(finish)
+
+    def _settle(self) -> None:
+        """Before any call on the shared Buffer: one LL call may await its receive there
+        (``vendor.LL_CALLS_AWAITING_RECEIVE``), so run the one awaited, from whichever layer, first."""
+        self.shared.check_open()
+        self._receivable(self.shared.unreceived)
+        self.shared.settle()
+
+    def _receive(self, receipt: Any) -> None:
+        self._receivable(receipt)
+        self.shared.receive(receipt)
+
+    def _receivable(self, receipt: Any) -> None:
+        """A receive still to run would be captured into an open CUDA graph instead of running now (the eager call
+        never received; each replay a stray receive kernel): refused."""
+        if receipt is not None and receipt.pending and self._capturing():
+            raise md.InvalidSpecError(
+                "a low-latency call started eagerly on the process's DeepEP Buffer awaits its receive: inside a "
+                "CUDA-graph capture its hook would be captured instead of run. wait() for every started call before "
+                "capturing", parameter="cuda_graph_capture", value="a receive awaited",
+                allowed="a capture with every started call waited")
 
     def _waiting(self, finish: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
@@ -155,13 +176,14 @@ class DeepEPDispatcher:
         self.shared.captured_pending.discard(h)
 
         def finish() -> torch.Tensor:
-            self.shared.receive(receive)
+            self._receive(receive)
             return combined
         return finish
 
     def _combine_normal(self, expert_output: torch.Tensor, h: NormalHandle,
                         split: bool) -> Callable[[], torch.Tensor]:
         self.shared.check_open()
+        split = split and self._normal_splits()
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received).to(torch.bfloat16)
         combined, _, event = self.buffer.combine(partial, h.vendor_handle, config=self.combine_config,
                                                  **self._async_kwargs(split))
@@ -173,12 +195,20 @@ class DeepEPDispatcher:
             return combined
         return finish
 
-    def _async_kwargs(self, split: bool) -> dict[str, Any]:
-        """Normal mode in split phase: DeepEP's kernels on its comm stream, after what the current stream has queued
-        so far (``previous_event``), outputs allocated there; ``wait()`` orders the current stream after them."""
+    def _async_kwargs(self, split: bool, after: Any = None) -> dict[str, Any]:
+        """Normal mode in split phase: DeepEP's kernels on its comm stream, after ``after`` (an earlier call's event)
+        or what the current stream has queued so far, outputs allocated there; ``wait()`` orders the current stream
+        after them."""
         if not split:
             return {}
-        return {"previous_event": self.buffer.capture(), "async_finish": True, "allocate_on_comm_stream": True}
+        return {"previous_event": after if after is not None else self.buffer.capture(), "async_finish": True,
+                "allocate_on_comm_stream": True}
+
+    def _normal_splits(self) -> bool:
+        """Not on an LL Buffer past 8 ranks: there the core's combine cleans the LL signalling on the current stream
+        right after (``SharedBuffer.after_normal``), which an async combine on the comm stream would still be
+        writing (csrc/legacy/buffer.hpp clean_low_latency_buffer, internode combine): those calls run whole."""
+        return not (self.shared.held.low_latency_mode and self.shared.internode)
 
     def _before_low_latency(self, dispatch: bool) -> bool:
         """The shared Buffer's checks and cleaning before an LL call; whether the call is being captured."""
@@ -199,8 +229,9 @@ class DeepEPDispatcher:
     def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          split: bool) -> Callable[[], md.DispatchOutput]:
         self.shared.check_open()
+        split = split and self._normal_splits()
         ids = self._ids(topk_ids)
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(ids, self.spec.num_experts)
+        weights = topk_weights.float().contiguous()
         if self.dtype is md.DispatchDtype.FP8:
             q = self.codec.quantize(x)
             # UE8M0: DeepEP carries the scale columns as opaque 4-byte words, so pack four
@@ -208,10 +239,15 @@ class DeepEPDispatcher:
             vendor_x: Any = (q.data, pack_ue8m0(q.scale) if self.ue8m0 else q.scale)
         else:
             vendor_x = x.contiguous()
+        # In split phase the layout runs on the comm stream too, after everything above (its previous_event), and the
+        # dispatch after the layout (as sglang does): the current stream never waits for the comm stream's earlier
+        # work (another micro-batch's exchange).
+        per_rank, per_rdma_rank, per_expert, in_rank, layout_done = self.buffer.get_dispatch_layout(
+            ids, self.spec.num_experts, **self._async_kwargs(split))
         recv_x, recv_ids, recv_weights, _, handle, event = self.buffer.dispatch(
             vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
-            topk_weights=topk_weights.float().contiguous(), config=self.dispatch_config, **self._async_kwargs(split))
+            topk_weights=weights, config=self.dispatch_config, **self._async_kwargs(split, after=layout_done))
         self.shared.after_normal_dispatch()
 
         def finish() -> md.DispatchOutput:
@@ -250,7 +286,7 @@ class DeepEPDispatcher:
         (self.shared.captured_pending if capturing else self.shared.pending).add(ll_handle)
 
         def finish() -> md.DispatchOutput:
-            self.shared.receive(receive)  # the data, counts and handle are DeepEP's only after its receive
+            self._receive(receive)  # the data, counts and handle are DeepEP's only after its receive
             if self.dtype is md.DispatchDtype.NVFP4:
                 packed, mma = recv_x
                 # Expert-last [R·T, H/2, E_l] → MASKED [E_l, R·T, H/2] (a view); scales from the

@@ -1256,6 +1256,8 @@ BUFFER_LL_COMBINE = VendorSignature(
 BUFFER_DESTROY = VendorSignature("Buffer.destroy", "(self)", _LEGACY)
 #: ``previous_event`` for normal mode in split phase: an event on the current stream (deep_ep/buffers/legacy.py capture).
 BUFFER_CAPTURE = VendorSignature("Buffer.capture", "()", _LEGACY)
+#: Main (2.x) only; 1.x and hybrid-ep have ``(self)`` (DeepEP@567632d deep_ep/utils.py:33, @94a9f8f utils.py:36): the
+#: adapter calls it without arguments.
 EVENT_OVERLAP_WAIT = VendorSignature("EventOverlap.current_stream_wait", "(self, release_handle=False)",
                                      "deepseek-ai/DeepEP@dd758ca deep_ep/utils/event.py")
 CONFIG_INIT = VendorSignature(

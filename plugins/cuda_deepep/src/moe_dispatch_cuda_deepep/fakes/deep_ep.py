@@ -106,10 +106,43 @@ _INTERNODE_CU = "csrc/kernels/legacy/internode.cu"
 
 
 class EventHandle:
-    """``deep_ep._C.EventHandle``: the fake's calls are synchronous, so there is nothing to wait for."""
+    """``deep_ep._C.EventHandle``. The fake's calls are synchronous; an async call's outputs are garbage until the
+    current stream waits on its event (DeepEP's kernels write them on the comm stream), so the fake fills them at
+    ``current_stream_wait``."""
+
+    def __init__(self) -> None:
+        self._fills: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def current_stream_wait(self) -> None:
-        return None
+        fills, self._fills = self._fills, []
+        for dst, src in fills:
+            dst.copy_(src)
+
+
+def _comm_stream_waits(previous_event: Any) -> None:
+    """DeepEP's comm stream waits on ``previous_event`` before its kernels: what was written before it is there."""
+    handle = getattr(previous_event, "event", None)
+    if isinstance(handle, EventHandle):
+        handle.current_stream_wait()
+
+
+def _after_event(async_finish: bool, results: tuple) -> tuple[tuple, "EventOverlap"]:
+    """The call's outputs and its ``EventOverlap``: with ``async_finish`` each tensor is a poisoned copy filled when
+    the current stream waits on the event (reading it before is reading what the comm stream has not written)."""
+    if not async_finish:
+        return results, EventOverlap(None)
+    handle = EventHandle()
+
+    def shown(r: Any) -> Any:
+        if isinstance(r, tuple):
+            return tuple(shown(t) for t in r)
+        if isinstance(r, torch.Tensor):
+            copy = _poisoned_copy(r)
+            handle._fills.append((copy, r))
+            return copy
+        return r
+
+    return tuple(shown(r) for r in results), EventOverlap(handle)
 
 
 class EventOverlap:
@@ -745,6 +778,7 @@ class Buffer:
         ep_assert(num_experts > 0, "num_experts > 0", _BUFFER_HPP)
         if allocate_on_comm_stream:
             ep_assert(previous_event is not None and async_finish, "previous_event.has_value() and async", _BUFFER_HPP)
+        _comm_stream_waits(previous_event)
         scalar_type_check(topk_idx, self._TOPK_IDX_T, "get_dispatch_layout topk_idx.data_ptr<topk_idx_t>()")
         R = self.group_size
         local = num_experts // R
@@ -759,7 +793,9 @@ class Buffer:
             per_rdma = in_rank.view(-1, R // vendor.NUM_MAX_NVL_PEERS, vendor.NUM_MAX_NVL_PEERS).any(2).sum(0)
             per_rdma = per_rdma.to(torch.int32)
         per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
-        return per_rank, per_rdma, per_expert, in_rank, EventOverlap(EventHandle() if async_finish else None)
+        (per_rank, per_rdma, per_expert, in_rank), event = _after_event(async_finish,
+                                                                        (per_rank, per_rdma, per_expert, in_rank))
+        return per_rank, per_rdma, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
@@ -767,6 +803,7 @@ class Buffer:
         self._deterministic_check()
         config = self.get_dispatch_config(self.group_size) if config is None else config
         self._check_runtime(uses_nvshmem=True)
+        _comm_stream_waits(previous_event)
         if emulated_stream_capturing():  # the CPU waits for the received-token counter
             raise RuntimeError(_CAPTURING_NORMAL)
         self._dirty_after_normal()
@@ -917,8 +954,9 @@ class Buffer:
         handle = (rank_prefix_matrix, channel_prefix.contiguous(), recv_channel_prefix.contiguous(), recv_src_idx,
                   in_rank, send_head)
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
-        return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, \
-            EventOverlap(EventHandle() if async_finish else None)
+        (recv, recv_topk_idx, recv_topk_weights), event = _after_event(async_finish,
+                                                                       (recv, recv_topk_idx, recv_topk_weights))
+        return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
                 allocate_on_comm_stream=False):  # noqa: ANN201
@@ -926,6 +964,7 @@ class Buffer:
         self._deterministic_check()
         config = self.get_combine_config(self.group_size) if config is None else config
         self._check_runtime(uses_nvshmem=True)
+        _comm_stream_waits(previous_event)
         self._dirty_after_normal()
         if self.runtime.get_num_rdma_ranks() > 1:
             cfg = _fields(config, "internode_combine", (x, config), self._CONFIG)
@@ -998,7 +1037,8 @@ class Buffer:
         if topk_weights is not None:
             wb = from_bytes(got[:, hidden * 2 + 4 :], torch.float32)
             combined_weights = torch.zeros(num_recv_tokens, k).index_add_(0, token, wb)
-        return out.to(torch.bfloat16), combined_weights, EventOverlap(EventHandle() if async_finish else None)
+        (combined, combined_weights), event = _after_event(async_finish, (out.to(torch.bfloat16), combined_weights))
+        return combined, combined_weights, event
 
     # -- low-latency mode -------------------------------------------------------------------------------------
 
@@ -1208,7 +1248,7 @@ class Buffer:
         combined, event = self._ll_combine(x, topk_idx, topk_weights, src_info, layout_range, T, num_experts,
                                            use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                                            combine_wait_recv_cost_stats)
-        (combined,), _, hook = _received(self, (combined,), return_recv_hook)
+        combined, hook = _combined_with_hook(self, combined, return_recv_hook)
         return combined, event, hook
 
     def _ll_combine(self, x: Any, topk_idx: Any, topk_weights: Any, src_info: Any, layout_range: Any, T: Any,
@@ -1270,18 +1310,26 @@ class Buffer:
         back = self._comm.all_to_all(as_bytes(blocks.view(R * T, local * hidden)), None, None,
                                      (("combine", 2 * local * hidden),))
         got = from_bytes(back, torch.bfloat16).view(R, T, local, hidden).float()
-        result = torch.zeros(n, hidden, dtype=torch.float32)
-        for j in range(k):
-            e = topk_idx[:n, j].long()
-            valid = e >= 0
-            rank, le = (e // local).clamp(min=0), (e % local).clamp(min=0)
-            rows = got[rank, torch.arange(n), le]
-            result += torch.where(valid[:, None], rows * topk_weights[:n, j, None].float(), 0.0)
-        combined = result.to(torch.bfloat16)
+
+        def weighted() -> torch.Tensor:  # the receive phase: reads topk_idx/topk_weights as they are then
+            result = torch.zeros(n, hidden, dtype=torch.float32)
+            for j in range(k):
+                e = topk_idx[:n, j].long()
+                valid = e >= 0
+                rank, le = (e // local).clamp(min=0), (e % local).clamp(min=0)
+                rows = got[rank, torch.arange(n), le]
+                result += torch.where(valid[:, None], rows * topk_weights[:n, j, None].float(), 0.0)
+            return result.to(torch.bfloat16)
+
+        event = EventOverlap(EventHandle() if async_finish else None)
+        if return_recv_hook:  # filled by the hook (``_received``), from the routing at that time
+            combined = out if out is not None else torch.empty(n, hidden, dtype=torch.bfloat16)
+            return (combined, weighted), event
+        combined = weighted()
         if out is not None:
             out.copy_(combined)
             combined = out
-        return combined, EventOverlap(EventHandle() if async_finish else None)
+        return combined, event
 
 
 def _unpack_bias(bias: Any) -> tuple[Any, Any]:
@@ -1314,6 +1362,29 @@ class _Receipt:
         self.runs = 0
 
 
+def _pending_receive(buffer: Any) -> _Receipt:
+    """A hook-mode call has sent: its receive is the Buffer's pending one (outside a capture's recording)."""
+    receipt = _Receipt()
+    if _kernels_run():
+        buffer._pending_receive = receipt
+    return receipt
+
+
+def _receiving(buffer: Any, receipt: _Receipt) -> None:
+    """The hook runs the receive kernel: lost if a later call overwrote its signalling; captured into a graph if a
+    capture is open (the eager call's receive would never run eagerly, and each replay would run a stray one)."""
+    if _CAPTURE["graph"] is not None and not _CAPTURE["recording"]:
+        raise RuntimeError("(fake) an eager low-latency call's receive hook ran inside a CUDA-graph capture: on a GPU "
+                           "its kernel is captured into the graph instead of running now")
+    if receipt.overwritten:
+        raise lose_context(f"(fake) a low-latency receive kernel waited for signalling that {receipt.overwritten} "
+                           "overwrote before its hook ran (DeepEP: a spin until the ~100 s trap; one LL call per "
+                           "Buffer may await its receive)")
+    if buffer._pending_receive is receipt:
+        buffer._pending_receive = None
+    receipt.runs += 1
+
+
 def _received(buffer: Any, results: tuple, return_recv_hook: bool, handle: tuple | None = None,
               counts: torch.Tensor | None = None) -> tuple[tuple, tuple | None, Callable[[], None] | None]:
     """DeepEP returns ``std::nullopt`` (None) for the hook unless ``return_recv_hook``; with it the kernel only
@@ -1326,18 +1397,10 @@ def _received(buffer: Any, results: tuple, return_recv_hook: bool, handle: tuple
     handle_tensors = [] if handle is None else [t for t in handle if isinstance(t, torch.Tensor)]
     flat = [t for r in results for t in (r if isinstance(r, tuple) else (r,))] + handle_tensors
     shown = [_poisoned_copy(t) for t in flat]
-    receipt = _Receipt()
-    if _kernels_run():
-        buffer._pending_receive = receipt
+    receipt = _pending_receive(buffer)
 
     def hook() -> None:
-        if receipt.overwritten:
-            raise lose_context(f"(fake) a low-latency receive kernel waited for signalling that {receipt.overwritten} "
-                               "overwrote before its hook ran (DeepEP: a spin until the ~100 s trap; one LL call per "
-                               "Buffer may await its receive)")
-        if buffer._pending_receive is receipt:
-            buffer._pending_receive = None
-        receipt.runs += 1
+        _receiving(buffer, receipt)
         for dst, src in zip(shown, flat):
             if receipt.runs > 1 and src is counts:
                 dst.add_(src)  # recv_count accumulates by atomicAdd in the receive phase
@@ -1348,6 +1411,24 @@ def _received(buffer: Any, results: tuple, return_recv_hook: bool, handle: tuple
     received = tuple(tuple(next(it) for _ in r) if isinstance(r, tuple) else next(it) for r in results)
     new_handle = None if handle is None else tuple(next(it) if isinstance(t, torch.Tensor) else t for t in handle)
     return received, new_handle, hook
+
+
+def _combined_with_hook(buffer: Any, combined: Any, return_recv_hook: bool
+                        ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """``low_latency_combine``'s output and hook. With the hook the output (``out`` itself when given, else
+    ``torch::empty``) holds garbage until the hook runs the receive phase, which reads ``topk_idx``/``topk_weights``
+    then (internode_ll.cu combine, receive phase) and writes the weighted sums."""
+    if not return_recv_hook:
+        return combined, None
+    output, weighted = combined
+    output.copy_(_poisoned_copy(output))
+    receipt = _pending_receive(buffer)
+
+    def hook() -> None:
+        _receiving(buffer, receipt)
+        output.copy_(weighted())
+
+    return output, hook
 
 
 def install_statics(cls: type) -> None:

@@ -51,6 +51,7 @@ from .deep_ep import (
     VendorCall,
     _graph_kernel,
     _nan_like,
+    _combined_with_hook,
     _received,
     emulated_stream_capturing,  # noqa: F401
     emulated_watch,  # noqa: F401
@@ -197,7 +198,7 @@ class Buffer(deep_ep.Buffer):
         combined, event = self._ll_combine_checked(x, topk_idx, topk_weights, src_info, layout_range, int(T),
                                                    int(num_experts), use_logfmt, zero_copy, async_finish,
                                                    return_recv_hook, out, max_topk)
-        (combined,), _, hook = _received(self, (combined,), return_recv_hook)
+        combined, hook = _combined_with_hook(self, combined, return_recv_hook)
         return combined, event, hook
 
 

@@ -1,0 +1,182 @@
+"""The split-phase calls of the contract (issue 16): ``Pending``, the core's fallback and refusals, the
+reference backends' slots while a transfer is in flight, failures between start and wait, and the
+default value checks that make no host sync on an accelerator."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.reference.builtin import TorchBackend
+from moe_dispatch.reference.exchange import ReferenceDispatcher
+from moe_dispatch.reference.slots import SlotPool
+from moe_dispatch.routing import random_routing
+from moe_dispatch.testing import on_a_fresh_pool, outcome
+
+H, E, K, T = 256, 8, 2, 16
+
+
+def _spec(mode: str = "normal") -> md.DispatchSpec:
+    return md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode, output_dtype="fp8")
+
+
+def _inputs(seed: int, rank: int = 0):
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(T, E, K, generator=g)
+    return x, ids, w
+
+
+def _rows(out: md.DispatchOutput) -> torch.Tensor:
+    return torch.ones(out.hidden_states.shape, dtype=torch.bfloat16)
+
+
+# -- Pending -------------------------------------------------------------------------------------------------------
+
+
+def test_pending_finishes_once_and_keeps_its_result_or_its_error():
+    calls = []
+    p = md.Pending(lambda: calls.append(1) or len(calls))
+    assert not p.done and p.overlapped
+    assert p.wait() == 1 and p.wait() == 1 and calls == [1] and p.done
+
+    def boom() -> int:
+        raise md.CommunicationError("peer gone")
+
+    failed = md.Pending(boom)
+    for _ in range(2):
+        with pytest.raises(md.CommunicationError, match="peer gone"):
+            failed.wait()
+    done = md.Pending.completed("x")
+    assert done.wait() == "x" and not done.overlapped
+
+
+# -- the core around a backend ------------------------------------------------------------------------------------
+
+
+class _SyncOnly(TorchBackend):
+    """The torch backend without its split-phase declaration: what a vendor without one looks like."""
+
+    name = "torch-sync-only"
+    capabilities = md.Capabilities(dtypes=TorchBackend.capabilities.dtypes)
+
+
+class _DeclaresWithoutMethods(TorchBackend):
+    name = "torch-declares-split"
+
+    def create(self, ctx: md.DispatchContext) -> md.BackendDispatcher:
+        inner = ReferenceDispatcher(ctx, send_to_all_ranks=False)
+
+        class Plain:  # dispatch and combine only
+            dispatch, combine = inner.dispatch, inner.combine
+
+        return Plain()
+
+
+def test_without_a_split_phase_the_core_runs_each_call_at_start():
+    d = md.create_dispatcher(_SyncOnly(), _spec(), env={})
+    assert not d.split_phase
+    started = d.dispatch_start(*_inputs(1))
+    assert not started.overlapped and started.done  # ran to its end already
+    out = started.wait()
+    combined = d.combine_start(_rows(out), out)
+    assert not combined.overlapped and combined.wait().shape == (T, H)
+
+
+def test_a_declared_split_phase_without_the_methods_is_a_plugin_error():
+    d = md.create_dispatcher(_DeclaresWithoutMethods(), _spec(), env={})
+    with pytest.raises(md.PluginError, match="dispatch_start/combine_start"):
+        d.dispatch_start(*_inputs(1))
+
+
+def test_bad_input_is_refused_at_start_before_anything_is_sent():
+    d = md.create_dispatcher("torch", _spec(), env={})
+    x, ids, w = _inputs(1)
+    ids[0, 0] = E
+    before = d.traffic.copy()
+    with pytest.raises(md.InvalidInputError) as err:
+        d.dispatch_start(x, ids, w)
+    assert err.value.parameter == "topk_ids" and d.traffic.to_dict() == before.to_dict()
+
+
+# -- slots while a transfer is in flight ---------------------------------------------------------------------------
+
+
+class _InFlight:
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_a_slot_stays_held_while_its_transfer_is_in_flight_even_if_everything_else_is_dropped():
+    pool = SlotPool()
+    transfer = _InFlight()
+    lease = pool.acquire()
+    pool.keep_until_done(lease, transfer)
+    del lease  # the engine dropped the Pending and the output
+    gc.collect()
+    assert not pool.slots[0].free
+    assert pool.acquire().slot is not pool.slots[0]  # a second slot, never the one a transfer still writes
+    transfer.done = True
+    later = pool.acquire()  # prunes the finished transfer: its slot is free again
+    assert pool.slots[0].free or later.slot is pool.slots[0]
+
+
+def _dropped_pendings(rank: int, world: int, mode: str):
+    d = md.create_dispatcher("torch", _spec(mode), env={})
+    expected = d.combine(_rows(out := d.dispatch(*_inputs(1, rank))), out)
+    for _ in range(3):
+        d.dispatch_start(*_inputs(2, rank))  # started and dropped: its collective still completes
+    pending = d.dispatch_start(*_inputs(1, rank))
+    out = pending.wait()
+    return bool(torch.equal(d.combine(_rows(out), out), expected)), len(d.backend_dispatcher.slots.slots)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_dropped_pendings_never_corrupt_a_later_call(moe_rank_pools, mode):
+    for same, slots in moe_rank_pools.get(2).map(_dropped_pendings, mode):
+        assert same
+        assert slots <= 5
+
+
+# -- failures between start and wait --------------------------------------------------------------------------------
+
+
+def _bad_input_at_rank_1s_start(rank: int, world: int, mode: str):
+    d = md.create_dispatcher("torch", _spec(mode), env={}, timeout_s=30)
+    x, ids, w = _inputs(1, rank)
+    if rank == 1:
+        ids = ids.clone()
+        ids[0, 0] = E
+    start = time.monotonic()
+    got = outcome(lambda: d.dispatch_start(x, ids, w).wait())
+    return got.error, time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_bad_input_on_one_rank_at_start_reaches_the_other(mode):
+    (err0, waited), (err1, _) = on_a_fresh_pool(_bad_input_at_rank_1s_start, mode)
+    assert err1 == "InvalidInputError"
+    assert err0 == "PeerFailedError" and waited < 10
+
+
+# -- the default value checks ------------------------------------------------------------------------------------
+
+
+def test_default_value_checks_run_on_host_memory_and_not_on_an_accelerator():
+    d = md.create_dispatcher("torch", _spec(), env={})
+    assert d.check_inputs is None
+    x, ids, w = _inputs(1)
+    bad = ids.clone()
+    bad[0, 0] = E
+    with pytest.raises(md.InvalidInputError):  # host memory: checked
+        d.dispatch(x, bad, w)
+    device_rows = torch.empty(1, H, device="meta")
+    assert d._values(x) and not d._values(device_rows)  # an accelerator's tensors: no sync by default
+    d.check_inputs = True
+    assert d._values(device_rows)
+    d.check_inputs = False
+    assert not d._values(x)
