@@ -180,3 +180,26 @@ def test_default_value_checks_run_on_host_memory_and_not_on_an_accelerator():
     assert d._values(device_rows)
     d.check_inputs = False
     assert not d._values(x)
+
+
+def _dispatcher_collected_after_split_calls(rank: int, world: int):
+    import threading
+    import weakref
+
+    threads = threading.active_count()
+    d = md.create_dispatcher("torch", _spec("low_latency"), env={})
+    out = d.dispatch_start(*_inputs(1, rank)).wait()
+    d.combine_start(_rows(out), out).wait()
+    with_receiver = threading.active_count()
+    backend = weakref.ref(d.backend_dispatcher)
+    del d, out
+    gc.collect()
+    time.sleep(0.2)
+    return backend() is None, with_receiver > threads, threading.active_count() == threads
+
+
+def test_a_dispatcher_used_in_split_phase_is_collected_with_its_receiver_thread(moe_rank_pools):
+    """The receiver thread holds nothing of a finished call (else the dispatcher and its slots stay alive: the
+    overlap bench ran out of memory that way) and ends with its dispatcher."""
+    for collected, had_thread, thread_gone in moe_rank_pools.get(2).map(_dispatcher_collected_after_split_calls):
+        assert collected and had_thread and thread_gone

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -23,29 +24,39 @@ T = TypeVar("T")
 
 class Receiver:
     """Runs submitted functions one at a time, in order, on a daemon thread started on first use
-    (a daemon: a call that never completes must not keep the process from exiting)."""
+    (a daemon: a call that never completes must not keep the process from exiting). The thread
+    ends when the receiver is collected, and holds nothing of a call once it has run it."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: "queue.SimpleQueue[tuple[Callable[[], object], Future]]" = queue.SimpleQueue()
+        self._queue: "queue.SimpleQueue[tuple[Callable[[], object], Future] | None]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        weakref.finalize(self, self._queue.put, None)  # the thread's stop, when its dispatcher goes
 
     def submit(self, fn: Callable[[], T]) -> "Future[T]":
         future: Future[T] = Future()
         self._queue.put((fn, future))  # type: ignore[arg-type]
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
         return future
 
-    def _run(self) -> None:
-        while True:
-            fn, future = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - raised again by wait() on the caller's thread
-                    future.set_exception(exc)
+
+def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], object], Future] | None]") -> None:
+    """The thread: a module function holding only the queue, so that the receiver (and with it the
+    dispatcher and its buffers) can be collected while the thread waits."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, future = job
+        del job
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - raised again by wait() on the caller's thread
+                future.set_exception(exc)
+        del fn, future  # a finished call's buffers are not the thread's to keep
 
 
 __all__ = ["Receiver"]

@@ -41,6 +41,8 @@ class OverlapSamples:
     rank: int
     sequential_s: list[float]
     overlapped_s: list[float]
+    start_s: list[float]  # overlapped: time on the caller's thread inside dispatch_start/combine_start
+    wait_s: list[float]  # overlapped: time blocked in wait()
     exchange_s: float  # one micro-batch's blocking dispatch + combine, median
     exchange_cpu: float  # CPU seconds of this process (every thread) per second of the exchange
     compute_s: float  # the stand-in experts on one micro-batch, median
@@ -54,6 +56,8 @@ class OverlapResult:
     case: BenchCase
     sequential_ms: float
     overlapped_ms: float
+    start_ms: float
+    wait_ms: float
     exchange_ms: float
     exchange_cpu: float
     compute_ms: float
@@ -137,10 +141,12 @@ def measure_overlap(rank: int, world_size: int, case: BenchCase, settings: Bench
         wall = time.perf_counter()
         exchange_s = _median_s(exchange, _CALIBRATION_ROUNDS)
         exchange_cpu = (time.process_time() - cpu) / (time.perf_counter() - wall)
+        one(sample)  # its input and output made once, outside the timing
         unit_s = _median_s(lambda: one(sample), _CALIBRATION_ROUNDS)  # reads only its shape: no longer valid rows
         wanted = max(1, round(exchange_s / max(unit_s, 1e-9)))
         experts = _StandInExperts(case.hidden, max(comm.gather_object(wanted, "bench calibration")), settings.device,
                                   hold_core=compute == "host", unit_s=unit_s)
+        experts(sample)
         compute_s = _median_s(lambda: experts(sample), _CALIBRATION_ROUNDS)
 
         def sequential() -> None:
@@ -148,30 +154,45 @@ def measure_overlap(rank: int, world_size: int, case: BenchCase, settings: Bench
                 out = dispatcher.dispatch(*batch)
                 dispatcher.combine(experts(out), out)
 
+        stages = {"start": 0.0, "wait": 0.0}
+
+        def timed(stage: str, fn, *args):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            value = fn(*args)
+            stages[stage] += time.perf_counter() - t0
+            return value
+
         def overlapped() -> None:
-            started = [dispatcher.dispatch_start(*batch) for batch in batches]
+            started = [timed("start", dispatcher.dispatch_start, *batch) for batch in batches]
             combines = []
             for pending in started:
-                out = pending.wait()
-                combines.append(dispatcher.combine_start(experts(out), out))
+                out = timed("wait", pending.wait)
+                rows = experts(out)
+                combines.append(timed("start", dispatcher.combine_start, rows, out))
             for pending in combines:
-                pending.wait()
+                timed("wait", pending.wait)
 
         seq: list[float] = []
         ovl: list[float] = []
+        starts: list[float] = []
+        waits: list[float] = []
         for i in range(settings.warmup + settings.iterations):
             for fn, into in ((sequential, seq), (overlapped, ovl)):
                 comm.barrier("bench barrier")
+                stages.update(start=0.0, wait=0.0)
                 start = time.perf_counter()
                 fn()
                 if i >= settings.warmup:
                     into.append(time.perf_counter() - start)
+            if i >= settings.warmup:
+                starts.append(stages["start"])
+                waits.append(stages["wait"])
     except MoEDispatchError:
         raise  # the dispatcher told the other ranks already
     except BaseException as exc:
         comm.announce_failure("bench", exc)
         raise
-    return OverlapSamples(rank, seq, ovl, exchange_s, exchange_cpu, compute_s, dispatcher.split_phase)
+    return OverlapSamples(rank, seq, ovl, starts, waits, exchange_s, exchange_cpu, compute_s, dispatcher.split_phase)
 
 
 def summarize_overlap(case: BenchCase, samples: list[OverlapSamples], compute: str) -> OverlapResult:
@@ -182,6 +203,8 @@ def summarize_overlap(case: BenchCase, samples: list[OverlapSamples], compute: s
         case=case,
         sequential_ms=slowest([s.sequential_s for s in samples]),
         overlapped_ms=slowest([s.overlapped_s for s in samples]),
+        start_ms=slowest([s.start_s for s in samples]),
+        wait_ms=slowest([s.wait_s for s in samples]),
         exchange_ms=max(s.exchange_s for s in samples) * 1e3,
         exchange_cpu=max(s.exchange_cpu for s in samples),
         compute=compute,
@@ -208,19 +231,20 @@ def run_overlap(cases: list[BenchCase], settings: BenchSettings = BenchSettings(
 
 def format_overlap(results: list[OverlapResult]) -> str:
     head = (f"{'backend':<10} {'dtype':<6} {'mode':<11} {'R':>2} {'T/mb':>5} {'exchange ms':>11} {'CPU':>4} "
-            f"{'experts':>7} {'ms':>7} {'sequential':>10} {'overlapped':>10} {'ratio':>6} split")
+            f"{'experts':>7} {'ms':>7} {'sequential':>10} {'overlapped':>10} {'start':>7} {'wait':>7} {'ratio':>6} split")
     lines = [head, "-" * len(head)]
     for r in results:
         c = r.case
         lines.append(
             f"{c.backend:<10} {c.dtype.value:<6} {c.mode.value:<11} {c.world_size:>2} {c.tokens_per_rank:>5} "
             f"{r.exchange_ms:>11.2f} {r.exchange_cpu:>4.1f} {r.compute:>7} {r.compute_ms:>7.2f} "
-            f"{r.sequential_ms:>10.2f} {r.overlapped_ms:>10.2f} "
+            f"{r.sequential_ms:>10.2f} {r.overlapped_ms:>10.2f} {r.start_ms:>7.1f} {r.wait_ms:>7.1f} "
             f"{r.ratio:>6.2f} {'yes' if r.split_phase else 'no'}")
     lines.append("two micro-batches of T/mb tokens per rank; exchange: one micro-batch's blocking dispatch + combine; "
                  "CPU: cores one rank's exchange keeps busy; experts: the stand-in per micro-batch (host: matmuls on "
-                 "the CPU; device: a wait holding no core, as on an accelerator); ratio: overlapped / sequential (ms: "
-                 "median of the slowest rank); split: Dispatcher.split_phase")
+                 "the CPU; device: a wait holding no core, as on an accelerator); start / wait: of the overlapped time, "
+                 "the caller's time inside dispatch_start + combine_start and blocked in wait() (both micro-batches); "
+                 "ratio: overlapped / sequential (ms: median of the slowest rank); split: Dispatcher.split_phase")
     return "\n".join(lines)
 
 
