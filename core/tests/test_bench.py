@@ -72,6 +72,21 @@ def test_bench_overhead_table(capsys):
     assert [line.split()[0] for line in lines] == ["off", "on"]
 
 
+def test_bench_overlap_case_json(capsys):
+    """Both schedules timed for each stand-in, both modes, with the stage times inside the overlapped one."""
+    code = main(["bench", "--tokens", "8", "--hidden", "256", "--experts", "8", "--top-k", "3", "--dtype", "bf16",
+                 "--iters", "2", "--warmup", "1", "--only", "overlap", "--json"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)["overlap"]
+    assert {(r["case"]["mode"], r["compute"]) for r in rows} == {
+        (m.value, c) for m in Mode for c in ("host", "device")}
+    for r in rows:
+        assert r["case"]["world_size"] == 2 and r["split_phase"] is True and r["iterations"] == 2
+        assert r["sequential_ms"] > 0 and r["overlapped_ms"] > 0 and r["compute_ms"] > 0
+        assert 0 < r["start_ms"] + r["wait_ms"] < r["overlapped_ms"]
+        assert r["ratio"] == pytest.approx(r["overlapped_ms"] / r["sequential_ms"])
+
+
 def test_overhead_of_the_value_checks_is_measured_not_assumed():
     from moe_dispatch.cli.bench.overhead import measure_overhead
 
@@ -79,6 +94,9 @@ def test_overhead_of_the_value_checks_is_measured_not_assumed():
     on = measure_overhead(check_inputs=True, rounds=5, calls_per_round=200)
     assert off.replay_direct_ns > 0 and off.replay_api_ns > off.replay_direct_ns
     assert on.replay_api_ns > off.replay_api_ns  # the value checks read the data: they cost something
+    assert set(off.parts) == {"input checks, dispatch", "input checks, combine", "output checks, dispatch",
+                              "output checks, combine", "call numbering (begin)"}
+    assert all(ns > 0 for ns in off.parts.values())
 
 
 def test_plot_without_matplotlib_is_a_clear_error_or_a_png(tmp_path, capsys):

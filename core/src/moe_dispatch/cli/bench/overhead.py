@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -40,6 +40,8 @@ class OverheadResult:
     rounds: int
     calls_per_round: int
     payload: str
+    #: ns per call of each check the overhead is made of (the fastest of a few rounds): where it goes.
+    parts: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -82,6 +84,31 @@ def _alternate(api, direct, args, rounds: int, calls: int) -> tuple[list[float],
     return a, d
 
 
+def _parts(d: Dispatcher, x, ids, w, y, calls: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The pieces of the core's per-pair work, timed alone on the same tensors."""
+    out = d.dispatch(x, ids, w)
+    result = d.backend_dispatcher.combine(y, out)
+    checks, outputs, values = d.input_checks, d._outputs, d._values(x)  # noqa: SLF001 - the bench measures them
+    pieces = {
+        "input checks, dispatch": lambda: checks.dispatch(x, ids, w, values),
+        "input checks, combine": lambda: checks.combine(y, out),
+        "output checks, dispatch": lambda: outputs.dispatch(out, values),
+        "output checks, combine": lambda: outputs.combine(result, out),
+        "call numbering (begin)": lambda: d.comm.begin("dispatch", 1),
+    }
+    d.comm._call = None  # noqa: SLF001 - begin's mark, left by the timing above (world size 1 sets none)
+    timings = {}
+    for name, fn in pieces.items():
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter_ns() - start) / calls)
+        timings[name] = best
+    return timings
+
+
 def measure_overhead(
     *, check_inputs: bool = False, rounds: int = 15, calls_per_round: int = 2000,
     tokens: int = 1, hidden: int = 128, experts: int = 8, top_k: int = 2,
@@ -107,6 +134,7 @@ def measure_overhead(
     replay_api, replay_direct = _alternate(
         (wrapped.dispatch, wrapped.combine), (replay.dispatch, replay.combine), args, rounds, calls_per_round)
     return OverheadResult(
+        parts=_parts(wrapped, x, ids, w, y, calls_per_round),
         check_inputs=check_inputs,
         backend_ns=statistics.median(backend_direct),
         api_ns=statistics.median(backend_api),
