@@ -130,8 +130,8 @@ def check_graph(device: torch.device) -> list[Check]:
     layer = ScaledLayer.for_rank(H, E, 0, E)
     for backend in BACKENDS:
         for dtype in md.DispatchDtype:
-            for check_inputs in (False, True):
-                name = f"{backend} {dtype.value} checks {'on' if check_inputs else 'off'}"
+            for check_inputs in (None, False, True):  # None: the default (no value checks on a device)
+                name = f"{backend} {dtype.value} checks {({None: 'default', False: 'off', True: 'on'})[check_inputs]}"
                 quant = md.QuantHints(input_global_scale=nvfp4_global_scale(8.0)) \
                     if dtype is md.DispatchDtype.NVFP4 else md.QuantHints()
                 spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode="low_latency",

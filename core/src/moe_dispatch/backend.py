@@ -80,6 +80,9 @@ class DispatchContext:
     buffer_size: BufferSize
     device: torch.device
     options: dict[str, Any] = field(default_factory=dict)
+    #: Calls the engine keeps in flight at once (two micro-batches: 2): how many sets of buffers a backend that
+    #: reuses them should plan at creation (``create_dispatcher(in_flight=)``).
+    in_flight: int = 2
 
     @property
     def rank(self) -> int:

@@ -43,6 +43,11 @@ if TYPE_CHECKING:
     from .experts import ExpertKernel
 
 
+#: Dispatches in flight at once by default: two micro-batches.
+DEFAULT_IN_FLIGHT = 2
+_MAX_IN_FLIGHT = 64
+
+
 class Dispatcher:
     """One layer's dispatch and combine on one group. Keeps nothing of a call: several
     dispatches may be in flight, each combined with its own ``DispatchOutput``, and each call
@@ -378,6 +383,7 @@ def create_dispatcher(
     host: PluginHost | None = None,
     options: Mapping[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    in_flight: int = DEFAULT_IN_FLIGHT,
 ) -> Dispatcher:
     """Resolve the wire dtype, check the spec against the backend, plan the buffers, agree
     with the other ranks and build the dispatcher: everything that can fail does so here,
@@ -394,16 +400,21 @@ def create_dispatcher(
         None (the default): on host memory only, so an accelerator's hot path makes no host
         sync; True: everywhere; False: nowhere. The shape, dtype, device and capacity checks
         always run.
+    :param in_flight: how many dispatches the engine keeps in flight at once (two-batch overlap:
+        2, the default, as DeepEP double-buffers its low-latency mode). Backends that reuse their
+        buffers plan that many sets at creation (the reference backends' low-latency slots); more
+        in flight still works, each extra one at the cost of one more set.
     :param timeout_s: how long a rank waits for the others in one collective (gloo) before
         ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
         the process group's own timeout.
     """
     comm = Comm(group, timeout_s=_timeout_or_default(timeout_s))  # a bad one is refused below, with the peers told
     try:
-        _check_arguments(spec, env, options, timeout_s)
+        _check_arguments(spec, env, options, timeout_s, in_flight)
         chosen = (host or default_host()).select(backend)
         with chosen.typed_errors("planning the dispatcher"):  # a plugin bug reaches the peers too
-            ctx, resolution = _prepare(chosen, spec, comm, strict=strict, env=env, options=options)
+            ctx, resolution = _prepare(chosen, spec, comm, strict=strict, env=env, options=options,
+                                       in_flight=in_flight)
             _check_fits_memory(ctx)
             fingerprint = _fingerprint(chosen, ctx, timeout_s)
     except MoEDispatchError as exc:
@@ -468,9 +479,12 @@ def _timeout_or_default(timeout_s: object) -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def _check_arguments(spec: object, env: object, options: object, timeout_s: object) -> None:
+def _check_arguments(spec: object, env: object, options: object, timeout_s: object, in_flight: object) -> None:
     """Typed errors for arguments of the wrong kind, raised inside the agreement so the peers hear of them."""
     check_timeout(timeout_s)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or not 1 <= in_flight <= _MAX_IN_FLIGHT:
+        raise InvalidSpecError("must be the number of dispatches kept in flight at once", parameter="in_flight",
+                               value=in_flight, allowed=f"an int in 1..{_MAX_IN_FLIGHT} (2 for two micro-batches)")
     if not isinstance(spec, DispatchSpec):
         raise InvalidSpecError("must be a moe_dispatch.DispatchSpec", parameter="spec", value=spec,
                                allowed="DispatchSpec(hidden_size, num_experts, top_k, ...)")
@@ -482,7 +496,7 @@ def _check_arguments(spec: object, env: object, options: object, timeout_s: obje
 
 def _prepare(
     chosen: Selection, spec: DispatchSpec, comm: Comm, *, strict: bool,
-    env: Mapping[str, str] | None, options: Mapping[str, Any] | None,
+    env: Mapping[str, str] | None, options: Mapping[str, Any] | None, in_flight: int = 2,
 ) -> tuple[DispatchContext, Resolution]:
     """Everything local (``prepare_layer``), then the context the backend creates from."""
     layer = prepare_layer(chosen.backend, spec, comm.world_size, runners=chosen.runners, env=env, strict=strict)
@@ -494,6 +508,7 @@ def _prepare(
         buffer_size=layer.buffer_size,
         device=comm.device or torch.device("cpu"),
         options=dict(options or {}),
+        in_flight=in_flight,
     )
     return ctx, layer.resolution
 

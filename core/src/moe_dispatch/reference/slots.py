@@ -8,8 +8,8 @@ two slots in the steady state and allocates nothing large per call: a bare all-t
 fresh 52 MB buffer took 179 ms on this machine's CPU, into a reused one 74 ms (issue 16).
 
 - A buffer grows to the largest size a call has needed (normal mode's sizes follow the
-  routing) and never shrinks; low-latency mode's sizes are fixed by the spec, so its buffers
-  are sized once.
+  routing) and never shrinks; low-latency mode's sizes are fixed by the spec, so its
+  ``in_flight`` slots are sized at creation (``ReferenceDispatcher._reserve``).
 - A slot is free again when its dispatch's combine has returned, or when its output's handle
   is garbage-collected (an engine that drops an output, or a combine that raised). A dispatch with every slot taken
   makes one more slot: more dispatches in flight cost memory, never wrong data.

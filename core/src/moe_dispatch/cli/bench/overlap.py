@@ -122,7 +122,7 @@ def measure_overlap(rank: int, world_size: int, case: BenchCase, settings: Bench
                     compute: str = "host") -> OverlapSamples:
     """Run the overlap case on this rank (two micro-batches of ``case.tokens_per_rank`` tokens);
     ``compute``: the stand-in experts, ``host`` or ``device`` (the module's docstring)."""
-    dispatcher, x, ids, weights = _setup(rank, case, settings)
+    dispatcher, x, ids, weights = _setup(rank, case, settings, in_flight=2)
     comm = dispatcher.comm
     batches = [(x, ids, weights), (x.flip(0).contiguous(), ids.flip(0).contiguous(), weights.flip(0).contiguous())]
     try:

@@ -99,12 +99,12 @@ def _rank_pairs(ids: torch.Tensor, case: BenchCase) -> int:
     return int(seen[:, : case.world_size].sum())
 
 
-def _setup(rank: int, case: BenchCase, settings: BenchSettings):  # type: ignore[no-untyped-def]
-    """This rank's dispatcher and inputs for ``case``."""
+def _setup(rank: int, case: BenchCase, settings: BenchSettings, in_flight: int = 1):  # type: ignore[no-untyped-def]
+    """This rank's dispatcher and inputs for ``case`` (one call in flight at a time, unless ``in_flight``)."""
     x, ids, weights = case_inputs(case, rank, settings.seed, settings.device)
     scale = nvfp4_global_scale(8.0) if case.dtype is DispatchDtype.NVFP4 else None  # the same on every rank
     dispatcher = create_dispatcher(case.backend, case_spec(case, scale), env={}, check_inputs=settings.check_inputs,
-                                   timeout_s=BENCH_TIMEOUT_S)
+                                   timeout_s=BENCH_TIMEOUT_S, in_flight=in_flight)
     return dispatcher, x, ids, weights
 
 
