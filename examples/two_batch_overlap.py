@@ -58,14 +58,13 @@ def run(rank: int, world: int, backend: str, mode: str) -> dict:
     half = TOKENS // 2
     batches = [(x[:half], ids[:half], w[:half]), (x[half:], ids[half:], w[half:])]
     times = {}
-    for name, schedule in (("sequential", sequential), ("overlapped", overlapped), ("sequential ", sequential)):
+    results = {}
+    for name, schedule in (("sequential", sequential), ("overlapped", overlapped)):
         d.comm.barrier()
         start = time.perf_counter()
-        results = schedule(d, layer, batches)
-        times[name.strip()] = time.perf_counter() - start
-        if name == "sequential":
-            expected = results
-    same = all(torch.equal(a, b) for a, b in zip(expected, results))
+        results[name] = schedule(d, layer, batches)
+        times[name] = time.perf_counter() - start
+    same = all(torch.equal(a, b) for a, b in zip(results["sequential"], results["overlapped"]))
     return {"rank": rank, "split_phase": d.split_phase, "same_bits": same, **times}
 
 

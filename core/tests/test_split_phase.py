@@ -182,24 +182,69 @@ def test_default_value_checks_run_on_host_memory_and_not_on_an_accelerator():
     assert not d._values(x)
 
 
-def _dispatcher_collected_after_split_calls(rank: int, world: int):
+def _dispatchers_collected_after_split_calls(rank: int, world: int):
     import threading
     import weakref
 
     threads = threading.active_count()
-    d = md.create_dispatcher("torch", _spec("low_latency"), env={})
-    out = d.dispatch_start(*_inputs(1, rank)).wait()
-    d.combine_start(_rows(out), out).wait()
-    with_receiver = threading.active_count()
-    backend = weakref.ref(d.backend_dispatcher)
-    del d, out
+    backends = []
+    for _ in range(3):  # three layers: one receiver thread for the process, not one each
+        d = md.create_dispatcher("torch", _spec("low_latency"), env={})
+        out = d.dispatch_start(*_inputs(1, rank)).wait()
+        d.combine_start(_rows(out), out).wait()
+        backends.append(weakref.ref(d.backend_dispatcher))
+        del d, out
+    extra_threads = threading.active_count() - threads
     gc.collect()
     time.sleep(0.2)
-    return backend() is None, with_receiver > threads, threading.active_count() == threads
+    return all(b() is None for b in backends), extra_threads
 
 
-def test_a_dispatcher_used_in_split_phase_is_collected_with_its_receiver_thread(moe_rank_pools):
-    """The receiver thread holds nothing of a finished call (else the dispatcher and its slots stay alive: the
-    overlap bench ran out of memory that way) and ends with its dispatcher."""
-    for collected, had_thread, thread_gone in moe_rank_pools.get(2).map(_dispatcher_collected_after_split_calls):
-        assert collected and had_thread and thread_gone
+def test_dispatchers_used_in_split_phase_are_collected_and_share_one_receiver_thread(moe_rank_pools):
+    """The receiver thread holds nothing of a finished call (else a dispatcher and its slots stay alive: the overlap
+    bench ran out of memory that way), and one thread serves every dispatcher of the process."""
+    for collected, extra_threads in moe_rank_pools.get(2).map(_dispatchers_collected_after_split_calls):
+        assert collected and extra_threads <= 1
+
+
+def _under_inference_mode(rank: int, world: int, mode: str):
+    d = md.create_dispatcher("torch", _spec(mode), env={})
+    expected = d.combine(_rows(out := d.dispatch(*_inputs(1, rank))), out)
+    with torch.inference_mode():  # how engines serve: tensors made here refuse in-place ops outside it
+        out = d.dispatch_start(*_inputs(1, rank)).wait()
+        got = d.combine_start(_rows(out), out).wait()
+    return bool(torch.equal(got, expected))
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_split_phase_under_inference_mode(moe_rank_pools, mode):
+    assert moe_rank_pools.get(2).map(_under_inference_mode, mode) == [True, True]
+
+
+def _layout_fails_on_rank_1_after_a_dropped_start(rank: int, world: int):
+    d = md.create_dispatcher("torch", _spec("normal"), env={}, timeout_s=30)
+    impl = d.backend_dispatcher
+    if rank == 1:  # a bug in the receiving half, on one rank
+        def broken(*args):  # noqa: ANN002, ANN202
+            raise RuntimeError("layout bug")
+        impl._finish_packed = broken
+    d.dispatch_start(*_inputs(1, rank))  # dropped: nobody waits for it, nobody sees its error there
+    time.sleep(0.5)
+    start = time.monotonic()
+    nxt = outcome(lambda: d.dispatch(*_inputs(2, rank)))
+    return nxt.error, time.monotonic() - start
+
+
+def test_a_failure_on_the_receiver_is_not_lost_when_nobody_waits():
+    (err0, waited0), (err1, _) = on_a_fresh_pool(_layout_fails_on_rank_1_after_a_dropped_start)
+    assert err1 == "CommunicationError"  # rank 1 refuses its next call: the started one failed in the background
+    assert err0 == "PeerFailedError" and waited0 < 10  # rank 0 was told, instead of waiting for a timeout
+
+
+def _in_flight_differs(rank: int, world: int):
+    return outcome(lambda: md.create_dispatcher("torch", _spec("low_latency"), env={}, timeout_s=30,
+                                                in_flight=2 + rank)).error
+
+
+def test_ranks_that_plan_different_in_flight_get_a_configuration_error():
+    assert on_a_fresh_pool(_in_flight_differs) == ["ConfigMismatchError", "ConfigMismatchError"]

@@ -213,7 +213,8 @@ class Dispatcher:
             self._dispatches += 1
             number = self._dispatches
             self._comm.begin("dispatch", number)
-            started = self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights)
+            started = _pending_from(self.backend.name, "dispatch_start",
+                                    self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights))
         except BaseException as exc:
             self._dispatch_failed(exc)
         return Pending(functools.partial(self._receive_dispatch, started, number, hidden_states))
@@ -227,7 +228,8 @@ class Dispatcher:
         self._check_combine(expert_output, dispatch_output)
         try:
             self._comm.begin("combine", dispatch_output.call)
-            started = self._split_impl().combine_start(expert_output, dispatch_output)
+            started = _pending_from(self.backend.name, "combine_start",
+                                    self._split_impl().combine_start(expert_output, dispatch_output))
         except BaseException as exc:
             self._failed("combine", exc)
             raise
@@ -239,6 +241,7 @@ class Dispatcher:
         try:
             out = self._outputs.dispatch(started.wait(), self._values(started_on))
         except BaseException as exc:
+            self._received_failed()
             self._dispatch_failed(exc)
         object.__setattr__(out, "call", number)
         return out
@@ -247,8 +250,15 @@ class Dispatcher:
         try:
             return self._outputs.combine(started.wait(), dispatch_output)
         except BaseException as exc:
+            self._received_failed()
             self._failed("combine", exc)
             raise
+
+    def _received_failed(self) -> None:
+        """A call failed after its collectives ran (at ``wait()``): with peers, whatever the error, this
+        dispatcher makes no more calls (its exchange is in an unknown state)."""
+        if self.world_size > 1 and self._broken is None:
+            self._broken = f"a started call failed at wait() on rank {self.rank}"
 
     def _split_impl(self) -> SplitPhaseBackendDispatcher:
         if not self._split:
@@ -434,6 +444,13 @@ def create_dispatcher(
     return Dispatcher(chosen.backend, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
 
 
+def _pending_from(backend: str, call: str, started: object) -> Pending[Any]:
+    if not callable(getattr(started, "wait", None)):
+        raise PluginError(f"backend {backend!r} broke the contract: {call}() returned this", parameter=f"{call}()",
+                          value=type(started).__name__, allowed="a moe_dispatch.Pending (an object with wait())")
+    return started  # type: ignore[return-value]
+
+
 def _memory_bytes(device: torch.device) -> int | None:
     """The device's total memory, where it can be read cheaply (None: unknown)."""
     try:
@@ -532,6 +549,7 @@ def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> d
         "world_size": ctx.world_size,
         "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],
         "timeout_s": timeout_s,
+        "in_flight": ctx.in_flight,  # backends may plan buffers per call in flight collectively (the reference's LL)
         **{f"{backend.name}: {name}": value for name, value in backend.agreement(ctx).items()},
     }
 

@@ -374,13 +374,14 @@ class Transfer:
 
     @property
     def done(self) -> bool:
-        """Whether the bytes are in (or the collective failed): its buffers are free to reuse."""
+        """Whether the collective has ended (the bytes are in, or it failed): its buffers are free to reuse. A wait
+        that gave up (a peer failed, a timeout) leaves it not done while gloo may still write."""
         return self._work is None or bool(self._work.is_completed())
 
     def wait(self):  # type: ignore[no-untyped-def]
         if self._work is not None:
-            work, self._work = self._work, None
-            self._watch.wait(work, self._name, self._number)  # type: ignore[union-attr]
+            self._watch.wait(self._work, self._name, self._number)  # type: ignore[union-attr]
+            self._work = None  # only once it has completed
         return self.out
 
 

@@ -33,11 +33,12 @@ import torch
 
 from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
+from ..errors import CommunicationError
 from ..dtypes import Layout, Mode
 from ..distributed.comm import Transfer
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
 from ..pending import Pending
-from .receiver import Receiver
+from .receiver import process_receiver
 from .slots import Lease, Slot, SlotPool
 
 
@@ -103,8 +104,8 @@ class ReferenceDispatcher:
         self.low_latency = spec.mode is Mode.LOW_LATENCY
         #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
         self.slots = SlotPool()
-        #: Receives started calls on host memory while the caller works (receiver.py); made on first use.
-        self.receiver: Receiver | None = None
+        #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
+        self.failed_in_background: BaseException | None = None
         if self.low_latency:
             self._reserve(ctx.in_flight, ctx.device)
 
@@ -136,18 +137,34 @@ class ReferenceDispatcher:
 
     def _start_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
+        self._check_background()
         if self.low_latency:
             return self._start_masked(x, topk_ids, topk_weights)
         return self._start_packed(x, topk_ids, topk_weights)
 
     def _receiving(self, finish: Callable[[], T]) -> Pending[T]:
         """A started call's ``Pending``: on host memory with peers, its receiving half runs on the
-        dispatcher's ``Receiver`` thread while the caller works; otherwise at ``wait()``."""
+        process's receiver thread while the caller works; otherwise at ``wait()``."""
         if self.world == 1 or self.comm.device is None or self.comm.device.type != "cpu":
             return Pending(finish)
-        if self.receiver is None:
-            self.receiver = Receiver(f"moe-dispatch receiver {self.comm.uid[:8]}")
-        return Pending(self.receiver.submit(finish).result)
+        return Pending(process_receiver().submit(functools.partial(self._received, finish)).result)
+
+    def _received(self, finish: Callable[[], T]) -> T:
+        """On the receiver thread: a failure there is kept (and told to the peers), so that the next call refuses
+        to start even when the engine dropped this call's ``Pending`` and never sees the error."""
+        try:
+            return finish()
+        except BaseException as exc:
+            self.failed_in_background = exc
+            if not isinstance(exc, CommunicationError):  # a peer's failure or a timeout: the peers know already
+                self.comm.announce_failure("receive", exc)
+            raise
+
+    def _check_background(self) -> None:
+        exc = self.failed_in_background
+        if exc is not None:
+            raise CommunicationError(f"a started call failed on this rank while receiving ({type(exc).__name__}: "
+                                     f"{exc}); the process group must be rebuilt") from exc
 
     def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One wire row per token: the payload, then its global top-k ids (int32) and fp32
@@ -289,6 +306,7 @@ class ReferenceDispatcher:
         return self._receiving(self._start_combine(expert_output, dispatch_output))
 
     def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Callable[[], torch.Tensor]:
+        self._check_background()
         handle = dispatch_output.handle
         if isinstance(handle, MaskedHandle):
             return self._start_combine_masked(expert_output, handle)
