@@ -111,8 +111,9 @@ class ReferenceDispatcher:
 
     def _reserve(self, slots: int, device: torch.device) -> None:
         """Low-latency mode: ``slots`` slots sized at creation (every buffer of a dispatch follows from the
-        capacity), so that calls allocate nothing large and a capacity the memory cannot hold fails here, not at
-        the first dispatch. A dispatch of an empty batch per slot, each holding its slot until all are sized: the
+        capacity), so that a capacity the memory cannot hold fails here, not at the first dispatch. Combine's
+        buffers (the partial sums sent back and the cache-sized blocks: ``world·capacity`` rows, not the
+        ``E_local`` times larger MASKED rows) are sized at the first combine. A dispatch of an empty batch per slot, each holding its slot until all are sized: the
         same code and buffers as a real call, and a collective like the rest of creation (every rank does it)."""
         H, k = self.hidden, self.top_k
         empty = (torch.empty(0, H, dtype=torch.bfloat16, device=device),
