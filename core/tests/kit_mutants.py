@@ -115,3 +115,19 @@ class TableDisagrees(TorchBackend):
 
     def validate_dtype(self, dtype, spec):
         return md.DtypeDecision("accept", dtype)
+
+
+class StartsShareOneReceive(TorchBackend):
+    """In split phase, keeps the started dispatch's receiving half on the dispatcher: the next start replaces it, so
+    the first of two micro-batches receives the second's rows."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        real = inner.dispatch_start
+
+        def dispatch_start(x, ids, w):
+            inner.last_started = real(x, ids, w)
+            return md.Pending(lambda: inner.last_started.wait())
+
+        inner.dispatch_start = dispatch_start
+        return inner

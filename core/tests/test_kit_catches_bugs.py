@@ -19,6 +19,7 @@ MUTANTS = {
     "KeepsLastCall": "test_two_dispatches_in_flight and 2-low_latency",
     "NoisyCombine": "test_same_inputs_same_bits and 2-normal",
     "TableDisagrees": "test_dtype_validation_table and normal-int8",
+    "StartsShareOneReceive": "test_two_micro_batches_overlap and 2-normal",
 }
 
 
