@@ -60,3 +60,45 @@ def test_demo_under_torchrun_uses_env_rendezvous():
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "all cases within tolerance: True" in p.stdout
+
+
+# -- issue 17: one line and exit 2 for every bad flag -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["explain", "--backend", "torch", "--quant", "{bad"], "--quant"),
+    (["explain", "--backend", "torch", "--quant", "[1, 2]"], "--quant"),
+    (["explain", "--backend", "torch", "--top-k", "0"], "top_k"),
+    (["explain", "--backend", "torch", "--experts", "0"], "num_experts"),
+    (["explain", "--backend", "torch", "--hidden", "0"], "hidden_size"),
+    (["explain", "--backend", "torch", "--world-size", "0"], "--world-size"),
+    (["demo", "--world-size", "0"], "--world-size"),
+    (["demo", "--tokens", "-3"], "--tokens"),
+    (["demo", "--backend", "cuda_deepep"], "cuda_deepep"),
+    (["bench", "--dtype", "xx"], "--dtype"),
+    (["explain"], "--backend"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(argv, names):
+    p = run(*argv)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in p.stderr, p.stderr
+    assert "started" not in p.stdout  # refused before any rank starts
+
+
+def test_version():
+    from moe_dispatch import __version__
+
+    p = run("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"moe-dispatch {__version__}" and __version__[0].isdigit()
+
+
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """`moe-dispatch plan | head`: the reader is gone before the writer writes (its end of the pipe closed)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        writer = subprocess.run([*EXE, "plan"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert writer.returncode == 0 and "BrokenPipeError" not in writer.stderr and writer.stderr == "", writer.stderr

@@ -40,12 +40,15 @@ from .hookspecs import API_VERSION, hookimpl
 from .layer import MoELayer, moe_forward
 from .output import DispatchOutput
 from .pending import Pending
-from .registry import BackendInfo, PluginHost, available_backends, get_backend
+from .registry import BackendInfo, PluginHost, available_backends, core_version, get_backend
 from .planning import BufferPlan, EnvRequirement, LayerBuffers, Misfit, Peak, plan_buffers
 from .preparation import PreparedLayer, prepare_layer, resolve_output_dtype
 from .trail import DtypeFallbackWarning, Resolution, Step
 from .spec import DispatchSpec, add_cli_args
 from .wire import WireFormat
+
+#: The installed distribution's version (``moe-dispatch --version``).
+__version__ = core_version()
 
 __all__ = [
     "BufferPlan",

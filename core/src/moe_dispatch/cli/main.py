@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 import warnings
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NoReturn, Sequence
 
 from ..dtypes import DispatchDtype, Mode
 from ..errors import MoEDispatchError
@@ -105,11 +105,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
     host = default_host()
     preset = get_preset(args.preset)
-    quant = QuantHints.from_dict(json.loads(args.quant)) if args.quant else QuantHints()
-    spec = DispatchSpec(
-        hidden_size=args.hidden or preset.hidden_size,
-        num_experts=args.experts or preset.num_experts,
-        top_k=args.top_k or preset.top_k,
+    quant = QuantHints.from_dict(_json_object(args.quant, "--quant")) if args.quant else QuantHints()
+    spec = DispatchSpec(  # an explicit 0 is refused by the spec, never replaced by the preset's value
+        hidden_size=preset.hidden_size if args.hidden is None else args.hidden,
+        num_experts=preset.num_experts if args.experts is None else args.experts,
+        top_k=preset.top_k if args.top_k is None else args.top_k,
         num_max_dispatch_tokens_per_rank=args.tokens,
         mode=args.mode,
         output_dtype=args.dtype,
@@ -149,6 +149,32 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
+    """``text`` parsed as a JSON object, or an ``InvalidSpecError`` naming ``flag`` (one line, exit 2)."""
+    from ..errors import InvalidSpecError
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidSpecError(f"is not valid JSON ({exc.msg} at character {exc.pos})", parameter=flag, value=text,
+                               allowed='a JSON object, e.g. \'{"dispatcher_output_dtype": "int8"}\'') from None
+    if not isinstance(value, dict):
+        raise InvalidSpecError("must be a JSON object", parameter=flag, value=text,
+                               allowed='a JSON object, e.g. \'{"dispatcher_output_dtype": "int8"}\'')
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts (ranks, tokens, sizes): an int >= 1, or argparse's one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be at least 1")
+    return value
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -160,6 +186,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     modes = [Mode.parse(m) for m in args.mode] if args.mode else None
     if args.launcher == "torchrun":
         return _demo_torchrun(preset, args, dtypes, modes)
+    _check_demo_cases(args.backend, dtypes, modes)
     results = run_demo(
         preset,
         world_size=args.world_size,
@@ -169,6 +196,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         backend=args.backend,
     )
     return 0 if all(r.ok for r in results) else 1
+
+
+def _check_demo_cases(backend: str, dtypes: "list[DispatchDtype] | None", modes: "list[Mode] | None") -> None:
+    """Before any rank starts: a backend that cannot run here, or no (dtype, mode) it accepts, is one line."""
+    from ..errors import InvalidSpecError
+
+    host = default_host()
+    chosen = host.select(backend)  # BackendUnavailableError (one line) where it cannot run on this machine
+    caps = chosen.backend.capabilities
+    if not any(d in caps.dtypes.get(m, ()) for m in modes or list(Mode) for d in dtypes or list(DispatchDtype)):
+        raise InvalidSpecError(f"backend {backend!r} accepts none of the dtypes and modes asked for, so the demo "
+                               "has nothing to run", parameter="--dtype/--mode",
+                               value=[*(d.value for d in dtypes or []), *(m.value for m in modes or [])],
+                               allowed="; ".join(f"{m.value}: {', '.join(sorted(d.value for d in ds))}"
+                                                 for m, ds in caps.dtypes.items()))
 
 
 def _demo_torchrun(preset, args, dtypes, modes) -> int:  # type: ignore[no-untyped-def]
@@ -196,9 +238,20 @@ def _demo_torchrun(preset, args, dtypes, modes) -> int:  # type: ignore[no-untyp
     return 0 if all(r.ok for r in results) else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line on stderr and exit 2 (argparse prints its whole usage block first); ``-h`` shows
+    the usage."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     """The built-in subcommands, then those the plugins of ``host`` (the default one) register."""
-    parser = argparse.ArgumentParser(prog="moe-dispatch", description=__doc__)
+    from ..registry import core_version
+
+    parser = _Parser(prog="moe-dispatch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"moe-dispatch {core_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("backends", help="list backends and expert runners, whether they run here, and why not")
@@ -212,20 +265,20 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     p.add_argument("--mode", default="normal", choices=[m.value for m in Mode])
     p.add_argument("--runner", default=None)
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--tokens", type=int, default=128, help="num_max_dispatch_tokens_per_rank")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--strict", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
+    p.add_argument("--experts", type=int, default=None, help="number of experts (default: the preset's)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's)")
+    p.add_argument("--tokens", type=positive_int, default=128, help="num_max_dispatch_tokens_per_rank (default 128)")
+    p.add_argument("--world-size", type=positive_int, default=8, help="EP ranks (default 8)")
+    p.add_argument("--strict", action="store_true", help="a dtype fallback is an error")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("demo", help="run a MoE layer on local CPU ranks for every dtype and mode the backend accepts")
-    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--world-size", type=positive_int, default=4, help="local ranks (default 4)")
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+    p.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank (default 64)")
     p.add_argument("--backend", default="torch")
     p.add_argument("--dtype", action="append", help="only this dtype (repeatable)")
     p.add_argument("--mode", action="append", help="only this mode (repeatable)")
@@ -252,6 +305,20 @@ def main(argv: Sequence[str] | None = None, *, host: PluginHost | None = None) -
     except MoEDispatchError as exc:
         print(f"moe-dispatch: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`moe-dispatch plan | head`): not an error of ours
+        _quiet_stdout()
+        return 0
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush does not raise again
+    (the recipe in Python's signal documentation)."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (captured output)
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover
