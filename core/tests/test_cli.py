@@ -98,7 +98,7 @@ def test_a_reader_that_leaves_early_is_not_an_error():
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        writer = subprocess.run([*EXE, "plan"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+        writer = subprocess.run([*EXE, "plan", "--backend", "torch"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
         os.close(write_end)
     assert writer.returncode == 0 and "BrokenPipeError" not in writer.stderr and writer.stderr == "", writer.stderr

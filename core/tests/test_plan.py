@@ -282,8 +282,21 @@ def test_default_grid_covers_every_backend_quickly(host):
     rc, text = plan_cli(host, "--json")
     elapsed = time.perf_counter() - started
     rows = json.loads(text)["rows"]
-    assert rc == 0 and elapsed < 3.0
+    assert rc == (1 if any(r["fits"] is False for r in rows) else 0) and elapsed < 3.0
     assert {r["backend"] for r in rows} == set(host.backend_names())
     assert {r["model"] for r in rows} == {"deepseek-v3", "qwen3-30b-a3b", "kimi-k2"}
     assert {r["ep"] for r in rows} == {8, 16, 32, 64}
     assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
+
+
+def test_plan_exits_1_when_a_row_does_not_fit_and_refuses_an_unknown_env_name(host):
+    """Issue 17: a script planning a deployment must not read "no" as success; a misspelt --env changes nothing."""
+    rc, _ = plan_cli(host, "--preset", "deepseek-v3", "--backend", "torch", "--ep", "8")
+    assert rc == 0
+    # DeepEP-Ascend's normal mode at BF16 needs more HCCL window than the default 200 MB
+    rc, text = plan_cli(host, "--preset", "deepseek-v3", "--backend", "ascend_deepep", "--ep", "8", "--mode", "normal",
+                        "--dtype", "bf16", "--json")
+    assert rc == 1 and [r["fits"] for r in json.loads(text)["rows"]] == [False]
+    with pytest.raises(md.InvalidSpecError) as err:
+        plan_cli(host, "--backend", "ascend_deepep", "--env", "HCCL_BUFSIZE=2000")
+    assert (err.value.parameter, err.value.value) == ("--env", "HCCL_BUFSIZE") and "HCCL_BUFFSIZE?" in str(err.value)

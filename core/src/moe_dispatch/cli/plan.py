@@ -5,6 +5,7 @@ and whether each fits the backend's limits and the environment."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -251,13 +252,45 @@ def run_plan_command(args: argparse.Namespace, *, host: PluginHost | None = None
         raise InvalidSpecError("must be positive", parameter="--tokens", value=args.tokens, allowed="1, 2, 3, ...")
     modes = [Mode.parse(m, parameter="--mode") for m in args.mode] if args.mode else None
     dtypes = [DispatchDtype.parse(d, parameter="--dtype") for d in args.dtype] if args.dtype else None
-    rows = plan_grid(models, backends, args.ep or DEFAULT_EP_SIZES, modes=modes, dtypes=dtypes, tokens=args.tokens,
+    eps = args.ep or DEFAULT_EP_SIZES
+    _check_env_names(args.env or (), backends, models, eps, modes or list(Mode), args.tokens)
+    rows = plan_grid(models, backends, eps, modes=modes, dtypes=dtypes, tokens=args.tokens,
                      env=_overlay(os.environ if env is None else env, args.env or ()), host=host)
     if args.json:
         print(json.dumps(plan_report(rows), indent=2), file=out)
     else:
         print(format_plan_table(rows), file=out)
+    misfits = sum(1 for r in rows if r.plan is not None and not r.plan.fits)
+    if misfits:  # a script (or CI) planning a deployment must not read "no" as success
+        print(f"moe-dispatch plan: {misfits} of {len(rows)} rows do not fit (the fits column)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_env_names(assignments: Sequence[str], backends: Sequence[Backend], models: Sequence[ModelShape],
+                     eps: Sequence[int], modes: Sequence[Mode], tokens: int) -> None:
+    """``--env`` names a variable some planned backend reads (``Backend.env_requirements``): a misspelt one would
+    change nothing and the table would look planned for it."""
+    if not assignments:
+        return
+    known: set[str] = set()
+    for backend in backends:
+        for model in models:
+            for mode in modes:
+                spec = DispatchSpec(model.hidden_size, model.num_experts, model.top_k,
+                                    num_max_dispatch_tokens_per_rank=tokens, mode=mode)
+                for ep in eps:
+                    try:
+                        known |= {r.variable for r in backend.env_requirements(spec, ep)}
+                    except MoEDispatchError:  # a shape this backend refuses: it reads nothing for it
+                        continue
+    for item in assignments:
+        name = item.partition("=")[0]
+        if name and name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=1)
+            raise InvalidSpecError(
+                "no planned backend reads this variable" + (f" (did you mean {near[0]}?)" if near else ""),
+                parameter="--env", value=name, allowed=", ".join(sorted(known)) or "none: no planned backend reads one")
 
 
 def _registered(host: PluginHost, name: str) -> bool:
