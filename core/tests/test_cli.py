@@ -102,3 +102,10 @@ def test_a_reader_that_leaves_early_is_not_an_error():
     finally:
         os.close(write_end)
     assert writer.returncode == 0 and "BrokenPipeError" not in writer.stderr and writer.stderr == "", writer.stderr
+
+
+def test_a_misspelt_plugin_in_the_allow_list_gets_a_suggestion():
+    p = run("backends", env={**os.environ, "MOE_DISPATCH_PLUGINS": "cuda_depep"})
+    assert p.returncode == 0
+    line = next(line for line in p.stdout.splitlines() if line.startswith("cuda_depep"))
+    assert "missing" in line and "did you mean cuda_deepep?" in line

@@ -111,9 +111,9 @@ def parse_allow_list(raw: str | None) -> set[str] | None:
     return {part.strip() for part in raw.split(",") if part.strip()}
 
 
-def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[PluginSource], list[str]]:
-    """The ``moe_dispatch.backends`` entry points the allow-list admits, and the allow-list's
-    names that matched none."""
+def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[PluginSource], list[str], list[str]]:
+    """The ``moe_dispatch.backends`` entry points the allow-list admits, the allow-list's names
+    that matched none, and every name it could have matched (plugins and their distributions)."""
     sources: list[PluginSource] = []
     seen: set[str] = set()
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -125,7 +125,7 @@ def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[Plug
             continue
         sources.append(PluginSource(PluginRecord(ep.name, ep.value, dist, version), ep.load))
     unmatched = sorted((allow or set()) - seen)
-    return sources, unmatched
+    return sources, unmatched, sorted(seen - {""})
 
 
 #: Seconds one plugin's import may take before it is recorded as failed (``import_timeout_s``).

@@ -127,8 +127,9 @@ class PluginHost:
         reserved = frozenset(self._backends)
         sources = module_sources(extra_plugins)
         self.allow_list_unmatched: list[str] = []
+        self._installed_names: list[str] = []
         if load_entry_points:
-            found, self.allow_list_unmatched = entry_point_sources(allow, self._trace)
+            found, self.allow_list_unmatched, self._installed_names = entry_point_sources(allow, self._trace)
             sources += found
         for source in sources:
             self._commit(load_plugin(self.pm, source, self._trace, reserved_backends=reserved,
@@ -261,6 +262,13 @@ class PluginHost:
             description=backend.description,
             error=probed.error,
         )
+
+    def allow_list_suggestion(self, name: str) -> str | None:
+        """The installed plugin or distribution name nearest to an unmatched ``MOE_DISPATCH_PLUGINS`` entry."""
+        import difflib
+
+        near = difflib.get_close_matches(name, self._installed_names, n=1)
+        return near[0] if near else None
 
     def available_backends(self, *, probe_timeout_s: float | None = None) -> list[BackendInfo]:
         """Every registered backend, then every plugin that failed to load (as broken).

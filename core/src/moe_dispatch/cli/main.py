@@ -65,7 +65,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         if info.install_hint:
             print(f"{'':<20} {'':<{w}} {'':<12} to install: {info.install_hint}")
     for name in host.allow_list_unmatched:
-        print(f"{name:<20} {'-':<{w}} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed")
+        near = host.allow_list_suggestion(name)
+        hint = f" (did you mean {near}?)" if near else ""
+        print(f"{name:<20} {'-':<{w}} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed{hint}")
     if any(i.status == "broken" for i in infos):
         print("\nbroken plugins are skipped; `moe-dispatch backends --json` has their tracebacks")
     print(f"\n{'runner':<20} {'needs':<6} {'takes':<24} {'runs here':<10} behind")

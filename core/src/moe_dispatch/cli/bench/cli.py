@@ -67,6 +67,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from .runner import profile_cases, progress_bar, run_bench
 
     host = default_host()
+    if args.plot:
+        report.require_matplotlib(args.plot)  # before any rank starts, not after every case ran
     backends = args.backend or ["torch"]
     modes = [Mode.parse(m) for m in args.mode] if args.mode else list(Mode)
     wanted = [DispatchDtype.parse(d) for d in args.dtype] if args.dtype else list(DispatchDtype)

@@ -77,9 +77,8 @@ def to_json(results: list[CaseResult], overhead: list[OverheadResult], overlap: 
 _DTYPE_COLORS = {"bf16": "tab:blue", "fp8": "tab:orange", "int8": "tab:green", "nvfp4": "tab:red"}
 
 
-def plot(results: list[CaseResult], path: str) -> None:
-    """Latency against tokens per rank and against world size, one line per dtype (and
-    mode, backend). Needs matplotlib (``pip install "moe-dispatch[bench]"``)."""
+def require_matplotlib(path: str):  # type: ignore[no-untyped-def]
+    """``matplotlib.pyplot`` (Agg), or the one-line error naming ``--plot``: checked before any case runs."""
     try:
         import matplotlib
 
@@ -90,6 +89,13 @@ def plot(results: list[CaseResult], path: str) -> None:
             "--plot needs matplotlib, which is not installed", parameter="plot", value=path,
             allowed='a run after `pip install "moe-dispatch[bench]"` (or matplotlib)',
         ) from None
+    return plt
+
+
+def plot(results: list[CaseResult], path: str) -> None:
+    """Latency against tokens per rank and against world size, one line per dtype (and
+    mode, backend). Needs matplotlib (``pip install "moe-dispatch[bench]"``)."""
+    plt = require_matplotlib(path)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, x_name, fixed_name, xlabel in (
         (axes[0], "tokens_per_rank", "world_size", "tokens per rank"),
