@@ -109,3 +109,27 @@ def test_a_misspelt_plugin_in_the_allow_list_gets_a_suggestion():
     assert p.returncode == 0
     line = next(line for line in p.stdout.splitlines() if line.startswith("cuda_depep"))
     assert "missing" in line and "did you mean cuda_deepep?" in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["explain", "--backend", "torch"],
+    ["plan", "--backend", "torch", "--ep", "8", "--preset", "deepseek-v3"],
+])
+def test_every_subcommand_takes_the_same_spellings_of_dtypes_and_modes(argv):
+    """One rule (``DispatchDtype.parse``/``Mode.parse``): any case, low-latency or low_latency."""
+    for dtype, mode in (("FP8", "low-latency"), ("fp8", "low_latency"), ("Fp8", "LOW_LATENCY")):
+        p = run(*argv, "--dtype", dtype, "--mode", mode)
+        assert p.returncode == 0, p.stderr
+        assert "low_latency" in p.stdout and "fp8" in p.stdout
+    bad = run(*argv, "--mode", "fast")
+    assert bad.returncode == 2 and "one of: normal, low_latency" in bad.stderr
+
+
+def test_the_flag_types_are_the_api_spellings():
+    from moe_dispatch.cli import flags
+
+    assert flags.dtype("NVFP4") == "nvfp4" and flags.dtype_or_auto("Auto") == "auto" and flags.mode("Normal") == "normal"
+    for bad in ("auto", "fp4"):
+        with pytest.raises(Exception) as err:
+            flags.dtype(bad)
+        assert type(err.value).__name__ == "ArgumentTypeError"

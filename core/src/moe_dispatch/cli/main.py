@@ -13,6 +13,8 @@ from ..dtypes import DispatchDtype, Mode
 from ..errors import MoEDispatchError
 from ..hints import QuantHints
 from ..registry import PluginHost, default_host
+from . import flags
+from .flags import positive_int
 from .presets import DEMO_SCALE, PRESETS, get_preset
 
 if TYPE_CHECKING:
@@ -166,17 +168,6 @@ def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts (ranks, tokens, sizes): an int >= 1, or argparse's one-line error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be at least 1")
-    return value
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -262,10 +253,11 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="show how the wire dtype is chosen and the buffer sizes")
     p.add_argument("--backend", required=True)
-    p.add_argument("--dtype", default="auto", choices=["auto", *(d.value for d in DispatchDtype)])
+    p.add_argument("--dtype", default="auto", type=flags.dtype_or_auto,
+                   help=f"wire dtype asked for: auto, {flags.DTYPES} (default auto: the resolution decides)")
     p.add_argument("--quant", default=None, help='quant hints as JSON, e.g. \'{"dispatcher_output_dtype": "int8"}\'')
-    p.add_argument("--mode", default="normal", choices=[m.value for m in Mode])
-    p.add_argument("--runner", default=None)
+    p.add_argument("--mode", default="normal", type=flags.mode, help=f"{flags.MODES} (default normal)")
+    p.add_argument("--runner", default=None, help="the expert runner the dtype must suit (moe-dispatch backends lists them)")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
     p.add_argument("--experts", type=int, default=None, help="number of experts (default: the preset's)")
@@ -282,8 +274,9 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
     p.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank (default 64)")
     p.add_argument("--backend", default="torch")
-    p.add_argument("--dtype", action="append", help="only this dtype (repeatable)")
-    p.add_argument("--mode", action="append", help="only this mode (repeatable)")
+    p.add_argument("--dtype", action="append", type=flags.dtype,
+                   help=f"only this dtype: {flags.DTYPES} (repeatable; default every one the backend accepts)")
+    p.add_argument("--mode", action="append", type=flags.mode, help=f"only this mode: {flags.MODES} (repeatable; default both)")
     p.add_argument("--launcher", default="local", choices=["local", "torchrun"],
                    help="local: spawn --world-size gloo ranks; torchrun: this process is one rank")
     p.set_defaults(func=_cmd_demo)

@@ -18,6 +18,7 @@ from ..errors import InvalidSpecError, MoEDispatchError
 from ..hints import QuantHints
 from ..planning import BufferPlan, plan_buffers
 from ..registry import PluginHost, default_host
+from . import flags
 from .presets import get_preset
 from ..spec import DispatchSpec
 
@@ -222,12 +223,13 @@ def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--ep", type=int, action="append", default=None,
                    help=f"EP size (repeatable; default {' '.join(map(str, DEFAULT_EP_SIZES))})")
-    p.add_argument("--dtype", action="append", default=None,
-                   help="wire dtype, or auto (repeatable; default every dtype the backend accepts in the mode)")
+    p.add_argument("--dtype", action="append", default=None, type=flags.dtype_or_auto,
+                   help=f"wire dtype ({flags.DTYPES}) or auto (repeatable; default every dtype the backend accepts "
+                        "in the mode)")
     p.add_argument("--backend", action="append", default=None,
                    help="backend (repeatable; default every registered one)")
-    p.add_argument("--mode", action="append", default=None,
-                   help="normal or low_latency (repeatable; default each mode the backend has)")
+    p.add_argument("--mode", action="append", default=None, type=flags.mode,
+                   help=f"{flags.MODES} (repeatable; default each mode the backend has)")
     p.add_argument("--tokens", type=int, default=128, help="num_max_dispatch_tokens_per_rank (default 128)")
     p.add_argument("--env", action="append", default=None, metavar="NAME=VALUE",
                    help="plan as if NAME were set to VALUE, e.g. HCCL_BUFFSIZE=1536 (repeatable)")

@@ -7,6 +7,7 @@ import sys
 
 from ...dtypes import DispatchDtype, Mode
 from ...errors import InvalidSpecError
+from .. import flags
 from ..presets import PRESETS, get_preset
 from .cases import BenchSettings, Shape, expand_cases
 
@@ -19,9 +20,9 @@ def add_bench_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                     "and the core API's per-call overhead. Method: docs/performance.md.",
     )
     p.add_argument("--backend", action="append", help="backend to measure (repeatable; default torch)")
-    p.add_argument("--dtype", action="append", choices=[d.value for d in DispatchDtype],
+    p.add_argument("--dtype", action="append", type=flags.dtype,
                    help="wire dtype (repeatable; default every dtype the backend accepts)")
-    p.add_argument("--mode", action="append", choices=[m.value for m in Mode], help="(repeatable; default both)")
+    p.add_argument("--mode", action="append", type=flags.mode, help=f"{flags.MODES} (repeatable; default both)")
     p.add_argument("--world-size", type=int, action="append", help="local ranks (repeatable; default 4)")
     p.add_argument("--tokens", type=int, action="append", help="tokens per rank (repeatable; default 128 and 512)")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS),
