@@ -76,6 +76,8 @@ def test_demo_under_torchrun_uses_env_rendezvous():
     (["demo", "--tokens", "-3"], "--tokens"),
     (["demo", "--backend", "cuda_deepep"], "cuda_deepep"),
     (["bench", "--dtype", "xx"], "--dtype"),
+    (["bench", "--hidden", "500", "--experts", "8", "--top-k", "2", "--dtype", "fp8", "--only", "cases"], "hidden_size"),
+    (["demo", "--world-size", "3"], "num_experts"),
     (["explain"], "--backend"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(argv, names):

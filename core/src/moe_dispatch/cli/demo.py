@@ -62,20 +62,18 @@ def layer_inputs(case: DemoCase, rank: int, world_size: int):  # type: ignore[no
     return weights, x, ids, w, mine, gs
 
 
+def case_spec(case: DemoCase, global_scale: float = 1.0) -> DispatchSpec:
+    """The layer's spec for ``case`` (NVFP4 with ``global_scale``, calibrated on the batch in ``run_case``)."""
+    p = case.preset
+    quant = QuantHints(input_global_scale=global_scale) if case.dtype is DispatchDtype.NVFP4 else QuantHints()
+    return DispatchSpec(p.hidden_size, p.num_experts, p.top_k, num_max_dispatch_tokens_per_rank=case.tokens_per_rank,
+                        mode=case.mode, output_dtype=case.dtype, quant=quant)
+
+
 def run_case(rank: int, world_size: int, case: DemoCase) -> DemoResult:
     """One rank's part of one demo case (runs inside a local rank or under torchrun)."""
-    p = case.preset
     weights, x, ids, w, mine, gs = layer_inputs(case, rank, world_size)
-    quant = QuantHints(input_global_scale=gs) if case.dtype is DispatchDtype.NVFP4 else QuantHints()
-    spec = DispatchSpec(
-        p.hidden_size,
-        p.num_experts,
-        p.top_k,
-        num_max_dispatch_tokens_per_rank=case.tokens_per_rank,
-        mode=case.mode,
-        output_dtype=case.dtype,
-        quant=quant,
-    )
+    spec = case_spec(case, gs)
     dispatcher = create_dispatcher(case.backend, spec, env={})
     local = weights.slice(rank * spec.local_experts(world_size), spec.local_experts(world_size))
     experts = TorchExperts()
@@ -185,4 +183,4 @@ def run_demo(
     return results
 
 
-__all__ = ["DemoCase", "DemoResult", "format_table", "run_case", "run_demo", "summarize"]
+__all__ = ["DemoCase", "DemoResult", "case_spec", "format_table", "run_case", "run_demo", "summarize"]

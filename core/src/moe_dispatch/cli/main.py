@@ -179,7 +179,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     modes = [Mode.parse(m) for m in args.mode] if args.mode else None
     if args.launcher == "torchrun":
         return _demo_torchrun(preset, args, dtypes, modes)
-    _check_demo_cases(args.backend, dtypes, modes)
+    _check_demo_cases(preset, args, dtypes, modes)
     results = run_demo(
         preset,
         world_size=args.world_size,
@@ -191,19 +191,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def _check_demo_cases(backend: str, dtypes: "list[DispatchDtype] | None", modes: "list[Mode] | None") -> None:
-    """Before any rank starts: a backend that cannot run here, or no (dtype, mode) it accepts, is one line."""
+def _check_demo_cases(preset, args: argparse.Namespace, dtypes: "list[DispatchDtype] | None",  # type: ignore[no-untyped-def]
+                      modes: "list[Mode] | None") -> None:
+    """Before any rank starts, what ``create_dispatcher`` would refuse on every rank, as one line: a backend that
+    cannot run here, no (dtype, mode) it accepts, a shape or world size a case cannot take."""
     from ..errors import InvalidSpecError
+    from .demo import DemoCase, case_spec
 
     host = default_host()
-    chosen = host.select(backend)  # BackendUnavailableError (one line) where it cannot run on this machine
+    chosen = host.select(args.backend)  # BackendUnavailableError (one line) where it cannot run on this machine
     caps = chosen.backend.capabilities
-    if not any(d in caps.dtypes.get(m, ()) for m in modes or list(Mode) for d in dtypes or list(DispatchDtype)):
-        raise InvalidSpecError(f"backend {backend!r} accepts none of the dtypes and modes asked for, so the demo "
+    cases = [DemoCase(preset, d, m, args.tokens, args.backend) for m in modes or list(Mode)
+             for d in dtypes or list(DispatchDtype) if d in caps.dtypes.get(m, ())]
+    if not cases:
+        raise InvalidSpecError(f"backend {args.backend!r} accepts none of the dtypes and modes asked for, so the demo "
                                "has nothing to run", parameter="--dtype/--mode",
                                value=[*(d.value for d in dtypes or []), *(m.value for m in modes or [])],
                                allowed="; ".join(f"{m.value}: {', '.join(sorted(d.value for d in ds))}"
                                                  for m, ds in caps.dtypes.items()))
+    for case in cases:
+        explain(case_spec(case), args.backend, args.world_size, host=host)
 
 
 def _demo_torchrun(preset, args, dtypes, modes) -> int:  # type: ignore[no-untyped-def]

@@ -95,6 +95,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     baseline = None if args.baseline == "none" else args.baseline
     if baseline:
         host.get_backend(baseline)  # a typo fails before any rank starts
+    _check_cases([*cases, *overlap_cases, *([c.with_backend(baseline) for c in cases] if baseline else [])], host)
     results = run_bench(cases, settings, baseline=baseline, progress=progress_bar(sys.stderr)) if cases else []
     profiles = profile_cases(cases, settings) if args.profile and cases else []
     overlap = run_overlap(overlap_cases, settings) if overlap_cases else []
@@ -125,6 +126,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and results:
         print(f"\nplot written to {args.plot}")
     return 0
+
+
+def _check_cases(cases: list, host) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """What ``create_dispatcher`` would refuse on every rank (a hidden size the dtype cannot take, experts that do
+    not split over the ranks), as one line before any rank starts."""
+    from ..main import explain
+    from .worker import case_spec
+
+    for case in {c for c in cases}:
+        explain(case_spec(case, 1.0), case.backend, case.world_size, host=host)
 
 
 __all__ = ["add_bench_command"]
