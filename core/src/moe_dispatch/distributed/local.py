@@ -92,8 +92,11 @@ class RankPool:
     def __init__(
         self, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, threads_per_rank: int | None = None
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            from ..errors import InvalidSpecError
+
+            raise InvalidSpecError("must be the number of local ranks", parameter="world_size", value=world_size,
+                                   allowed="an int >= 1")
         self.world_size = world_size
         self.timeout_s = timeout_s
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -203,7 +206,16 @@ def one_rank_group(backend: str, env: "dict[str, str] | os._Environ[str]" = os.e
 
 
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """Start ``world_size`` local ranks, run ``fn(rank, world_size, *args)`` on each, stop them."""
+    """Start ``world_size`` local gloo ranks (processes on this machine, bound to the loopback
+    interface, rendezvous through a file), run ``fn(rank, world_size, *args, **kwargs)`` on each
+    with ``torch.distributed`` initialized, stop them and return the results in rank order.
+
+    Public: what the demo, the examples and the tests use, for a script or a test of your own
+    (``RankPool`` keeps the ranks for many calls). ``fn`` must be importable by name (a function
+    of a module, not of ``__main__`` in a notebook: the ranks are spawned) and its arguments and
+    result picklable; a script that calls it needs ``if __name__ == "__main__":``. A rank that
+    raises makes ``RanksFailed`` with every rank's traceback; one that does not answer,
+    ``RanksTimedOut``."""
     with RankPool(world_size) as pool:
         return pool.map(fn, *args, **kwargs)
 
