@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
-from typing import TYPE_CHECKING, Mapping, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from ..dtypes import DispatchDtype, Mode
 from ..errors import MoEDispatchError
@@ -15,12 +14,8 @@ from ..hints import QuantHints
 from ..registry import PluginHost, default_host
 from . import flags
 from .flags import positive_int
+from .preflight import explain
 from .presets import DEMO_SCALE, PRESETS, get_preset
-
-if TYPE_CHECKING:
-    from ..backend import Backend
-    from ..preparation import PreparedLayer
-    from ..spec import DispatchSpec
 
 
 #: Version of ``moe-dispatch backends --json`` output; bumped only for an incompatible change.
@@ -88,20 +83,6 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         for name, owners in host.command_conflicts.items():
             print(f"moe-dispatch {name:<7} left out: registered by both {' and '.join(p.label() for p in owners)}")
     return 0
-
-
-def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, strict: bool = False,
-            host: PluginHost | None = None, env: "Mapping[str, str] | None" = None) -> "PreparedLayer":
-    """What ``moe-dispatch explain`` shows: ``create_dispatcher``'s own preparation of ``spec``
-    (``prepare_layer``), so it refuses exactly what ``create_dispatcher`` refuses, with the
-    same typed error; the dtype fallback is on the trail instead of a warning."""
-    from ..preparation import prepare_layer
-    from ..resolution import DtypeFallbackWarning
-
-    chosen = (host or default_host()).select(backend, must_run_here=False)  # explain works for any backend
-    with warnings.catch_warnings():  # the trail shows the fallback
-        warnings.simplefilter("ignore", DtypeFallbackWarning)
-        return prepare_layer(chosen.backend, spec, world_size, runners=chosen.runners, env=env, strict=strict)
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:

@@ -131,7 +131,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _check_cases(cases: list, host) -> None:  # type: ignore[no-untyped-def, type-arg]
     """What ``create_dispatcher`` would refuse on every rank (a hidden size the dtype cannot take, experts that do
     not split over the ranks), as one line before any rank starts."""
-    from ..main import explain
+    from ..preflight import explain
     from .worker import case_spec
 
     for case in {c for c in cases}:
