@@ -262,10 +262,16 @@ def test_a_mode_the_backend_lacks_is_a_row_that_says_so(host):
     assert rc == 0 and row["requested_dtype"] == "auto" and row["error"].startswith("mode='low_latency'")
 
 
+@pytest.mark.parametrize("argv", [["--mode", "sideways"], ["--dtype", "fp16"]])
+def test_plan_refuses_an_unknown_dtype_or_mode_when_it_parses_its_flags(host, argv, capsys):
+    """One spelling rule for every subcommand (cli/flags.py): argparse's one-line error, exit 2."""
+    with pytest.raises(SystemExit) as done:
+        plan_cli(host, *argv)
+    assert done.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, error, parameter", [
     (["--hidden", "4096"], md.InvalidSpecError, "--experts"),
-    (["--mode", "sideways"], md.InvalidSpecError, "--mode"),
-    (["--dtype", "fp16"], md.InvalidSpecError, "--dtype"),
     (["--ep", "0"], md.InvalidSpecError, "--ep"),
     (["--env", "HCCL_BUFFSIZE"], md.InvalidSpecError, "--env"),
     (["--preset", "gpt-5"], md.InvalidSpecError, "preset"),

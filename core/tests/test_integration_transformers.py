@@ -1,0 +1,109 @@
+"""moe_dispatch.integrations.transformers: tiny randomly initialised transformers MoE models of each family made
+expert-parallel on 1, 2 and 4 local ranks give the single-process model's logits, every wire dtype and mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import moe_dispatch as md  # noqa: E402
+import moe_dispatch.integrations.transformers as mdt  # noqa: E402
+
+#: Relative L2 error of the logits allowed per family and wire dtype (fp32 models), about 2-3x the largest measured
+#: on 1, 2 and 4 ranks (2026-11-23; the MoE layers' share of the logits differs per family). Experts rolled by one in
+#: every layer (a wrong slice) measured at least 3.9e-2, 1.2e-1 and 3.7e-1: above every bound of its family (checked).
+TOLERANCE = {
+    "qwen3_moe": {"bf16": 3e-4, "int8": 8e-4, "fp8": 3e-3, "nvfp4": 1e-2},
+    "mixtral": {"bf16": 1e-3, "int8": 2.5e-3, "fp8": 3.5e-2, "nvfp4": 7e-2},
+    "deepseek_v3": {"bf16": 2.5e-3, "int8": 6e-3, "fp8": 2.5e-2, "nvfp4": 9e-2},
+}
+TOKENS = 16
+
+
+def _config(family: str):
+    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                  max_position_embeddings=64, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_key_value_heads=2,
+                                           head_dim=32, num_experts=8, **common)
+    if family == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=64, num_key_value_heads=2, num_local_experts=8, **common)
+    return transformers.DeepseekV3Config(intermediate_size=256, moe_intermediate_size=64, first_k_dense_replace=1,
+                                         n_routed_experts=8, n_group=1, topk_group=1, n_shared_experts=1,
+                                         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, **common)
+
+
+def _model(family: str):
+    torch.manual_seed(0)  # the same model on every rank
+    return transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+
+
+def _every_case(rank: int, world: int, family: str) -> dict[tuple[str, str], float]:
+    from moe_dispatch.accuracy import relative_error
+
+    ids = torch.randint(0, 128, (1, 6 + 2 * rank), generator=torch.Generator().manual_seed(rank))  # sizes differ
+    errors = {}
+    for dtype in TOLERANCE[family]:
+        for mode in ("normal", "low_latency"):
+            model = _model(family)
+            with torch.no_grad():
+                expected = model(ids).logits
+                quant = mdt.calibrate_nvfp4(model, [{"input_ids": ids}]) if dtype == "nvfp4" else None
+                layers = mdt.expert_parallel(model, "torch", num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
+                                             output_dtype=dtype, quant=quant)
+                assert all(layer.weights.num_experts == 8 // world for layer in layers)
+                errors[dtype, mode] = relative_error(model(ids).logits, expected)
+                if dtype == "bf16" and mode == "normal":  # the same with every layer's experts rolled by one
+                    for layer in layers:
+                        layer.weights.w13_weight.copy_(layer.weights.w13_weight.roll(1, 0))
+                    errors["wrong slice", mode] = relative_error(model(ids).logits, expected)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_expert_parallel_gives_the_single_process_logits(moe_rank_pools, family, world_size):
+    bounds = TOLERANCE[family]
+    for rank, errors in enumerate(moe_rank_pools.get(world_size).map(_every_case, family)):
+        wrong = errors.pop(("wrong slice", "normal"))
+        assert wrong > max(bounds.values()), f"{family}: a wrong slice ({wrong:.2e}) would pass the bounds"
+        for (dtype, mode), error in errors.items():
+            assert error < bounds[dtype], f"{family} rank {rank}/{world_size} {dtype} {mode}: rel err {error:.2e}"
+
+
+def test_the_experts_found_and_their_sizes():
+    found = mdt.find_experts(_model("deepseek_v3"))
+    assert [f.name for f in found] == ["model.layers.1.mlp.experts"]  # layer 0 is dense (first_k_dense_replace)
+    assert (found[0].hidden_size, found[0].num_experts, found[0].intermediate_size) == (128, 8, 64)
+
+
+def test_another_layout_is_refused_with_the_reason():
+    model = _model("mixtral")
+    model.model.layers[0].mlp.experts.is_transposed = True
+    with pytest.raises(md.InvalidSpecError) as err:
+        mdt.find_experts(model)
+    assert err.value.parameter == "model.layers.0.mlp.experts" and "is_transposed" in str(err.value)
+
+
+def test_a_model_without_fused_experts_is_refused():
+    with pytest.raises(md.InvalidSpecError) as err:
+        mdt.expert_parallel(torch.nn.Linear(4, 4), num_max_dispatch_tokens_per_rank=8)
+    assert err.value.parameter in ("model", "model.config")
+
+
+def test_calibration_gives_one_global_scale_per_layer():
+    model = _model("qwen3_moe")
+    hints = mdt.calibrate_nvfp4(model, [{"input_ids": torch.arange(8).unsqueeze(0)}])
+    assert sorted(hints) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(h.input_global_scale and h.input_global_scale > 0 for h in hints.values())
+
+
+def test_the_core_never_imports_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, moe_dispatch; assert 'transformers' not in sys.modules, 'imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
