@@ -135,3 +135,16 @@ def test_the_flag_types_are_the_api_spellings():
         with pytest.raises(Exception) as err:
             flags.dtype(bad)
         assert type(err.value).__name__ == "ArgumentTypeError"
+
+
+def test_every_option_of_every_builtin_subcommand_has_help():
+    import argparse
+
+    from moe_dispatch.cli.main import build_parser
+
+    parser = build_parser()
+    missing = [(name, action.option_strings)
+               for name, sub in parser._subparsers._group_actions[0].choices.items()  # noqa: SLF001 - argparse's own
+               for action in sub._actions  # noqa: SLF001
+               if not isinstance(action, argparse._HelpAction) and not action.help]  # noqa: SLF001
+    assert missing == []

@@ -271,7 +271,7 @@ def test_plan_refuses_an_unknown_dtype_or_mode_when_it_parses_its_flags(host, ar
 
 
 @pytest.mark.parametrize("argv, error, parameter", [
-    (["--hidden", "4096"], md.InvalidSpecError, "--experts"),
+    (["--hidden", "0"], md.InvalidSpecError, "--hidden"),
     (["--ep", "0"], md.InvalidSpecError, "--ep"),
     (["--env", "HCCL_BUFFSIZE"], md.InvalidSpecError, "--env"),
     (["--preset", "gpt-5"], md.InvalidSpecError, "preset"),
@@ -306,3 +306,16 @@ def test_plan_exits_1_when_a_row_does_not_fit_and_refuses_an_unknown_env_name(ho
     with pytest.raises(md.InvalidSpecError) as err:
         plan_cli(host, "--backend", "ascend_deepep", "--env", "HCCL_BUFSIZE=2000")
     assert (err.value.parameter, err.value.value) == ("--env", "HCCL_BUFSIZE") and "HCCL_BUFFSIZE?" in str(err.value)
+
+
+def test_one_rule_for_a_preset_and_explicit_sizes(host):
+    """--hidden/--experts/--top-k override the fields of each preset (the same in explain, bench and plan); all three
+    without --preset are one custom shape."""
+    rc, text = plan_cli(host, "--preset", "deepseek-v3", "--preset", "kimi-k2", "--top-k", "4", "--backend", "torch",
+                        "--ep", "8", "--mode", "normal", "--dtype", "bf16", "--json")
+    rows = json.loads(text)["rows"]
+    assert rc == 0 and [(r["model"], r["top_k"]) for r in rows] == [("deepseek-v3*", 4), ("kimi-k2*", 4)]
+    assert [r["hidden_size"] for r in rows] == [7168, 7168] and [r["num_experts"] for r in rows] == [256, 384]
+    rc, text = plan_cli(host, "--hidden", "1024", "--experts", "32", "--top-k", "2", "--backend", "torch", "--ep", "8",
+                        "--mode", "normal", "--dtype", "bf16", "--json")
+    assert [r["model"] for r in json.loads(text)["rows"]] == ["H1024/E32/k2"]

@@ -240,13 +240,14 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_backends)
 
     p = sub.add_parser("explain", help="show how the wire dtype is chosen and the buffer sizes")
-    p.add_argument("--backend", required=True)
+    p.add_argument("--backend", required=True, help="the backend to explain (need not run here)")
     p.add_argument("--dtype", default="auto", type=flags.dtype_or_auto,
                    help=f"wire dtype asked for: auto, {flags.DTYPES} (default auto: the resolution decides)")
     p.add_argument("--quant", default=None, help='quant hints as JSON, e.g. \'{"dispatcher_output_dtype": "int8"}\'')
     p.add_argument("--mode", default="normal", type=flags.mode, help=f"{flags.MODES} (default normal)")
     p.add_argument("--runner", default=None, help="the expert runner the dtype must suit (moe-dispatch backends lists them)")
-    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS),
+                   help="model shape (default deepseek-v3); --hidden/--experts/--top-k override its fields")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
     p.add_argument("--experts", type=int, default=None, help="number of experts (default: the preset's)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's)")
@@ -258,10 +259,11 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run a MoE layer on local CPU ranks for every dtype and mode the backend accepts")
     p.add_argument("--world-size", type=positive_int, default=4, help="local ranks (default 4)")
-    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS),
+                   help="model shape (default qwen3-30b-a3b), scaled down for a CPU (--scale)")
     p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
     p.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank (default 64)")
-    p.add_argument("--backend", default="torch")
+    p.add_argument("--backend", default="torch", help="the backend to run (default torch)")
     p.add_argument("--dtype", action="append", type=flags.dtype,
                    help=f"only this dtype: {flags.DTYPES} (repeatable; default every one the backend accepts)")
     p.add_argument("--mode", action="append", type=flags.mode, help=f"only this mode: {flags.MODES} (repeatable; default both)")

@@ -19,7 +19,7 @@ from ..hints import QuantHints
 from ..planning import BufferPlan, plan_buffers
 from ..registry import PluginHost, default_host
 from . import flags
-from .presets import get_preset
+from .presets import model_shapes
 from ..spec import DispatchSpec
 
 #: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
@@ -217,10 +217,11 @@ def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
                     "same backend asks for a BF16 wire (sglang's fixed params_bytes = 2), and whether each fits the "
                     "backend's limits and the environment. Nothing is allocated; backends need not run here.")
     p.add_argument("--preset", action="append", default=None,
-                   help=f"model preset (repeatable; default {', '.join(DEFAULT_PRESETS)})")
-    p.add_argument("--hidden", type=int, default=None, help="with --experts and --top-k: an explicit shape row")
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+                   help=f"model preset (repeatable; default {', '.join(DEFAULT_PRESETS)}); --hidden/--experts/"
+                        "--top-k override its fields, all three without --preset are a custom shape")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: each preset's)")
+    p.add_argument("--experts", type=int, default=None, help="number of experts (default: each preset's)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: each preset's)")
     p.add_argument("--ep", type=int, action="append", default=None,
                    help=f"EP size (repeatable; default {' '.join(map(str, DEFAULT_EP_SIZES))})")
     p.add_argument("--dtype", action="append", default=None, type=flags.dtype_or_auto,
@@ -305,24 +306,8 @@ def _registered(host: PluginHost, name: str) -> bool:
 
 
 def _models(args: argparse.Namespace) -> list[ModelShape]:
-    shape = {"--hidden": args.hidden, "--experts": args.experts, "--top-k": args.top_k}
-    given = {k: v for k, v in shape.items() if v is not None}
-    models = []
-    if given:
-        missing = [k for k, v in shape.items() if v is None]
-        if missing:
-            raise InvalidSpecError("an explicit shape needs --hidden, --experts and --top-k together",
-                                   parameter=missing[0], value=None, allowed="a positive int")
-        for flag, value in given.items():
-            if value <= 0:
-                raise InvalidSpecError("must be positive", parameter=flag, value=value, allowed="1, 2, 3, ...")
-        models.append(ModelShape(f"H{args.hidden}/E{args.experts}/k{args.top_k}", args.hidden, args.experts,
-                                 args.top_k))
-    names = args.preset if args.preset else ([] if given else list(DEFAULT_PRESETS))
-    for name in names:
-        p = get_preset(name)
-        models.append(ModelShape(p.name, p.hidden_size, p.num_experts, p.top_k))
-    return models
+    return [ModelShape(*shape) for shape in model_shapes(args.preset, list(DEFAULT_PRESETS), args.hidden,
+                                                         args.experts, args.top_k)]
 
 
 def _overlay(env: Mapping[str, str], assignments: Sequence[str]) -> Mapping[str, str]:

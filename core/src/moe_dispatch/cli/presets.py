@@ -56,4 +56,26 @@ def get_preset(name: str) -> ModelPreset:
         ) from None
 
 
-__all__ = ["DEMO_SCALE", "PRESETS", "ModelPreset", "get_preset"]
+def model_shapes(presets: "list[str] | None", default: "list[str]", hidden: int | None, experts: int | None,
+                 top_k: int | None) -> list[tuple[str, int, int, int]]:
+    """The one rule every subcommand follows: ``(name, hidden, experts, top_k)`` of each ``--preset``
+    (or of ``default``), with ``--hidden``/``--experts``/``--top-k`` overriding those fields of each;
+    all three given without a ``--preset`` is one custom shape, ``H/E/k``. Overrides are checked as sizes
+    (>= 1) here; the shapes once per distinct size."""
+    overrides = {"--hidden": hidden, "--experts": experts, "--top-k": top_k}
+    for flag, value in overrides.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise InvalidSpecError("must be a positive int", parameter=flag, value=value, allowed="1, 2, 3, ...")
+    if not presets and None not in overrides.values():
+        return [(f"H{hidden}/E{experts}/k{top_k}", hidden, experts, top_k)]  # type: ignore[list-item]
+    shapes: dict[tuple[int, int, int], str] = {}
+    for name in presets or default:
+        p = get_preset(name)
+        size = (p.hidden_size if hidden is None else hidden, p.num_experts if experts is None else experts,
+                p.top_k if top_k is None else top_k)
+        changed = (p.hidden_size, p.num_experts, p.top_k) != size
+        shapes.setdefault(size, f"{p.name}*" if changed else p.name)  # *: the preset with overrides
+    return [(name, *size) for size, name in shapes.items()]
+
+
+__all__ = ["DEMO_SCALE", "PRESETS", "ModelPreset", "get_preset", "model_shapes"]

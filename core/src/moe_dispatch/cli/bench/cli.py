@@ -6,9 +6,8 @@ import argparse
 import sys
 
 from ...dtypes import DispatchDtype, Mode
-from ...errors import InvalidSpecError
 from .. import flags
-from ..presets import PRESETS, get_preset
+from ..presets import PRESETS, model_shapes
 from .cases import BenchSettings, Shape, expand_cases
 
 
@@ -26,13 +25,14 @@ def add_bench_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--world-size", type=int, action="append", help="local ranks (repeatable; default 4)")
     p.add_argument("--tokens", type=int, action="append", help="tokens per rank (repeatable; default 128 and 512)")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS),
-                   help="model shape (repeatable; default deepseek-v3 unless --hidden is given)")
-    p.add_argument("--hidden", type=int, default=None, help="explicit shape: hidden size")
-    p.add_argument("--experts", type=int, default=None, help="explicit shape: number of experts")
-    p.add_argument("--top-k", type=int, default=None, help="explicit shape: experts per token")
+                   help="model shape (repeatable; default deepseek-v3); --hidden/--experts/--top-k override its "
+                        "fields, all three without --preset are a custom shape")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
+    p.add_argument("--experts", type=int, default=None, help="number of experts (default: the preset's)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per case")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and routing (default 0)")
     p.add_argument("--baseline", default="allgather", help="backend to compare with, or 'none'")
     p.add_argument("--check-inputs", action="store_true", help="time dispatch with the value checks on")
     p.add_argument("--only", choices=["all", "cases", "overhead", "overlap"], default="all",
@@ -46,18 +46,8 @@ def add_bench_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def _shapes(args: argparse.Namespace) -> list[Shape]:
-    explicit = (args.hidden, args.experts, args.top_k)
-    if any(v is not None for v in explicit):
-        if None in explicit:
-            raise InvalidSpecError("an explicit shape needs all three", parameter="--hidden/--experts/--top-k",
-                                   value=explicit, allowed="--hidden H --experts E --top-k K together")
-        shapes = [Shape("custom", *explicit)]  # type: ignore[arg-type]
-    else:
-        shapes = []
-    for name in args.preset or ([] if shapes else ["deepseek-v3"]):
-        p = get_preset(name)
-        shapes.append(Shape(p.name, p.hidden_size, p.num_experts, p.top_k))
-    return shapes
+    return [Shape(*shape) for shape in model_shapes(args.preset, ["deepseek-v3"], args.hidden, args.experts,
+                                                     args.top_k)]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
