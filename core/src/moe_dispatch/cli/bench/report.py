@@ -92,43 +92,55 @@ def require_matplotlib(path: str):  # type: ignore[no-untyped-def]
     return plt
 
 
-def plot(results: list[CaseResult], path: str) -> None:
-    """Latency against tokens per rank and against world size, one line per dtype (and
-    mode, backend). Needs matplotlib (``pip install "moe-dispatch[bench]"``)."""
+def plot(results: list[CaseResult], path: str) -> list[str]:
+    """Latency against tokens per rank and against world size (a panel only for an axis with more
+    than one value), one line per dtype (and mode, backend), the median with a band up to the p90
+    (dispatch p90 + combine p90), the legend beside the panels. Returns the panels drawn. Needs
+    matplotlib (``pip install "moe-dispatch[bench]"``)."""
     plt = require_matplotlib(path)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, x_name, fixed_name, xlabel in (
-        (axes[0], "tokens_per_rank", "world_size", "tokens per rank"),
-        (axes[1], "world_size", "tokens_per_rank", "world size (ranks)"),
-    ):
-        lines: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
-        fixed_values = sorted({getattr(r.case, fixed_name) for r in results})
-        fixed = fixed_values[-1]  # the largest other axis, where the curve says most
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    panels = [(x_name, fixed_name, xlabel) for x_name, fixed_name, xlabel in (
+        ("tokens_per_rank", "world_size", "tokens per rank"),
+        ("world_size", "tokens_per_rank", "world size (ranks)"),
+    ) if len({getattr(r.case, x_name) for r in results}) > 1]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(6 * max(len(panels), 1) + 3, 4.5), squeeze=False)
+    for ax, (x_name, fixed_name, xlabel) in zip(axes[0], panels):
+        lines: dict[tuple, list[tuple[int, float, float]]] = defaultdict(list)
+        fixed = max(getattr(r.case, fixed_name) for r in results)  # the largest other axis, where the curve says most
         for r in results:
             c = r.case
             if getattr(c, fixed_name) == fixed:
-                lines[(c.backend, c.mode.value, c.dtype.value)].append((getattr(c, x_name), r.total_ms))
+                lines[(c.backend, c.mode.value, c.dtype.value)].append(
+                    (getattr(c, x_name), r.total_ms, r.dispatch_p90_ms + r.combine_p90_ms))
         backends = sorted({key[0] for key in lines})
         for (backend, mode, dtype), points in sorted(lines.items()):
             points.sort()
-            if len(points) > 1:  # colour: dtype; line: mode; marker: backend
-                ax.plot([p[0] for p in points], [p[1] for p in points], "-" if mode == "normal" else "--",
-                        color=_DTYPE_COLORS.get(dtype, "black"), marker="os^Dv"[backends.index(backend) % 5],
-                        label=f"{backend} {mode} {dtype}")
+            xs, med, p90 = [p[0] for p in points], [p[1] for p in points], [p[2] for p in points]
+            color = _DTYPE_COLORS.get(dtype, "black")  # colour: dtype; line: mode; marker: backend
+            ax.plot(xs, med, "-" if mode == "normal" else "--", color=color,
+                    marker="os^Dv"[backends.index(backend) % 5], label=f"{backend} {mode} {dtype}")
+            ax.fill_between(xs, med, p90, color=color, alpha=0.12, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(sorted({x for pts in lines.values() for x, _, _ in pts}))
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, not 4×10^0
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("dispatch + combine, ms (median)")
+        ax.set_ylabel("dispatch + combine, ms (median; band to p90)")
         ax.set_title(f"{fixed_name.replace('_', ' ')} = {fixed}")
         ax.grid(True, which="both", alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
     shape = results[0].case if results else None
     if shape is not None:
         fig.suptitle(f"moe-dispatch bench: H={shape.hidden}, {shape.experts} experts, top-{shape.top_k}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.6 / fig.get_figwidth(), 1))  # the legend's column on the right
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [x for x, _, _ in panels]
 
 
 __all__ = ["BENCH_JSON_SCHEMA", "format_overhead", "format_table", "plot", "to_json"]
