@@ -107,3 +107,45 @@ def test_the_core_never_imports_transformers():
 
     code = "import sys, moe_dispatch; assert 'transformers' not in sys.modules, 'imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def _other_weights_on_rank_1(rank: int, world: int):
+    from moe_dispatch.testing import outcome
+
+    model = _model("qwen3_moe")
+    if rank == 1:
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts.down_proj.mul_(1.01)
+    got = outcome(lambda: mdt.expert_parallel(model, num_max_dispatch_tokens_per_rank=TOKENS))
+    return got.error, got.attrs.get("parameter")
+
+
+def test_ranks_holding_other_weights_are_refused(moe_rank_pools):
+    assert moe_rank_pools.get(2).map(_other_weights_on_rank_1) == [
+        ("ConfigMismatchError", "model.layers.0.mlp.experts")] * 2
+
+
+def _rank_1_idle(rank: int, world: int):
+    from moe_dispatch.accuracy import relative_error
+
+    model = _model("mixtral")
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids).logits
+        layers = mdt.expert_parallel(model, num_max_dispatch_tokens_per_rank=TOKENS, output_dtype="bf16")
+        if rank == 1:  # nothing to do this step: the layers' calls still match rank 0's forward
+            mdt.idle_forward(layers)
+            return None
+        return relative_error(model(ids).logits, expected)
+
+
+def test_an_idle_rank_runs_the_layers_with_no_tokens(moe_rank_pools):
+    error, idle = moe_rank_pools.get(2).map(_rank_1_idle)
+    assert idle is None and error < TOLERANCE["mixtral"]["bf16"]
+
+
+def test_a_model_made_expert_parallel_twice_says_so():
+    model = _model("qwen3_moe")
+    mdt.expert_parallel(model, num_max_dispatch_tokens_per_rank=TOKENS)
+    with pytest.raises(md.InvalidSpecError, match="expert-parallel already"):
+        mdt.expert_parallel(model, num_max_dispatch_tokens_per_rank=TOKENS)

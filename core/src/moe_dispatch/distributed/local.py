@@ -211,11 +211,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     with ``torch.distributed`` initialized, stop them and return the results in rank order.
 
     Public: what the demo, the examples and the tests use, for a script or a test of your own
-    (``RankPool`` keeps the ranks for many calls). ``fn`` must be importable by name (a function
-    of a module, not of ``__main__`` in a notebook: the ranks are spawned) and its arguments and
-    result picklable; a script that calls it needs ``if __name__ == "__main__":``. A rank that
-    raises makes ``RanksFailed`` with every rank's traceback; one that does not answer,
-    ``RanksTimedOut``."""
+    (``RankPool`` keeps the ranks for many calls). The ranks are spawned, so ``fn`` is found by
+    name: a module-level function of a file (a script's own functions work, with the script's
+    work under ``if __name__ == "__main__":``; code from ``python -c``, stdin or a notebook does
+    not), its arguments and result picklable. A rank that raises makes ``RanksFailed`` with every
+    rank's traceback; ranks that do not answer within ``DEFAULT_TIMEOUT_S`` (120 s, also the
+    process group's timeout), ``RanksTimedOut``."""
     with RankPool(world_size) as pool:
         return pool.map(fn, *args, **kwargs)
 

@@ -38,7 +38,7 @@ from torch import nn
 from ..codecs import nvfp4_global_scale
 from ..dispatcher import Dispatcher, create_dispatcher
 from ..dtypes import DispatchDtype, Mode
-from ..errors import InvalidSpecError
+from ..errors import ConfigMismatchError, InvalidSpecError
 from ..experts import ExpertKernel, ExpertWeights, TorchExperts
 from ..hints import QuantHints
 from ..spec import DispatchSpec
@@ -138,12 +138,17 @@ def expert_parallel(
     kernel = kernel or TorchExperts()
     top_k = _top_k(model)
     replaced = []
-    for found in find_experts(model):
+    experts = find_experts(model)
+    if not experts and any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
+        raise InvalidSpecError("this model is expert-parallel already (expert_parallel ran on it)", parameter="model",
+                               value=type(model).__name__, allowed="a model whose experts modules are transformers' own")
+    for found in experts:
         hints = quant.get(found.name) if isinstance(quant, Mapping) else quant
         spec = DispatchSpec(found.hidden_size, found.num_experts, top_k,
                             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, mode=mode,
                             output_dtype=output_dtype, quant=hints or QuantHints())
         dispatcher = create_dispatcher(backend, spec, group, **create)
+        _check_same_experts(dispatcher, found)
         local = spec.local_experts(dispatcher.world_size)
         first = dispatcher.rank * local
         module = found.module
@@ -190,6 +195,29 @@ def calibrate_nvfp4(model: nn.Module, batches: Iterable[Mapping[str, Any]],
     return {n: QuantHints(input_global_scale=nvfp4_global_scale(float(v))) for n, v in zip(names, values)}
 
 
+def _check_same_experts(dispatcher: Dispatcher, found: ExpertsModule) -> None:
+    """Every rank must hold the same layer (each keeps only its slice, so a rank with other weights would
+    silently give other tokens' results): a cheap fingerprint of the whole tensors, compared at creation."""
+    g, d = found.module.gate_up_proj.detach(), found.module.down_proj.detach()
+    mine = tuple(round(float(f), 6) for f in (g.double().sum(), d.double().sum(), g.double().abs().sum(),
+                                              d.double().abs().sum()))
+    everyone = dispatcher.comm.gather_object(mine, f"{found.name}: expert weights")
+    if any(f != mine for f in everyone):
+        raise ConfigMismatchError(
+            "the ranks hold different expert weights for this layer (each keeps only its slice, so the results would "
+            "silently differ): build the same model on every rank (the same seed, or the same checkpoint)",
+            parameter=found.name, value={r: f for r, f in enumerate(everyone)}, allowed="the same weights everywhere")
+
+
+def idle_forward(layers: "list[ExpertParallelExperts]") -> None:
+    """What a rank with no tokens calls instead of a forward: each MoE layer once with an empty batch, in
+    order, so that its calls match the other ranks' (a transformers model itself refuses an empty batch)."""
+    for layer in layers:
+        weights = layer.weights
+        hidden, top_k = weights.w13_weight.shape[-1], layer.dispatcher.spec.top_k
+        layer(torch.empty(0, hidden), torch.empty(0, top_k, dtype=torch.int64), torch.empty(0, top_k))
+
+
 def _top_k(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None)
@@ -204,4 +232,4 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-__all__ = ["ExpertParallelExperts", "ExpertsModule", "calibrate_nvfp4", "expert_parallel", "find_experts"]
+__all__ = ["ExpertParallelExperts", "ExpertsModule", "calibrate_nvfp4", "expert_parallel", "find_experts", "idle_forward"]
