@@ -217,7 +217,7 @@ class Dispatcher:
                                     self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights))
         except BaseException as exc:
             self._dispatch_failed(exc)
-        return Pending(functools.partial(self._receive_dispatch, started, number, hidden_states))
+        return Pending(functools.partial(self._receive_dispatch, started, number, self._values(hidden_states)))
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
         """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
@@ -236,10 +236,9 @@ class Dispatcher:
         object.__setattr__(dispatch_output, "combined", True)  # its rows are on their way back: no second combine
         return Pending(functools.partial(self._receive_combine, started, dispatch_output))
 
-    def _receive_dispatch(self, started: Pending[DispatchOutput], number: int,
-                          started_on: torch.Tensor) -> DispatchOutput:
+    def _receive_dispatch(self, started: Pending[DispatchOutput], number: int, check_values: bool) -> DispatchOutput:
         try:
-            out = self._outputs.dispatch(started.wait(), self._values(started_on))
+            out = self._outputs.dispatch(started.wait(), check_values)
         except BaseException as exc:
             self._received_failed()
             self._dispatch_failed(exc)
