@@ -234,3 +234,15 @@ def test_a_collective_that_finishes_just_after_a_wait_slice_is_a_success_not_an_
     watch.wait(_SliceWork(None), "all_to_all", 1)  # returns: the collective succeeded
     with pytest.raises(md.CommunicationError, match="Connection closed by peer"):
         watch.wait(_SliceWork("Connection closed by peer"), "all_to_all", 2)
+
+
+def test_a_function_the_spawned_ranks_cannot_import_is_refused_before_they_start():
+    """``python -c`` or a notebook: the ranks would only exit with status 1."""
+    import subprocess
+    import sys
+
+    code = ("from moe_dispatch.distributed.local import run_local\n"
+            "def job(rank, world):\n    return rank\n"
+            "run_local(job, 2)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "InvalidSpecError" in done.stderr and "fn='job'" in done.stderr, done.stderr[-2000:]

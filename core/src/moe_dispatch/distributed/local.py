@@ -68,6 +68,11 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float, threa
                 task = conn.recv()
             except EOFError:
                 break
+            except Exception as exc:  # noqa: BLE001 - a task this process cannot unpickle: say why, keep serving
+                conn.send(("err", None, RuntimeError(f"rank {rank} could not load the task ({type(exc).__name__}: "
+                                                     f"{exc}); fn and its arguments must be importable by name"),
+                           traceback.format_exc()))
+                continue
             if task is None:
                 break
             fn, args, kwargs = task
@@ -127,6 +132,7 @@ class RankPool:
 
     def try_map(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Outcome]:
         """Run ``fn`` on every rank; every rank's outcome, errors included."""
+        _check_spawnable(fn)
         if not self.alive:
             raise RanksTimedOut("the rank pool is closed or a worker died; create a new pool")
         for conn in self._conns:
@@ -188,6 +194,21 @@ class RankPool:
         self.close()
 
 
+def _check_spawnable(fn: Callable[..., Any]) -> None:
+    """The spawned ranks find ``fn`` by name: one defined in a ``__main__`` without a file (``python -c``,
+    stdin, a notebook) cannot be found there, and the rank would only exit with status 1."""
+    import sys
+
+    from ..errors import InvalidSpecError
+
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise InvalidSpecError(
+            "is defined where the spawned ranks cannot import it (an interactive session, python -c or stdin)",
+            parameter="fn", value=getattr(fn, "__qualname__", fn),
+            allowed="a module-level function of a file: a module, or a script run as python script.py")
+
+
 def one_rank_group(backend: str, env: "dict[str, str] | os._Environ[str]" = os.environ) -> bool:
     """Start this process's default process group on ``backend`` unless one is running: the
     launch's when torchrun set ``RANK`` (``env://``), else a group of one through a file store
@@ -217,6 +238,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any
     not), its arguments and result picklable. A rank that raises makes ``RanksFailed`` with every
     rank's traceback; ranks that do not answer within ``DEFAULT_TIMEOUT_S`` (120 s, also the
     process group's timeout), ``RanksTimedOut``."""
+    _check_spawnable(fn)  # before spawning anything
     with RankPool(world_size) as pool:
         return pool.map(fn, *args, **kwargs)
 

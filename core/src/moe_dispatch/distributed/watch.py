@@ -103,7 +103,8 @@ class Watch:
                 raise self._peer_failed(notice, operation)
             if time.monotonic() >= deadline:
                 missing = self._absent(f"waiting/{seq}")
-                who = f"rank(s) {list(missing)} never arrived (stalled or dead)" if missing else \
+                who = (f"rank(s) {list(missing)} never arrived (stalled, dead, or making fewer calls than this rank: every "
+                       "rank must make the same calls, e.g. the same number of forwards)") if missing else \
                     "the ranks that did not arrive could not be determined"
                 raise CollectiveTimeoutError(
                     f"{operation} (collective #{seq}) on rank {self.rank} of {self.world_size} did not complete "
