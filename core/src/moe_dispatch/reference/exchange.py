@@ -113,16 +113,16 @@ class ReferenceDispatcher:
         """Low-latency mode: ``slots`` slots sized at creation (every buffer of a dispatch follows from the
         capacity), so that a capacity the memory cannot hold fails here, not at the first dispatch. Combine's
         buffers (the partial sums sent back and the cache-sized blocks: ``world·capacity`` rows, not the
-        ``E_local`` times larger MASKED rows) are sized at the first combine. A dispatch of an empty batch per slot, each holding its slot until all are sized: the
-        same code and buffers as a real call, and a collective like the rest of creation (every rank does it)."""
+        ``E_local`` times larger MASKED rows) are sized at the first combine. A dispatch of an empty batch per
+        slot, each holding its slot until all are sized: the same code and buffers as a real call, and a
+        collective like the rest of creation (every rank does it)."""
         H, k = self.hidden, self.top_k
         empty = (torch.empty(0, H, dtype=torch.bfloat16, device=device),
                  torch.empty(0, k, dtype=torch.int64, device=device), torch.empty(0, k, dtype=torch.float32, device=device))
         before = self.comm.traffic.copy()
         for out in [finish() for finish in [self._start_masked(*empty) for _ in range(slots)]]:
             out.handle.lease.release()
-        self.comm.traffic.payload_bytes, self.comm.traffic.metadata_bytes = before.payload_bytes, before.metadata_bytes
-        self.comm.traffic.collectives = before.collectives  # the planning is not the engine's traffic
+        self.comm.traffic = before  # the planning is not the engine's traffic
 
     # -- dispatch ---------------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import weakref
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -30,13 +29,12 @@ T = TypeVar("T")
 class Receiver:
     """Runs submitted functions one at a time, in order, on a daemon thread started on first use
     (a daemon: a call that never completes must not keep the process from exiting). The thread
-    ends when the receiver is collected, and holds nothing of a call once it has run it."""
+    holds nothing of a call once it has run it."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: "queue.SimpleQueue[tuple[Callable[[], object], Future] | None]" = queue.SimpleQueue()
+        self._queue: "queue.SimpleQueue[tuple[Callable[[], object], Future]]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        weakref.finalize(self, self._queue.put, None)  # the thread's stop, when its dispatcher goes
 
     def submit(self, fn: Callable[[], T]) -> "Future[T]":
         future: Future[T] = Future()
@@ -73,15 +71,11 @@ def process_receiver() -> Receiver:
         return _PROCESS
 
 
-def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], object], Future] | None]") -> None:
-    """The thread: a module function holding only the queue, so that the receiver (and with it the
-    dispatcher and its buffers) can be collected while the thread waits."""
+def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], object], Future]]") -> None:
+    """The thread: holding only the queue (a job's function, and with it its dispatcher and buffers, is
+    let go once it has run)."""
     while True:
-        job = jobs.get()
-        if job is None:
-            return
-        fn, future = job
-        del job
+        fn, future = jobs.get()
         if future.set_running_or_notify_cancel():
             try:
                 future.set_result(fn())

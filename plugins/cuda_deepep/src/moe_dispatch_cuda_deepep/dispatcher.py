@@ -182,8 +182,7 @@ class DeepEPDispatcher:
 
     def _combine_normal(self, expert_output: torch.Tensor, h: NormalHandle,
                         split: bool) -> Callable[[], torch.Tensor]:
-        self.shared.check_open()
-        split = split and self._normal_splits()
+        split = split and self._normal_splits()  # _settle checked the Buffer is open
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received).to(torch.bfloat16)
         combined, _, event = self.buffer.combine(partial, h.vendor_handle, config=self.combine_config,
                                                  **self._async_kwargs(split))
@@ -228,8 +227,7 @@ class DeepEPDispatcher:
 
     def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          split: bool) -> Callable[[], md.DispatchOutput]:
-        self.shared.check_open()
-        split = split and self._normal_splits()
+        split = split and self._normal_splits()  # _settle checked the Buffer is open
         ids = self._ids(topk_ids)
         weights = topk_weights.float().contiguous()
         if self.dtype is md.DispatchDtype.FP8:

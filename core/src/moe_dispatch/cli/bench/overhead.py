@@ -96,7 +96,6 @@ def _parts(d: Dispatcher, x, ids, w, y, calls: int) -> dict[str, float]:  # type
         "output checks, combine": lambda: outputs.combine(result, out),
         "call numbering (begin)": lambda: d.comm.begin("dispatch", 1),
     }
-    d.comm._call = None  # noqa: SLF001 - begin's mark, left by the timing above (world size 1 sets none)
     timings = {}
     for name, fn in pieces.items():
         best = float("inf")

@@ -31,6 +31,7 @@ import torch
 
 from ...errors import MoEDispatchError
 from .cases import BenchCase, BenchSettings
+from .results import _slowest
 from .worker import _setup
 
 _CALIBRATION_ROUNDS = 5
@@ -196,8 +197,8 @@ def measure_overlap(rank: int, world_size: int, case: BenchCase, settings: Bench
 
 
 def summarize_overlap(case: BenchCase, samples: list[OverlapSamples], compute: str) -> OverlapResult:
-    def slowest(per_rank: list[list[float]]) -> float:
-        return statistics.median(max(column) for column in zip(*per_rank)) * 1e3
+    def slowest(per_rank: list[list[float]]) -> float:  # ms: the median over iterations of the slowest rank
+        return statistics.median(_slowest(per_rank)) * 1e3
 
     return OverlapResult(
         case=case,
