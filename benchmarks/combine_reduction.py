@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from moe_dispatch.reference.exchange import _CHUNK_BYTES, _sum_terms, _token_major
+from moe_dispatch.reference.exchange import _CPU_CHUNK_BYTES, _sum_terms, _token_major
 from moe_dispatch.reference.slots import Slot
 
 
 def baseline(y: torch.Tensor, row_token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:
     out = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
-    step = max(1, _CHUNK_BYTES // (4 * y.shape[1]))
+    step = max(1, _CPU_CHUNK_BYTES // (4 * y.shape[1]))
     for start in range(0, y.shape[0], step):
         part = slice(start, min(y.shape[0], start + step))
         chunk = y[part].to(torch.float32, copy=True).mul_(weight[part].unsqueeze(1))
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         row_token = torch.randint(0, tokens, (rows,), generator=g)
         weight = torch.rand(rows, generator=g)
         start = time.perf_counter()
-        terms = _token_major(row_token, tokens, args.hidden, weight)
+        terms = _token_major(row_token, tokens, args.hidden, _CPU_CHUNK_BYTES, weight)
         table = time.perf_counter() - start
         out, slot = torch.empty(tokens, args.hidden, dtype=torch.bfloat16), Slot(0)
         _sum_terms(out, y, terms, slot)

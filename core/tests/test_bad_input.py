@@ -174,5 +174,21 @@ def test_value_checks_stand_aside_while_a_cuda_graph_is_captured(monkeypatch):
     w = torch.empty(4, 2, dtype=torch.float32, device="meta")
     with pytest.raises(RuntimeError, match="meta"):  # not capturing: the flag is read back (a meta tensor cannot)
         validation.check_dispatch_values(spec, x, ids, w)
-    monkeypatch.setattr(validation, "_capturing", lambda t: True)
+    monkeypatch.setattr(validation, "capturing", lambda t: True)
     validation.check_dispatch_values(spec, x, ids, w)  # capturing: no read, no error
+
+
+def test_check_inputs_true_stands_aside_while_a_cuda_graph_is_captured(monkeypatch):
+    """``check_inputs=True`` also drives the output checks, whose read-back of the counts aborted
+    a capture on an H100 (check_core.py, docs/hardware-runs.md): while capturing, no value check
+    of either side runs; before and after, they do."""
+    import torch
+
+    from moe_dispatch import dispatcher as dispatcher_module
+
+    spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
+    d = md.create_dispatcher("torch", spec, env={}, check_inputs=True)
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    assert d._values(x)
+    monkeypatch.setattr(dispatcher_module, "capturing", lambda t: True)
+    assert not d._values(x)

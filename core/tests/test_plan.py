@@ -290,8 +290,8 @@ def test_default_grid_covers_every_backend_quickly(host):
     rows = json.loads(text)["rows"]
     assert rc == (1 if any(r["fits"] is False for r in rows) else 0) and elapsed < 3.0
     assert {r["backend"] for r in rows} == set(host.backend_names())
-    assert {r["model"] for r in rows} == {"deepseek-v3", "qwen3-30b-a3b", "kimi-k2"}
-    assert {r["ep"] for r in rows} == {8, 16, 32, 64}
+    assert {r["model"] for r in rows} == {"deepseek-v3"} and {r["ep"] for r in rows} == {8, 64}
+    assert len(text.splitlines()) and len(plan_cli(host)[1].splitlines()) < 100  # a screenful or two, not 391 lines
     assert all(r["error"] is None for r in rows), [r["error"] for r in rows if r["error"]]
 
 

@@ -95,6 +95,27 @@ def test_fp8_scale_is_block_amax_over_448_and_ue8m0_is_a_power_of_two():
         assert amax / FP8_MAX <= s < 2 * amax / FP8_MAX and math.log2(s) == int(math.log2(s))
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spread=st.floats(1e-3, 1e3))
+def test_fp8_follows_deepeps_arithmetic_bit_for_bit(seed, spread):
+    """DeepEP's ``calculate_fp8_scales`` (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/utils.cuh): the sent
+    scale is ``amax * (1/448.0f)`` and the values ``x * (448.0f/amax)``, each one fp32 operation, written here
+    in numpy float32 (correctly rounded), not torch. A division by 448 differs in the last bit for some amax;
+    on an H100 the CPU codec's division and CUDA's product disagreed on 74 of 512 scale bytes."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(8, 512, generator=g) * spread).to(torch.bfloat16)
+    q = make_codec(WireFormat(D.FP8, 512)).quantize(x)
+    blocks = x.float().numpy().reshape(8, 4, 128)
+    amax = np.maximum(np.abs(blocks).max(axis=-1, keepdims=True), np.float32(1e-4))
+    scale = amax * np.float32(1 / 448.0)
+    values = blocks * (np.float32(448.0) / amax)
+    assert np.array_equal(q.scale.numpy(), scale.squeeze(-1))
+    expected = torch.from_numpy(np.clip(values, -448.0, 448.0)).to(torch.float8_e4m3fn).reshape(8, 512)
+    assert torch.equal(q.data.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("hidden", [256, 2560, 7168])
 def test_ue8m0_scales_pack_four_exponents_per_word_low_byte_first(hidden):
     x = torch.randn(5, hidden).to(torch.bfloat16) * torch.logspace(-3, 3, 5).unsqueeze(1)

@@ -4,10 +4,18 @@ Each codec follows what the vendor kernels produce, so a plugin can compare its 
 output against these bit for bit:
 
 - FP8: e4m3 per token per 128 channels, as DeepEP's low-latency dispatch kernel does it
-  (DeepEP ``csrc/legacy/kernels/internode_ll.cu``, pre-V2): the block amax is floored at 1e-4,
-  the stored scale is amax/448; with UE8M0 the scale is rounded up to a power of two.
+  (deepseek-ai/DeepEP@dd758ca ``csrc/kernels/legacy/utils.cuh`` ``calculate_fp8_scales``): the
+  block amax is floored at 1e-4, the stored scale is ``amax·(1/448)`` (a product with the fp32
+  constant, not a division) and the values are multiplied by ``448/amax``; with UE8M0 the scale
+  is rounded up to a power of two and the values divided by it (exact).
 - INT8: symmetric per token, scale amax/127, round half to even (torch_npu
   ``npu_dynamic_quant`` semantics).
+
+Every step is one IEEE operation on tensors, so a codec gives the same bits on every device: a
+division by a Python number is not (CUDA computes ``t / c`` as ``t·(1/c)``, the CPU divides), so
+divisions here divide by a tensor, and constants enter as 0-dim tensors made on the device (a
+``torch.tensor`` copied from the host would sync and break CUDA-graph capture). Checked on an
+H100: ``benchmarks/gpu/check_core.py``, docs/hardware-runs.md.
 - NVFP4: FlashInfer's definition (``flashinfer/fp4_quantization.py`` and the reference in
   ``tests/utils_fp4.py`` at fb28d72): block scale ``gs·amax/6`` cast to e4m3, values scaled by
   ``gs/scale``, clamped to ±6 and rounded to the e2m1 grid; two values per byte, element
@@ -31,12 +39,13 @@ from .formats import WIRE_DTYPES
 from .wire import FP8_BLOCK, NVFP4_BLOCK, WireFormat
 
 FP8_MAX = 448.0
+#: DeepEP's ``kFinfoAmaxInvE4M3 = 1 / 448.0f`` (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/utils.cuh): torch
+#: rounds a Python number to the tensor's fp32 before multiplying, so this is that float.
+FP8_MAX_INV = 1.0 / 448.0
 FP8_AMAX_FLOOR = 1e-4
 INT8_MAX = 127.0
 INT8_AMAX_FLOOR = 1e-10
 E2M1_MAX = 6.0
-# Magnitudes of the e2m1 codes 0..7.
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass(frozen=True)
@@ -121,10 +130,13 @@ class FP8Codec(Codec):
     def quantize(self, x: torch.Tensor) -> Quantized:
         blocks = x.float().unflatten(-1, (-1, FP8_BLOCK))
         amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-        scale = amax / FP8_MAX
+        scale = amax * FP8_MAX_INV
         if self.wire.ue8m0:
             scale = pow2_ceil(scale)
-        q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            scaled = blocks / scale  # a power of two: exact
+        else:
+            scaled = blocks * (torch.full_like(amax, FP8_MAX) / amax)
+        q = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Quantized(q.flatten(-2), scale.squeeze(-1))
 
     def dequantize(self, q: Quantized) -> torch.Tensor:
@@ -202,7 +214,7 @@ class INT8Codec(Codec):
     def quantize(self, x: torch.Tensor) -> Quantized:
         xf = x.float()
         amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_AMAX_FLOOR)
-        scale = amax / INT8_MAX
+        scale = amax / torch.full_like(amax, INT8_MAX)  # a true division on every device
         q = torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return Quantized(q, scale.squeeze(-1))
 
@@ -232,7 +244,7 @@ class NVFP4Codec(Codec):
         self.global_scale = float(global_scale)
 
     def quantize(self, x: torch.Tensor) -> Quantized:
-        gs = torch.tensor(self.global_scale, dtype=torch.float32, device=x.device)
+        gs = torch.full((), self.global_scale, dtype=torch.float32, device=x.device)
         blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
         amax = blocks.abs().amax(dim=-1, keepdim=True)
         # FlashInfer's order of operations, for bit-equal results: sf = gs·(amax·(1/6)), then
@@ -307,11 +319,13 @@ def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., n]`` → fp32 ``[..., 2n]``, low nibble first."""
-    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=packed.device)
-    p = packed.to(torch.int64)
+    """uint8 ``[..., n]`` → fp32 ``[..., 2n]``, low nibble first. Decoded from the bits (sign,
+    2-bit exponent, 1-bit mantissa; exponent 0 is subnormal), with no table to copy to the device."""
+    p = packed.to(torch.int32)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)
-    return table[codes]
+    exponent, mantissa = (codes >> 1) & 3, (codes & 1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.ldexp(1.0 + mantissa * 0.5, exponent - 1))
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 def check_global_scale(global_scale: object, parameter: str = "quant.input_global_scale") -> float:

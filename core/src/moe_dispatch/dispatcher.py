@@ -37,7 +37,7 @@ from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import Resolution
-from .validation import InputChecks
+from .validation import InputChecks, capturing
 
 if TYPE_CHECKING:
     from .experts import ExpertKernel
@@ -278,10 +278,11 @@ class Dispatcher:
     def _values(self, hidden_states: torch.Tensor) -> bool:
         """Whether this call runs the value checks (on inputs whose metadata passed): ``check_inputs``,
         or by default (None) where the data is host memory: on an accelerator they would sync the
-        device every call."""
+        device every call. Never while a CUDA graph is captured: the sync would abort the capture
+        (the output checks' read-back did, on an H100, until this test covered them too)."""
         if self.check_inputs is None:
             return hidden_states.device.type == "cpu"
-        return self.check_inputs
+        return self.check_inputs and not capturing(hidden_states)
 
     def _dispatch_failed(self, exc: BaseException) -> NoReturn:
         oom = _out_of_memory(exc, self.buffer_size)

@@ -206,7 +206,7 @@ def check_dispatch_values(
     While a CUDA graph is being captured they do not run: reading a flag back is a host sync,
     which capture forbids, and a check at capture would see the capture's inputs, not the
     replays'. Check the inputs before copying them into the graph's static tensors."""
-    if not hidden_states.is_cpu and _capturing(hidden_states):
+    if not hidden_states.is_cpu and capturing(hidden_states):
         return
     e = spec.num_experts
     ids = topk_ids
@@ -232,7 +232,7 @@ def check_dispatch_values(
         _diagnose_values(e, hidden_states, ids, topk_weights)
 
 
-def _capturing(t: torch.Tensor) -> bool:
+def capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s device stream is being captured into a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 

@@ -53,15 +53,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         setup = hardware.Setup(vendor.REAL, vendor.DEEP_GEMM, torch.device("cuda"), dist.group.WORLD,
                                dist.new_group(backend="gloo"), False, args.hidden, args.tokens, args.gemm_hidden)
+    print(f"cuda_deepep hardware check ({'fakes on CPU' if args.fake else torch.cuda.get_device_name()})")
+    print(f"{'section':<10} {'check':<52} {'real':<34} {'expected / fake':<34} result", flush=True)
+
+    def emit(rows: list[hardware.Row]) -> None:
+        for row in rows:
+            print(row.line(), flush=True)
+
     try:
-        rows = hardware.run_checks(setup)
+        rows = hardware.run_checks(setup, emit)
     finally:
         if started:
             dist.destroy_process_group()
-    print(f"cuda_deepep hardware check ({'fakes on CPU' if args.fake else torch.cuda.get_device_name()})")
-    print(f"{'section':<10} {'check':<52} {'real':<34} {'expected / fake':<34} result")
-    for row in rows:
-        print(row.line())
     bad = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(bad)} of {len(rows)} agree")
     return 1 if bad else 0

@@ -24,8 +24,10 @@ from ..spec import DispatchSpec
 
 #: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
 PLAN_JSON_SCHEMA = 1
-DEFAULT_PRESETS = ("deepseek-v3", "qwen3-30b-a3b", "kimi-k2")
-DEFAULT_EP_SIZES = (8, 16, 32, 64)
+#: One model on one node and on eight: a screenful per backend (the whole grid was 391 lines, issue 17).
+#: More with --preset/--ep.
+DEFAULT_PRESETS = ("deepseek-v3",)
+DEFAULT_EP_SIZES = (8, 64)
 #: An NVFP4 row needs a global scale to resolve; its value does not change any size.
 _PLACEHOLDER_GLOBAL_SCALE = 1.0
 

@@ -230,9 +230,9 @@ class ReferenceDispatcher:
             recv_counts=recv_counts,
             num_tokens=T,
             num_received=recv.shape[0],
-            terms=_token_major(row_token, recv.shape[0], self.hidden,
+            terms=_token_major(row_token, recv.shape[0], self.hidden, _chunk_bytes(recv.device),
                                rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
-            returns=_token_major(pair_token, T, self.hidden),
+            returns=_token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device)),
             lease=lease,
         )
         return DispatchOutput(
@@ -347,11 +347,11 @@ class ReferenceDispatcher:
         T = h.num_tokens
         rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
         token = torch.arange(T, device=y.device).repeat_interleave(R)
-        returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H))
+        returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H, _chunk_bytes(y.device)))
         return functools.partial(self._returned, h, transfer, returns, y.device)
 
 
-def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int,
+def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk: int,
                  weight: torch.Tensor | None = None) -> TokenTerms:
     """The rows in token-major order, keeping their order within a token (rows come expert-major
     to the experts, and pairs rank-major from the sender). One host read (the per-token counts),
@@ -359,7 +359,7 @@ def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int,
     order = torch.sort(token_of_row, stable=True).indices
     counts = torch.bincount(token_of_row, minlength=num_tokens).tolist()
     return TokenTerms(order, token_of_row[order], None if weight is None else weight[order], None,
-                      _blocks(counts, hidden))
+                      _blocks(counts, hidden, chunk))
 
 
 def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor, weight: torch.Tensor,
@@ -370,22 +370,23 @@ def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor
     by_expert = torch.sort(key, dim=1, stable=True).indices
     token = torch.arange(slots, device=key.device).repeat_interleave(k)
     return TokenTerms(row_of_entry.gather(1, by_expert).reshape(-1), token, weight.gather(1, by_expert).reshape(-1),
-                      (key.gather(1, by_expert) < experts).reshape(-1), _even_blocks(slots, k, hidden))
+                      (key.gather(1, by_expert) < experts).reshape(-1),
+                      _even_blocks(slots, k, hidden, _chunk_bytes(key.device)))
 
 
 @functools.lru_cache(maxsize=64)
-def _even_blocks(tokens: int, per_token: int, hidden: int) -> tuple[tuple[int, int, int, int], ...]:
+def _even_blocks(tokens: int, per_token: int, hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
     """``_blocks`` for tokens with ``per_token`` entries each (low-latency mode: from the spec)."""
-    return _blocks([per_token] * tokens, hidden)
+    return _blocks([per_token] * tokens, hidden, chunk)
 
 
-def _blocks(counts: list[int], hidden: int) -> tuple[tuple[int, int, int, int], ...]:
+def _blocks(counts: list[int], hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
     """Consecutive tokens grouped while their accumulator and their entries' fp32 rows stay within
-    ``_CHUNK_BYTES`` each (at least one token per block)."""
+    ``chunk`` bytes each (at least one token per block)."""
     row = 4 * max(hidden, 1)
     blocks, t0, e0, tokens, entries = [], 0, 0, 0, 0
     for t, n in enumerate(counts):
-        if tokens and ((tokens + 1) * row > _CHUNK_BYTES or (entries + n) * row > _CHUNK_BYTES):
+        if tokens and ((tokens + 1) * row > chunk or (entries + n) * row > chunk):
             blocks.append((t0, t, e0, e0 + entries))
             t0, e0, tokens, entries = t, e0 + entries, 0, 0
         tokens, entries = tokens + 1, entries + n
@@ -394,9 +395,17 @@ def _blocks(counts: list[int], hidden: int) -> tuple[tuple[int, int, int, int], 
     return tuple(blocks)
 
 
-#: fp32 temporaries of this size come from the allocator's heap and stay in cache; one
+#: On the CPU, fp32 temporaries of this size come from the allocator's heap and stay in cache; one
 #: temporary the size of all rows would be fresh pages (page faults) on every call.
-_CHUNK_BYTES = 4 << 20
+_CPU_CHUNK_BYTES = 4 << 20
+#: On an accelerator every block costs a handful of kernel launches and there is no cache to fit:
+#: blocks only bound the temporaries. On an H100 at 4096 tokens × top-8 × H=7168, 4 MiB blocks
+#: made combine 29-38 ms, all launches (docs/hardware-runs.md).
+_DEVICE_CHUNK_BYTES = 256 << 20
+
+
+def _chunk_bytes(device: torch.device) -> int:
+    return _CPU_CHUNK_BYTES if device.type == "cpu" else _DEVICE_CHUNK_BYTES
 
 
 def _sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slot) -> None:

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -183,6 +184,15 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def size_rows(deep_ep: Any, deep_gemm: Any, device: torch.device = torch.device("cpu")) -> list[Row]:
+    """DeepEP's size functions against the ports (when DeepEP is installed), DeepGEMM's layout
+    functions against theirs (when DeepGEMM is)."""
+    rows: list[Row] = []
+    if deep_ep is not None:
+        rows += _deep_ep_size_rows(deep_ep)
+    return rows + _deep_gemm_size_rows(deep_gemm, device)
+
+
+def _deep_ep_size_rows(deep_ep: Any) -> list[Row]:
     rows = []
     for t, h, e in ((128, 7168, 256), (128, 7168, 288), (256, 4096, 128), (512, 2048, 64)):
         real = deep_ep.Buffer.get_low_latency_rdma_size_hint(t, h, 8, e)
@@ -205,6 +215,11 @@ def size_rows(deep_ep: Any, deep_gemm: Any, device: torch.device = torch.device(
                     continue
                 match = next((p for p in ports if p == real), ports[0])
                 rows.append(Row("sizes", label, _text(real), _text(match), match == real))
+    return rows
+
+
+def _deep_gemm_size_rows(deep_gemm: Any, device: torch.device) -> list[Row]:
+    rows: list[Row] = []
     info = vendor.detect_deep_gemm(deep_gemm)
     if info.module is not None:
         alignment = vendor.mk_alignment(deep_gemm)
@@ -496,19 +511,46 @@ def _probe_main(argv: list[str]) -> int:
 # -- all --------------------------------------------------------------------------------------------------------
 
 
-def run_checks(setup: Setup) -> list[Row]:
-    deep_ep = importlib.import_module(setup.deep_ep)
-    rows = signature_rows(deep_ep, signature_records(deep_ep), "signature")
-    deep_gemm_info = vendor.detect_deep_gemm(setup.deep_gemm)
-    if deep_gemm_info.module is not None:
-        rows += signature_rows(deep_gemm_info.module, signature_records(deep_gemm_info.module), "signature")
-    rows += size_rows(deep_ep, deep_gemm_info.module, setup.device)
-    if deep_gemm_info.module is not None:
-        rows += deep_gemm_rows(setup)
+def _section(name: str, rows: Callable[[], list[Row]]) -> list[Row]:
+    """A section's rows, or one failing row with the exception where the library raised: on the
+    hardware a raise is a finding to record, and the sections after it still run."""
+    try:
+        return rows()
+    except Exception as exc:  # noqa: BLE001 - recorded, not hidden: the row fails
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return [Row(name, "raised", _text(f"{type(exc).__name__}: {exc}", 60),
+                    f"at {os.path.basename(where.filename)}:{where.lineno}", False)]
+
+
+def run_checks(setup: Setup, emit: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Every section; DeepGEMM's run without DeepEP installed and DeepEP's without DeepGEMM. ``emit``
+    gets each section's rows as soon as they are in, so a crash of the vendor's code (a segfault
+    ends the process) leaves the sections before it on record."""
+    rows: list[Row] = []
+
+    def add(new: list[Row]) -> None:
+        rows.extend(new)
+        emit(new)
+
+    try:
+        deep_ep = importlib.import_module(setup.deep_ep)
+    except ImportError as exc:
+        deep_ep = None
+        add([Row("DeepEP", "import", _text(f"{type(exc).__name__}: {exc}"), "installed", False)])
+    deep_gemm = vendor.detect_deep_gemm(setup.deep_gemm)
+    if deep_ep is not None:
+        add(_section("signature", lambda: signature_rows(deep_ep, signature_records(deep_ep), "signature")))
+    if deep_gemm.module is not None:
+        add(_section("signature", lambda: signature_rows(deep_gemm.module, signature_records(deep_gemm.module),
+                                                         "signature")))
+    add(_section("sizes", lambda: size_rows(deep_ep, deep_gemm.module, setup.device)))
+    if deep_gemm.module is not None:
+        add(_section("DeepGEMM", lambda: deep_gemm_rows(setup)))
     else:
-        rows.append(Row("DeepGEMM", "import", _text(deep_gemm_info.describe()), "installed", False))
-    rows += deep_ep_rows(setup)
-    rows += probe_rows(setup.fake)
+        add([Row("DeepGEMM", "import", _text(deep_gemm.describe()), "installed", False)])
+    if deep_ep is not None:
+        add(_section("DeepEP", lambda: deep_ep_rows(setup)))
+        add(_section("DeepEP", lambda: probe_rows(setup.fake)))
     return rows
 
 
