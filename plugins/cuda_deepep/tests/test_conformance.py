@@ -31,3 +31,18 @@ class TestHybridDeepEPOnEmulator(BackendConformance):
     backend_factory = emulated_hybrid_deepep
     buffer_size_ratio = None
     world_sizes = (2, 4)
+
+
+def emulated_deepep_v2():  # type: ignore[no-untyped-def]
+    from moe_dispatch_cuda_deepep.elastic import DeepEPV2Backend
+
+    return DeepEPV2Backend(vendor_module=EMULATOR)
+
+
+class TestDeepEPV2OnEmulator(BackendConformance):
+    """DeepEP 2.x's ElasticBuffer (fakes/deep_ep_elastic.py): normal mode, expanded rows, on 2 and 4 ranks."""
+
+    backend_name = "cuda_deepep_v2"
+    backend_factory = emulated_deepep_v2
+    buffer_size_ratio = None  # sized by DeepEP's formula for the worst case, not by the batch
+    world_sizes = (2, 4)

@@ -401,7 +401,7 @@ def test_needs_dispatch_dtype_and_quant_hints(kind, mode, needs):
 def test_the_registered_runner_takes_both_dtypes_behind_deepep():
     runner = md.PluginHost(env={}).runners()["deep_gemm"]
     assert runner.needs is md.DispatchDtype.FP8 and runner.accepts == {md.DispatchDtype.FP8, md.DispatchDtype.BF16}
-    assert runner.backends == {"cuda_deepep": frozenset({NORMAL, LL})}
+    assert runner.backends == {"cuda_deepep": frozenset({NORMAL, LL}), "cuda_deepep_v2": frozenset({NORMAL})}
     assert "github.com/deepseek-ai/DeepGEMM" in runner_probe("no_such_deep_gemm_module")
     assert runner_probe(EMULATOR) is None
 
@@ -438,3 +438,13 @@ def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_poo
         assert r.decided_by == "quant.dispatcher_output_dtype", r.resolution
         assert "quant.dispatcher_output_dtype" in r.resolution
         assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)
+
+
+@pytest.mark.parametrize("kind", ["block_fp8", "bf16"])
+def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind):
+    """DeepEP V2's expanded rows (PACKED, fp32 per-128 scales) are what the contiguous GEMMs take (issue 18)."""
+    results = moe_rank_pools.get(2).map(run_layer, kind, "normal", EMULATOR, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
+                                        v2=True)
+    for r in results:
+        assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)
+

@@ -27,7 +27,7 @@ def test_the_script_runs_on_the_fakes(moe_rank_pools):
     for needed in ("signature Buffer.low_latency_dispatch", "LL rdma hint T=128 H=7168 E=256", "block_fp8 PACKED",
                    "bf16 MASKED", "LL fp8 one rank: combine", "normal one rank: DeepEP's dispatch (subprocess)",
                    "two LL Buffers in one process (subprocess)",
-                   "V2 ElasticBuffer"):
+                   "V2 cuda_deepep_v2 vs torch, one rank"):
         assert needed in text, needed
     assert "Unsupported ranks" in text and "MISMATCH" not in text
 

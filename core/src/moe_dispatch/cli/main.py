@@ -109,6 +109,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps({
             "spec": spec.to_dict(),
             "world_size": args.world_size,
+            "backend_description": backend.description,
             "resolution": resolution.to_dict(),
             "wire_bytes_per_token": wire.bytes_per_token,
             "buffer_size": buffers.to_dict(),
@@ -118,6 +119,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     print(f"spec: H={spec.hidden_size} E={spec.num_experts} top-{spec.top_k} T={spec.num_max_dispatch_tokens_per_rank} "
           f"mode={spec.mode.value} on {args.world_size} ranks")
+    if backend.description:
+        print(f"backend {backend.name!r}: {backend.description}")
     print(resolution)
     print(f"wire: {wire.bytes_per_token:,} bytes per token ({wire.ratio_to_bf16:.3f} of bf16); "
           f"combine {wire.combine_bytes_per_token:,} bytes (bf16)")

@@ -1,8 +1,8 @@
 """moe-dispatch-cuda-deepep: DeepEP (CUDA) as a moe-dispatch backend.
 
-The entry point ``cuda_deepep`` names this module; it registers ``DeepEPBackend`` on the real
-``deep_ep`` (unavailable, with the reason, where DeepEP or a GPU is missing) and the ``deep_gemm``
-runner. Vendor facts live in ``vendor``; tests run the same adapter on the fakes in ``fakes``
+The entry point ``cuda_deepep`` names this module; it registers ``DeepEPBackend`` (``cuda_deepep``, DeepEP's V1
+``Buffer``) and ``DeepEPV2Backend`` (``cuda_deepep_v2``, DeepEP 2.x's ``ElasticBuffer``) on the real ``deep_ep``
+(unavailable, with the reason, where DeepEP or a GPU is missing) and the ``deep_gemm`` runner. Vendor facts live in ``vendor``; tests run the same adapter on the fakes in ``fakes``
 (``vendor.EMULATOR``, ``vendor.DEEP_GEMM_EMULATOR``, ...). The ``deep_ep.Buffer``s are the process's
 (``buffers.PROCESS_BUFFERS``, one with NVSHMEM per process); ``DeepEPBackend.close()`` destroys them.
 """
@@ -10,6 +10,7 @@ runner. Vendor facts live in ``vendor``; tests run the same adapter on the fakes
 import moe_dispatch as md
 
 from .backend import DeepEPBackend
+from .elastic import NAME as V2_NAME, DeepEPV2Backend
 from .deep_gemm import RUNNER, DeepGemmExperts, DeepGemmLayer, runner_probe
 
 MOE_DISPATCH_API = 1
@@ -18,6 +19,7 @@ MOE_DISPATCH_API = 1
 @md.hookimpl
 def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(DeepEPBackend())
+    register(DeepEPV2Backend())
 
 
 @md.hookimpl
@@ -26,8 +28,9 @@ def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
     # asks for BF16, which resolution takes before the runner's default.
     register(md.RunnerInfo(RUNNER, md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
                            accepts=frozenset({md.DispatchDtype.FP8, md.DispatchDtype.BF16}),
-                           backends={"cuda_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},
+                           backends={"cuda_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY}),
+                                     V2_NAME: frozenset({md.Mode.NORMAL})},
                            probe=runner_probe))
 
 
-__all__ = ["DeepEPBackend", "DeepGemmExperts", "DeepGemmLayer", "MOE_DISPATCH_API"]
+__all__ = ["DeepEPBackend", "DeepEPV2Backend", "DeepGemmExperts", "DeepGemmLayer", "MOE_DISPATCH_API"]

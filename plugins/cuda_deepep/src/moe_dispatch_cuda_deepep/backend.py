@@ -102,7 +102,8 @@ class DeepEPBackend(md.Backend):
                      "shared with combine, which is BF16, so FP8 saves only where the dispatch config's hint is the "
                      "larger. low_latency: get_low_latency_rdma_size_hint ignores the dtype (BF16 messages), as in "
                      "sglang, so nothing is saved.")
-    description = "DeepEP V1 Buffer: normal (NVLink/RDMA) and low-latency (masked, CUDA-graph safe) modes"
+    description = ("DeepEP's V1 Buffer (legacy in DeepEP 2.x): normal (NVLink/RDMA) and low-latency (masked, "
+                   "CUDA-graph safe) modes; DeepEP 2.x's ElasticBuffer is backend 'cuda_deepep_v2'")
     install_hint = vendor.INSTALL_HINT
 
     def __init__(self, vendor_module: str = vendor.REAL) -> None:

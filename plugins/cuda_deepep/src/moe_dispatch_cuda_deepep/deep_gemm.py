@@ -506,20 +506,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
               vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
               experts_per_rank: int = 2, top_k: int = 2, tokens: int = 128, ue8m0: bool | None = None,
-              seed: int = 0) -> LayerCheck:
+              seed: int = 0, v2: bool = False) -> LayerCheck:
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
-    the relative error against the dense fp32 reference on the dequantized weights."""
+    the relative error against the dense fp32 reference on the dequantized weights. ``v2``: the dispatcher is
+    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer, normal mode)."""
     from moe_dispatch.routing import random_expert_weights
     from moe_dispatch.testing.layers import check_layer
 
     from .backend import DeepEPBackend
+    from .elastic import DeepEPV2Backend
     from .vendor import REAL as DEEPEP
 
     experts = DeepGemmExperts(weights, mode, kernel_module, ue8m0=ue8m0)
     spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
                            mode=mode, quant=experts.quant_hints(), runner=RUNNER)
-    dispatcher = md.create_dispatcher(DeepEPBackend(vendor_module or DEEPEP), spec, env={})
+    backend = (DeepEPV2Backend if v2 else DeepEPBackend)(vendor_module or DEEPEP)
+    dispatcher = md.create_dispatcher(backend, spec, env={})
     device = torch.device("cuda" if kernel_module == REAL else "cpu")
     g = torch.Generator().manual_seed(seed)
     global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))

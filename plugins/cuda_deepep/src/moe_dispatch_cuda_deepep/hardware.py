@@ -414,14 +414,26 @@ def _two_low_latency_buffers(module: Any, group: Any, device: torch.device) -> s
 
 
 def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
-    """DeepEP V2's ``ElasticBuffer`` on a group of one (deep_ep/buffers/elastic.py): not driven by the adapter; what
-    DeepEP does with it, recorded."""
-    elastic = getattr(module, "ElasticBuffer", None)
-    if elastic is None:
+    """DeepEP V2's ``ElasticBuffer`` on a group of one, driven by the ``cuda_deepep_v2`` adapter: dispatch +
+    scaled-identity experts + combine against the ``torch`` backend, BF16 and FP8 (issue 18). In a process of its
+    own: V2's buffer beside a live V1 LL Buffer is not a setup DeepEP documents (audit row 44)."""
+    from .elastic import DeepEPV2Backend
+    from .selfcheck import agree_with_torch
+
+    if not vendor.has_elastic_buffer(module):
         return "no ElasticBuffer in this DeepEP"
-    with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        made = elastic(group, num_max_tokens_per_rank=16, hidden=2048, num_topk=4)
-    return f"made a {type(made).__name__}"
+    backend = DeepEPV2Backend(module.__name__)
+    parts = []
+    try:
+        for dtype in ("bf16", "fp8"):
+            r = agree_with_torch(0, 1, "normal", dtype, module.__name__, hidden=2048, experts_per_rank=4, top_k=4,
+                                 tokens=16, iterations=3, backend=backend)
+            verdict = "agree" if r["relative_difference"] < 1e-2 else "DIFFER"
+            parts.append(f"{dtype} {verdict} rel {r['relative_difference']:.1e} "
+                         f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms)")
+    finally:
+        backend.close()
+    return "cuda_deepep_v2 at one rank: " + "; ".join(parts)
 
 
 def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
@@ -485,8 +497,10 @@ def probe_rows(fake: bool) -> list[Row]:
         Row("DeepEP", "normal one rank: exit status (terminate = -6/134)", str(one.exit_code), "(recorded)", True),
         Row("DeepEP", "two LL Buffers in one process (subprocess)", _text(f"{two.exit_code}: {flat(two.output)}", 60),
             "(recorded)", True),
-        Row("DeepEP", "V2 ElasticBuffer(group of one) (subprocess)",
-            _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "(recorded)", True),
+        Row("DeepEP", "V2 cuda_deepep_v2 vs torch, one rank (subprocess)",
+            _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "agree (or no ElasticBuffer)",
+            elastic.exit_code == 0 and ("no ElasticBuffer" in elastic.output
+                                        or (elastic.output.count(" agree ") == 2 and "DIFFER" not in elastic.output))),
     ]
 
 

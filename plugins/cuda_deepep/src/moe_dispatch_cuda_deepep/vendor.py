@@ -1430,3 +1430,102 @@ def lookup(module: Any, qualname: str) -> Any:
         obj = getattr(obj, part)
     return obj
 
+
+
+# =====================================================================================================
+# DeepEP V2: the ElasticBuffer (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/elastic.py, csrc/elastic/buffer.hpp).
+# The facts the cuda_deepep_v2 backend and its fake use; docs/vendor-notes/deepep-v2-elasticbuffer.md has the rest.
+# =====================================================================================================
+
+#: ``deep_ep.ElasticBuffer`` and ``deep_ep.EPHandle`` (deep_ep/__init__.py:89).
+ELASTIC_BUFFER = "ElasticBuffer"
+EP_HANDLE = "EPHandle"
+#: ``symmetric::kNumAlignmentBytes`` (csrc/kernels/backend/symmetric.hpp:16): ``num_bytes`` is a positive multiple
+#: (csrc/elastic/buffer.hpp:98 ``num_buffer_bytes > 0 and num_buffer_bytes % symmetric::kNumAlignmentBytes == 0``).
+V2_BUFFER_ALIGNMENT = 2 << 20
+#: ``WorkspaceLayout`` (deep_ep/include/deep_ep/common/layout.cuh:37-40): ``num_ranks <= kNumMaxRanks``,
+#: ``num_experts <= kNumMaxExperts``, ``num_experts_per_rank <= kNumMaxExpertsPerRank``, and E % R == 0.
+V2_MAX_RANKS, V2_MAX_EXPERTS, V2_MAX_EXPERTS_PER_RANK = 1024, 2048, 256
+#: ``EP_STATIC_ASSERT(kNumTopk <= 32, ...)`` (deep_ep/include/deep_ep/impls/dispatch.cuh:93): a JIT compile error.
+V2_MAX_TOPK = 32
+#: ``EP_STATIC_ASSERT(kHidden % (32 * sizeof(int4) / sizeof(nv_bfloat16)) == 0, "Invalid hidden")``
+#: (deep_ep/include/deep_ep/impls/combine.cuh:109): combine's hidden size, a JIT compile error otherwise.
+V2_COMBINE_HIDDEN_MULTIPLE = 256
+#: ``TokenLayout`` asserts ``num_hidden_bytes % ptx::kNumTMAAlignBytes == 0`` (layout.cuh:198; ptx.cuh:16).
+V2_TMA_ALIGN_BYTES = 32
+#: ``dispatch`` asserts ``(x.size(1) * x.element_size()) % sizeof(int4) == 0`` (csrc/elastic/buffer.hpp:751-756).
+V2_INT4_BYTES = 16
+#: README.md:70 "NCCL 2.30.4 and above": the device API (``ncclDevCommCreate``, GIN) DeepEP 2.x builds against. No
+#: code compares versions; a DeepEP built against older headers does not build (docs/hardware-runs.md, 2026-11-23).
+V2_MIN_NCCL = (2, 30, 4)
+V2_INSTALL_HINT = ("DeepEP 2.x builds from source (https://github.com/deepseek-ai/DeepEP, `pip install "
+                   "--no-build-isolation .`) on a CUDA machine with NCCL >= 2.30.4 (`pip install "
+                   "'nvidia-nccl-cu13>=2.30.4'`, README.md:70-79) and the same libnccl loaded by torch")
+#: The hybrid kernels' channel slack in the size formula: ``8 * 160`` (csrc/elastic/buffer.hpp:57-59).
+V2_HYBRID_CHANNEL_TOKENS = 1280
+#: ``calculate_buffer_size`` sizes for top-32 when ``num_topk`` is 0 (csrc/elastic/buffer.hpp:663).
+V2_DEFAULT_SIZING_TOPK = 32
+
+
+def has_elastic_buffer(module: Any) -> bool:
+    """Whether ``module`` (an installed ``deep_ep``, or a fake) has V2's ElasticBuffer."""
+    return getattr(module, ELASTIC_BUFFER, None) is not None
+
+
+def _a32(n: int) -> int:
+    return _align(n, V2_TMA_ALIGN_BYTES)
+
+
+@dataclass(frozen=True)
+class ElasticSizes:
+    """``get_dispatch_buffer_size`` / ``get_combine_buffer_size`` and their 2 MiB-aligned maximum."""
+
+    dispatch: int
+    combine: int
+
+    @property
+    def total(self) -> int:
+        return _align(max(self.dispatch, self.combine), V2_BUFFER_ALIGNMENT)
+
+
+def ported_elastic_buffer_sizes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                                use_fp8_dispatch: bool = False, nvl_ranks: int | None = None,
+                                allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True) -> ElasticSizes:
+    """``calculate_buffer_size`` (deepseek-ai/DeepEP@dd758ca csrc/elastic/buffer.hpp:586-686), for planning without
+    DeepEP; ``elastic_buffer_size_hint`` calls the installed one. ``nvl_ranks``: NCCL's LSA team (the NVLink domain,
+    csrc/kernels/backend/nccl.cu:56-60), by default ``min(num_ranks, 8)``; the hybrid kernels run when it is smaller
+    than the group (one node otherwise). Per token, dispatch moves the hidden bytes, FP8's scale packs (an
+    "approximation": ``ceil(hidden/32)`` of them, :671-672) and ``12K+4`` bytes of routing, combine the BF16 row and
+    ``8K`` bytes, each rounded up to 32 bytes."""
+    R, N = num_ranks, num_max_tokens_per_rank
+    if N <= 0 or hidden <= 0:
+        raise ValueError("num_max_tokens_per_rank > 0 and hidden > 0")  # buffer.hpp:657
+    K = num_topk or V2_DEFAULT_SIZING_TOPK
+    elem, sf_packs = (1, -(-hidden // 32)) if use_fp8_dispatch else (2, 0)
+    token_d = _a32(hidden * elem) + _a32(4 * sf_packs) + _a32(12 * K + 4)
+    token_c = _a32(2 * hidden) + _a32(8 * K)
+    nvl = min(R, 8) if nvl_ranks is None else nvl_ranks
+    hybrid = allow_hybrid_mode and R > nvl
+    r_out, r_up = (R // nvl, nvl) if hybrid else (1, R)
+    in_nvl = r_up == nvl
+    mr = allow_multiple_reduction
+    if r_out == 1:
+        dispatch = token_d * N * ((0 if in_nvl else 1) + R)
+        combine = token_c * (0 if in_nvl else R) * N * (1 if mr else K) + token_c * (min(R, K) if mr else K) * N
+    else:
+        c = V2_HYBRID_CHANNEL_TOKENS
+        l_up, l_out = (min(r_up, K), min(r_out, K)) if mr else (K, K)
+        dispatch = token_d * (r_up * r_out * N + N + r_out * (N + c))
+        combine = token_c * l_up * r_out * N + token_c * l_out * N + token_c * (1 if mr else K) * r_out * (N + c)
+    return ElasticSizes(dispatch, combine)
+
+
+def elastic_buffer_size_hint(module: Any, group: Any, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
+                             use_fp8_dispatch: bool) -> int:
+    """``ElasticBuffer.get_buffer_size_hint`` of the installed DeepEP (it needs the group's NCCL communicator: the
+    LSA team size enters the result, elastic.py:380-406), else the port's."""
+    elastic = getattr(module, ELASTIC_BUFFER, None) if module is not None else None
+    if elastic is not None:
+        return int(elastic.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch))
+    size = group.size() if group is not None else 1
+    return ported_elastic_buffer_sizes(size, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).total

@@ -231,13 +231,6 @@ def _low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ra
     return vendor.ported_low_latency_rdma_size_hint(*(int(a) for a in args))
 
 
-class ElasticBuffer:
-    """``deep_ep.ElasticBuffer`` (V2, deep_ep/buffers/elastic.py): present for detection; not emulated."""
-
-    def __init__(self, group: Any, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("the fake does not emulate DeepEP V2's ElasticBuffer")
-
-
 # -- the Buffer -------------------------------------------------------------------------------------------------
 
 
@@ -1464,5 +1457,15 @@ def install_statics(cls: type) -> None:
 
 install_statics(Buffer)
 
-__all__ = ["Buffer", "Config", "ElasticBuffer", "EventHandle", "EventOverlap", "VendorCall", "install_statics",
+__all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "VendorCall", "install_statics",
            "topk_idx_t"]
+
+
+def __getattr__(name: str) -> Any:
+    """V2's ``ElasticBuffer`` and ``EPHandle`` (``deep_ep_elastic``), exported as DeepEP 2.x does; loaded on first use
+    (that module builds on this one)."""
+    if name in ("ElasticBuffer", "EPHandle"):
+        from . import deep_ep_elastic
+
+        return getattr(deep_ep_elastic, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

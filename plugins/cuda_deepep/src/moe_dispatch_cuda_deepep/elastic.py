@@ -1,0 +1,240 @@
+"""The ``cuda_deepep_v2`` backend: DeepEP V2's ``ElasticBuffer`` (DeepEP 2.x, deepseek-ai/DeepEP@dd758ca).
+
+    x ──codec (FP8: the core's per-128 cast; V2 moves (x, sf) as it is given)──▶ ElasticBuffer.dispatch(
+        do_expand=True, expert_alignment=1, do_cpu_sync=True) ──▶ rows per (token, local expert), grouped by
+        expert = PACKED, counts = EPHandle.num_unaligned_recv_tokens_per_expert
+    experts' unweighted rows ──× the row's weight (V2's combine applies none)──▶ ElasticBuffer.combine
+        (each token's local rows summed in fp32, one partial per rank, summed at home in fp32) ──▶ bf16 [T, H]
+
+A backend of its own rather than a version switch inside ``cuda_deepep``: V2 is another API (one buffer for every
+layer and both directions, on NCCL's device API instead of NVSHMEM, JIT kernels) with other limits (any hidden size
+that is a multiple of 256, top-32, 256 experts per rank, no fixed EP sizes) and another buffer size function, so
+its capabilities, plan and failure modes differ from V1's; an engine names the one it deploys, and the V1 adapter,
+audited four times, is left as it is. ``moe-dispatch explain`` says which DeepEP each can drive and why not.
+
+This first V2 backend drives normal mode only (the host waits for the counts: ``do_cpu_sync=True``). Not yet
+driven, each a later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's
+MASKED layout would cost a copy), ``expert_alignment`` > 1 for DeepGEMM's contiguous layout without its pad copy
+(needs a padded PACKED layout in the contract), events (``async_with_compute_stream``) for split phase, hybrid
+(multi-node) sizing checked against the vendor.
+
+One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
+current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.distributed.emulation import emulated_waits
+from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
+from moe_dispatch.output import DispatchOutput, group_list_from_counts, kept_routing
+
+from . import vendor
+
+B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
+N = md.Mode.NORMAL
+NAME = "cuda_deepep_v2"
+
+
+def capabilities(emulated: bool) -> md.Capabilities:
+    return md.Capabilities(
+        dtypes={N: frozenset({B, F8})},
+        fallbacks={(N, I8): md.Fallback(F8, "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element")},
+        rejections={F4: "DeepEP V2 moves pre-quantized rows with one 4-byte scale format; NVFP4 is not driven"},
+        default_dtype=F8,
+        devices=frozenset({"cpu"} if emulated else {"cuda"}),
+        limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK)},
+    )
+
+
+def _module(name: str) -> tuple[Any, str | None]:
+    """The DeepEP module and why it cannot drive V2 (None: it can)."""
+    try:
+        module = importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - DeepEP's import asserts on NCCL (deep_ep/__init__.py check_nccl_so)
+        return None, f"deep_ep does not import ({type(exc).__name__}: {exc}); {vendor.V2_INSTALL_HINT}"
+    if not vendor.has_elastic_buffer(module):
+        version = getattr(module, "__version__", "1.x")
+        return module, (f"DeepEP {version} has no ElasticBuffer (V2 is DeepEP 2.x, with NCCL >= "
+                        f"{'.'.join(map(str, vendor.V2_MIN_NCCL))}); backend 'cuda_deepep' drives its V1 Buffer")
+    return module, None
+
+
+class ElasticBuffers:
+    """This process's ``ElasticBuffer``s, one per process group, grown to the largest layer created."""
+
+    def __init__(self) -> None:
+        self._by_group: dict[int, Shared] = {}
+
+    def open(self, module: Any, group: Any, num_bytes: int, waits: Callable[[], ContextManager[Any]]) -> "Shared":
+        shared = self._by_group.get(id(group))
+        if shared is not None and shared.buffer is not None and shared.buffer.num_bytes >= num_bytes:
+            return shared
+        if shared is None:
+            shared = self._by_group[id(group)] = Shared(group)
+        with waits():
+            if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
+                shared.buffer.destroy()
+            shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(group, num_bytes=num_bytes, explicitly_destroy=True)
+        return shared
+
+    def close(self, timeout_s: float) -> None:
+        for shared in self._by_group.values():
+            if shared.buffer is not None:
+                shared.buffer.destroy()
+                shared.buffer = None
+        self._by_group.clear()
+
+
+@dataclass(eq=False)
+class Shared:
+    """One group's buffer, as every layer's dispatcher sees it (replaced in place when it grows)."""
+
+    group: Any
+    buffer: Any = None
+
+
+@dataclass(frozen=True)
+class ElasticHandle:
+    """What combine needs of one dispatch: DeepEP's handle and each received row's routing weight."""
+
+    vendor_handle: Any
+    weights: torch.Tensor  # fp32 [rows]: the weight of the (token, expert) pair each row is
+
+
+class DeepEPV2Backend(md.Backend):
+    name = NAME
+    description = ("DeepEP 2.x's V2 ElasticBuffer (NCCL device API): normal mode, rows per (token, expert), one "
+                   "buffer per group; DeepEP's V1 Buffer is backend 'cuda_deepep'")
+    install_hint = vendor.V2_INSTALL_HINT
+    engine_sizing = "DeepEP's own size formula with use_fp8_dispatch=False (what a BF16 wire needs)"
+
+    def __init__(self, vendor_module: str = vendor.REAL) -> None:
+        self.vendor_module = vendor_module
+        self._buffers = ElasticBuffers()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_buffers": ElasticBuffers()}  # each process its own buffers
+
+    @property
+    def capabilities(self) -> md.Capabilities:  # type: ignore[override]
+        return capabilities(self.vendor_module != vendor.REAL)
+
+    def probe(self) -> str | None:
+        module, why = _module(self.vendor_module)
+        if why is not None:
+            return why
+        if self.vendor_module == vendor.REAL and not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
+        super().check_spec(spec, world_size)
+        local = spec.num_experts // world_size
+        for ok, parameter, value, allowed in (
+            (world_size <= vendor.V2_MAX_RANKS, "world_size", world_size, f"1..{vendor.V2_MAX_RANKS}"),
+            (spec.num_experts <= vendor.V2_MAX_EXPERTS, "num_experts", spec.num_experts,
+             f"1..{vendor.V2_MAX_EXPERTS}"),
+            (local <= vendor.V2_MAX_EXPERTS_PER_RANK, "num_experts", spec.num_experts,
+             f"at most {vendor.V2_MAX_EXPERTS_PER_RANK} experts per rank ({vendor.V2_MAX_EXPERTS_PER_RANK * world_size}"
+             f" on {world_size} ranks)"),
+        ):
+            if not ok:
+                raise md.InvalidSpecError(f"backend {self.name!r}: DeepEP V2's workspace layout (layout.cuh:37-40) "
+                                          "does not take this", parameter=parameter, value=value, allowed=allowed)
+
+    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
+        fp8 = spec.output_dtype is F8
+        sizes = vendor.ported_elastic_buffer_sizes(world_size, spec.num_max_dispatch_tokens_per_rank,
+                                                   spec.hidden_size, spec.top_k, fp8)
+        return md.BufferSize(sizes.dispatch, sizes.combine, allocated_bytes=sizes.total,
+                             notes=("one ElasticBuffer per process group, shared by every layer: the largest layer's "
+                                    "size (plus DeepEP's ~14 MiB workspace per rank)",))
+
+    def agreement(self, ctx: md.DispatchContext) -> dict[str, Any]:
+        return {"elastic num_bytes": self._num_bytes(ctx)}
+
+    def _num_bytes(self, ctx: md.DispatchContext) -> int:
+        module, _ = _module(self.vendor_module)
+        spec = ctx.spec
+        return vendor.elastic_buffer_size_hint(module, ctx.comm.process_group, spec.num_max_dispatch_tokens_per_rank,
+                                               spec.hidden_size, spec.top_k, ctx.dtype is F8)
+
+    def create(self, ctx: md.DispatchContext) -> "ElasticDispatcher":
+        module, why = _module(self.vendor_module)
+        assert why is None, why  # probe() said so before create_dispatcher got here
+        group = ctx.comm.process_group
+        if group is None:
+            raise md.InvalidSpecError("DeepEP's ElasticBuffer runs on a torch.distributed process group",
+                                      parameter="group", value=None,
+                                      allowed="an initialized torch.distributed group (NCCL on a GPU)")
+        waits = emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
+        shared = self._buffers.open(module, group, self._num_bytes(ctx), waits)
+        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), waits)
+
+    def close(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Destroy this process's ElasticBuffers (a collective, like DeepEP's ``destroy()``: every rank, at the same
+        point); their dispatchers then refuse calls."""
+        self._buffers.close(check_timeout(timeout_s))
+
+
+@dataclass
+class ElasticDispatcher:
+    """One layer's dispatch and combine on its group's shared ``ElasticBuffer``."""
+
+    ctx: md.DispatchContext
+    shared: Shared
+    topk_idx_dtype: torch.dtype
+    waits: Callable[[], ContextManager[Any]]
+    spec: md.DispatchSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.spec = self.ctx.spec
+
+    def _buffer(self) -> Any:
+        if self.shared.buffer is None:
+            raise md.BackendUnavailableError(f"backend {NAME!r}: its ElasticBuffers were destroyed by close()",
+                                             parameter="backend", value=NAME, allowed="a dispatcher created after "
+                                             "the last close()")
+        return self.shared.buffer
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchOutput:
+        spec, ctx = self.spec, self.ctx
+        fp8 = ctx.dtype is F8
+        scale = None
+        if fp8:
+            q = ctx.codec.quantize(hidden_states)
+            x: Any = (q.data.contiguous(), q.scale.contiguous())
+        else:
+            x = hidden_states.to(torch.bfloat16).contiguous()
+        ids = topk_ids.to(self.topk_idx_dtype).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        with self.waits():
+            recv, _, recv_w, handle, _ = self._buffer().dispatch(
+                x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
+                num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=1,
+                do_cpu_sync=True, do_expand=True)
+        rows, scale = recv if fp8 else (recv, None)
+        counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+        return DispatchOutput(rows, scale, kept_routing(ids, topk_ids), kept_routing(weights, topk_weights),
+                              group_list_from_counts(counts, spec.group_list_type), spec.group_list_type,
+                              md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w), None)
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        h: ElasticHandle = dispatch_output.handle
+        # V2's combine sums what it is given (combine.cuh; refs.py:177-243): the weights are applied here, in fp32,
+        # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums.
+        weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
+        with self.waits():
+            combined, _, _ = self._buffer().combine(weighted, h.vendor_handle)
+        return combined
+
+
+__all__ = ["DeepEPV2Backend", "ElasticBuffers", "ElasticDispatcher", "NAME", "capabilities"]

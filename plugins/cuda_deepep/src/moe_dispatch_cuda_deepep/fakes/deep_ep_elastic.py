@@ -1,0 +1,368 @@
+"""DeepEP V2's ``ElasticBuffer`` and ``EPHandle`` (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/elastic.py,
+csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes.deep_ep`` exports them as the real
+``deep_ep`` 2.x does. docs/vendor-notes/deepep-v2-elasticbuffer.md is the reading behind every rule here.
+
+Emulated: the direct (one NVLink domain) kernels; ``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not,
+with ``expert_alignment`` and ``do_zero_padding``; ``combine`` of either layout with ``allow_multiple_reduction`` and
+no bias; ``destroy``; ``get_buffer_size_hint``. Not emulated, and refused with NotImplementedError rather than
+approximated: cached handles and no-sync calls (worst-case shapes), ``async_with_compute_stream`` and events,
+``previous_event*``, bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP.
+
+As strict as the vendor where the adapter could go wrong:
+- host asserts raise ``RuntimeError("Assertion exception (...): <cond>")`` with the C++ condition text; a JIT limit
+  (top-k over 32, a combine hidden size not a multiple of 256) raises the JIT's "NVCC compilation failed";
+- a device assert (a row naming one local expert twice, an expert id out of range) traps and loses the context;
+- rows within an expert, and received tokens within a source rank, arrive in an order the vendor does not fix
+  (``atomicAdd`` slots, dispatch.cuh:344-345, dispatch_copy_epilogue.cuh:120-121): the fake shuffles them per call;
+- padding rows of the expanded layout are garbage (NaN here) unless ``do_zero_padding``;
+- combine applies no weights: it sums what it is given (combine.cuh; refs.py:177-243), in the vendor's order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_dispatch.codecs import as_bytes, from_bytes
+from moe_dispatch.distributed.emulation import WatchedComm
+from moe_dispatch_cuda_deepep import vendor
+
+from ._native import check_context, device_assert, ep_assert, lose_context
+from .deep_ep import EventOverlap, _check_torch_deterministic, topk_idx_t
+
+_BUFFER_HPP = "csrc/elastic/buffer.hpp"
+_LAYOUT_CUH = "deep_ep/include/deep_ep/common/layout.cuh"
+_COMPILER_HPP = "csrc/jit/compiler.hpp"
+_COPY_EPILOGUE = "deep_ep/include/deep_ep/impls/dispatch_copy_epilogue.cuh"
+#: The emulated GPU's SM count (an H100), the upper bound of ``num_sms`` (buffer.hpp:979).
+DEVICE_SMS = vendor.H100_NUM_SMS
+
+
+def _jit_failure(what: str) -> RuntimeError:
+    """A compile-time limit: nvcc fails and the JIT asserts (csrc/jit/compiler.hpp:236-239)."""
+    return RuntimeError(f"NVCC compilation failed: {what}\nAssertion exception ({_COMPILER_HPP}): false and "
+                        f"\"NVCC compilation failed\"")
+
+
+class EPHandle:
+    """``deep_ep.EPHandle`` (elastic.py:25-98): a plain Python class holding one dispatch's layout for its combine."""
+
+    def __init__(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+class ElasticBuffer:
+    """``deep_ep.ElasticBuffer`` (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/elastic.py:228-367), direct kernels."""
+
+    def __init__(self, group: Any, num_bytes: int | None = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                 use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
+                 allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
+                 num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
+                 explicitly_destroy: bool = False) -> None:
+        check_context()
+        if num_cpu_bytes:
+            raise NotImplementedError("the fake does not emulate CPU-backed ElasticBuffers (num_cpu_bytes)")
+        if deterministic or not allow_multiple_reduction:
+            raise NotImplementedError("the fake emulates deterministic=False, allow_multiple_reduction=True")
+        self.rank_idx, self.num_ranks = group.rank(), group.size()
+        self.group = group
+        if num_bytes is None:  # _C.calculate_elastic_buffer_size (elastic.py:304-309; buffer.hpp:657)
+            ep_assert(num_max_tokens_per_rank > 0 and hidden > 0, "num_max_tokens_per_rank > 0 and hidden > 0",
+                      _BUFFER_HPP)
+            num_bytes = vendor.ported_elastic_buffer_sizes(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
+                                                           use_fp8_dispatch).total
+        ep_assert(num_bytes > 0 and num_bytes % vendor.V2_BUFFER_ALIGNMENT == 0,
+                  "num_buffer_bytes > 0 and num_buffer_bytes % symmetric::kNumAlignmentBytes == 0", _BUFFER_HPP)
+        self.num_bytes = int(num_bytes)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
+        self.num_allocated_qps = num_allocated_qps or 17  # non-hybrid default (elastic.py:328-335)
+        self.explicitly_destroy = explicitly_destroy
+        self._comm = WatchedComm(group)
+        self._calls = 0
+        self._destroyed = False
+        self._comm.barrier("ElasticBuffer")  # torch.cuda.synchronize(); group.barrier() (elastic.py:365-367)
+
+    @staticmethod
+    def get_buffer_size_hint(group: Any, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        ep_assert(num_max_tokens_per_rank > 0 and hidden > 0, "num_max_tokens_per_rank > 0 and hidden > 0",
+                  _BUFFER_HPP)
+        ep_assert(-(-hidden // 32) * 4 <= hidden, "ceil_div(hidden, 32) * 4 <= hidden", _BUFFER_HPP)
+        return vendor.ported_elastic_buffer_sizes(group.size(), num_max_tokens_per_rank, hidden, num_topk,
+                                                  use_fp8_dispatch, None, allow_hybrid_mode,
+                                                  allow_multiple_reduction).total
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        ep_assert(not self._destroyed, "not destroyed", _BUFFER_HPP)
+        self._comm.barrier("ElasticBuffer.destroy")  # barrier(true, true) (buffer.hpp:152-166)
+        self._destroyed = True
+
+    # -- dispatch -----------------------------------------------------------------------------------------------
+
+    def dispatch(self, x: Any, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None, num_experts: int | None = None,
+                 num_max_tokens_per_rank: int | None = None, expert_alignment: int | None = None, num_sms: int = 0,
+                 num_qps: int = 0, previous_event: Any = None, previous_event_before_epilogue: Any = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: EPHandle | None = None, do_handle_copy: bool = True, do_cpu_sync: bool | None = None,
+                 do_expand: bool = False, do_zero_padding: bool = False,
+                 use_tma_aligned_col_major_sf: bool = False) -> tuple:
+        check_context()
+        ep_assert(not self._destroyed, "not destroyed", _BUFFER_HPP)
+        _check_torch_deterministic()
+        if handle is not None or do_cpu_sync is False:
+            raise NotImplementedError("the fake does not emulate cached handles or no-sync dispatch")
+        if async_with_compute_stream or previous_event is not None or previous_event_before_epilogue is not None:
+            raise NotImplementedError("the fake does not emulate events (async_with_compute_stream, previous_event)")
+        if cumulative_local_expert_recv_stats is not None or use_tma_aligned_col_major_sf:
+            raise NotImplementedError("the fake does not emulate expert stats or TMA-aligned scale layouts")
+        if num_experts is None:
+            raise TypeError("dispatch(): incompatible function arguments (num_experts: None)")  # pybind, elastic.py:959
+        x, sf = x if isinstance(x, tuple) else (x, None)
+        R, rank = self.num_ranks, self.rank_idx
+        n_max = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        align = 1 if expert_alignment is None else expert_alignment
+        num_sms = num_sms or DEVICE_SMS
+        ep_assert(num_sms > 0, "num_sms > 0", _BUFFER_HPP)
+        ep_assert(not do_zero_padding or do_expand, "not do_zero_padding or do_expand", _BUFFER_HPP)
+        ep_assert(x.dim() == 2, "t.dim() == 2", "csrc/elastic/utils.hpp")
+        ep_assert(x.is_contiguous(), "x.is_cuda() and x.is_contiguous()", _BUFFER_HPP)
+        T, H = x.shape
+        ep_assert((H * x.element_size()) % vendor.V2_INT4_BYTES == 0,
+                  "(x.size(1) * x.element_size()) % sizeof(int4) == 0", _BUFFER_HPP)
+        ep_assert(T <= n_max, "num_tokens <= num_max_tokens_per_rank", _BUFFER_HPP)
+        if sf is not None:
+            ep_assert(sf.dim() == 2, "t.dim() == 2", "csrc/elastic/utils.hpp")
+            ep_assert(sf.shape[0] == T, "num_tokens == num_tokens_", _BUFFER_HPP)
+            ep_assert(sf.element_size() == 4, "sf->element_size() == sizeof(sf_pack_t)", _BUFFER_HPP)
+        ep_assert(topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[0] == T, "t.dim() == 2",
+                  _BUFFER_HPP)
+        ep_assert(topk_idx.dtype == topk_idx_t, "topk_idx.scalar_type() == c10::CppTypeToScalarType<topk_idx_t>::value",
+                  _BUFFER_HPP)
+        ep_assert(topk_idx.is_contiguous(), "topk_idx.is_cuda() and topk_idx.is_contiguous()", _BUFFER_HPP)
+        K = topk_idx.shape[1]
+        if topk_weights is not None:
+            ep_assert(topk_weights.dim() == 2 and topk_weights.shape[0] == T, "num_tokens == num_tokens__",
+                      _BUFFER_HPP)
+            ep_assert(topk_weights.is_contiguous(), "topk_weights.is_cuda() and topk_weights.is_contiguous()",
+                      _BUFFER_HPP)
+            if topk_weights.dtype != torch.float32:  # data_ptr<float>()
+                raise RuntimeError(f"expected scalar type Float but found {topk_weights.dtype}")
+        ep_assert(num_experts % R == 0, "num_experts % nccl_context->num_ranks == 0", _BUFFER_HPP)
+        sf_packs = 0 if sf is None else sf.shape[1]
+        need = _dispatch_bytes(R, n_max, H * x.element_size(), sf_packs, K)
+        ep_assert(need <= self.num_bytes, "get_dispatch_buffer_size(...) <= num_buffer_bytes", _BUFFER_HPP)
+        ep_assert((H * x.element_size()) % vendor.V2_TMA_ALIGN_BYTES == 0,
+                  "num_hidden_bytes % ptx::kNumTMAAlignBytes == 0", _LAYOUT_CUH)
+        local = num_experts // R
+        ep_assert(num_experts % R == 0 and R <= vendor.V2_MAX_RANKS and num_experts <= vendor.V2_MAX_EXPERTS
+                  and local <= vendor.V2_MAX_EXPERTS_PER_RANK,
+                  "num_experts % num_ranks == 0 and num_ranks <= kNumMaxRanks and num_experts <= kNumMaxExperts and "
+                  "num_experts_per_rank <= kNumMaxExpertsPerRank", _LAYOUT_CUH)
+        ep_assert(num_sms <= DEVICE_SMS, "num_sms <= jit::device_runtime->get_num_sms()", _BUFFER_HPP)
+        if K > vendor.V2_MAX_TOPK:
+            raise _jit_failure(f"kNumTopk <= {vendor.V2_MAX_TOPK} (deep_ep/include/deep_ep/impls/dispatch.cuh:93)")
+        if align < 1:
+            raise lose_context("dispatch.cuh:215: math::align by expert_alignment < 1")
+        ids = topk_idx.long()
+        device_assert(bool(((ids >= -1) & (ids < num_experts)).all()), "expert id in [-1, num_experts)",
+                      "dispatch.cuh")
+        self._calls += 1
+        return self._exchange(x, sf, ids, topk_weights, num_experts, n_max, align, num_sms, do_expand,
+                              do_zero_padding, topk_idx if not do_handle_copy else topk_idx.clone())
+
+    def _exchange(self, x: torch.Tensor, sf: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None,
+                  num_experts: int, n_max: int, align: int, num_sms: int, do_expand: bool, do_zero_padding: bool,
+                  handle_ids: torch.Tensor) -> tuple:
+        R, rank = self.num_ranks, self.rank_idx
+        T, H = x.shape
+        K = ids.shape[1]
+        local = num_experts // R
+        dest_of = torch.where(ids >= 0, torch.div(ids, local, rounding_mode="floor"), R)
+        in_rank = torch.zeros(T, R + 1, dtype=torch.bool).scatter_(1, dest_of, True)[:, :R]
+        # The sender deduplicates by rank (dispatch.cuh:103-106): one row per (token, destination rank).
+        pairs = in_rank.t().nonzero()
+        dest, token = pairs[:, 0], pairs[:, 1]
+        send_counts = in_rank.sum(0).tolist()
+        recv_counts = from_bytes(self._comm.all_to_all(as_bytes(torch.tensor(send_counts, dtype=torch.int64)
+                                                               .unsqueeze(1)), None, None, (("metadata", 8),)),
+                                 torch.int64).reshape(-1).tolist()
+        w = weights if weights is not None else torch.zeros(T, K)
+        columns = [as_bytes(x[token])] + ([as_bytes(sf[token].contiguous())] if sf is not None else [])
+        payload = sum(c.shape[1] for c in columns)
+        mine = (ids[token] >= 0) & (dest_of[token] == dest[:, None])
+        local_ids = torch.where(mine, ids[token] - dest[:, None] * local, -1)
+        src = (rank * n_max + token).to(torch.int32).unsqueeze(1)
+        meta = [as_bytes(local_ids.to(torch.int32)), as_bytes(w[token].float()), as_bytes(src)]
+        got = self._comm.all_to_all(torch.cat(columns + meta, dim=1), send_counts, recv_counts,
+                                    (("payload", payload), ("metadata", 8 * K + 4)))
+        width = H * x.element_size()
+        recv_x = from_bytes(got[:, :width], x.dtype)
+        recv_sf = from_bytes(got[:, width:payload], sf.dtype) if sf is not None else None
+        at = payload
+        recv_local = from_bytes(got[:, at:at + 4 * K], torch.int32).long()
+        recv_w = from_bytes(got[:, at + 4 * K:at + 8 * K], torch.float32)
+        recv_src = from_bytes(got[:, at + 8 * K:at + 8 * K + 4], torch.int32).reshape(-1)
+        # A row's dedup per rank must not hide a repeat: one local expert twice in a row traps (dispatch_copy_epilogue
+        # .cuh:107 EP_DEVICE_ASSERT(ptx::deduplicate(dst_expert_idx, lane_idx) or dst_expert_idx == -1)).
+        if recv_local.numel():
+            s = recv_local.sort(dim=1).values
+            device_assert(not bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()),
+                          "ptx::deduplicate(dst_expert_idx, lane_idx) or dst_expert_idx == -1", _COPY_EPILOGUE)
+        # Arrival order within a source rank is the senders' atomicAdd order: not fixed.
+        order = self._arrival_order(recv_counts)
+        recv_x, recv_local, recv_w, recv_src = recv_x[order], recv_local[order], recv_w[order], recv_src[order]
+        recv_sf = recv_sf[order] if recv_sf is not None else None
+        n_recv = recv_x.shape[0]
+        psum_rank = torch.tensor(recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        counts = torch.bincount(recv_local[recv_local >= 0], minlength=local)[:local]
+        aligned = -(-counts // align) * align
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), aligned.cumsum(0)[:-1]])
+        metadata = torch.full((n_recv, K + 2), -1, dtype=torch.int32)
+        metadata[:, 0] = recv_src
+        metadata[:, 1] = (recv_src // n_max) * K  # the master lane of the direct kernels: recorded, not used here
+        handle_fields = dict(do_expand=do_expand, num_experts=num_experts, expert_alignment=align,
+                             num_max_tokens_per_rank=n_max, num_sms=num_sms, topk_idx=handle_ids,
+                             num_recv_tokens=n_recv, psum_num_recv_tokens_per_scaleup_rank=psum_rank,
+                             num_unaligned_recv_tokens_per_expert=counts.to(torch.int32),
+                             num_recv_tokens_per_expert_list=aligned.tolist(), recv_src_metadata=metadata,
+                             dst_buffer_slot_idx=None, token_metadata_at_forward=None, channel_linked_list=None)
+        if not do_expand:
+            handle = EPHandle(num_expanded_tokens=0, psum_num_recv_tokens_per_expert=aligned.cumsum(0).to(torch.int32),
+                              **handle_fields)
+            out_ids = recv_local.to(topk_idx_t)
+            x_out = recv_x if sf is None else (recv_x, recv_sf)
+            return x_out, out_ids, (recv_w if weights is not None else None), handle, EventOverlap()
+        total = int(aligned.sum())
+        # Expand: one row per (token, local expert), each expert's rows at an aligned start, in atomicAdd order.
+        lanes = (recv_local >= 0).nonzero()
+        row_of, lane_of = lanes[:, 0], lanes[:, 1]
+        expert = recv_local[row_of, lane_of]
+        shuffle = torch.randperm(expert.numel(), generator=self._generator())
+        row_of, lane_of, expert = row_of[shuffle], lane_of[shuffle], expert[shuffle]
+        by_expert = torch.sort(expert, stable=True).indices
+        row_of, lane_of, expert = row_of[by_expert], lane_of[by_expert], expert[by_expert]
+        first = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)[:-1]])
+        out_row = starts[expert] + torch.arange(expert.numel()) - first[expert]
+        metadata[row_of, 2 + lane_of] = out_row.to(torch.int32)
+        fill = 0 if do_zero_padding else float("nan")
+        exp_x = _garbage(total, recv_x.shape[1], recv_x.dtype, fill)
+        exp_x[out_row] = recv_x[row_of]
+        exp_w = _garbage(total, None, torch.float32, fill)
+        exp_w[out_row] = recv_w[row_of, lane_of]
+        exp_sf = None
+        if recv_sf is not None:
+            exp_sf = _garbage(total, recv_sf.shape[1], recv_sf.dtype, fill)
+            exp_sf[out_row] = recv_sf[row_of]
+        handle = EPHandle(num_expanded_tokens=total, psum_num_recv_tokens_per_expert=(starts + counts).to(torch.int32),
+                          **handle_fields)
+        x_out = exp_x if recv_sf is None else (exp_x, exp_sf)
+        return x_out, None, (exp_w if weights is not None else None), handle, EventOverlap()
+
+    def _arrival_order(self, recv_counts: list[int]) -> torch.Tensor:
+        """Rows grouped by source rank, in rank order; within a rank in a per-call order (atomicAdd slots)."""
+        g, parts, start = self._generator(), [], 0
+        for n in recv_counts:
+            parts.append(start + torch.randperm(n, generator=g))
+            start += n
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def _generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(7919 * self._calls + self.rank_idx)
+
+    # -- combine ------------------------------------------------------------------------------------------------
+
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None, bias: Any = None,
+                num_sms: int = 0, num_qps: int = 0, previous_event: Any = None,
+                previous_event_before_epilogue: Any = None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False) -> tuple:
+        check_context()
+        ep_assert(not self._destroyed, "not destroyed", _BUFFER_HPP)
+        _check_torch_deterministic()
+        if bias is not None or topk_weights is not None:
+            raise NotImplementedError("the fake does not emulate combine's bias or routed-back weights")
+        if async_with_compute_stream or previous_event is not None or previous_event_before_epilogue is not None:
+            raise NotImplementedError("the fake does not emulate events (async_with_compute_stream, previous_event)")
+        num_sms = num_sms or handle.num_sms
+        ep_assert(num_sms > 0, "num_sms > 0", _BUFFER_HPP)
+        ep_assert(x.dim() == 2, "t.dim() == 2", "csrc/elastic/utils.hpp")
+        ep_assert(x.is_contiguous(), "x.is_cuda() and x.is_contiguous()", _BUFFER_HPP)
+        ep_assert(x.dtype == torch.bfloat16, "x.scalar_type() == torch::kBFloat16", _BUFFER_HPP)
+        H = x.shape[1]
+        ep_assert((H * 2) % vendor.V2_INT4_BYTES == 0, "hidden bytes % sizeof(int4) == 0", _BUFFER_HPP)
+        T, K = handle.topk_idx.shape
+        ep_assert(T <= handle.num_max_tokens_per_rank, "num_combined_tokens <= num_max_tokens_per_rank", _BUFFER_HPP)
+        meta = handle.recv_src_metadata
+        if not handle.do_expand:
+            ep_assert(x.shape[0] == meta.shape[0], "num_reduced_tokens == num_tokens", _BUFFER_HPP)
+        if H % vendor.V2_COMBINE_HIDDEN_MULTIPLE:
+            raise _jit_failure(f"kHidden % {vendor.V2_COMBINE_HIDDEN_MULTIPLE} == 0 \"Invalid hidden\" "
+                               "(deep_ep/include/deep_ep/impls/combine.cuh:109)")
+        if K > vendor.V2_MAX_TOPK:
+            raise _jit_failure(f"kNumTopk <= {vendor.V2_MAX_TOPK}")
+        # Each received row's partial: expanded rows summed in fp32 in ascending lane order, rounded once (a single
+        # row as it is); not expanded: the caller's row (combine.cuh:125-176).
+        if handle.do_expand:
+            lanes = meta[:, 2:].long()
+            valid = lanes >= 0
+            partial = torch.zeros(meta.shape[0], H, dtype=torch.float32)
+            for k in range(K):
+                rows = lanes[:, k]
+                take = valid[:, k]
+                partial[take] += x[rows[take]].float()
+            partial = partial.to(torch.bfloat16)
+        else:
+            partial = x
+        src = meta[:, 0].long()
+        src_rank, src_token = torch.div(src, handle.num_max_tokens_per_rank, rounding_mode="floor"), \
+            src % handle.num_max_tokens_per_rank
+        R = self.num_ranks
+        order = torch.argsort(src_rank, stable=True)
+        back_counts = torch.bincount(src_rank, minlength=R).tolist()
+        rows = torch.cat([as_bytes(partial[order]), as_bytes(src_token[order].to(torch.int32).unsqueeze(1))], 1)
+        mine = from_bytes(self._comm.all_to_all(as_bytes(torch.tensor(back_counts, dtype=torch.int64).unsqueeze(1)),
+                                                None, None, (("metadata", 8),)), torch.int64).reshape(-1).tolist()
+        got = self._comm.all_to_all(rows, back_counts, mine, (("combine", 2 * H), ("metadata", 4)))
+        parts = from_bytes(got[:, :2 * H], torch.bfloat16)
+        tokens = from_bytes(got[:, 2 * H:], torch.int32).reshape(-1).long()
+        from_rank = torch.repeat_interleave(torch.arange(R), torch.tensor(mine, dtype=torch.long))
+        # Home reduction: fp32, one partial per destination rank, ranks in ascending order of the last top-k lane
+        # that points at them (ptx::deduplicate keeps the highest lane; combine_utils.cuh:41-53), one rounding.
+        ids = handle.topk_idx.long()
+        local = handle.num_experts // R
+        dest = torch.where(ids >= 0, torch.div(ids, local, rounding_mode="floor"), -1)
+        lane = torch.arange(K).expand(T, K)
+        last_lane = torch.full((T, R), -1, dtype=torch.long)
+        for k in range(K):
+            ok = dest[:, k] >= 0
+            last_lane[ok, dest[ok, k]] = lane[ok, k]
+        key = last_lane[tokens, from_rank]
+        order = torch.argsort(key, stable=True)  # CPU index_add_ adds in index order: the vendor's order per token
+        out = torch.zeros(T, H, dtype=torch.float32).index_add_(0, tokens[order], parts[order].float())
+        return out.to(torch.bfloat16), None, EventOverlap()
+
+
+def _dispatch_bytes(num_ranks: int, n_max: int, hidden_bytes: int, sf_packs: int, num_topk: int) -> int:
+    """``get_dispatch_buffer_size`` of the direct kernels with the call's real arguments (buffer.hpp:963-966)."""
+    token = (-(-hidden_bytes // 32) * 32) + (-(-4 * sf_packs // 32) * 32) + (-(-(12 * num_topk + 4) // 32) * 32)
+    return token * n_max * num_ranks
+
+
+def _garbage(rows: int, width: int | None, dtype: torch.dtype, fill: float) -> torch.Tensor:
+    """``torch.empty`` rows: NaN where the dtype has it (what padding rows may hold), or zeros with zero padding."""
+    shape = (rows,) if width is None else (rows, width)
+    if fill == 0 or not dtype.is_floating_point or dtype.itemsize == 1:
+        out = torch.zeros(shape, dtype=dtype if dtype.itemsize != 1 else torch.uint8)
+        if fill != 0 and dtype.itemsize == 1:
+            out.fill_(0x7F)  # e4m3 NaN bits
+        return out.view(dtype) if dtype.itemsize == 1 else out
+    return torch.full(shape, fill, dtype=dtype)
+
+
+__all__ = ["EPHandle", "ElasticBuffer"]

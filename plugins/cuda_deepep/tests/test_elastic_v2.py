@@ -1,0 +1,189 @@
+"""The ``cuda_deepep_v2`` backend (DeepEP 2.x's ElasticBuffer) and its fake (fakes/deep_ep_elastic.py), issue 18.
+
+The kit runs on the fake at 2 and 4 ranks (test_conformance.py); here: the size formula against DeepEP's numbers,
+the fake refusing what DeepEP refuses, the expanded layout's order not being fixed, the shared buffer growing and
+closing, and the limits and the API named at creation and in ``explain``."""
+
+import json
+
+import pytest
+import torch
+
+import moe_dispatch as md
+from moe_dispatch.cli.main import main as cli_main
+from moe_dispatch_cuda_deepep import vendor
+from moe_dispatch_cuda_deepep.elastic import NAME, DeepEPV2Backend
+from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_V1_TOPK9
+
+
+# -- sizes -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks,tokens,hidden,topk,fp8,expected", [
+    # deepseek-ai/DeepEP@dd758ca csrc/elastic/buffer.hpp:586-686, direct kernels on one NVLink domain: dispatch
+    # 14464 B/token · 4096 · 8 ranks = 473,956,352 (exactly 226 × 2 MiB); combine 14400 · 8 · 4096 is smaller.
+    (8, 4096, 7168, 8, False, 473_956_352),
+    (1, 256, 2048, 8, False, 2 << 20),  # 1,081,344 B rounded up to the 2 MiB alignment
+    (8, 4096, 7168, 0, False, 484_442_112),  # num_topk=0 sizes for top-32 (buffer.hpp:663)
+])
+def test_the_ported_size_formula_gives_deepeps_numbers(ranks, tokens, hidden, topk, fp8, expected):
+    assert vendor.ported_elastic_buffer_sizes(ranks, tokens, hidden, topk, fp8).total == expected
+    assert expected % vendor.V2_BUFFER_ALIGNMENT == 0
+
+
+def test_fp8_rows_shrink_dispatch_not_combine():
+    bf16 = vendor.ported_elastic_buffer_sizes(8, 4096, 7168, 8, False)
+    fp8 = vendor.ported_elastic_buffer_sizes(8, 4096, 7168, 8, True)
+    assert fp8.dispatch < bf16.dispatch and fp8.combine == bf16.combine
+
+
+# -- the fake on ranks -------------------------------------------------------------------------------------------
+
+
+def _fake_buffer(num_bytes: int = 2 << 20):  # type: ignore[no-untyped-def]
+    from moe_dispatch_cuda_deepep.fakes.deep_ep import ElasticBuffer
+
+    return ElasticBuffer(torch.distributed.group.WORLD, num_bytes=num_bytes, explicitly_destroy=True)
+
+
+def _routing(rank: int, tokens: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, k, generator=g)
+
+
+def _expanded_twice(rank, world):  # type: ignore[no-untyped-def]
+    """Two identical expanded dispatches: each expert's rows, as sets and in the order they came."""
+    buf = _fake_buffer()
+    x, ids, w = _routing(rank, 16, 4 * world, 2)
+    seen = []
+    for _ in range(2):
+        recv, none, recv_w, handle, _ = buf.dispatch(x, topk_idx=ids, topk_weights=w, num_experts=4 * world,
+                                                     num_max_tokens_per_rank=16, do_expand=True)
+        counts = handle.num_unaligned_recv_tokens_per_expert.tolist()
+        starts = [sum(counts[:e]) for e in range(len(counts))]
+        seen.append([recv[s:s + c].float().sum(1).tolist() for s, c in zip(starts, counts)])
+        assert none is None and recv.shape[0] == sum(counts) == recv_w.shape[0]
+    buf.destroy()
+    return seen
+
+
+def test_expanded_rows_are_grouped_by_expert_in_no_fixed_order(moe_rank_pools):
+    """DeepEP places a row by ``atomicAdd`` (dispatch_copy_epilogue.cuh:120-121): an adapter must not rely on the
+    order within an expert, so the fake changes it from call to call; the rows themselves are the same."""
+    reordered = False
+    for first, second in moe_rank_pools.get(2).map(_expanded_twice):
+        for a, b in zip(first, second):
+            assert sorted(a) == sorted(b)
+            reordered |= a != b
+    assert reordered
+
+
+def _refusals(rank, world):  # type: ignore[no-untyped-def]
+    from moe_dispatch_cuda_deepep.fakes import _native
+
+    out = {}
+    try:
+        _fake_buffer(3 << 20)
+    except RuntimeError as exc:
+        out["unaligned"] = str(exc)
+    buf = _fake_buffer()
+    x, ids, w = _routing(rank, 8, 4 * world, 2)
+    try:
+        buf.dispatch(x, topk_idx=ids.to(torch.int32), topk_weights=w, num_experts=4 * world,
+                     num_max_tokens_per_rank=8, do_expand=True)
+    except RuntimeError as exc:
+        out["int32 ids"] = str(exc)
+    recv, _, _, handle, _ = buf.dispatch(x[:, :128].contiguous(), topk_idx=ids, topk_weights=w,
+                                         num_experts=4 * world, num_max_tokens_per_rank=8, do_expand=True)
+    try:
+        buf.combine(recv, handle)
+    except RuntimeError as exc:
+        out["hidden 128"] = str(exc)
+    twice = ids.clone()
+    twice[0, 1] = twice[0, 0]
+    try:
+        buf.dispatch(x, topk_idx=twice, topk_weights=w, num_experts=4 * world, num_max_tokens_per_rank=8,
+                     do_expand=True)
+    except RuntimeError as exc:
+        out["repeat"] = str(exc)
+    try:
+        _fake_buffer()
+    except RuntimeError as exc:
+        out["after a trap"] = str(exc)
+    _native.reset_context()
+    return out
+
+
+def test_the_fake_refuses_what_deepep_refuses(moe_rank_pools):
+    for out in moe_rank_pools.get(2).map(_refusals):
+        assert "kNumAlignmentBytes" in out["unaligned"]  # buffer.hpp:98
+        assert "topk_idx_t" in out["int32 ids"]  # buffer.hpp:775-778
+        assert "NVCC compilation failed" in out["hidden 128"]  # combine.cuh:109, a JIT compile error
+        assert "unspecified launch failure" in out["repeat"]  # a device assert traps (dispatch_copy_epilogue.cuh:107)
+        assert "context was lost" in out["after a trap"]  # and the process's context is gone
+
+
+# -- the adapter -------------------------------------------------------------------------------------------------
+
+
+def _spec(**kw):  # type: ignore[no-untyped-def]
+    base = dict(hidden_size=512, num_experts=8, top_k=2, num_max_dispatch_tokens_per_rank=16, output_dtype="bf16")
+    return md.DispatchSpec(**{**base, **kw})
+
+
+@pytest.mark.parametrize("change,parameter", [
+    (dict(hidden_size=640), "hidden_size"),  # combine needs a multiple of 256
+    (dict(top_k=33, num_experts=64), "top_k"),  # kNumTopk <= 32
+    (dict(num_experts=512), "num_experts"),  # at most 256 experts per rank (layout.cuh:37-40)
+])
+def test_limits_are_refused_at_creation_with_the_parameter(change, parameter):
+    with pytest.raises(md.InvalidSpecError) as err:
+        DeepEPV2Backend(vendor_module=EMULATOR).check_spec(_spec(**change), 1)
+    assert err.value.parameter == parameter
+
+
+def test_a_deepep_without_elasticbuffer_names_the_v1_backend():
+    why = DeepEPV2Backend(vendor_module=EMULATOR_V1_TOPK9).probe()
+    assert why is not None and "no ElasticBuffer" in why and "'cuda_deepep'" in why
+    assert DeepEPV2Backend(vendor_module=EMULATOR).probe() is None
+
+
+def _round_trip(d: md.Dispatcher, rank: int) -> float:
+    x, ids, w = _routing(rank, 8, 8, 2)
+    x = x.repeat(1, d.spec.hidden_size // 256)
+    out = d.dispatch(x, ids, w)
+    y = d.combine(out.hidden_states, out)  # identity experts: Σ_k w_k · x
+    want = x.float() * w.sum(1, keepdim=True)
+    return float((y.float() - want).norm() / want.norm())
+
+
+def _two_layers_then_close(rank, world):  # type: ignore[no-untyped-def]
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    small = md.create_dispatcher(backend, _spec(num_max_dispatch_tokens_per_rank=8), env={})
+    first = backend._buffers._by_group[id(torch.distributed.group.WORLD)].buffer.num_bytes
+    large = md.create_dispatcher(backend, _spec(num_max_dispatch_tokens_per_rank=4096), env={})
+    shared = backend._buffers._by_group[id(torch.distributed.group.WORLD)]
+    errors = (_round_trip(small, rank), _round_trip(large, rank))
+    grown = shared.buffer.num_bytes
+    backend.close()
+    try:
+        _round_trip(small, rank)
+        refused = None
+    except md.MoEDispatchError as exc:
+        refused = type(exc).__name__
+    return first, grown, errors, refused
+
+
+def test_layers_share_one_buffer_grown_to_the_largest_and_close_ends_them(moe_rank_pools):
+    for first, grown, errors, refused in moe_rank_pools.get(2).map(_two_layers_then_close):
+        assert grown > first  # the 4096-token layer replaced the buffer; the 8-token layer uses the new one
+        assert max(errors) < 1e-2, errors
+        assert refused == "BackendUnavailableError"
+
+
+def test_explain_names_the_deepep_api(capsys):
+    for name, api in ((NAME, "V2 ElasticBuffer"), ("cuda_deepep", "V1 Buffer")):
+        assert cli_main(["explain", "--backend", name, "--json"]) == 0
+        assert api in json.loads(capsys.readouterr().out)["backend_description"]
