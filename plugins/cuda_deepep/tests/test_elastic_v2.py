@@ -187,3 +187,85 @@ def test_explain_names_the_deepep_api(capsys):
     for name, api in ((NAME, "V2 ElasticBuffer"), ("cuda_deepep", "V1 Buffer")):
         assert cli_main(["explain", "--backend", name, "--json"]) == 0
         assert api in json.loads(capsys.readouterr().out)["backend_description"]
+
+
+def _combine_past_the_buffer(rank, world):  # type: ignore[no-untyped-def]
+    """FP8 rows: a 2 MiB buffer holds N=2048 tokens' dispatch (640 B each, ×2 ranks) but not their combine (BF16
+    rows, 1088 B × min(R, K)): DeepEP checks combine's own size (buffer.hpp:1253-1256; audit S1)."""
+    buf = _fake_buffer()
+    x, ids, w = _routing(rank, 8, 4 * world, 2)
+    q = (x.to(torch.float8_e4m3fn), torch.ones(8, 2))
+    recv, _, _, handle, _ = buf.dispatch(q, topk_idx=ids, topk_weights=w, num_experts=4 * world,
+                                         num_max_tokens_per_rank=2048, do_expand=True)
+    try:
+        buf.combine(torch.zeros(recv[0].shape, dtype=torch.bfloat16), handle)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_combine_checks_its_own_buffer_size(moe_rank_pools):
+    for error in moe_rank_pools.get(2).map(_combine_past_the_buffer):
+        assert error and "get_combine_buffer_size(...) <= num_buffer_bytes" in error
+
+
+def _order_of_first_calls(rank, world):  # type: ignore[no-untyped-def]
+    """What ``create`` does on the group before DeepEP first sees it (a collective, then the hint, then the buffer)."""
+    import torch.distributed as dist
+
+    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
+
+    seen: list[str] = []
+    real_reduce, real_hint = dist.all_reduce, deep_ep_elastic.ElasticBuffer.get_buffer_size_hint
+    dist.all_reduce = lambda *a, **k: (seen.append("collective"), real_reduce(*a, **k))[1]
+    deep_ep_elastic.ElasticBuffer.get_buffer_size_hint = staticmethod(
+        lambda *a, **k: (seen.append("deepep hint"), real_hint(*a, **k))[1])
+    try:
+        backend = DeepEPV2Backend(vendor_module=EMULATOR)
+        md.create_dispatcher(backend, _spec(), env={})
+        backend.close()
+    finally:
+        dist.all_reduce, deep_ep_elastic.ElasticBuffer.get_buffer_size_hint = real_reduce, staticmethod(real_hint)
+    return seen
+
+
+def test_deepep_is_called_only_after_a_collective_on_the_group(moe_rank_pools):
+    """DeepEP wraps the group's NCCL communicator, which PyTorch creates at the group's first collective; a DeepEP
+    call before it caches a null one and crashes (DeepEP #726; audit W1). The creation agreement uses the port."""
+    for seen in moe_rank_pools.get(2).map(_order_of_first_calls):
+        assert seen[:2] == ["collective", "deepep hint"], seen
+
+
+def _without_gin(rank, world):  # type: ignore[no-untyped-def]
+    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
+
+    deep_ep_elastic.EMULATED_NETWORK_HAS_GIN = False
+    try:
+        md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR), _spec(), env={})
+    except md.BackendUnavailableError as exc:
+        return exc.parameter, str(exc)
+    finally:
+        deep_ep_elastic.EMULATED_NETWORK_HAS_GIN = True
+    return None
+
+
+def test_a_network_without_gin_names_ep_disable_gin(moe_rank_pools):
+    """On NVLink-only nodes DeepEP's constructor asserts "NCCL GIN is unavailable" unless EP_DISABLE_GIN=1 (DeepEP
+    #629/#630; audit R2): the adapter says so."""
+    for parameter, message in moe_rank_pools.get(2).map(_without_gin):
+        assert parameter == "EP_DISABLE_GIN" and "EP_DISABLE_GIN=1" in message
+
+
+def test_past_one_nvlink_domain_and_in_deterministic_mode_it_refuses_at_creation():
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    with pytest.raises(md.InvalidSpecError) as err:
+        backend.check_spec(_spec(num_experts=16), 16)  # hybrid kernels: not run anywhere yet (audit R1)
+    assert err.value.parameter == "world_size"
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(md.InvalidSpecError) as err:
+            backend._check_torch_flags()  # DeepEP asserts in every call otherwise (audit R3)
+        assert err.value.parameter == "torch.use_deterministic_algorithms"
+    finally:
+        torch.use_deterministic_algorithms(False)
+

@@ -25,6 +25,7 @@ current one replaces it (a collective, at creation, in the same order on every r
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -49,7 +50,8 @@ def capabilities(emulated: bool) -> md.Capabilities:
         rejections={F4: "DeepEP V2 moves pre-quantized rows with one 4-byte scale format; NVFP4 is not driven"},
         default_dtype=F8,
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
-        limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK)},
+        limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
+                             world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))},
     )
 
 
@@ -72,7 +74,11 @@ class ElasticBuffers:
     def __init__(self) -> None:
         self._by_group: dict[int, Shared] = {}
 
-    def open(self, module: Any, group: Any, num_bytes: int, waits: Callable[[], ContextManager[Any]]) -> "Shared":
+    def open(self, module: Any, group: Any, num_bytes: int, timeout_s: float,
+             waits: Callable[[], ContextManager[Any]]) -> "Shared":
+        """The group's buffer, made (or replaced by a larger one) when ``num_bytes`` exceeds it. DeepEP's host wait
+        for the counts gives up after ``num_cpu_timeout_secs`` ("Dispatch CPU wait", buffer.hpp:1063): the creating
+        dispatcher's ``timeout_s``, so a peer that never dispatches ends in an error, not a hang."""
         shared = self._by_group.get(id(group))
         if shared is not None and shared.buffer is not None and shared.buffer.num_bytes >= num_bytes:
             return shared
@@ -81,7 +87,8 @@ class ElasticBuffers:
         with waits():
             if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
                 shared.buffer.destroy()
-            shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(group, num_bytes=num_bytes, explicitly_destroy=True)
+            shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(
+                group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True)
         return shared
 
     def close(self, timeout_s: float) -> None:
@@ -135,10 +142,14 @@ class DeepEPV2Backend(md.Backend):
         return None
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
+        if world_size > vendor.V2_DIRECT_MAX_RANKS:  # before the generic EP-size refusal: say why
+            raise md.InvalidSpecError(
+                f"backend {self.name!r} drives DeepEP V2's direct kernels, within one NVLink domain; past it DeepEP "
+                "switches to hybrid kernels that no run here has checked (issue 18)", parameter="world_size",
+                value=world_size, allowed=f"1..{vendor.V2_DIRECT_MAX_RANKS}")
         super().check_spec(spec, world_size)
         local = spec.num_experts // world_size
         for ok, parameter, value, allowed in (
-            (world_size <= vendor.V2_MAX_RANKS, "world_size", world_size, f"1..{vendor.V2_MAX_RANKS}"),
             (spec.num_experts <= vendor.V2_MAX_EXPERTS, "num_experts", spec.num_experts,
              f"1..{vendor.V2_MAX_EXPERTS}"),
             (local <= vendor.V2_MAX_EXPERTS_PER_RANK, "num_experts", spec.num_experts,
@@ -158,13 +169,12 @@ class DeepEPV2Backend(md.Backend):
                                     "size (plus DeepEP's ~14 MiB workspace per rank)",))
 
     def agreement(self, ctx: md.DispatchContext) -> dict[str, Any]:
-        return {"elastic num_bytes": self._num_bytes(ctx)}
-
-    def _num_bytes(self, ctx: md.DispatchContext) -> int:
-        module, _ = _module(self.vendor_module)
+        """The planned size, from the port: DeepEP's own hint wraps the group's NCCL communicator, which PyTorch
+        creates lazily, and a DeepEP call before the group's first collective caches a null one and crashes
+        (DeepEP #726; audit W1). ``create`` calls DeepEP only after a collective."""
         spec = ctx.spec
-        return vendor.elastic_buffer_size_hint(module, ctx.comm.process_group, spec.num_max_dispatch_tokens_per_rank,
-                                               spec.hidden_size, spec.top_k, ctx.dtype is F8)
+        return {"elastic num_bytes": vendor.ported_elastic_buffer_sizes(
+            ctx.world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, ctx.dtype is F8).total}
 
     def create(self, ctx: md.DispatchContext) -> "ElasticDispatcher":
         module, why = _module(self.vendor_module)
@@ -174,9 +184,34 @@ class DeepEPV2Backend(md.Backend):
             raise md.InvalidSpecError("DeepEP's ElasticBuffer runs on a torch.distributed process group",
                                       parameter="group", value=None,
                                       allowed="an initialized torch.distributed group (NCCL on a GPU)")
+        self._check_torch_flags()
+        # A collective on the group's own device first: PyTorch creates an NCCL communicator at its first collective,
+        # and DeepEP must not see it before (DeepEP #726: a null ncclComm_t, then a segfault in ncclTeamWorld).
+        torch.distributed.all_reduce(torch.zeros(1, device=ctx.device), group=group)
+        spec = ctx.spec
         waits = emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
-        shared = self._buffers.open(module, group, self._num_bytes(ctx), waits)
-        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), waits)
+        num_bytes = vendor.elastic_buffer_size_hint(module, group, spec.num_max_dispatch_tokens_per_rank,
+                                                    spec.hidden_size, spec.top_k, ctx.dtype is F8)
+        try:
+            shared = self._buffers.open(module, group, num_bytes, ctx.comm.watch.timeout_s, waits)
+        except RuntimeError as exc:
+            if vendor.V2_GIN_UNAVAILABLE not in str(exc):
+                raise
+            raise md.BackendUnavailableError(
+                "DeepEP's ElasticBuffer found no NCCL GIN on this network (nccl.cu:86-99); on one NVLink domain set "
+                f"{vendor.EP_DISABLE_GIN}=1 before creating it (DeepEP #629/#630)", parameter=vendor.EP_DISABLE_GIN,
+                value=None, allowed="1 on NVLink-only nodes, or a network with GIN") from exc
+        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), waits,
+                                 int(ctx.options.get("num_sms", 0)))
+
+    @staticmethod
+    def _check_torch_flags() -> None:
+        """Every V2 call asserts that torch does not both use deterministic algorithms and fill uninitialized memory
+        (deep_ep/utils/envs.py:183-189 ``check_torch_deterministic``): refused here with the fix, not a bare assert."""
+        if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+            raise md.InvalidSpecError("DeepEP 2.x refuses to run while torch fills uninitialized memory (deterministic "
+                                      "mode)", parameter="torch.use_deterministic_algorithms", value=True,
+                                      allowed="False, or torch.utils.deterministic.fill_uninitialized_memory = False")
 
     def close(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Destroy this process's ElasticBuffers (a collective, like DeepEP's ``destroy()``: every rank, at the same
@@ -192,6 +227,9 @@ class ElasticDispatcher:
     shared: Shared
     topk_idx_dtype: torch.dtype
     waits: Callable[[], ContextManager[Any]]
+    #: ``options["num_sms"]``: the SMs DeepEP's kernels take; 0, DeepEP's own pick (``get_theoretical_num_sms``, which
+    #: falls to 4 where ``nvidia-smi nvlink -s`` cannot be read: audit R6).
+    num_sms: int = 0
     spec: md.DispatchSpec = field(init=False)
 
     def __post_init__(self) -> None:
@@ -220,7 +258,7 @@ class ElasticDispatcher:
             recv, _, recv_w, handle, _ = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
                 num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=1,
-                do_cpu_sync=True, do_expand=True)
+                num_sms=self.num_sms, do_cpu_sync=True, do_expand=True)
         rows, scale = recv if fp8 else (recv, None)
         counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
         return DispatchOutput(rows, scale, kept_routing(ids, topk_ids), kept_routing(weights, topk_weights),

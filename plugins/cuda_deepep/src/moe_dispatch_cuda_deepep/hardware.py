@@ -516,7 +516,8 @@ def _probe_main(argv: list[str]) -> int:
         module, device = importlib.import_module(vendor.EMULATOR), torch.device("cpu")
     else:
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))  # the communicator made now (DeepEP #726)
         module, device = importlib.import_module(vendor.REAL), torch.device("cuda")
     print(_outcome(lambda: _PROBES[args.probe](module, dist.group.WORLD, device)), flush=True)
     return 0

@@ -1458,9 +1458,19 @@ V2_INT4_BYTES = 16
 #: README.md:70 "NCCL 2.30.4 and above": the device API (``ncclDevCommCreate``, GIN) DeepEP 2.x builds against. No
 #: code compares versions; a DeepEP built against older headers does not build (docs/hardware-runs.md, 2026-11-23).
 V2_MIN_NCCL = (2, 30, 4)
-V2_INSTALL_HINT = ("DeepEP 2.x builds from source (https://github.com/deepseek-ai/DeepEP, `pip install "
-                   "--no-build-isolation .`) on a CUDA machine with NCCL >= 2.30.4 (`pip install "
-                   "'nvidia-nccl-cu13>=2.30.4'`, README.md:70-79) and the same libnccl loaded by torch")
+V2_INSTALL_HINT = ("DeepEP 2.x builds from source (https://github.com/deepseek-ai/DeepEP: install.sh, or `python "
+                   "setup.py install`; README.md:64-107) on an SM90 CUDA machine with nvcc >= 12.3 at run time (JIT), "
+                   "torch >= 2.10, NVSHMEM, and NCCL >= 2.30.4 (`pip install 'nvidia-nccl-cu13>=2.30.4'`, "
+                   "README.md:70-79) that is the libnccl torch loads (else `import deep_ep` asserts; "
+                   "EP_SUPPRESS_NCCL_CHECK=1 skips that check)")
+#: csrc/kernels/backend/nccl.cu:86-99: with more than one rank the constructor asks NCCL for GIN and asserts
+#: "NCCL GIN is unavailable..." when the network has none; on one NVLink domain ``EP_DISABLE_GIN=1`` skips it
+#: (DeepEP #629/#630; README.md:343).
+V2_GIN_UNAVAILABLE = "NCCL GIN is unavailable"
+EP_DISABLE_GIN = "EP_DISABLE_GIN"
+#: The direct kernels run within one NVLink (NCCL LSA) domain, 8 GPUs on the H100/H200 nodes; past it DeepEP switches
+#: to its hybrid kernels (csrc/kernels/backend/nccl.cu:116-125), whose sizing and reduction nothing here has run.
+V2_DIRECT_MAX_RANKS = 8
 #: The hybrid kernels' channel slack in the size formula: ``8 * 160`` (csrc/elastic/buffer.hpp:57-59).
 V2_HYBRID_CHANNEL_TOKENS = 1280
 #: ``calculate_buffer_size`` sizes for top-32 when ``num_topk`` is 0 (csrc/elastic/buffer.hpp:663).

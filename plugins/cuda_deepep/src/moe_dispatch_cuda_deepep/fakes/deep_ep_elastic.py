@@ -2,11 +2,13 @@
 csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes.deep_ep`` exports them as the real
 ``deep_ep`` 2.x does. docs/vendor-notes/deepep-v2-elasticbuffer.md is the reading behind every rule here.
 
-Emulated: the direct (one NVLink domain) kernels; ``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not,
+Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated); ``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not,
 with ``expert_alignment`` and ``do_zero_padding``; ``combine`` of either layout with ``allow_multiple_reduction`` and
 no bias; ``destroy``; ``get_buffer_size_hint``. Not emulated, and refused with NotImplementedError rather than
 approximated: cached handles and no-sync calls (worst-case shapes), ``async_with_compute_stream`` and events,
-``previous_event*``, bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP.
+``previous_event*``, bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not emulated: PyTorch's
+lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective (DeepEP #726): the
+fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its own.
 
 As strict as the vendor where the adapter could go wrong:
 - host asserts raise ``RuntimeError("Assertion exception (...): <cond>")`` with the C++ condition text; a JIT limit
@@ -20,6 +22,7 @@ As strict as the vendor where the adapter could go wrong:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -37,6 +40,11 @@ _COMPILER_HPP = "csrc/jit/compiler.hpp"
 _COPY_EPILOGUE = "deep_ep/include/deep_ep/impls/dispatch_copy_epilogue.cuh"
 #: The emulated GPU's SM count (an H100), the upper bound of ``num_sms`` (buffer.hpp:979).
 DEVICE_SMS = vendor.H100_NUM_SMS
+#: The emulated node's NVLink (NCCL LSA) domain: the direct kernels' reach.
+NVLINK_DOMAIN = vendor.V2_DIRECT_MAX_RANKS
+#: Whether the emulated network offers NCCL GIN; False emulates an NVLink-only node (DeepEP #629).
+EMULATED_NETWORK_HAS_GIN = True
+_NCCL_CU = "csrc/kernels/backend/nccl.cu"
 
 
 def _jit_failure(what: str) -> RuntimeError:
@@ -68,7 +76,14 @@ class ElasticBuffer:
         if deterministic or not allow_multiple_reduction:
             raise NotImplementedError("the fake emulates deterministic=False, allow_multiple_reduction=True")
         self.rank_idx, self.num_ranks = group.rank(), group.size()
+        if self.num_ranks > NVLINK_DOMAIN:
+            raise NotImplementedError(f"the fake emulates one NVLink domain ({NVLINK_DOMAIN} ranks): past it DeepEP runs "
+                                      "its hybrid kernels (csrc/kernels/backend/nccl.cu:116-125), not emulated")
         self.group = group
+        # ncclDevCommCreate with GIN requirements when num_ranks > 1 and EP_DISABLE_GIN is 0 (nccl.cu:86-99).
+        if self.num_ranks > 1 and os.environ.get(vendor.EP_DISABLE_GIN, "0") == "0" and not EMULATED_NETWORK_HAS_GIN:
+            ep_assert(False, f"{vendor.V2_GIN_UNAVAILABLE}. This is usually due to a network configuration issue, such "
+                             "as `allow_hybrid_mode=0` (disable direct RDMA kernels) in multi-plane network.", _NCCL_CU)
         if num_bytes is None:  # _C.calculate_elastic_buffer_size (elastic.py:304-309; buffer.hpp:657)
             ep_assert(num_max_tokens_per_rank > 0 and hidden > 0, "num_max_tokens_per_rank > 0 and hidden > 0",
                       _BUFFER_HPP)
@@ -306,6 +321,10 @@ class ElasticBuffer:
                                "(deep_ep/include/deep_ep/impls/combine.cuh:109)")
         if K > vendor.V2_MAX_TOPK:
             raise _jit_failure(f"kNumTopk <= {vendor.V2_MAX_TOPK}")
+        ep_assert((2 * H) % vendor.V2_TMA_ALIGN_BYTES == 0, "num_hidden_bytes % ptx::kNumTMAAlignBytes == 0",
+                  _LAYOUT_CUH)
+        ep_assert(_combine_bytes(self.num_ranks, handle.num_max_tokens_per_rank, H, K) <= self.num_bytes,
+                  "get_combine_buffer_size(...) <= num_buffer_bytes", _BUFFER_HPP)
         # Each received row's partial: expanded rows summed in fp32 in ascending lane order, rounded once (a single
         # row as it is); not expanded: the caller's row (combine.cuh:125-176).
         if handle.do_expand:
@@ -352,6 +371,13 @@ def _dispatch_bytes(num_ranks: int, n_max: int, hidden_bytes: int, sf_packs: int
     """``get_dispatch_buffer_size`` of the direct kernels with the call's real arguments (buffer.hpp:963-966)."""
     token = (-(-hidden_bytes // 32) * 32) + (-(-4 * sf_packs // 32) * 32) + (-(-(12 * num_topk + 4) // 32) * 32)
     return token * n_max * num_ranks
+
+
+def _combine_bytes(num_ranks: int, n_max: int, hidden: int, num_topk: int) -> int:
+    """``get_combine_buffer_size`` of the direct kernels in one NVLink domain with multiple reduction
+    (buffer.hpp:634-649, 1253-1256): ``min(R, K)`` slots of a BF16 row and ``8K`` bytes per token."""
+    token = (-(-2 * hidden // 32) * 32) + (-(-8 * num_topk // 32) * 32)
+    return token * min(num_ranks, num_topk) * n_max
 
 
 def _garbage(rows: int, width: int | None, dtype: torch.dtype, fill: float) -> torch.Tensor:
