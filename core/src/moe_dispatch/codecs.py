@@ -10,16 +10,16 @@ output against these bit for bit:
   is rounded up to a power of two and the values divided by it (exact).
 - INT8: symmetric per token, scale amax/127, round half to even (torch_npu
   ``npu_dynamic_quant`` semantics).
+- NVFP4: FlashInfer's definition (``flashinfer/fp4_quantization.py`` and the reference in
+  ``tests/utils_fp4.py`` at fb28d72): block scale ``gs·amax/6`` cast to e4m3, values scaled by
+  ``gs/scale``, clamped to ±6 and rounded to the e2m1 grid; two values per byte, element
+  2i in the low nibble.
 
 Every step is one IEEE operation on tensors, so a codec gives the same bits on every device: a
 division by a Python number is not (CUDA computes ``t / c`` as ``t·(1/c)``, the CPU divides), so
 divisions here divide by a tensor, and constants enter as 0-dim tensors made on the device (a
 ``torch.tensor`` copied from the host would sync and break CUDA-graph capture). Checked on an
 H100: ``benchmarks/gpu/check_core.py``, docs/hardware-runs.md.
-- NVFP4: FlashInfer's definition (``flashinfer/fp4_quantization.py`` and the reference in
-  ``tests/utils_fp4.py`` at fb28d72): block scale ``gs·amax/6`` cast to e4m3, values scaled by
-  ``gs/scale``, clamped to ±6 and rounded to the e2m1 grid; two values per byte, element
-  2i in the low nibble.
 
 On the wire a token is one row of bytes: the data, then the scales (fp32 little-endian; one
 exponent byte for UE8M0).

@@ -279,7 +279,7 @@ class Dispatcher:
         """Whether this call runs the value checks (on inputs whose metadata passed): ``check_inputs``,
         or by default (None) where the data is host memory: on an accelerator they would sync the
         device every call. Never while a CUDA graph is captured: the sync would abort the capture
-        (the output checks' read-back did, on an H100, until this test covered them too)."""
+        (the output checks' read-back of the counts did, on an H100, before this)."""
         if self.check_inputs is None:
             return hidden_states.device.type == "cpu"
         return self.check_inputs and not capturing(hidden_states)

@@ -310,6 +310,7 @@ def diagnose_combine_inputs(
 
 __all__ = [
     "InputChecks",
+    "capturing",
     "check_combine_inputs",
     "check_dispatch_inputs",
     "check_dispatch_values",

@@ -440,10 +440,11 @@ def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_poo
         assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)
 
 
-@pytest.mark.parametrize("kind", ["block_fp8", "bf16"])
-def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind):
-    """DeepEP V2's expanded rows (PACKED, fp32 per-128 scales) are what the contiguous GEMMs take (issue 18)."""
-    results = moe_rank_pools.get(2).map(run_layer, kind, "normal", EMULATOR, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
+@pytest.mark.parametrize("kind,kernel", [("block_fp8", EMULATOR), ("bf16", EMULATOR), ("block_fp8", SM100)])
+def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind, kernel):
+    """DeepEP V2's expanded rows (PACKED; fp32 per-128 scales, or UE8M0 packed four per word for SM100) are what the
+    contiguous GEMMs take (issue 18)."""
+    results = moe_rank_pools.get(2).map(run_layer, kind, "normal", kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
                                         v2=True)
     for r in results:
         assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)

@@ -12,7 +12,7 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.cli.main import main as cli_main
 from moe_dispatch_cuda_deepep import vendor
-from moe_dispatch_cuda_deepep.elastic import NAME, DeepEPV2Backend
+from moe_dispatch_cuda_deepep.elastic import NAME, DeepEPV2Backend, _num_sms_option
 from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_V1_TOPK9
 
 
@@ -269,3 +269,24 @@ def test_past_one_nvlink_domain_and_in_deterministic_mode_it_refuses_at_creation
     finally:
         torch.use_deterministic_algorithms(False)
 
+
+def test_a_bad_num_sms_option_is_refused_before_any_buffer():
+    for bad in (3, -2, "8", True):
+        with pytest.raises(md.InvalidSpecError) as err:
+            _num_sms_option({"num_sms": bad})
+        assert err.value.parameter == "options.num_sms"
+
+
+
+def _ue8m0_scales(rank, world):  # type: ignore[no-untyped-def]
+    spec = _spec(output_dtype="fp8", quant=md.QuantHints(fp8_ue8m0_scales=True))
+    d = md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR), spec, env={})
+    x, ids, w = _routing(rank, 8, 8, 2)
+    out = d.dispatch(x.repeat(1, 2), ids, w)
+    return out.hidden_states_scale.dtype, tuple(out.hidden_states_scale.shape), out.hidden_states.shape[0]
+
+
+def test_ue8m0_scales_travel_packed_four_per_word(moe_rank_pools):
+    """What DeepGEMM takes on SM100 (and DeepEP's V1 LL kernels emit): int32 words of four exponent bytes."""
+    for dtype, shape, rows in moe_rank_pools.get(2).map(_ue8m0_scales):
+        assert dtype == torch.int32 and shape == (rows, 1)  # H=512: 4 groups of 128 in one word

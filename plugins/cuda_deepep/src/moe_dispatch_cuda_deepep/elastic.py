@@ -8,15 +8,15 @@
 
 A backend of its own rather than a version switch inside ``cuda_deepep``: V2 is another API (one buffer for every
 layer and both directions, on NCCL's device API instead of NVSHMEM, JIT kernels) with other limits (any hidden size
-that is a multiple of 256, top-32, 256 experts per rank, no fixed EP sizes) and another buffer size function, so
+that is a multiple of 256, top-32, 256 experts per rank, any EP size up to 1024) and another buffer size function, so
 its capabilities, plan and failure modes differ from V1's; an engine names the one it deploys, and the V1 adapter,
 audited four times, is left as it is. ``moe-dispatch explain`` says which DeepEP each can drive and why not.
 
 This first V2 backend drives normal mode only (the host waits for the counts: ``do_cpu_sync=True``). Not yet
 driven, each a later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's
 MASKED layout would cost a copy), ``expert_alignment`` > 1 for DeepGEMM's contiguous layout without its pad copy
-(needs a padded PACKED layout in the contract), events (``async_with_compute_stream``) for split phase, hybrid
-(multi-node) sizing checked against the vendor.
+(needs a padded PACKED layout in the contract), events (``async_with_compute_stream``) for split phase, and past one
+NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them.
 
 One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
 current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 from moe_dispatch.output import DispatchOutput, group_list_from_counts, kept_routing
@@ -49,6 +50,7 @@ def capabilities(emulated: bool) -> md.Capabilities:
         fallbacks={(N, I8): md.Fallback(F8, "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element")},
         rejections={F4: "DeepEP V2 moves pre-quantized rows with one 4-byte scale format; NVFP4 is not driven"},
         default_dtype=F8,
+        fp8_ue8m0=True,  # packed four exponents per int32 word before dispatch: V2 moves any 4-byte scale (§3)
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
                              world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))},
@@ -91,7 +93,9 @@ class ElasticBuffers:
                 group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True)
         return shared
 
-    def close(self, timeout_s: float) -> None:
+    def close(self) -> None:
+        """Destroy every buffer, in creation order (DeepEP's ``destroy()`` is a device barrier of the group, with
+        no timeout of ours: every rank must get here; audit R9)."""
         for shared in self._by_group.values():
             if shared.buffer is not None:
                 shared.buffer.destroy()
@@ -185,6 +189,7 @@ class DeepEPV2Backend(md.Backend):
                                       parameter="group", value=None,
                                       allowed="an initialized torch.distributed group (NCCL on a GPU)")
         self._check_torch_flags()
+        num_sms = _num_sms_option(ctx.options)
         # A collective on the group's own device first: PyTorch creates an NCCL communicator at its first collective,
         # and DeepEP must not see it before (DeepEP #726: a null ncclComm_t, then a segfault in ncclTeamWorld).
         torch.distributed.all_reduce(torch.zeros(1, device=ctx.device), group=group)
@@ -201,8 +206,7 @@ class DeepEPV2Backend(md.Backend):
                 "DeepEP's ElasticBuffer found no NCCL GIN on this network (nccl.cu:86-99); on one NVLink domain set "
                 f"{vendor.EP_DISABLE_GIN}=1 before creating it (DeepEP #629/#630)", parameter=vendor.EP_DISABLE_GIN,
                 value=None, allowed="1 on NVLink-only nodes, or a network with GIN") from exc
-        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), waits,
-                                 int(ctx.options.get("num_sms", 0)))
+        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), waits, num_sms)
 
     @staticmethod
     def _check_torch_flags() -> None:
@@ -216,7 +220,18 @@ class DeepEPV2Backend(md.Backend):
     def close(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Destroy this process's ElasticBuffers (a collective, like DeepEP's ``destroy()``: every rank, at the same
         point); their dispatchers then refuse calls."""
-        self._buffers.close(check_timeout(timeout_s))
+        check_timeout(timeout_s)
+        self._buffers.close()
+
+
+def _num_sms_option(options: Any) -> int:
+    """``options["num_sms"]``: a non-negative int (0: DeepEP's pick), even as DeepEP's kernels want it; checked
+    before any buffer is made (the agreement compares the options across ranks)."""
+    value = options.get("num_sms", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 2:
+        raise md.InvalidSpecError("DeepEP V2 takes an even SM count, or 0 for its own pick", parameter="options.num_sms",
+                                  value=value, allowed="0, or an even int up to the device's SM count")
+    return value
 
 
 @dataclass
@@ -246,10 +261,11 @@ class ElasticDispatcher:
                  topk_weights: torch.Tensor) -> DispatchOutput:
         spec, ctx = self.spec, self.ctx
         fp8 = ctx.dtype is F8
-        scale = None
         if fp8:
             q = ctx.codec.quantize(hidden_states)
-            x: Any = (q.data.contiguous(), q.scale.contiguous())
+            # DeepGEMM on SM100 takes UE8M0 packed four per int32 word (as DeepEP's V1 LL kernels emit it)
+            scale = pack_ue8m0(q.scale) if ctx.codec.wire.ue8m0 else q.scale
+            x: Any = (q.data.contiguous(), scale.contiguous())
         else:
             x = hidden_states.to(torch.bfloat16).contiguous()
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
