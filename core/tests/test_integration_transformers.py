@@ -8,8 +8,19 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import moe_dispatch as md  # noqa: E402
 import moe_dispatch.integrations.transformers as mdt  # noqa: E402
+
+# The tiny models are the example's own (examples/transformers_expert_parallel.py, what the engine guide points to),
+# loaded by path: examples/ is not a package, and the rank workers import this module again the same way.
+_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_expert_parallel.py"
+_spec = importlib.util.spec_from_file_location("transformers_expert_parallel_example", _EXAMPLE)
+_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_example)
+tiny_config = _example.tiny_config
 
 #: Relative L2 error of the logits allowed per family and wire dtype (fp32 models), about 2-3x the largest measured
 #: on 1, 2 and 4 ranks (2026-11-23; the MoE layers' share of the logits differs per family). Experts rolled by one in
@@ -22,23 +33,9 @@ TOLERANCE = {
 TOKENS = 16
 
 
-def _config(family: str):
-    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-                  max_position_embeddings=64, num_experts_per_tok=2)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_key_value_heads=2,
-                                           head_dim=32, num_experts=8, **common)
-    if family == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=64, num_key_value_heads=2, num_local_experts=8, **common)
-    return transformers.DeepseekV3Config(intermediate_size=256, moe_intermediate_size=64, first_k_dense_replace=1,
-                                         n_routed_experts=8, n_group=1, topk_group=1, n_shared_experts=1,
-                                         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
-                                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, **common)
-
-
 def _model(family: str):
     torch.manual_seed(0)  # the same model on every rank
-    return transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
 
 
 def _every_case(rank: int, world: int, family: str) -> dict[tuple[str, str], float]:

@@ -85,7 +85,7 @@ class ElasticBuffers:
         if shared is not None and shared.buffer is not None and shared.buffer.num_bytes >= num_bytes:
             return shared
         if shared is None:
-            shared = self._by_group[id(group)] = Shared(group)
+            shared = self._by_group[id(group)] = Shared()
         with waits():
             if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
                 shared.buffer.destroy()
@@ -107,7 +107,6 @@ class ElasticBuffers:
 class Shared:
     """One group's buffer, as every layer's dispatcher sees it (replaced in place when it grows)."""
 
-    group: Any
     buffer: Any = None
 
 

@@ -1486,6 +1486,17 @@ def _a32(n: int) -> int:
     return _align(n, V2_TMA_ALIGN_BYTES)
 
 
+def v2_dispatch_token_bytes(hidden_bytes: int, sf_packs: int, num_topk: int) -> int:
+    """One token in the dispatch buffer (``TokenLayout``, layout.cuh:186-208): the hidden bytes, ``sf_packs`` 4-byte
+    scales and ``12K+4`` bytes of routing, each rounded up to 32 bytes."""
+    return _a32(hidden_bytes) + _a32(4 * sf_packs) + _a32(12 * num_topk + 4)
+
+
+def v2_combine_token_bytes(hidden: int, num_topk: int) -> int:
+    """One token in the combine buffer (csrc/kernels/elastic/combine.hpp:109-112): a BF16 row and ``8K`` bytes."""
+    return _a32(2 * hidden) + _a32(8 * num_topk)
+
+
 @dataclass(frozen=True)
 class ElasticSizes:
     """``get_dispatch_buffer_size`` / ``get_combine_buffer_size`` and their 2 MiB-aligned maximum."""
@@ -1512,8 +1523,8 @@ def ported_elastic_buffer_sizes(num_ranks: int, num_max_tokens_per_rank: int, hi
         raise ValueError("num_max_tokens_per_rank > 0 and hidden > 0")  # buffer.hpp:657
     K = num_topk or V2_DEFAULT_SIZING_TOPK
     elem, sf_packs = (1, -(-hidden // 32)) if use_fp8_dispatch else (2, 0)
-    token_d = _a32(hidden * elem) + _a32(4 * sf_packs) + _a32(12 * K + 4)
-    token_c = _a32(2 * hidden) + _a32(8 * K)
+    token_d = v2_dispatch_token_bytes(hidden * elem, sf_packs, K)
+    token_c = v2_combine_token_bytes(hidden, K)
     nvl = min(R, 8) if nvl_ranks is None else nvl_ranks
     hybrid = allow_hybrid_mode and R > nvl
     r_out, r_up = (R // nvl, nvl) if hybrid else (1, R)

@@ -140,7 +140,7 @@ class ElasticBuffer:
         if num_experts is None:
             raise TypeError("dispatch(): incompatible function arguments (num_experts: None)")  # pybind, elastic.py:959
         x, sf = x if isinstance(x, tuple) else (x, None)
-        R, rank = self.num_ranks, self.rank_idx
+        R = self.num_ranks
         n_max = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
         align = 1 if expert_alignment is None else expert_alignment
         num_sms = num_sms or DEVICE_SMS
@@ -369,15 +369,13 @@ class ElasticBuffer:
 
 def _dispatch_bytes(num_ranks: int, n_max: int, hidden_bytes: int, sf_packs: int, num_topk: int) -> int:
     """``get_dispatch_buffer_size`` of the direct kernels with the call's real arguments (buffer.hpp:963-966)."""
-    token = (-(-hidden_bytes // 32) * 32) + (-(-4 * sf_packs // 32) * 32) + (-(-(12 * num_topk + 4) // 32) * 32)
-    return token * n_max * num_ranks
+    return vendor.v2_dispatch_token_bytes(hidden_bytes, sf_packs, num_topk) * n_max * num_ranks
 
 
 def _combine_bytes(num_ranks: int, n_max: int, hidden: int, num_topk: int) -> int:
     """``get_combine_buffer_size`` of the direct kernels in one NVLink domain with multiple reduction
     (buffer.hpp:634-649, 1253-1256): ``min(R, K)`` slots of a BF16 row and ``8K`` bytes per token."""
-    token = (-(-2 * hidden // 32) * 32) + (-(-8 * num_topk // 32) * 32)
-    return token * min(num_ranks, num_topk) * n_max
+    return vendor.v2_combine_token_bytes(hidden, num_topk) * min(num_ranks, num_topk) * n_max
 
 
 def _garbage(rows: int, width: int | None, dtype: torch.dtype, fill: float) -> torch.Tensor:
