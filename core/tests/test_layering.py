@@ -21,7 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                  "capabilities", "output", "pending", "trail", "scale_layouts", "distributed", "distributed.watch",
                  "distributed.comm", "distributed.emulation", "distributed.agreement", "backend", "commands", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts
-    "policy": ("resolution", "validation", "output_checks", "experts"),
+    "policy": ("resolution", "validation", "output_checks", "experts", "alignment"),
     # where backends and runners come from (the built-ins registered like any plugin)
     "registry": ("loading", "registry", "probes", "reference", "reference.builtin", "reference.exchange", "reference.receiver", "reference.slots"),
     # what an engine calls

@@ -18,7 +18,7 @@ from .backend import (
 )
 from .capabilities import Capabilities, DtypeDecision, Fallback, Limits
 from .codecs import Codec, Quantized, make_codec
-from .dispatcher import Dispatcher, create_dispatcher
+from .dispatcher import Dispatcher, create_dispatcher, run_experts
 from .distributed.comm import Comm, Traffic
 from .dtypes import DispatchDtype, Layout, Mode
 from .errors import (
@@ -109,6 +109,7 @@ __all__ = [
     "add_cli_args",
     "available_backends",
     "create_dispatcher",
+    "run_experts",
     "get_backend",
     "hookimpl",
     "make_codec",

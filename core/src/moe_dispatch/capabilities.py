@@ -82,6 +82,8 @@ class Capabilities:
         still on its way (``SplitPhaseBackendDispatcher``), so an engine overlaps them with other
         work; in the other modes the core runs the call to the end at start (``Pending.overlapped``
         is False).
+    :param expert_alignment: modes whose PACKED rows the backend writes at the spec's
+        ``expert_alignment`` itself (gaps zeroed); in the others the core copies them there.
     :param devices: device types it runs on (``"cpu"``, ``"cuda"``, ``"npu"``).
     :param limits: per mode, shape limits.
     :param fp8_ue8m0: FP8 with power-of-two (UE8M0) scales is supported.
@@ -97,6 +99,7 @@ class Capabilities:
     fused_forward: bool = False
     cuda_graph_modes: frozenset[Mode] = frozenset()
     split_phase: frozenset[Mode] = frozenset()
+    expert_alignment: frozenset[Mode] = frozenset()
     devices: frozenset[str] = frozenset({"cpu"})
     limits: Mapping[Mode, Limits] = field(default_factory=dict)
     fp8_ue8m0: bool = False
@@ -142,6 +145,7 @@ class Capabilities:
             "fused_forward": self.fused_forward,
             "cuda_graph_modes": sorted(m.value for m in self.cuda_graph_modes),
             "split_phase": sorted(m.value for m in self.split_phase),
+            "expert_alignment": sorted(m.value for m in self.expert_alignment),
             "devices": sorted(self.devices),
             "limits": {m.value: lim.to_dict() for m, lim in sorted(self.limits.items(), key=lambda kv: kv[0].value)},
             "fp8_ue8m0": self.fp8_ue8m0,

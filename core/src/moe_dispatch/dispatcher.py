@@ -17,9 +17,10 @@ from .backend import (
     FusedBackendDispatcher,
     SplitPhaseBackendDispatcher,
 )
+from .alignment import AlignmentPlan, align_rows, dense_rows, is_core_aligned, plan_alignment
 from .codecs import make_codec
 from .distributed.comm import Comm, Traffic
-from .dtypes import DispatchDtype
+from .dtypes import DispatchDtype, Layout
 from .distributed.agreement import agree
 from .distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 from .errors import (
@@ -81,7 +82,12 @@ class Dispatcher:
         self._comm = comm
         self._device = comm.device
         self._checks = InputChecks(spec, self._device, impl)
-        self._outputs = OutputChecks(backend.name, spec, comm.world_size)
+        #: How ``spec.expert_alignment`` is delivered: by the backend, or by a core copy (``moe_dispatch.alignment``).
+        self.alignment: AlignmentPlan = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode,
+                                                       spec.expert_alignment)
+        self._copy_alignment = self.alignment.copies
+        self._outputs = OutputChecks(backend.name, spec, comm.world_size,
+                                     1 if self._copy_alignment else spec.expert_alignment)
         # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
         # check reads attributes, too slow for every forward.
         self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None
@@ -159,12 +165,27 @@ class Dispatcher:
         try:
             self._dispatches += 1
             self._comm.begin("dispatch", self._dispatches)
-            out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
-                                         self._values(hidden_states))
+            out = self._received(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
+                                 self._values(hidden_states))
         except BaseException as exc:
             self._dispatch_failed(exc)
         object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
         return out
+
+    def _received(self, out: object, check_values: bool) -> DispatchOutput:
+        """The backend's output checked, and moved to the aligned layout where the core does that."""
+        checked = self._outputs.dispatch(out, check_values)
+        if self._copy_alignment and checked.layout is Layout.PACKED:
+            return align_rows(checked, self.spec.expert_alignment)
+        return checked
+
+    @staticmethod
+    def _backend_rows(expert_output: torch.Tensor, dispatch_output: DispatchOutput
+                      ) -> tuple[torch.Tensor, DispatchOutput]:
+        """What the backend's combine takes: its own output, and the expert rows in its order."""
+        if is_core_aligned(dispatch_output):
+            return dense_rows(expert_output, dispatch_output)
+        return expert_output, dispatch_output
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         """Send the unweighted expert rows back, apply the top-k weights, sum: bf16 ``[T, H]``.
@@ -177,7 +198,8 @@ class Dispatcher:
         self._check_combine(expert_output, dispatch_output)
         try:
             self._comm.begin("combine", dispatch_output.call)
-            result = self._outputs.combine(self._impl.combine(expert_output, dispatch_output), dispatch_output)
+            result = self._outputs.combine(self._impl.combine(*self._backend_rows(expert_output, dispatch_output)),
+                                           dispatch_output)
         except BaseException as exc:
             self._failed("combine", exc)  # with peers, the dispatcher is broken; alone, a retry may complete it
             raise
@@ -228,8 +250,8 @@ class Dispatcher:
         self._check_combine(expert_output, dispatch_output)
         try:
             self._comm.begin("combine", dispatch_output.call)
-            started = _pending_from(self.backend.name, "combine_start",
-                                    self._split_impl().combine_start(expert_output, dispatch_output))
+            started = _pending_from(self.backend.name, "combine_start", self._split_impl().combine_start(
+                *self._backend_rows(expert_output, dispatch_output)))
         except BaseException as exc:
             self._failed("combine", exc)
             raise
@@ -238,7 +260,7 @@ class Dispatcher:
 
     def _receive_dispatch(self, started: Pending[DispatchOutput], number: int, check_values: bool) -> DispatchOutput:
         try:
-            out = self._outputs.dispatch(started.wait(), check_values)
+            out = self._received(started.wait(), check_values)
         except BaseException as exc:
             self._received_failed()
             self._dispatch_failed(exc)
@@ -360,9 +382,7 @@ class Dispatcher:
             raise missing
         out = self.dispatch(hidden_states, topk_ids, topk_weights)
         try:
-            rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                         out.group_list_type, out.group_list, torch.bfloat16,
-                                                         global_scale=out.global_scale)
+            rows = run_experts(experts, layer, out)
         except BaseException as exc:
             self._failed("experts", exc)  # the peers wait for this rank's combine
             raise
@@ -442,6 +462,16 @@ def create_dispatcher(
         comm.announce_failure("create", exc)
         raise
     return Dispatcher(chosen.backend, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
+
+
+def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> torch.Tensor:
+    """``experts`` on a dispatch output's rows, bf16 out: what ``Dispatcher.forward`` runs between its calls.
+    ``expert_alignment`` is passed only when the rows are aligned (a kernel that never asks for it needs no such
+    keyword)."""
+    extra = {"expert_alignment": out.expert_alignment} if out.expert_alignment > 1 else {}
+    return experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                 out.group_list_type, out.group_list, torch.bfloat16,
+                                                 global_scale=out.global_scale, **extra)
 
 
 def _pending_from(backend: str, call: str, started: object) -> Pending[Any]:
@@ -543,6 +573,7 @@ def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> d
         "quant": repr(spec.quant),
         "runner": spec.runner,
         "group_list_type": spec.group_list_type,
+        "expert_alignment": spec.expert_alignment,
         "backend": backend.name,
         "backend version": chosen.label,
         "core version": core_version(),
@@ -554,4 +585,4 @@ def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> d
     }
 
 
-__all__ = ["Dispatcher", "create_dispatcher"]
+__all__ = ["Dispatcher", "create_dispatcher", "run_experts"]

@@ -13,7 +13,7 @@ from .codecs import Quantized, dispatch_dtype_of, make_codec
 from .dtypes import DispatchDtype
 from .errors import InvalidInputError
 from .formats import wire_dtype
-from .output import group_counts
+from .output import align_up, group_counts, group_starts
 from .wire import WireFormat
 
 
@@ -23,6 +23,11 @@ class ExpertKernel(Protocol):
 
     ``needs_dispatch_dtype`` is the wire dtype its kernels must receive (None: any); an
     engine passes it as ``QuantHints(dispatcher_output_dtype=...)`` so resolution picks it.
+
+    A kernel that wants each expert's PACKED rows at aligned starts (DeepGEMM's contiguous
+    layout) has the engine pass ``DispatchSpec(expert_alignment=...)``, and takes the keyword
+    ``expert_alignment`` (given only when above 1: ``moe_dispatch.run_experts``); its output keeps
+    the input's rows, padding rows included (their values are ignored).
     """
 
     needs_dispatch_dtype: DispatchDtype | None
@@ -103,7 +108,8 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 class TorchExperts:
-    """The reference expert kernel: dequantize, then fp32 gmm1 → SwiGLU → gmm2."""
+    """The reference expert kernel: dequantize, then fp32 gmm1 → SwiGLU → gmm2. Takes PACKED rows
+    at any ``expert_alignment`` (padding rows come out zero)."""
 
     needs_dispatch_dtype: DispatchDtype | None = None
 
@@ -117,6 +123,7 @@ class TorchExperts:
         output_dtype: torch.dtype,
         *,
         global_scale: float | None = None,
+        expert_alignment: int = 1,
     ) -> torch.Tensor:
         w13, w2 = dequantized_weights(layer)
         experts, hidden = w13.shape[0], w13.shape[2]
@@ -125,7 +132,7 @@ class TorchExperts:
             raise InvalidInputError(
                 "needs one entry per local expert", parameter="group_list", value=group_list, allowed=f"[{experts}]"
             )
-        counts = group_counts(group_list.to(torch.int64), group_list_type)
+        counts = group_counts(group_list.to(torch.int64), group_list_type, expert_alignment)
         if hidden_states.dim() == 3:  # MASKED [E_local, capacity, H]
             if hidden_states.shape[0] != experts:
                 raise InvalidInputError(
@@ -137,20 +144,22 @@ class TorchExperts:
             out = torch.bmm(swiglu(torch.bmm(x, w13.transpose(1, 2))), w2.transpose(1, 2))
             valid = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < counts.unsqueeze(1)
             return torch.where(valid.unsqueeze(-1), out, 0.0).to(output_dtype)
-        if int(counts.sum()) != x.shape[0]:
+        starts = group_starts(counts, expert_alignment)
+        span = int(align_up(counts, expert_alignment).sum())
+        negative = bool((counts < 0).any())
+        if negative or (span > x.shape[0] if expert_alignment > 1 else span != x.shape[0]):
+            layout = f" in segments aligned to {expert_alignment} rows" if expert_alignment > 1 else ""
             raise InvalidInputError(
-                f"counts sum to {int(counts.sum())} but there are {x.shape[0]} rows",
+                f"counts sum to {int(counts.sum())}{layout} ({span} rows) but there are {x.shape[0]} rows",
                 parameter="group_list",
                 value=group_list.tolist(),
-                allowed="per-expert counts summing to the row count",
+                allowed="per-expert counts >= 0 summing to the row count (aligned: whose segments fit the rows)",
             )
-        out = torch.empty(x.shape[0], hidden, dtype=output_dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
+        out = torch.zeros(x.shape[0], hidden, dtype=output_dtype, device=x.device)
+        for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
             if n:
                 rows = x[start : start + n]
                 out[start : start + n] = (swiglu(rows @ w13[e].t()) @ w2[e].t()).to(output_dtype)
-            start += n
         return out
 
 

@@ -25,8 +25,9 @@ class DispatchOutput:
         the routing as it was at dispatch: the engine may overwrite its tensors after dispatch
         returns (CUDA-graph engines reuse them), so a backend that needs them at combine keeps
         its own copy in ``handle``.
-    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or cumulative end
-        offsets (type 0). In MASKED layout, expert e's first counts[e] rows are valid.
+    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end
+        offset, ``start_e + count_e`` (type 0: the cumulative counts when ``expert_alignment``
+        is 1). In MASKED layout, expert e's first counts[e] rows are valid.
     :param global_scale: NVFP4's global scale (dequant = e2m1 · block_scale / global_scale).
     :param handle: backend-private state that combine needs. Everything of one call lives
         here, never on the dispatcher, so several dispatches may be in flight.
@@ -34,6 +35,13 @@ class DispatchOutput:
         combine is checked against the peers under this number. Backends leave it 0.
     :param combined: set by the ``Dispatcher`` when combine takes this output; a second combine
         is refused.
+    :param expert_alignment: PACKED only: expert e's rows are ``[start_e, start_e + count_e)``
+        with ``start_0 = 0`` and ``start_{e+1} = align(start_e + count_e, expert_alignment)``;
+        every other row (each expert's gap, and rows after the last expert's end) is padding,
+        zero in its data and scales. The expert output keeps the same rows; combine ignores the
+        padding rows' values. 1: dense, no padding. (DeepEP V2's expanded layout with
+        ``do_zero_padding``; DeepGEMM's contiguous "PSUM" layout, whose ``grouped_layout`` is the
+        type-0 group list.)
 
     **Lifetime.** The tensors of a dispatch output may live in buffers the backend reuses for a
     later dispatch (the reference backends do; DeepEP's and FlashInfer's receive buffers too):
@@ -55,6 +63,7 @@ class DispatchOutput:
     global_scale: float | None = None
     call: int = 0
     combined: bool = False
+    expert_alignment: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -65,14 +74,42 @@ class DispatchOutput:
 
     def expert_counts(self) -> torch.Tensor:
         """Per-expert valid row counts, whichever group_list type is in use."""
-        return group_counts(self.group_list, self.group_list_type)
+        return group_counts(self.group_list, self.group_list_type, self.expert_alignment)
 
 
-def group_counts(group_list: torch.Tensor, group_list_type: int) -> torch.Tensor:
-    """Per-group counts from a group list of either type."""
+def group_counts(group_list: torch.Tensor, group_list_type: int, expert_alignment: int = 1) -> torch.Tensor:
+    """Per-group counts from a group list of either type: type 0 holds each group's end, and a
+    group starts at the previous end rounded up to ``expert_alignment``."""
     if group_list_type == 1:
         return group_list
-    return torch.diff(group_list, prepend=group_list.new_zeros(1))
+    starts = torch.cat([group_list.new_zeros(1), group_list[:-1]])  # the previous group's end
+    if expert_alignment > 1:
+        starts = align_up(starts, expert_alignment)
+    return group_list - starts
+
+
+def group_starts(counts: torch.Tensor, expert_alignment: int = 1) -> torch.Tensor:
+    """Each group's first row from the counts: the exclusive prefix sum of the counts, each
+    rounded up to ``expert_alignment``."""
+    aligned = align_up(counts, expert_alignment)
+    return torch.cumsum(aligned, 0) - aligned
+
+
+def row_experts(counts: torch.Tensor, expert_alignment: int, rows: int) -> torch.Tensor:
+    """int64 ``[rows]``: the local expert each PACKED row belongs to, -1 for padding rows (device ops
+    only, no host sync). A zero-count expert shares its start with the next one: the last expert
+    starting at or before a row owns it."""
+    counts = counts.to(torch.int64)
+    starts = group_starts(counts, expert_alignment)
+    index = torch.arange(rows, device=counts.device)
+    expert = (torch.searchsorted(starts, index, right=True) - 1).clamp(min=0)
+    return torch.where(index < starts[expert] + counts[expert], expert, -1) if counts.numel() else index.new_full(
+        (rows,), -1)
+
+
+def align_up(rows: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``rows`` rounded up to a multiple of ``multiple`` (a segment's length or start)."""
+    return (rows + multiple - 1) // multiple * multiple
 
 
 def rows_by_expert(local_ids: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +134,12 @@ def sum_weighted_rows(expert_rows: torch.Tensor, row_token: torch.Tensor, row_we
     return out.index_add_(0, row_token, expert_rows.float() * row_weight.unsqueeze(1))
 
 
-def group_list_from_counts(counts: torch.Tensor, group_list_type: int) -> torch.Tensor:
+def group_list_from_counts(counts: torch.Tensor, group_list_type: int, expert_alignment: int = 1) -> torch.Tensor:
+    """The group list of either type for ``counts``, segments rounded up to ``expert_alignment``."""
     counts = counts.to(torch.int64)
-    return counts if group_list_type == 1 else torch.cumsum(counts, 0)
+    if group_list_type == 1:
+        return counts
+    return group_starts(counts, expert_alignment) + counts if expert_alignment > 1 else torch.cumsum(counts, 0)
 
 
 def kept_routing(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
@@ -111,5 +151,5 @@ def kept_routing(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.data_ptr() == caller.data_ptr() else t
 
 
-__all__ = ["DispatchOutput", "group_counts", "group_list_from_counts", "kept_routing", "rows_by_expert",
-           "sum_weighted_rows"]
+__all__ = ["DispatchOutput", "align_up", "group_counts", "group_list_from_counts", "group_starts", "kept_routing",
+           "row_experts", "rows_by_expert", "sum_weighted_rows"]

@@ -5,9 +5,11 @@ the call that produced it, not an ``AttributeError`` or a wrong shape in the eng
   whose rows have the wire dtype's tensor dtype and row width, in the layout's rank, with one
   ``group_list`` entry per local expert; combine returns bf16 ``[T, H]`` for the T tokens
   dispatched.
+  PACKED rows at the ``expert_alignment`` the backend was asked to write (the spec's where it
+  aligns them itself, else 1).
 - **Values** (with the input value checks, ``check_inputs``; one device sync): the rows a
-  ``group_list`` claims fit the rows returned (PACKED: exactly; MASKED: at most the capacity
-  per expert), and no count is negative.
+  ``group_list`` claims fit the rows returned (PACKED: exactly, or within the rows with their
+  segments aligned; MASKED: at most the capacity per expert), and no count is negative.
 
 The conformance kit checks more (the rows' contents); these are what the core can afford on
 every call.
@@ -20,7 +22,7 @@ import torch
 from .dtypes import Layout
 from .errors import PluginError
 from .formats import wire_dtype
-from .output import DispatchOutput, group_counts
+from .output import DispatchOutput, align_up
 from .spec import DispatchSpec
 
 
@@ -30,9 +32,9 @@ _PACKED, _MASKED = Layout.PACKED, Layout.MASKED
 class OutputChecks:
     """The output checks of one dispatcher, against values computed once."""
 
-    __slots__ = ("backend", "hidden", "element", "columns", "local_experts", "_groups")
+    __slots__ = ("backend", "hidden", "element", "columns", "local_experts", "alignment", "_groups")
 
-    def __init__(self, backend: str, spec: DispatchSpec, world_size: int) -> None:
+    def __init__(self, backend: str, spec: DispatchSpec, world_size: int, alignment: int = 1) -> None:
         self.backend = backend
         self.hidden = spec.hidden_size
         dtype = wire_dtype(spec.output_dtype)  # type: ignore[arg-type]  # resolved by now
@@ -40,6 +42,7 @@ class OutputChecks:
         self.columns = dtype.row_columns(spec.hidden_size)
         self.local_experts = spec.num_experts // world_size
         self._groups = (self.local_experts,)
+        self.alignment = alignment  # of the backend's PACKED rows
 
     def dispatch(self, out: object, check_values: bool) -> DispatchOutput:
         # One combined test on the hot path (dtypes and enums are singletons: ``is``); the checks
@@ -49,7 +52,8 @@ class OutputChecks:
             shape = rows.shape
             ok = (type(out) is DispatchOutput and rows.dtype is self.element and shape[-1] == self.columns
                   and groups.shape == self._groups and not groups.is_floating_point()
-                  and (len(shape) == 2 if layout is _PACKED else
+                  and (len(shape) == 2 and out.expert_alignment == self.alignment  # type: ignore[attr-defined]
+                       if layout is _PACKED else
                        (layout is _MASKED and len(shape) == 3 and shape[0] == self.local_experts))
                   and out.group_list_type in (0, 1))  # type: ignore[attr-defined]
         except (AttributeError, TypeError, IndexError):
@@ -79,14 +83,20 @@ class OutputChecks:
         if layout is Layout.MASKED and rows.shape[0] != self.local_experts:
             raise self._broken("hidden_states", "dispatch() returned these MASKED rows", _described(rows),
                                f"[{self.local_experts}, capacity, {self.columns}]")
+        if layout is Layout.PACKED and out.expert_alignment != self.alignment:
+            raise self._broken("expert_alignment", "dispatch() returned PACKED rows at another alignment",
+                               out.expert_alignment, f"{self.alignment} (what this dispatcher asks of the backend)")
 
     def _check_counts(self, out: DispatchOutput) -> None:
-        counts = group_counts(out.group_list, out.group_list_type)
+        counts = out.expert_counts()
         per_expert = out.hidden_states.shape[1] if out.layout is Layout.MASKED else out.hidden_states.shape[0]
         lo = int(counts.min()) if counts.numel() else 0  # one sync for both on an accelerator: small tensors
         if out.layout is Layout.MASKED:
             bad = counts.numel() > 0 and (lo < 0 or int(counts.max()) > per_expert)
             limit = f"0..{per_expert} rows per expert (the MASKED capacity)"
+        elif out.expert_alignment > 1:
+            bad = lo < 0 or int(align_up(counts, out.expert_alignment).sum()) > per_expert
+            limit = f"counts >= 0 whose segments, aligned to {out.expert_alignment} rows, fit the {per_expert} rows"
         else:
             bad = lo < 0 or int(counts.sum()) != per_expert
             limit = f"counts >= 0 adding up to the {per_expert} rows returned"

@@ -13,6 +13,9 @@ from .hints import QuantHints
 from .formats import wire_dtype
 from .wire import WireFormat
 
+#: The largest ``expert_alignment``: every local expert may add alignment - 1 padding rows per call.
+MAX_EXPERT_ALIGNMENT = 1024
+
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -34,7 +37,12 @@ class DispatchSpec:
     :param quant: hints from the layer's quantization method.
     :param runner: the expert-kernel family that consumes the output (``"torch"``,
         ``"deep_gemm"``, ``"flashinfer_cutedsl"``, ``"npu_w8a8"``, ...).
-    :param group_list_type: 0 = cumulative offsets, 1 = per-expert counts.
+    :param group_list_type: 0 = cumulative offsets (each expert's end), 1 = per-expert counts.
+    :param expert_alignment: PACKED rows with each local expert's rows starting at a multiple of
+        this many rows, the gaps zero-filled (DeepGEMM's contiguous layout wants its
+        ``get_mk_alignment_for_contiguous_layout()``, 128): 1 = dense. A backend that cannot write
+        that layout itself has the core copy its rows into it (``Dispatcher.alignment`` says
+        which); MASKED outputs ignore it.
     """
 
     hidden_size: int
@@ -46,6 +54,7 @@ class DispatchSpec:
     quant: QuantHints = field(default_factory=QuantHints)
     runner: str | None = None
     group_list_type: int = 1
+    expert_alignment: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("hidden_size", self.hidden_size)
@@ -80,6 +89,14 @@ class DispatchSpec:
                 parameter="group_list_type",
                 value=self.group_list_type,
                 allowed="0 (cumulative offsets), 1 (per-expert counts)",
+            )
+        if (isinstance(self.expert_alignment, bool) or not isinstance(self.expert_alignment, int)
+                or not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT):
+            raise InvalidSpecError(
+                "must be the row multiple each local expert's rows start at",
+                parameter="expert_alignment",
+                value=self.expert_alignment,
+                allowed=f"an int in 1..{MAX_EXPERT_ALIGNMENT} (1: dense; DeepGEMM's contiguous layout: 128)",
             )
 
     def with_dtype(self, dtype: DispatchDtype) -> "DispatchSpec":
@@ -117,6 +134,7 @@ class DispatchSpec:
             "quant": self.quant.to_dict(),
             "runner": self.runner,
             "group_list_type": self.group_list_type,
+            "expert_alignment": self.expert_alignment,
         }
 
     @classmethod
@@ -129,9 +147,10 @@ class DispatchSpec:
         top_k: int,
         quant: QuantHints | Mapping[str, Any] | None = None,
         runner: str | None = None,
+        expert_alignment: int = 1,
     ) -> "DispatchSpec":
         """Build from the flags ``add_cli_args`` added; the model's shape comes from the
-        model config, the per-layer hints from its quant method."""
+        model config, the per-layer hints from its quant method, the alignment from its expert kernel."""
         return cls(
             hidden_size=hidden_size,
             num_experts=num_experts,
@@ -141,6 +160,7 @@ class DispatchSpec:
             output_dtype=args.dispatch_output_dtype,
             quant=quant if quant is not None else QuantHints(),
             runner=runner if runner is not None else args.dispatch_runner,
+            expert_alignment=expert_alignment,
         )
 
 

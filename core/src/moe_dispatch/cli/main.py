@@ -8,6 +8,7 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
+from ..alignment import plan_alignment
 from ..dtypes import DispatchDtype, Mode
 from ..errors import MoEDispatchError
 from ..hints import QuantHints
@@ -100,11 +101,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         output_dtype=args.dtype,
         quant=quant,
         runner=args.runner,
+        expert_alignment=args.expert_alignment,
     )
     layer = explain(spec, args.backend, args.world_size, strict=args.strict, host=host)
     backend, resolution, buffers = layer.backend, layer.resolution, layer.buffer_size
     wire = layer.spec.wire_format()
     reason = host.probe(backend)
+    alignment = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode, spec.expert_alignment)
     if args.json:
         print(json.dumps({
             "spec": spec.to_dict(),
@@ -113,6 +116,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             "resolution": resolution.to_dict(),
             "wire_bytes_per_token": wire.bytes_per_token,
             "buffer_size": buffers.to_dict(),
+            "expert_alignment": {"alignment": alignment.alignment, "native": alignment.native, "note": alignment.note},
             "available": reason is None,
             "reason": reason,
         }, indent=2))
@@ -128,6 +132,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
           f"total {buffers.total_bytes:,} B")
     for note in buffers.notes:
         print(f"  {note}")
+    print(f"expert rows: {alignment.note}")
     if reason:
         print(f"note: backend {backend.name!r} cannot run on this machine: {reason}")
     runner = host.runners().get(spec.runner) if spec.runner else None
@@ -256,6 +261,8 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's)")
     p.add_argument("--tokens", type=positive_int, default=128, help="num_max_dispatch_tokens_per_rank (default 128)")
     p.add_argument("--world-size", type=positive_int, default=8, help="EP ranks (default 8)")
+    p.add_argument("--expert-alignment", type=positive_int, default=1,
+                   help="each expert's PACKED rows at a multiple of this (DeepGEMM: 128; default 1, dense)")
     p.add_argument("--strict", action="store_true", help="a dtype fallback is an error")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(func=_cmd_explain)

@@ -106,6 +106,7 @@ class Case:
     routing: Routing
     seed: int = 0
     group_list_type: int = 1
+    expert_alignment: int = 1
 
     @property
     def world_size(self) -> int:
@@ -129,11 +130,13 @@ class Case:
             output_dtype=self.dtype,
             quant=quant,
             group_list_type=self.group_list_type,
+            expert_alignment=self.expert_alignment,
         )
         return replace(spec, **overrides) if overrides else spec
 
     def label(self) -> str:
-        return f"{self.mode.value}/{self.dtype.value} on {self.world_size} ranks, routing '{self.routing.name}'"
+        aligned = f", experts aligned to {self.expert_alignment} rows" if self.expert_alignment > 1 else ""
+        return f"{self.mode.value}/{self.dtype.value} on {self.world_size} ranks, routing '{self.routing.name}'{aligned}"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..experts import dequantize_rows
-from ..output import group_counts
+from ..output import group_counts, row_experts
 
 
 def expert_factor(global_expert: int, num_experts: int) -> float:
@@ -33,9 +33,13 @@ class ScaledLayer:
 
 class ScaledIdentityExperts:
     """Expert e returns ``factor(e) × dequantize(row)`` in the requested dtype: combine must
-    then give ``Σ_j w_j · factor(e_j) · dequantize(x)`` for every token."""
+    then give ``Σ_j w_j · factor(e_j) · dequantize(x)`` for every token. Aligned PACKED rows'
+    padding comes out as ``padding`` (NaN by default: combine must ignore those rows)."""
 
     needs_dispatch_dtype = None
+
+    def __init__(self, padding: float = float("nan")) -> None:
+        self.padding = padding
 
     def apply_without_routing_weights(
         self,
@@ -47,14 +51,19 @@ class ScaledIdentityExperts:
         output_dtype: torch.dtype,
         *,
         global_scale: float | None = None,
+        expert_alignment: int = 1,
     ) -> torch.Tensor:
         rows = dequantize_rows(hidden_states, hidden_states_scale, layer.hidden_size, global_scale)
         factors = layer.factors.to(rows.device)
         if rows.dim() == 3:  # MASKED [E_local, capacity, H]
             return (rows * factors[:, None, None]).to(output_dtype)
-        counts = group_counts(group_list, group_list_type).to(rows.device)
-        per_row = torch.repeat_interleave(factors, counts, output_size=rows.shape[0])
-        return (rows * per_row[:, None]).to(output_dtype)
+        counts = group_counts(group_list, group_list_type, expert_alignment).to(rows.device)
+        if expert_alignment == 1:
+            per_row = torch.repeat_interleave(factors, counts, output_size=rows.shape[0])
+            return (rows * per_row[:, None]).to(output_dtype)
+        expert = row_experts(counts, expert_alignment, rows.shape[0])
+        scaled = rows * factors[expert.clamp(min=0)][:, None]
+        return torch.where((expert >= 0)[:, None], scaled, self.padding).to(output_dtype)
 
 
 class IdentityExperts:
@@ -73,6 +82,7 @@ class IdentityExperts:
         output_dtype: torch.dtype,
         *,
         global_scale: float | None = None,
+        expert_alignment: int = 1,  # rows keep their places: any layout
     ) -> torch.Tensor:
         hidden = layer.hidden_size if hasattr(layer, "hidden_size") else int(layer)
         return dequantize_rows(hidden_states, hidden_states_scale, hidden, global_scale).to(output_dtype)

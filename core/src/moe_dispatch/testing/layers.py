@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..accuracy import TOLERANCES, relative_error
-from ..dispatcher import Dispatcher
+from ..dispatcher import Dispatcher, run_experts
 from ..experts import ExpertKernel, ExpertWeights, reference_moe
 from ..routing import random_routing
 
@@ -38,9 +38,7 @@ def check_layer(rank: int, world: int, dispatcher: Dispatcher, experts: ExpertKe
     ids, w = random_routing(world * tokens, spec.num_experts, spec.top_k, generator=generator, drop_prob=0.1)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     out = dispatcher.dispatch(x[mine].to(device), ids[mine].to(device), w[mine].to(device))
-    rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                 out.group_list_type, out.group_list, torch.bfloat16,
-                                                 global_scale=out.global_scale)
+    rows = run_experts(experts, layer, out)
     combined = dispatcher.combine(rows, out)
     reference = reference_moe(x[mine], ids[mine], w[mine], reference_weights)
     decided = next(s.source for s in dispatcher.resolution.steps if s.decided and not s.source.startswith("validate"))

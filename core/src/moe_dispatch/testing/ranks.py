@@ -18,7 +18,8 @@ from ..codecs import make_codec
 from ..dtypes import DispatchDtype, Layout
 from ..errors import CapacityError, InvalidInputError, MoEDispatchError
 from ..experts import TorchExperts, dequantize_rows, reference_moe
-from ..output import DispatchOutput
+from ..dispatcher import run_experts
+from ..output import DispatchOutput, align_up, group_starts, row_experts
 from ..routing import random_expert_weights
 from .cases import Case, GlobalBatch, Routing
 from .experts import ScaledIdentityExperts, ScaledLayer, expert_factor
@@ -37,7 +38,7 @@ def _expected_counts(ids: torch.Tensor, rank: int, local_experts: int) -> torch.
 def _valid_rows(out: DispatchOutput, deq: torch.Tensor, expert: int, counts: torch.Tensor) -> torch.Tensor:
     if out.layout is Layout.MASKED:
         return deq[expert, : int(counts[expert])]
-    start = int(counts[:expert].sum())
+    start = int(group_starts(counts, out.expert_alignment)[expert])
     return deq[start : start + int(counts[expert])]
 
 
@@ -60,6 +61,8 @@ def _check_output_contract(case: Case, rank: int, out: DispatchOutput, dtype: Di
     if out.layout is Layout.PACKED:
         if out.hidden_states.dim() != 2 or tuple(out.hidden_states.shape[1:]) != width:
             problems.append(f"PACKED hidden_states shape {tuple(out.hidden_states.shape)}, expected [rows, {width[0]}]")
+        elif case.expert_alignment > 1:
+            problems += _check_aligned(case, out, expected)
         elif out.hidden_states.shape[0] != int(expected.sum()):
             problems.append(f"PACKED has {out.hidden_states.shape[0]} rows for {int(expected.sum())} (token, expert) pairs")
     elif out.layout is Layout.MASKED:
@@ -77,16 +80,30 @@ def _check_output_contract(case: Case, rank: int, out: DispatchOutput, dtype: Di
     return problems
 
 
+def _check_aligned(case: Case, out: DispatchOutput, expected: torch.Tensor) -> list[str]:
+    """PACKED rows at ``case.expert_alignment``: the output says so, every segment fits, and every row outside
+    the experts' valid rows is zero, data and scales."""
+    a = case.expert_alignment
+    if out.expert_alignment != a:
+        return [f"PACKED rows at expert_alignment {out.expert_alignment}, the spec asked for {a}"]
+    rows = out.hidden_states.shape[0]
+    need = int(align_up(expected.to(torch.int64), a).sum())
+    if rows < need:
+        return [f"PACKED has {rows} rows; {expected.tolist()} in segments aligned to {a} take {need}"]
+    padding = row_experts(expected.to(out.hidden_states.device), a, rows) < 0
+    tensors = [out.hidden_states] + ([out.hidden_states_scale] if out.hidden_states_scale is not None else [])
+    if any(bool((t[padding].float() != 0).any()) for t in tensors):
+        return [f"padding rows of the aligned layout (alignment {a}) are not zero in data or scales"]
+    return []
+
+
 def _scaled_layer(case: Case, rank: int) -> ScaledLayer:
     return ScaledLayer.for_rank(case.shape.hidden_size, case.num_experts, rank, case.shape.local_experts)
 
 
 def _scaled_rows(layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:
-    """Scaled-identity experts on a dispatch output."""
-    return ScaledIdentityExperts().apply_without_routing_weights(
-        layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16,
-        global_scale=out.global_scale,
-    )
+    """Scaled-identity experts on a dispatch output (NaN in aligned padding rows: combine ignores them)."""
+    return run_experts(ScaledIdentityExperts(), layer, out)
 
 
 def _combine_scaled(dispatcher: Any, layer: ScaledLayer, out: DispatchOutput) -> torch.Tensor:

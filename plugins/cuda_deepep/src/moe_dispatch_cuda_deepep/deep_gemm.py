@@ -11,6 +11,13 @@ no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, 
   sync; normal mode has synced for the layout already), copies the rows into a zero-padded
   buffer (rows·(H + scale) bytes written into at most rows + 127·E_local rows), runs both
   GEMMs on the padded rows and gathers the output rows back (rows·H·2 bytes).
+- PACKED rows already at an ``expert_alignment`` that is a multiple of the mk alignment (the engine
+  passes ``DispatchSpec(expert_alignment=experts.expert_alignment)``; DeepEP V2 writes that layout
+  itself, the core copies other backends' rows into it) go through the contiguous GEMM as they are,
+  no copy and no host sync: with DeepGEMM's PSUM layout (SM100 2.3+, SM90 2.4.2+: ``use_psum_layout=True``,
+  ``grouped_layout`` = each expert's end row, the type-0 group list) or else ``m_indices`` made on the
+  device (``moe_dispatch.output.row_experts``). The output keeps the input's rows; its padding rows
+  are whatever DeepGEMM left there (combine ignores them).
 - MASKED ``[E_local, capacity, H]`` goes through the masked GEMM as it is, with
   ``masked_m`` = the counts and no host sync (CUDA-graph safe). ``expected_m`` is only a
   tile-size hint: ``layer.expected_m`` when set (``sglang_expected_m``), else the capacity.
@@ -63,7 +70,7 @@ import moe_dispatch as md
 
 from moe_dispatch.codecs import FP8_MAX, pow2_ceil
 from moe_dispatch.experts import dequantized_weights, swiglu
-from moe_dispatch.output import group_counts
+from moe_dispatch.output import group_counts, group_starts, row_experts
 
 if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
     from moe_dispatch.testing.layers import LayerCheck
@@ -283,6 +290,18 @@ class DeepGemmExperts:
         every BLOCK_M this DeepGEMM may pick (``vendor.dg_masked_block_ms``)."""
         return vendor.dg_masked_capacity_multiple(self.info, self.arch, vendor.mk_alignment(self.info.module))
 
+    @property
+    def expert_alignment(self) -> int:
+        """The ``DispatchSpec(expert_alignment=...)`` that hands this kernel PACKED rows it runs without a copy:
+        DeepGEMM's ``get_mk_alignment_for_contiguous_layout()`` (128)."""
+        return vendor.mk_alignment(self.info.module)
+
+    @property
+    def psum_layout(self) -> bool:
+        """Aligned rows go to the contiguous GEMMs as DeepGEMM's PSUM layout (SM100 from 2.3, SM90 from 2.4.2), else
+        with per-row ``m_indices``."""
+        return vendor.dg_has_psum_layout(self.info, self.arch)
+
     def quant_hints(self) -> md.QuantHints:
         """What to pass as ``DispatchSpec(quant=...)`` so resolution sends this kernel's dtype."""
         return md.QuantHints(dispatcher_output_dtype=self.needs_dispatch_dtype, fp8_ue8m0_scales=self.ue8m0)
@@ -327,8 +346,10 @@ class DeepGemmExperts:
         output_dtype: torch.dtype,
         *,
         global_scale: float | None = None,
+        expert_alignment: int = 1,
     ) -> torch.Tensor:
-        """gmm1 → SwiGLU → gmm2 per local expert; PACKED ``[rows, H]`` or MASKED ``[E, capacity, H]``."""
+        """gmm1 → SwiGLU → gmm2 per local expert; PACKED ``[rows, H]`` (dense, or each expert's rows at a
+        multiple of ``expert_alignment``) or MASKED ``[E, capacity, H]``."""
         self._check_layer(layer)
         packed_scales = self._check_rows(layer, hidden_states, hidden_states_scale)
         experts = layer.num_experts
@@ -338,9 +359,11 @@ class DeepGemmExperts:
         if tuple(group_list.shape) != (experts,):
             raise md.InvalidInputError("needs one entry per local expert", parameter="group_list", value=group_list,
                                        allowed=f"[{experts}]")
-        counts = group_counts(group_list.to(torch.int64), group_list_type)
+        counts = group_counts(group_list.to(torch.int64), group_list_type, expert_alignment)
         if hidden_states.dim() == 3:
             out = self._masked(layer, hidden_states, hidden_states_scale, counts, packed_scales)
+        elif expert_alignment > 1:
+            out = self._aligned(layer, hidden_states, hidden_states_scale, counts, packed_scales, expert_alignment)
         else:
             out = self._contiguous(layer, hidden_states, hidden_states_scale, counts, packed_scales)
         return out.to(output_dtype)
@@ -387,11 +410,14 @@ class DeepGemmExperts:
     # -- the two layouts ----------------------------------------------------------------------------
 
     def _gemm(self, contiguous: bool, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
-              w_scale: torch.Tensor | None, d: torch.Tensor, groups: torch.Tensor, expected_m: int = 0) -> None:
+              w_scale: torch.Tensor | None, d: torch.Tensor, groups: torch.Tensor, expected_m: int = 0,
+              psum: bool = False) -> None:
         fn = self._contiguous_fn if contiguous else self._masked_fn
         lhs: Any = a if self.weights == "bf16" else (a, a_scale)
         rhs: Any = w if self.weights == "bf16" else (w, w_scale)
-        if contiguous:
+        if psum:
+            fn(lhs, rhs, d, groups, **{vendor.DG_USE_PSUM_LAYOUT: True})
+        elif contiguous:
             fn(lhs, rhs, d, groups)
         else:
             fn(lhs, rhs, d, groups, expected_m)
@@ -464,6 +490,37 @@ class DeepGemmExperts:
         self._gemm(True, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, m_indices)
         return h2.index_select(0, dest)
 
+    def _aligned(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
+                 packed: bool, alignment: int) -> torch.Tensor:
+        """Rows already in DeepGEMM's contiguous layout (each expert at a multiple of ``alignment``, padding zero):
+        both GEMMs on them as they are, no copy, no host read."""
+        mk = self.expert_alignment
+        rows, h = x.shape
+        if alignment % mk or rows % mk:
+            raise md.InvalidInputError(
+                f"DeepGEMM's contiguous GEMM takes each expert's rows at a multiple of its mk alignment ({mk}) and "
+                f"whole blocks of {mk} rows", parameter="expert_alignment", value=alignment,
+                allowed=f"a multiple of {mk} (DispatchSpec(expert_alignment=experts.expert_alignment)), rows a "
+                        f"multiple of {mk}, or 1 (dense rows: the runner pads them itself)")
+        device = x.device
+        if rows == 0:
+            return torch.zeros(0, h, dtype=torch.bfloat16, device=device)
+        counts = counts.to(device)
+        expert = row_experts(counts, alignment, rows)
+        psum = self.psum_layout
+        # PSUM: each expert's end row (DeepEP V2's psum_num_recv_tokens_per_expert); else each row's expert, -1 padding
+        groups = (group_starts(counts, alignment) + counts if psum else expert).to(torch.int32).contiguous()
+        if packed:
+            scale = vendor.dg_mn_major(self.info.module, scale)
+        elif scale is not None and self.arch == vendor.DG_ARCH_SM100:
+            scale, packed = self._pack_fp32(scale), True
+        h1 = torch.empty(rows, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
+        self._gemm(True, x, scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, groups, psum=psum)
+        act, act_scale = self._between(layer, h1, (expert >= 0).unsqueeze(1), packed)
+        h2 = torch.empty(rows, h, dtype=torch.bfloat16, device=device)
+        self._gemm(True, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, groups, psum=psum)
+        return h2
+
     def _masked(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
                 packed: bool) -> torch.Tensor:
         experts, capacity, h = x.shape
@@ -506,11 +563,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
               vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
               experts_per_rank: int = 2, top_k: int = 2, tokens: int = 128, ue8m0: bool | None = None,
-              seed: int = 0, v2: bool = False) -> LayerCheck:
+              seed: int = 0, v2: bool = False, aligned: bool = False) -> LayerCheck:
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
     the relative error against the dense fp32 reference on the dequantized weights. ``v2``: the dispatcher is
-    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer, normal mode)."""
+    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer, normal mode). ``aligned``: the spec asks for the kernel's
+    ``expert_alignment`` (V2 writes that layout itself; V1 through the core's copy), so the runner copies nothing."""
     from moe_dispatch.routing import random_expert_weights
     from moe_dispatch.testing.layers import check_layer
 
@@ -520,7 +578,8 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
 
     experts = DeepGemmExperts(weights, mode, kernel_module, ue8m0=ue8m0)
     spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, quant=experts.quant_hints(), runner=RUNNER)
+                           mode=mode, quant=experts.quant_hints(), runner=RUNNER,
+                           expert_alignment=experts.expert_alignment if aligned else 1)
     backend = (DeepEPV2Backend if v2 else DeepEPBackend)(vendor_module or DEEPEP)
     dispatcher = md.create_dispatcher(backend, spec, env={})
     device = torch.device("cuda" if kernel_module == REAL else "cpu")

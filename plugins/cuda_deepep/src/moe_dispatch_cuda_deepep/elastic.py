@@ -1,8 +1,9 @@
 """The ``cuda_deepep_v2`` backend: DeepEP V2's ``ElasticBuffer`` (DeepEP 2.x, deepseek-ai/DeepEP@dd758ca).
 
     x ──codec (FP8: the core's per-128 cast; V2 moves (x, sf) as it is given)──▶ ElasticBuffer.dispatch(
-        do_expand=True, expert_alignment=1, do_cpu_sync=True) ──▶ rows per (token, local expert), grouped by
-        expert = PACKED, counts = EPHandle.num_unaligned_recv_tokens_per_expert
+        do_expand=True, expert_alignment=spec.expert_alignment, do_zero_padding=(alignment > 1), do_cpu_sync=True)
+        ──▶ rows per (token, local expert), grouped by expert, each expert at a multiple of the alignment = PACKED,
+        counts = EPHandle.num_unaligned_recv_tokens_per_expert
     experts' unweighted rows ──× the row's weight (V2's combine applies none)──▶ ElasticBuffer.combine
         (each token's local rows summed in fp32, one partial per rank, summed at home in fp32) ──▶ bf16 [T, H]
 
@@ -14,9 +15,10 @@ audited four times, is left as it is. ``moe-dispatch explain`` says which DeepEP
 
 This first V2 backend drives normal mode only (the host waits for the counts: ``do_cpu_sync=True``). Not yet
 driven, each a later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's
-MASKED layout would cost a copy), ``expert_alignment`` > 1 for DeepGEMM's contiguous layout without its pad copy
-(needs a padded PACKED layout in the contract), events (``async_with_compute_stream``) for split phase, and past one
-NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them.
+MASKED layout would cost a copy), events (``async_with_compute_stream``) for split phase, and past one NVLink domain
+(8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them. ``DispatchSpec.expert_alignment`` is
+DeepEP's own ``expert_alignment`` with ``do_zero_padding``: the rows arrive in DeepGEMM's contiguous (PSUM) layout,
+and combine takes the expert rows in it (padding rows are never read), so neither side copies.
 
 One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
 current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
@@ -51,6 +53,7 @@ def capabilities(emulated: bool) -> md.Capabilities:
         rejections={F4: "DeepEP V2 moves pre-quantized rows with one 4-byte scale format; NVFP4 is not driven"},
         default_dtype=F8,
         fp8_ue8m0=True,  # packed four exponents per int32 word before dispatch: V2 moves any 4-byte scale (§3)
+        expert_alignment=frozenset({N}),  # expert_alignment + do_zero_padding: DeepGEMM's layout, no copy
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
                              world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))},
@@ -269,21 +272,24 @@ class ElasticDispatcher:
             x = hidden_states.to(torch.bfloat16).contiguous()
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
+        alignment = spec.expert_alignment
         with self.waits():
             recv, _, recv_w, handle, _ = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
-                num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=1,
-                num_sms=self.num_sms, do_cpu_sync=True, do_expand=True)
+                num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
+                num_sms=self.num_sms, do_cpu_sync=True, do_expand=True, do_zero_padding=alignment > 1)
         rows, scale = recv if fp8 else (recv, None)
         counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
         return DispatchOutput(rows, scale, kept_routing(ids, topk_ids), kept_routing(weights, topk_weights),
-                              group_list_from_counts(counts, spec.group_list_type), spec.group_list_type,
-                              md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w), None)
+                              group_list_from_counts(counts, spec.group_list_type, alignment), spec.group_list_type,
+                              md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w), None,
+                              expert_alignment=alignment)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         h: ElasticHandle = dispatch_output.handle
         # V2's combine sums what it is given (combine.cuh; refs.py:177-243): the weights are applied here, in fp32,
-        # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums.
+        # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
+        # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
         with self.waits():
             combined, _, _ = self._buffer().combine(weighted, h.vendor_handle)

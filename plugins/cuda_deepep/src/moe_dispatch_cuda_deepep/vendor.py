@@ -1193,6 +1193,25 @@ def dg_masked_capacity_multiple(info: DeepGemmInfo | None, arch: int | None,
     return math.lcm(*dg_masked_block_ms(info, arch, mk_alignment))
 
 
+#: The contiguous GEMMs' PSUM layout: ``use_psum_layout=True`` makes ``grouped_layout`` int32 ``[num_groups]``, each
+#: group's end row, each group starting at the previous end rounded up to the mk alignment (the DeepEP V2 expanded
+#: layout's ``psum_num_recv_tokens_per_expert``): deepseek-ai/DeepGEMM@54e2261 csrc/apis/gemm.hpp:197-199
+#: (``num_groups == num_groups_``), deep_gemm/include/deep_gemm/scheduler/gemm.cuh:217-237, tests/generators.py:393.
+#: 2.0-2.2 take a per-row ``m_indices`` only; 2.3.x has the keyword but runs it on SM100 only (SM90:
+#: ``DG_HOST_ASSERT(not use_psum_layout)``, @0f5f266 csrc/apis/gemm.hpp:196 and :466); SM90 from 2.4.2 (@7f2a703).
+#: Rows after the last group's aligned end are never written; padding rows inside a block are computed from their
+#: (zeroed) A rows (docs/vendor-notes/deepgemm-psum-layout.md).
+DG_USE_PSUM_LAYOUT = "use_psum_layout"
+DG_PSUM_LAYOUT_VERSIONS = {DG_ARCH_SM100: (2, 3), DG_ARCH_SM90: (2, 4, 2)}
+
+
+def dg_has_psum_layout(info: "DeepGemmInfo", arch: int | None) -> bool:
+    """The installed DeepGEMM runs its contiguous GEMMs with ``use_psum_layout=True`` on ``arch`` (SM100 from 2.3,
+    SM90 from 2.4.2; no ``__version__``: before 2.1.1, without it)."""
+    since = DG_PSUM_LAYOUT_VERSIONS.get(arch) if arch is not None else None
+    return info.generation == "v2" and since is not None and version_tuple(info.version) >= since
+
+
 def mk_alignment(module: Any) -> int:
     """The installed DeepGEMM's ``get_mk_alignment_for_contiguous_layout()`` (v1:
     ``get_m_alignment_for_contiguous_layout()``), else 128."""

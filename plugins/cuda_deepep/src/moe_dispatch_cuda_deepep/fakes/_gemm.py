@@ -17,6 +17,16 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def align(a: int, b: int) -> int:
+    """``a`` rounded up to a multiple of ``b`` (DeepGEMM's ``math::align``)."""
+    return ceil_div(a, b) * b
+
+
+def zero_rows(data: torch.Tensor) -> torch.Tensor:
+    """bool ``[R]``: the rows of ``data [R, K]`` whose every element is ±0 (FP8 or BF16)."""
+    return (data.float() == 0).all(dim=-1)
+
+
 def dequant_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``data [..., R, K]`` times per-(row, 128) fp32 ``scale [..., R, ceil(K/128)]``."""
     k = data.shape[-1]
@@ -91,5 +101,5 @@ def grouped_masked(a: torch.Tensor, w: torch.Tensor, d: torch.Tensor, masked_m: 
         flat[start:end] = float("nan")
 
 
-__all__ = ["BLOCK", "ceil_div", "cuda_cast", "cuda_cast_bytes", "dequant_rows", "exponent_only", "grouped_contiguous",
-           "grouped_masked", "is_power_of_two", "rows_from_blocks", "ue8m0_values"]
+__all__ = ["BLOCK", "align", "ceil_div", "cuda_cast", "cuda_cast_bytes", "dequant_rows", "exponent_only",
+           "grouped_contiguous", "grouped_masked", "is_power_of_two", "rows_from_blocks", "ue8m0_values", "zero_rows"]

@@ -29,11 +29,30 @@ the tile end get garbage (NaN here) and, where that passes ``m``, the next group
 picks, from the BLOCK_M values the version's heuristic may choose, one that does not divide ``m`` when there is
 one (the real choice depends on the SM count). TMA descriptors need 16-byte row strides (a "CUDA driver" error).
 
+The PSUM layout (``use_psum_layout=True``, 2.3.0 on): ``grouped_layout`` is int32 ``[num_groups]`` (``get_shape<1>``,
+``num_groups == num_groups_``, csrc/apis/gemm.hpp:197-199, BF16 :488-490), group g's inclusive end; its rows start at
+``align(grouped_layout[g-1], BLOCK_M)``, BLOCK_M = ``get_mk_alignment_for_contiguous_layout()`` (heuristics/sm90.hpp:
+31-33, sm100.hpp:31-37; scheduler/gemm.cuh:217-237). M is free (no check; TMA clips the stores at M);
+``expected_m_for_psum_layout`` only feeds the config heuristic. Blocks are written whole from their group's first
+row, so a group's padding rows up to its aligned end are computed from their own A rows (its weights): zero when the
+caller zeroed them (the ``ensure_zero_padding`` contract, tests/test_fp8_fp4.py:22-29), NaN here otherwise; SM90
+FP8 writes exact zeros for a 64-row warpgroup slice starting at or past the end (sm90_fp8_gemm_1d2d.cuh:256, 274);
+SM100 with ``ensure_zero_padding=False`` (and 2.4.2–2.5.x, which have no such argument) writes the last block only
+up to ``align(end, 16)`` (scheduler/gemm.cuh:189-195). Rows no block writes (past the last group's aligned end, the
+trimmed rows) keep what ``d`` held. On SM100 2.6.1 the fp32 SFA cast packs 0 (2^-127) for rows outside the groups
+before its power-of-two assert (gemm.hpp:213-217, smxx_layout.cuh:84-131), so padding scales may be anything; it
+wants one contiguous SFA (smxx_layout.hpp:191); SM90 reads fp32 SFA of every row (a padding row's scales reach only
+that row). Versions: SM90 asserts ``not use_psum_layout`` before 2.4.2; 2.3.x aligns starts to 128 and may pick
+BLOCK_M 64 (the fake does: rows past the 64-row block stay unwritten). The fake refuses what DeepGEMM reads unchecked
+on the device and turns into garbage: an end outside ``[0, M]``, a decreasing end, an end inside the previous
+group's padding, and an empty group whose repeated unaligned end wraps the uint32 block count.
+
 ``emulate(capability, version)`` follows the version: the recorded signatures of 2.0–2.2 (``m_indices``), 2.3–2.5
 and 2.6.1; no ``__version__`` before 2.1.1; ``set_mk_alignment_for_contiguous_layout`` from 2.4.2; the SM100 fp32
 1D2D path (``disable_ue8m0_cast``) before 2.2.0; the masked BLOCK_M values (``vendor.dg_masked_block_ms``); the
-UE8M0 cast per version (above); ``before_f85ec64``: PR #112's names (``fp8_m_grouped_gemm_nt_masked`` only, no BF16).
-Computed in fp32, written to ``d`` as bf16. Not emulated: ``recipe_a``/``recipe_b``, PSUM layouts, FP4.
+UE8M0 cast and the PSUM layout per version (above); ``before_f85ec64``: PR #112's names
+(``fp8_m_grouped_gemm_nt_masked`` only, no BF16).
+Computed in fp32, written to ``d`` as bf16. Not emulated: ``recipe_a``/``recipe_b``, FP4.
 ``emulated_stream_capturing`` is the emulated GPU's stream capture, the one ``fakes.deep_ep.CUDAGraph`` opens.
 """
 
@@ -149,16 +168,26 @@ def _check_sm90_sfb(sf: torch.Tensor, groups: int | None) -> None:
               "SM90 SFB must be contiguous, or contiguous after transposing the last two dimensions", _UTILS)
 
 
-def _pack_cast(device: _Device, sf: torch.Tensor) -> torch.Tensor:
+def _pack_cast(device: _Device, sf: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """``get_mn_major_tma_aligned_packed_ue8m0_tensor`` of fp32 scales: the fp32 values it passes on
     (csrc/jit_kernels/impls/smxx_layout.hpp, deep_gemm/include/deep_gemm/impls/smxx_layout.cuh). Batched
     contiguous scales with ``(mn · sf_k) % 4``, or non-contiguous ones with ``mn % 4`` or several groups, take the
     PyTorch fallback, which keeps ``bits >> 23``; the 2.0.0 builds before 6bc75b5 (and d9c363f .. 7b6b556~1) assert
     instead (``before_f85ec64``). The CUDA kernels pack ``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 << 1``: exact for powers
-    of two, garbage exponents otherwise before 2.6.1, a device assert from 2.6.1."""
+    of two, garbage exponents otherwise before 2.6.1, a device assert from 2.6.1.
+
+    ``valid`` (a PSUM layout's rows, 2.6.1): one contiguous 2-D tensor only (smxx_layout.hpp:191), always the CUDA
+    kernel, which loads 0 for every row outside ``[align(psum[g-1]), psum[g])`` before the power-of-two assert and
+    packs byte 0 (2^-127) for it (smxx_layout.cuh:84-94, 121-131): those rows may hold anything."""
     batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
     groups, mn, sf_k = batched.shape
     where = "csrc/jit_kernels/impls/smxx_layout.hpp"
+    if valid is not None:
+        dg_assert(groups == 1 and batched.is_contiguous(), "num_sf_batches == 1 and batched_sf.is_contiguous()", where)
+        kept = torch.where(valid.view(-1, 1), batched[0].float(), torch.zeros(()))
+        if device.strict_pow2:
+            device_assert(_gemm.is_power_of_two(kept), "(values[j] & 0x807fffffu) == 0", _SMXX)
+        return _gemm.cuda_cast(kept).view(sf.shape)
     if device.before_f85ec64:
         dg_assert(groups == 1 or (mn * sf_k) % 4 == 0, "num_groups == 1 or (mn * sf_k) % 4 == 0", where)
         if not batched.is_contiguous():
@@ -179,9 +208,11 @@ def _pack_cast(device: _Device, sf: torch.Tensor) -> torch.Tensor:
 
 
 def _scales(device: _Device, sfa: torch.Tensor, sfb: torch.Tensor, m: int, n: int, k: int, groups_a: int | None,
-            groups_b: int, recipe: Any, disable_ue8m0_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            groups_b: int, recipe: Any, disable_ue8m0_cast: bool,
+            sfa_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 per-(row, 128) values of SFA ``[..., m, ceil(k/128)]`` and SFB ``[G, n, ceil(k/128)]``, after
-    DeepGEMM's checks and transformations."""
+    DeepGEMM's checks and transformations. ``sfa_valid``: the PSUM layout's rows, which the SM100 cast of fp32 SFA
+    keeps (2.6.1, csrc/apis/gemm.hpp:213-217; ``_pack_cast``)."""
     if recipe is None:
         if device.arch == vendor.DG_ARCH_SM90:
             dg_assert(sfa.dtype == torch.float32 and sfb.dtype == torch.float32,
@@ -206,7 +237,7 @@ def _scales(device: _Device, sfa: torch.Tensor, sfb: torch.Tensor, m: int, n: in
         elif sf.dtype == torch.float32 and device.arch == vendor.DG_ARCH_SM100:
             dg_assert(not disable_ue8m0_cast, "not disable_ue8m0_cast", _LAYOUT)
             rows = sf if gran_mn == 1 else _gemm.rows_from_blocks(sf, mn)
-            values.append((_pack_cast(device, rows), "int", 1))
+            values.append((_pack_cast(device, rows, sfa_valid if is_a else None), "int", 1))
         elif sf.dtype == torch.int32 and gran_mn == 1 and device.arch == vendor.DG_ARCH_SM100:
             _check_tma_strides(sf, mn, groups)
             values.append((_gemm.ue8m0_values(sf, k), "int", 1))
@@ -261,15 +292,21 @@ def _contiguous(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: t
               _UTILS if fp8 else _GEMM)
     dg_assert(d.dtype == torch.bfloat16, "d.scalar_type() == torch::kBFloat16", _GEMM)
     dg_assert(grouped_layout.dtype == torch.int32, "grouped_layout.scalar_type() == torch::kInt", _GEMM)
-    if use_psum_layout:
-        raise NotImplementedError("the fake does not emulate the PSUM layout")
-    dg_assert(grouped_layout.dim() == 1 and grouped_layout.numel() == m, "m == m__", _GEMM)
-    dg_assert(expected_m_for_psum_layout is None, "not expected_m_for_psum_layout.has_value()", _GEMM)
+    if use_psum_layout:  # csrc/apis/gemm.hpp:197-199 (BF16 :488-490); expected_m_for_psum_layout: a heuristic hint
+        (num_groups_,) = _shape(grouped_layout, 1)
+        dg_assert(num_groups == num_groups_, "num_groups == num_groups_", _GEMM)
+    else:
+        dg_assert(grouped_layout.dim() == 1 and grouped_layout.numel() == m, "m == m__", _GEMM)
+        dg_assert(expected_m_for_psum_layout is None, "not expected_m_for_psum_layout.has_value()", _GEMM)
     _check_d(d)
     if m == 0:
         return
     if device.arch not in (vendor.DG_ARCH_SM90, vendor.DG_ARCH_SM100):
         dg_assert(False, "Unsupported architecture", _GEMM)
+    if use_psum_layout:
+        _psum_contiguous(device, a, sfa, b, sfb, d, grouped_layout, recipe, disable_ue8m0_cast, ensure_zero_padding,
+                         fp8)
+        return
     if not fp8 and device.arch == vendor.DG_ARCH_SM90:
         dg_assert(k % 64 == 0, "k % 64 == 0", "csrc/jit_kernels/impls/sm90_bf16_gemm.hpp")
     if fp8:
@@ -280,6 +317,130 @@ def _contiguous(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: t
     _check_tma_strides_of(a, b, d)
     groups = _block_groups(device, grouped_layout, m, num_groups)
     d.copy_(_gemm.grouped_contiguous(a_f, w_f, groups, float("nan")).to(torch.bfloat16))
+
+
+#: PSUM layout facts the fake needs that vendor.py does not record (deepseek-ai/DeepGEMM history):
+#: - 2.3.0 (0f5f266) brought it, SM100 only: ``DG_HOST_ASSERT(not use_psum_layout)`` on SM90 (csrc/apis/gemm.hpp:196
+#:   FP8, :466 BF16); SM90 runs it from 2.4.2 (7f2a703).
+_SM90_PSUM_VERSION = (2, 4, 2)
+_GEMM_2_3 = "csrc/apis/gemm.hpp (DeepGEMM 2.3.0, 0f5f266)"
+#: - 2.3.x: group starts aligned to 128 whatever the BLOCK_M (deep_gemm/include/deep_gemm/common/scheduler.cuh:192
+#:   @0f5f266, ``align(current_psum_m, 128u)``), BLOCK_M from {64, 128} by the wave heuristic
+#:   (csrc/jit_kernels/heuristics/common.hpp:171-172 @0f5f266). From 2.4.2 both are
+#:   ``get_mk_alignment_for_contiguous_layout()`` (heuristics/sm90.hpp:31-33, sm100.hpp:31-37; scheduler/gemm.cuh:228).
+_PSUM_ALIGNMENT_2_3, _PSUM_BLOCK_MS_2_3 = 128, (64, 128)
+#: - SM100 (swap A/B) trims a group's last block to ``align(psum - block start, 16)`` rows (UMMA_STEP_N,
+#:   scheduler/gemm.cuh:189-195) from 2.4.2 (7f2a703 scheduler/gemm.cuh:163-167); 2.6.1 (54e2261) adds
+#:   ``ensure_zero_padding`` (default True: whole blocks) and the SFA cast that skips gap rows (gemm.hpp:213-217).
+_PSUM_TRIM_VERSION, _PSUM_ZERO_PADDING_VERSION = (2, 4, 2), (2, 6, 1)
+_UMMA_STEP_N = 16
+#: SM90 FP8 (1D2D): each math warpgroup owns 64-row slices (WGMMA::M) of the block, two warpgroups when BLOCK_M > 64
+#: (heuristics/sm90.hpp:191); a warpgroup whose first row is at or past the group's end skips its MMAs and stores its
+#: zero-initialised accumulators (sm90_fp8_gemm_1d2d.cuh:256, 274, 351-357; scheduler/gemm.cuh:318-319).
+_WGMMA_M = 64
+#: Row kinds of a PSUM call: not written, a group's row, a written padding row computed from its A row, a written zero.
+_UNTOUCHED, _VALID, _GAP, _ZERO = 0, 1, 2, 3
+
+
+def _psum_valid_rows(ends: list[int], m: int, alignment: int) -> torch.Tensor:
+    """Rows ``[align(psum[g-1], alignment), psum[g])`` of some group (``is_valid_mn``, smxx_layout.cuh:74-94)."""
+    valid = torch.zeros(m, dtype=torch.bool)
+    for g, end in enumerate(ends):
+        start = 0 if g == 0 else _gemm.align(max(ends[g - 1], 0), alignment)
+        valid[max(start, 0):max(min(end, m), 0)] = True
+    return valid
+
+
+def _psum_plan(device: _Device, ends: list[int], m: int, fp8: bool,
+               ensure_zero_padding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's group (-1 when no block writes it) and kind, as the scheduler walks the PSUM layout
+    (deep_gemm/include/deep_gemm/scheduler/gemm.cuh:100-103, 217-237): group g's blocks start at
+    ``align(psum[g-1], BLOCK_M)`` (0 for g = 0) and cover ``ceil((psum[g] - start) / BLOCK_M)`` blocks, counted in
+    uint32; stores are TMA stores clipped at M. Refuses (the fake's check: DeepGEMM reads the layout on the device
+    unchecked) the layouts that make it compute or write garbage."""
+    v = vendor.version_tuple(device.version)
+    alignment, block_m = ((_PSUM_ALIGNMENT_2_3, min(_PSUM_BLOCK_MS_2_3)) if v < _SM90_PSUM_VERSION else
+                          (device.mk_alignment, device.mk_alignment))
+    trim = device.arch == vendor.DG_ARCH_SM100 and v >= _PSUM_TRIM_VERSION and (
+        v < _PSUM_ZERO_PADDING_VERSION or not ensure_zero_padding)
+    warpgroups = fp8 and device.arch == vendor.DG_ARCH_SM90 and block_m > _WGMMA_M
+
+    def refuse(why: str) -> RuntimeError:
+        return RuntimeError(f"(fake) PSUM grouped_layout {ends} (M={m}, BLOCK_M={block_m}): {why}; DeepGEMM does not "
+                            "check (deep_gemm/include/deep_gemm/scheduler/gemm.cuh:217-237)")
+
+    for g, end in enumerate(ends):
+        if not 0 <= end <= m:
+            raise refuse(f"grouped_layout[{g}] = {end} lies outside [0, M]: the scheduler walks blocks past M (TMA "
+                         "drops their rows; a negative or large value is a huge uint32 block count), and on SM100 the "
+                         "fp32 SFA cast reads unloaded shared memory for those rows (smxx_layout.cuh:121-131)")
+        if g == 0:
+            continue
+        prev = ends[g - 1]
+        start = _gemm.align(prev, alignment)
+        if end < prev:
+            raise refuse(f"grouped_layout[{g}] = {end} < grouped_layout[{g - 1}] = {prev}: a PSUM is non-decreasing")
+        if prev < end < start:
+            raise refuse(f"group {g} ends at {end}, inside group {g - 1}'s padding (group {g} starts at "
+                         f"align({prev}, {alignment}) = {start}): those rows are computed with group {g - 1}'s weights"
+                         f" and group {g} gets no block; an empty group ends at {start}")
+        if end < start and start - end >= block_m:  # end == prev: (end - start + BLOCK_M - 1) wraps in uint32
+            raise refuse(f"empty group {g} repeats the unaligned end {prev}: with BLOCK_M {block_m} the uint32 block "
+                         f"count ceil_div({end} - {start}, {block_m}) wraps to ~2^32/BLOCK_M blocks (2.3.x aligns "
+                         f"starts to {alignment} and may pick BLOCK_M 64); use {start}")
+    groups = torch.full((m,), -1, dtype=torch.long)
+    kinds = torch.full((m,), _UNTOUCHED, dtype=torch.int8)
+    for g, end in enumerate(ends):
+        start = 0 if g == 0 else _gemm.align(ends[g - 1], alignment)
+        num_blocks = _gemm.ceil_div(end - start, block_m) if end > start else 0
+        for i in range(num_blocks):
+            first = start + i * block_m
+            stop = first + (_gemm.align(end - first, _UMMA_STEP_N) if trim and i == num_blocks - 1 else block_m)
+            stop = min(stop, m)
+            groups[first:stop] = g
+            kinds[first:stop] = _GAP
+            kinds[first:min(end, stop)] = _VALID
+            if warpgroups:
+                for wg in (0, 1):
+                    if first + wg * _WGMMA_M >= end:
+                        rows = torch.arange(first, stop)
+                        kinds[rows[((rows - first) % (2 * _WGMMA_M)) // _WGMMA_M == wg]] = _ZERO
+    return groups, kinds
+
+
+def _psum_contiguous(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor,
+                     sfb: torch.Tensor | None, d: torch.Tensor, grouped_layout: torch.Tensor, recipe: Any,
+                     disable_ue8m0_cast: bool, ensure_zero_padding: bool, fp8: bool) -> None:
+    """``use_psum_layout=True``: ``grouped_layout[g]`` is group g's inclusive end; its rows start at
+    ``align(grouped_layout[g-1], BLOCK_M)``. Valid rows are computed; a written padding row is its own A row times
+    the group's weights (the kernel computes it: 0 when that row is zero, the ``ensure_zero_padding`` contract,
+    tests/test_fp8_fp4.py:22-29; NaN here otherwise, as meaningless); SM90 FP8's skipped warpgroup slices are zero;
+    rows no block writes keep what ``d`` held."""
+    v = vendor.version_tuple(device.version)
+    sm90 = device.arch == vendor.DG_ARCH_SM90
+    ends = [int(e) for e in grouped_layout.tolist()]
+    if fp8:
+        valid = None
+        if device.arch == vendor.DG_ARCH_SM100 and v >= _PSUM_ZERO_PADDING_VERSION:
+            valid = _psum_valid_rows(ends, a.shape[0], device.mk_alignment)
+        sa, sb = _scales(device, sfa, sfb, a.shape[0], b.shape[1], a.shape[1], None, b.shape[0], recipe,
+                         disable_ue8m0_cast, sfa_valid=valid)
+        if sm90 and v < _SM90_PSUM_VERSION:
+            dg_assert(False, "not use_psum_layout", _GEMM_2_3)
+        a_f, w_f = _gemm.dequant_rows(a, sa), _gemm.dequant_rows(b, sb)
+    else:
+        if sm90 and v < _SM90_PSUM_VERSION:
+            dg_assert(False, "not use_psum_layout", _GEMM_2_3)
+        if sm90:
+            dg_assert(a.shape[1] % 64 == 0, "k % 64 == 0", "csrc/jit_kernels/impls/sm90_bf16_gemm.hpp")
+        a_f, w_f = a.float(), b.float()
+    _check_tma_strides_of(a, b, d)
+    groups, kinds = _psum_plan(device, ends, a.shape[0], fp8, ensure_zero_padding)
+    out = _gemm.grouped_contiguous(a_f, w_f, groups, float("nan"))
+    out[(kinds == _GAP) & ~_gemm.zero_rows(a)] = float("nan")
+    out[kinds == _ZERO] = 0.0
+    written = kinds != _UNTOUCHED
+    d[written] = out[written].to(torch.bfloat16)
 
 
 def _masked(device: _Device, a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
@@ -421,9 +582,7 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__, na
         check_args(vendor.DG_MN_MAJOR_PACKED_UE8M0, "(sf: torch.Tensor, psum_layout: Optional[torch.Tensor] = None)",
                    (sf, psum_layout), "tT")
         check_context()
-        if psum_layout is not None:
-            raise NotImplementedError("the fake does not emulate the PSUM layout")
-        return _packed_ue8m0(device, sf)
+        return _packed_ue8m0(device, sf, psum_layout)
 
     def get_mn_major_tma_aligned_packed_ue8m0_tensor_before_2_6_1(arg0):  # noqa: ANN001, ANN202
         check_args(vendor.DG_MN_MAJOR_PACKED_UE8M0, "(arg0: torch.Tensor) -> torch.Tensor", (arg0,), "t")
@@ -496,11 +655,28 @@ def _mn_major_fp32(sf: torch.Tensor) -> torch.Tensor:
     return _mn_major_layout(sf)
 
 
-def _packed_ue8m0(device: _Device, sf: torch.Tensor) -> torch.Tensor:
+def _packed_ue8m0(device: _Device, sf: torch.Tensor, psum_layout: torch.Tensor | None = None) -> torch.Tensor:
     """``get_mn_major_tma_aligned_packed_ue8m0_tensor``: fp32 scales → their exponent bytes (with the 2.6.1 power-of-
-    two device assert on the CUDA path), four per int32 (the first in the low byte), MN-major, TMA-aligned."""
-    dg_assert(sf.dtype == torch.float32, "sf.scalar_type() == torch::kFloat", "csrc/jit_kernels/impls/smxx_layout.hpp")
-    values = _pack_cast(device, sf)
+    two device assert on the CUDA path), four per int32 (the first in the low byte), MN-major, TMA-aligned. With a
+    ``psum_layout`` (2.6.1) rows outside its groups pack as byte 0 whatever they hold (``_pack_cast``)."""
+    where = "csrc/jit_kernels/impls/smxx_layout.hpp"
+    dg_assert(sf.dim() in (2, 3), "dim == 2 or dim == 3", where)
+    dg_assert(sf.dtype == torch.float32, "sf.scalar_type() == torch::kFloat", where)
+    valid = None
+    if psum_layout is not None:
+        dg_assert((sf.dim() == 2 or sf.shape[0] == 1) and sf.is_contiguous(),
+                  "num_sf_batches == 1 and batched_sf.is_contiguous()", where)
+        dg_assert(psum_layout.dtype == torch.int32 and psum_layout.is_contiguous(),
+                  "psum_layout->scalar_type() == torch::kInt and psum_layout->is_contiguous()", where)
+        dg_assert(psum_layout.numel() > 0, "psum_layout->numel() > 0", where)
+        mn, ends = sf.shape[-2], [int(e) for e in psum_layout.view(-1).tolist()]
+        if not all(0 <= e <= mn for e in ends):
+            raise RuntimeError(f"(fake) psum_layout {ends}: every end must lie in [0, {mn}]. DeepGEMM does not check; "
+                               "its pack kernel takes rows past mn of the last 48-row block as valid and reads them "
+                               "from shared memory it never loaded (deep_gemm/include/deep_gemm/impls/"
+                               "smxx_layout.cuh:85-94, 121-131), which the power-of-two assert may trap on")
+        valid = _psum_valid_rows(ends, mn, device.mk_alignment)
+    values = _pack_cast(device, sf, valid)
     k = values.shape[-1]
     exps = (values.contiguous().view(torch.int32) >> 23).to(torch.uint8)
     padded = torch.zeros(*values.shape[:-1], -(-k // 4) * 4, dtype=torch.uint8)
