@@ -13,10 +13,12 @@ that is a multiple of 256, top-32, 256 experts per rank, any EP size up to 1024)
 its capabilities, plan and failure modes differ from V1's; an engine names the one it deploys, and the V1 adapter,
 audited four times, is left as it is. ``moe-dispatch explain`` says which DeepEP each can drive and why not.
 
-This first V2 backend drives normal mode only (the host waits for the counts: ``do_cpu_sync=True``). Not yet
-driven, each a later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's
-MASKED layout would cost a copy), events (``async_with_compute_stream``) for split phase, and past one NVLink domain
-(8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them. ``DispatchSpec.expert_alignment`` is
+This V2 backend drives normal mode (the host waits for the counts: ``do_cpu_sync=True``), in split phase too:
+``dispatch_start``/``combine_start`` pass ``async_with_compute_stream=True`` (DeepEP's kernels run on its comm stream,
+after everything queued on the current one; the start returns once the host has the counts) and ``wait()`` makes
+the current stream wait on DeepEP's event before anything reads the outputs. Not yet driven, each a later step
+(issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's MASKED layout would cost a
+copy), and past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them. ``DispatchSpec.expert_alignment`` is
 DeepEP's own ``expert_alignment`` with ``do_zero_padding``: the rows arrive in DeepGEMM's contiguous (PSUM) layout,
 and combine takes the expert rows in it (padding rows are never read), so neither side copies.
 
@@ -54,6 +56,7 @@ def capabilities(emulated: bool) -> md.Capabilities:
         default_dtype=F8,
         fp8_ue8m0=True,  # packed four exponents per int32 word before dispatch: V2 moves any 4-byte scale (§3)
         expert_alignment=frozenset({N}),  # expert_alignment + do_zero_padding: DeepGEMM's layout, no copy
+        split_phase=frozenset({N}),  # async_with_compute_stream: wait() orders the current stream after DeepEP's
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
                              world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))},
@@ -261,6 +264,16 @@ class ElasticDispatcher:
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchOutput:
+        return self._dispatch(hidden_states, topk_ids, topk_weights, split=False)()
+
+    def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> md.Pending[DispatchOutput]:
+        """DeepEP's kernels on its comm stream (``async_with_compute_stream``); ``wait()`` orders the current stream
+        after them and reads the counts. The start itself returns when the host has the counts (``do_cpu_sync``)."""
+        return md.Pending(self._dispatch(hidden_states, topk_ids, topk_weights, split=True))
+
+    def _dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  split: bool) -> Callable[[], DispatchOutput]:
         spec, ctx = self.spec, self.ctx
         fp8 = ctx.dtype is F8
         if fp8:
@@ -274,26 +287,47 @@ class ElasticDispatcher:
         weights = topk_weights.to(torch.float32).contiguous()
         alignment = spec.expert_alignment
         with self.waits():
-            recv, _, recv_w, handle, _ = self._buffer().dispatch(
+            recv, _, recv_w, handle, event = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
                 num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
-                num_sms=self.num_sms, do_cpu_sync=True, do_expand=True, do_zero_padding=alignment > 1)
-        rows, scale = recv if fp8 else (recv, None)
-        counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
-        return DispatchOutput(rows, scale, kept_routing(ids, topk_ids), kept_routing(weights, topk_weights),
-                              group_list_from_counts(counts, spec.group_list_type, alignment), spec.group_list_type,
-                              md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w), None,
-                              expert_alignment=alignment)
+                num_sms=self.num_sms, do_cpu_sync=True, do_expand=True, do_zero_padding=alignment > 1,
+                async_with_compute_stream=split)
+
+        def finish() -> DispatchOutput:
+            if split:  # the outputs and the handle's counts are DeepEP's comm stream's until then
+                event.current_stream_wait()
+            rows, scale = recv if fp8 else (recv, None)
+            counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+            return DispatchOutput(rows, scale, kept_routing(ids, topk_ids), kept_routing(weights, topk_weights),
+                                  group_list_from_counts(counts, spec.group_list_type, alignment),
+                                  spec.group_list_type, md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w),
+                                  None, expert_alignment=alignment)
+        return finish
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        return self._combine(expert_output, dispatch_output, split=False)()
+
+    def combine_start(self, expert_output: torch.Tensor,
+                      dispatch_output: DispatchOutput) -> md.Pending[torch.Tensor]:
+        """The weighting on the current stream, DeepEP's combine on its comm stream after it; ``wait()`` orders the
+        current stream after DeepEP's event."""
+        return md.Pending(self._combine(expert_output, dispatch_output, split=True))
+
+    def _combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                 split: bool) -> Callable[[], torch.Tensor]:
         h: ElasticHandle = dispatch_output.handle
         # V2's combine sums what it is given (combine.cuh; refs.py:177-243): the weights are applied here, in fp32,
         # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
         # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
         with self.waits():
-            combined, _, _ = self._buffer().combine(weighted, h.vendor_handle)
-        return combined
+            combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
+
+        def finish() -> torch.Tensor:
+            if split:
+                event.current_stream_wait()
+            return combined
+        return finish
 
 
 __all__ = ["DeepEPV2Backend", "ElasticBuffers", "ElasticDispatcher", "NAME", "capabilities"]

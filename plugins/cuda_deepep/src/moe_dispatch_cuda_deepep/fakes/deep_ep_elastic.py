@@ -4,9 +4,11 @@ csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes
 
 Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated); ``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not,
 with ``expert_alignment`` and ``do_zero_padding``; ``combine`` of either layout with ``allow_multiple_reduction`` and
-no bias; ``destroy``; ``get_buffer_size_hint``. Not emulated, and refused with NotImplementedError rather than
-approximated: cached handles and no-sync calls (worst-case shapes), ``async_with_compute_stream`` and events,
-``previous_event*``, bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not emulated: PyTorch's
+no bias; ``async_with_compute_stream`` on both (the kernels' outputs, and the handle's tensors a dispatch's kernels
+write, are garbage until the current stream waits on the returned ``EventOverlap``: ``fakes.deep_ep.EventHandle``);
+``destroy``; ``get_buffer_size_hint``. Not emulated, and refused with NotImplementedError rather than approximated:
+cached handles and no-sync calls (worst-case shapes), ``previous_event*`` (and so ``allocate_on_comm_stream``), bias,
+hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not emulated: PyTorch's
 lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective (DeepEP #726): the
 fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its own.
 
@@ -32,7 +34,7 @@ from moe_dispatch.distributed.emulation import WatchedComm
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import check_context, device_assert, ep_assert, lose_context
-from .deep_ep import EventOverlap, _check_torch_deterministic, topk_idx_t
+from .deep_ep import EventOverlap, _after_event, _check_torch_deterministic, _poisoned_copy, topk_idx_t
 
 _BUFFER_HPP = "csrc/elastic/buffer.hpp"
 _LAYOUT_CUH = "deep_ep/include/deep_ep/common/layout.cuh"
@@ -133,8 +135,7 @@ class ElasticBuffer:
         _check_torch_deterministic()
         if handle is not None or do_cpu_sync is False:
             raise NotImplementedError("the fake does not emulate cached handles or no-sync dispatch")
-        if async_with_compute_stream or previous_event is not None or previous_event_before_epilogue is not None:
-            raise NotImplementedError("the fake does not emulate events (async_with_compute_stream, previous_event)")
+        _refuse_previous_events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         if cumulative_local_expert_recv_stats is not None or use_tma_aligned_col_major_sf:
             raise NotImplementedError("the fake does not emulate expert stats or TMA-aligned scale layouts")
         if num_experts is None:
@@ -189,8 +190,18 @@ class ElasticBuffer:
         device_assert(bool(((ids >= -1) & (ids < num_experts)).all()), "expert id in [-1, num_experts)",
                       "dispatch.cuh")
         self._calls += 1
-        return self._exchange(x, sf, ids, topk_weights, num_experts, n_max, align, num_sms, do_expand,
-                              do_zero_padding, topk_idx if not do_handle_copy else topk_idx.clone())
+        x_out, out_ids, out_w, handle, _ = self._exchange(x, sf, ids, topk_weights, num_experts, n_max, align, num_sms,
+                                                          do_expand, do_zero_padding,
+                                                          topk_idx if not do_handle_copy else topk_idx.clone())
+        if not async_with_compute_stream:  # the current stream waits on the comm stream (buffer.hpp:556-584)
+            return x_out, out_ids, out_w, handle, EventOverlap()
+        (x_out, out_ids, out_w), event = _after_event(True, (x_out, out_ids, out_w))
+        for name in _KERNEL_WRITTEN_HANDLE_FIELDS:  # written by the same kernels on the comm stream
+            written = getattr(handle, name)
+            shown = _poisoned_copy(written)
+            event.event._fills.append((shown, written))
+            setattr(handle, name, shown)
+        return x_out, out_ids, out_w, handle, event
 
     def _exchange(self, x: torch.Tensor, sf: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None,
                   num_experts: int, n_max: int, align: int, num_sms: int, do_expand: bool, do_zero_padding: bool,
@@ -302,8 +313,7 @@ class ElasticBuffer:
         _check_torch_deterministic()
         if bias is not None or topk_weights is not None:
             raise NotImplementedError("the fake does not emulate combine's bias or routed-back weights")
-        if async_with_compute_stream or previous_event is not None or previous_event_before_epilogue is not None:
-            raise NotImplementedError("the fake does not emulate events (async_with_compute_stream, previous_event)")
+        _refuse_previous_events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         num_sms = num_sms or handle.num_sms
         ep_assert(num_sms > 0, "num_sms > 0", _BUFFER_HPP)
         ep_assert(x.dim() == 2, "t.dim() == 2", "csrc/elastic/utils.hpp")
@@ -364,7 +374,20 @@ class ElasticBuffer:
         key = last_lane[tokens, from_rank]
         order = torch.argsort(key, stable=True)  # CPU index_add_ adds in index order: the vendor's order per token
         out = torch.zeros(T, H, dtype=torch.float32).index_add_(0, tokens[order], parts[order].float())
-        return out.to(torch.bfloat16), None, EventOverlap()
+        (combined,), event = _after_event(async_with_compute_stream, (out.to(torch.bfloat16),))
+        return combined, None, event
+
+
+#: The ``EPHandle`` tensors a dispatch's kernels write (notify and copy epilogue, on the comm stream: elastic.py:25-98,
+#: dispatch.cuh:211-253, dispatch_copy_epilogue.cuh:188-207); the Python list is the host's, read after its poll.
+_KERNEL_WRITTEN_HANDLE_FIELDS = ("num_unaligned_recv_tokens_per_expert", "psum_num_recv_tokens_per_expert",
+                                 "psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
+
+
+def _refuse_previous_events(previous_event: Any, before_epilogue: Any, allocate_on_comm_stream: bool) -> None:
+    if previous_event is not None or before_epilogue is not None or allocate_on_comm_stream:
+        raise NotImplementedError("the fake does not emulate previous_event, previous_event_before_epilogue or "
+                                  "allocate_on_comm_stream (the comm stream waits on the whole current stream)")
 
 
 def _dispatch_bytes(num_ranks: int, n_max: int, hidden_bytes: int, sf_packs: int, num_topk: int) -> int:
