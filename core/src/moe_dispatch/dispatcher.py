@@ -165,25 +165,23 @@ class Dispatcher:
         try:
             self._dispatches += 1
             self._comm.begin("dispatch", self._dispatches)
-            out = self._received(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
-                                 self._values(hidden_states))
+            out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
+                                         self._values(hidden_states))
+            if self._copy_alignment:
+                out = self._aligned(out)
         except BaseException as exc:
             self._dispatch_failed(exc)
         object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
         return out
 
-    def _received(self, out: object, check_values: bool) -> DispatchOutput:
-        """The backend's output checked, and moved to the aligned layout where the core does that."""
-        checked = self._outputs.dispatch(out, check_values)
-        if self._copy_alignment and checked.layout is Layout.PACKED:
-            return align_rows(checked, self.spec.expert_alignment)
-        return checked
+    def _aligned(self, out: DispatchOutput) -> DispatchOutput:
+        """A checked backend output moved to the spec's expert alignment (PACKED rows; the core's copy)."""
+        return align_rows(out, self.spec.expert_alignment) if out.layout is Layout.PACKED else out
 
-    @staticmethod
-    def _backend_rows(expert_output: torch.Tensor, dispatch_output: DispatchOutput
+    def _backend_rows(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput
                       ) -> tuple[torch.Tensor, DispatchOutput]:
         """What the backend's combine takes: its own output, and the expert rows in its order."""
-        if is_core_aligned(dispatch_output):
+        if self._copy_alignment and is_core_aligned(dispatch_output):
             return dense_rows(expert_output, dispatch_output)
         return expert_output, dispatch_output
 
@@ -226,6 +224,11 @@ class Dispatcher:
         any order. Buffers stay the call's own until its combine, so two micro-batches in flight use
         two sets. On an accelerator ``wait()`` orders the current stream after the exchange without
         blocking the host where the backend can (DeepEP's receive hook); on gloo it blocks.
+
+        The inputs are the call's until its ``wait()`` returns: a vendor may still read them on its
+        own stream (DeepEP 2.x's comm stream does), so do not write into them before then; dropping
+        your references is fine. After ``wait()`` they are yours again, as after ``dispatch``.
+        ``Pending.overlapped`` is False when the backend ran the call to its end at start.
         """
         if self._split is None:
             return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights))
@@ -239,7 +242,8 @@ class Dispatcher:
                                     self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights))
         except BaseException as exc:
             self._dispatch_failed(exc)
-        return Pending(functools.partial(self._receive_dispatch, started, number, self._values(hidden_states)))
+        return Pending(functools.partial(self._receive_dispatch, started, number, self._values(hidden_states)),
+                       overlapped=_overlapped(started))
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
         """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
@@ -256,11 +260,14 @@ class Dispatcher:
             self._failed("combine", exc)
             raise
         object.__setattr__(dispatch_output, "combined", True)  # its rows are on their way back: no second combine
-        return Pending(functools.partial(self._receive_combine, started, dispatch_output))
+        return Pending(functools.partial(self._receive_combine, started, dispatch_output),
+                       overlapped=_overlapped(started))
 
     def _receive_dispatch(self, started: Pending[DispatchOutput], number: int, check_values: bool) -> DispatchOutput:
         try:
-            out = self._received(started.wait(), check_values)
+            out = self._outputs.dispatch(started.wait(), check_values)
+            if self._copy_alignment:
+                out = self._aligned(out)
         except BaseException as exc:
             self._received_failed()
             self._dispatch_failed(exc)
@@ -479,6 +486,11 @@ def _pending_from(backend: str, call: str, started: object) -> Pending[Any]:
         raise PluginError(f"backend {backend!r} broke the contract: {call}() returned this", parameter=f"{call}()",
                           value=type(started).__name__, allowed="a moe_dispatch.Pending (an object with wait())")
     return started  # type: ignore[return-value]
+
+
+def _overlapped(started: Pending[Any]) -> bool:
+    """Whether the backend's started call is still on its way (False: it ran to its end at start)."""
+    return bool(getattr(started, "overlapped", True))
 
 
 def _memory_bytes(device: torch.device) -> int | None:

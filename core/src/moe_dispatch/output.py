@@ -23,8 +23,8 @@ class DispatchOutput:
         NVFP4 ``[..., H/16]`` e4m3 block scales in linear layout; None for BF16.
     :param topk_ids: / :param topk_weights: the routing the caller gave dispatch. Combine uses
         the routing as it was at dispatch: the engine may overwrite its tensors after dispatch
-        returns (CUDA-graph engines reuse them), so a backend that needs them at combine keeps
-        its own copy in ``handle``.
+        returns, or after a started dispatch's ``wait()`` (CUDA-graph engines reuse them), so a
+        backend that needs them at combine keeps its own copy in ``handle``.
     :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end
         offset, ``start_e + count_e`` (type 0: the cumulative counts when ``expert_alignment``
         is 1). In MASKED layout, expert e's first counts[e] rows are valid.

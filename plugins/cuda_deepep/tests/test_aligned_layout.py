@@ -23,8 +23,8 @@ COUNTS = [5, 0, 130, 1]  # an empty expert, one past a 128-row block
 FP8, BF16 = md.DispatchDtype.FP8, md.DispatchDtype.BF16
 
 
-def _dense(kind: str, ue8m0: bool = False, group_list_type: int = 1) -> DispatchOutput:
-    """Dense PACKED rows as a backend returns them."""
+def _dense(kind: str, ue8m0: bool = False, group_list_type: int = 1, packed: bool = True) -> DispatchOutput:
+    """Dense PACKED rows as a backend returns them (UE8M0 scales packed four per word, or fp32 powers of two)."""
     x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(3))
     counts = torch.tensor(COUNTS)
     group_list = counts if group_list_type == 1 else torch.cumsum(counts, 0)
@@ -33,7 +33,7 @@ def _dense(kind: str, ue8m0: bool = False, group_list_type: int = 1) -> Dispatch
         return DispatchOutput(x.to(torch.bfloat16), None, routing, routing.float(), group_list, group_list_type,
                               md.Layout.PACKED, BF16, None)
     q = make_codec(md.WireFormat(FP8, H, ue8m0=ue8m0)).quantize(x)
-    scale = pack_ue8m0(q.scale) if ue8m0 else q.scale
+    scale = pack_ue8m0(q.scale) if ue8m0 and packed else q.scale
     return DispatchOutput(q.data, scale, routing, routing.float(), group_list, group_list_type, md.Layout.PACKED,
                           FP8, None)
 
@@ -85,6 +85,21 @@ def test_aligned_rows_reach_the_gemm_as_they_are(kind, capability, version, psum
     spy.calls.clear()
     want = md.run_experts(experts, layer, dense)  # the dense path: the runner's own pad copy
     assert torch.equal(out[valid], want)
+
+
+@pytest.mark.parametrize("version", ["2.6.1", "2.5.0", "2.3.0"])
+def test_aligned_rows_with_fp32_ue8m0_scales_on_sm100(version):
+    """SM100 with fp32 power-of-two scales: the runner packs them itself (DeepGEMM's pack, no psum layout), which
+    holds because the padding scales are +0.0, what 2.6.1's power-of-two assert accepts (audit issue18-aligned O8);
+    the valid rows match the dense path's, bit for bit."""
+    experts = DeepGemmExperts("block_fp8", md.Mode.NORMAL, emu.emulate((10, 0), version))
+    assert experts.ue8m0
+    layer = experts.process_weights(random_expert_weights(E, H, I, generator=torch.Generator().manual_seed(0)))
+    dense = _dense("block_fp8", ue8m0=True, packed=False)
+    assert dense.hidden_states_scale.dtype == torch.float32
+    out = md.run_experts(experts, layer, align_rows(dense, experts.expert_alignment))
+    valid = row_experts(torch.tensor(COUNTS), 128, 512) >= 0
+    assert torch.equal(out[valid], md.run_experts(experts, layer, dense))
 
 
 def test_an_alignment_deepgemm_cannot_read_is_a_typed_error():

@@ -290,3 +290,96 @@ def test_ue8m0_scales_travel_packed_four_per_word(moe_rank_pools):
     """What DeepGEMM takes on SM100 (and DeepEP's V1 LL kernels emit): int32 words of four exponent bytes."""
     for dtype, shape, rows in moe_rank_pools.get(2).map(_ue8m0_scales):
         assert dtype == torch.int32 and shape == (rows, 1)  # H=512: 4 groups of 128 in one word
+
+
+def test_deepep_2_0_is_refused_with_the_version_that_works():
+    """DeepEP 2.0.0's ElasticBuffer.dispatch has no do_zero_padding (every call of the adapter would be a TypeError)
+    and its EPHandle no per-expert counts: the probe says so and names 2.1.0 (audit issue18-aligned W1)."""
+    from moe_dispatch_cuda_deepep.fakes import deep_ep_v2_0
+
+    with pytest.raises(TypeError, match="do_zero_padding"):  # the 2.0.0 fake is as strict as 2.0.0
+        deep_ep_v2_0.ElasticBuffer.dispatch(None, None, do_zero_padding=False)
+    why = DeepEPV2Backend(vendor.EMULATOR_V2_0).probe()
+    assert why is not None and "do_zero_padding" in why and vendor.V2_MIN_VERSION in why
+    assert DeepEPV2Backend(vendor.EMULATOR).probe() is None
+
+
+# -- split phase (audit issue18-v2-split-phase) ------------------------------------------------------------------
+
+
+def _written_before_wait(rank, world):  # type: ignore[no-untyped-def]
+    """A started dispatch's input overwritten before its wait(): DeepEP's comm stream still reads it (R1)."""
+    d = md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR), _spec(), env={})
+    x, ids, w = _routing(rank, 8, 8, 2)
+    x = x.repeat(1, 2)
+    pending = d.dispatch_start(x, ids, w)
+    x.zero_()  # the engine's next step writes into its static input buffer too early
+    try:
+        pending.wait()
+    except RuntimeError as exc:  # DeepEP would deliver a race, not an error: the fake refuses instead
+        return str(exc)
+    return None
+
+
+def test_an_input_written_before_wait_is_refused_by_the_fake(moe_rank_pools):
+    for message in moe_rank_pools.get(2).map(_written_before_wait):
+        assert message is not None and "written between the async dispatch" in message and "x" in message
+
+
+def _without_record_stream(rank, world):  # type: ignore[no-untyped-def]
+    import os
+
+    d = md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR), _spec(), env={})
+    x, ids, w = _routing(rank, 8, 8, 2)
+    x = x.repeat(1, 2)
+    os.environ[vendor.EP_AVOID_RECORD_STREAM] = "1"
+    try:
+        started = d.dispatch_start(x, ids, w)
+        out = started.wait()
+        combined = d.combine_start(out.hidden_states, out)
+        y = combined.wait()
+    finally:
+        del os.environ[vendor.EP_AVOID_RECORD_STREAM]
+    split = d.dispatch_start(x, ids, w)
+    want = d.combine(split.wait().hidden_states, split.wait())
+    return started.overlapped, combined.overlapped, split.overlapped, torch.equal(y, want)
+
+
+def test_with_ep_avoid_record_stream_the_calls_run_at_start(moe_rank_pools):
+    """Under EP_AVOID_RECORD_STREAM DeepEP keeps the call's tensors alive only through the event, which a dropped
+    Pending would lose: the adapter runs both calls to their end at start and says so (R2)."""
+    for dispatch_split, combine_split, default_split, same in moe_rank_pools.get(2).map(_without_record_stream):
+        assert (dispatch_split, combine_split, default_split, same) == (False, False, True, True)
+
+
+@pytest.mark.parametrize("value,avoids", [(None, False), ("0", False), ("1", True), (" 2", True), ("yes", True),
+                                          ("-0", False)])
+def test_ep_avoid_record_stream_is_read_as_deepep_reads_it(value, avoids):
+    """``std::getenv`` + ``sscanf("%d")`` (csrc/utils/system.hpp:19-35): unreadable text is taken as set."""
+    env = {} if value is None else {vendor.EP_AVOID_RECORD_STREAM: value}
+    assert vendor.avoids_record_stream(env) is avoids
+
+
+def _padding_found(rank, world, stale):  # type: ignore[no-untyped-def]
+    """``selfcheck.nonzero_padding`` on the fake; ``stale``: the padding DeepEP should zero keeps whatever shared
+    memory held (NaN here), as an unfenced TMA store could leave it on a device (audit issue18-aligned R1)."""
+    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
+    from moe_dispatch_cuda_deepep.selfcheck import nonzero_padding
+
+    garbage = deep_ep_elastic._garbage
+    if stale:
+        deep_ep_elastic._garbage = lambda rows, width, dtype, fill: garbage(rows, width, dtype, float("nan"))
+    try:
+        return nonzero_padding(rank, world, "fp8", DeepEPV2Backend(vendor_module=EMULATOR), EMULATOR, calls=2,
+                               hidden=512, experts_per_rank=4, top_k=2, tokens=8)
+    finally:
+        deep_ep_elastic._garbage = garbage
+
+
+def test_the_padding_check_sees_bytes_deepep_left_unzeroed(moe_rank_pools):
+    import functools
+
+    ((zeroed,),) = [moe_rank_pools.get(1).map(functools.partial(_padding_found, stale=False))]
+    ((stale,),) = [moe_rank_pools.get(1).map(functools.partial(_padding_found, stale=True))]
+    assert zeroed == {"data": 0, "scales": 0, "weights": 0}
+    assert stale["data"] > 0 and stale["scales"] > 0 and stale["weights"] > 0, stale

@@ -12,9 +12,11 @@ no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, 
   buffer (rows·(H + scale) bytes written into at most rows + 127·E_local rows), runs both
   GEMMs on the padded rows and gathers the output rows back (rows·H·2 bytes).
 - PACKED rows already at an ``expert_alignment`` that is a multiple of the mk alignment (the engine
-  passes ``DispatchSpec(expert_alignment=experts.expert_alignment)``; DeepEP V2 writes that layout
+  passes ``DispatchSpec(expert_alignment=experts.expert_alignment)``, built after any change it makes
+  to DeepGEMM's mk alignment, which DeepGEMM 2.4.2+ lets it set at run time; DeepEP V2 writes that layout
   itself, the core copies other backends' rows into it) go through the contiguous GEMM as they are,
-  no copy and no host sync: with DeepGEMM's PSUM layout (SM100 2.3+, SM90 2.4.2+: ``use_psum_layout=True``,
+  without a copy of the rows (the scales are laid out as on the dense path; fp32 UE8M0 scales on SM100
+  still cost the host check of ``_pack_fp32``, refused under capture): with DeepGEMM's PSUM layout (SM100 2.3+, SM90 2.4.2+: ``use_psum_layout=True``,
   ``grouped_layout`` = each expert's end row, the type-0 group list) or else ``m_indices`` made on the
   device (``moe_dispatch.output.row_experts``). The output keeps the input's rows; its padding rows
   are whatever DeepGEMM left there (combine ignores them).

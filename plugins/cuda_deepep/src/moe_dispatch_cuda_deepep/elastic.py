@@ -15,12 +15,21 @@ audited four times, is left as it is. ``moe-dispatch explain`` says which DeepEP
 
 This V2 backend drives normal mode (the host waits for the counts: ``do_cpu_sync=True``), in split phase too:
 ``dispatch_start``/``combine_start`` pass ``async_with_compute_stream=True`` (DeepEP's kernels run on its comm stream,
-after everything queued on the current one; the start returns once the host has the counts) and ``wait()`` makes
-the current stream wait on DeepEP's event before anything reads the outputs. Not yet driven, each a later step
-(issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's MASKED layout would cost a
-copy), and past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them. ``DispatchSpec.expert_alignment`` is
-DeepEP's own ``expert_alignment`` with ``do_zero_padding``: the rows arrive in DeepGEMM's contiguous (PSUM) layout,
-and combine takes the expert rows in it (padding rows are never read), so neither side copies.
+after everything queued on the current one; the dispatch start returns once the host has the counts, which takes
+every peer's notify and whatever DeepEP's comm stream had queued, another micro-batch's calls included) and
+``wait()`` makes the current stream wait on DeepEP's event before anything reads the outputs. Not yet driven, each a
+later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's MASKED layout
+would cost a copy), and past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has
+checked them.
+
+``DispatchSpec.expert_alignment`` is DeepEP's own ``expert_alignment`` with ``do_zero_padding`` (DeepEP 2.1.0 on): the rows arrive in DeepGEMM's
+contiguous (PSUM) layout, and combine takes the expert rows in it (padding rows are never read), so neither side
+copies the rows.
+
+A started call's inputs are DeepEP's until ``wait()``: its data warps read them on the comm stream after the start
+returns (the contract's rule, ``Dispatcher.dispatch_start``). Under ``EP_AVOID_RECORD_STREAM`` DeepEP keeps a call's
+tensors alive only through its event, so the starts run the calls to their end instead (``Pending.overlapped``
+False); a ``wait()`` on another stream than the start's records the outputs on it.
 
 One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
 current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -69,10 +79,14 @@ def _module(name: str) -> tuple[Any, str | None]:
         module = importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - DeepEP's import asserts on NCCL (deep_ep/__init__.py check_nccl_so)
         return None, f"deep_ep does not import ({type(exc).__name__}: {exc}); {vendor.V2_INSTALL_HINT}"
+    version = getattr(module, "__version__", "1.x")
     if not vendor.has_elastic_buffer(module):
-        version = getattr(module, "__version__", "1.x")
         return module, (f"DeepEP {version} has no ElasticBuffer (V2 is DeepEP 2.x, with NCCL >= "
                         f"{'.'.join(map(str, vendor.V2_MIN_NCCL))}); backend 'cuda_deepep' drives its V1 Buffer")
+    if vendor.elastic_dispatch_lacks_zero_padding(module):
+        return module, (f"DeepEP {version}'s ElasticBuffer.dispatch has no {vendor.V2_ZERO_PADDING} and its EPHandle "
+                        f"no per-expert counts (both from {vendor.V2_MIN_VERSION}); upgrade DeepEP to "
+                        f"{vendor.V2_MIN_VERSION} or later")
     return module, None
 
 
@@ -269,8 +283,11 @@ class ElasticDispatcher:
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> md.Pending[DispatchOutput]:
         """DeepEP's kernels on its comm stream (``async_with_compute_stream``); ``wait()`` orders the current stream
-        after them and reads the counts. The start itself returns when the host has the counts (``do_cpu_sync``)."""
-        return md.Pending(self._dispatch(hidden_states, topk_ids, topk_weights, split=True))
+        after them and reads the counts. The start itself returns when the host has the counts (``do_cpu_sync``):
+        every peer's notify, and whatever DeepEP's comm stream and the current stream had queued before. DeepEP's
+        kernels read the inputs until ``wait()`` (the contract's rule). Synchronous under ``EP_AVOID_RECORD_STREAM``."""
+        split = _splits()
+        return md.Pending(self._dispatch(hidden_states, topk_ids, topk_weights, split=split), overlapped=split)
 
     def _dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   split: bool) -> Callable[[], DispatchOutput]:
@@ -285,7 +302,9 @@ class ElasticDispatcher:
             x = hidden_states.to(torch.bfloat16).contiguous()
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
+        routing = kept_routing(ids, topk_ids), kept_routing(weights, topk_weights)  # as given, whenever wait() runs
         alignment = spec.expert_alignment
+        stream = _current_stream(ids) if split else None
         with self.waits():
             recv, _, recv_w, handle, event = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
@@ -294,11 +313,12 @@ class ElasticDispatcher:
                 async_with_compute_stream=split)
 
         def finish() -> DispatchOutput:
+            rows, scale = recv if fp8 else (recv, None)
             if split:  # the outputs and the handle's counts are DeepEP's comm stream's until then
                 event.current_stream_wait()
-            rows, scale = recv if fp8 else (recv, None)
+                _used_from_here(stream, rows, scale, recv_w)
             counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
-            return DispatchOutput(rows, scale, kept_routing(ids, topk_ids), kept_routing(weights, topk_weights),
+            return DispatchOutput(rows, scale, *routing,
                                   group_list_from_counts(counts, spec.group_list_type, alignment),
                                   spec.group_list_type, md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w),
                                   None, expert_alignment=alignment)
@@ -309,9 +329,11 @@ class ElasticDispatcher:
 
     def combine_start(self, expert_output: torch.Tensor,
                       dispatch_output: DispatchOutput) -> md.Pending[torch.Tensor]:
-        """The weighting on the current stream, DeepEP's combine on its comm stream after it; ``wait()`` orders the
-        current stream after DeepEP's event."""
-        return md.Pending(self._combine(expert_output, dispatch_output, split=True))
+        """The weighting on the current stream, DeepEP's combine on its comm stream after it (the start does not
+        hold the host); ``wait()`` orders the current stream after DeepEP's event. Synchronous under
+        ``EP_AVOID_RECORD_STREAM``."""
+        split = _splits()
+        return md.Pending(self._combine(expert_output, dispatch_output, split=split), overlapped=split)
 
     def _combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
                  split: bool) -> Callable[[], torch.Tensor]:
@@ -320,14 +342,41 @@ class ElasticDispatcher:
         # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
         # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
+        stream = _current_stream(weighted) if split else None
         with self.waits():
             combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
 
         def finish() -> torch.Tensor:
             if split:
                 event.current_stream_wait()
+                _used_from_here(stream, combined)
             return combined
         return finish
+
+
+def _splits() -> bool:
+    """Whether a ``*_start`` runs split: not when ``EP_AVOID_RECORD_STREAM`` is set, where DeepEP keeps the call's
+    tensors alive only through the returned event, so a ``Pending`` dropped unwaited, or waited on another stream,
+    would free memory DeepEP's comm stream still uses (buffer.hpp:562-573; audit issue18-v2-split-phase R2)."""
+    return not vendor.avoids_record_stream(os.environ)
+
+
+def _current_stream(t: torch.Tensor) -> Any:
+    """The stream a split call starts on (None off CUDA: the fake's calls have no streams)."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def _used_from_here(start: Any, *tensors: torch.Tensor | None) -> None:
+    """DeepEP ``record_stream``s a call's tensors on the stream current at its start and on its comm stream
+    (buffer.hpp:566-572). A ``wait()`` on another stream hands them to that one: recorded there too, so the caching
+    allocator cannot reuse them while it still reads them (audit issue18-v2-split-phase R3)."""
+    if start is None:
+        return
+    current = torch.cuda.current_stream(start.device)
+    if current != start:
+        for t in tensors:
+            if t is not None:
+                t.record_stream(current)
 
 
 __all__ = ["DeepEPV2Backend", "ElasticBuffers", "ElasticDispatcher", "NAME", "capabilities"]

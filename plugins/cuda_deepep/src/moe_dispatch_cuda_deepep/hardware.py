@@ -32,9 +32,11 @@ import torch.distributed as dist
 
 import moe_dispatch as md
 from moe_dispatch.accuracy import relative_error
-from moe_dispatch.codecs import make_codec
+from moe_dispatch.alignment import align_rows
+from moe_dispatch.codecs import make_codec, pack_ue8m0
 from moe_dispatch.environ import restored_environ
 from moe_dispatch.experts import dequantize_rows
+from moe_dispatch.output import DispatchOutput, row_experts
 from moe_dispatch.routing import random_expert_weights
 
 from . import vendor
@@ -275,7 +277,7 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
         if kind == "bf16" and not info.has_bf16:
             rows.append(Row("DeepGEMM", f"{kind}: BF16 grouped GEMMs", "absent", f"{info.generation} has none", True))
             continue
-        for layout, mode in (("PACKED", "normal"), ("MASKED", "low_latency")):
+        for layout, mode in (("PACKED", "normal"), ("ALIGNED", "normal"), ("MASKED", "low_latency")):
             label = f"{kind} {layout}"
             try:
                 real = DeepGemmExperts(kind, mode, real_module)
@@ -284,20 +286,31 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
                 rows.append(Row("DeepGEMM", label, _text(f"{type(exc).__name__}: {exc}"), "a runner", False))
                 continue
             layer = fake.process_weights(weights)
-            counts = counts_packed if layout == "PACKED" else counts_masked
-            shape = (sum(counts),) if layout == "PACKED" else (experts, capacity)
+            # ALIGNED: rows at the runner's expert_alignment (no pad copy; the PSUM layout where the version has
+            # it), empty experts first, in the middle and last (audit issue18-aligned R3)
+            counts = {"PACKED": counts_packed, "ALIGNED": [0, 130, 0, 5], "MASKED": counts_masked}[layout]
+            shape = (sum(counts),) if layout != "MASKED" else (experts, capacity)
             x = torch.randn(*shape, h, generator=torch.Generator().manual_seed(1))
             if kind == "bf16":
                 data, scale = x.to(torch.bfloat16), None
             else:
                 q = make_codec(md.WireFormat(md.DispatchDtype.FP8, h, ue8m0=real.ue8m0)).quantize(x)
-                data, scale = q.data, q.scale
+                data, scale = q.data, (pack_ue8m0(q.scale) if real.ue8m0 and layout == "ALIGNED" else q.scale)
             group_list = torch.tensor(counts)
-            want = fake.apply_without_routing_weights(layer, data, scale, 1, group_list, torch.float32)
+            alignment, valid = 1, slice(None)
+            if layout == "ALIGNED":
+                dtype = md.DispatchDtype.BF16 if kind == "bf16" else md.DispatchDtype.FP8
+                none = torch.zeros(0, 1, dtype=torch.int64)
+                aligned = align_rows(DispatchOutput(data, scale, none, none.float(), group_list, 1, md.Layout.PACKED,
+                                                    dtype, None), real.expert_alignment)
+                data, scale, alignment = aligned.hidden_states, aligned.hidden_states_scale, real.expert_alignment
+                valid = row_experts(group_list, alignment, data.shape[0]) >= 0  # padding rows' values: unspecified
+            want = fake.apply_without_routing_weights(layer, data, scale, 1, group_list, torch.float32,
+                                                      expert_alignment=alignment)
             got = real.apply_without_routing_weights(
                 layer.to(setup.device), data.to(setup.device), None if scale is None else scale.to(setup.device), 1,
-                group_list.to(setup.device), torch.float32).cpu()
-            err = relative_error(got, want)
+                group_list.to(setup.device), torch.float32, expert_alignment=alignment).cpu()
+            err = relative_error(got[valid], want[valid])
             tol = 2e-2 if kind == "block_fp8" else 1e-2
             rows.append(Row("DeepGEMM", f"{label} real vs fake (relative error)", f"{err:.2e}", f"< {tol}", err < tol))
     return rows
@@ -415,22 +428,29 @@ def _two_low_latency_buffers(module: Any, group: Any, device: torch.device) -> s
 
 def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     """DeepEP V2's ``ElasticBuffer`` on a group of one, driven by the ``cuda_deepep_v2`` adapter: dispatch +
-    scaled-identity experts + combine against the ``torch`` backend, BF16 and FP8 (issue 18). In a process of its
+    scaled-identity experts + combine against the ``torch`` backend, BF16, FP8, and FP8 with the rows at 128-row
+    expert starts (``do_zero_padding``) in split phase (``async_with_compute_stream``); then whether the padding
+    rows DeepEP zeroes are all zero bits, BF16 and FP8 over 20 dispatches (issue 18). In a process of its
     own: V2's buffer beside a live V1 LL Buffer is not a setup DeepEP documents (audit row 44)."""
     from .elastic import DeepEPV2Backend
-    from .selfcheck import agree_with_torch
+    from .selfcheck import agree_with_torch, nonzero_padding
 
     if not vendor.has_elastic_buffer(module):
         return "no ElasticBuffer in this DeepEP"
     backend = DeepEPV2Backend(module.__name__)
     parts = []
     try:
-        for dtype in ("bf16", "fp8"):
+        for dtype, alignment, split in (("bf16", 1, False), ("fp8", 1, False), ("fp8", 128, True)):
             r = agree_with_torch(0, 1, "normal", dtype, module.__name__, hidden=2048, experts_per_rank=4, top_k=4,
-                                 tokens=16, iterations=3, backend=backend)
+                                 tokens=16, iterations=3, backend=backend, expert_alignment=alignment, split=split)
             verdict = "agree" if r["relative_difference"] < 1e-2 else "DIFFER"
-            parts.append(f"{dtype} {verdict} rel {r['relative_difference']:.1e} "
+            how = f" aligned {alignment} split" if split else ""
+            parts.append(f"{dtype}{how} {verdict} rel {r['relative_difference']:.1e} "
                          f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms)")
+        for dtype in ("bf16", "fp8"):  # DeepEP's zero padding, unfenced TMA stores (audit issue18-aligned R1)
+            found = nonzero_padding(0, 1, dtype, backend, module.__name__)
+            verdict = "zero" if not any(found.values()) else "NONZERO"
+            parts.append(f"{dtype} padding rows {verdict} over 20 calls {found}")
     finally:
         backend.close()
     return "cuda_deepep_v2 at one rank: " + "; ".join(parts)
@@ -500,7 +520,8 @@ def probe_rows(fake: bool) -> list[Row]:
         Row("DeepEP", "V2 cuda_deepep_v2 vs torch, one rank (subprocess)",
             _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "agree (or no ElasticBuffer)",
             elastic.exit_code == 0 and ("no ElasticBuffer" in elastic.output
-                                        or (elastic.output.count(" agree ") == 2 and "DIFFER" not in elastic.output))),
+                                        or (elastic.output.count(" agree ") == 3 and "DIFFER" not in elastic.output
+                                            and elastic.output.count(" padding rows zero ") == 2))),
     ]
 
 

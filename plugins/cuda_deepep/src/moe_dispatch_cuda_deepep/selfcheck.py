@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.output import row_experts
 from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
 
@@ -70,10 +71,11 @@ def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str =
 
 
 def layer_spec(world: int, mode: str, dtype: str, hidden: int = 7168, experts_per_rank: int = 8, top_k: int = 8,
-               tokens: int = 128, ue8m0: bool = False) -> md.DispatchSpec:
+               tokens: int = 128, ue8m0: bool = False, expert_alignment: int = 1) -> md.DispatchSpec:
     """The spec ``agree_with_torch`` runs."""
     return md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0))
+                           mode=mode, output_dtype=dtype, quant=md.QuantHints(fp8_ue8m0_scales=ue8m0),
+                           expert_alignment=expert_alignment)
 
 
 def fitting_experts_per_rank(backend: DeepEPBackend, world: int, hidden: int = 7168, top_k: int = 8,
@@ -94,13 +96,14 @@ def fitting_experts_per_rank(backend: DeepEPBackend, world: int, hidden: int = 7
 
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
                      experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
-                     ue8m0: bool = False, backend: DeepEPBackend | None = None,
-                     options: dict | None = None) -> dict:
+                     ue8m0: bool = False, backend: md.Backend | None = None,
+                     options: dict | None = None, expert_alignment: int = 1, split: bool = False) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
     the relative difference, and the median time per round trip of each. ``backend``: the one to create through
-    (a new one by default; the Buffers are the process's either way). ``options``: ``create_dispatcher``'s."""
+    (a new one by default; the Buffers are the process's either way). ``options``: ``create_dispatcher``'s.
+    ``expert_alignment``: the spec's; ``split``: both calls in split phase (``dispatch_start``, ``wait``, ...)."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
-    spec = layer_spec(world, mode, dtype, hidden, experts_per_rank, top_k, tokens, ue8m0)
+    spec = layer_spec(world, mode, dtype, hidden, experts_per_rank, top_k, tokens, ue8m0, expert_alignment)
     deepep = md.create_dispatcher(backend or DeepEPBackend(vendor_module), spec, env={}, options=options)
     reference = md.create_dispatcher("torch", spec, env={})
     x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=1)
@@ -108,10 +111,9 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
     experts = ScaledIdentityExperts()
 
     def round_trip(d: md.Dispatcher) -> torch.Tensor:
-        out = d.dispatch(x, ids, w)
-        rows = experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
-                                                     out.group_list_type, out.group_list, torch.bfloat16)
-        return d.combine(rows, out)
+        out = d.dispatch_start(x, ids, w).wait() if split else d.dispatch(x, ids, w)
+        rows = md.run_experts(experts, layer, out)
+        return d.combine_start(rows, out).wait() if split else d.combine(rows, out)
 
     results, times = {}, {}
     for name, d in (("cuda_deepep", deepep), ("torch", reference)):
@@ -130,4 +132,29 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
     return {"relative_difference": float(diff), "seconds": times}
 
 
-__all__ = ["WireCheck", "agree_with_torch", "fitting_experts_per_rank", "layer_spec", "wire_seen"]
+def nonzero_padding(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
+                    expert_alignment: int = 128, calls: int = 20, hidden: int = 2048, experts_per_rank: int = 4,
+                    top_k: int = 4, tokens: int = 16) -> dict[str, int]:
+    """Dispatch ``calls`` batches with the rows at ``expert_alignment``: how many padding rows are not all zero bits,
+    per tensor (``data``, ``scales``, and ``weights``: the handle's per-row weights where it keeps them).
+    DeepEP V2 zeroes its padding with a TMA store from shared memory written without a proxy fence
+    (dispatch_copy_epilogue.cuh:232-238, 288-293): only a device can say whether stale bytes get through (audit
+    issue18-aligned R1, R2). In every batch one expert per rank gets no rows."""
+    device = torch.device("cuda" if vendor_module == REAL else "cpu")
+    spec = layer_spec(world, "normal", dtype, hidden, experts_per_rank, top_k, tokens, expert_alignment=expert_alignment)
+    d = md.create_dispatcher(backend, spec, env={})
+    found = {"data": 0, "scales": 0, "weights": 0}
+    for call in range(calls):
+        x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=100 + call)
+        ids = torch.where(ids % experts_per_rank == 1, -1, ids)  # local expert 1 of every rank gets no rows
+        out = d.dispatch(x, ids, w)
+        padding = row_experts(out.group_list, expert_alignment, out.hidden_states.shape[0]) < 0
+        weights = getattr(out.handle, "weights", None)
+        for name, t in (("data", out.hidden_states), ("scales", out.hidden_states_scale), ("weights", weights)):
+            if t is not None:
+                bits = t[padding].contiguous().view(torch.uint8)
+                found[name] += int((bits.reshape(int(padding.sum()), -1) != 0).any(1).sum()) if bits.numel() else 0
+    return found
+
+
+__all__ = ["WireCheck", "agree_with_torch", "fitting_experts_per_rank", "layer_spec", "nonzero_padding", "wire_seen"]

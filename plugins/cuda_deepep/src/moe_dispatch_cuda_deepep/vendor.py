@@ -42,6 +42,8 @@ EMULATOR_NVFP4 = "moe_dispatch_cuda_deepep.fakes.deep_ep_hybrid"
 EMULATOR_V1_TOPK9 = "moe_dispatch_cuda_deepep.fakes.deep_ep_v121_topk9"
 #: DeepEP 2.x built with ``EP_NUM_TOPK_IDX_BITS=32``: ``deep_ep.topk_idx_t`` is int32.
 EMULATOR_TOPK_INT32 = "moe_dispatch_cuda_deepep.fakes.deep_ep_topk_int32"
+#: DeepEP 2.0.0 (b306af0): V2's ElasticBuffer without do_zero_padding or the unaligned per-expert counts.
+EMULATOR_V2_0 = "moe_dispatch_cuda_deepep.fakes.deep_ep_v2_0"
 #: DeepGEMM 2.6.1 (@ 54e2261) on an SM90 device.
 DEEP_GEMM_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm"
 #: DeepGEMM 2.6.1 (@ 54e2261) on an SM100 device.
@@ -1199,8 +1201,9 @@ def dg_masked_capacity_multiple(info: DeepGemmInfo | None, arch: int | None,
 #: (``num_groups == num_groups_``), deep_gemm/include/deep_gemm/scheduler/gemm.cuh:217-237, tests/generators.py:393.
 #: 2.0-2.2 take a per-row ``m_indices`` only; 2.3.x has the keyword but runs it on SM100 only (SM90:
 #: ``DG_HOST_ASSERT(not use_psum_layout)``, @0f5f266 csrc/apis/gemm.hpp:196 and :466); SM90 from 2.4.2 (@7f2a703).
-#: Rows after the last group's aligned end are never written; padding rows inside a block are computed from their
-#: (zeroed) A rows (docs/vendor-notes/deepgemm-psum-layout.md).
+#: Rows after the last group's aligned end are never written; padding rows in a group's blocks are computed from
+#: their A rows, left unwritten, or zeroed, depending on version and architecture (docs/vendor-notes/
+#: deepgemm-psum-layout.md section 4); the runner never reads them.
 DG_USE_PSUM_LAYOUT = "use_psum_layout"
 DG_PSUM_LAYOUT_VERSIONS = {DG_ARCH_SM100: (2, 3), DG_ARCH_SM90: (2, 4, 2)}
 
@@ -1499,6 +1502,39 @@ V2_DEFAULT_SIZING_TOPK = 32
 def has_elastic_buffer(module: Any) -> bool:
     """Whether ``module`` (an installed ``deep_ep``, or a fake) has V2's ElasticBuffer."""
     return getattr(module, ELASTIC_BUFFER, None) is not None
+
+
+#: What the V2 adapter passes and reads that DeepEP 2.0.0 (b306af0, a422b5a) lacks: ``dispatch(do_zero_padding=)``
+#: and ``EPHandle.num_unaligned_recv_tokens_per_expert``, both from 2.1.0 (099d5f2, DeepEP #674). ``elastic.py`` is
+#: Python, so the keyword shows in the signature (docs/vendor-notes/deepep-v2-elasticbuffer.md section 7).
+V2_ZERO_PADDING = "do_zero_padding"
+V2_MIN_VERSION = "2.1.0"
+
+
+def elastic_dispatch_lacks_zero_padding(module: Any) -> bool:
+    """The installed ElasticBuffer's ``dispatch`` has no ``do_zero_padding`` (DeepEP 2.0.0)."""
+    dispatch = getattr(getattr(module, ELASTIC_BUFFER), "dispatch")
+    try:
+        return V2_ZERO_PADDING not in inspect.signature(dispatch).parameters
+    except (TypeError, ValueError):  # not introspectable: take it as it comes
+        return False
+
+
+#: With ``async_with_compute_stream``, DeepEP ``record_stream``s every tensor of the call on the compute and comm
+#: streams, unless this variable is a non-zero int: then the returned event alone holds them (``tensors_to_record``),
+#: and dropping the event before the comm stream is done frees memory it still uses (csrc/elastic/buffer.hpp:562-573,
+#: read with ``std::getenv`` + ``sscanf("%d")`` at every call: csrc/utils/system.hpp:19-35; README.md:338).
+EP_AVOID_RECORD_STREAM = "EP_AVOID_RECORD_STREAM"
+
+
+def avoids_record_stream(environ: Any) -> bool:
+    """Whether DeepEP's V2 calls skip ``record_stream`` under ``environ`` (``os.environ``, read at each call as
+    DeepEP does). A value ``sscanf("%d")`` cannot read leaves DeepEP's int undefined: taken as set."""
+    value = environ.get(EP_AVOID_RECORD_STREAM)
+    if value is None:
+        return False
+    digits = re.match(r"\s*[+-]?\d+", value)
+    return digits is None or int(digits.group()) != 0
 
 
 def _a32(n: int) -> int:

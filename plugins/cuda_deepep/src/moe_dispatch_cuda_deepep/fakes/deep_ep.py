@@ -112,8 +112,13 @@ class EventHandle:
 
     def __init__(self) -> None:
         self._fills: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Run first at the wait: a call whose kernels still read the caller's inputs checks them here.
+        self._checks: list[Callable[[], None]] = []
 
     def current_stream_wait(self) -> None:
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check()
         fills, self._fills = self._fills, []
         for dst, src in fills:
             dst.copy_(src)

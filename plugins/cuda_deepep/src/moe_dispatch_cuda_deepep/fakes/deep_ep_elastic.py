@@ -5,10 +5,14 @@ csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes
 Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated); ``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not,
 with ``expert_alignment`` and ``do_zero_padding``; ``combine`` of either layout with ``allow_multiple_reduction`` and
 no bias; ``async_with_compute_stream`` on both (the kernels' outputs, and the handle's tensors a dispatch's kernels
-write, are garbage until the current stream waits on the returned ``EventOverlap``: ``fakes.deep_ep.EventHandle``);
-``destroy``; ``get_buffer_size_hint``. Not emulated, and refused with NotImplementedError rather than approximated:
-cached handles and no-sync calls (worst-case shapes), ``previous_event*`` (and so ``allocate_on_comm_stream``), bias,
-hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not emulated: PyTorch's
+write but ``dst_buffer_slot_idx``, are garbage until the current stream waits on the returned ``EventOverlap``:
+``fakes.deep_ep.EventHandle``; a dispatch's inputs written before that wait are refused, since DeepEP still reads
+them); ``destroy``; ``get_buffer_size_hint``. The fake's calls are synchronous and have no streams: its ``combine``
+blocks the host on its peers where DeepEP's async combine does not, and ``record_stream`` and
+``EP_AVOID_RECORD_STREAM`` change nothing here. Not emulated, and refused with NotImplementedError rather than
+approximated: cached handles and no-sync calls (worst-case shapes), ``previous_event``,
+``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last refused alone too, though DeepEP allows
+it), bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not emulated: PyTorch's
 lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective (DeepEP #726): the
 fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its own.
 
@@ -196,7 +200,9 @@ class ElasticBuffer:
         if not async_with_compute_stream:  # the current stream waits on the comm stream (buffer.hpp:556-584)
             return x_out, out_ids, out_w, handle, EventOverlap()
         (x_out, out_ids, out_w), event = _after_event(True, (x_out, out_ids, out_w))
-        for name in _KERNEL_WRITTEN_HANDLE_FIELDS:  # written by the same kernels on the comm stream
+        event.event._checks.append(_inputs_unchanged_check(x, sf, topk_idx, topk_weights))
+        fields = _KERNEL_WRITTEN_HANDLE_FIELDS + (("topk_idx",) if do_handle_copy else ())
+        for name in fields:  # written by the same kernels on the comm stream
             written = getattr(handle, name)
             shown = _poisoned_copy(written)
             event.event._fills.append((shown, written))
@@ -379,9 +385,29 @@ class ElasticBuffer:
 
 
 #: The ``EPHandle`` tensors a dispatch's kernels write (notify and copy epilogue, on the comm stream: elastic.py:25-98,
-#: dispatch.cuh:211-253, dispatch_copy_epilogue.cuh:188-207); the Python list is the host's, read after its poll.
+#: dispatch.cuh:211-256, dispatch_copy_epilogue.cuh:120-121, 188-207); the Python list is the host's, read after its
+#: poll. Also kernel-written: ``topk_idx`` with ``do_handle_copy`` (dispatch.cuh:324-325, poisoned too) and
+#: ``dst_buffer_slot_idx`` (dispatch.cuh:349), which the fake does not emulate (None: it has no buffer slots).
 _KERNEL_WRITTEN_HANDLE_FIELDS = ("num_unaligned_recv_tokens_per_expert", "psum_num_recv_tokens_per_expert",
                                  "psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
+
+
+def _inputs_unchanged_check(x: torch.Tensor, sf: torch.Tensor | None, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor | None) -> Any:
+    """An async dispatch's data warps read ``x``, ``sf``, ``topk_idx`` and ``topk_weights`` on the comm stream after
+    the host returns (dispatch.cuh:259-350; only the notify pass is done by then), so a write into them before the
+    wait races with DeepEP: rows to the wrong experts, counts that disagree with the rows. The fake reads them at the
+    call; this check, run at the wait, refuses any change instead of delivering what DeepEP might not (fake)."""
+    given = {"x": x, "sf": sf, "topk_idx": topk_idx, "topk_weights": topk_weights}
+    kept = {name: t.clone() for name, t in given.items() if t is not None}
+
+    def check() -> None:
+        for name, copy in kept.items():
+            if not torch.equal(given[name].contiguous().view(torch.uint8), copy.contiguous().view(torch.uint8)):
+                raise RuntimeError(f"(fake) dispatch's {name} was written between the async dispatch and its "
+                                   "current_stream_wait(): DeepEP's kernels still read it on the comm stream "
+                                   "(dispatch.cuh:259-350)")
+    return check
 
 
 def _refuse_previous_events(previous_event: Any, before_epilogue: Any, allocate_on_comm_stream: bool) -> None:
@@ -402,9 +428,12 @@ def _combine_bytes(num_ranks: int, n_max: int, hidden: int, num_topk: int) -> in
 
 
 def _garbage(rows: int, width: int | None, dtype: torch.dtype, fill: float) -> torch.Tensor:
-    """``torch.empty`` rows: NaN where the dtype has it (what padding rows may hold), or zeros with zero padding."""
+    """``torch.empty`` rows: NaN where the dtype has it, all bits set in integer words (packed UE8M0 scales), or
+    zeros with zero padding."""
     shape = (rows,) if width is None else (rows, width)
-    if fill == 0 or not dtype.is_floating_point or dtype.itemsize == 1:
+    if fill != 0 and not dtype.is_floating_point:
+        return torch.full(shape, -1, dtype=dtype)
+    if fill == 0 or dtype.itemsize == 1:
         out = torch.zeros(shape, dtype=dtype if dtype.itemsize != 1 else torch.uint8)
         if fill != 0 and dtype.itemsize == 1:
             out.fill_(0x7F)  # e4m3 NaN bits
