@@ -9,8 +9,11 @@
 # of a crash in the vendor's code (2026-11-23: a segfault in DeepGEMM's contiguous GEMM).
 #
 # VENDOR_SRC (default .hw-src) holds source trees of deepseek-ai/DeepEP (2.x, and DeepEP-v1: the last
-# V1-only commit) and deepseek-ai/DeepGEMM with their submodules' headers, made from the local mirrors
-# by benchmarks/gpu/vendor_src.sh; the 2.x wheel is installed if it builds, else V1's. The machine's
+# V1-only commit), deepseek-ai/DeepGEMM with their submodules' headers, and NVIDIA/nccl 2.30.7, made
+# from the local mirrors by benchmarks/gpu/vendor_src.sh; the 2.x wheel is installed if it builds, else
+# V1's. DeepEP 2.x needs NCCL >= 2.30.4 and the image has 2.28.9: NCCL is built first for the device's
+# arch only, DeepEP 2.x against it (EP_NCCL_ROOT_DIR), and the deepep step preloads it (LD_PRELOAD), so
+# torch and DeepEP load the one libnccl DeepEP's import check (deep_ep/__init__.py check_nccl_so) wants. The machine's
 # torch is never replaced: the project and the vendor wheels go to a --target folder on PYTHONPATH.
 # The vendor builds run in the background (niced) while the core checks, which need no vendor, run;
 # every step is bounded by what is left of SECONDS (default 560). Output: OUT_DIR/{setup.log,
@@ -59,10 +62,23 @@ build() {  # build NAME: a wheel from $src/NAME into $wheels/NAME; its log is ap
     >"/tmp/build-$1.log" 2>&1
   echo "== build $1: exit $?" >"/tmp/build-$1.status"
 }
+nccl=/tmp/nccl-build
+nccl_then_deepep() {  # NCCL for this GPU's arch (make src.build), then DeepEP 2.x against it
+  local arch
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
+  (cd "$src/nccl" && nice -n 19 timeout "$(left)" make -j16 src.build BUILDDIR="$nccl" CUDA_HOME=/usr/local/cuda \
+    NVCC_GENCODE="-gencode=arch=compute_$arch,code=sm_$arch") >/tmp/build-nccl.log 2>&1
+  echo "== build nccl (sm_$arch): exit $?" >/tmp/build-nccl.status
+  ls "$nccl"/lib/libnccl.so.2* >/dev/null 2>&1 && export EP_NCCL_ROOT_DIR=$nccl
+  build DeepEP
+}
 if [[ $steps == *" deepep "* || $steps == *" build "* || $steps == *" gdb "* ]]; then
-  for name in DeepGEMM DeepEP DeepEP-v1; do
+  for name in DeepGEMM DeepEP-v1; do
     [[ -d "$src/$name" ]] && build "$name" &
   done
+  if [[ -d "$src/DeepEP" && -d "$src/nccl" ]]; then nccl_then_deepep &
+  elif [[ -d "$src/DeepEP" ]]; then build DeepEP &
+  fi
 fi
 
 # 1-2. codecs, reference layers, low-latency mode in a CUDA graph, no host sync.
@@ -99,8 +115,14 @@ done
 # 3. the bench tables at one rank, once the builds are done (no CPU contention).
 step bench "$out/bench.txt" torchrun --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29518 \
   benchmarks/gpu/bench_torchrun.py --tokens 128 --tokens 4096 --iters 30 --warmup 5 --json "$out/bench.json"
-# 4-5. DeepGEMM and DeepEP for real, against the fakes.
-step deepep "$out/deepep.txt" python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
-step gdb "$out/gdb.txt" env DG_JIT_DEBUG=1 cuda-gdb -q -batch -ex run -ex bt \
+# 4-5. DeepGEMM and DeepEP for real, against the fakes; with the built NCCL preloaded where DeepEP 2.x was built
+# against it (one libnccl in the process, torch's and DeepEP's alike).
+nccl_env=()
+if [[ -n $(ls "$wheels"/DeepEP/*.whl 2>/dev/null) && -n $(ls "$nccl"/lib/libnccl.so.2 2>/dev/null) ]]; then
+  nccl_env=(LD_PRELOAD="$nccl/lib/libnccl.so.2" EP_NCCL_ROOT_DIR="$nccl")
+fi
+echo "== vendor env: ${nccl_env[*]:-none, the NCCL of the image}" >>"$out/setup.log"
+step deepep "$out/deepep.txt" env "${nccl_env[@]}" python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
+step gdb "$out/gdb.txt" env "${nccl_env[@]}" DG_JIT_DEBUG=1 cuda-gdb -q -batch -ex run -ex bt \
   --args python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
 echo "== done after $(( SECONDS - start ))s" >>"$out/setup.log"
