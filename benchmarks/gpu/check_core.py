@@ -14,7 +14,9 @@ The first checks of ``shared/GPU.md``, in one process (world size 1, NCCL on CUD
 4. **nosync**: low-latency dispatch + combine, blocking and in split phase, with the default
    ``check_inputs`` under ``torch.cuda.set_sync_debug_mode("warn")`` (every line that syncs is named),
    and the time per pair with the default against ``check_inputs=True`` (what the value checks'
-   sync costs: the measurement behind the default, issue 16).
+   sync costs: the measurement behind the default, issue 16);
+5. **streams**: dispatch and combine started on a side stream and waited on the default one (``Pending``'s
+   promise: ``wait()`` orders the stream current at the wait, and hands it the result), against the blocking calls.
 
 ``--device cpu`` runs 1 and 2 on gloo (how this script is tested without a GPU); 3 needs CUDA.
 Prints a table; the exit status is 1 if any check fails.
@@ -184,6 +186,35 @@ def check_nosync(device: torch.device) -> list[Check]:
     return checks
 
 
+def check_streams(device: torch.device) -> list[Check]:
+    if device.type != "cuda":
+        return [Check("streams", "start on one stream, wait on another", True, "skipped: needs CUDA")]
+    checks = []
+    layer = _layer_on(device)
+    for backend in BACKENDS:
+        for mode in md.Mode:
+            spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode, output_dtype="fp8")
+            d = md.create_dispatcher(backend, spec, env={})
+            x, ids, w = _inputs(30, device)
+            want = _graph_step(d, layer, x, ids, w)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                started = d.dispatch_start(x, ids, w)
+            out = started.wait()  # on the default stream
+            rows = ScaledIdentityExperts().apply_without_routing_weights(
+                layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16)
+            side.wait_stream(torch.cuda.current_stream(device))  # the rows, made on the default stream
+            with torch.cuda.stream(side):
+                combining = d.combine_start(rows, out)
+            got = combining.wait()
+            same = torch.equal(got, want)
+            checks.append(Check("streams", f"{backend} {mode.value} fp8 side stream", same,
+                                "bit-equal to the blocking calls" if same else
+                                f"differs: max {float((got.float() - want.float()).abs().max()):.3g}"))
+    return checks
+
+
 def _layer_on(device: torch.device) -> ScaledLayer:
     """The experts' factors on the device: a host tensor copied in every step would sync, and
     break a capture, in the test's own code (as it did on the first H100 run)."""
@@ -253,7 +284,7 @@ def _capture_and_replay(name: str, step: Callable[[], torch.Tensor], static: tup
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--only", choices=["codecs", "layers", "graph", "nosync"], action="append")
+    p.add_argument("--only", choices=["codecs", "layers", "graph", "nosync", "streams"], action="append")
     p.add_argument("--json", help="write the checks as JSON to this path")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -263,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
     started = one_rank_group("nccl" if device.type == "cuda" else "gloo")
-    groups = {"codecs": check_codecs, "layers": check_layers, "graph": check_graph, "nosync": check_nosync}
+    groups = {"codecs": check_codecs, "layers": check_layers, "graph": check_graph, "nosync": check_nosync,
+              "streams": check_streams}
     checks: list[Check] = []
     try:
         for group, run in groups.items():

@@ -17,10 +17,10 @@ def test_the_core_hardware_check_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = json.loads(out.read_text())["checks"]
     groups = {c["group"] for c in checks}
-    assert groups == {"codecs", "layers", "graph", "nosync"}
+    assert groups == {"codecs", "layers", "graph", "nosync", "streams"}
     assert sum(c["group"] == "layers" for c in checks) == 2 * 2 * 4  # backends × modes × dtypes
     assert all(c["ok"] for c in checks)
-    assert [c["detail"] for c in checks if c["group"] in ("graph", "nosync")] == ["skipped: needs CUDA"] * 2
+    assert [c["detail"] for c in checks if c["group"] in ("graph", "nosync", "streams")] == ["skipped: needs CUDA"] * 3
 
 
 def test_without_a_gpu_the_cuda_default_says_what_to_do():

@@ -18,7 +18,7 @@ PACKAGE = Path(moe_dispatch.__file__).parent
 LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
     "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "formats", "wire", "codecs", "hints", "spec",
-                 "capabilities", "output", "pending", "trail", "scale_layouts", "distributed", "distributed.watch",
+                 "capabilities", "output", "streams", "pending", "trail", "scale_layouts", "distributed", "distributed.watch",
                  "distributed.comm", "distributed.emulation", "distributed.agreement", "backend", "commands", "hookspecs"),
     # the policies: the wire dtype, the input checks, the reference experts
     "policy": ("resolution", "validation", "output_checks", "experts", "alignment"),

@@ -87,6 +87,33 @@ def test_without_a_split_phase_the_core_runs_each_call_at_start():
     assert not combined.overlapped and combined.wait().shape == (T, H)
 
 
+def test_a_backend_that_runs_one_call_whole_says_so_through_the_core(monkeypatch):
+    """A split-phase backend may run a started call to its end (DeepEP under capture, or under
+    EP_AVOID_RECORD_STREAM): its Pending's ``overlapped`` False reaches the engine."""
+    d = md.create_dispatcher(TorchBackend(), _spec(), env={})
+    impl = d.backend_dispatcher
+    start = impl.dispatch_start
+    monkeypatch.setattr(impl, "dispatch_start", lambda *a: md.Pending(start(*a).wait, overlapped=False))
+    started = d.dispatch_start(*_inputs(1))
+    assert d.split_phase and not started.overlapped
+    assert started.wait().hidden_states.shape[1] == H
+
+
+def test_the_tensors_a_call_hands_out_are_its_outputs_own():
+    """``streams.tensors_of``: what a wait() on another stream records there (the rows, scales, routing and
+    group list of a DispatchOutput; a combined tensor), never the backend's handle; off CUDA no stream."""
+    from moe_dispatch.streams import start_stream, tensors_of
+
+    d = md.create_dispatcher(TorchBackend(), _spec(), env={})
+    out = d.dispatch(*_inputs(1))
+    handed = tensors_of(out)
+    for t in (out.hidden_states, out.hidden_states_scale, out.topk_ids, out.topk_weights, out.group_list):
+        assert any(t is h for h in handed)
+    assert not any(h is out.handle for h in handed)
+    y = torch.zeros(2, 2)
+    assert tensors_of(y) == [y] and tensors_of(None) == [] and start_stream(y) is None
+
+
 def test_a_declared_split_phase_without_the_methods_is_a_plugin_error():
     d = md.create_dispatcher(_DeclaresWithoutMethods(), _spec(), env={})
     with pytest.raises(md.PluginError, match="dispatch_start/combine_start"):

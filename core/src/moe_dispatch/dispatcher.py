@@ -33,6 +33,7 @@ from .errors import (
 )
 from .output import DispatchOutput
 from .pending import Pending
+from .streams import start_stream
 from .output_checks import OutputChecks
 from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
@@ -210,7 +211,9 @@ class Dispatcher:
     def split_phase(self) -> bool:
         """Whether ``dispatch_start``/``combine_start`` return while the data is on its way
         (``capabilities.split_phase`` names this dispatcher's mode). When False they still work,
-        running each call to its end at start (``Pending.overlapped`` is False)."""
+        running each call to its end at start (``Pending.overlapped`` is False). Where it is True a
+        backend may still run one call whole (DeepEP under CUDA-graph capture): that call's
+        ``Pending.overlapped`` says so."""
         return self._split is not None
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
@@ -231,7 +234,7 @@ class Dispatcher:
         ``Pending.overlapped`` is False when the backend ran the call to its end at start.
         """
         if self._split is None:
-            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights))
+            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), start_stream(hidden_states))
         self._usable("dispatch")
         self._check_dispatch(hidden_states, topk_ids, topk_weights)
         try:
@@ -249,7 +252,7 @@ class Dispatcher:
         """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
         the bf16 ``[T, H]``. Checked as ``combine``; the output counts as combined from here on."""
         if self._split is None:
-            return Pending.completed(self.combine(expert_output, dispatch_output))
+            return Pending.completed(self.combine(expert_output, dispatch_output), start_stream(expert_output))
         self._usable("combine")
         self._check_combine(expert_output, dispatch_output)
         try:

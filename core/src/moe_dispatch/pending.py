@@ -14,7 +14,9 @@ bytes are in.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
+
+from .streams import hand_over, tensors_of
 
 T = TypeVar("T")
 
@@ -24,32 +26,40 @@ class Pending(Generic[T]):
     or raise the same error).
 
     :param finish: receives and returns the result; run by the first ``wait()``.
-    :param overlapped: False when the call already ran to the end at start: the backend (or the
-        mode) has no split phase and the core ran it synchronously (``Capabilities.split_phase``).
+    :param overlapped: False when the call already ran to the end at start: the mode has no split
+        phase and the core ran it synchronously (``Capabilities.split_phase``), or the backend ran
+        this one call whole (DeepEP 2.x under ``EP_AVOID_RECORD_STREAM``; a DeepEP call under
+        CUDA-graph capture). Its ``wait()`` still hands the result to the waiting stream.
     """
 
-    __slots__ = ("_finish", "_result", "_error", "overlapped")
+    __slots__ = ("_finish", "_result", "_error", "_start", "overlapped")
 
     def __init__(self, finish: Callable[[], T], *, overlapped: bool = True) -> None:
         self._finish: Callable[[], T] | None = finish
         self._result: T | None = None
         self._error: BaseException | None = None
+        self._start: Any = None
         self.overlapped = overlapped
 
     @classmethod
-    def completed(cls, result: T) -> "Pending[T]":
-        """A call that ran to the end at start (the synchronous fallback)."""
+    def completed(cls, result: T, start: Any = None) -> "Pending[T]":
+        """A call that ran to the end at start (the synchronous fallback). ``start``: the CUDA stream it ran
+        on (``streams.start_stream``), which a ``wait()`` on another stream waits for."""
         pending: Pending[T] = cls(lambda: result, overlapped=False)
-        pending._finish, pending._result = None, result
+        pending._finish, pending._result, pending._start = None, result, start
         return pending
 
     @property
     def done(self) -> bool:
-        """Whether the result (or its error) is in: ``wait()`` has run, or the call ran to its end at start."""
+        """Whether the result (or its error) is in: ``wait()`` has run, or the core ran the call to its end
+        at start (``completed``)."""
         return self._finish is None
 
     def wait(self) -> T:
         """The result: the dispatch output, or combine's bf16 ``[T, H]``."""
+        if self._start is not None:  # a completed call, waited on another stream than its own
+            start, self._start = self._start, None
+            hand_over(start, tensors_of(self._result))
         if self._finish is not None:
             finish, self._finish = self._finish, None
             try:

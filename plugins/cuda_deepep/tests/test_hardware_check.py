@@ -47,3 +47,18 @@ def test_pybind_docstrings_are_read():
     fn.__doc__ = "m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: " \
                  "torch.Tensor, expected_m: int, compiled_dims: str = 'nk') -> None\n"
     assert hardware.pybind_params(fn)[-2:] == [("expected_m", "<required>"), ("compiled_dims", "nk")]
+
+
+def test_the_aligned_deepgemm_rows_on_sm100_include_fp32_scales():
+    """On SM100 the ALIGNED rows also run fp32 UE8M0 scales, which the runner packs itself (fixes audit F4); with
+    the SM100 fake standing in for the real DeepGEMM, every case runs through the runner without an error."""
+    import torch
+
+    setup = hardware.Setup(deep_ep=vendor.EMULATOR, deep_gemm=vendor.DEEP_GEMM_EMULATOR_SM100,
+                           device=torch.device("cpu"), group=None, fake_group=None, fake=True, gemm_hidden=256)
+    rows = hardware.deep_gemm_rows(setup)
+    checks = [r.check for r in rows]
+    for needed in ("block_fp8 ALIGNED real", "block_fp8 ALIGNED tail real", "block_fp8 ALIGNED m_indices real",
+                   "block_fp8 ALIGNED fp32 scales real", "bf16 ALIGNED m_indices real"):
+        assert any(c.startswith(needed) for c in checks), (needed, checks)
+    assert all(r.ok for r in rows), [r.line() for r in rows if not r.ok]

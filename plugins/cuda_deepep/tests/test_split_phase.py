@@ -290,3 +290,22 @@ def _normal_outputs_before_the_event(rank: int, world: int):
 
 def test_the_fake_fills_async_normal_outputs_at_the_event(moe_rank_pools):
     assert moe_rank_pools.get(2).map(_normal_outputs_before_the_event) == [(False, True), (False, True)]
+
+
+def _normal_input_written_before_wait(rank: int, world: int):
+    """Normal mode's data kernel reads the inputs on DeepEP's comm stream after the start returns (legacy
+    buffer.hpp:638-695): the fake refuses a write into them before the wait (fixes audit F6)."""
+    d = _dispatcher(world, "normal")
+    x, ids, w = _inputs(rank, d.spec.num_experts)
+    pending = d.dispatch_start(x, ids, w)
+    x.zero_()
+    try:
+        pending.wait()
+    except RuntimeError as exc:  # DeepEP would race, not raise
+        return str(exc)
+    return None
+
+
+def test_a_normal_mode_input_written_before_wait_is_refused_by_the_fake(moe_rank_pools):
+    for message in moe_rank_pools.get(2).map(_normal_input_written_before_wait):
+        assert message is not None and "x was written between the async call" in message, message

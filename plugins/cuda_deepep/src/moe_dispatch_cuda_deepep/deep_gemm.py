@@ -16,9 +16,10 @@ no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, 
   to DeepGEMM's mk alignment, which DeepGEMM 2.4.2+ lets it set at run time; DeepEP V2 writes that layout
   itself, the core copies other backends' rows into it) go through the contiguous GEMM as they are,
   without a copy of the rows (the scales are laid out as on the dense path; fp32 UE8M0 scales on SM100
-  still cost the host check of ``_pack_fp32``, refused under capture): with DeepGEMM's PSUM layout (SM100 2.3+, SM90 2.4.2+: ``use_psum_layout=True``,
-  ``grouped_layout`` = each expert's end row, the type-0 group list) or else ``m_indices`` made on the
-  device (``moe_dispatch.output.row_experts``). The output keeps the input's rows; its padding rows
+  still cost the host check of ``_pack_fp32``, refused under capture): with DeepGEMM's PSUM layout
+  (SM100 2.3+, SM90 2.4.2+: ``use_psum_layout=True``, ``grouped_layout`` = each expert's end row, the
+  type-0 group list) or else ``m_indices`` made on the device (``moe_dispatch.output.row_experts``;
+  ``DeepGemmExperts(psum_layout=False)`` forces these). The output keeps the input's rows; its padding rows
   are whatever DeepGEMM left there (combine ignores them).
 - MASKED ``[E_local, capacity, H]`` goes through the masked GEMM as it is, with
   ``masked_m`` = the counts and no host sync (CUDA-graph safe). ``expected_m`` is only a
@@ -221,7 +222,7 @@ class DeepGemmExperts:
     """
 
     def __init__(self, weights: str, mode: md.Mode | str, module: str | ModuleType | Any = REAL, *,
-                 ue8m0: bool | None = None) -> None:
+                 ue8m0: bool | None = None, psum_layout: bool | None = None) -> None:
         if weights not in WEIGHT_KINDS:
             raise md.InvalidSpecError("unknown DeepGEMM weight format", parameter="weights", value=weights,
                                       allowed=", ".join(WEIGHT_KINDS))
@@ -237,6 +238,13 @@ class DeepGemmExperts:
                 parameter="weights", value="bf16", allowed="block_fp8 with this DeepGEMM, or a newer DeepGEMM")
         self.arch = self._arch(info)
         self.ue8m0 = self._scale_format(weights, ue8m0, info)
+        has_psum = vendor.dg_has_psum_layout(info, self.arch)
+        if psum_layout and not has_psum:
+            raise md.BackendUnavailableError(
+                f"{info.describe()} has no PSUM layout for aligned rows on this GPU (SM100 from 2.3, SM90 from 2.4.2)",
+                parameter="psum_layout", value=True, allowed="None (use it where the version has it) or False")
+        #: aligned rows as DeepGEMM's PSUM layout, else per-row m_indices (False forces those: the hardware check)
+        self._psum_layout = has_psum and psum_layout is not False
         self._contiguous_fn, self._masked_fn = info.functions(weights)
         if self._contiguous_fn is None or self._masked_fn is None:
             raise md.BackendUnavailableError(f"{info.describe()}: lacks a contiguous or masked grouped GEMM",
@@ -300,9 +308,9 @@ class DeepGemmExperts:
 
     @property
     def psum_layout(self) -> bool:
-        """Aligned rows go to the contiguous GEMMs as DeepGEMM's PSUM layout (SM100 from 2.3, SM90 from 2.4.2), else
-        with per-row ``m_indices``."""
-        return vendor.dg_has_psum_layout(self.info, self.arch)
+        """Aligned rows go to the contiguous GEMMs as DeepGEMM's PSUM layout (SM100 from 2.3, SM90 from 2.4.2, unless
+        the constructor's ``psum_layout=False``), else with per-row ``m_indices``."""
+        return self._psum_layout
 
     def quant_hints(self) -> md.QuantHints:
         """What to pass as ``DispatchSpec(quant=...)`` so resolution sends this kernel's dtype."""

@@ -110,11 +110,18 @@ class DeepEPDispatcher:
         stream-ordered, no host wait) and builds the output. Normal: the host waits in DeepEP's notify until every
         rank has entered dispatch, then the data kernel runs on DeepEP's comm stream (``async_finish``); ``wait()``
         orders the current stream after it and expands the rows."""
-        return md.Pending(self._dispatch(x, topk_ids, topk_weights, split=True))
+        finish = self._dispatch(x, topk_ids, topk_weights, split=True)
+        return md.Pending(finish, overlapped=self._ran_split())
 
     def combine_start(self, expert_output: torch.Tensor,
                       dispatch_output: md.DispatchOutput) -> md.Pending[torch.Tensor]:
-        return md.Pending(self._combine(expert_output, dispatch_output, split=True))
+        finish = self._combine(expert_output, dispatch_output, split=True)
+        return md.Pending(finish, overlapped=self._ran_split())
+
+    def _ran_split(self) -> bool:
+        """Whether the call just started is still on its way: not an LL call under capture (the capture records
+        it whole, its receive included), nor a normal call on an LL Buffer past 8 ranks (``_normal_splits``)."""
+        return not self._capturing() if self.low_latency else self._normal_splits()
 
     def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   split: bool) -> Callable[[], md.DispatchOutput]:

@@ -22,14 +22,15 @@ later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shap
 would cost a copy), and past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has
 checked them.
 
-``DispatchSpec.expert_alignment`` is DeepEP's own ``expert_alignment`` with ``do_zero_padding`` (DeepEP 2.1.0 on): the rows arrive in DeepGEMM's
-contiguous (PSUM) layout, and combine takes the expert rows in it (padding rows are never read), so neither side
-copies the rows.
+``DispatchSpec.expert_alignment`` is DeepEP's own ``expert_alignment`` with ``do_zero_padding`` (DeepEP 2.1.0 on): the
+rows arrive in DeepGEMM's contiguous (PSUM) layout, and combine takes the expert rows in it (padding rows are never
+read), so neither side copies the rows.
 
 A started call's inputs are DeepEP's until ``wait()``: its data warps read them on the comm stream after the start
-returns (the contract's rule, ``Dispatcher.dispatch_start``). Under ``EP_AVOID_RECORD_STREAM`` DeepEP keeps a call's
-tensors alive only through its event, so the starts run the calls to their end instead (``Pending.overlapped``
-False); a ``wait()`` on another stream than the start's records the outputs on it.
+returns (the contract's rule, ``Dispatcher.dispatch_start``); the routing it reads is the adapter's own copy when it
+was the caller's memory. Under ``EP_AVOID_RECORD_STREAM`` DeepEP keeps a call's tensors alive only through its
+event, so the starts run the calls to their end instead (``Pending.overlapped`` False). A ``wait()`` on another stream
+than the start's waits for that one and records what it hands out there (``moe_dispatch.streams.hand_over``).
 
 One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
 current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
@@ -50,6 +51,7 @@ from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 from moe_dispatch.output import DispatchOutput, group_list_from_counts, kept_routing
+from moe_dispatch.streams import hand_over, start_stream
 
 from . import vendor
 
@@ -302,9 +304,11 @@ class ElasticDispatcher:
             x = hidden_states.to(torch.bfloat16).contiguous()
         ids = topk_ids.to(self.topk_idx_dtype).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
-        routing = kept_routing(ids, topk_ids), kept_routing(weights, topk_weights)  # as given, whenever wait() runs
+        # The routing as given, whenever wait() runs: the adapter's own memory, which DeepEP reads too (so a router
+        # buffer the engine reuses is never DeepEP's input; hidden_states still is, until wait(): the contract's rule).
+        ids, weights = kept_routing(ids, topk_ids), kept_routing(weights, topk_weights)
         alignment = spec.expert_alignment
-        stream = _current_stream(ids) if split else None
+        stream = start_stream(ids)
         with self.waits():
             recv, _, recv_w, handle, event = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
@@ -316,10 +320,10 @@ class ElasticDispatcher:
             rows, scale = recv if fp8 else (recv, None)
             if split:  # the outputs and the handle's counts are DeepEP's comm stream's until then
                 event.current_stream_wait()
-                _used_from_here(stream, rows, scale, recv_w)
-            counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
-            return DispatchOutput(rows, scale, *routing,
-                                  group_list_from_counts(counts, spec.group_list_type, alignment),
+            unaligned = handle.num_unaligned_recv_tokens_per_expert
+            hand_over(stream, (rows, scale, recv_w, ids, weights, unaligned))
+            return DispatchOutput(rows, scale, ids, weights,
+                                  group_list_from_counts(unaligned.to(torch.int64), spec.group_list_type, alignment),
                                   spec.group_list_type, md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w),
                                   None, expert_alignment=alignment)
         return finish
@@ -342,14 +346,14 @@ class ElasticDispatcher:
         # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
         # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
-        stream = _current_stream(weighted) if split else None
+        stream = start_stream(weighted)
         with self.waits():
             combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
 
         def finish() -> torch.Tensor:
             if split:
                 event.current_stream_wait()
-                _used_from_here(stream, combined)
+            hand_over(stream, (combined,))
             return combined
         return finish
 
@@ -359,24 +363,6 @@ def _splits() -> bool:
     tensors alive only through the returned event, so a ``Pending`` dropped unwaited, or waited on another stream,
     would free memory DeepEP's comm stream still uses (buffer.hpp:562-573; audit issue18-v2-split-phase R2)."""
     return not vendor.avoids_record_stream(os.environ)
-
-
-def _current_stream(t: torch.Tensor) -> Any:
-    """The stream a split call starts on (None off CUDA: the fake's calls have no streams)."""
-    return torch.cuda.current_stream(t.device) if t.is_cuda else None
-
-
-def _used_from_here(start: Any, *tensors: torch.Tensor | None) -> None:
-    """DeepEP ``record_stream``s a call's tensors on the stream current at its start and on its comm stream
-    (buffer.hpp:566-572). A ``wait()`` on another stream hands them to that one: recorded there too, so the caching
-    allocator cannot reuse them while it still reads them (audit issue18-v2-split-phase R3)."""
-    if start is None:
-        return
-    current = torch.cuda.current_stream(start.device)
-    if current != start:
-        for t in tensors:
-            if t is not None:
-                t.record_stream(current)
 
 
 __all__ = ["DeepEPV2Backend", "ElasticBuffers", "ElasticDispatcher", "NAME", "capabilities"]

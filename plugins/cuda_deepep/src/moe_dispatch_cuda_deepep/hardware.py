@@ -277,28 +277,36 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
         if kind == "bf16" and not info.has_bf16:
             rows.append(Row("DeepGEMM", f"{kind}: BF16 grouped GEMMs", "absent", f"{info.generation} has none", True))
             continue
-        for layout, mode in (("PACKED", "normal"), ("ALIGNED", "normal"), ("MASKED", "low_latency")):
+        # ALIGNED: rows at the runner's expert_alignment (no pad copy; the PSUM layout where the version has it),
+        # with empty experts first, in the middle and last, and one past a 128-row block; once more with per-row
+        # m_indices where PSUM exists, and on SM100 with fp32 UE8M0 scales the runner packs (issue18 audits R3, F4).
+        cases = [("PACKED", "normal", counts_packed, {}, False), ("ALIGNED", "normal", [0, 130, 0, 5], {}, False),
+                 ("ALIGNED tail", "normal", [5, 0, 130, 0], {}, False),
+                 ("ALIGNED m_indices", "normal", [0, 130, 0, 5], {"psum_layout": False}, False),
+                 ("MASKED", "low_latency", counts_masked, {}, False)]
+        if kind == "block_fp8" and (vendor.device_capability(real_module) or (9, 0))[0] >= 10:
+            cases.append(("ALIGNED fp32 scales", "normal", [0, 130, 0, 5], {}, True))
+        for layout, mode, counts, options, fp32_scales in cases:
             label = f"{kind} {layout}"
+            aligned_case = layout.startswith("ALIGNED")
             try:
-                real = DeepGemmExperts(kind, mode, real_module)
-                fake = DeepGemmExperts(kind, mode, fake_module, ue8m0=real.ue8m0)
+                real = DeepGemmExperts(kind, mode, real_module, **options)
+                fake = DeepGemmExperts(kind, mode, fake_module, ue8m0=real.ue8m0, **options)
             except md.MoEDispatchError as exc:
                 rows.append(Row("DeepGEMM", label, _text(f"{type(exc).__name__}: {exc}"), "a runner", False))
                 continue
             layer = fake.process_weights(weights)
-            # ALIGNED: rows at the runner's expert_alignment (no pad copy; the PSUM layout where the version has
-            # it), empty experts first, in the middle and last (audit issue18-aligned R3)
-            counts = {"PACKED": counts_packed, "ALIGNED": [0, 130, 0, 5], "MASKED": counts_masked}[layout]
-            shape = (sum(counts),) if layout != "MASKED" else (experts, capacity)
+            shape = (sum(counts),) if mode == "normal" else (experts, capacity)
             x = torch.randn(*shape, h, generator=torch.Generator().manual_seed(1))
             if kind == "bf16":
                 data, scale = x.to(torch.bfloat16), None
             else:
                 q = make_codec(md.WireFormat(md.DispatchDtype.FP8, h, ue8m0=real.ue8m0)).quantize(x)
-                data, scale = q.data, (pack_ue8m0(q.scale) if real.ue8m0 and layout == "ALIGNED" else q.scale)
+                packed = real.ue8m0 and aligned_case and not fp32_scales
+                data, scale = q.data, (pack_ue8m0(q.scale) if packed else q.scale)
             group_list = torch.tensor(counts)
             alignment, valid = 1, slice(None)
-            if layout == "ALIGNED":
+            if aligned_case:
                 dtype = md.DispatchDtype.BF16 if kind == "bf16" else md.DispatchDtype.FP8
                 none = torch.zeros(0, 1, dtype=torch.int64)
                 aligned = align_rows(DispatchOutput(data, scale, none, none.float(), group_list, 1, md.Layout.PACKED,
@@ -447,10 +455,12 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
             how = f" aligned {alignment} split" if split else ""
             parts.append(f"{dtype}{how} {verdict} rel {r['relative_difference']:.1e} "
                          f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms)")
-        for dtype in ("bf16", "fp8"):  # DeepEP's zero padding, unfenced TMA stores (audit issue18-aligned R1)
-            found = nonzero_padding(0, 1, dtype, backend, module.__name__)
+        # DeepEP's zero padding, unfenced TMA stores (audits issue18-aligned R1/R2, fixes F5)
+        for dtype, ue8m0, split in (("bf16", False, False), ("fp8", False, False), ("fp8", True, True)):
+            found = nonzero_padding(0, 1, dtype, backend, module.__name__, ue8m0=ue8m0, split=split)
             verdict = "zero" if not any(found.values()) else "NONZERO"
-            parts.append(f"{dtype} padding rows {verdict} over 20 calls {found}")
+            how = " ue8m0 split" if split else ""
+            parts.append(f"{dtype}{how} padding rows {verdict} over 20 calls {found}")
     finally:
         backend.close()
     return "cuda_deepep_v2 at one rank: " + "; ".join(parts)
@@ -521,7 +531,7 @@ def probe_rows(fake: bool) -> list[Row]:
             _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "agree (or no ElasticBuffer)",
             elastic.exit_code == 0 and ("no ElasticBuffer" in elastic.output
                                         or (elastic.output.count(" agree ") == 3 and "DIFFER" not in elastic.output
-                                            and elastic.output.count(" padding rows zero ") == 2))),
+                                            and elastic.output.count(" padding rows zero ") == 3))),
     ]
 
 

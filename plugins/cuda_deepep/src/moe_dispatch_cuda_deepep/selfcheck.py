@@ -133,27 +133,33 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
 
 
 def nonzero_padding(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
-                    expert_alignment: int = 128, calls: int = 20, hidden: int = 2048, experts_per_rank: int = 4,
-                    top_k: int = 4, tokens: int = 16) -> dict[str, int]:
+                    expert_alignment: int = 128, calls: int = 20, hidden: int = 2048, ue8m0: bool = False,
+                    split: bool = False) -> dict[str, int]:
     """Dispatch ``calls`` batches with the rows at ``expert_alignment``: how many padding rows are not all zero bits,
     per tensor (``data``, ``scales``, and ``weights``: the handle's per-row weights where it keeps them).
     DeepEP V2 zeroes its padding with a TMA store from shared memory written without a proxy fence
     (dispatch_copy_epilogue.cuh:232-238, 288-293): only a device can say whether stale bytes get through (audit
-    issue18-aligned R1, R2). In every batch one expert per rank gets no rows."""
+    issue18-aligned R1, R2). Every rank's four local experts get 128 rows (a multiple of the alignment: no padding),
+    none, 160 (one past a block) and 32, in a shuffled order each call; ``split``: ``dispatch_start`` + ``wait``."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
-    spec = layer_spec(world, "normal", dtype, hidden, experts_per_rank, top_k, tokens, expert_alignment=expert_alignment)
+    tokens = 160
+    spec = layer_spec(world, "normal", dtype, hidden, 4, 2, tokens, ue8m0, expert_alignment)
     d = md.create_dispatcher(backend, spec, env={})
+    local = torch.tensor([[0, 2]] * 128 + [[2, 3]] * 32)  # counts per local expert: 128, 0, 160, 32
     found = {"data": 0, "scales": 0, "weights": 0}
     for call in range(calls):
-        x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=100 + call)
-        ids = torch.where(ids % experts_per_rank == 1, -1, ids)  # local expert 1 of every rank gets no rows
-        out = d.dispatch(x, ids, w)
-        padding = row_experts(out.group_list, expert_alignment, out.hidden_states.shape[0]) < 0
+        g = torch.Generator().manual_seed(100 + call)
+        order = torch.randperm(tokens, generator=g)
+        ids = (local[order] + 4 * ((rank + call) % world)).to(device)  # this call's destination rank
+        x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(device)
+        w = torch.rand(tokens, 2, generator=g).to(device)
+        out = d.dispatch_start(x, ids, w).wait() if split else d.dispatch(x, ids, w)
+        padding = row_experts(out.expert_counts(), expert_alignment, out.hidden_states.shape[0]) < 0
         weights = getattr(out.handle, "weights", None)
         for name, t in (("data", out.hidden_states), ("scales", out.hidden_states_scale), ("weights", weights)):
-            if t is not None:
-                bits = t[padding].contiguous().view(torch.uint8)
-                found[name] += int((bits.reshape(int(padding.sum()), -1) != 0).any(1).sum()) if bits.numel() else 0
+            if t is not None and bool(padding.any()):
+                bits = t[padding].contiguous().view(torch.uint8).reshape(int(padding.sum()), -1)
+                found[name] += int((bits != 0).any(1).sum())
     return found
 
 

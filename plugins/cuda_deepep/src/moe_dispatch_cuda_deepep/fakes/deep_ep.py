@@ -124,6 +124,23 @@ class EventHandle:
             dst.copy_(src)
 
 
+def inputs_unchanged_check(given: dict[str, torch.Tensor | None], where: str) -> Callable[[], None]:
+    """For an async call whose kernels read the caller's tensors on the comm stream after the host returns: a write
+    into them before the wait races with DeepEP (rows to the wrong experts, counts that disagree with the rows). The
+    fake reads them at the call; this check, run at the wait (``EventHandle._checks``), refuses any change instead of
+    delivering what DeepEP might not (fake). ``where``: the vendor's kernel lines that read them."""
+    kept = {name: t.clone() for name, t in given.items() if t is not None}
+
+    def check() -> None:
+        for name, copy in kept.items():
+            now = given[name]
+            assert now is not None
+            if not torch.equal(now.contiguous().view(torch.uint8), copy.contiguous().view(torch.uint8)):
+                raise RuntimeError(f"(fake) {name} was written between the async call and its current_stream_wait(): "
+                                   f"DeepEP's kernels still read it on the comm stream ({where})")
+    return check
+
+
 def _comm_stream_waits(previous_event: Any) -> None:
     """DeepEP's comm stream waits on ``previous_event`` before its kernels: what was written before it is there."""
     handle = getattr(previous_event, "event", None)
@@ -954,6 +971,10 @@ class Buffer:
         recv = (recv_x, recv_scales) if x_scales is not None else recv_x
         (recv, recv_topk_idx, recv_topk_weights), event = _after_event(async_finish,
                                                                        (recv, recv_topk_idx, recv_topk_weights))
+        if event.event is not None:  # the data kernel reads them on the comm stream (csrc/legacy/buffer.hpp:638-695)
+            event.event._checks.append(inputs_unchanged_check({"x": x, "x_scales": x_scales, "topk_idx": topk_idx,
+                                                               "topk_weights": topk_weights},
+                                                              "csrc/legacy/buffer.hpp:638-695"))
         return recv, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,

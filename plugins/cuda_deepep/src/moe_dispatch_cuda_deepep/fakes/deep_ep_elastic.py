@@ -2,19 +2,21 @@
 csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes.deep_ep`` exports them as the real
 ``deep_ep`` 2.x does. docs/vendor-notes/deepep-v2-elasticbuffer.md is the reading behind every rule here.
 
-Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated); ``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not,
-with ``expert_alignment`` and ``do_zero_padding``; ``combine`` of either layout with ``allow_multiple_reduction`` and
-no bias; ``async_with_compute_stream`` on both (the kernels' outputs, and the handle's tensors a dispatch's kernels
-write but ``dst_buffer_slot_idx``, are garbage until the current stream waits on the returned ``EventOverlap``:
-``fakes.deep_ep.EventHandle``; a dispatch's inputs written before that wait are refused, since DeepEP still reads
-them); ``destroy``; ``get_buffer_size_hint``. The fake's calls are synchronous and have no streams: its ``combine``
-blocks the host on its peers where DeepEP's async combine does not, and ``record_stream`` and
-``EP_AVOID_RECORD_STREAM`` change nothing here. Not emulated, and refused with NotImplementedError rather than
-approximated: cached handles and no-sync calls (worst-case shapes), ``previous_event``,
-``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last refused alone too, though DeepEP allows
-it), bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not emulated: PyTorch's
-lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective (DeepEP #726): the
-fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its own.
+Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated);
+``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not, with ``expert_alignment`` and ``do_zero_padding``;
+``combine`` of either layout with ``allow_multiple_reduction`` and no bias; ``async_with_compute_stream`` on both (the
+kernels' outputs, and the handle's tensors a dispatch's kernels write but ``dst_buffer_slot_idx``, are garbage until
+the current stream waits on the returned ``EventOverlap``: ``fakes.deep_ep.EventHandle``; a dispatch's inputs written
+before that wait are refused, since DeepEP still reads them); ``destroy``; ``get_buffer_size_hint``. The fake's calls
+are synchronous and have no streams: its ``combine`` blocks the host on its peers where DeepEP's async combine does
+not; a combine on a handle whose async dispatch has not been waited fails on the poisoned metadata (a torch error)
+where DeepEP queues it after that dispatch; and ``record_stream`` and ``EP_AVOID_RECORD_STREAM`` change nothing here.
+Not emulated, and refused with NotImplementedError rather than approximated: cached handles and no-sync calls
+(worst-case shapes), ``previous_event``, ``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last
+refused alone too, though DeepEP allows it), bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not
+emulated: PyTorch's lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective
+(DeepEP #726): the fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its
+own.
 
 As strict as the vendor where the adapter could go wrong:
 - host asserts raise ``RuntimeError("Assertion exception (...): <cond>")`` with the C++ condition text; a JIT limit
@@ -38,7 +40,8 @@ from moe_dispatch.distributed.emulation import WatchedComm
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import check_context, device_assert, ep_assert, lose_context
-from .deep_ep import EventOverlap, _after_event, _check_torch_deterministic, _poisoned_copy, topk_idx_t
+from .deep_ep import (EventOverlap, _after_event, _check_torch_deterministic, _poisoned_copy, inputs_unchanged_check,
+                      topk_idx_t)
 
 _BUFFER_HPP = "csrc/elastic/buffer.hpp"
 _LAYOUT_CUH = "deep_ep/include/deep_ep/common/layout.cuh"
@@ -200,11 +203,15 @@ class ElasticBuffer:
         if not async_with_compute_stream:  # the current stream waits on the comm stream (buffer.hpp:556-584)
             return x_out, out_ids, out_w, handle, EventOverlap()
         (x_out, out_ids, out_w), event = _after_event(True, (x_out, out_ids, out_w))
-        event.event._checks.append(_inputs_unchanged_check(x, sf, topk_idx, topk_weights))
+        # the data warps read them on the comm stream after the host returns (dispatch.cuh:259-350)
+        event.event._checks.append(inputs_unchanged_check({"x": x, "sf": sf, "topk_idx": topk_idx,
+                                                           "topk_weights": topk_weights}, "dispatch.cuh:259-350"))
         fields = _KERNEL_WRITTEN_HANDLE_FIELDS + (("topk_idx",) if do_handle_copy else ())
         for name in fields:  # written by the same kernels on the comm stream
             written = getattr(handle, name)
             shown = _poisoned_copy(written)
+            if name == "topk_idx":  # -1 would read as "no expert": out of range instead
+                shown.fill_(num_experts)
             event.event._fills.append((shown, written))
             setattr(handle, name, shown)
         return x_out, out_ids, out_w, handle, event
@@ -390,24 +397,6 @@ class ElasticBuffer:
 #: ``dst_buffer_slot_idx`` (dispatch.cuh:349), which the fake does not emulate (None: it has no buffer slots).
 _KERNEL_WRITTEN_HANDLE_FIELDS = ("num_unaligned_recv_tokens_per_expert", "psum_num_recv_tokens_per_expert",
                                  "psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
-
-
-def _inputs_unchanged_check(x: torch.Tensor, sf: torch.Tensor | None, topk_idx: torch.Tensor,
-                            topk_weights: torch.Tensor | None) -> Any:
-    """An async dispatch's data warps read ``x``, ``sf``, ``topk_idx`` and ``topk_weights`` on the comm stream after
-    the host returns (dispatch.cuh:259-350; only the notify pass is done by then), so a write into them before the
-    wait races with DeepEP: rows to the wrong experts, counts that disagree with the rows. The fake reads them at the
-    call; this check, run at the wait, refuses any change instead of delivering what DeepEP might not (fake)."""
-    given = {"x": x, "sf": sf, "topk_idx": topk_idx, "topk_weights": topk_weights}
-    kept = {name: t.clone() for name, t in given.items() if t is not None}
-
-    def check() -> None:
-        for name, copy in kept.items():
-            if not torch.equal(given[name].contiguous().view(torch.uint8), copy.contiguous().view(torch.uint8)):
-                raise RuntimeError(f"(fake) dispatch's {name} was written between the async dispatch and its "
-                                   "current_stream_wait(): DeepEP's kernels still read it on the comm stream "
-                                   "(dispatch.cuh:259-350)")
-    return check
 
 
 def _refuse_previous_events(previous_event: Any, before_epilogue: Any, allocate_on_comm_stream: bool) -> None:

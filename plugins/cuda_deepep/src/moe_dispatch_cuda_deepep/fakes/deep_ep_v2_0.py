@@ -2,8 +2,8 @@
 with ``deep_ep_elastic``).
 
 - ``ElasticBuffer.dispatch`` has no ``do_zero_padding`` (elastic.py is Python: an unexpected keyword is Python's
-  ``TypeError``), and its ``EPHandle`` no ``num_unaligned_recv_tokens_per_expert``: both arrived in 2.1.0
-  (099d5f2, DeepEP #674).
+  ``TypeError``), and its ``EPHandle`` neither ``num_unaligned_recv_tokens_per_expert`` nor ``num_expanded_tokens``
+  (a422b5a elastic.py:57-98): they arrived in 2.1.0 (099d5f2, DeepEP #674).
 
 Everything else is the 2.1.0 fake's (the V1 ``Buffer`` included, as 2.0.0 kept it as "legacy").
 """
@@ -28,10 +28,11 @@ from .deep_ep import (  # noqa: F401
 )
 
 __version__ = "2.0.0"
+_FROM_2_1 = ("num_unaligned_recv_tokens_per_expert", "num_expanded_tokens")
 
 
 class EPHandle(deep_ep_elastic.EPHandle):
-    """2.0.0's handle: no unaligned per-expert counts."""
+    """2.0.0's handle: no unaligned per-expert counts, no expanded row count."""
 
 
 class ElasticBuffer(deep_ep_elastic.ElasticBuffer):
@@ -47,5 +48,5 @@ class ElasticBuffer(deep_ep_elastic.ElasticBuffer):
                                previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream,
                                handle, do_handle_copy, do_cpu_sync, do_expand, False, use_tma_aligned_col_major_sf)
         old = EPHandle.__new__(EPHandle)
-        old.__dict__.update({k: v for k, v in vars(out[3]).items() if k != "num_unaligned_recv_tokens_per_expert"})
+        old.__dict__.update({k: v for k, v in vars(out[3]).items() if k not in _FROM_2_1})
         return (*out[:3], old, out[4])
