@@ -3,7 +3,8 @@
 #
 #     bash benchmarks/gpu/run_all.sh OUT_DIR [VENDOR_SRC] [SECONDS] [STEP...]
 #
-# STEPs (default all): core kit profile hbm bench deepep. deepep builds the vendors first; build only
+# STEPs (default all): core kit profile hbm bench dgprobe deepep. deepep builds the vendors first; dgprobe runs
+# benchmarks/gpu/dg_probe.py's stages 0-4, each in a fresh process (where DeepGEMM's first GEMM dies); build only
 # builds and installs them and copies the wheels to OUT_DIR (for a later call to carry); gdb (not in
 # the default) runs the vendor check under cuda-gdb with DeepGEMM's JIT log on, for the native stack
 # of a crash in the vendor's code (2026-11-23: a segfault in DeepGEMM's contiguous GEMM).
@@ -17,14 +18,14 @@
 # torch is never replaced: the project and the vendor wheels go to a --target folder on PYTHONPATH.
 # The vendor builds run in the background (niced) while the core checks, which need no vendor, run;
 # every step is bounded by what is left of SECONDS (default 560). Output: OUT_DIR/{setup.log,
-# core.txt,core.json,kit.txt,profile.txt,deepep.txt,bench.txt,bench.json,gdb.txt} (the device tool
+# core.txt,core.json,kit.txt,profile.txt,deepep.txt (dgprobe's too),bench.txt,bench.json,gdb.txt} (the device tool
 # returns at most 8 files: name fewer steps, or leave bench out, with gdb).
 set -u
 out=${1:?usage: run_all.sh OUT_DIR [VENDOR_SRC] [SECONDS] [STEP...]}
 src=${2:-.hw-src}
 budget=${3:-560}
 shift $(( $# < 3 ? $# : 3 ))
-steps=" ${*:-core kit profile hbm bench deepep} "
+steps=" ${*:-core kit profile hbm bench dgprobe deepep} "
 start=$SECONDS
 site=/tmp/moe-dispatch-hw
 mkdir -p "$out" "$site"
@@ -72,7 +73,7 @@ nccl_then_deepep() {  # NCCL for this GPU's arch (make src.build), then DeepEP 2
   ls "$nccl"/lib/libnccl.so.2* >/dev/null 2>&1 && export EP_NCCL_ROOT_DIR=$nccl
   build DeepEP
 }
-if [[ $steps == *" deepep "* || $steps == *" build "* || $steps == *" gdb "* ]]; then
+if [[ $steps == *" deepep "* || $steps == *" build "* || $steps == *" gdb "* || $steps == *" dgprobe "* ]]; then
   for name in DeepGEMM DeepEP-v1; do
     [[ -d "$src/$name" ]] && build "$name" &
   done
@@ -122,7 +123,12 @@ if [[ -n $(ls "$wheels"/DeepEP/*.whl 2>/dev/null) && -n $(ls "$nccl"/lib/libnccl
   nccl_env=(LD_PRELOAD="$nccl/lib/libnccl.so.2" EP_NCCL_ROOT_DIR="$nccl")
 fi
 echo "== vendor env: ${nccl_env[*]:-none, the NCCL of the image}" >>"$out/setup.log"
+# DeepGEMM stage by stage, each in its own process, line-buffered so a crash keeps the JIT's log (exit 139: SIGSEGV).
+step dgprobe "$out/deepep.txt" bash -c 'for s in 0 1 2 3 4; do
+  DG_JIT_DEBUG=1 stdbuf -oL -eL timeout 150 python3 -X faulthandler benchmarks/gpu/dg_probe.py $s --tests "$1/DeepGEMM/tests"
+  echo "== stage $s: exit $?"; done' dgprobe "$src"
 step deepep "$out/deepep.txt" env "${nccl_env[@]}" python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
-step gdb "$out/gdb.txt" env "${nccl_env[@]}" DG_JIT_DEBUG=1 cuda-gdb -q -batch -ex run -ex bt \
+debugger=$(command -v cuda-gdb || command -v gdb || echo gdb-not-found)
+step gdb "$out/gdb.txt" env "${nccl_env[@]}" DG_JIT_DEBUG=1 stdbuf -oL -eL "$debugger" -q -batch -ex run -ex bt \
   --args python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
 echo "== done after $(( SECONDS - start ))s" >>"$out/setup.log"
