@@ -438,7 +438,8 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     """DeepEP V2's ``ElasticBuffer`` on a group of one, driven by the ``cuda_deepep_v2`` adapter: dispatch +
     scaled-identity experts + combine against the ``torch`` backend, BF16, FP8, and FP8 with the rows at 128-row
     expert starts (``do_zero_padding``) in split phase (``async_with_compute_stream``); then whether the padding
-    rows DeepEP zeroes are all zero bits, BF16 and FP8 over 20 dispatches (issue 18). In a process of its
+    rows DeepEP zeroes are all zero bits over 20 dispatches: BF16, FP8, and FP8 with UE8M0 scales in split phase
+    (``selfcheck.nonzero_padding``; issue 18). In a process of its
     own: V2's buffer beside a live V1 LL Buffer is not a setup DeepEP documents (audit row 44)."""
     from .elastic import DeepEPV2Backend
     from .selfcheck import agree_with_torch, nonzero_padding

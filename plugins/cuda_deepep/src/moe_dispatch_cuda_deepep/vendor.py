@@ -1533,7 +1533,7 @@ def avoids_record_stream(environ: Any) -> bool:
     value = environ.get(EP_AVOID_RECORD_STREAM)
     if value is None:
         return False
-    digits = re.match(r"\s*[+-]?\d+", value)
+    digits = re.match(r"\s*[+-]?\d+", value, flags=re.ASCII)
     return digits is None or int(digits.group()) != 0
 
 
