@@ -11,9 +11,11 @@ one still reads it. Off CUDA (gloo, the fakes) there are no streams and both are
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def start_stream(t: torch.Tensor) -> Any:
@@ -34,6 +36,18 @@ def hand_over(start: Any, tensors: Iterable[torch.Tensor | None]) -> None:
             t.record_stream(current)
 
 
+def handed_over(finish: Callable[[], T], start: Any) -> Callable[[], T]:
+    """``finish`` (a split call's receiving half), then its result handed to the stream current at the wait."""
+    if start is None:
+        return finish
+
+    def run() -> T:
+        result = finish()
+        hand_over(start, tensors_of(result))
+        return result
+    return run
+
+
 def tensors_of(result: Any) -> list[torch.Tensor]:
     """The tensors a call hands out: the tensor itself, or a dataclass's tensor fields (a ``DispatchOutput``'s
     rows, scales, routing and group list; the backend's handle is its own to keep)."""
@@ -45,4 +59,4 @@ def tensors_of(result: Any) -> list[torch.Tensor]:
     return []
 
 
-__all__ = ["hand_over", "start_stream", "tensors_of"]
+__all__ = ["hand_over", "handed_over", "start_stream", "tensors_of"]

@@ -46,6 +46,7 @@ import moe_dispatch as md
 from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.scale_layouts import from_mma_view
 from moe_dispatch.output import group_list_from_counts, kept_routing, rows_by_expert, sum_weighted_rows
+from moe_dispatch.streams import handed_over, start_stream
 
 from .buffers import SharedBuffer
 
@@ -110,13 +111,15 @@ class DeepEPDispatcher:
         stream-ordered, no host wait) and builds the output. Normal: the host waits in DeepEP's notify until every
         rank has entered dispatch, then the data kernel runs on DeepEP's comm stream (``async_finish``); ``wait()``
         orders the current stream after it and expands the rows."""
+        start = start_stream(x)
         finish = self._dispatch(x, topk_ids, topk_weights, split=True)
-        return md.Pending(finish, overlapped=self._ran_split())
+        return md.Pending(handed_over(finish, start), overlapped=self._ran_split())
 
     def combine_start(self, expert_output: torch.Tensor,
                       dispatch_output: md.DispatchOutput) -> md.Pending[torch.Tensor]:
+        start = start_stream(expert_output)
         finish = self._combine(expert_output, dispatch_output, split=True)
-        return md.Pending(finish, overlapped=self._ran_split())
+        return md.Pending(handed_over(finish, start), overlapped=self._ran_split())
 
     def _ran_split(self) -> bool:
         """Whether the call just started is still on its way: not an LL call under capture (the capture records
