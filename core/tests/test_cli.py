@@ -80,12 +80,30 @@ def test_demo_under_torchrun_uses_env_rendezvous():
     (["demo", "--world-size", "3"], "num_experts"),
     (["explain"], "--backend"),
 ])
-def test_a_bad_flag_is_one_line_and_exit_2(argv, names):
+def test_a_bad_flag_is_one_line_and_exit_2(argv, names, capsys):
+    """In process (the command's ``main``; a process each cost 36 s of the suite); the process itself: below."""
+    from moe_dispatch.cli.main import main
+
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's refusals
+        status = exc.code
+    out = capsys.readouterr()
+    assert status == 2, out.out + out.err
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in out.err, out.err
+    assert "started" not in out.out  # refused before any rank starts
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["explain", "--backend", "torch", "--quant", "{bad"], "--quant"),  # argparse's refusal
+    (["explain", "--backend", "torch", "--top-k", "0"], "top_k"),  # the spec's (MoEDispatchError)
+])
+def test_a_bad_flag_ends_the_process_with_one_line_and_exit_2(argv, names):
     p = run(*argv)
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in p.stderr, p.stderr
-    assert "started" not in p.stdout  # refused before any rank starts
 
 
 def test_version():
@@ -117,14 +135,19 @@ def test_a_misspelt_plugin_in_the_allow_list_gets_a_suggestion():
     ["explain", "--backend", "torch"],
     ["plan", "--backend", "torch", "--ep", "8", "--preset", "deepseek-v3"],
 ])
-def test_every_subcommand_takes_the_same_spellings_of_dtypes_and_modes(argv):
-    """One rule (``DispatchDtype.parse``/``Mode.parse``): any case, low-latency or low_latency."""
+def test_every_subcommand_takes_the_same_spellings_of_dtypes_and_modes(argv, capsys):
+    """One rule (``DispatchDtype.parse``/``Mode.parse``): any case, low-latency or low_latency. In process
+    (the command's ``main``): the parsing is the point, and a process per spelling cost 20 s of the suite."""
+    from moe_dispatch.cli.main import main
+
     for dtype, mode in (("FP8", "low-latency"), ("fp8", "low_latency"), ("Fp8", "LOW_LATENCY")):
-        p = run(*argv, "--dtype", dtype, "--mode", mode)
-        assert p.returncode == 0, p.stderr
-        assert "low_latency" in p.stdout and "fp8" in p.stdout
-    bad = run(*argv, "--mode", "fast")
-    assert bad.returncode == 2 and "one of: normal, low_latency" in bad.stderr
+        status = main([*argv, "--dtype", dtype, "--mode", mode])
+        out = capsys.readouterr()
+        assert status == 0, out.err
+        assert "low_latency" in out.out and "fp8" in out.out
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--mode", "fast"])
+    assert exited.value.code == 2 and "one of: normal, low_latency" in capsys.readouterr().err
 
 
 def test_the_flag_types_are_the_api_spellings():
