@@ -166,18 +166,19 @@ class Dispatcher:
         try:
             self._dispatches += 1
             self._comm.begin("dispatch", self._dispatches)
-            out = self._outputs.dispatch(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
-                                         self._values(hidden_states))
-            if self._copy_alignment:
-                out = self._aligned(out)
+            out = self._received(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
+                                 self._values(hidden_states))
         except BaseException as exc:
             self._dispatch_failed(exc)
         object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
         return out
 
-    def _aligned(self, out: DispatchOutput) -> DispatchOutput:
-        """A checked backend output moved to the spec's expert alignment (PACKED rows; the core's copy)."""
-        return align_rows(out, self.spec.expert_alignment) if out.layout is Layout.PACKED else out
+    def _received(self, out: object, check_values: bool) -> DispatchOutput:
+        """The backend's output checked, and moved to the aligned layout where the core does that."""
+        checked = self._outputs.dispatch(out, check_values)
+        if self._copy_alignment and checked.layout is Layout.PACKED:
+            return align_rows(checked, self.spec.expert_alignment)
+        return checked
 
     def _backend_rows(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput
                       ) -> tuple[torch.Tensor, DispatchOutput]:
@@ -268,9 +269,7 @@ class Dispatcher:
 
     def _receive_dispatch(self, started: Pending[DispatchOutput], number: int, check_values: bool) -> DispatchOutput:
         try:
-            out = self._outputs.dispatch(started.wait(), check_values)
-            if self._copy_alignment:
-                out = self._aligned(out)
+            out = self._received(started.wait(), check_values)
         except BaseException as exc:
             self._received_failed()
             self._dispatch_failed(exc)
