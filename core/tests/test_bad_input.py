@@ -184,11 +184,11 @@ def test_check_inputs_true_stands_aside_while_a_cuda_graph_is_captured(monkeypat
     of either side runs; before and after, they do."""
     import torch
 
-    from moe_dispatch import dispatcher as dispatcher_module
+    from moe_dispatch import validation as validation_module
 
     spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
     d = md.create_dispatcher("torch", spec, env={}, check_inputs=True)
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
     assert d._values(x)
-    monkeypatch.setattr(dispatcher_module, "capturing", lambda t: True)
+    monkeypatch.setattr(validation_module, "capturing", lambda t: True)
     assert not d._values(x)

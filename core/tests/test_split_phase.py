@@ -102,7 +102,7 @@ def test_a_backend_that_runs_one_call_whole_says_so_through_the_core(monkeypatch
 def test_the_tensors_a_call_hands_out_are_its_outputs_own():
     """``streams.tensors_of``: what a wait() on another stream records there (the rows, scales, routing and
     group list of a DispatchOutput; a combined tensor), never the backend's handle; off CUDA no stream."""
-    from moe_dispatch.streams import handed_over, start_stream, tensors_of
+    from moe_dispatch.streams import hand_over, handed_over, keep_on_current, start_mark, tensors_of
 
     d = md.create_dispatcher(TorchBackend(), _spec(), env={})
     out = d.dispatch(*_inputs(1))
@@ -111,9 +111,11 @@ def test_the_tensors_a_call_hands_out_are_its_outputs_own():
         assert any(t is h for h in handed)
     assert not any(h is out.handle for h in handed)
     y = torch.zeros(2, 2)
-    assert tensors_of(y) == [y] and tensors_of(None) == [] and start_stream(y) is None
+    assert tensors_of(y) == [y] and tensors_of(None) == [] and start_mark(y) is None
     finish = lambda: y  # noqa: E731
     assert handed_over(finish, None) is finish
+    hand_over(None, [y])  # off CUDA: nothing to order or record
+    keep_on_current([y, None])
 
 
 def test_a_declared_split_phase_without_the_methods_is_a_plugin_error():

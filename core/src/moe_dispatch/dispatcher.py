@@ -33,17 +33,22 @@ from .errors import (
 )
 from .output import DispatchOutput
 from .pending import Pending
-from .streams import start_stream
+from .streams import start_mark
 from .output_checks import OutputChecks
 from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import Resolution
-from .validation import InputChecks, capturing
+from .validation import InputChecks, runs_value_checks
 
 if TYPE_CHECKING:
     from .experts import ExpertKernel
 
+
+# A DispatchOutput is frozen for the engine; the core sets these two fields through their slots
+# (half the cost of object.__setattr__ on the hot path).
+_set_call = DispatchOutput.call.__set__  # type: ignore[attr-defined]
+_set_combined = DispatchOutput.combined.__set__  # type: ignore[attr-defined]
 
 #: Dispatches in flight at once by default: two micro-batches.
 DEFAULT_IN_FLIGHT = 2
@@ -98,6 +103,11 @@ class Dispatcher:
         self._dispatches = 0
         self._forwards = 0
         self._broken: str | None = None  # why this dispatcher can make no more calls
+        # The hot path's per-call steps chosen once (each Python call level costs ~50-100 ns, issue 16):
+        # calls are numbered only where there are peers to compare with, and the core's aligned copy
+        # step is skipped where the backend writes the layout itself.
+        self._numbered = comm.world_size > 1
+        self._received = self._received_aligned if self._copy_alignment else self._outputs.dispatch
 
     @property
     def output_dtype(self) -> DispatchDtype:
@@ -161,29 +171,35 @@ class Dispatcher:
         the capture, and replays get new values); check inputs before a replay.
         An error here is also posted to the other ranks, which stop waiting for this one.
         """
-        self._usable("dispatch")
-        self._check_dispatch(hidden_states, topk_ids, topk_weights)
+        if self._broken is not None:
+            self._usable("dispatch")
+        try:  # _check_dispatch inlined: one Python call less per dispatch
+            values = self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+        except BaseException as exc:
+            self._failed("dispatch", exc, started=False)
+            raise
         try:
-            self._dispatches += 1
-            self._comm.begin("dispatch", self._dispatches)
-            out = self._received(self._impl.dispatch(hidden_states, topk_ids, topk_weights),
-                                 self._values(hidden_states))
+            self._dispatches = number = self._dispatches + 1
+            if self._numbered:
+                self._comm.begin("dispatch", number)
+            out = self._received(self._impl.dispatch(hidden_states, topk_ids, topk_weights), values)
         except BaseException as exc:
             self._dispatch_failed(exc)
-        object.__setattr__(out, "call", self._dispatches)  # frozen for the engine, numbered here
+        _set_call(out, number)  # frozen for the engine, numbered here
         return out
 
-    def _received(self, out: object, check_values: bool) -> DispatchOutput:
-        """The backend's output checked, and moved to the aligned layout where the core does that."""
+    def _received_aligned(self, out: object, check_values: bool) -> DispatchOutput:
+        """The backend's output checked and moved to the aligned layout (``_received`` where the core does that;
+        elsewhere ``_received`` is the output check alone)."""
         checked = self._outputs.dispatch(out, check_values)
-        if self._copy_alignment and checked.layout is Layout.PACKED:
+        if checked.layout is Layout.PACKED:
             return align_rows(checked, self.spec.expert_alignment)
         return checked
 
     def _backend_rows(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput
                       ) -> tuple[torch.Tensor, DispatchOutput]:
         """What the backend's combine takes: its own output, and the expert rows in its order."""
-        if self._copy_alignment and is_core_aligned(dispatch_output):
+        if is_core_aligned(dispatch_output):
             return dense_rows(expert_output, dispatch_output)
         return expert_output, dispatch_output
 
@@ -194,16 +210,25 @@ class Dispatcher:
             dispatched row on the dispatch output's device, or a ``dispatch_output`` this
             dispatcher did not return, or one already combined.
         """
-        self._usable("combine")
-        self._check_combine(expert_output, dispatch_output)
+        if self._broken is not None:
+            self._usable("combine")
+        try:  # _check_combine inlined: one Python call less per combine
+            self._checks.combine(expert_output, dispatch_output)
+            if dispatch_output.combined:
+                self._refuse_combined(dispatch_output)
+        except BaseException as exc:
+            self._failed("combine", exc, started=False)
+            raise
         try:
-            self._comm.begin("combine", dispatch_output.call)
-            result = self._outputs.combine(self._impl.combine(*self._backend_rows(expert_output, dispatch_output)),
-                                           dispatch_output)
+            if self._numbered:
+                self._comm.begin("combine", dispatch_output.call)
+            rows, theirs = (self._backend_rows(expert_output, dispatch_output) if self._copy_alignment
+                            else (expert_output, dispatch_output))
+            result = self._outputs.combine(self._impl.combine(rows, theirs), dispatch_output)
         except BaseException as exc:
             self._failed("combine", exc)  # with peers, the dispatcher is broken; alone, a retry may complete it
             raise
-        object.__setattr__(dispatch_output, "combined", True)
+        _set_combined(dispatch_output, True)
         return result
 
     # -- split phase ------------------------------------------------------------------------
@@ -235,35 +260,35 @@ class Dispatcher:
         ``Pending.overlapped`` is False when the backend ran the call to its end at start.
         """
         if self._split is None:
-            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), start_stream(hidden_states))
+            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), start_mark(hidden_states))
         self._usable("dispatch")
-        self._check_dispatch(hidden_states, topk_ids, topk_weights)
+        values = self._check_dispatch(hidden_states, topk_ids, topk_weights)
         try:
-            self._dispatches += 1
-            number = self._dispatches
+            self._dispatches = number = self._dispatches + 1
             self._comm.begin("dispatch", number)
             started = _pending_from(self.backend.name, "dispatch_start",
                                     self._split_impl().dispatch_start(hidden_states, topk_ids, topk_weights))
         except BaseException as exc:
             self._dispatch_failed(exc)
-        return Pending(functools.partial(self._receive_dispatch, started, number, self._values(hidden_states)),
+        return Pending(functools.partial(self._receive_dispatch, started, number, values),
                        overlapped=_overlapped(started))
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
         """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
         the bf16 ``[T, H]``. Checked as ``combine``; the output counts as combined from here on."""
         if self._split is None:
-            return Pending.completed(self.combine(expert_output, dispatch_output), start_stream(expert_output))
+            return Pending.completed(self.combine(expert_output, dispatch_output), start_mark(expert_output))
         self._usable("combine")
         self._check_combine(expert_output, dispatch_output)
         try:
             self._comm.begin("combine", dispatch_output.call)
-            started = _pending_from(self.backend.name, "combine_start", self._split_impl().combine_start(
-                *self._backend_rows(expert_output, dispatch_output)))
+            rows, theirs = (self._backend_rows(expert_output, dispatch_output) if self._copy_alignment
+                            else (expert_output, dispatch_output))
+            started = _pending_from(self.backend.name, "combine_start", self._split_impl().combine_start(rows, theirs))
         except BaseException as exc:
             self._failed("combine", exc)
             raise
-        object.__setattr__(dispatch_output, "combined", True)  # its rows are on their way back: no second combine
+        _set_combined(dispatch_output, True)  # its rows are on their way back: no second combine
         return Pending(functools.partial(self._receive_combine, started, dispatch_output),
                        overlapped=_overlapped(started))
 
@@ -273,7 +298,7 @@ class Dispatcher:
         except BaseException as exc:
             self._received_failed()
             self._dispatch_failed(exc)
-        object.__setattr__(out, "call", number)
+        _set_call(out, number)
         return out
 
     def _receive_combine(self, started: Pending[torch.Tensor], dispatch_output: DispatchOutput) -> torch.Tensor:
@@ -299,9 +324,10 @@ class Dispatcher:
 
     # -- shared by the calls ----------------------------------------------------------------
 
-    def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+        """The input checks; whether the value checks ran (the output checks read the counts then)."""
         try:
-            self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+            return self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
         except BaseException as exc:
             self._failed("dispatch", exc, started=False)
             raise
@@ -311,9 +337,7 @@ class Dispatcher:
         or by default (None) where the data is host memory: on an accelerator they would sync the
         device every call. Never while a CUDA graph is captured: the sync would abort the capture
         (the output checks' read-back of the counts did, on an H100, before this)."""
-        if self.check_inputs is None:
-            return hidden_states.device.type == "cpu"
-        return self.check_inputs and not capturing(hidden_states)
+        return runs_value_checks(self.check_inputs, hidden_states)
 
     def _dispatch_failed(self, exc: BaseException) -> NoReturn:
         oom = _out_of_memory(exc, self.buffer_size)
@@ -325,15 +349,20 @@ class Dispatcher:
     def _check_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
         try:
             self._checks.combine(expert_output, dispatch_output)
-            if dispatch_output.combined:  # its buffers may already hold a later dispatch's rows
-                raise InvalidInputError(
-                    f"dispatch #{dispatch_output.call} was already combined (or its combine started); its buffers "
-                    "may now hold a later dispatch's rows (an output is valid until its combine)",
-                    parameter="dispatch_output", value=f"dispatch #{dispatch_output.call}",
-                    allowed="an output not yet combined")
+            if dispatch_output.combined:
+                self._refuse_combined(dispatch_output)
         except BaseException as exc:
             self._failed("combine", exc, started=False)
             raise
+
+    @staticmethod
+    def _refuse_combined(dispatch_output: DispatchOutput) -> NoReturn:
+        """Its buffers may already hold a later dispatch's rows."""
+        raise InvalidInputError(
+            f"dispatch #{dispatch_output.call} was already combined (or its combine started); its buffers "
+            "may now hold a later dispatch's rows (an output is valid until its combine)",
+            parameter="dispatch_output", value=f"dispatch #{dispatch_output.call}",
+            allowed="an output not yet combined")
 
     def _usable(self, operation: str) -> None:
         if self._broken is not None:

@@ -43,8 +43,8 @@ class Pending(Generic[T]):
 
     @classmethod
     def completed(cls, result: T, start: Any = None) -> "Pending[T]":
-        """A call that ran to the end at start (the synchronous fallback). ``start``: the CUDA stream it ran
-        on (``streams.start_stream``), which a ``wait()`` on another stream waits for."""
+        """A call that ran to the end at start (the synchronous fallback). ``start``: where it ended on its CUDA
+        stream (``streams.start_mark``), which a ``wait()`` on another stream waits for."""
         pending: Pending[T] = cls(lambda: result, overlapped=False)
         pending._finish, pending._result, pending._start = None, result, start
         return pending

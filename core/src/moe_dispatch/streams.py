@@ -2,10 +2,18 @@
 
 An engine may start a call on one stream and wait for it on another (``Pending``'s promise:
 ``wait()`` orders the stream current at the wait after the exchange). Two things then need doing
-on the waiting stream, and ``hand_over`` does both: wait for the start's stream (what the call
-queued there, a backend's copies and casts included), and ``record_stream`` the tensors handed
-out, so the caching allocator does not reuse their memory on the start's stream while the waiting
-one still reads it. Off CUDA (gloo, the fakes) there are no streams and both are no-ops.
+on the waiting stream: wait for what the call's start queued on its stream (a backend's copies
+and casts, a vendor's wait for its comm stream), and ``record_stream`` every tensor read or handed
+out there, so the caching allocator does not reuse their memory on the stream they were made on
+while the waiting one still reads them.
+
+``start_mark`` is taken where the start half ends: an event on the start's stream after everything
+the call queued there and nothing after it (waiting for the whole stream at ``wait()`` time would
+also wait for the other micro-batch's work queued since). ``hand_over`` does both things with it.
+Off CUDA (gloo, the fakes) there are no streams and every function here is a no-op::
+
+    start on S: the vendor's calls ── start_mark(S) ──▶ (S goes on: the other micro-batch)
+    wait on W:  hand_over: W waits for the mark ── outputs read on W ── recorded on W
 """
 
 from __future__ import annotations
@@ -18,34 +26,61 @@ import torch
 T = TypeVar("T")
 
 
-def start_stream(t: torch.Tensor) -> Any:
-    """The stream a call on ``t`` starts on: the current CUDA stream of its device (None off CUDA)."""
-    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartMark:
+    """Where a call's start half ended: its stream, and an event recorded there at that point."""
+
+    stream: Any  # torch.cuda.Stream
+    event: Any  # torch.cuda.Event
 
 
-def hand_over(start: Any, tensors: Iterable[torch.Tensor | None]) -> None:
-    """On the stream current now, if it is not ``start``: wait for ``start``, and record every tensor."""
-    if start is None:
+def start_mark(t: torch.Tensor) -> StartMark | None:
+    """The mark of a start half that has queued all its work on the current stream of ``t``'s device (None off
+    CUDA). Take it after the start's last call, not before: a vendor that ran the call whole ends it with a wait
+    for its own stream, which the mark must follow."""
+    if not t.is_cuda:
+        return None
+    stream = torch.cuda.current_stream(t.device)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return StartMark(stream, event)
+
+
+def hand_over(mark: StartMark | None, tensors: Iterable[torch.Tensor | None] = ()) -> None:
+    """On the stream current now, if it is not the mark's: wait for the mark, and record every tensor there.
+    Idempotent: a second hand-over of the same mark waits again for an event already passed."""
+    if mark is None:
         return
-    current = torch.cuda.current_stream(start.device)
-    if current == start:
+    current = torch.cuda.current_stream(mark.stream.device)
+    if current == mark.stream:
         return
-    current.wait_stream(start)
+    current.wait_event(mark.event)
     for t in tensors:
         if t is not None:
             t.record_stream(current)
 
 
-def handed_over(finish: Callable[[], T], start: Any) -> Callable[[], T]:
-    """``finish`` (a split call's receiving half), then its result handed to the stream current at the wait."""
-    if start is None:
+def handed_over(finish: Callable[[], T], mark: StartMark | None) -> Callable[[], T]:
+    """``finish`` (a split call's receiving half) run on the waiting stream after the mark, and its result recorded
+    there. ``finish`` still hands over the vendor tensors it reads and does not return (they are its own)."""
+    if mark is None:
         return finish
 
     def run() -> T:
+        hand_over(mark)  # before finish reads anything the start queued (a call the vendor ran whole)
         result = finish()
-        hand_over(start, tensors_of(result))
+        hand_over(mark, tensors_of(result))
         return result
     return run
+
+
+def keep_on_current(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Record tensors made earlier (a dispatch's handle) on the current stream, which is about to read them (a
+    combine on another stream than its dispatch): their memory is then not reused before that read. A no-op on the
+    stream they were made on, and off CUDA."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def tensors_of(result: Any) -> list[torch.Tensor]:
@@ -59,4 +94,4 @@ def tensors_of(result: Any) -> list[torch.Tensor]:
     return []
 
 
-__all__ = ["hand_over", "handed_over", "start_stream", "tensors_of"]
+__all__ = ["StartMark", "hand_over", "handed_over", "keep_on_current", "start_mark", "tensors_of"]

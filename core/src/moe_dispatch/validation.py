@@ -65,9 +65,10 @@ class InputChecks:
     def dispatch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         check_values: bool | None = True,
-    ) -> None:
+    ) -> bool:
         """Raise a typed error for a bad dispatch input; ``check_values`` adds the value checks (None:
-        where the data is host memory, the dispatcher's default)."""
+        where the data is host memory, the dispatcher's default). Returns whether they ran
+        (``runs_value_checks``): the output checks read the counts under the same rule."""
         try:
             t, h = hidden_states.shape
             dev = hidden_states.device
@@ -90,10 +91,10 @@ class InputChecks:
             t = hidden_states.shape[0]
             if topk_ids.device == hidden_states.device == topk_weights.device:
                 self._seen = hidden_states.device
-        if check_values is None:
-            check_values = hidden_states.device.type == "cpu"
-        if check_values and t:
+        values = runs_value_checks(check_values, hidden_states)
+        if values and t:
             check_dispatch_values(self.spec, hidden_states, topk_ids, topk_weights)
+        return values
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
         """Raise a typed error for a bad combine input (metadata only: reads no data)."""
@@ -232,6 +233,15 @@ def check_dispatch_values(
         _diagnose_values(e, hidden_states, ids, topk_weights)
 
 
+def runs_value_checks(check_inputs: bool | None, hidden_states: torch.Tensor) -> bool:
+    """Whether a call with this ``check_inputs`` setting reads values: None (the default) where the
+    data is host memory, not on an accelerator, where each call would sync the device; True
+    everywhere but inside a CUDA-graph capture (a sync would abort it); False nowhere."""
+    if check_inputs is None:
+        return hidden_states.is_cpu
+    return bool(check_inputs) and not capturing(hidden_states)
+
+
 def capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s device stream is being captured into a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -316,4 +326,5 @@ __all__ = [
     "check_dispatch_values",
     "diagnose_combine_inputs",
     "diagnose_dispatch_inputs",
+    "runs_value_checks",
 ]

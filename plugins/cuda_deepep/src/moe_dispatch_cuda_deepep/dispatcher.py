@@ -46,7 +46,7 @@ import moe_dispatch as md
 from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.scale_layouts import from_mma_view
 from moe_dispatch.output import group_list_from_counts, kept_routing, rows_by_expert, sum_weighted_rows
-from moe_dispatch.streams import handed_over, start_stream
+from moe_dispatch.streams import StartMark, hand_over, handed_over, keep_on_current, start_mark
 
 from .buffers import SharedBuffer
 
@@ -66,6 +66,16 @@ class LowLatencyHandle:
     vendor_handle: tuple
     topk_ids: torch.Tensor  # the adapter's own copy of the dispatch's routing (``kept_routing``)
     topk_weights: torch.Tensor
+
+
+def _handle_tensors(h: object) -> list[torch.Tensor]:
+    """The tensors of a dispatch's handle that its combine reads on the combine's stream (DeepEP records the normal
+    handle's own where its comm stream reads them)."""
+    if isinstance(h, LowLatencyHandle):
+        return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), h.topk_ids, h.topk_weights]
+    if isinstance(h, NormalHandle):
+        return [h.row_token, h.row_weight]
+    return []
 
 
 class DeepEPDispatcher:
@@ -98,10 +108,10 @@ class DeepEPDispatcher:
         return self.shared.buffer
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
-        return self._dispatch(x, topk_ids, topk_weights, split=False)()
+        return self._dispatch(x, topk_ids, topk_weights, split=False)(None)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
-        return self._combine(expert_output, dispatch_output, split=False)()
+        return self._combine(expert_output, dispatch_output, split=False)(None)
 
     # -- split phase (capabilities.split_phase) ----------------------------------------------------------------
 
@@ -110,16 +120,20 @@ class DeepEPDispatcher:
         """LL: DeepEP's send kernel (``return_recv_hook=True``); ``wait()`` runs the hook (the receive kernel,
         stream-ordered, no host wait) and builds the output. Normal: the host waits in DeepEP's notify until every
         rank has entered dispatch, then the data kernel runs on DeepEP's comm stream (``async_finish``); ``wait()``
-        orders the current stream after it and expands the rows."""
-        start = start_stream(x)
+        orders the current stream after it and expands the rows.
+
+        A ``wait()`` on another stream than the start's first waits for where the start ended (``start_mark``: DeepEP
+        may have run the call whole, ending with the start's stream waiting for its own), then records there the
+        DeepEP outputs it reads and the tensors it hands out (``moe_dispatch.streams``; audit issue18-followup A/B)."""
         finish = self._dispatch(x, topk_ids, topk_weights, split=True)
-        return md.Pending(handed_over(finish, start), overlapped=self._ran_split())
+        mark = start_mark(x)  # after DeepEP's calls: the mark follows everything the start queued
+        return md.Pending(handed_over(lambda: finish(mark), mark), overlapped=self._ran_split())
 
     def combine_start(self, expert_output: torch.Tensor,
                       dispatch_output: md.DispatchOutput) -> md.Pending[torch.Tensor]:
-        start = start_stream(expert_output)
         finish = self._combine(expert_output, dispatch_output, split=True)
-        return md.Pending(handed_over(finish, start), overlapped=self._ran_split())
+        mark = start_mark(expert_output)
+        return md.Pending(handed_over(lambda: finish(mark), mark), overlapped=self._ran_split())
 
     def _ran_split(self) -> bool:
         """Whether the call just started is still on its way: not an LL call under capture (the capture records
@@ -127,7 +141,7 @@ class DeepEPDispatcher:
         return not self._capturing() if self.low_latency else self._normal_splits()
 
     def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  split: bool) -> Callable[[], md.DispatchOutput]:
+                  split: bool) -> Callable[[StartMark | None], md.DispatchOutput]:
         with self._waits():
             self._settle()
             if self.low_latency:
@@ -137,10 +151,13 @@ class DeepEPDispatcher:
         return self._waiting(finish)
 
     def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput,
-                 split: bool) -> Callable[[], torch.Tensor]:
+                 split: bool) -> Callable[[StartMark | None], torch.Tensor]:
         with self._waits():
             self._settle()
             h = dispatch_output.handle
+            # The handle's tensors were made on the dispatch's stream; combine reads them on this one (an engine may
+            # combine on another): recorded here, their memory is not reused under that read (audit issue18-followup C).
+            keep_on_current(_handle_tensors(h))
             if isinstance(h, LowLatencyHandle):
                 finish = self._combine_low_latency(expert_output, h, split)
             else:
@@ -168,14 +185,14 @@ class DeepEPDispatcher:
                 "capturing", parameter="cuda_graph_capture", value="a receive awaited",
                 allowed="a capture with every started call waited")
 
-    def _waiting(self, finish: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
+    def _waiting(self, finish: Callable[[StartMark | None], Any]) -> Callable[[StartMark | None], Any]:
+        def run(mark: StartMark | None) -> Any:
             with self._waits():
-                return finish()
+                return finish(mark)
         return run
 
     def _combine_low_latency(self, expert_output: torch.Tensor, h: LowLatencyHandle,
-                             split: bool) -> Callable[[], torch.Tensor]:
+                             split: bool) -> Callable[[StartMark | None], torch.Tensor]:
         rows = expert_output.to(torch.bfloat16).contiguous()  # DeepEP asserts a dense bf16 [E_l, R·T, H]
         capturing = self._before_low_latency(dispatch=False)
         hook_mode = split and not capturing  # a capture records the whole call, its receive included
@@ -185,20 +202,20 @@ class DeepEPDispatcher:
         self.shared.pending.discard(h)
         self.shared.captured_pending.discard(h)
 
-        def finish() -> torch.Tensor:
+        def finish(mark: StartMark | None) -> torch.Tensor:
             self._receive(receive)
             return combined
         return finish
 
     def _combine_normal(self, expert_output: torch.Tensor, h: NormalHandle,
-                        split: bool) -> Callable[[], torch.Tensor]:
+                        split: bool) -> Callable[[StartMark | None], torch.Tensor]:
         split = split and self._normal_splits()  # _settle checked the Buffer is open
         partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received).to(torch.bfloat16)
         combined, _, event = self.buffer.combine(partial, h.vendor_handle, config=self.combine_config,
                                                  **self._async_kwargs(split))
         self.shared.after_normal()
 
-        def finish() -> torch.Tensor:
+        def finish(mark: StartMark | None) -> torch.Tensor:
             if split:
                 event.current_stream_wait()
             return combined
@@ -236,7 +253,7 @@ class DeepEPDispatcher:
         return topk_ids.to(self.topk_idx_dtype).contiguous()
 
     def _dispatch_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                         split: bool) -> Callable[[], md.DispatchOutput]:
+                         split: bool) -> Callable[[StartMark | None], md.DispatchOutput]:
         split = split and self._normal_splits()  # _settle checked the Buffer is open
         ids = self._ids(topk_ids)
         weights = topk_weights.float().contiguous()
@@ -258,10 +275,12 @@ class DeepEPDispatcher:
             topk_weights=weights, config=self.dispatch_config, **self._async_kwargs(split, after=layout_done))
         self.shared.after_normal_dispatch()
 
-        def finish() -> md.DispatchOutput:
+        def finish(mark: StartMark | None) -> md.DispatchOutput:
             if split:
                 event.current_stream_wait()
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            # Read below on the waiting stream, then freed: DeepEP recorded them on its comm and start streams only.
+            hand_over(mark, (data, scale, recv_ids, recv_weights))
             row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
             row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
             handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(),
@@ -272,7 +291,7 @@ class DeepEPDispatcher:
         return finish
 
     def _dispatch_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                              split: bool) -> Callable[[], md.DispatchOutput]:
+                              split: bool) -> Callable[[StartMark | None], md.DispatchOutput]:
         ids = self._ids(topk_ids)
         x = x.contiguous()
         T, E = self.spec.num_max_dispatch_tokens_per_rank, self.spec.num_experts
@@ -293,8 +312,10 @@ class DeepEPDispatcher:
                                      kept_routing(topk_weights.float().contiguous(), topk_weights))
         (self.shared.captured_pending if capturing else self.shared.pending).add(ll_handle)
 
-        def finish() -> md.DispatchOutput:
+        def finish(mark: StartMark | None) -> md.DispatchOutput:
             self._receive(receive)  # the data, counts and handle are DeepEP's only after its receive
+            # Made on the start's stream and read on the waiting one (the counts; NVFP4's swizzled scales).
+            hand_over(mark, (recv_count, recv_x[1] if self.dtype is md.DispatchDtype.NVFP4 else None))
             if self.dtype is md.DispatchDtype.NVFP4:
                 packed, mma = recv_x
                 # Expert-last [R·T, H/2, E_l] → MASKED [E_l, R·T, H/2] (a view); scales from the

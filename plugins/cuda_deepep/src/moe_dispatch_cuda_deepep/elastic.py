@@ -51,7 +51,7 @@ from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 from moe_dispatch.output import DispatchOutput, group_list_from_counts, kept_routing
-from moe_dispatch.streams import hand_over, start_stream
+from moe_dispatch.streams import hand_over, start_mark
 
 from . import vendor
 
@@ -280,7 +280,7 @@ class ElasticDispatcher:
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchOutput:
-        return self._dispatch(hidden_states, topk_ids, topk_weights, split=False)()
+        return self._dispatch(hidden_states, topk_ids, topk_weights, split=False, started=False)()
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> md.Pending[DispatchOutput]:
@@ -289,10 +289,11 @@ class ElasticDispatcher:
         every peer's notify, and whatever DeepEP's comm stream and the current stream had queued before. DeepEP's
         kernels read the inputs until ``wait()`` (the contract's rule). Synchronous under ``EP_AVOID_RECORD_STREAM``."""
         split = _splits()
-        return md.Pending(self._dispatch(hidden_states, topk_ids, topk_weights, split=split), overlapped=split)
+        return md.Pending(self._dispatch(hidden_states, topk_ids, topk_weights, split=split, started=True),
+                          overlapped=split)
 
     def _dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  split: bool) -> Callable[[], DispatchOutput]:
+                  split: bool, started: bool) -> Callable[[], DispatchOutput]:
         spec, ctx = self.spec, self.ctx
         fp8 = ctx.dtype is F8
         if fp8:
@@ -308,20 +309,20 @@ class ElasticDispatcher:
         # buffer the engine reuses is never DeepEP's input; hidden_states still is, until wait(): the contract's rule).
         ids, weights = kept_routing(ids, topk_ids), kept_routing(weights, topk_weights)
         alignment = spec.expert_alignment
-        stream = start_stream(ids)
         with self.waits():
             recv, _, recv_w, handle, event = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
                 num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
                 num_sms=self.num_sms, do_cpu_sync=True, do_expand=True, do_zero_padding=alignment > 1,
                 async_with_compute_stream=split)
+        mark = start_mark(ids) if started else None  # after DeepEP's call: a whole one ends with a wait for its stream
 
         def finish() -> DispatchOutput:
             rows, scale = recv if fp8 else (recv, None)
             if split:  # the outputs and the handle's counts are DeepEP's comm stream's until then
                 event.current_stream_wait()
             unaligned = handle.num_unaligned_recv_tokens_per_expert
-            hand_over(stream, (rows, scale, recv_w, ids, weights, unaligned))
+            hand_over(mark, (rows, scale, recv_w, ids, weights, unaligned))
             return DispatchOutput(rows, scale, ids, weights,
                                   group_list_from_counts(unaligned.to(torch.int64), spec.group_list_type, alignment),
                                   spec.group_list_type, md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w),
@@ -329,7 +330,7 @@ class ElasticDispatcher:
         return finish
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
-        return self._combine(expert_output, dispatch_output, split=False)()
+        return self._combine(expert_output, dispatch_output, split=False, started=False)()
 
     def combine_start(self, expert_output: torch.Tensor,
                       dispatch_output: DispatchOutput) -> md.Pending[torch.Tensor]:
@@ -337,23 +338,23 @@ class ElasticDispatcher:
         hold the host); ``wait()`` orders the current stream after DeepEP's event. Synchronous under
         ``EP_AVOID_RECORD_STREAM``."""
         split = _splits()
-        return md.Pending(self._combine(expert_output, dispatch_output, split=split), overlapped=split)
+        return md.Pending(self._combine(expert_output, dispatch_output, split=split, started=True), overlapped=split)
 
     def _combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
-                 split: bool) -> Callable[[], torch.Tensor]:
+                 split: bool, started: bool) -> Callable[[], torch.Tensor]:
         h: ElasticHandle = dispatch_output.handle
         # V2's combine sums what it is given (combine.cuh; refs.py:177-243): the weights are applied here, in fp32,
         # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
         # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
-        stream = start_stream(weighted)
         with self.waits():
             combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
+        mark = start_mark(weighted) if started else None
 
         def finish() -> torch.Tensor:
             if split:
                 event.current_stream_wait()
-            hand_over(stream, (combined,))
+            hand_over(mark, (combined,))
             return combined
         return finish
 
