@@ -42,6 +42,7 @@ from moe_dispatch.routing import random_expert_weights
 from . import vendor
 from .backend import DeepEPBackend
 from .deep_gemm import DeepGemmExperts
+from .selfcheck import run_started
 
 
 @dataclass(frozen=True)
@@ -327,9 +328,10 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
 # -- DeepEP: one rank ---------------------------------------------------------------------------------------------
 
 
-def _ll_round(backend: DeepEPBackend, group: Any, device: torch.device, dtype: str, hidden: int, tokens: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Low-latency dispatch → (rows sorted by source token per expert) → combine of scaled rows."""
+def _ll_round(backend: DeepEPBackend, group: Any, device: torch.device, dtype: str, hidden: int, tokens: int,
+              side_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Low-latency dispatch → (rows sorted by source token per expert) → combine of scaled rows. ``side_stream``:
+    both calls in split phase, started on a side stream and waited on the current one (``run_started``)."""
     spec = md.DispatchSpec(hidden, 8, 4, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
                            output_dtype=dtype)
     d = md.create_dispatcher(backend, spec, group=group, env={})
@@ -337,7 +339,8 @@ def _ll_round(backend: DeepEPBackend, group: Any, device: torch.device, dtype: s
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(tokens)])
     w = torch.rand(tokens, 4, generator=g)
-    out = d.dispatch(x.to(device), ids.to(device), w.to(device))
+    x, ids, w = x.to(device), ids.to(device), w.to(device)
+    out = run_started(lambda: d.dispatch_start(x, ids, w), device, True) if side_stream else d.dispatch(x, ids, w)
     rows = out.hidden_states.float() if out.hidden_states_scale is None else \
         dequantize_rows(out.hidden_states, out.hidden_states_scale, hidden)
     src = out.handle.vendor_handle[0].long().cpu()  # each row's source token (DeepEP's order is arbitrary)
@@ -346,7 +349,9 @@ def _ll_round(backend: DeepEPBackend, group: Any, device: torch.device, dtype: s
     for e in range(8):
         n = int(counts[e])
         ordered[e, src[e, :n]] = rows[e, :n].cpu().float()
-    y = d.combine((out.hidden_states.float() if out.hidden_states_scale is None else rows).to(torch.bfloat16) * 2, out)
+    expert_rows = (out.hidden_states.float() if out.hidden_states_scale is None else rows).to(torch.bfloat16) * 2
+    y = (run_started(lambda: d.combine_start(expert_rows, out), device, True) if side_stream
+         else d.combine(expert_rows, out))
     return ordered, counts, y.float().cpu()
 
 
@@ -356,12 +361,12 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
     info = vendor.detect(setup.deep_ep)
     rows.append(Row("DeepEP", "detected", _text(info.describe()), _text(info.release.reason), info.has_v1_buffer))
     real_backend, fake_backend = DeepEPBackend(setup.deep_ep), DeepEPBackend(vendor.EMULATOR)
-    for dtype in ("bf16", "fp8"):
-        label = f"LL {dtype} one rank"
+    for dtype, side in (("bf16", False), ("fp8", False), ("bf16", True)):
+        label = f"LL {dtype} one rank" + (", side stream" if side else "")
         try:
             with restored_environ(names=vendor.NVSHMEM_WRITTEN):
                 r_rows, r_counts, r_y = _ll_round(real_backend, setup.group, setup.device, dtype, setup.hidden,
-                                                  setup.tokens)
+                                                  setup.tokens, side)
                 f_rows, f_counts, f_y = _ll_round(fake_backend, setup.fake_group, torch.device("cpu"), dtype,
                                                   setup.hidden, setup.tokens)
         except Exception as exc:  # the vendor's refusal, recorded
@@ -449,11 +454,13 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     backend = DeepEPV2Backend(module.__name__)
     parts = []
     try:
-        for dtype, alignment, split in (("bf16", 1, False), ("fp8", 1, False), ("fp8", 128, True)):
+        for dtype, alignment, split, side in (("bf16", 1, False, False), ("fp8", 1, False, False),
+                                              ("fp8", 128, True, False), ("bf16", 128, True, True)):
             r = agree_with_torch(0, 1, "normal", dtype, module.__name__, hidden=2048, experts_per_rank=4, top_k=4,
-                                 tokens=16, iterations=3, backend=backend, expert_alignment=alignment, split=split)
+                                 tokens=16, iterations=3, backend=backend, expert_alignment=alignment, split=split,
+                                 side_stream=side)
             verdict = "agree" if r["relative_difference"] < 1e-2 else "DIFFER"
-            how = f" aligned {alignment} split" if split else ""
+            how = (f" aligned {alignment} split" if split else "") + (" side stream" if side else "")
             parts.append(f"{dtype}{how} {verdict} rel {r['relative_difference']:.1e} "
                          f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms)")
         # DeepEP's zero padding, unfenced TMA stores (audits issue18-aligned R1/R2, fixes F5)
@@ -531,7 +538,7 @@ def probe_rows(fake: bool) -> list[Row]:
         Row("DeepEP", "V2 cuda_deepep_v2 vs torch, one rank (subprocess)",
             _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "agree (or no ElasticBuffer)",
             elastic.exit_code == 0 and ("no ElasticBuffer" in elastic.output
-                                        or (elastic.output.count(" agree ") == 3 and "DIFFER" not in elastic.output
+                                        or (elastic.output.count(" agree ") == 4 and "DIFFER" not in elastic.output
                                             and elastic.output.count(" padding rows zero ") == 3))),
     ]
 

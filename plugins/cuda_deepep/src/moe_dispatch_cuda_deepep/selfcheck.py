@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
@@ -16,6 +17,21 @@ from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
 
 from .backend import DeepEPBackend
 from .vendor import EMULATOR, NUM_MAX_NVL_PEERS, REAL
+
+T = TypeVar("T")
+
+
+def run_started(start: Callable[[], md.Pending[T]], device: torch.device, side_stream: bool = False) -> T:
+    """A split call's result: started and waited here, or with ``side_stream`` (CUDA) started on a side stream that
+    first waits for the current one (as an engine hands its inputs over) and waited on the current stream: what
+    ``streams.start_mark``/``hand_over`` must order and keep alive (audit issue18-followup A-D)."""
+    if not side_stream or device.type != "cuda":
+        return start().wait()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        pending = start()
+    return pending.wait()
 
 
 @dataclass(frozen=True)
@@ -97,11 +113,13 @@ def fitting_experts_per_rank(backend: DeepEPBackend, world: int, hidden: int = 7
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
                      experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
                      ue8m0: bool = False, backend: md.Backend | None = None,
-                     options: dict | None = None, expert_alignment: int = 1, split: bool = False) -> dict:
+                     options: dict | None = None, expert_alignment: int = 1, split: bool = False,
+                     side_stream: bool = False) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
     the relative difference, and the median time per round trip of each. ``backend``: the one to create through
     (a new one by default; the Buffers are the process's either way). ``options``: ``create_dispatcher``'s.
-    ``expert_alignment``: the spec's; ``split``: both calls in split phase (``dispatch_start``, ``wait``, ...)."""
+    ``expert_alignment``: the spec's; ``split``: both calls in split phase (``dispatch_start``, ``wait``, ...);
+    ``side_stream``: each started on a side stream and waited on the current one (``run_started``)."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
     spec = layer_spec(world, mode, dtype, hidden, experts_per_rank, top_k, tokens, ue8m0, expert_alignment)
     deepep = md.create_dispatcher(backend or DeepEPBackend(vendor_module), spec, env={}, options=options)
@@ -111,9 +129,12 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
     experts = ScaledIdentityExperts()
 
     def round_trip(d: md.Dispatcher) -> torch.Tensor:
-        out = d.dispatch_start(x, ids, w).wait() if split else d.dispatch(x, ids, w)
+        if not split:
+            out = d.dispatch(x, ids, w)
+            return d.combine(md.run_experts(experts, layer, out), out)
+        out = run_started(lambda: d.dispatch_start(x, ids, w), device, side_stream)
         rows = md.run_experts(experts, layer, out)
-        return d.combine_start(rows, out).wait() if split else d.combine(rows, out)
+        return run_started(lambda: d.combine_start(rows, out), device, side_stream)
 
     results, times = {}, {}
     for name, d in (("cuda_deepep", deepep), ("torch", reference)):
