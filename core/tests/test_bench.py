@@ -94,9 +94,9 @@ def test_overhead_of_the_value_checks_is_measured_not_assumed():
     on = measure_overhead(check_inputs=True, rounds=5, calls_per_round=200)
     assert off.replay_direct_ns > 0 and off.replay_api_ns > off.replay_direct_ns
     assert on.replay_api_ns > off.replay_api_ns  # the value checks read the data: they cost something
-    assert set(off.parts) == {"input checks, dispatch", "input checks, combine", "output checks, dispatch",
-                              "output checks, combine", "call numbering (begin)"}
-    assert all(ns > 0 for ns in off.parts.values())
+    checks = {"input checks, dispatch", "input checks, combine", "output checks, dispatch", "output checks, combine"}
+    assert set(off.parts) == checks | {"call path without the checks (pair)"}
+    assert all(off.parts[name] > 0 for name in checks)  # the path alone is a difference of two timings: noise may flip it
 
 
 def test_plot_without_matplotlib_is_a_clear_error_or_a_png(tmp_path, capsys):
