@@ -23,15 +23,20 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
+from .errors import InvalidSpecError
+
 T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StartMark:
-    """Where a call's start half ended: its stream, and an event recorded there at that point."""
+    """Where a call's start half ended: its stream, an event recorded there at that point, and whether that stream
+    was being captured into a CUDA graph then (a captured event can only be waited inside the same capture, an eager
+    one only outside any)."""
 
     stream: Any  # torch.cuda.Stream
     event: Any  # torch.cuda.Event
+    captured: bool = False
 
 
 def start_mark(t: torch.Tensor) -> StartMark | None:
@@ -43,17 +48,27 @@ def start_mark(t: torch.Tensor) -> StartMark | None:
     stream = torch.cuda.current_stream(t.device)
     event = torch.cuda.Event()
     event.record(stream)
-    return StartMark(stream, event)
+    return StartMark(stream, event, torch.cuda.is_current_stream_capturing())
 
 
 def hand_over(mark: StartMark | None, tensors: Iterable[torch.Tensor | None] = ()) -> None:
     """On the stream current now, if it is not the mark's: wait for the mark, and record every tensor there.
-    Idempotent: a second hand-over of the same mark waits again for an event already passed."""
+    Idempotent: a second hand-over of the same mark waits again for an event already passed.
+
+    :raises InvalidSpecError: a call started outside a CUDA-graph capture waited inside one, or the reverse (CUDA
+        refuses a captured stream's wait for an eager event with an error that invalidates the capture)."""
     if mark is None:
         return
     current = torch.cuda.current_stream(mark.stream.device)
     if current == mark.stream:
         return
+    if torch.cuda.is_current_stream_capturing() != mark.captured:
+        where = "outside" if not mark.captured else "inside"
+        raise InvalidSpecError(
+            f"this call was started {where} a CUDA-graph capture and waited on another stream "
+            f"{'inside' if where == 'outside' else 'outside'} it: a capture can only wait for work captured with it",
+            parameter="cuda_graph_capture", value=f"started {where} the capture",
+            allowed="start and wait() a call both inside one capture, or both outside any")
     current.wait_event(mark.event)
     for t in tensors:
         if t is not None:
@@ -78,9 +93,12 @@ def keep_on_current(tensors: Iterable[torch.Tensor | None]) -> None:
     """Record tensors made earlier (a dispatch's handle) on the current stream, which is about to read them (a
     combine on another stream than its dispatch): their memory is then not reused before that read. A no-op on the
     stream they were made on, and off CUDA."""
+    current = None
     for t in tensors:
         if t is not None and t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
+            if current is None:  # one lookup: a call's tensors share a device
+                current = torch.cuda.current_stream(t.device)
+            t.record_stream(current)
 
 
 def tensors_of(result: Any) -> list[torch.Tensor]:

@@ -38,6 +38,7 @@ from ..dtypes import Layout, Mode
 from ..distributed.comm import Transfer
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
 from ..pending import Pending
+from ..streams import handed_over, start_mark
 from .receiver import process_receiver
 from .slots import Lease, Slot, SlotPool
 
@@ -134,7 +135,7 @@ class ReferenceDispatcher:
         """The payload's collective started (split phase); the received rows are laid out as soon as
         they are in (``receiver.py``) or at ``wait()``. Normal mode reads the per-rank counts on the
         host first (the one sync it makes anyway)."""
-        return self._receiving(self._start_dispatch(hidden_states, topk_ids, topk_weights))
+        return self._receiving(self._start_dispatch(hidden_states, topk_ids, topk_weights), hidden_states)
 
     def _start_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
@@ -143,11 +144,12 @@ class ReferenceDispatcher:
             return self._start_masked(x, topk_ids, topk_weights)
         return self._start_packed(x, topk_ids, topk_weights)
 
-    def _receiving(self, finish: Callable[[], T]) -> Pending[T]:
+    def _receiving(self, finish: Callable[[], T], like: torch.Tensor) -> Pending[T]:
         """A started call's ``Pending``: on host memory with peers, its receiving half runs on the
-        process's receiver thread while the caller works; otherwise at ``wait()``."""
+        process's receiver thread while the caller works; otherwise at ``wait()``, on an accelerator
+        after the start's end on its stream, whichever stream the wait runs on (``streams``)."""
         if self.world == 1 or self.comm.device is None or self.comm.device.type != "cpu":
-            return Pending(finish)
+            return Pending(handed_over(finish, start_mark(like)))
         return Pending(process_receiver().submit(functools.partial(self._received, finish)).result)
 
     def _received(self, finish: Callable[[], T]) -> T:
@@ -304,7 +306,7 @@ class ReferenceDispatcher:
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
         """This rank's partial sums computed and sent (split phase); what comes back is added as
         soon as it is in, or at ``wait()``."""
-        return self._receiving(self._start_combine(expert_output, dispatch_output))
+        return self._receiving(self._start_combine(expert_output, dispatch_output), expert_output)
 
     def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Callable[[], torch.Tensor]:
         self._check_background()

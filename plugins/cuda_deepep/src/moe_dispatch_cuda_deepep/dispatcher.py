@@ -69,12 +69,12 @@ class LowLatencyHandle:
 
 
 def _handle_tensors(h: object) -> list[torch.Tensor]:
-    """The tensors of a dispatch's handle that its combine reads on the combine's stream (DeepEP records the normal
-    handle's own where its comm stream reads them)."""
+    """The tensors of a dispatch's handle that its combine reads on the combine's stream, DeepEP's own handle's
+    included (a normal combine run whole records nothing itself; audit issue18-streams-fix 3)."""
     if isinstance(h, LowLatencyHandle):
         return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), h.topk_ids, h.topk_weights]
     if isinstance(h, NormalHandle):
-        return [h.row_token, h.row_weight]
+        return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), h.row_token, h.row_weight]
     return []
 
 

@@ -51,7 +51,7 @@ from moe_dispatch.codecs import pack_ue8m0
 from moe_dispatch.distributed.emulation import emulated_waits
 from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 from moe_dispatch.output import DispatchOutput, group_list_from_counts, kept_routing
-from moe_dispatch.streams import hand_over, start_mark
+from moe_dispatch.streams import hand_over, keep_on_current, start_mark
 
 from . import vendor
 
@@ -346,6 +346,9 @@ class ElasticDispatcher:
         # V2's combine sums what it is given (combine.cuh; refs.py:177-243): the weights are applied here, in fp32,
         # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
         # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
+        # Made on the dispatch's stream, read on this one (an engine may combine on another): recorded here, as a
+        # dispatch DeepEP ran whole recorded them nowhere else (audit issue18-streams-fix 4).
+        keep_on_current((h.weights, *(v for v in vars(h.vendor_handle).values() if isinstance(v, torch.Tensor))))
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
         with self.waits():
             combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
