@@ -173,11 +173,7 @@ class Dispatcher:
         """
         if self._broken is not None:
             self._usable("dispatch")
-        try:  # _check_dispatch inlined: one Python call less per dispatch
-            values = self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
-        except BaseException as exc:
-            self._failed("dispatch", exc, started=False)
-            raise
+        values = self._check_dispatch(hidden_states, topk_ids, topk_weights)
         try:
             self._dispatches = number = self._dispatches + 1
             if self._numbered:
@@ -212,13 +208,7 @@ class Dispatcher:
         """
         if self._broken is not None:
             self._usable("combine")
-        try:  # _check_combine inlined: one Python call less per combine
-            self._checks.combine(expert_output, dispatch_output)
-            if dispatch_output.combined:
-                self._refuse_combined(dispatch_output)
-        except BaseException as exc:
-            self._failed("combine", exc, started=False)
-            raise
+        self._check_combine(expert_output, dispatch_output)
         try:
             if self._numbered:
                 self._comm.begin("combine", dispatch_output.call)
