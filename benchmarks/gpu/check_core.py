@@ -15,8 +15,9 @@ The first checks of ``shared/GPU.md``, in one process (world size 1, NCCL on CUD
    ``check_inputs`` under ``torch.cuda.set_sync_debug_mode("warn")`` (every line that syncs is named),
    and the time per pair with the default against ``check_inputs=True`` (what the value checks'
    sync costs: the measurement behind the default, issue 16);
-5. **streams**: dispatch and combine started on a side stream and waited on the default one (``Pending``'s
-   promise: ``wait()`` orders the stream current at the wait, and hands it the result), against the blocking calls.
+5. **streams**: dispatch and combine started on a side stream (spinning ~10 ms first: ``moe_dispatch.testing.streams``)
+   and waited on the default one (``Pending``'s promise: ``wait()`` orders the stream current at the wait, and hands
+   it the result), against the blocking calls.
 
 ``--device cpu`` runs 1 and 2 on gloo (how this script is tested without a GPU); 3 needs CUDA.
 Prints a table; the exit status is 1 if any check fails.
@@ -41,6 +42,7 @@ from moe_dispatch.codecs import as_bytes, make_codec, nvfp4_global_scale
 from moe_dispatch.distributed.local import one_rank_group
 from moe_dispatch.routing import random_expert_weights, random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, check_layer
+from moe_dispatch.testing.streams import run_started
 
 H, E, K, T = 512, 16, 4, 32
 BACKENDS = ("torch", "allgather")
@@ -197,17 +199,10 @@ def check_streams(device: torch.device) -> list[Check]:
             d = md.create_dispatcher(backend, spec, env={})
             x, ids, w = _inputs(30, device)
             want = _graph_step(d, layer, x, ids, w)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                started = d.dispatch_start(x, ids, w)
-            out = started.wait()  # on the default stream
+            out = run_started(lambda: d.dispatch_start(x, ids, w), device, side_stream=True)
             rows = ScaledIdentityExperts().apply_without_routing_weights(
                 layer, out.hidden_states, out.hidden_states_scale, out.group_list_type, out.group_list, torch.bfloat16)
-            side.wait_stream(torch.cuda.current_stream(device))  # the rows, made on the default stream
-            with torch.cuda.stream(side):
-                combining = d.combine_start(rows, out)
-            got = combining.wait()
+            got = run_started(lambda: d.combine_start(rows, out), device, side_stream=True)
             same = torch.equal(got, want)
             checks.append(Check("streams", f"{backend} {mode.value} fp8 side stream", same,
                                 "bit-equal to the blocking calls" if same else

@@ -195,7 +195,7 @@ class Dispatcher:
     def _backend_rows(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput
                       ) -> tuple[torch.Tensor, DispatchOutput]:
         """What the backend's combine takes: its own output, and the expert rows in its order."""
-        if is_core_aligned(dispatch_output):
+        if self._copy_alignment and is_core_aligned(dispatch_output):
             return dense_rows(expert_output, dispatch_output)
         return expert_output, dispatch_output
 
@@ -212,9 +212,8 @@ class Dispatcher:
         try:
             if self._numbered:
                 self._comm.begin("combine", dispatch_output.call)
-            rows, theirs = (self._backend_rows(expert_output, dispatch_output) if self._copy_alignment
-                            else (expert_output, dispatch_output))
-            result = self._outputs.combine(self._impl.combine(rows, theirs), dispatch_output)
+            result = self._outputs.combine(self._impl.combine(*self._backend_rows(expert_output, dispatch_output)),
+                                           dispatch_output)
         except BaseException as exc:
             self._failed("combine", exc)  # with peers, the dispatcher is broken; alone, a retry may complete it
             raise
@@ -272,9 +271,8 @@ class Dispatcher:
         self._check_combine(expert_output, dispatch_output)
         try:
             self._comm.begin("combine", dispatch_output.call)
-            rows, theirs = (self._backend_rows(expert_output, dispatch_output) if self._copy_alignment
-                            else (expert_output, dispatch_output))
-            started = _pending_from(self.backend.name, "combine_start", self._split_impl().combine_start(rows, theirs))
+            started = _pending_from(self.backend.name, "combine_start", self._split_impl().combine_start(
+                *self._backend_rows(expert_output, dispatch_output)))
         except BaseException as exc:
             self._failed("combine", exc)
             raise

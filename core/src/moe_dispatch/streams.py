@@ -63,11 +63,11 @@ def hand_over(mark: StartMark | None, tensors: Iterable[torch.Tensor | None] = (
     if current == mark.stream:
         return
     if torch.cuda.is_current_stream_capturing() != mark.captured:
-        where = "outside" if not mark.captured else "inside"
+        started, waited = ("inside", "outside") if mark.captured else ("outside", "inside")
         raise InvalidSpecError(
-            f"this call was started {where} a CUDA-graph capture and waited on another stream "
-            f"{'inside' if where == 'outside' else 'outside'} it: a capture can only wait for work captured with it",
-            parameter="cuda_graph_capture", value=f"started {where} the capture",
+            f"this call was started {started} a CUDA-graph capture and waited on another stream {waited} it: a "
+            "capture can only wait for work captured with it",
+            parameter="cuda_graph_capture", value=f"started {started} the capture",
             allowed="start and wait() a call both inside one capture, or both outside any")
     current.wait_event(mark.event)
     for t in tensors:

@@ -38,11 +38,11 @@ from moe_dispatch.environ import restored_environ
 from moe_dispatch.experts import dequantize_rows
 from moe_dispatch.output import DispatchOutput, row_experts
 from moe_dispatch.routing import random_expert_weights
+from moe_dispatch.testing.streams import run_started
 
 from . import vendor
 from .backend import DeepEPBackend
 from .deep_gemm import DeepGemmExperts
-from .selfcheck import run_started
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 
 import torch
 
@@ -14,28 +13,10 @@ import moe_dispatch as md
 from moe_dispatch.output import row_experts
 from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch.testing.streams import run_started
 
 from .backend import DeepEPBackend
 from .vendor import EMULATOR, NUM_MAX_NVL_PEERS, REAL
-
-T = TypeVar("T")
-#: GPU clock cycles the side stream spins before a start in ``run_started`` (~10 ms at 2 GHz).
-SIDE_STREAM_SPIN_CYCLES = 20_000_000
-
-
-def run_started(start: Callable[[], md.Pending[T]], device: torch.device, side_stream: bool = False) -> T:
-    """A split call's result: started and waited here, or with ``side_stream`` (CUDA) started on a side stream that
-    first waits for the current one (as an engine hands its inputs over) and waited on the current stream: what
-    ``streams.start_mark``/``hand_over`` must order and keep alive (audit issue18-followup A-D). The side stream
-    spins ~10 ms before the start, so a wait not ordered after the start's work reads rows not yet written."""
-    if not side_stream or device.type != "cuda":
-        return start().wait()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SIDE_STREAM_SPIN_CYCLES)
-        pending = start()
-    return pending.wait()
 
 
 @dataclass(frozen=True)
