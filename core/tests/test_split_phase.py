@@ -173,6 +173,96 @@ def test_dropped_pendings_never_corrupt_a_later_call(moe_rank_pools, mode):
         assert slots <= 5
 
 
+# -- the started calls on gloo: off the caller's thread and off its group ------------------------------------------
+
+
+def _start_while_the_peer_is_late(rank: int, world: int, mode: str):
+    d = md.create_dispatcher("torch", _spec(mode), env={}, timeout_s=30)
+    before = d.traffic.copy()
+    expected = d.combine(_rows(out := d.dispatch(*_inputs(1, rank))), out)
+    blocking = (d.traffic - before).to_dict()
+    d.comm.barrier()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 starts alone: its start must not wait for this rank's counts or rows
+    t0 = time.monotonic()
+    before = d.traffic.copy()
+    pending = d.dispatch_start(*_inputs(1, rank))
+    start_s = time.monotonic() - t0
+    out = pending.wait()
+    t0 = time.monotonic()
+    pending = d.combine_start(_rows(out), out)
+    combine_start_s = time.monotonic() - t0
+    same = bool(torch.equal(pending.wait(), expected))
+    return start_s, combine_start_s, same, (d.traffic - before).to_dict() == blocking
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_a_start_on_gloo_returns_before_the_peers_arrive(moe_rank_pools, mode):
+    """The whole call runs on the receiver thread: a start holds the caller for none of its collectives (normal mode's
+    counts exchange, the call check, combine's partial sums), so a late peer does not hold it either."""
+    (start0, _, same0, counted0), (_, _, same1, counted1) = moe_rank_pools.get(2).map(_start_while_the_peer_is_late,
+                                                                                      mode)
+    assert same0 and same1
+    assert counted0 and counted1  # counted in the dispatcher's traffic as the blocking calls are
+    assert start0 < 0.5  # the peer arrives after 1 s; a start that exchanged anything would wait for it
+
+
+def _engine_collectives_between_start_and_wait(rank: int, world: int, mode: str):
+    import torch.distributed as dist
+
+    d = md.create_dispatcher("torch", _spec(mode), env={}, timeout_s=30)
+    expected = d.combine(_rows(out := d.dispatch(*_inputs(1, rank))), out)
+    pending = d.dispatch_start(*_inputs(1, rank))
+    sums = []
+    for i in range(20):  # the engine's own collectives on the same (default) group while the call is on its way
+        t = torch.full((1000 + 37 * i,), float(rank + i))
+        dist.all_reduce(t)
+        sums.append(float(t[0]))
+    out = pending.wait()
+    got = d.combine_start(_rows(out), out)
+    dist.all_reduce(t)
+    return sums == [float(2 * i + 1) for i in range(20)], bool(torch.equal(got.wait(), expected))
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_the_engines_collectives_between_start_and_wait_do_not_mix_with_the_call(moe_rank_pools, mode):
+    """The receiver thread issues the started calls' collectives on a group of their own: were they on the engine's
+    group, gloo would pair them with the engine's all-reduces in whatever order the two threads reached it."""
+    assert moe_rank_pools.get(2).map(_engine_collectives_between_start_and_wait, mode) == [(True, True)] * 2
+
+
+def _threads_on_two_groups_start_in_opposite_orders(rank: int, world: int):
+    import threading
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(world))) for _ in range(2)]  # same ranks, two groups, made in program order
+    dispatchers = [md.create_dispatcher("torch", _spec(), group=g, env={}, timeout_s=20) for g in groups]
+    expected = [d.combine(_rows(out := d.dispatch(*_inputs(1, rank))), out) for d in dispatchers]
+    got: dict[int, bool] = {}
+
+    def engine_thread(i: int) -> None:  # rank 0 starts on group 0 first, rank 1 on group 1 first
+        time.sleep(0.0 if i == rank else 0.3)
+        d = dispatchers[i]
+        out = d.dispatch_start(*_inputs(1, rank)).wait()
+        got[i] = bool(torch.equal(d.combine_start(_rows(out), out).wait(), expected[i]))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=engine_thread, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got == {0: True, 1: True}, time.monotonic() - t0
+
+
+def test_threads_on_their_own_groups_start_in_any_order_across_ranks():
+    """Each group's started calls have a receiver thread of their own: on one thread per process, rank 0 would queue
+    group 0's start before group 1's and rank 1 the reverse, each waiting for the other until the timeout."""
+    for same, seconds in on_a_fresh_pool(_threads_on_two_groups_start_in_opposite_orders):
+        assert same and seconds < 10
+
+
 # -- failures between start and wait --------------------------------------------------------------------------------
 
 

@@ -236,16 +236,20 @@ class Dispatcher:
         """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and
         compute something else in between (the other micro-batch, shared experts).
 
-        The same checks and errors as ``dispatch``, raised here, before anything is sent; a peer's
-        failure while the rows travel is raised by ``wait()``. Calls are numbered at their start:
-        every rank starts the same calls in the same order, as for ``dispatch``; waits may come in
-        any order. Buffers stay the call's own until its combine, so two micro-batches in flight use
-        two sets. On an accelerator ``wait()`` orders the current stream after the exchange without
-        blocking the host where the backend can (DeepEP's receive hook); on gloo it blocks.
+        The same input checks and errors as ``dispatch``, raised here, before anything is sent; a
+        peer's failure while the rows travel is raised by ``wait()``, and so is anything a backend
+        does after the start returned (on gloo the reference backends run the whole call on a
+        thread: the call check, a memory error). Calls are numbered at their start: every rank
+        starts the same calls in the same order, as for ``dispatch``, and makes a given call in the
+        same form (started or blocking); waits may come in any order. Buffers stay the call's own
+        until its combine, so two micro-batches in flight use two sets. On an accelerator ``wait()``
+        orders the current stream after the exchange without blocking the host where the backend
+        can (DeepEP's receive hook); on gloo it blocks.
 
         The inputs are the call's until its ``wait()`` returns: a vendor may still read them on its
-        own stream (DeepEP 2.x's comm stream does), so do not write into them before then; dropping
-        your references is fine. After ``wait()`` they are yours again, as after ``dispatch``.
+        own stream (DeepEP 2.x's comm stream does), and on gloo the reference backends' thread does,
+        so do not write into them before then; dropping your references is fine. After ``wait()``
+        they are yours again, as after ``dispatch``.
         ``Pending.overlapped`` is False when the backend ran the call to its end at start.
         """
         if self._split is None:
@@ -263,8 +267,10 @@ class Dispatcher:
                        overlapped=_overlapped(started))
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
-        """``combine`` in two halves: this rank's rows are sent when it returns; ``wait()`` gives
-        the bf16 ``[T, H]``. Checked as ``combine``; the output counts as combined from here on."""
+        """``combine`` in two halves: this rank's rows are on their way (or queued to be) when it
+        returns; ``wait()`` gives the bf16 ``[T, H]``. Checked as ``combine``; the output counts as
+        combined from here on. ``expert_output`` is the call's until ``wait()``, as a started
+        dispatch's inputs are."""
         if self._split is None:
             return Pending.completed(self.combine(expert_output, dispatch_output), start_mark(expert_output))
         self._usable("combine")

@@ -9,7 +9,9 @@ the share it sends to itself, so totals compare directly with ``WireFormat`` × 
 
 from __future__ import annotations
 
+import copy
 import pickle
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Sequence
@@ -40,6 +42,12 @@ class Traffic:
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, 0)
+
+    def restore(self, saved: "Traffic") -> None:
+        """Back to the counts of ``saved`` (a ``copy``), in place: the started calls' ``Comm`` counts into this object
+        too (``Comm.for_started_calls``)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(saved, f.name))
 
     def copy(self) -> "Traffic":
         return Traffic(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -108,6 +116,8 @@ class Comm:
             self.world_size = 1
         self.traffic = Traffic()
         self._seq = 0  # collectives entered: the same number names the same call on every rank
+        self._numbering = ""  # what prefixes those numbers: "" here, "started-" on the started calls' group
+        self._counting = threading.Lock()  # the traffic is counted from the receiver thread too (for_started_calls)
         self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
         self._tag = 0
         self._call: tuple[int, int] | None = None  # (phase, number) not yet checked with the peers
@@ -138,6 +148,26 @@ class Comm:
         buffers)."""
         if self.world_size > 1:
             self._call = (PHASES.index(phase), number)
+
+    def for_started_calls(self, group: "dist.ProcessGroup") -> "Comm":
+        """This dispatcher's collectives on ``group``, the started calls' own group of the same ranks
+        (``reference/receiver.py``): the same uid, ``Watch`` and traffic counts, numbered apart from the calls on
+        this group, with a call check of their own (``take_call``). Only the receiver thread uses it. It records
+        nothing (``recording`` is for the bench's blocking calls), and its counts land in ``traffic`` when its
+        collectives start, on that thread: a copy taken while a started call runs may hold part of it."""
+        started = copy.copy(self)
+        started.group, started._seq, started._numbering = group, 0, "started-"
+        started._call, started.records = None, None
+        return started
+
+    def take_call(self) -> tuple[int, int] | None:
+        """The call check ``begin`` left for this call's first collective, taken away to go with the call to the
+        started calls' group (``resume_call`` there)."""
+        call, self._call = self._call, None
+        return call
+
+    def resume_call(self, call: tuple[int, int] | None) -> None:
+        self._call = call
 
     @contextmanager
     def recording(self) -> Iterator[list[CollectiveRecord]]:
@@ -170,23 +200,24 @@ class Comm:
         return torch.device(kind) if kind else None
 
     def _count(self, rows: int, sections: Sequence[Section]) -> None:
-        t = self.traffic
-        t.collectives += 1
-        for category, width in sections:
-            nbytes = rows * width
-            if category == "payload":
-                t.payload_bytes += nbytes
-            elif category == "metadata":
-                t.metadata_bytes += nbytes
-            elif category == "combine":
-                t.combine_bytes += nbytes
-            elif category == "check":
-                t.check_bytes += nbytes
-            else:
-                raise InvalidInputError(
-                    "unknown traffic category", parameter="sections", value=category,
-                    allowed="payload, metadata, combine, check",
-                )
+        with self._counting:
+            t = self.traffic
+            t.collectives += 1
+            for category, width in sections:
+                nbytes = rows * width
+                if category == "payload":
+                    t.payload_bytes += nbytes
+                elif category == "metadata":
+                    t.metadata_bytes += nbytes
+                elif category == "combine":
+                    t.combine_bytes += nbytes
+                elif category == "check":
+                    t.check_bytes += nbytes
+                else:
+                    raise InvalidInputError(
+                        "unknown traffic category", parameter="sections", value=category,
+                        allowed="payload, metadata, combine, check",
+                    )
 
     def all_to_all(
         self,
@@ -341,7 +372,7 @@ class Comm:
     def _collective_number(self) -> int | str:
         """The next collective's number, the same on every rank: names its markers in the Watch's store."""
         self._seq += 1
-        return self._seq
+        return f"{self._numbering}{self._seq}" if self._numbering else self._seq
 
     def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
         self._start(name, None, start).wait()
@@ -376,7 +407,8 @@ class Transfer:
     def done(self) -> bool:
         """Whether the collective has ended (the bytes are in, or it failed): its buffers are free to reuse. A wait
         that gave up (a peer failed, a timeout) leaves it not done while gloo may still write."""
-        return self._work is None or bool(self._work.is_completed())
+        work = self._work  # read once: a wait() on the other thread may clear it meanwhile
+        return work is None or bool(work.is_completed())
 
     def wait(self):  # type: ignore[no-untyped-def]
         if self._work is not None:

@@ -11,10 +11,11 @@ call is capturable in a CUDA graph on NCCL), and scatters its local (token, expe
 into the MASKED layout ``[E_local, capacity·world, H]``. A fixed-size exchange cannot know
 which slots are empty without a host sync, so both backends move the same bytes here.
 
-Split phase, both modes: ``dispatch_start`` does everything up to the payload's collective and
-starts it (``Comm.all_to_all_start``/``all_gather_start``); ``wait()`` lays out what arrived.
-``combine_start`` sends this rank's partial sums; ``wait()`` adds what comes back. The blocking
-calls are ``start().wait()``.
+Split phase, both modes: a call's start does everything up to the payload's collective and
+starts it (``Comm.all_to_all_start``/``all_gather_start``); its receive lays out what arrived, or
+adds what comes back. The blocking calls are ``start(comm)()`` on the caller's thread. With peers
+on host memory ``dispatch_start``/``combine_start`` hand both halves to the group's receiver
+thread, on the started calls' own group (``receiver.py``), and return at once.
 
 Combine, both modes: the destination weights each row (fp32) and sums a token's local
 rows in ascending expert order; the BF16 partial goes back with the reverse exchange and
@@ -26,6 +27,7 @@ bit-identical run to run (CPU ``index_add_`` adds in index order; on CUDA set
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -35,11 +37,11 @@ from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
 from ..errors import CommunicationError
 from ..dtypes import Layout, Mode
-from ..distributed.comm import Transfer
+from ..distributed.comm import Comm, Transfer
 from ..output import DispatchOutput, group_list_from_counts, rows_by_expert
 from ..pending import Pending
 from ..streams import handed_over, start_mark
-from .receiver import process_receiver
+from .receiver import Receiver, receiver_for
 from .slots import Lease, Slot, SlotPool
 
 
@@ -107,6 +109,14 @@ class ReferenceDispatcher:
         self.slots = SlotPool()
         #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
         self.failed_in_background: BaseException | None = None
+        #: With peers on host memory (gloo) started calls run on the group's receiver thread, on the started calls'
+        #: group: made here, where every rank is (a collective; the first dispatcher of the group makes it).
+        self._receiver: Receiver | None = None
+        self._started_comm: Comm | None = None
+        if self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu":
+            self._receiver = receiver_for(self.comm.process_group, self.comm.watch.timeout_s)
+            assert self._receiver.group is not None
+            self._started_comm = self.comm.for_started_calls(self._receiver.group)
         if self.low_latency:
             self._reserve(ctx.in_flight, ctx.device)
 
@@ -121,46 +131,63 @@ class ReferenceDispatcher:
         empty = (torch.empty(0, H, dtype=torch.bfloat16, device=device),
                  torch.empty(0, k, dtype=torch.int64, device=device), torch.empty(0, k, dtype=torch.float32, device=device))
         before = self.comm.traffic.copy()
-        for out in [finish() for finish in [self._start_masked(*empty) for _ in range(slots)]]:
+        for out in [finish() for finish in [self._start_masked(*empty, self.comm) for _ in range(slots)]]:
             out.handle.lease.release()
-        self.comm.traffic = before  # the planning is not the engine's traffic
+        self.comm.traffic.restore(before)  # the planning is not the engine's traffic
 
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        return self._start_dispatch(hidden_states, topk_ids, topk_weights)()
+        return self._start_dispatch(hidden_states, topk_ids, topk_weights, self.comm)()
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
-        """The payload's collective started (split phase); the received rows are laid out as soon as
-        they are in (``receiver.py``) or at ``wait()``. Normal mode reads the per-rank counts on the
-        host first (the one sync it makes anyway)."""
-        return self._receiving(self._start_dispatch(hidden_states, topk_ids, topk_weights), hidden_states)
+        """Split phase: with peers on host memory the whole call runs on the receiver thread (``_started``);
+        otherwise the payload's collective is started here and the rows are laid out at ``wait()``."""
+        return self._started(functools.partial(self._start_dispatch, hidden_states, topk_ids, topk_weights),
+                             hidden_states)
 
-    def _start_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
+    def _start_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        comm: Comm) -> Callable[[], DispatchOutput]:
         self._check_background()
         if self.low_latency:
-            return self._start_masked(x, topk_ids, topk_weights)
-        return self._start_packed(x, topk_ids, topk_weights)
+            return self._start_masked(x, topk_ids, topk_weights, comm)
+        return self._start_packed(x, topk_ids, topk_weights, comm)
 
-    def _receiving(self, finish: Callable[[], T], like: torch.Tensor) -> Pending[T]:
-        """A started call's ``Pending``: on host memory with peers, its receiving half runs on the
-        process's receiver thread while the caller works; otherwise at ``wait()``, on an accelerator
+    def _started(self, start: Callable[[Comm], Callable[[], T]], like: torch.Tensor) -> Pending[T]:
+        """A started call's ``Pending``. With peers on host memory both halves run on the group's receiver thread
+        (``receiver.py``), the start on the started calls' group with the call check the core asked for, and the
+        caller returns at once. Otherwise the start runs here and the receive at ``wait()``, on an accelerator
         after the start's end on its stream, whichever stream the wait runs on (``streams``)."""
-        if self.world == 1 or self.comm.device is None or self.comm.device.type != "cpu":
-            return Pending(handed_over(finish, start_mark(like)))
-        return Pending(process_receiver().submit(functools.partial(self._received, finish)).result)
+        receiver = self._receiver
+        if receiver is None:
+            return Pending(handed_over(start(self.comm), start_mark(like)))
+        self._check_background()  # refused here, before the call is queued
+        begun = receiver.submit(functools.partial(self._in_background, "start", self._begin, start,
+                                                  self.comm.take_call(), receiver))
+        return Pending(lambda: begun.result().result())
 
-    def _received(self, finish: Callable[[], T]) -> T:
-        """On the receiver thread: a failure there is kept (and told to the peers), so that the next call refuses
-        to start even when the engine dropped this call's ``Pending`` and never sees the error."""
+    def _begin(self, start: Callable[[Comm], Callable[[], T]], call: tuple[int, int] | None,
+               receiver: Receiver) -> "Future[T]":
+        """On the receiver thread: the call's start (its collectives), then its receive queued behind whatever
+        started meanwhile (it issues no collective, so its place in the queue orders nothing)."""
+        comm = self._started_comm
+        assert comm is not None
+        comm.resume_call(call)
+        finish = start(comm)
+        return receiver.submit(functools.partial(self._in_background, "receive", finish))
+
+    def _in_background(self, stage: str, job: Callable[..., T], *args: object) -> T:
+        """On the receiver thread: a failure there is kept (the first one: a later call it refuses fails too) and
+        told to the peers, so that the next call refuses to start even when the engine dropped this call's
+        ``Pending`` and never sees the error."""
         try:
-            return finish()
+            return job(*args)
         except BaseException as exc:
-            self.failed_in_background = exc
+            if self.failed_in_background is None:
+                self.failed_in_background = exc
             if not isinstance(exc, CommunicationError):  # a peer's failure or a timeout: the peers know already
-                self.comm.announce_failure("receive", exc)
+                self.comm.announce_failure(stage, exc)
             raise
 
     def _check_background(self) -> None:
@@ -183,8 +210,8 @@ class ReferenceDispatcher:
         weights = from_bytes(rows[:, pw + 4 * k :], torch.float32)
         return q, ids, weights
 
-    def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
+    def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      comm: Comm) -> Callable[[], DispatchOutput]:
         R, El = self.world, self.local_experts
         T = x.shape[0]
         if self.send_to_all_ranks:
@@ -201,9 +228,9 @@ class ReferenceDispatcher:
         send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), rows.shape[1]),
                                                                          rows.dtype, rows.device))
 
-        recv_counts = self.comm.exchange_counts(send_counts_t).tolist()  # the host sync
+        recv_counts = comm.exchange_counts(send_counts_t).tolist()  # the host sync
         send_counts = send_counts_t.tolist()
-        transfer = self.comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
+        transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
                                               out=None if self.world == 1 else
                                               slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype,
                                                         send.device))
@@ -242,8 +269,8 @@ class ReferenceDispatcher:
             self.group_list_type, Layout.PACKED, self.dtype, handle, self.global_scale,
         )
 
-    def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> Callable[[], DispatchOutput]:
+    def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      comm: Comm) -> Callable[[], DispatchOutput]:
         R, k, C = self.world, self.top_k, self.capacity
         T = x.shape[0]
         lease = self.slots.acquire()
@@ -254,7 +281,7 @@ class ReferenceDispatcher:
         if T < C:  # empty slots route nowhere: zero payload, ids -1 (all bits set)
             send[T:] = 0
             send[T:, self.payload_width : self.payload_width + 4 * k] = 255
-        transfer = self.comm.all_gather_start(send, self.sections, out=None if R == 1 else
+        transfer = comm.all_gather_start(send, self.sections, out=None if R == 1 else
                                               slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
         self.slots.keep_until_done(lease, transfer)
         return functools.partial(self._finish_masked, transfer, lease, topk_ids, topk_weights)
@@ -301,19 +328,19 @@ class ReferenceDispatcher:
     # -- combine ----------------------------------------------------------------------------
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
-        return self._start_combine(expert_output, dispatch_output)()
+        return self._start_combine(expert_output, dispatch_output, self.comm)()
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
-        """This rank's partial sums computed and sent (split phase); what comes back is added as
-        soon as it is in, or at ``wait()``."""
-        return self._receiving(self._start_combine(expert_output, dispatch_output), expert_output)
+        """Split phase: this rank's partial sums computed and sent, what comes back added (``_started``)."""
+        return self._started(functools.partial(self._start_combine, expert_output, dispatch_output), expert_output)
 
-    def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Callable[[], torch.Tensor]:
+    def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                       comm: Comm) -> Callable[[], torch.Tensor]:
         self._check_background()
         handle = dispatch_output.handle
         if isinstance(handle, MaskedHandle):
-            return self._start_combine_masked(expert_output, handle)
-        return self._start_combine_packed(expert_output, handle)
+            return self._start_combine_masked(expert_output, handle, comm)
+        return self._start_combine_packed(expert_output, handle, comm)
 
     def _returned(self, handle: "NormalHandle | MaskedHandle", transfer: Transfer, returns: TokenTerms,
                   device: torch.device) -> torch.Tensor:
@@ -326,22 +353,22 @@ class ReferenceDispatcher:
         handle.lease.release()
         return out
 
-    def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle) -> Callable[[], torch.Tensor]:
+    def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle, comm: Comm) -> Callable[[], torch.Tensor]:
         H, slot = self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
         _sum_terms(send, y, h.terms, slot)
-        transfer = self.comm.all_to_all_start(
+        transfer = comm.all_to_all_start(
             as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
             out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
         )
         self.slots.keep_until_done(h.lease, transfer)
         return functools.partial(self._returned, h, transfer, h.returns, y.device)
 
-    def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle) -> Callable[[], torch.Tensor]:
+    def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle, comm: Comm) -> Callable[[], torch.Tensor]:
         R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
         _sum_terms(send, y.reshape(-1, H), h.terms, slot)
-        transfer = self.comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
+        transfer = comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
                                               out=None if R == 1 else
                                               slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
         self.slots.keep_until_done(h.lease, transfer)

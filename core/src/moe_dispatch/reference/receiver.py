@@ -1,27 +1,45 @@
-"""The thread that receives the reference backends' started calls on host memory.
+"""The thread that runs the reference backends' started calls on host memory.
 
-In split phase a started call's collective runs in gloo's threads; what is left when its bytes
-are in (the expert layout of a dispatch, the sum of a combine) is host work too. Done in
-``wait()`` it would run on the caller's thread after the caller's own work, overlapping only the
-transfer. Here one daemon thread per process (``process_receiver``: one more torch thread team,
-whatever the number of layers) runs it as soon as the bytes are in, in the order the calls
-started, while the caller computes (an accelerator's expert GEMMs hold no core, nor does a
-caller waiting for its device). It issues no collective: every collective is started on the
-caller's thread, in program order, the same on every rank. ``wait()`` then only collects the
-result, or the error (a peer's failure under the dispatcher's ``Watch``, raised on the caller's
-thread). The caller's grad and inference modes go with each job (they are per thread in torch).
+On gloo a call is host work from end to end: the wire rows gathered, the counts exchanged, the
+payload sent (gloo's threads), the expert layout of a dispatch or the sums of a combine. Done on
+the caller's thread, a started call would hold the caller for everything but the transfer (a
+combine's weighted partial sums must be made before they are sent). Here one daemon thread per
+process group (``receiver_for``: one more torch thread team per group, whatever the number of
+layers) runs each started call, in the order the calls started, while the caller computes (an
+accelerator's expert GEMMs hold no core, nor does a caller waiting for its device):
 
-On an accelerator the layout is kernels queued behind the collective: ``wait()`` runs it inline.
+- a call's *start* (everything up to and including its collectives) is one job, submitted by
+  the caller in program order, so every rank issues the same collectives in the same order;
+- they go on the started calls' own process group (``receiver_for``: the same ranks, made by the
+  first dispatcher of the group), never on the caller's, where the engine's own collectives and
+  the blocking calls run meanwhile in an order the thread does not know;
+- when the start is done, its *receive* (waiting for the bytes, the layout or the sums) is queued
+  as a job of its own: it issues no collective, so where it lands in the queue orders nothing;
+- a blocking call stays on the caller's group, so every rank makes a given call in the same form
+  (started or blocking), as it makes the same calls: one rank's blocking call #n and another's
+  started call #n meet nowhere, and end in the dispatcher's timeout.
+
+``wait()`` then only collects the result, or the error (a peer's failure under the dispatcher's
+``Watch``, raised on the caller's thread). The caller's grad and inference modes go with each job
+(they are per thread in torch).
+
+On an accelerator a call's work is kernels queued on the caller's stream: it runs there, and
+``wait()`` runs the receive inline.
 """
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 import torch
+import torch.distributed as dist
+
+from ..errors import CommunicationError
 
 T = TypeVar("T")
 
@@ -35,13 +53,19 @@ class Receiver:
         self._name = name
         self._queue: "queue.SimpleQueue[tuple[Callable[[], object], Future]]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # two callers' first jobs must not start two threads
+        #: The started calls' own process group (``receiver_for``), made by the first dispatcher of the group.
+        self.group: "dist.ProcessGroup | None" = None
+        self._making = threading.Lock()
 
     def submit(self, fn: Callable[[], T]) -> "Future[T]":
         future: Future[T] = Future()
         self._queue.put((_in_callers_modes(fn), future))  # type: ignore[arg-type]
         if self._thread is None:
-            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
-            self._thread.start()
+            with self._starting:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
+                    self._thread.start()
         return future
 
 
@@ -57,18 +81,56 @@ def _in_callers_modes(fn: Callable[[], T]) -> Callable[[], T]:
     return run
 
 
-_PROCESS: "Receiver | None" = None
-_PROCESS_LOCK = threading.Lock()
+_BY_GROUP: "dict[object, Receiver]" = {}
+_BY_GROUP_LOCK = threading.Lock()
 
 
-def process_receiver() -> Receiver:
-    """This process's receiver, made on first use and shared by every dispatcher: jobs of all of
-    them in one start order (the order their collectives were issued in)."""
-    global _PROCESS
-    with _PROCESS_LOCK:
-        if _PROCESS is None:
-            _PROCESS = Receiver("moe-dispatch receiver")
-        return _PROCESS
+def _forget_groups() -> None:
+    """At exit, while the interpreter still runs: the started groups go with their receivers. Left to the
+    interpreter's teardown, a gloo group that ``dist.destroy_process_group()`` had already shut down was destroyed
+    there, and torchrun's workers aborted ("terminate called without an active exception": tests/test_multinode.py,
+    3 of 4 launches)."""
+    with _BY_GROUP_LOCK:
+        _BY_GROUP.clear()
+
+
+atexit.register(_forget_groups)
+
+
+def receiver_for(group: "dist.ProcessGroup", timeout_s: float) -> Receiver:
+    """The receiver of ``group``'s started calls in this process, shared by every dispatcher of ``group`` (one
+    thread and one set of gloo connections per group, not per layer), with its ``group`` made: a gloo group of the
+    same ranks on which only that thread issues collectives, in the order the calls started. One thread per group,
+    not per process: a thread's start waits for the peers, and two groups' starts queued in different orders on two
+    ranks would wait for each other. Made by the first dispatcher created on ``group``, at creation, where every rank
+    is: a collective of its ranks (``dist.new_group``), which keeps that call's rule: the first dispatcher of each
+    group in the same order on every rank, not from several threads at once. A peer that never comes ends it in a
+    ``CommunicationError`` after the group's gloo deadline (``_started_group``)."""
+    with _BY_GROUP_LOCK:
+        receiver = _BY_GROUP.get(group)
+        if receiver is None:
+            receiver = _BY_GROUP[group] = Receiver(f"moe-dispatch receiver {len(_BY_GROUP)}")
+    with receiver._making:
+        if receiver.group is None:
+            receiver.group = _started_group(group, timeout_s)
+    return receiver
+
+
+def _started_group(group: "dist.ProcessGroup", timeout_s: float) -> "dist.ProcessGroup":
+    ranks = dist.get_process_group_ranks(group)
+    # gloo's own deadline on each collective: past the dispatchers' Watch (twice the creating dispatcher's timeout),
+    # which names a stalled peer before it; a later dispatcher of the group with a timeout over twice this one's meets
+    # gloo's first. It also bounds the creation's wait for the peers.
+    collectives = datetime.timedelta(seconds=2 * timeout_s)
+    try:
+        made = dist.new_group(ranks, backend="gloo", timeout=collectives, use_local_synchronization=True)
+    except (RuntimeError, ValueError) as exc:
+        raise CommunicationError(
+            f"the started calls' gloo group beside ranks {ranks} could not be made ({type(exc).__name__}: {exc}): a "
+            "peer failed or is not creating its dispatcher at this point; as for dist.new_group, every rank must "
+            "create the first dispatcher of a group at the same point, not from several threads at once"
+        ) from exc
+    return made
 
 
 def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], object], Future]]") -> None:
@@ -84,4 +146,4 @@ def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], object], Future]]") -> No
         del fn, future  # a finished call's buffers are not the thread's to keep
 
 
-__all__ = ["Receiver", "process_receiver"]
+__all__ = ["Receiver", "receiver_for"]

@@ -22,6 +22,7 @@ fresh 52 MB buffer took 179 ms on this machine's CPU, into a reused one 74 ms (i
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -121,21 +122,25 @@ class SlotPool:
         self.slots: list[Slot] = []
         #: Leases kept alive while a collective may still read or write their slot.
         self._in_flight: list[tuple[Lease, _InFlight]] = []
+        #: Started calls take slots on the receiver thread while blocking calls take them on the caller's.
+        self._lock = threading.Lock()
 
     def keep_until_done(self, lease: Lease, transfer: _InFlight) -> None:
         """Hold ``lease`` at least until ``transfer`` is done, whatever happens to its call's
         ``Pending`` or output (``Comm.all_to_all_start``'s ``Transfer``)."""
-        self._in_flight.append((lease, transfer))
+        with self._lock:
+            self._in_flight.append((lease, transfer))
 
     def acquire(self) -> Lease:
         """A free slot (a new one when every slot is held), held by the returned lease."""
-        if self._in_flight:
-            self._in_flight = [(lease, t) for lease, t in self._in_flight if not t.done]
-        slot = next((s for s in self.slots if s.free), None)
-        if slot is None:
-            slot = Slot(len(self.slots))
-            self.slots.append(slot)
-        lease = Lease(slot, slot.hold())
+        with self._lock:
+            if self._in_flight:
+                self._in_flight = [(lease, t) for lease, t in self._in_flight if not t.done]
+            slot = next((s for s in self.slots if s.free), None)
+            if slot is None:
+                slot = Slot(len(self.slots))
+                self.slots.append(slot)
+            lease = Lease(slot, slot.hold())
         weakref.finalize(lease, slot.release, lease.hold)
         return lease
 

@@ -12,13 +12,15 @@ Each iteration, on every rank, between barriers, alternating so both see the sam
       wait(combine A)  wait(combine B)
 
 The expert compute is a stand-in that takes about one micro-batch's dispatch + combine
-(calibrated at start; the ranks take the largest), the balance at which overlap helps most:
+(calibrated at start; the ranks take the largest), the balance at which overlap helps most.
+With exchange X and experts E per micro-batch the schedule cannot beat (X + 2E) / (2X + 2E),
+0.75 at E = X: the first dispatch and the last combine have nothing to hide behind.
 
 - ``host``: fp32 matmuls of the valid dispatched rows on the CPU. They share the cores with
   gloo's transfer threads, which copy every byte through the loopback: the ``exchange CPU``
   column says how many cores one rank's exchange keeps busy.
 - ``device``: a wait that holds no core, as an accelerator's expert GEMM costs the host
-  nothing; what is left is the schedule's own overlap.
+  nothing, as long as the slowest rank's exchange; what is left is the schedule's own overlap.
 """
 
 from __future__ import annotations
@@ -83,10 +85,9 @@ class _StandInExperts:
     expert GEMM scales with), then bf16 rows of the dispatched shape for combine (made once per
     shape: the bench times the schedule, not the allocator)."""
 
-    def __init__(self, hidden: int, repeats: int, device: str, *, hold_core: bool = True,
-                 unit_s: float = 0.0) -> None:
-        self.hold_core = hold_core
-        self.unit_s = unit_s
+    def __init__(self, hidden: int, repeats: int, device: str, *, wait_s: float | None = None) -> None:
+        #: Device experts: a wait of this long instead of the matmuls.
+        self.wait_s = wait_s
         self.weight = torch.full((hidden, 128), 1.0 / hidden, dtype=torch.float32, device=device)
         self.repeats = repeats
         self._inputs: dict[int, torch.Tensor] = {}
@@ -98,11 +99,11 @@ class _StandInExperts:
         if x is None:
             x = self._inputs[valid] = torch.ones(valid, self.weight.shape[0], dtype=torch.float32,
                                                  device=self.weight.device)
-        if self.hold_core:
+        if self.wait_s is None:
             for _ in range(self.repeats):
                 torch.mm(x, self.weight)
         else:
-            time.sleep(self.repeats * self.unit_s)
+            time.sleep(self.wait_s)
         shape = (*out.hidden_states.shape[:-1], self.weight.shape[0])
         rows = self._outputs.get(shape)
         if rows is None:
@@ -145,8 +146,11 @@ def measure_overlap(rank: int, world_size: int, case: BenchCase, settings: Bench
         one(sample)  # its input and output made once, outside the timing
         unit_s = _median_s(lambda: one(sample), _CALIBRATION_ROUNDS)  # reads only its shape: no longer valid rows
         wanted = max(1, round(exchange_s / max(unit_s, 1e-9)))
-        experts = _StandInExperts(case.hidden, max(comm.gather_object(wanted, "bench calibration")), settings.device,
-                                  hold_core=compute == "host", unit_s=unit_s)
+        calibrated = comm.gather_object((wanted, exchange_s), "bench calibration")
+        # Host experts: the same matmuls on every rank, as many as the slowest-to-exchange rank needs; device experts:
+        # as long as the slowest rank's exchange (a count times this rank's unit would overshoot on a faster rank).
+        experts = _StandInExperts(case.hidden, max(w for w, _ in calibrated), settings.device,
+                                  wait_s=None if compute == "host" else max(s for _, s in calibrated))
         experts(sample)
         compute_s = _median_s(lambda: experts(sample), _CALIBRATION_ROUNDS)
 
