@@ -189,6 +189,8 @@ def _start_while_the_peer_is_late(rank: int, world: int, mode: str):
     pending = d.dispatch_start(*_inputs(1, rank))
     start_s = time.monotonic() - t0
     out = pending.wait()
+    if rank == 1:
+        time.sleep(1.0)  # late again: a combine start that checked the call with the peers would wait for it
     t0 = time.monotonic()
     pending = d.combine_start(_rows(out), out)
     combine_start_s = time.monotonic() - t0
@@ -200,11 +202,11 @@ def _start_while_the_peer_is_late(rank: int, world: int, mode: str):
 def test_a_start_on_gloo_returns_before_the_peers_arrive(moe_rank_pools, mode):
     """The whole call runs on the receiver thread: a start holds the caller for none of its collectives (normal mode's
     counts exchange, the call check, combine's partial sums), so a late peer does not hold it either."""
-    (start0, _, same0, counted0), (_, _, same1, counted1) = moe_rank_pools.get(2).map(_start_while_the_peer_is_late,
-                                                                                      mode)
+    (start0, combine0, same0, counted0), (_, _, same1, counted1) = moe_rank_pools.get(2).map(
+        _start_while_the_peer_is_late, mode)
     assert same0 and same1
     assert counted0 and counted1  # counted in the dispatcher's traffic as the blocking calls are
-    assert start0 < 0.5  # the peer arrives after 1 s; a start that exchanged anything would wait for it
+    assert start0 < 0.5 and combine0 < 0.5  # the peer comes 1 s later; a start that exchanged anything would wait
 
 
 def _engine_collectives_between_start_and_wait(rank: int, world: int, mode: str):
