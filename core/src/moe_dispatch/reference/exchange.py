@@ -15,7 +15,8 @@ Split phase, both modes: a call's start does everything up to the payload's coll
 starts it (``Comm.all_to_all_start``/``all_gather_start``); its receive lays out what arrived, or
 adds what comes back. The blocking calls are ``start(comm)()`` on the caller's thread. With peers
 on host memory ``dispatch_start``/``combine_start`` hand both halves to the group's receiver
-thread, on the started calls' own group (``receiver.py``), and return at once.
+thread, on the started calls' own group (``receiver.py``), and return at once (on a group of every
+rank; on a subgroup the start runs on the caller's thread and the receive at ``wait()``).
 
 Combine, both modes: the destination weights each row (fp32) and sums a token's local
 rows in ascending expert order; the BF16 partial goes back with the reverse exchange and
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from ..backend import DispatchContext
 from ..codecs import as_bytes, from_bytes
@@ -109,11 +111,16 @@ class ReferenceDispatcher:
         self.slots = SlotPool()
         #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
         self.failed_in_background: BaseException | None = None
-        #: With peers on host memory (gloo) started calls run on the group's receiver thread, on the started calls'
-        #: group: made here, where every rank is (a collective; the first dispatcher of the group makes it).
+        #: With peers on host memory (gloo), on a group of every rank, started calls run on the group's receiver
+        #: thread, on the started calls' group: made here, where every rank is (a collective of all of them; the
+        #: first dispatcher of the group makes it). On a subgroup the start runs on the caller's thread and the
+        #: receive at ``wait()``: ``dist.new_group``'s names for a group made by its members alone count the groups
+        #: each process has, which differ between ranks once subgroups have come and gone (ranks then wait for
+        #: each other's group forever: core/tests/test_nothing_lost.py, subgroups of a 4-rank pool).
         self._receiver: Receiver | None = None
         self._started_comm: Comm | None = None
-        if self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu":
+        if (self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu"
+                and self.world == dist.get_world_size()):
             self._receiver = receiver_for(self.comm.process_group, self.comm.watch.timeout_s)
             assert self._receiver.group is not None
             self._started_comm = self.comm.for_started_calls(self._receiver.group)
@@ -231,9 +238,8 @@ class ReferenceDispatcher:
         recv_counts = comm.exchange_counts(send_counts_t).tolist()  # the host sync
         send_counts = send_counts_t.tolist()
         transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
-                                              out=None if self.world == 1 else
-                                              slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype,
-                                                        send.device))
+                                         out=None if self.world == 1 else
+                                         slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype, send.device))
         self.slots.keep_until_done(lease, transfer)
         return functools.partial(self._finish_packed, transfer, lease, topk_ids, topk_weights, pair_token,
                                  send_counts, recv_counts)
@@ -282,7 +288,7 @@ class ReferenceDispatcher:
             send[T:] = 0
             send[T:, self.payload_width : self.payload_width + 4 * k] = 255
         transfer = comm.all_gather_start(send, self.sections, out=None if R == 1 else
-                                              slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
+                                         slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
         self.slots.keep_until_done(lease, transfer)
         return functools.partial(self._finish_masked, transfer, lease, topk_ids, topk_weights)
 
@@ -369,8 +375,8 @@ class ReferenceDispatcher:
         send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
         _sum_terms(send, y.reshape(-1, H), h.terms, slot)
         transfer = comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
-                                              out=None if R == 1 else
-                                              slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
+                                         out=None if R == 1 else
+                                         slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
         self.slots.keep_until_done(h.lease, transfer)
         # Token c's partials come back from every rank at rows r·C + c, added in rank order.
         T = h.num_tokens

@@ -102,9 +102,10 @@ def receiver_for(group: "dist.ProcessGroup", timeout_s: float) -> Receiver:
     thread and one set of gloo connections per group, not per layer), with its ``group`` made: a gloo group of the
     same ranks on which only that thread issues collectives, in the order the calls started. One thread per group,
     not per process: a thread's start waits for the peers, and two groups' starts queued in different orders on two
-    ranks would wait for each other. Made by the first dispatcher created on ``group``, at creation, where every rank
-    is: a collective of its ranks (``dist.new_group``), which keeps that call's rule: the first dispatcher of each
-    group in the same order on every rank, not from several threads at once. A peer that never comes ends it in a
+    ranks would wait for each other. Only for a ``group`` of every rank (the reference dispatcher's rule): made by
+    the first dispatcher created on it, at creation, where every rank is, with ``dist.new_group``, which keeps that
+    call's rule: the first dispatcher of each group in the same order on every rank, not from several threads at
+    once. A peer that never comes ends it in a
     ``CommunicationError`` after the group's gloo deadline (``_started_group``)."""
     with _BY_GROUP_LOCK:
         receiver = _BY_GROUP.get(group)
@@ -123,7 +124,7 @@ def _started_group(group: "dist.ProcessGroup", timeout_s: float) -> "dist.Proces
     # gloo's first. It also bounds the creation's wait for the peers.
     collectives = datetime.timedelta(seconds=2 * timeout_s)
     try:
-        made = dist.new_group(ranks, backend="gloo", timeout=collectives, use_local_synchronization=True)
+        made = dist.new_group(ranks, backend="gloo", timeout=collectives)  # every rank: named by torch's group count
     except (RuntimeError, ValueError) as exc:
         raise CommunicationError(
             f"the started calls' gloo group beside ranks {ranks} could not be made ({type(exc).__name__}: {exc}): a "
