@@ -85,6 +85,7 @@ def test_bench_overlap_case_json(capsys):
         assert r["sequential_ms"] > 0 and r["overlapped_ms"] > 0 and r["compute_ms"] > 0
         assert 0 < r["start_ms"] + r["wait_ms"] < r["overlapped_ms"]
         assert r["ratio"] == pytest.approx(r["overlapped_ms"] / r["sequential_ms"])
+        assert r["bound"] == pytest.approx(0.5 + r["compute_ms"] / r["sequential_ms"])
 
 
 def test_overhead_of_the_value_checks_is_measured_not_assumed():

@@ -5,6 +5,7 @@ default value checks that make no host sync on an accelerator."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.reference.builtin import TorchBackend
 from moe_dispatch.reference.exchange import ReferenceDispatcher
+from moe_dispatch.reference.receiver import Receiver
 from moe_dispatch.reference.slots import SlotPool
 from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import on_a_fresh_pool, outcome
@@ -263,6 +265,53 @@ def test_threads_on_their_own_groups_start_in_any_order_across_ranks():
     group 0's start before group 1's and rank 1 the reverse, each waiting for the other until the timeout."""
     for same, seconds in on_a_fresh_pool(_threads_on_two_groups_start_in_opposite_orders):
         assert same and seconds < 10
+
+
+def test_the_receiver_runs_a_receive_before_the_starts_queued_ahead_of_it():
+    """The engine waits for its oldest call first: that call's receive must not sit behind the next micro-batch's
+    start (measured: the overlap bench's wait grew by a whole start)."""
+    receiver = Receiver("test receiver")
+    hold, ran = threading.Event(), []
+    first = receiver.submit(lambda: hold.wait(10))
+    later = [receiver.submit(lambda: ran.append("start B")), receiver.submit_receive(lambda: ran.append("receive A")),
+             receiver.submit(lambda: ran.append("start C")), receiver.submit_receive(lambda: ran.append("receive B"))]
+    hold.set()
+    assert first.result(10)
+    for future in later:
+        future.result(10)
+    assert ran == ["receive A", "receive B", "start B", "start C"]
+
+
+def _started_on_a_subgroup_then_on_every_rank(rank: int, world: int):
+    import torch.distributed as dist
+
+    spec = md.DispatchSpec(H, 12, K, num_max_dispatch_tokens_per_rank=T, output_dtype="fp8")  # 12 over 2 and 3 ranks
+
+    def inputs(seed: int):
+        g = torch.Generator().manual_seed(100 * seed + rank)
+        return (torch.randn(T, H, generator=g).to(torch.bfloat16), *random_routing(T, 12, K, generator=g))
+
+    pair = dist.new_group([0, 1])  # every rank makes it (dist.new_group's rule); only 0 and 1 use it
+    same = []
+    if rank in (0, 1):
+        d = md.create_dispatcher("torch", spec, group=pair, env={}, timeout_s=20)
+        expected = d.combine(_rows(out := d.dispatch(*inputs(1))), out)
+        out = d.dispatch_start(*inputs(1)).wait()
+        same.append(bool(torch.equal(d.combine_start(_rows(out), out).wait(), expected)))
+    d = md.create_dispatcher("torch", spec, env={}, timeout_s=20)  # every rank, after different histories
+    expected = d.combine(_rows(out := d.dispatch(*inputs(2))), out)
+    out = d.dispatch_start(*inputs(2)).wait()
+    same.append(bool(torch.equal(d.combine_start(_rows(out), out).wait(), expected)))
+    return same
+
+
+def test_started_calls_on_a_subgroup_then_on_every_rank():
+    """Ranks 0 and 1 make started calls on a group of the two, then all three on the default group. The started calls'
+    own group is made on a group of every rank only: made on the pair by its members alone (``use_local_synchronization``),
+    torch names a later group by the groups each process has made, which then differ between ranks, and the three ranks
+    met under different names until the timeout."""
+    assert on_a_fresh_pool(_started_on_a_subgroup_then_on_every_rank, world_size=3, timeout_s=60) == [
+        [True, True], [True, True], [True]]
 
 
 # -- failures between start and wait --------------------------------------------------------------------------------

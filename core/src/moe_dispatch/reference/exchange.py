@@ -182,7 +182,7 @@ class ReferenceDispatcher:
         assert comm is not None
         comm.resume_call(call)
         finish = start(comm)
-        return receiver.submit(functools.partial(self._in_background, "receive", finish))
+        return receiver.submit_receive(functools.partial(self._in_background, "receive", finish))
 
     def _in_background(self, stage: str, job: Callable[..., T], *args: object) -> T:
         """On the receiver thread: a failure there is kept (the first one: a later call it refuses fails too) and

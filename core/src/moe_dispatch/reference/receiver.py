@@ -14,7 +14,8 @@ accelerator's expert GEMMs hold no core, nor does a caller waiting for its devic
   first dispatcher of the group), never on the caller's, where the engine's own collectives and
   the blocking calls run meanwhile in an order the thread does not know;
 - when the start is done, its *receive* (waiting for the bytes, the layout or the sums) is queued
-  as a job of its own: it issues no collective, so where it lands in the queue orders nothing;
+  as a job of its own, ahead of the starts still queued (``Receiver.submit_receive``): the engine
+  waits for its oldest call first, and a receive issues no collective, so its place orders nothing;
 - a blocking call stays on the caller's group, so every rank makes a given call in the same form
   (started or blocking), as it makes the same calls: one rank's blocking call #n and another's
   started call #n meet nowhere, and end in the dispatcher's timeout.
@@ -30,8 +31,8 @@ On an accelerator a call's work is kernels queued on the caller's stream: it run
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
-import queue
 import threading
 from concurrent.futures import Future
 from typing import Callable, TypeVar
@@ -45,13 +46,13 @@ T = TypeVar("T")
 
 
 class Receiver:
-    """Runs submitted functions one at a time, in order, on a daemon thread started on first use
-    (a daemon: a call that never completes must not keep the process from exiting). The thread
-    holds nothing of a call once it has run it."""
+    """Runs submitted functions one at a time on a daemon thread started on first use (a daemon: a
+    call that never completes must not keep the process from exiting): the receives first, each
+    kind in the order submitted. The thread holds nothing of a call once it has run it."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: "queue.SimpleQueue[tuple[Callable[[], object], Future]]" = queue.SimpleQueue()
+        self._jobs = _Jobs()
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()  # two callers' first jobs must not start two threads
         #: The started calls' own process group (``receiver_for``), made by the first dispatcher of the group.
@@ -59,14 +60,46 @@ class Receiver:
         self._making = threading.Lock()
 
     def submit(self, fn: Callable[[], T]) -> "Future[T]":
+        """A call's start: run after every start submitted before it."""
+        return self._submit(fn, receive=False)
+
+    def submit_receive(self, fn: Callable[[], T]) -> "Future[T]":
+        """A call's receive: run before any start still queued. The engine waits for its calls in the order it
+        started them, so the oldest receive is the one it waits for; a start queued meanwhile (the next
+        micro-batch's) has the engine's expert compute to hide behind. A receive issues no collective and waits
+        only on a transfer that this rank, and so (in the same order) every peer, has issued: never on a start
+        still queued here."""
+        return self._submit(fn, receive=True)
+
+    def _submit(self, fn: Callable[[], T], *, receive: bool) -> "Future[T]":
         future: Future[T] = Future()
-        self._queue.put((_in_callers_modes(fn), future))  # type: ignore[arg-type]
+        self._jobs.put((_in_callers_modes(fn), future), receive=receive)  # type: ignore[arg-type]
         if self._thread is None:
             with self._starting:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
+                    self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=self._name, daemon=True)
                     self._thread.start()
         return future
+
+
+class _Jobs:
+    """Two FIFO queues, receives served first."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition(threading.Lock())
+        self._receives: "collections.deque[tuple[Callable[[], object], Future]]" = collections.deque()
+        self._starts: "collections.deque[tuple[Callable[[], object], Future]]" = collections.deque()
+
+    def put(self, job: "tuple[Callable[[], object], Future]", *, receive: bool) -> None:
+        with self._ready:
+            (self._receives if receive else self._starts).append(job)
+            self._ready.notify()
+
+    def get(self) -> "tuple[Callable[[], object], Future]":
+        with self._ready:
+            while not (self._receives or self._starts):
+                self._ready.wait()
+            return (self._receives or self._starts).popleft()
 
 
 def _in_callers_modes(fn: Callable[[], T]) -> Callable[[], T]:
@@ -134,7 +167,7 @@ def _started_group(group: "dist.ProcessGroup", timeout_s: float) -> "dist.Proces
     return made
 
 
-def _serve(jobs: "queue.SimpleQueue[tuple[Callable[[], object], Future]]") -> None:
+def _serve(jobs: _Jobs) -> None:
     """The thread: holding only the queue (a job's function, and with it its dispatcher and buffers, is
     let go once it has run)."""
     while True:
