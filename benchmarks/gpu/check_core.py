@@ -42,7 +42,7 @@ from moe_dispatch.codecs import as_bytes, make_codec, nvfp4_global_scale
 from moe_dispatch.distributed.local import one_rank_group
 from moe_dispatch.routing import random_expert_weights, random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, check_layer
-from moe_dispatch.testing.streams import run_started
+from moe_dispatch.testing.streams import captured, run_started
 
 H, E, K, T = 512, 16, 4, 32
 BACKENDS = ("torch", "allgather")
@@ -251,16 +251,8 @@ def _sync_sites(step: Callable[[], torch.Tensor]) -> list[str]:
 
 def _capture_and_replay(name: str, step: Callable[[], torch.Tensor], static: tuple[torch.Tensor, ...],
                         device: torch.device) -> Check:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch's graph docs ask
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            y_static = step()
+        graph, y_static = captured(step)
     except Exception as exc:  # noqa: BLE001 - a capture failure is the finding
         return Check("graph", name, False, f"capture failed at {_where(exc)}: {type(exc).__name__}: "
                                            f"{str(exc).splitlines()[0]}")

@@ -104,3 +104,25 @@ def test_the_builtin_backends_pass_their_own_output_checks(mode):
         out = d.dispatch(x, ids, w)
         assert out.call == 1
         assert d.combine(torch.ones(*out.hidden_states.shape[:-1], H, dtype=torch.bfloat16), out).shape == (5, H)
+
+
+def test_packed_rows_past_the_segments_are_a_plugin_error_in_normal_mode_and_the_worst_case_in_low_latency():
+    """A backend that makes no host sync sizes low-latency PACKED rows for the worst case (DeepEP V2 without
+    ``do_cpu_sync``): rows past the experts' segments are allowed where it declares so
+    (``Capabilities.worst_case_rows``), and only there."""
+    from moe_dispatch.output_checks import OutputChecks
+
+    spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=8, output_dtype="bf16")
+    d = md.create_dispatcher("torch", spec, env={})
+    x = torch.randn(5, H).to(torch.bfloat16)
+    out = d.dispatch(x, *random_routing(5, E, K))
+    longer = dataclasses.replace(out, hidden_states=torch.cat([out.hidden_states, torch.full((3, H), float("nan"),
+                                                                                             dtype=torch.bfloat16)]))
+    low_latency = dataclasses.replace(spec, mode=md.Mode.LOW_LATENCY)
+    OutputChecks("worst", low_latency, 1, worst_case=True).dispatch(longer, check_values=True)
+    for exact in (OutputChecks("exact", spec, 1), OutputChecks("masked", low_latency, 1)):  # undeclared: exact rows
+        with pytest.raises(md.PluginError, match="group_list"):
+            exact.dispatch(longer, check_values=True)
+    short = dataclasses.replace(out, hidden_states=out.hidden_states[:-1])
+    with pytest.raises(md.PluginError, match="group_list"):
+        OutputChecks("worst", low_latency, 1, worst_case=True).dispatch(short, check_values=True)

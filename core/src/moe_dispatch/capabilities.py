@@ -84,6 +84,11 @@ class Capabilities:
         is False).
     :param expert_alignment: modes whose PACKED rows the backend writes at the spec's
         ``expert_alignment`` itself (gaps zeroed); in the others the core copies them there.
+    :param worst_case_rows: modes (low latency only) whose PACKED rows are the backend's worst
+        case, the same count every call, the rows past the experts' segments unspecified
+        (``DispatchOutput``, "Worst-case rows"); such a mode writes its own alignment (it is in
+        ``expert_alignment``: the core's copy reads exact rows). Elsewhere the core holds PACKED
+        rows to the segments' end.
     :param devices: device types it runs on (``"cpu"``, ``"cuda"``, ``"npu"``).
     :param limits: per mode, shape limits.
     :param fp8_ue8m0: FP8 with power-of-two (UE8M0) scales is supported.
@@ -100,6 +105,7 @@ class Capabilities:
     cuda_graph_modes: frozenset[Mode] = frozenset()
     split_phase: frozenset[Mode] = frozenset()
     expert_alignment: frozenset[Mode] = frozenset()
+    worst_case_rows: frozenset[Mode] = frozenset()
     devices: frozenset[str] = frozenset({"cpu"})
     limits: Mapping[Mode, Limits] = field(default_factory=dict)
     fp8_ue8m0: bool = False
@@ -146,6 +152,7 @@ class Capabilities:
             "cuda_graph_modes": sorted(m.value for m in self.cuda_graph_modes),
             "split_phase": sorted(m.value for m in self.split_phase),
             "expert_alignment": sorted(m.value for m in self.expert_alignment),
+            "worst_case_rows": sorted(m.value for m in self.worst_case_rows),
             "devices": sorted(self.devices),
             "limits": {m.value: lim.to_dict() for m, lim in sorted(self.limits.items(), key=lambda kv: kv[0].value)},
             "fp8_ue8m0": self.fp8_ue8m0,

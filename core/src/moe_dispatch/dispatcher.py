@@ -93,7 +93,8 @@ class Dispatcher:
                                                        spec.expert_alignment)
         self._copy_alignment = self.alignment.copies
         self._outputs = OutputChecks(backend.name, spec, comm.world_size,
-                                     1 if self._copy_alignment else spec.expert_alignment)
+                                     1 if self._copy_alignment else spec.expert_alignment,
+                                     worst_case=spec.mode in backend.capabilities.worst_case_rows)
         # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
         # check reads attributes, too slow for every forward.
         self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None

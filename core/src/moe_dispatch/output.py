@@ -38,10 +38,23 @@ class DispatchOutput:
     :param expert_alignment: PACKED only: expert e's rows are ``[start_e, start_e + count_e)``
         with ``start_0 = 0`` and ``start_{e+1} = align(start_e + count_e, expert_alignment)``;
         every other row (each expert's gap, and rows after the last expert's end) is padding,
-        zero in its data and scales. The expert output keeps the same rows; combine ignores the
-        padding rows' values. 1: dense, no padding. (DeepEP V2's expanded layout with
+        zero in its data and scales (but a worst case's tail, below). The expert output keeps the
+        same rows; combine ignores the padding rows' values. 1: dense, no padding (but a worst
+        case's tail). (DeepEP V2's expanded layout with
         ``do_zero_padding``; DeepGEMM's contiguous "PSUM" layout, whose ``grouped_layout`` is the
         type-0 group list.)
+
+    **Worst-case rows (low-latency mode).** A backend that makes no host sync cannot size PACKED
+    rows by the counts, which only the device knows: in low-latency mode, where the backend
+    declares it (``Capabilities.worst_case_rows``), a PACKED output may have more rows than its
+    experts' segments take (the same number every call: the backend's worst case, as CUDA
+    graphs need), and the rows after the last expert's aligned end are *unspecified*: anything,
+    NaN included (DeepEP V2 without ``do_cpu_sync`` leaves them unwritten). The gaps between
+    segments stay zero. An expert kernel driven by the group list ignores them (``row_experts``
+    marks them -1; DeepGEMM's PSUM layout never schedules them, its ``m_indices`` layout skips
+    or computes them into rows nobody reads); combine never reads them.
+    ``MASKED`` is the other no-sync layout. In normal mode PACKED rows end where the last
+    segment ends (at alignment 1 exactly the pairs received).
 
     **Lifetime.** The tensors of a dispatch output may live in buffers the backend reuses for a
     later dispatch (the reference backends do; DeepEP's and FlashInfer's receive buffers too):
@@ -67,7 +80,8 @@ class DispatchOutput:
 
     @property
     def num_rows(self) -> int:
-        """Row capacity of ``hidden_states`` (valid rows only in PACKED layout)."""
+        """Row capacity of ``hidden_states`` (PACKED: every row, the worst case's unspecified rows
+        included in low-latency mode)."""
         if self.layout is Layout.PACKED:
             return int(self.hidden_states.shape[0])
         return int(self.hidden_states.shape[0] * self.hidden_states.shape[1])

@@ -32,9 +32,10 @@ _PACKED, _MASKED = Layout.PACKED, Layout.MASKED
 class OutputChecks:
     """The output checks of one dispatcher, against values computed once."""
 
-    __slots__ = ("backend", "hidden", "element", "columns", "local_experts", "alignment", "_groups")
+    __slots__ = ("backend", "hidden", "element", "columns", "local_experts", "alignment", "worst_case", "_groups")
 
-    def __init__(self, backend: str, spec: DispatchSpec, world_size: int, alignment: int = 1) -> None:
+    def __init__(self, backend: str, spec: DispatchSpec, world_size: int, alignment: int = 1, *,
+                 worst_case: bool = False) -> None:
         self.backend = backend
         self.hidden = spec.hidden_size
         dtype = wire_dtype(spec.output_dtype)  # type: ignore[arg-type]  # resolved by now
@@ -43,6 +44,8 @@ class OutputChecks:
         self.local_experts = spec.num_experts // world_size
         self._groups = (self.local_experts,)
         self.alignment = alignment  # of the backend's PACKED rows
+        #: PACKED rows may be the backend's worst case, past the segments' end (``Capabilities.worst_case_rows``).
+        self.worst_case = worst_case
 
     def dispatch(self, out: object, check_values: bool) -> DispatchOutput:
         # One combined test on the hot path (dtypes and enums are singletons: ``is``); the checks
@@ -94,9 +97,11 @@ class OutputChecks:
         if out.layout is Layout.MASKED:
             bad = counts.numel() > 0 and (lo < 0 or int(counts.max()) > per_expert)
             limit = f"0..{per_expert} rows per expert (the MASKED capacity)"
-        elif out.expert_alignment > 1:
+        elif out.expert_alignment > 1 or self.worst_case:
             bad = lo < 0 or int(align_up(counts, out.expert_alignment).sum()) > per_expert
-            limit = f"counts >= 0 whose segments, aligned to {out.expert_alignment} rows, fit the {per_expert} rows"
+            limit = (f"counts >= 0 whose segments, aligned to {out.expert_alignment} rows, fit the {per_expert} rows"
+                     if out.expert_alignment > 1 else f"counts >= 0 adding up to at most the {per_expert} rows returned "
+                     "(low-latency mode: the backend's worst case)")
         else:
             bad = lo < 0 or int(counts.sum()) != per_expert
             limit = f"counts >= 0 adding up to the {per_expert} rows returned"

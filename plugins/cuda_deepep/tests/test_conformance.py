@@ -40,7 +40,8 @@ def emulated_deepep_v2():  # type: ignore[no-untyped-def]
 
 
 class TestDeepEPV2OnEmulator(BackendConformance):
-    """DeepEP 2.x's ElasticBuffer (fakes/deep_ep_elastic.py): normal mode, expanded rows, on 2 and 4 ranks."""
+    """DeepEP 2.x's ElasticBuffer (fakes/deep_ep_elastic.py): expanded rows, exact (normal mode) and worst-case (low
+    latency, no host sync), on 2 and 4 ranks."""
 
     backend_name = "cuda_deepep_v2"
     backend_factory = emulated_deepep_v2

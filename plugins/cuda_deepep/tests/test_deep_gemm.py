@@ -102,6 +102,26 @@ def mirror(layer: DeepGemmLayer, x: torch.Tensor, scale, counts: list[int]) -> t
 # -- results ----------------------------------------------------------------------------------------
 
 
+def test_rows_past_the_counts_are_padding_and_dense_rows_are_refused_under_capture():
+    """Low latency's worst-case rows (``DispatchOutput``): the dense path runs the counts' rows and gives zeros past
+    them; under CUDA-graph capture it cannot read the counts (a host read) and says to ask for aligned rows, instead
+    of a CUDA error inside the capture."""
+    from moe_dispatch_cuda_deepep.fakes.deep_ep import CUDAGraph
+
+    experts = DeepGemmExperts("bf16", "low_latency", EMULATOR)
+    layer = experts.process_weights(_weights())
+    valid = sum(PACKED_COUNTS)
+    x, scale = _rows("bf16", (valid + 5,))
+    x[valid:] = float("nan")  # unwritten
+    group_list = _group_list(PACKED_COUNTS, 1)
+    out = experts.apply_without_routing_weights(layer, x, scale, 1, group_list, torch.bfloat16)
+    exact = experts.apply_without_routing_weights(layer, x[:valid], scale, 1, group_list, torch.bfloat16)
+    assert torch.equal(out[:valid], exact) and bool(out[valid:].eq(0).all())
+    with CUDAGraph().capture(), pytest.raises(md.InvalidInputError) as info:
+        experts.apply_without_routing_weights(layer, x, scale, 1, group_list, torch.bfloat16)
+    assert info.value.parameter == "expert_alignment" and "capture" in str(info.value)
+
+
 @pytest.mark.parametrize("kind", ["block_fp8", "bf16"])
 @pytest.mark.parametrize("group_list_type", [0, 1])
 def test_packed_rows_match_the_reference_experts(kind, group_list_type):
@@ -401,7 +421,7 @@ def test_needs_dispatch_dtype_and_quant_hints(kind, mode, needs):
 def test_the_registered_runner_takes_both_dtypes_behind_deepep():
     runner = md.PluginHost(env={}).runners()["deep_gemm"]
     assert runner.needs is md.DispatchDtype.FP8 and runner.accepts == {md.DispatchDtype.FP8, md.DispatchDtype.BF16}
-    assert runner.backends == {"cuda_deepep": frozenset({NORMAL, LL}), "cuda_deepep_v2": frozenset({NORMAL})}
+    assert runner.backends == {"cuda_deepep": frozenset({NORMAL, LL}), "cuda_deepep_v2": frozenset({NORMAL, LL})}
     assert "github.com/deepseek-ai/DeepGEMM" in runner_probe("no_such_deep_gemm_module")
     assert runner_probe(EMULATOR) is None
 
@@ -440,12 +460,17 @@ def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_poo
         assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)
 
 
-@pytest.mark.parametrize("kind,kernel", [("block_fp8", EMULATOR), ("bf16", EMULATOR), ("block_fp8", SM100)])
-def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind, kernel):
+@pytest.mark.parametrize("kind,kernel,mode,aligned", [
+    ("block_fp8", EMULATOR, "normal", False), ("bf16", EMULATOR, "normal", False), ("block_fp8", SM100, "normal", False),
+    # low latency: DeepEP's worst-case rows, unwritten past the segments, no host sync in the aligned (PSUM) path
+    ("block_fp8", EMULATOR, "low_latency", True), ("bf16", SM100, "low_latency", True),
+    ("block_fp8", EMULATOR, "low_latency", False),
+])
+def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind, kernel, mode, aligned):
     """DeepEP V2's expanded rows (PACKED; fp32 per-128 scales, or UE8M0 packed four per word for SM100) are what the
-    contiguous GEMMs take (issue 18)."""
-    results = moe_rank_pools.get(2).map(run_layer, kind, "normal", kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
-                                        v2=True)
+    contiguous GEMMs take (issue 18), exact in normal mode and DeepEP's worst case in low-latency mode."""
+    results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
+                                        v2=True, aligned=aligned)
     for r in results:
         assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)
 

@@ -383,3 +383,90 @@ def test_the_padding_check_sees_bytes_deepep_left_unzeroed(moe_rank_pools):
     ((stale,),) = [moe_rank_pools.get(1).map(functools.partial(_padding_found, stale=True))]
     assert zeroed == {"data": 0, "scales": 0, "weights": 0}
     assert stale["data"] > 0 and stale["scales"] > 0 and stale["weights"] > 0, stale
+
+
+# -- low-latency mode: no host sync, DeepEP's worst-case rows ----------------------------------------------------
+
+
+def _low_latency_against_normal(rank, world, alignment):  # type: ignore[no-untyped-def]
+    x, ids, w = _routing(rank, 12, 8, 3)
+    x = x.repeat(1, 2)
+    got = {}
+    for mode in ("normal", "low_latency"):
+        d = md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR),
+                                 _spec(mode=mode, top_k=3, expert_alignment=alignment), env={})
+        out = d.dispatch(x, ids, w)
+        got[mode] = (out.hidden_states.shape[0], out.expert_counts().tolist(),
+                     bool(out.hidden_states.float().isnan().any()), d.combine(out.hidden_states, out))
+        other = d.dispatch(x[:5], ids[:5].flip(1), w[:5])  # another routing, fewer tokens
+        got[mode + " again"] = other.hidden_states.shape[0]
+        d.combine(other.hidden_states, other)
+    return got
+
+
+@pytest.mark.parametrize("alignment", [1, 8])
+def test_low_latency_rows_are_deepeps_worst_case_and_combine_gives_normal_modes_bits(moe_rank_pools, alignment):
+    """``do_cpu_sync=False``: as many rows as DeepEP allocates for the worst case (buffer.hpp:1065-1071), the rows past
+    the experts' segments unwritten (NaN in the fake), which the experts' output keeps and combine never reads: the
+    same counts and the same combined bits as normal mode's exact rows."""
+    world, local, k, n_max = 2, 4, 3, 16
+    worst = -(-(world * n_max * min(k, local) + (alignment - 1) * local) // alignment) * alignment
+    for got in moe_rank_pools.get(world).map(_low_latency_against_normal, alignment):
+        rows, counts, nan, combined = got["low_latency"]
+        exact_rows, exact_counts, exact_nan, exact = got["normal"]
+        assert rows == worst == got["low_latency again"] and exact_rows < worst  # the same shape every call
+        assert got["normal again"] < exact_rows
+        assert counts == exact_counts and nan and not exact_nan
+        assert torch.equal(combined, exact)
+
+
+def _adapter_ops_in_low_latency(rank, world):  # type: ignore[no-untyped-def]
+    """The aten ops the adapter runs around DeepEP's calls (the fake's own, a CPU emulation, are not recorded), and
+    the ``do_cpu_sync`` it passed."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):  # type: ignore[no-untyped-def]
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func._schema.name.split("::")[-1])
+            return func(*args, **(kwargs or {}))
+
+    synced = []
+    real = deep_ep_elastic.ElasticBuffer.dispatch, deep_ep_elastic.ElasticBuffer.combine
+
+    def dispatch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        synced.append(kwargs.get("do_cpu_sync"))
+        with _disable_current_modes():
+            return real[0](self, *args, **kwargs)
+
+    def combine(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _disable_current_modes():
+            return real[1](self, *args, **kwargs)
+
+    d = md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR), _spec(mode="low_latency", output_dtype="fp8"),
+                             env={}, check_inputs=False)
+    x, ids, w = _routing(rank, 8, 8, 2)
+    x = x.repeat(1, 2)
+    deep_ep_elastic.ElasticBuffer.dispatch, deep_ep_elastic.ElasticBuffer.combine = dispatch, combine
+    try:
+        with Ops() as seen:
+            out = d.dispatch(x, ids, w)
+            d.combine(torch.ones(out.hidden_states.shape, dtype=torch.bfloat16), out)
+    finally:
+        deep_ep_elastic.ElasticBuffer.dispatch, deep_ep_elastic.ElasticBuffer.combine = real
+    return synced, seen.ops
+
+
+def test_low_latency_makes_no_host_sync_around_deepep(moe_rank_pools):
+    """The adapter's own ops in low-latency mode (the FP8 cast, the routing copies, the group list, the weighting)
+    read no data on the host, and DeepEP is asked not to wait for the counts: what CUDA-graph capture needs."""
+    syncing = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave", "item",
+               "equal", "is_nonzero"}
+    for synced, ops in moe_rank_pools.get(2).map(_adapter_ops_in_low_latency):
+        assert synced == [False]
+        assert ops and not set(ops) & syncing, sorted(set(ops) & syncing)

@@ -215,6 +215,10 @@ class BackendConformance:
         assert caps.combine_dtype is DispatchDtype.BF16, "combine sends BF16 by contract"
         assert caps.cuda_graph_modes <= set(caps.modes), "cuda_graph_modes names an undeclared mode"
         assert caps.split_phase <= set(caps.modes), "split_phase names an undeclared mode"
+        assert caps.worst_case_rows <= {Mode.LOW_LATENCY} & set(caps.modes), (
+            "worst_case_rows names a mode other than a declared low_latency (normal mode's rows are exact)")
+        assert caps.worst_case_rows <= caps.expert_alignment, (
+            "worst_case_rows needs the mode in expert_alignment: the core's aligned copy reads exact rows")
         if self.backend.probe() is not None:
             assert self.backend.install_hint, "probe() says the backend cannot run here, but install_hint is empty"
 

@@ -58,9 +58,7 @@ class ScaledIdentityExperts:
         if rows.dim() == 3:  # MASKED [E_local, capacity, H]
             return (rows * factors[:, None, None]).to(output_dtype)
         counts = group_counts(group_list, group_list_type, expert_alignment).to(rows.device)
-        if expert_alignment == 1:
-            per_row = torch.repeat_interleave(factors, counts, output_size=rows.shape[0])
-            return (rows * per_row[:, None]).to(output_dtype)
+        # every alignment: low-latency PACKED rows may run past the segments (the backend's worst case)
         expert = row_experts(counts, expert_alignment, rows.shape[0])
         scaled = rows * factors[expert.clamp(min=0)][:, None]
         return torch.where((expert >= 0)[:, None], scaled, self.padding).to(output_dtype)

@@ -1,5 +1,6 @@
 """A split call started on one CUDA stream and waited on another: what ``moe_dispatch.streams`` must order
-and keep alive. The hardware checks use it (``benchmarks/gpu/check_core.py``, the DeepEP plugin's)."""
+and keep alive; and a step captured in a CUDA graph. The hardware checks use them (``benchmarks/gpu/check_core.py``,
+the DeepEP plugin's)."""
 
 from __future__ import annotations
 
@@ -29,4 +30,20 @@ def run_started(start: Callable[[], Pending[T]], device: torch.device, side_stre
     return pending.wait()
 
 
-__all__ = ["SIDE_STREAM_SPIN_CYCLES", "run_started"]
+def captured(step: Callable[[], T]) -> "tuple[torch.cuda.CUDAGraph, T]":
+    """``step`` run twice on a side stream (a warm-up: allocations made, kernels compiled, as torch's CUDA-graph notes
+    ask), then captured once: the graph and what the captured call returned (its memory is the graph's, rewritten at
+    each replay). Raises what the capture raises: that is the finding."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
+__all__ = ["SIDE_STREAM_SPIN_CYCLES", "captured", "run_started"]

@@ -29,7 +29,7 @@ def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
     register(md.RunnerInfo(RUNNER, md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
                            accepts=frozenset({md.DispatchDtype.FP8, md.DispatchDtype.BF16}),
                            backends={"cuda_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY}),
-                                     V2_NAME: frozenset({md.Mode.NORMAL})},
+                                     V2_NAME: frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},
                            probe=runner_probe))
 
 

@@ -468,19 +468,28 @@ class DeepGemmExperts:
     def _contiguous(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
                     packed: bool) -> torch.Tensor:
         rows, h = x.shape
+        if vendor.stream_capturing(self.info.module):
+            raise md.InvalidInputError(
+                "dense PACKED rows (expert_alignment 1) are padded to DeepGEMM's layout from the counts, a host read, "
+                "which CUDA-graph capture cannot make", parameter="expert_alignment", value=1,
+                allowed=f"DispatchSpec(expert_alignment=experts.expert_alignment) ({self.expert_alignment}): the "
+                        "aligned rows run as they are, with no host read")
         host = [int(c) for c in counts.tolist()]  # host sync: the padded layout is sized from the counts
-        if min(host, default=0) < 0 or sum(host) != rows:
-            raise md.InvalidInputError(f"counts {host} must be >= 0 and sum to the {rows} rows",
+        if min(host, default=0) < 0 or sum(host) > rows:
+            raise md.InvalidInputError(f"counts {host} must be >= 0 and add up to at most the {rows} rows",
                                        parameter="group_list", value=host, allowed="per-expert counts of the rows")
+        # Rows past the counts' sum: low latency's worst case (DispatchOutput), padding, their output zero.
+        valid, x = sum(host), x[: sum(host)]
+        scale = scale[:valid] if scale is not None else None
         align = vendor.mk_alignment(self.info.module)
         padded = [-(-c // align) * align for c in host]
         total, device = sum(padded), x.device
         if total == 0:
-            return torch.zeros(0, h, dtype=torch.bfloat16, device=device)
+            return torch.zeros(rows, h, dtype=torch.bfloat16, device=device)
         seg_start = torch.tensor([0, *itertools.accumulate(padded)][:-1], device=device)
         src_start = torch.tensor([0, *itertools.accumulate(host)][:-1], device=device)
-        expert = torch.repeat_interleave(torch.arange(len(host), device=device), counts.to(device), output_size=rows)
-        dest = seg_start[expert] + torch.arange(rows, device=device) - src_start[expert]
+        expert = torch.repeat_interleave(torch.arange(len(host), device=device), counts.to(device), output_size=valid)
+        dest = seg_start[expert] + torch.arange(valid, device=device) - src_start[expert]
         m_indices = torch.full((total,), -1, dtype=torch.int32, device=device)
         m_indices[dest] = expert.to(torch.int32)
         a = torch.zeros(total, h, dtype=x.dtype, device=device)
@@ -498,7 +507,11 @@ class DeepGemmExperts:
         act, act_scale = self._between(layer, h1, (m_indices >= 0).unsqueeze(1), packed)
         h2 = torch.empty(total, h, dtype=torch.bfloat16, device=device)
         self._gemm(True, act, act_scale, layer.w2_weight, layer.w2_weight_scale_inv, h2, m_indices)
-        return h2.index_select(0, dest)
+        if valid == rows:
+            return h2.index_select(0, dest)
+        out = torch.zeros(rows, h, dtype=torch.bfloat16, device=device)
+        out[:valid] = h2.index_select(0, dest)
+        return out
 
     def _aligned(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
                  packed: bool, alignment: int) -> torch.Tensor:
@@ -522,8 +535,8 @@ class DeepGemmExperts:
         groups = (group_starts(counts, alignment) + counts if psum else expert).to(torch.int32).contiguous()
         if packed:
             scale = vendor.dg_mn_major(self.info.module, scale)
-        elif scale is not None and self.arch == vendor.DG_ARCH_SM100:
-            scale, packed = self._pack_fp32(scale), True
+        elif scale is not None and self.arch == vendor.DG_ARCH_SM100:  # padding rows (a worst case's tail: garbage)
+            scale, packed = self._pack_fp32(scale, (expert >= 0).unsqueeze(1)), True
         h1 = torch.empty(rows, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(True, x, scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, groups, psum=psum)
         act, act_scale = self._between(layer, h1, (expert >= 0).unsqueeze(1), packed)
@@ -577,7 +590,7 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
     the relative error against the dense fp32 reference on the dequantized weights. ``v2``: the dispatcher is
-    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer, normal mode). ``aligned``: the spec asks for the kernel's
+    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer; low latency: its worst-case rows). ``aligned``: the spec asks for the kernel's
     ``expert_alignment`` (V2 writes that layout itself; V1 through the core's copy), so the runner copies nothing."""
     from moe_dispatch.routing import random_expert_weights
     from moe_dispatch.testing.layers import check_layer

@@ -1,9 +1,10 @@
 """The ``cuda_deepep_v2`` backend: DeepEP V2's ``ElasticBuffer`` (DeepEP 2.x, deepseek-ai/DeepEP@dd758ca).
 
     x ──codec (FP8: the core's per-128 cast; V2 moves (x, sf) as it is given)──▶ ElasticBuffer.dispatch(
-        do_expand=True, expert_alignment=spec.expert_alignment, do_zero_padding=(alignment > 1), do_cpu_sync=True)
+        do_expand=True, expert_alignment=spec.expert_alignment, do_zero_padding=(alignment > 1),
+        do_cpu_sync=(mode is normal))
         ──▶ rows per (token, local expert), grouped by expert, each expert at a multiple of the alignment = PACKED,
-        counts = EPHandle.num_unaligned_recv_tokens_per_expert
+        counts = EPHandle.num_unaligned_recv_tokens_per_expert (on the device; low latency: worst-case rows)
     experts' unweighted rows ──× the row's weight (V2's combine applies none)──▶ ElasticBuffer.combine
         (each token's local rows summed in fp32, one partial per rank, summed at home in fp32) ──▶ bf16 [T, H]
 
@@ -13,14 +14,22 @@ that is a multiple of 256, top-32, 256 experts per rank, any EP size up to 1024)
 its capabilities, plan and failure modes differ from V1's; an engine names the one it deploys, and the V1 adapter,
 audited four times, is left as it is. ``moe-dispatch explain`` says which DeepEP each can drive and why not.
 
-This V2 backend drives normal mode (the host waits for the counts: ``do_cpu_sync=True``), in split phase too:
-``dispatch_start``/``combine_start`` pass ``async_with_compute_stream=True`` (DeepEP's kernels run on its comm stream,
-after everything queued on the current one; the dispatch start returns once the host has the counts, which takes
-every peer's notify and whatever DeepEP's comm stream had queued, another micro-batch's calls included) and
-``wait()`` makes the current stream wait on DeepEP's event before anything reads the outputs. Not yet driven, each a
-later step (issue 18): the no-sync, CUDA-graph-capturable calls (worst-case shapes; the contract's MASKED layout
-would cost a copy), and past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has
-checked them.
+Both modes are one V2 call: normal mode waits on the host for the counts (``do_cpu_sync=True``: exact shapes);
+low-latency mode does not (``do_cpu_sync=False``, csrc/elastic/buffer.hpp:1065-1071): the rows are
+DeepEP's worst case, ``align(R·N·min(K, E_local) + (a - 1)·E_local, a)``, the same every call, the counts stay on the
+device, and the rows after the last expert's aligned end are unwritten, which the contract allows of low-latency
+PACKED rows (``DispatchOutput``, "Worst-case rows"; ``Capabilities.worst_case_rows``); with no host sync and fixed
+shapes the blocking calls can be captured in a CUDA graph (docs/vendor-notes/deepep-v2-elasticbuffer.md §5: inferred
+from the source, not yet run), after a warm-up call of each shape (the no-sync kernels are JIT builds of their own).
+Started calls under capture rely on torch taking DeepEP's ``record_stream`` while capturing, which DeepEP's
+deep_ep/utils/event.py:26-28 calls incompatible with CUDA graphs (under ``EP_AVOID_RECORD_STREAM`` they run whole). The
+worst case costs: combine's weighting multiplies every row, the tail included. Both in split
+phase too: ``dispatch_start``/``combine_start`` pass ``async_with_compute_stream=True`` (DeepEP's kernels run on its
+comm stream, after everything queued on the current one; in normal mode the dispatch start returns once the host has
+the counts, which takes every peer's notify and whatever DeepEP's comm stream had queued, another micro-batch's calls
+included; in low-latency mode at once) and ``wait()`` makes the current stream wait on DeepEP's event before anything
+reads the outputs. Not yet driven (issue 18): cached handles (the no-sync path with a fresh handle needs none), and
+past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them.
 
 ``DispatchSpec.expert_alignment`` is DeepEP's own ``expert_alignment`` with ``do_zero_padding`` (DeepEP 2.1.0 on): the
 rows arrive in DeepGEMM's contiguous (PSUM) layout, and combine takes the expert rows in it (padding rows are never
@@ -56,22 +65,26 @@ from moe_dispatch.streams import hand_over, keep_on_current, start_mark
 from . import vendor
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
-N = md.Mode.NORMAL
+N, L = md.Mode.NORMAL, md.Mode.LOW_LATENCY
 NAME = "cuda_deepep_v2"
 
 
 def capabilities(emulated: bool) -> md.Capabilities:
+    limits = md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
+                       world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))
+    int8 = md.Fallback(F8, "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element")
     return md.Capabilities(
-        dtypes={N: frozenset({B, F8})},
-        fallbacks={(N, I8): md.Fallback(F8, "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element")},
+        dtypes={N: frozenset({B, F8}), L: frozenset({B, F8})},
+        fallbacks={(N, I8): int8, (L, I8): int8},
         rejections={F4: "DeepEP V2 moves pre-quantized rows with one 4-byte scale format; NVFP4 is not driven"},
         default_dtype=F8,
         fp8_ue8m0=True,  # packed four exponents per int32 word before dispatch: V2 moves any 4-byte scale (§3)
-        expert_alignment=frozenset({N}),  # expert_alignment + do_zero_padding: DeepGEMM's layout, no copy
-        split_phase=frozenset({N}),  # async_with_compute_stream: wait() orders the current stream after DeepEP's
+        expert_alignment=frozenset({N, L}),  # expert_alignment + do_zero_padding: DeepGEMM's layout, no copy
+        split_phase=frozenset({N, L}),  # async_with_compute_stream: wait() orders the current stream after DeepEP's
+        cuda_graph_modes=frozenset({L}),  # do_cpu_sync=False: no host wait, fixed shapes (not yet run on hardware)
+        worst_case_rows=frozenset({L}),  # do_cpu_sync=False: DeepEP's worst-case rows (buffer.hpp:1065-1071)
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
-        limits={N: md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
-                             world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))},
+        limits={N: limits, L: limits},
     )
 
 
@@ -102,7 +115,9 @@ class ElasticBuffers:
              waits: Callable[[], ContextManager[Any]]) -> "Shared":
         """The group's buffer, made (or replaced by a larger one) when ``num_bytes`` exceeds it. DeepEP's host wait
         for the counts gives up after ``num_cpu_timeout_secs`` ("Dispatch CPU wait", buffer.hpp:1063): the creating
-        dispatcher's ``timeout_s``, so a peer that never dispatches ends in an error, not a hang."""
+        dispatcher's ``timeout_s``, so a peer that never dispatches ends in an error, not a hang, in normal mode.
+        Low-latency mode has no host wait: a peer that never comes ends in DeepEP's device trap after
+        ``num_gpu_timeout_secs`` (100 s by default, comm.cuh:37-47), which loses the process's CUDA context."""
         shared = self._by_group.get(id(group))
         if shared is not None and shared.buffer is not None and shared.buffer.num_bytes >= num_bytes:
             return shared
@@ -142,8 +157,9 @@ class ElasticHandle:
 
 class DeepEPV2Backend(md.Backend):
     name = NAME
-    description = ("DeepEP 2.x's V2 ElasticBuffer (NCCL device API): normal mode, rows per (token, expert), one "
-                   "buffer per group; DeepEP's V1 Buffer is backend 'cuda_deepep'")
+    description = ("DeepEP 2.x's V2 ElasticBuffer (NCCL device API): rows per (token, expert), the host waiting for "
+                   "the counts in normal mode and not in low-latency mode (worst-case rows), one buffer per group; "
+                   "DeepEP's V1 Buffer is backend 'cuda_deepep'")
     install_hint = vendor.V2_INSTALL_HINT
     engine_sizing = "DeepEP's own size formula with use_fp8_dispatch=False (what a BF16 wire needs)"
 
@@ -285,9 +301,10 @@ class ElasticDispatcher:
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> md.Pending[DispatchOutput]:
         """DeepEP's kernels on its comm stream (``async_with_compute_stream``); ``wait()`` orders the current stream
-        after them and reads the counts. The start itself returns when the host has the counts (``do_cpu_sync``):
-        every peer's notify, and whatever DeepEP's comm stream and the current stream had queued before. DeepEP's
-        kernels read the inputs until ``wait()`` (the contract's rule). Synchronous under ``EP_AVOID_RECORD_STREAM``."""
+        after them. In normal mode the start returns when the host has the counts (``do_cpu_sync``): every peer's
+        notify, and whatever DeepEP's comm stream and the current stream had queued before; in low-latency mode at
+        once. DeepEP's kernels read the inputs until ``wait()`` (the contract's rule). Synchronous under
+        ``EP_AVOID_RECORD_STREAM``."""
         split = _splits()
         return md.Pending(self._dispatch(hidden_states, topk_ids, topk_weights, split=split, started=True),
                           overlapped=split)
@@ -313,7 +330,7 @@ class ElasticDispatcher:
             recv, _, recv_w, handle, event = self._buffer().dispatch(
                 x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
                 num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
-                num_sms=self.num_sms, do_cpu_sync=True, do_expand=True, do_zero_padding=alignment > 1,
+                num_sms=self.num_sms, do_cpu_sync=spec.mode is N, do_expand=True, do_zero_padding=alignment > 1,
                 async_with_compute_stream=split)
         mark = start_mark(ids) if started else None  # after DeepEP's call: a whole one ends with a wait for its stream
 
@@ -345,7 +362,8 @@ class ElasticDispatcher:
         h: ElasticHandle = dispatch_output.handle
         # V2's combine sums what it is given (combine.cuh; refs.py:177-243): the weights are applied here, in fp32,
         # and each weighted row is rounded once to bf16 before DeepEP's fp32 sums. Padding rows (weight 0, any value)
-        # are never read: combine takes each (token, expert)'s row from recv_src_metadata.
+        # and low latency's unwritten tail (weights too: NaN times anything) are never read: combine takes each
+        # (token, expert)'s row from recv_src_metadata, for the tokens the device counted (combine.cuh:44-46).
         # Made on the dispatch's stream, read on this one (an engine may combine on another): recorded here, as a
         # dispatch DeepEP ran whole recorded them nowhere else (audit issue18-streams-fix 4).
         keep_on_current((h.weights, *(v for v in vars(h.vendor_handle).values() if isinstance(v, torch.Tensor))))

@@ -442,27 +442,37 @@ def _two_low_latency_buffers(module: Any, group: Any, device: torch.device) -> s
 def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     """DeepEP V2's ``ElasticBuffer`` on a group of one, driven by the ``cuda_deepep_v2`` adapter: dispatch +
     scaled-identity experts + combine against the ``torch`` backend, BF16, FP8, and FP8 with the rows at 128-row
-    expert starts (``do_zero_padding``) in split phase (``async_with_compute_stream``); then whether the padding
+    expert starts (``do_zero_padding``) in split phase (``async_with_compute_stream``), in normal mode and in
+    low-latency mode (``do_cpu_sync=False``: worst-case rows), and low-latency mode captured in a CUDA graph and
+    replayed against eager (BF16; FP8 aligned to 128); then whether the padding
     rows DeepEP zeroes are all zero bits over 20 dispatches: BF16, FP8, and FP8 with UE8M0 scales in split phase
     (``selfcheck.nonzero_padding``; issue 18). In a process of its
     own: V2's buffer beside a live V1 LL Buffer is not a setup DeepEP documents (audit row 44)."""
     from .elastic import DeepEPV2Backend
-    from .selfcheck import agree_with_torch, nonzero_padding
+    from .selfcheck import agree_with_torch, captured_against_eager, nonzero_padding
 
     if not vendor.has_elastic_buffer(module):
         return "no ElasticBuffer in this DeepEP"
     backend = DeepEPV2Backend(module.__name__)
     parts = []
     try:
-        for dtype, alignment, split, side in (("bf16", 1, False, False), ("fp8", 1, False, False),
-                                              ("fp8", 128, True, False), ("bf16", 128, True, True)):
-            r = agree_with_torch(0, 1, "normal", dtype, module.__name__, hidden=2048, experts_per_rank=4, top_k=4,
+        for mode, dtype, alignment, split, side in (
+                ("normal", "bf16", 1, False, False), ("normal", "fp8", 1, False, False),
+                ("normal", "fp8", 128, True, False), ("normal", "bf16", 128, True, True),
+                # no host sync: DeepEP's worst-case rows, unwritten past the experts' segments
+                ("low_latency", "bf16", 1, False, False), ("low_latency", "fp8", 128, True, False)):
+            r = agree_with_torch(0, 1, mode, dtype, module.__name__, hidden=2048, experts_per_rank=4, top_k=4,
                                  tokens=16, iterations=3, backend=backend, expert_alignment=alignment, split=split,
                                  side_stream=side)
             verdict = "agree" if r["relative_difference"] < 1e-2 else "DIFFER"
-            how = (f" aligned {alignment} split" if split else "") + (" side stream" if side else "")
+            how = ((" low latency" if mode == "low_latency" else "") + (f" aligned {alignment} split" if split else "")
+                   + (" side stream" if side else ""))
             parts.append(f"{dtype}{how} {verdict} rel {r['relative_difference']:.1e} "
                          f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms)")
+        # low latency's claim of CUDA-graph capture (cuda_graph_modes), with the defaults
+        for dtype, alignment in (("bf16", 1), ("fp8", 128)):
+            found = captured_against_eager(0, 1, dtype, backend, module.__name__, expert_alignment=alignment)
+            parts.append(f"low latency {dtype} aligned {alignment} in a CUDA graph: {found}")
         # DeepEP's zero padding, unfenced TMA stores (audits issue18-aligned R1/R2, fixes F5)
         for dtype, ue8m0, split in (("bf16", False, False), ("fp8", False, False), ("fp8", True, True)):
             found = nonzero_padding(0, 1, dtype, backend, module.__name__, ue8m0=ue8m0, split=split)
@@ -538,7 +548,8 @@ def probe_rows(fake: bool) -> list[Row]:
         Row("DeepEP", "V2 cuda_deepep_v2 vs torch, one rank (subprocess)",
             _text(f"{elastic.exit_code}: {flat(elastic.output)}", 60), "agree (or no ElasticBuffer)",
             elastic.exit_code == 0 and ("no ElasticBuffer" in elastic.output
-                                        or (elastic.output.count(" agree ") == 4 and "DIFFER" not in elastic.output
+                                        or (elastic.output.count(" agree ") == 6 and "DIFFER" not in elastic.output
+                                            and "capture failed" not in elastic.output
                                             and elastic.output.count(" padding rows zero ") == 3))),
     ]
 

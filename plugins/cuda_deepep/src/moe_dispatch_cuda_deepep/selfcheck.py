@@ -13,7 +13,7 @@ import moe_dispatch as md
 from moe_dispatch.output import row_experts
 from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
-from moe_dispatch.testing.streams import run_started
+from moe_dispatch.testing.streams import captured, run_started
 
 from .backend import DeepEPBackend
 from .vendor import EMULATOR, NUM_MAX_NVL_PEERS, REAL
@@ -136,6 +136,41 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
         times[name] = sorted(samples)[len(samples) // 2] if samples else 0.0
     diff = (results["cuda_deepep"].float() - results["torch"].float()).norm() / results["torch"].float().norm()
     return {"relative_difference": float(diff), "seconds": times}
+
+
+def captured_against_eager(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
+                           hidden: int = 2048, experts_per_rank: int = 4, top_k: int = 4, tokens: int = 16,
+                           expert_alignment: int = 1) -> str:
+    """Low-latency dispatch + scaled-identity experts + combine, with the dispatcher's defaults, captured once in a
+    CUDA graph after a warm-up (DeepEP's JIT compiles at the first call of a shape) and replayed on new inputs copied
+    into the captured ones: ``"replay agrees ..."``, ``"replay DIFFERS ..."`` or ``"capture failed ..."`` (what the
+    backend's ``cuda_graph_modes`` claims); ``"skipped (needs CUDA)"`` off CUDA (the fakes)."""
+    device = torch.device("cuda" if vendor_module == REAL else "cpu")
+    if device.type != "cuda":
+        return "skipped (needs CUDA)"
+    spec = layer_spec(world, "low_latency", dtype, hidden, experts_per_rank, top_k, tokens,
+                      expert_alignment=expert_alignment)
+    d = md.create_dispatcher(backend, spec, env={})
+    layer = ScaledLayer.for_rank(hidden, spec.num_experts, rank, experts_per_rank)
+    static = _batch(spec, rank, world, tokens, device, seed=1)[:3]
+
+    def step() -> torch.Tensor:
+        out = d.dispatch(*static)
+        return d.combine(md.run_experts(ScaledIdentityExperts(), layer, out), out)
+
+    try:
+        graph, result = captured(step)
+    except Exception as exc:  # noqa: BLE001 - a capture failure is the finding
+        return f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    worst = 0.0
+    for seed in (2, 3, 4):
+        for into, new in zip(static, _batch(spec, rank, world, tokens, device, seed=seed)[:3]):
+            into.copy_(new)
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        worst = max(worst, float((result.float() - eager.float()).norm() / eager.float().norm().clamp(min=1e-30)))
+    return f"replay {'agrees' if worst < 1e-2 else 'DIFFERS'} with eager (rel {worst:.1e})"
 
 
 def nonzero_padding(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,

@@ -3,7 +3,10 @@ csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes
 ``deep_ep`` 2.x does. docs/vendor-notes/deepep-v2-elasticbuffer.md is the reading behind every rule here.
 
 Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated);
-``dispatch`` with ``do_cpu_sync`` (fresh handles), expanded or not, with ``expert_alignment`` and ``do_zero_padding``;
+``dispatch`` with fresh handles, with ``do_cpu_sync`` (exact shapes) or without (worst-case shapes: the rows past the
+real ones, and the handle's metadata rows past the real tokens, are left unwritten, NaN or all bits set here, the
+counts list is empty, and combine reads the real token count from the device, combine.cuh:44-46), expanded or not,
+with ``expert_alignment`` and ``do_zero_padding``;
 ``combine`` of either layout with ``allow_multiple_reduction`` and no bias; ``async_with_compute_stream`` on both (the
 kernels' outputs, and the handle's tensors a dispatch's kernels write but ``dst_buffer_slot_idx``, are garbage until
 the current stream waits on the returned ``EventOverlap``: ``fakes.deep_ep.EventHandle``; a dispatch's inputs written
@@ -11,8 +14,7 @@ before that wait are refused, since DeepEP still reads them); ``destroy``; ``get
 are synchronous and have no streams: its ``combine`` blocks the host on its peers where DeepEP's async combine does
 not; a combine on a handle whose async dispatch has not been waited fails on the poisoned metadata (a torch error)
 where DeepEP queues it after that dispatch; and ``record_stream`` and ``EP_AVOID_RECORD_STREAM`` change nothing here.
-Not emulated, and refused with NotImplementedError rather than approximated: cached handles and no-sync calls
-(worst-case shapes), ``previous_event``, ``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last
+Not emulated, and refused with NotImplementedError rather than approximated: cached handles, ``previous_event``, ``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last
 refused alone too, though DeepEP allows it), bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not
 emulated: PyTorch's lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective
 (DeepEP #726): the fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its
@@ -140,8 +142,9 @@ class ElasticBuffer:
         check_context()
         ep_assert(not self._destroyed, "not destroyed", _BUFFER_HPP)
         _check_torch_deterministic()
-        if handle is not None or do_cpu_sync is False:
-            raise NotImplementedError("the fake does not emulate cached handles or no-sync dispatch")
+        if handle is not None:
+            raise NotImplementedError("the fake does not emulate cached handles")
+        sync = do_cpu_sync is None or do_cpu_sync  # None: True without a handle (elastic.py:938-948)
         _refuse_previous_events(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         if cumulative_local_expert_recv_stats is not None or use_tma_aligned_col_major_sf:
             raise NotImplementedError("the fake does not emulate expert stats or TMA-aligned scale layouts")
@@ -199,7 +202,7 @@ class ElasticBuffer:
         self._calls += 1
         x_out, out_ids, out_w, handle, _ = self._exchange(x, sf, ids, topk_weights, num_experts, n_max, align, num_sms,
                                                           do_expand, do_zero_padding,
-                                                          topk_idx if not do_handle_copy else topk_idx.clone())
+                                                          topk_idx if not do_handle_copy else topk_idx.clone(), sync)
         if not async_with_compute_stream:  # the current stream waits on the comm stream (buffer.hpp:556-584)
             return x_out, out_ids, out_w, handle, EventOverlap()
         (x_out, out_ids, out_w), event = _after_event(True, (x_out, out_ids, out_w))
@@ -218,7 +221,7 @@ class ElasticBuffer:
 
     def _exchange(self, x: torch.Tensor, sf: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor | None,
                   num_experts: int, n_max: int, align: int, num_sms: int, do_expand: bool, do_zero_padding: bool,
-                  handle_ids: torch.Tensor) -> tuple:
+                  handle_ids: torch.Tensor, sync: bool) -> tuple:
         R, rank = self.num_ranks, self.rank_idx
         T, H = x.shape
         K = ids.shape[1]
@@ -259,28 +262,38 @@ class ElasticBuffer:
         recv_x, recv_local, recv_w, recv_src = recv_x[order], recv_local[order], recv_w[order], recv_src[order]
         recv_sf = recv_sf[order] if recv_sf is not None else None
         n_recv = recv_x.shape[0]
+        # Without the host sync the shapes are the worst case (buffer.hpp:1065-1071): R·N received tokens, and the
+        # rows past the real ones unwritten (torch.empty).
+        n_rows = n_recv if sync else R * n_max
+        recv_x, recv_local, recv_w, recv_src = (_tail(recv_x, n_rows), _tail(recv_local, n_rows),
+                                                _tail(recv_w, n_rows), _tail(recv_src, n_rows))
+        recv_sf = _tail(recv_sf, n_rows) if recv_sf is not None else None
         psum_rank = torch.tensor(recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-        counts = torch.bincount(recv_local[recv_local >= 0], minlength=local)[:local]
+        counts = torch.bincount(recv_local[:n_recv][recv_local[:n_recv] >= 0], minlength=local)[:local]
         aligned = -(-counts // align) * align
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), aligned.cumsum(0)[:-1]])
-        metadata = torch.full((n_recv, K + 2), -1, dtype=torch.int32)
-        metadata[:, 0] = recv_src
-        metadata[:, 1] = (recv_src // n_max) * K  # the master lane of the direct kernels: recorded, not used here
+        metadata = torch.full((n_rows, K + 2), -1, dtype=torch.int32)
+        metadata[:n_recv, 0] = recv_src[:n_recv]
+        metadata[:n_recv, 1] = (recv_src[:n_recv] // n_max) * K  # the direct kernels' master lane: recorded, not used
+        metadata[n_recv:] = _UNWRITTEN_INT32  # past the real tokens: never written (dispatch_copy_epilogue.cuh:188-207)
         handle_fields = dict(do_expand=do_expand, num_experts=num_experts, expert_alignment=align,
                              num_max_tokens_per_rank=n_max, num_sms=num_sms, topk_idx=handle_ids,
-                             num_recv_tokens=n_recv, psum_num_recv_tokens_per_scaleup_rank=psum_rank,
+                             num_recv_tokens=n_rows, psum_num_recv_tokens_per_scaleup_rank=psum_rank,
                              num_unaligned_recv_tokens_per_expert=counts.to(torch.int32),
-                             num_recv_tokens_per_expert_list=aligned.tolist(), recv_src_metadata=metadata,
+                             num_recv_tokens_per_expert_list=aligned.tolist() if sync else [],
+                             recv_src_metadata=metadata,
                              dst_buffer_slot_idx=None, token_metadata_at_forward=None, channel_linked_list=None)
+        total = int(aligned.sum())
+        rows_out = total if sync else _worst_expanded_rows(R, n_max, K, local, align)  # buffer.hpp:1017-1071
         if not do_expand:
-            handle = EPHandle(num_expanded_tokens=0, psum_num_recv_tokens_per_expert=aligned.cumsum(0).to(torch.int32),
+            handle = EPHandle(num_expanded_tokens=rows_out,
+                              psum_num_recv_tokens_per_expert=aligned.cumsum(0).to(torch.int32),
                               **handle_fields)
             out_ids = recv_local.to(topk_idx_t)
             x_out = recv_x if sf is None else (recv_x, recv_sf)
             return x_out, out_ids, (recv_w if weights is not None else None), handle, EventOverlap()
-        total = int(aligned.sum())
         # Expand: one row per (token, local expert), each expert's rows at an aligned start, in atomicAdd order.
-        lanes = (recv_local >= 0).nonzero()
+        lanes = (recv_local[:n_recv] >= 0).nonzero()
         row_of, lane_of = lanes[:, 0], lanes[:, 1]
         expert = recv_local[row_of, lane_of]
         shuffle = torch.randperm(expert.numel(), generator=self._generator())
@@ -290,16 +303,17 @@ class ElasticBuffer:
         first = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)[:-1]])
         out_row = starts[expert] + torch.arange(expert.numel()) - first[expert]
         metadata[row_of, 2 + lane_of] = out_row.to(torch.int32)
-        fill = 0 if do_zero_padding else float("nan")
-        exp_x = _garbage(total, recv_x.shape[1], recv_x.dtype, fill)
+        # do_zero_padding zeroes each expert's gap, the last one's included, never the worst case's tail (:231-322)
+        exp_x = _expanded(rows_out, total, recv_x.shape[1], recv_x.dtype, do_zero_padding)
         exp_x[out_row] = recv_x[row_of]
-        exp_w = _garbage(total, None, torch.float32, fill)
+        exp_w = _expanded(rows_out, total, None, torch.float32, do_zero_padding)
         exp_w[out_row] = recv_w[row_of, lane_of]
         exp_sf = None
         if recv_sf is not None:
-            exp_sf = _garbage(total, recv_sf.shape[1], recv_sf.dtype, fill)
+            exp_sf = _expanded(rows_out, total, recv_sf.shape[1], recv_sf.dtype, do_zero_padding)
             exp_sf[out_row] = recv_sf[row_of]
-        handle = EPHandle(num_expanded_tokens=total, psum_num_recv_tokens_per_expert=(starts + counts).to(torch.int32),
+        handle = EPHandle(num_expanded_tokens=rows_out,
+                          psum_num_recv_tokens_per_expert=(starts + counts).to(torch.int32),
                           **handle_fields)
         x_out = exp_x if recv_sf is None else (exp_x, exp_sf)
         return x_out, None, (exp_w if weights is not None else None), handle, EventOverlap()
@@ -339,6 +353,8 @@ class ElasticBuffer:
         meta = handle.recv_src_metadata
         if not handle.do_expand:
             ep_assert(x.shape[0] == meta.shape[0], "num_reduced_tokens == num_tokens", _BUFFER_HPP)
+        if meta.shape[0] == handle.num_max_tokens_per_rank * self.num_ranks:  # combine.cuh:44-46: the device's count
+            meta = meta[: int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])]
         if H % vendor.V2_COMBINE_HIDDEN_MULTIPLE:
             raise _jit_failure(f"kHidden % {vendor.V2_COMBINE_HIDDEN_MULTIPLE} == 0 \"Invalid hidden\" "
                                "(deep_ep/include/deep_ep/impls/combine.cuh:109)")
@@ -360,7 +376,7 @@ class ElasticBuffer:
                 partial[take] += x[rows[take]].float()
             partial = partial.to(torch.bfloat16)
         else:
-            partial = x
+            partial = x[: meta.shape[0]]
         src = meta[:, 0].long()
         src_rank, src_token = torch.div(src, handle.num_max_tokens_per_rank, rounding_mode="floor"), \
             src % handle.num_max_tokens_per_rank
@@ -414,6 +430,36 @@ def _combine_bytes(num_ranks: int, n_max: int, hidden: int, num_topk: int) -> in
     """``get_combine_buffer_size`` of the direct kernels in one NVLink domain with multiple reduction
     (buffer.hpp:634-649, 1253-1256): ``min(R, K)`` slots of a BF16 row and ``8K`` bytes per token."""
     return vendor.v2_combine_token_bytes(hidden, num_topk) * min(num_ranks, num_topk) * n_max
+
+
+#: What an unwritten int32 metadata word reads as here: out of every range (a read of it fails, as the vendor's would
+#: read garbage).
+_UNWRITTEN_INT32 = 0x7FFFFFFF
+
+
+def _worst_expanded_rows(num_ranks: int, n_max: int, num_topk: int, local: int, align: int) -> int:
+    """The expanded rows allocated without the host sync (buffer.hpp:1065-1071)."""
+    return -(-(num_ranks * n_max * min(num_topk, local) + (align - 1) * local) // align) * align
+
+
+def _tail(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s rows, then unwritten ones up to ``rows`` (the worst case without the host sync)."""
+    if t.shape[0] == rows:
+        return t
+    shape = (rows,) if t.dim() == 1 else (rows, t.shape[1])
+    # integers out of every range (an unwritten id must not read as -1, "no expert")
+    out = (_garbage(rows, None if t.dim() == 1 else t.shape[1], t.dtype, float("nan")) if t.dtype.is_floating_point
+           else torch.full(shape, torch.iinfo(t.dtype).max, dtype=t.dtype))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _expanded(rows: int, total: int, width: int | None, dtype: torch.dtype, zero_padding: bool) -> torch.Tensor:
+    """Expanded rows before the copy: unwritten, but for zero padding on the segments' ``total`` rows."""
+    out = _garbage(rows, width, dtype, float("nan"))
+    if zero_padding:
+        out[:total] = _garbage(total, width, dtype, 0)
+    return out
 
 
 def _garbage(rows: int, width: int | None, dtype: torch.dtype, fill: float) -> torch.Tensor:
