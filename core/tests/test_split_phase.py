@@ -306,10 +306,10 @@ def _started_on_a_subgroup_then_on_every_rank(rank: int, world: int):
 
 
 def test_started_calls_on_a_subgroup_then_on_every_rank():
-    """Ranks 0 and 1 make started calls on a group of the two, then all three on the default group. The started calls'
-    own group is made on a group of every rank only: made on the pair by its members alone (``use_local_synchronization``),
-    torch names a later group by the groups each process has made, which then differ between ranks, and the three ranks
-    met under different names until the timeout."""
+    """Ranks 0 and 1 make started calls on a group of the two, then all three on the default group. The started
+    calls' own group is made on a group of every rank only: made on the pair by its members alone
+    (``use_local_synchronization``), torch names a later group by the groups each process has made, which then differ
+    between ranks, and the three ranks met under different names until the timeout."""
     assert on_a_fresh_pool(_started_on_a_subgroup_then_on_every_rank, world_size=3, timeout_s=60) == [
         [True, True], [True, True], [True]]
 

@@ -100,8 +100,8 @@ class OutputChecks:
         elif out.expert_alignment > 1 or self.worst_case:
             bad = lo < 0 or int(align_up(counts, out.expert_alignment).sum()) > per_expert
             limit = (f"counts >= 0 whose segments, aligned to {out.expert_alignment} rows, fit the {per_expert} rows"
-                     if out.expert_alignment > 1 else f"counts >= 0 adding up to at most the {per_expert} rows returned "
-                     "(low-latency mode: the backend's worst case)")
+                     if out.expert_alignment > 1 else
+                     f"counts >= 0 adding up to at most the {per_expert} rows returned (the backend's worst case)")
         else:
             bad = lo < 0 or int(counts.sum()) != per_expert
             limit = f"counts >= 0 adding up to the {per_expert} rows returned"

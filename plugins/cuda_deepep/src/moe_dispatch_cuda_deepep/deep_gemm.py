@@ -590,7 +590,8 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
     """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
     whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
     the relative error against the dense fp32 reference on the dequantized weights. ``v2``: the dispatcher is
-    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer; low latency: its worst-case rows). ``aligned``: the spec asks for the kernel's
+    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer; low latency: its worst-case rows).
+    ``aligned``: the spec asks for the kernel's
     ``expert_alignment`` (V2 writes that layout itself; V1 through the core's copy), so the runner copies nothing."""
     from moe_dispatch.routing import random_expert_weights
     from moe_dispatch.testing.layers import check_layer

@@ -78,7 +78,9 @@ class OverlapResult:
         """The schedule's best ratio for this run: (X + 2E) / (2X + 2E) with E the experts' time and X one
         micro-batch's exchange as the sequential run took it ((sequential - 2E) / 2). Read ``ratio`` against it:
         the calibration of E to X moves it from run to run (0.75 at E = X)."""
-        return (self.sequential_ms / 2 + self.compute_ms) / self.sequential_ms if self.sequential_ms > 0 else float("nan")
+        if self.sequential_ms <= 0:
+            return float("nan")
+        return (self.sequential_ms / 2 + self.compute_ms) / self.sequential_ms
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
@@ -247,8 +249,8 @@ def run_overlap(cases: list[BenchCase], settings: BenchSettings = BenchSettings(
 
 def format_overlap(results: list[OverlapResult]) -> str:
     head = (f"{'backend':<10} {'dtype':<6} {'mode':<11} {'R':>2} {'T/mb':>5} {'exchange ms':>11} {'CPU':>4} "
-            f"{'experts':>7} {'ms':>7} {'sequential':>10} {'overlapped':>10} {'start':>7} {'wait':>7} {'ratio':>6} {'bound':>6} "
-            "split")
+            f"{'experts':>7} {'ms':>7} {'sequential':>10} {'overlapped':>10} {'start':>7} {'wait':>7} {'ratio':>6} "
+            f"{'bound':>6} split")
     lines = [head, "-" * len(head)]
     for r in results:
         c = r.case
@@ -261,8 +263,8 @@ def format_overlap(results: list[OverlapResult]) -> str:
                  "CPU: cores one rank's exchange keeps busy; experts: the stand-in per micro-batch (host: matmuls on "
                  "the CPU; device: a wait holding no core, as on an accelerator); start / wait: of the overlapped time, "
                  "the caller's time inside dispatch_start + combine_start and blocked in wait() (both micro-batches); "
-                 "ratio: overlapped / sequential (ms: median of the slowest rank); bound: the schedule's best ratio, "
-                 "(X + 2E) / (2X + 2E) with E the experts and X = (sequential - 2E) / 2; split: Dispatcher.split_phase, "
+                 "ratio: overlapped / sequential (ms: median of the slowest rank); bound: the schedule's best "
+                 "ratio, (X + 2E) / (2X + 2E) with E the experts and X = (sequential - 2E) / 2; split: Dispatcher.split_phase, "
                  "and every started call's Pending.overlapped")
     return "\n".join(lines)
 

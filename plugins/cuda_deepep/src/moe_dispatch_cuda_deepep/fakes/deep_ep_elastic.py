@@ -14,8 +14,8 @@ before that wait are refused, since DeepEP still reads them); ``destroy``; ``get
 are synchronous and have no streams: its ``combine`` blocks the host on its peers where DeepEP's async combine does
 not; a combine on a handle whose async dispatch has not been waited fails on the poisoned metadata (a torch error)
 where DeepEP queues it after that dispatch; and ``record_stream`` and ``EP_AVOID_RECORD_STREAM`` change nothing here.
-Not emulated, and refused with NotImplementedError rather than approximated: cached handles, ``previous_event``, ``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last
-refused alone too, though DeepEP allows it), bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not
+Not emulated, and refused with NotImplementedError rather than approximated: cached handles, ``previous_event``,
+``previous_event_before_epilogue`` and ``allocate_on_comm_stream`` (the last refused alone too, though DeepEP allows it), bias, hybrid (multi-node) kernels, CPU buffers, AGRS/Engram/PP. Also not
 emulated: PyTorch's lazily created NCCL communicator, which DeepEP must not wrap before the group's first collective
 (DeepEP #726): the fake cannot see collectives made outside it, so the adapter's ordering is checked by a test of its
 own.
