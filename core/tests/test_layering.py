@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.demo", "cli.bench", "cli.bench.cases",
               "cli.bench.cli", "cli.bench.overhead", "cli.bench.overlap", "cli.bench.report", "cli.bench.results", "cli.bench.runner",
               "cli.bench.worker", "cli.flags", "cli.preflight", "integrations", "integrations.transformers", "testing", "testing.cases", "testing.conformance", "testing.experts",
-              "testing.layers", "testing.outcomes", "testing.plugin", "testing.pools", "testing.ranks", "testing.streams", "testing.torchrun", "routing",
+              "testing.host_reads", "testing.layers", "testing.outcomes", "testing.plugin", "testing.pools", "testing.ranks", "testing.streams", "testing.torchrun", "routing",
               "accuracy", "distributed.local"),
 }
 RANK = {module: i for i, (_, modules) in enumerate(LAYERS.items()) for module in modules}

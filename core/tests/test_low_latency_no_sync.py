@@ -1,34 +1,19 @@
 """Low-latency mode makes no host sync on the payload path and moves exactly its capacity.
 
-A host sync is a device-to-host read of tensor data: ``aten._local_scalar_dense`` (``.item()``,
-``int(t)``, ``bool(t)``), or an op whose output shape depends on the data (``nonzero``,
-``masked_select``, ``unique``...). On CPU nothing blocks, so the test records every aten op
-that dispatch and combine run (a ``TorchDispatchMode``) and fails on any of those: the
-same code on CUDA would stall the stream and could not be captured in a CUDA graph.
+A host sync is a device-to-host read of tensor data (``moe_dispatch.testing.host_reads``): on CPU
+nothing blocks, so the test records every aten op that dispatch and combine run and fails on any
+of those: the same code on CUDA would stall the stream and could not be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_dispatch as md
 from moe_dispatch.codecs import nvfp4_global_scale
 from moe_dispatch.routing import random_routing
-
-SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
-           "unique_dim", "repeat_interleave", "item", "equal", "is_nonzero", "tolist"}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(func._schema.name.split("::")[-1])
-        return func(*args, **(kwargs or {}))
+from moe_dispatch.testing.host_reads import RecordedOps
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in md.DispatchDtype])
@@ -43,12 +28,12 @@ def test_low_latency_dispatch_and_combine_never_read_data_on_the_host(backend, d
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids, w = random_routing(T, E, k, generator=g, drop_prob=0.2)
     y = None
-    with _Ops() as seen:
+    with RecordedOps() as seen:
         out = d.dispatch(x, ids, w)
         y = torch.ones(*out.hidden_states.shape[:-1], H, dtype=torch.bfloat16)
         d.combine(y, out)
     assert seen.ops, "no aten op was recorded: the mode did not see the calls"
-    synced = sorted(set(seen.ops) & SYNCING)
+    synced = seen.host_reads()
     assert not synced, f"low-latency {backend}/{dtype} reads data on the host: {synced}"
 
 
@@ -58,9 +43,9 @@ def test_normal_mode_is_seen_to_sync_so_the_detector_works():
     d = md.create_dispatcher("torch", spec, env={}, check_inputs=False)
     x = torch.randn(5, 256).to(torch.bfloat16)
     ids, w = random_routing(5, 8, 3)
-    with _Ops() as seen:
+    with RecordedOps() as seen:
         d.dispatch(x, ids, w)
-    assert set(seen.ops) & SYNCING
+    assert seen.host_reads()
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in md.DispatchDtype])

@@ -176,8 +176,8 @@ class ReferenceDispatcher:
 
     def _begin(self, start: Callable[[Comm], Callable[[], T]], call: tuple[int, int] | None,
                receiver: Receiver) -> "Future[T]":
-        """On the receiver thread: the call's start (its collectives), then its receive queued behind whatever
-        started meanwhile (it issues no collective, so its place in the queue orders nothing)."""
+        """On the receiver thread: the call's start (its collectives), then its receive queued ahead of the starts
+        queued meanwhile (``Receiver.submit_receive``: it issues no collective, so its place orders nothing)."""
         comm = self._started_comm
         assert comm is not None
         comm.resume_call(call)

@@ -479,8 +479,8 @@ class DeepGemmExperts:
             raise md.InvalidInputError(f"counts {host} must be >= 0 and add up to at most the {rows} rows",
                                        parameter="group_list", value=host, allowed="per-expert counts of the rows")
         # Rows past the counts' sum: low latency's worst case (DispatchOutput), padding, their output zero.
-        valid, x = sum(host), x[: sum(host)]
-        scale = scale[:valid] if scale is not None else None
+        valid = sum(host)
+        x, scale = x[:valid], (scale[:valid] if scale is not None else None)
         align = vendor.mk_alignment(self.info.module)
         padded = [-(-c // align) * align for c in host]
         total, device = sum(padded), x.device

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import moe_dispatch as md
+from moe_dispatch.accuracy import relative_error
 from moe_dispatch.output import row_experts
 from moe_dispatch.routing import random_routing
 from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
@@ -169,7 +170,7 @@ def captured_against_eager(rank: int, world: int, dtype: str, backend: md.Backen
         graph.replay()
         eager = step()
         torch.cuda.synchronize()
-        worst = max(worst, float((result.float() - eager.float()).norm() / eager.float().norm().clamp(min=1e-30)))
+        worst = max(worst, relative_error(result, eager))
     return f"replay {'agrees' if worst < 1e-2 else 'DIFFERS'} with eager (rel {worst:.1e})"
 
 

@@ -264,8 +264,8 @@ def format_overlap(results: list[OverlapResult]) -> str:
                  "the CPU; device: a wait holding no core, as on an accelerator); start / wait: of the overlapped time, "
                  "the caller's time inside dispatch_start + combine_start and blocked in wait() (both micro-batches); "
                  "ratio: overlapped / sequential (ms: median of the slowest rank); bound: the schedule's best "
-                 "ratio, (X + 2E) / (2X + 2E) with E the experts and X = (sequential - 2E) / 2; split: Dispatcher.split_phase, "
-                 "and every started call's Pending.overlapped")
+                 "ratio, (X + 2E) / (2X + 2E) with E the experts and X = (sequential - 2E) / 2; "
+                 "split: Dispatcher.split_phase, and every started call's Pending.overlapped")
     return "\n".join(lines)
 
 

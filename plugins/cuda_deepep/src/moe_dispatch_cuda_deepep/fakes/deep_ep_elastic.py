@@ -446,10 +446,10 @@ def _tail(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t``'s rows, then unwritten ones up to ``rows`` (the worst case without the host sync)."""
     if t.shape[0] == rows:
         return t
-    shape = (rows,) if t.dim() == 1 else (rows, t.shape[1])
+    width = t.shape[1] if t.dim() > 1 else None
     # integers out of every range (an unwritten id must not read as -1, "no expert")
-    out = (_garbage(rows, None if t.dim() == 1 else t.shape[1], t.dtype, float("nan")) if t.dtype.is_floating_point
-           else torch.full(shape, torch.iinfo(t.dtype).max, dtype=t.dtype))
+    out = (_garbage(rows, width, t.dtype, float("nan")) if t.dtype.is_floating_point
+           else torch.full((rows, *t.shape[1:]), torch.iinfo(t.dtype).max, dtype=t.dtype))
     out[: t.shape[0]] = t
     return out
 
