@@ -64,7 +64,12 @@ def test_bench_json_counts_exactly_the_wire_format_bytes(capsys):
     assert torch_bf16["payload_bytes"] <= allgather_bf16["payload_bytes"]
 
 
-def test_bench_overhead_table(capsys):
+def test_bench_overhead_table(capsys, monkeypatch):
+    from moe_dispatch.cli.bench import overhead
+
+    # The table's form, not the measurement's precision: a few short rounds (the full run takes ~6 s).
+    measure = overhead.measure_overhead
+    monkeypatch.setattr(overhead, "measure_overhead", lambda **kw: measure(**kw, rounds=3, calls_per_round=100))
     assert main(["bench", "--only", "overhead"]) == 0
     out = capsys.readouterr().out
     assert "overhead" in out and out.count(" ns") >= 4

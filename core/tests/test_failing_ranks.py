@@ -153,7 +153,7 @@ def _rank_2_never_combines(rank: int, world: int):
     d = md.create_dispatcher("torch", md.DispatchSpec(**SPEC), env={}, timeout_s=TIMEOUT_S)
     out = d.dispatch(*_inputs(rank))
     if rank == 2:
-        time.sleep(TIMEOUT_S + 3)  # stalls: never calls combine
+        time.sleep(TIMEOUT_S + 1)  # stalls: never calls combine (returning would not make it combine either)
         return None, {}, 0.0, ""
     y = torch.ones(out.hidden_states.shape, dtype=torch.bfloat16)
     return outcome(lambda: d.combine(y, out))

@@ -36,30 +36,24 @@ def kit_run(pytester, request):
     return run
 
 
-def test_the_kit_fails_each_buggy_backend_in_the_test_named_for_its_bug(kit_run):
+def test_the_kit_fails_each_buggy_backend_in_the_test_named_for_its_bug_and_passes_the_real_one(kit_run):
+    """One run (one rank pool): each mutant fails its test; the same tests on the real backend pass."""
     classes = "\n".join(
         f"class Test{name}(BackendConformance):\n    backend_name = 'torch'\n    backend_factory = kit_mutants.{name}\n"
         for name in MUTANTS
     )
-    selection = " or ".join(f"(Test{name} and {MUTANTS[name]})" for name in MUTANTS)
-    result = kit_run("import kit_mutants\nfrom moe_dispatch.testing import BackendConformance\n\n" + classes,
+    real = "class TestReal(BackendConformance):\n    backend_name = 'torch'\n"
+    selection = " or ".join([*(f"(Test{name} and {MUTANTS[name]})" for name in MUTANTS),
+                             "(TestReal and (" + " or ".join(f"({s})" for s in MUTANTS.values()) + "))"])
+    result = kit_run("import kit_mutants\nfrom moe_dispatch.testing import BackendConformance\n\n" + classes + real,
                      selection)
     out = result.stdout.str()
     for name in MUTANTS:
         assert f"FAILED test_kit.py::Test{name}::" in out, (name, out[-4000:])
-    assert result.parseoutcomes().get("passed", 0) == 0, out[-4000:]
-
-
-def test_the_same_selection_passes_on_the_real_backend(kit_run):
-    selection = " or ".join(f"({s})" for s in MUTANTS.values())
-    result = kit_run("""
-        from moe_dispatch.testing import BackendConformance
-
-        class TestReal(BackendConformance):
-            backend_name = "torch"
-    """, selection)
+    assert "FAILED test_kit.py::TestReal::" not in out, out[-4000:]
     outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) >= len(MUTANTS), result.stdout.str()[-3000:]
+    assert outcomes.get("failed", 0) == len(MUTANTS), out[-4000:]  # one test per mutant, none of the real backend's
+    assert outcomes.get("passed", 0) == len(MUTANTS), out[-4000:]  # the real backend's, and only those
 
 
 def test_the_guard_catches_a_silent_override_and_accepts_an_explained_one(kit_run):

@@ -468,7 +468,8 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
             how = ((" low latency" if mode == "low_latency" else "") + (f" aligned {alignment} split" if split else "")
                    + (" side stream" if side else ""))
             parts.append(f"{dtype}{how} {verdict} rel {r['relative_difference']:.1e} "
-                         f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms)")
+                         f"({r['seconds']['cuda_deepep'] * 1e3:.2f} ms, torch {r['seconds']['torch'] * 1e3:.2f} ms; "
+                         f"created in {r['created_s'] * 1e3:.0f} ms, first call {r['first_s'] * 1e3:.0f} ms)")
         # low latency's claim of CUDA-graph capture (cuda_graph_modes), with the defaults
         for dtype, alignment in (("bf16", 1), ("fp8", 128)):
             found = captured_against_eager(0, 1, dtype, backend, module.__name__, expert_alignment=alignment)

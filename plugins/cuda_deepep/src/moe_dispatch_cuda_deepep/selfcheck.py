@@ -102,13 +102,17 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
                      options: dict | None = None, expert_alignment: int = 1, split: bool = False,
                      side_stream: bool = False) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
-    the relative difference, and the median time per round trip of each. ``backend``: the one to create through
+    the relative difference, the median time per round trip of each (``seconds``), and, for deciding whether creation
+    should warm DeepEP's JIT up (issue 18), the DeepEP dispatcher's creation and its first round trip (``created_s``,
+    ``first_s``: DeepEP 2.x compiles its kernels at the first call of a shape). ``backend``: the one to create through
     (a new one by default; the Buffers are the process's either way). ``options``: ``create_dispatcher``'s.
     ``expert_alignment``: the spec's; ``split``: both calls in split phase (``dispatch_start``, ``wait``, ...);
     ``side_stream``: each started on a side stream and waited on the current one (``run_started``)."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
     spec = layer_spec(world, mode, dtype, hidden, experts_per_rank, top_k, tokens, ue8m0, expert_alignment)
+    begun = time.perf_counter()
     deepep = md.create_dispatcher(backend or DeepEPBackend(vendor_module), spec, env={}, options=options)
+    created_s = time.perf_counter() - begun
     reference = md.create_dispatcher("torch", spec, env={})
     x, ids, w, _ = _batch(spec, rank, world, tokens, device, seed=1)
     layer = ScaledLayer.for_rank(hidden, spec.num_experts, rank, experts_per_rank)
@@ -122,21 +126,28 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
         rows = md.run_experts(experts, layer, out)
         return run_started(lambda: d.combine_start(rows, out), device, side_stream)
 
-    results, times = {}, {}
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    results, times, first = {}, {}, {}
     for name, d in (("cuda_deepep", deepep), ("torch", reference)):
+        synchronize()
+        begun = time.perf_counter()
         results[name] = round_trip(d)
+        synchronize()
+        first[name] = time.perf_counter() - begun
         samples = []
         for _ in range(iterations):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize()
             start = time.perf_counter()
             round_trip(d)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize()
             samples.append(time.perf_counter() - start)
         times[name] = sorted(samples)[len(samples) // 2] if samples else 0.0
     diff = (results["cuda_deepep"].float() - results["torch"].float()).norm() / results["torch"].float().norm()
-    return {"relative_difference": float(diff), "seconds": times}
+    return {"relative_difference": float(diff), "seconds": times, "created_s": created_s,
+            "first_s": first["cuda_deepep"]}
 
 
 def captured_against_eager(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
