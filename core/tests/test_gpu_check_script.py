@@ -49,5 +49,5 @@ def test_the_one_command_gpu_runner_parses_and_knows_its_steps():
     script = ROOT / "benchmarks" / "gpu" / "run_all.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for name in ("core", "kit", "profile", "hbm", "bench", "dgprobe", "deepep", "gdb"):
+    for name in ("core", "kit", "profile", "hbm", "bench", "dgprobe", "deepep", "deepgemm", "gdb"):
         assert f"step {name} " in text, name

@@ -39,7 +39,7 @@ from .registry import PluginHost, Selection, core_version, default_host
 from .preparation import prepare_layer
 from .spec import DispatchSpec
 from .trail import Resolution
-from .validation import InputChecks, runs_value_checks
+from .validation import InputChecks, not_an_output, runs_value_checks
 
 if TYPE_CHECKING:
     from .experts import ExpertKernel
@@ -324,7 +324,7 @@ class Dispatcher:
         try:
             return self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
         except BaseException as exc:
-            self._failed("dispatch", exc, started=False)
+            self._failed("dispatch", exc, before=("dispatch", self._dispatches + 1))
             raise
 
     def _values(self, hidden_states: torch.Tensor) -> bool:
@@ -347,7 +347,8 @@ class Dispatcher:
             if dispatch_output.combined:
                 self._refuse_combined(dispatch_output)
         except BaseException as exc:
-            self._failed("combine", exc, started=False)
+            self._failed("combine", exc, before=(
+                "combine", dispatch_output.call if isinstance(dispatch_output, DispatchOutput) else None))
             raise
 
     @staticmethod
@@ -366,16 +367,24 @@ class Dispatcher:
                 "its ranks started may never finish) and the dispatcher created again"
             )
 
-    def _failed(self, operation: str, exc: BaseException, *, started: bool = True) -> None:
-        """A call failed on this rank: tell the peers (unless the failure came from them). Once the
-        call had ``started`` (its collectives, on a group with peers), stop making calls: the peers
-        have left it, and the group may hold an unfinished collective. A refused input leaves the
-        dispatcher as it was on this rank."""
-        if not isinstance(exc, CommunicationError):
-            self._comm.announce_failure(operation, exc)  # the peers stop waiting for this rank
-        # A backend refuses bad input before its collectives (the contract), so that leaves it usable too.
-        if started and self.world_size > 1 and not isinstance(exc, InvalidInputError):
+    def _failed(self, operation: str, exc: BaseException, *, before: tuple[str, int | None] | None = None,
+                call: tuple[str, int | None] | None = None) -> None:
+        """A call failed on this rank: tell the peers. Refused inputs leave the dispatcher as it was on this rank:
+        the core's checks (``before``: the phase and number of the call they refused, before its collectives) and an
+        ``InvalidInputError`` from the backend, which the contract puts before its collectives too (or from the
+        expert kernel, between them: ``call``): only the peers waiting in that very call stop (``Watch.refused``),
+        and this rank's next calls are told apart from it. Any other failure once the call had begun, on a group
+        with peers, breaks the dispatcher (the peers have left the call, and the group may hold an unfinished
+        collective): every peer stops waiting for this rank, from then on."""
+        if before is None and self.world_size > 1 and not isinstance(exc, InvalidInputError):
             self._broken = f"{operation} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+        if self._broken is not None:
+            self._comm.announce_failure(operation, exc)
+            return
+        if before is None and call is None:
+            begun = self._comm.watch.call  # the call whose backend refused its inputs
+            call = (begun.phase, begun.number) if begun is not None else (operation, None)
+        self._comm.announce_refusal(operation, exc, *(before or call))  # type: ignore[misc]
 
     @property
     def fused(self) -> bool:
@@ -398,7 +407,7 @@ class Dispatcher:
             try:
                 self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
             except BaseException as exc:
-                self._failed("forward", exc, started=False)
+                self._failed("forward", exc, before=("forward", self._forwards + 1))
                 raise
             try:
                 self._forwards += 1
@@ -411,13 +420,13 @@ class Dispatcher:
             self._usable("forward")
             missing = InvalidInputError("an unfused backend needs the expert kernel", parameter="experts", value=None,
                                         allowed="an ExpertKernel (apply_without_routing_weights)")
-            self._failed("forward", missing, started=False)  # the peers may be in dispatch already
+            self._failed("forward", missing, before=("dispatch", self._dispatches + 1))  # the peers may be in dispatch
             raise missing
         out = self.dispatch(hidden_states, topk_ids, topk_weights)
         try:
             rows = run_experts(experts, layer, out)
         except BaseException as exc:
-            self._failed("experts", exc)  # the peers wait for this rank's combine
+            self._failed("experts", exc, call=("combine", out.call))  # the peers wait for this rank's combine
             raise
         return self.combine(rows, out)
 
@@ -501,6 +510,9 @@ def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> tor
     """``experts`` on a dispatch output's rows, bf16 out: what ``Dispatcher.forward`` runs between its calls.
     ``expert_alignment`` is passed only when the rows are aligned (a kernel that never asks for it needs no such
     keyword)."""
+    if not isinstance(out, DispatchOutput):
+        raise InvalidInputError(not_an_output(out), parameter="out", value=type(out).__name__,
+                                allowed="the DispatchOutput a dispatch returned")
     extra = {"expert_alignment": out.expert_alignment} if out.expert_alignment > 1 else {}
     return experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
                                                  out.group_list_type, out.group_list, torch.bfloat16,

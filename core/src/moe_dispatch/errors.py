@@ -106,12 +106,16 @@ class CallOrderError(CommunicationError):
     """The ranks of a group reached different calls: another dispatcher, dispatch against
     combine, or another call number of the same dispatcher. Raised on every rank at the first
     exchange of the call, before any data moves. ``calls`` is each rank's call, in rank order,
-    as ``(dispatcher uid, phase, number)``. The dispatcher is unusable afterwards (its ranks
-    disagree on how many calls were made): create it again."""
+    as ``(dispatcher uid, phase, number)``, and ``refused`` how many calls each rank had refused
+    before it (ranks that refused a call alone differ there even at the same number). The
+    dispatcher is unusable afterwards (its ranks disagree on how many calls were made): create
+    it again."""
 
-    def __init__(self, message: str, *, calls: tuple[tuple[str, str, int], ...]) -> None:
+    def __init__(self, message: str, *, calls: tuple[tuple[str, str, int], ...],
+                 refused: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.calls = calls
+        self.refused = refused
 
 
 class CollectiveTimeoutError(CommunicationError):

@@ -29,6 +29,7 @@ from .dtypes import DispatchDtype
 from .errors import CapacityError, InvalidInputError
 from .formats import wire_dtype
 from .output import DispatchOutput
+from .pending import Pending
 from .spec import DispatchSpec
 
 _BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
@@ -280,13 +281,20 @@ def _diagnose_values(e: int, hidden_states: torch.Tensor, ids: torch.Tensor, top
             )
 
 
+def not_an_output(value: object) -> str:
+    """Why ``value`` is refused where a ``DispatchOutput`` belongs (a ``Pending`` not yet waited is the usual slip)."""
+    if isinstance(value, Pending):
+        return "is the Pending of a started dispatch: call .wait() first for its DispatchOutput"
+    return "must be the DispatchOutput this dispatcher returned"
+
+
 def diagnose_combine_inputs(
     spec: DispatchSpec, owner: object, expert_output: torch.Tensor, dispatch_output: DispatchOutput
 ) -> None:
     """Every metadata check of a combine, one by one; returns when all pass."""
     if not isinstance(dispatch_output, DispatchOutput):
         raise InvalidInputError(
-            "must be the DispatchOutput this dispatcher returned",
+            not_an_output(dispatch_output),
             parameter="dispatch_output",
             value=dispatch_output,
             allowed="DispatchOutput",
@@ -326,5 +334,6 @@ __all__ = [
     "check_dispatch_values",
     "diagnose_combine_inputs",
     "diagnose_dispatch_inputs",
+    "not_an_output",
     "runs_value_checks",
 ]

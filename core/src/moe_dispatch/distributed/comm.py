@@ -21,11 +21,13 @@ import torch.distributed as dist
 
 from ..codecs import as_bytes, from_bytes
 from ..errors import CallOrderError, CommunicationError, InvalidInputError, InvalidSpecError
-from .watch import DEFAULT_TIMEOUT_S, Watch, check_timeout
+from .watch import DEFAULT_TIMEOUT_S, CallId, Watch, check_timeout
 
 #: The calls a dispatcher makes, as they travel in the call check (``Comm.begin``).
 PHASES = ("dispatch", "combine", "forward")
-_CALL_ROW = 4  # int64 words per peer in the call check: count, dispatcher tag, phase, number
+_CALL_ROW = 4  # int64 words per peer in the call check: count, dispatcher tag, attempt, number
+#: The attempt word: the phase's index in PHASES in its low bits, the calls the rank refused before (the epoch) above.
+_PHASE_BITS = 8
 
 
 @dataclass
@@ -120,7 +122,7 @@ class Comm:
         self._counting = threading.Lock()  # the traffic is counted from the receiver thread too (for_started_calls)
         self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
         self._tag = 0
-        self._call: tuple[int, int] | None = None  # (phase, number) not yet checked with the peers
+        self._call: CallId | None = None  # begun, not yet checked with the peers
         on_gloo = self.world_size > 1 and self.backend_name == "gloo"
         self.watch = Watch(self.rank, self.world_size, float(timeout_s), poll=on_gloo)
         self._checks_every_call = on_gloo  # fixed for the group: not asked of torch.distributed per collective
@@ -147,7 +149,8 @@ class Comm:
         before any data moves (gloo aborts the process on mismatched sizes; NCCL pairs the wrong
         buffers)."""
         if self.world_size > 1:
-            self._call = (PHASES.index(phase), number)
+            self._call = call = CallId(self.watch.epoch, phase, number)
+            self.watch.enter(call)
 
     def for_started_calls(self, group: "dist.ProcessGroup") -> "Comm":
         """This dispatcher's collectives on ``group``, the started calls' own group of the same ranks
@@ -160,14 +163,16 @@ class Comm:
         started._call, started.records = None, None
         return started
 
-    def take_call(self) -> tuple[int, int] | None:
+    def take_call(self) -> CallId | None:
         """The call check ``begin`` left for this call's first collective, taken away to go with the call to the
         started calls' group (``resume_call`` there)."""
         call, self._call = self._call, None
         return call
 
-    def resume_call(self, call: tuple[int, int] | None) -> None:
+    def resume_call(self, call: CallId | None) -> None:
         self._call = call
+        if call is not None:
+            self.watch.enter(call)  # on the receiver thread: its waits belong to the started call
 
     @contextmanager
     def recording(self) -> Iterator[list[CollectiveRecord]]:
@@ -315,8 +320,14 @@ class Comm:
             self.gather_uncounted(torch.zeros(1, dtype=torch.uint8), operation)
 
     def announce_failure(self, operation: str, error: BaseException) -> None:
-        """Tell the other ranks this one raised, so they stop waiting for it."""
+        """Tell the other ranks this one raised and makes no more calls (of this dispatcher), so they stop waiting
+        for it."""
         self.watch.announce(operation, error)
+
+    def announce_refusal(self, operation: str, error: BaseException, phase: str, number: int | None) -> None:
+        """Tell the other ranks this one refused call ``number`` of ``phase`` before its collectives and goes on:
+        the ranks waiting in that call stop; the calls this rank makes next are told apart from it (the epoch)."""
+        self.watch.refused(operation, error, CallId(self.watch.epoch, phase, number))
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets.
@@ -328,13 +339,16 @@ class Comm:
         return self._check_call(counts.to(torch.int64))
 
     def _check_call(self, counts: torch.Tensor | None) -> torch.Tensor:
-        """One all-to-all of (count, dispatcher, phase, number) per peer; every rank compares the
+        """One all-to-all of (count, dispatcher, attempt, number) per peer; every rank compares the
         calls it received with its own and raises ``CallOrderError`` on any difference (each rank
-        sees every rank's call, so all raise together). Returns the received counts."""
+        sees every rank's call, so all raise together). The attempt word holds the phase and the calls
+        the rank refused before this one: a call one rank makes again after refusing it alone is
+        another attempt than its peers' (who met the refusal) and never pairs with theirs. Returns the
+        received counts."""
         assert self._call is not None
-        phase, number = self._call
-        self._call = None
-        rows = torch.tensor([[0, self._tag, phase, number]], dtype=torch.int64).repeat(self.world_size, 1)
+        call, self._call = self._call, None
+        attempt = PHASES.index(call.phase) | call.epoch << _PHASE_BITS
+        rows = torch.tensor([[0, self._tag, attempt, call.number]], dtype=torch.int64).repeat(self.world_size, 1)
         if counts is not None:
             rows[:, 0] = counts.to(rows.device)
         device = counts.device if counts is not None else self.device or torch.device("cpu")
@@ -344,14 +358,18 @@ class Comm:
         got = from_bytes(self.all_to_all(as_bytes(rows.to(device)), None, None, sections),
                          torch.int64).view(self.world_size, _CALL_ROW)
         calls = [tuple(row) for row in got[:, 1:].tolist()]  # gloo: host memory; NCCL: where counts sync anyway
-        if any(call != (self._tag, phase, number) for call in calls):
-            named = tuple((f"{tag:015x}", PHASES[p] if 0 <= p < len(PHASES) else f"phase {p}", int(n))
-                          for tag, p, n in calls)
-            per_rank = "; ".join(f"rank {r}: dispatcher {u} {ph} #{n}" for r, (u, ph, n) in enumerate(named))
+        if any(c != (self._tag, attempt, call.number) for c in calls):
+            mask = (1 << _PHASE_BITS) - 1
+            named = tuple((f"{tag:015x}", PHASES[a & mask] if (a & mask) < len(PHASES) else f"phase {a & mask}",
+                           int(n)) for tag, a, n in calls)
+            refused = tuple(a >> _PHASE_BITS for _, a, _ in calls)
+            per_rank = "; ".join(f"rank {r}: dispatcher {u} {ph} #{n}" + (f" after {e} refused call(s)" if e else "")
+                                 for r, ((u, ph, n), e) in enumerate(zip(named, refused)))
             raise CallOrderError(
                 f"the ranks reached different calls ({per_rank}); every rank must call the same dispatchers, "
-                f"dispatch and combine, in the same order (docs/reliability.md); nothing was exchanged, and this "
-                f"dispatcher must be created again", calls=named,
+                f"dispatch and combine, in the same order, and a call refused on some ranks only is not made again "
+                f"(docs/reliability.md); nothing was exchanged, and this dispatcher must be created again",
+                calls=named, refused=refused,
             )
         return got[:, 0]
 
@@ -386,22 +404,24 @@ class Comm:
                 f"{name} could not start on rank {self.rank} of {self.world_size}: another rank probably failed, "
                 f"stalled or disagreed on the call ({exc})"
             ) from exc
-        return Transfer(out, work, self.watch, name, number)
+        return Transfer(out, work, self.watch, name, number, self.watch.call, bool(self._numbering))
 
 
 class Transfer:
     """A collective in flight (``Comm.all_to_all_start``): ``wait()`` returns its received rows, under
     the dispatcher's ``Watch`` (a peer that failed or stalled is named, not waited for forever)."""
 
-    __slots__ = ("out", "_work", "_watch", "_name", "_number")
+    __slots__ = ("out", "_work", "_watch", "_name", "_number", "_call", "_started")
 
     def __init__(self, out, work=None, watch: "Watch | None" = None, name: str = "",  # type: ignore[no-untyped-def]
-                 number: int | str = 0) -> None:
+                 number: int | str = 0, call: CallId | None = None, started: bool = False) -> None:
         self.out = out
         self._work = work
         self._watch = watch
         self._name = name
         self._number = number
+        self._call = call  # the call it belongs to, when it started: a peer's refusal of that call ends the wait
+        self._started = started  # on the started calls' group (Comm.for_started_calls)
 
     @property
     def done(self) -> bool:
@@ -412,7 +432,7 @@ class Transfer:
 
     def wait(self):  # type: ignore[no-untyped-def]
         if self._work is not None:
-            self._watch.wait(self._work, self._name, self._number)  # type: ignore[union-attr]
+            self._watch.wait(self._work, self._name, self._number, self._call, self._started)  # type: ignore[union-attr]
             self._work = None  # only once it has completed
         return self.out
 

@@ -3,6 +3,10 @@
 On gloo (CPU) a rank waits in short slices. Between slices it looks in the process
 group's store for a failure notice that a peer posts when it raises (bad input on that
 rank, a bug): the error reaches every rank within a slice instead of after a timeout.
+A notice says whether the peer is done with the dispatcher (``final``: it broke, or was
+never made) or refused one call's inputs and goes on (``CallId``): a refusal stops only
+the ranks waiting in that very call, so ranks that all refused a call, each in its own time,
+can fix it and go on, and a call started before the refusal still completes.
 Past ``timeout_s`` the waiting ranks each leave a marker in the store; the ranks without
 one are the ones that never arrived, and the error names them. A rank that died closes its
 connections: gloo fails the collective at once, and the same markers name the dead rank.
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeoutError, CommunicationError, InvalidSpecError, PeerFailedError
+from ..errors import CallOrderError, CollectiveTimeoutError, CommunicationError, InvalidSpecError, PeerFailedError
 
 #: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
 DEFAULT_TIMEOUT_S = 300.0
@@ -54,6 +60,19 @@ def _default_store():  # type: ignore[no-untyped-def]
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class CallId:
+    """Which call of a dispatcher a collective belongs to, the same on every rank that makes it:
+    ``phase`` and ``number`` as ``Comm.begin`` numbers them (``number`` None: a refused combine of
+    something that was no dispatch output), and ``epoch``, the calls this rank had refused before
+    it. A refused call takes no number (its inputs never left the rank), so a call made again after
+    its refusal has the same number: the epoch tells the two attempts apart."""
+
+    epoch: int
+    phase: str
+    number: int | None
+
+
 class Watch:
     """Deadline and peer-failure notices for one dispatcher's collectives."""
 
@@ -64,29 +83,66 @@ class Watch:
         self.poll = poll
         self.store = _default_store() if poll else None
         self.prefix: str | None = None
+        self.uid = ""
+        #: Calls this rank refused so far (``refused``): part of every later call's ``CallId``.
+        self.epoch = 0
+        # The call this thread is in (``enter``): the caller's, or the receiver thread's started call.
+        self._thread = threading.local()
+        # Notices read so far (``_notice``), from the caller's thread and the receiver thread alike.
+        self._heard: list[dict] = []  # type: ignore[type-arg]
+        self._reading = threading.Lock()
         #: Collectives a vendor's emulator ran under this Watch (``emulation.WatchedComm``), numbered apart from the
         #: dispatcher's own so that the markers naming absent ranks never mix the two.
         self.emulated = 0
 
     def bind(self, uid: str) -> None:
         """Start posting and reading notices under the dispatcher's agreed ``uid``."""
+        self.uid = uid
         self.prefix = f"moe_dispatch/{uid}"
 
+    @property
+    def call(self) -> CallId | None:
+        """The call this thread entered last (``enter``); None before any."""
+        return getattr(self._thread, "call", None)
+
+    def enter(self, call: CallId) -> None:
+        """This thread's collectives from here on belong to ``call`` (``Comm.begin``; a started call's on the
+        receiver thread); an emulated vendor collective on the thread takes it too."""
+        self._thread.call = call
+
     def announce(self, operation: str, error: BaseException) -> None:
-        """Tell the peers this rank failed in ``operation`` (they stop waiting for it)."""
+        """Tell the peers this rank failed in ``operation`` and makes no more calls of this dispatcher (it broke,
+        or was never made): every rank waiting for it stops."""
+        self._post(operation, error, None)
+
+    def refused(self, operation: str, error: BaseException, call: CallId) -> None:
+        """Tell the peers this rank refused ``call``'s inputs before any collective and stays usable: the ranks
+        waiting in that call stop (the rank will not come), no other call does; and start the next epoch."""
+        self._post(operation, error, call)
+        self.epoch = call.epoch + 1
+
+    def _post(self, operation: str, error: BaseException, call: CallId | None) -> None:
         if self.store is None or self.prefix is None:
             return
-        notice = {"rank": self.rank, "operation": operation, "reason": f"{type(error).__name__}: {error}"}
-        try:
-            self.store.set(f"{self.prefix}/failed", json.dumps(notice))
+        notice = {"rank": self.rank, "operation": operation, "reason": f"{type(error).__name__}: {error}",
+                  "call": None if call is None else [call.epoch, call.phase, call.number]}
+        try:  # appended, never overwritten: a later refusal must not hide a rank that broke
+            n = self.store.add(f"{self.prefix}/notices", 1)
+            self.store.set(f"{self.prefix}/notice/{n}", json.dumps(notice))
         except Exception:  # the store itself is gone: the peers will time out instead
             pass
 
-    def wait(self, work, operation: str, seq: int | str) -> None:  # type: ignore[no-untyped-def]
+    def wait(self, work, operation: str, seq: int | str, call: CallId | None = None,  # type: ignore[no-untyped-def]
+             started: bool = False) -> None:
+        """Wait for ``work``, collective ``seq`` of ``call`` (None: outside any call, e.g. at creation: then only a
+        peer that is done with the dispatcher stops the wait), on the started calls' group if ``started``
+        (``reference/receiver.py``): a peer that makes the same call in the other form waits on the other group,
+        and after a slice both say so in the store and raise ``CallOrderError`` (instead of a timeout)."""
         if not self.poll:
             work.wait()
             return
         deadline = time.monotonic() + self.timeout_s
+        form = None
         while True:
             try:
                 work.wait(timeout=_SLICE)
@@ -97,10 +153,12 @@ class Watch:
                         work.wait()
                         return
                     except RuntimeError as exc:  # a peer closed its connections (died, or left)
-                        raise self._broken(operation, seq, exc) from exc
-            notice = self._notice()
+                        raise self._broken(operation, seq, exc, call) from exc
+            notice = self._notice(call)
             if notice is not None:
                 raise self._peer_failed(notice, operation)
+            if call is not None and call.number is not None:
+                form = self._check_form(call, started, form)
             if time.monotonic() >= deadline:
                 missing = self._absent(f"waiting/{seq}")
                 who = (f"rank(s) {list(missing)} never arrived (stalled, dead, or making fewer calls than this rank: every "
@@ -112,16 +170,54 @@ class Watch:
                     ranks=missing, operation=operation, timeout_s=self.timeout_s,
                 )
 
-    def _notice(self) -> dict | None:  # type: ignore[type-arg]
+    def _check_form(self, call: CallId, started: bool, key: str | None) -> str:
+        """Count this rank in its form of ``call`` (once per wait: ``key``), and raise ``CallOrderError`` if a peer
+        has counted itself in the other form. Two store calls a slice, only while a wait is slow."""
+        base = f"{self.prefix}/form/{call.epoch}/{call.phase}/{call.number}"
+        mine, other = ("started", "blocking") if started else ("blocking", "started")
+        if self.store is None or self.prefix is None:
+            return base
+        try:
+            if key is None:
+                self.store.add(f"{base}/{mine}", 1)
+            elsewhere = self.store.add(f"{base}/{other}", 0)
+        except Exception:
+            return base
+        if elsewhere:
+            raise CallOrderError(
+                f"{call.phase} #{call.number} is a {mine} call on rank {self.rank} and a {other} call on "
+                f"{elsewhere} other rank(s): every rank makes a given call in the same form, started "
+                "(dispatch_start/combine_start) or blocking (docs/engine-guide.md); this dispatcher must be created "
+                "again", calls=tuple((self.uid[:15], call.phase, call.number) for _ in range(self.world_size)),
+            )
+        return base
+
+    def _notice(self, call: CallId | None) -> dict | None:  # type: ignore[type-arg]
+        """The first notice of a peer that this wait must not outlast: one that is done with the dispatcher, or one
+        that refused ``call`` itself. One store read when nothing is new."""
         if self.store is None or self.prefix is None:
             return None
-        key = f"{self.prefix}/failed"
-        try:
-            if not self.store.check([key]):
-                return None
-            return json.loads(self.store.get(key))
-        except Exception:
-            return None
+        with self._reading:
+            try:
+                posted = self.store.add(f"{self.prefix}/notices", 0)
+                while len(self._heard) < posted:
+                    key = f"{self.prefix}/notice/{len(self._heard) + 1}"
+                    if not self.store.check([key]):  # counted, not yet written: the next slice reads it
+                        break
+                    self._heard.append(json.loads(self.store.get(key)))
+            except Exception:
+                pass
+            heard = list(self._heard)
+        return next((n for n in heard if self._stops(n, call)), None)
+
+    def _stops(self, notice: dict, call: CallId | None) -> bool:  # type: ignore[type-arg]
+        if notice["rank"] == self.rank:
+            return False
+        refused = notice["call"]
+        if refused is None:
+            return True
+        epoch, phase, number = refused
+        return call is not None and (epoch, phase) == (call.epoch, call.phase) and number in (None, call.number)
 
     def _peer_failed(self, notice: dict, operation: str) -> PeerFailedError:  # type: ignore[type-arg]
         return PeerFailedError(
@@ -130,8 +226,8 @@ class Watch:
             rank=int(notice["rank"]), reason=str(notice["reason"]), operation=operation,
         )
 
-    def _broken(self, operation: str, seq: int | str, exc: BaseException) -> CommunicationError:
-        notice = self._notice()
+    def _broken(self, operation: str, seq: int | str, exc: BaseException, call: CallId | None) -> CommunicationError:
+        notice = self._notice(call)
         if notice is not None:
             return self._peer_failed(notice, operation)
         gone = self._absent(f"broken/{seq}")
@@ -164,4 +260,4 @@ class Watch:
             return ()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Watch", "check_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CallId", "Watch", "check_timeout"]
