@@ -1,9 +1,10 @@
-"""A refused call on gloo: what its peers and its own later calls see (docs/reliability.md, "Refused inputs").
+"""A refused call on gloo: what its peers and its own later calls see (docs/reliability.md, "A rank that fails,
+stalls or dies").
 
 A refusal (inputs refused before any collective) stops only the peers waiting in that very call, so:
 ranks that all refused a call go on, each in its own time; a call already in flight completes; and a call
 one rank alone refused and makes again never pairs silently with its peers' (a typed error on every rank).
-A call made blocking on one rank and started on the other is a ``CallOrderError`` within a slice, not a
+A call made blocking on one rank and started on the other is a ``CallOrderError`` within a second, not a
 timeout. Ranks are never in lock-step here: the late rank sleeps past the Watch's 50 ms slices.
 """
 
@@ -132,3 +133,19 @@ def test_a_pending_handed_over_for_its_output_is_told_to_wait_first():
         assert info.value.parameter == parameter
     out = started.wait()
     assert d.combine(out.hidden_states, out).shape == (8, 128)  # still usable (BF16 rows: identity experts)
+
+
+def test_a_refused_tensor_crosses_processes_as_its_description():
+    """An error names the refused tensor in ``value``; pickled (a rank's error reported to the test or the engine's
+    launcher) it carried the whole tensor. Now the description travels, the other attributes as they were."""
+    import pickle
+
+    x = torch.zeros(4096, 128, dtype=torch.float32)
+    error = md.InvalidInputError("wrong dtype", parameter="hidden_states", value=x, allowed="torch.bfloat16")
+    assert error.value is x  # in the process that raised it, the tensor itself
+    data = pickle.dumps(error)
+    assert len(data) < 2000  # the tensor's 2 MB are not in it
+    back = pickle.loads(data)
+    assert type(back) is md.InvalidInputError and str(back) == str(error)
+    assert (back.parameter, back.allowed) == ("hidden_states", "torch.bfloat16")
+    assert back.value == "Tensor(shape=(4096, 128), dtype=torch.float32, device=cpu)"

@@ -9,7 +9,8 @@ class MoEDispatchError(Exception):
     """Base class of every error this library raises on purpose.
 
     ``parameter``, ``value`` and ``allowed`` are kept as attributes so an engine can
-    turn them into its own flag names; ``str()`` reads as one sentence.
+    turn them into its own flag names; ``str()`` reads as one sentence. Pickled (to another
+    process), a tensor ``value`` becomes its description.
     """
 
     def __init__(
@@ -33,8 +34,13 @@ class MoEDispatchError(Exception):
         super().__init__("; ".join(parts))
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        # Keep parameter/value/allowed when an error crosses a process boundary.
-        return (_restore, (type(self), self.args, self.__dict__))
+        # Keep parameter/value/allowed when an error crosses a process boundary; a tensor value travels as its
+        # description (its shape, dtype and device, as str() shows it), not its data: a refused batch's activations
+        # would otherwise be pickled to every rank that reports the error.
+        state = dict(self.__dict__)
+        if _is_tensor(state.get("value")):
+            state["value"] = _short(state["value"])
+        return (_restore, (type(self), self.args, state))
 
 
 def _restore(cls: type, args: tuple, state: dict) -> "MoEDispatchError":  # type: ignore[type-arg]
@@ -44,14 +50,17 @@ def _restore(cls: type, args: tuple, state: dict) -> "MoEDispatchError":  # type
     return error
 
 
-def _short(value: Any) -> str:
+def _is_tensor(value: Any) -> bool:
     try:
         import torch
-
-        if isinstance(value, torch.Tensor):
-            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
+        return False
+    return isinstance(value, torch.Tensor)
+
+
+def _short(value: Any) -> str:
+    if _is_tensor(value):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 

@@ -14,7 +14,7 @@ through a channel that is not part of the vendor's API:
   enters that scope around its vendor calls: an empty scope for the real library.
 
 Inside the scope a ``WatchedComm`` of the same ranks waits with the dispatcher's ``timeout_s``
-and hears its peers' failure notices (``moe_dispatch/<uid>/failed``); outside it (a test driving
+and hears its peers' failure notices (``moe_dispatch/<uid>/notice/<n>``); outside it (a test driving
 a fake by hand) it waits with its own. No vendor signature changes.
 """
 

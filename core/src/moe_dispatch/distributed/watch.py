@@ -3,8 +3,8 @@
 On gloo (CPU) a rank waits in short slices. Between slices it looks in the process
 group's store for a failure notice that a peer posts when it raises (bad input on that
 rank, a bug): the error reaches every rank within a slice instead of after a timeout.
-A notice says whether the peer is done with the dispatcher (``final``: it broke, or was
-never made) or refused one call's inputs and goes on (``CallId``): a refusal stops only
+A notice says whether the peer is done with the dispatcher (it broke, or was never made:
+no call named) or refused one call's inputs and goes on (the ``CallId`` it names): a refusal stops only
 the ranks waiting in that very call, so ranks that all refused a call, each in its own time,
 can fix it and go on, and a call started before the refusal still completes.
 Past ``timeout_s`` the waiting ranks each leave a marker in the store; the ranks without
@@ -34,6 +34,9 @@ from ..errors import CallOrderError, CollectiveTimeoutError, CommunicationError,
 #: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
 DEFAULT_TIMEOUT_S = 300.0
 _SLICE = datetime.timedelta(milliseconds=50)
+#: A wait this long looks for a peer making the same call in the other form (``Watch._check_form``): a store write
+#: and a read a slice from then on, so not for the many waits a busy machine makes a few slices long.
+_FORM_AFTER_S = 1.0
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0  # beyond a year a deadline is a typo, and timedelta overflows near 1e14 s
 
 
@@ -137,11 +140,12 @@ class Watch:
         """Wait for ``work``, collective ``seq`` of ``call`` (None: outside any call, e.g. at creation: then only a
         peer that is done with the dispatcher stops the wait), on the started calls' group if ``started``
         (``reference/receiver.py``): a peer that makes the same call in the other form waits on the other group,
-        and after a slice both say so in the store and raise ``CallOrderError`` (instead of a timeout)."""
+        and after a second both say so in the store and raise ``CallOrderError`` (instead of a timeout)."""
         if not self.poll:
             work.wait()
             return
-        deadline = time.monotonic() + self.timeout_s
+        begun = time.monotonic()
+        deadline = begun + self.timeout_s
         form = None
         while True:
             try:
@@ -157,7 +161,7 @@ class Watch:
             notice = self._notice(call)
             if notice is not None:
                 raise self._peer_failed(notice, operation)
-            if call is not None and call.number is not None:
+            if call is not None and call.number is not None and time.monotonic() - begun >= _FORM_AFTER_S:
                 form = self._check_form(call, started, form)
             if time.monotonic() >= deadline:
                 missing = self._absent(f"waiting/{seq}")
@@ -172,7 +176,7 @@ class Watch:
 
     def _check_form(self, call: CallId, started: bool, key: str | None) -> str:
         """Count this rank in its form of ``call`` (once per wait: ``key``), and raise ``CallOrderError`` if a peer
-        has counted itself in the other form. Two store calls a slice, only while a wait is slow."""
+        has counted itself in the other form. One store call a slice (two the first time), only in a slow wait."""
         base = f"{self.prefix}/form/{call.epoch}/{call.phase}/{call.number}"
         mine, other = ("started", "blocking") if started else ("blocking", "started")
         if self.store is None or self.prefix is None:
