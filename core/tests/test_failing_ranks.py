@@ -246,3 +246,18 @@ def test_a_function_the_spawned_ranks_cannot_import_is_refused_before_they_start
             "run_local(job, 2)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "InvalidSpecError" in done.stderr and "fn='job'" in done.stderr, done.stderr[-2000:]
+
+
+def _environment_seen(rank: int, world: int) -> tuple[str | None, str | None]:
+    return os.environ.get("MOE_DISPATCH_TEST_MARK"), os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def test_the_ranks_take_the_environment_of_the_process_that_made_the_pool(monkeypatch):
+    """The ranks are forked from a fork server started with the first pool, whose environment dates from then: each
+    rank takes the pool maker's environment at the pool's creation, as a spawned process would, and gloo stays on
+    the loopback interface."""
+    from moe_dispatch.testing import on_a_fresh_pool
+
+    on_a_fresh_pool(_environment_seen)  # the fork server exists before the variable does
+    monkeypatch.setenv("MOE_DISPATCH_TEST_MARK", "set after the server started")
+    assert on_a_fresh_pool(_environment_seen) == [("set after the server started", "lo")] * 2

@@ -3,6 +3,13 @@
 Rendezvous goes through a file (no listening socket) and gloo's pairs connect over the
 loopback interface only. Each worker keeps its process group for the pool's lifetime, so
 a test suite or the demo pays the start-up (process spawn, ``import torch``) once.
+
+Workers are forked from multiprocessing's fork server with torch imported there once
+(``set_forkserver_preload``): a pool starts in ~0.2 s instead of ~2 s of ``import torch``
+per process, which matters to a suite that needs a fresh pool after every failure. The
+server is a clean single-threaded process (no CUDA, no thread pools), so forking it is safe;
+each worker takes the environment of the process that made the pool, not the server's.
+Where there is no fork server (Windows), workers are spawned.
 """
 
 from __future__ import annotations
@@ -48,7 +55,20 @@ class RanksTimedOut(Exception):
     """Some ranks did not answer within the timeout; the pool was shut down."""
 
 
-def _worker(rank: int, world_size: int, store_path: str, timeout_s: float, threads: int, conn: Connection) -> None:
+def _context() -> Any:
+    """A fork server with torch imported (see the module docstring), else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # read when the server starts: the first pool
+    return ctx
+
+
+def _worker(rank: int, world_size: int, store_path: str, timeout_s: float, threads: int, conn: Connection,
+            environ: dict[str, str]) -> None:
+    # The pool maker's environment, as a spawned process would have it (the fork server's dates from its start).
+    os.environ.clear()
+    os.environ.update(environ)
     # This is our own child process: pin gloo to loopback before it creates its device.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -107,7 +127,7 @@ class RankPool:
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._dir = tempfile.TemporaryDirectory(prefix="moe-dispatch-ranks-")
         store = os.path.join(self._dir.name, "store")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         #: False once a task failed on some rank: its process group may be mid-collective.
@@ -115,7 +135,8 @@ class RankPool:
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, world_size, store, timeout_s, threads, child), daemon=True
+                target=_worker, args=(rank, world_size, store, timeout_s, threads, child, dict(os.environ)),
+                daemon=True
             )
             proc.start()
             child.close()
