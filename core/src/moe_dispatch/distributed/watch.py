@@ -85,8 +85,7 @@ class Watch:
         self.timeout_s = timeout_s
         self.poll = poll
         self.store = _default_store() if poll else None
-        self.prefix: str | None = None
-        self.uid = ""
+        self.uid = ""  # the dispatcher's, agreed at creation (``bind``)
         #: Calls this rank refused so far (``refused``): part of every later call's ``CallId``.
         self.epoch = 0
         # The call this thread is in (``enter``): the caller's, or the receiver thread's started call.
@@ -101,7 +100,11 @@ class Watch:
     def bind(self, uid: str) -> None:
         """Start posting and reading notices under the dispatcher's agreed ``uid``."""
         self.uid = uid
-        self.prefix = f"moe_dispatch/{uid}"
+
+    @property
+    def prefix(self) -> str | None:
+        """Where this dispatcher's keys live in the store; None before ``bind``."""
+        return f"moe_dispatch/{self.uid}" if self.uid else None
 
     @property
     def call(self) -> CallId | None:
@@ -177,10 +180,10 @@ class Watch:
     def _check_form(self, call: CallId, started: bool, key: str | None) -> str:
         """Count this rank in its form of ``call`` (once per wait: ``key``), and raise ``CallOrderError`` if a peer
         has counted itself in the other form. One store call a slice (two the first time), only in a slow wait."""
+        if self.store is None or self.prefix is None:
+            return ""
         base = f"{self.prefix}/form/{call.epoch}/{call.phase}/{call.number}"
         mine, other = ("started", "blocking") if started else ("blocking", "started")
-        if self.store is None or self.prefix is None:
-            return base
         try:
             if key is None:
                 self.store.add(f"{base}/{mine}", 1)

@@ -126,28 +126,23 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
         rows = md.run_experts(experts, layer, out)
         return run_started(lambda: d.combine_start(rows, out), device, side_stream)
 
-    def synchronize() -> None:
+    def timed(d: md.Dispatcher) -> tuple[torch.Tensor, float]:
+        """One round trip and its seconds, the device's queue drained on both sides."""
         if device.type == "cuda":
             torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = round_trip(d)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return result, time.perf_counter() - start
 
     results, times, first = {}, {}, {}
     for name, d in (("cuda_deepep", deepep), ("torch", reference)):
-        synchronize()
-        begun = time.perf_counter()
-        results[name] = round_trip(d)
-        synchronize()
-        first[name] = time.perf_counter() - begun
-        samples = []
-        for _ in range(iterations):
-            synchronize()
-            start = time.perf_counter()
-            round_trip(d)
-            synchronize()
-            samples.append(time.perf_counter() - start)
-        times[name] = sorted(samples)[len(samples) // 2] if samples else 0.0
-    diff = (results["cuda_deepep"].float() - results["torch"].float()).norm() / results["torch"].float().norm()
-    return {"relative_difference": float(diff), "seconds": times, "created_s": created_s,
-            "first_s": first["cuda_deepep"]}
+        results[name], first[name] = timed(d)
+        samples = sorted(timed(d)[1] for _ in range(iterations))
+        times[name] = samples[len(samples) // 2] if samples else 0.0
+    return {"relative_difference": relative_error(results["cuda_deepep"], results["torch"]), "seconds": times,
+            "created_s": created_s, "first_s": first["cuda_deepep"]}
 
 
 def captured_against_eager(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
