@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from moe_dispatch.reference.exchange import _CPU_CHUNK_BYTES, _sum_terms, _token_major
-from moe_dispatch.reference.slots import Slot
+from moe_dispatch._reference.exchange import _CPU_CHUNK_BYTES, _sum_terms, _token_major
+from moe_dispatch._reference.slots import Slot
 
 
 def baseline(y: torch.Tensor, row_token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -20,14 +20,17 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.alignment import align_rows, dense_rows
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.output import DispatchOutput, align_up
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import align_rows
+from moe_dispatch._alignment import dense_rows
+from moe_dispatch.backend import make_codec
+from moe_dispatch import DispatchOutput
+from moe_dispatch.backend import align_up
 
 
 def dense_output(rows_per_expert: torch.Tensor, hidden: int, generator: torch.Generator) -> DispatchOutput:
     rows = int(rows_per_expert.sum())
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, hidden)).quantize(torch.randn(rows, hidden, generator=generator))
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, hidden)).quantize(torch.randn(rows, hidden, generator=generator))
     none = torch.zeros(0, 1, dtype=torch.int64)
     return DispatchOutput(q.data, q.scale, none, none.float(), rows_per_expert, 1, md.Layout.PACKED,
                           md.DispatchDtype.FP8, None)

@@ -37,8 +37,8 @@ def tiny_config(family: str):  # type: ignore[no-untyped-def]
 def serve(rank: int, world: int, family: str, dtype: str, mode: str) -> str:
     import transformers
 
-    import moe_dispatch.integrations.transformers as mdt
-    from moe_dispatch.accuracy import relative_error
+    import moe_dispatch_transformers as mdt
+    from moe_dispatch_testing.accuracy import relative_error
 
     torch.manual_seed(0)  # the same model on every rank
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--local", type=int, default=None, metavar="N", help="run on N local ranks instead of torchrun")
     args = parser.parse_args()
     if args.local:
-        from moe_dispatch.distributed.local import run_local
+        from moe_dispatch_testing.local import run_local
 
         for line in run_local(serve, args.local, args.family, args.dtype, args.mode):
             print(line)

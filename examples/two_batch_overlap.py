@@ -15,8 +15,8 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import run_local
-from moe_dispatch.routing import random_expert_weights, random_routing
+from moe_dispatch_testing.local import run_local
+from moe_dispatch_testing.routing import random_expert_weights, random_routing
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 1024, 16, 4, 64
 

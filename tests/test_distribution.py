@@ -33,7 +33,7 @@ TEMPLATE = ROOT / "plugins" / "_template"
 
 def test_the_kit_is_a_pytest_plugin_of_the_core():
     eps = metadata.distribution("moe-dispatch").entry_points
-    assert {(ep.group, ep.name, ep.value) for ep in eps} >= {("pytest11", "moe_dispatch", "moe_dispatch.testing.plugin")}
+    assert {(ep.group, ep.name, ep.value) for ep in eps} >= {("pytest11", "moe_dispatch", "moe_dispatch_testing.plugin")}
 
 
 def test_the_template_is_installed_and_discovered_through_its_entry_point():

@@ -1,6 +1,6 @@
 """Multi-node under torchrun, on one machine (issue 7): two torchrun agents (``--nnodes 2``),
 two processes each, meeting over 127.0.0.1, so node-local and global ranks differ exactly as
-on two machines. Runs the demo and the kit's whole-layer check (``moe_dispatch.testing.torchrun``).
+on two machines. Runs the demo and the kit's whole-layer check (``moe_dispatch_testing.torchrun``).
 
 What this proves: the static rendezvous and gloo's connections work between agents, every
 rank's slice of the batch, its experts and its device follow the global rank or the node-local
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch.testing.torchrun import CaseResult, Placement, RankReport, global_problems, main
+from moe_dispatch_testing.torchrun import CaseResult, Placement, RankReport, global_problems, main
 
 #: Seconds one two-agent launch may take before both agents and their workers are killed.
 LAUNCH_TIMEOUT_S = 90.0
@@ -103,7 +103,7 @@ def test_demo_on_two_nodes(tmp_path):
 
 
 def test_kit_layer_check_on_two_nodes(tmp_path):
-    agents = launch_two_nodes(tmp_path, "-m", "moe_dispatch.testing.torchrun", "--backend", "torch",
+    agents = launch_two_nodes(tmp_path, "-m", "moe_dispatch_testing.torchrun", "--backend", "torch",
                               "--expect-nodes", str(NODES), "--timeout-s", "60")
     assert [a.returncode for a in agents] == [0, 0], _dump(agents)
     head, second = agents[0].stdout, agents[1].stdout

@@ -19,7 +19,8 @@ import pytest
 from test_plugins import GOOD, make_dist
 
 import moe_dispatch as md
-from moe_dispatch.registry import DEFAULT_PROBE_TIMEOUT_S, PluginHost
+from moe_dispatch._registry import DEFAULT_PROBE_TIMEOUT_S
+from moe_dispatch import PluginHost
 
 DEADLINE_S = 0.2
 

@@ -19,11 +19,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.cli.bench.cases import BenchSettings, Shape, expand_cases
-from moe_dispatch.cli.bench.report import format_table
-from moe_dispatch.cli.bench.results import summarize_case, with_baselines
-from moe_dispatch.cli.bench.worker import measure_case
-from moe_dispatch.dtypes import DispatchDtype, Mode
+from moe_dispatch_testing.bench.cases import BenchSettings, Shape, expand_cases
+from moe_dispatch_testing.bench.report import format_table
+from moe_dispatch_testing.bench.results import summarize_case, with_baselines
+from moe_dispatch_testing.bench.worker import measure_case
+from moe_dispatch import DispatchDtype, Mode
 from moe_dispatch.cli.presets import PRESETS, get_preset
 
 

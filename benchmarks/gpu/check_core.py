@@ -15,7 +15,7 @@ The first checks of ``shared/GPU.md``, in one process (world size 1, NCCL on CUD
    ``check_inputs`` under ``torch.cuda.set_sync_debug_mode("warn")`` (every line that syncs is named),
    and the time per pair with the default against ``check_inputs=True`` (what the value checks'
    sync costs: the measurement behind the default, issue 16);
-5. **streams**: dispatch and combine started on a side stream (spinning ~10 ms first: ``moe_dispatch.testing.streams``)
+5. **streams**: dispatch and combine started on a side stream (spinning ~10 ms first: ``moe_dispatch_testing.streams``)
    and waited on the default one (``Pending``'s promise: ``wait()`` orders the stream current at the wait, and hands
    it the result), against the blocking calls.
 
@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.codecs import as_bytes, make_codec, nvfp4_global_scale
-from moe_dispatch.distributed.local import one_rank_group
-from moe_dispatch.routing import random_expert_weights, random_routing
-from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, check_layer
-from moe_dispatch.testing.streams import captured, run_started
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import as_bytes, make_codec, nvfp4_global_scale
+from moe_dispatch_testing.local import one_rank_group
+from moe_dispatch_testing.routing import random_expert_weights, random_routing
+from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer, check_layer
+from moe_dispatch_testing.streams import captured, run_started
 
 H, E, K, T = 512, 16, 4, 32
 BACKENDS = ("torch", "allgather")
@@ -56,13 +57,13 @@ class Check:
     detail: str
 
 
-def _wire_formats() -> list[tuple[str, md.WireFormat, float | None]]:
+def _wire_formats() -> list[tuple[str, mdb.WireFormat, float | None]]:
     gs = nvfp4_global_scale(8.0)
-    return [("bf16", md.WireFormat(md.DispatchDtype.BF16, H), None),
-            ("fp8", md.WireFormat(md.DispatchDtype.FP8, H), None),
-            ("fp8/ue8m0", md.WireFormat(md.DispatchDtype.FP8, H, ue8m0=True), None),
-            ("int8", md.WireFormat(md.DispatchDtype.INT8, H), None),
-            ("nvfp4", md.WireFormat(md.DispatchDtype.NVFP4, H), gs)]
+    return [("bf16", mdb.WireFormat(md.DispatchDtype.BF16, H), None),
+            ("fp8", mdb.WireFormat(md.DispatchDtype.FP8, H), None),
+            ("fp8/ue8m0", mdb.WireFormat(md.DispatchDtype.FP8, H, ue8m0=True), None),
+            ("int8", mdb.WireFormat(md.DispatchDtype.INT8, H), None),
+            ("nvfp4", mdb.WireFormat(md.DispatchDtype.NVFP4, H), gs)]
 
 
 def check_codecs(device: torch.device) -> list[Check]:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import one_rank_group
-from moe_dispatch.routing import random_routing
+from moe_dispatch_testing.local import one_rank_group
+from moe_dispatch_testing.routing import random_routing
 
 
 def _step(d: md.Dispatcher, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

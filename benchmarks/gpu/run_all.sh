@@ -115,7 +115,7 @@ fi
 step core "$out/core.txt" python3 benchmarks/gpu/check_core.py --json "$out/core.json"
 # 1. the kit's whole-layer case on device="cuda".
 step kit "$out/kit.txt" torchrun --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29517 \
-  -m moe_dispatch.testing.torchrun --backend torch --device cuda
+  -m moe_dispatch_testing.torchrun --backend torch --device cuda
 # 3. where a dispatch + combine spends its time (torch's profiler).
 step profile "$out/profile.txt" python3 benchmarks/gpu/profile_layer.py
 # 3. HBM: a device-to-device copy, the figure the bench's bandwidth is read against.

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.testing import IdentityExperts
+from moe_dispatch_testing import IdentityExperts
 
 DTYPES = ("bf16", "fp8", "int8", "nvfp4")
 MODES = ("normal", "low_latency")
@@ -529,7 +529,7 @@ def _size(group: Any) -> int:
 def _experts(d: md.Dispatcher, out: md.DispatchOutput) -> torch.Tensor:
     """Expert e of the group multiplies its rows by a factor unique to e, so a row combined
     under the wrong expert or the wrong dispatcher's layer changes the result."""
-    from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
+    from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer
 
     local = d.spec.num_experts // d.world_size
     layer = ScaledLayer.for_rank(d.spec.hidden_size, d.spec.num_experts, d.rank, local)

@@ -7,9 +7,9 @@ import os
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import make_codec, nvfp4_global_scale
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import IdentityExperts
+from moe_dispatch.backend import make_codec, nvfp4_global_scale
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import IdentityExperts
 
 
 def global_inputs(p: dict, world: int):

@@ -12,7 +12,8 @@ import os
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
 
 
 class DoubleWeight(TorchBackend):
@@ -53,7 +54,7 @@ class SmallBuffer(TorchBackend):
 
     def buffer_size(self, spec, world_size):
         size = super().buffer_size(spec, world_size)
-        return md.BufferSize(spec.num_max_dispatch_tokens_per_rank * spec.hidden_size, size.combine_bytes)
+        return mdb.BufferSize(spec.num_max_dispatch_tokens_per_rank * spec.hidden_size, size.combine_bytes)
 
 
 class WritesEnvironment(TorchBackend):
@@ -104,7 +105,7 @@ class NoisyCombine(TorchBackend):
 _FP8_ONLY = dataclasses.replace(
     TorchBackend.capabilities,
     dtypes={m: frozenset({md.DispatchDtype.BF16, md.DispatchDtype.FP8}) for m in md.Mode},
-    fallbacks={(m, md.DispatchDtype.INT8): md.Fallback(md.DispatchDtype.FP8, "no INT8 kernels") for m in md.Mode},
+    fallbacks={(m, md.DispatchDtype.INT8): mdb.Fallback(md.DispatchDtype.FP8, "no INT8 kernels") for m in md.Mode},
 )
 
 
@@ -114,7 +115,7 @@ class TableDisagrees(TorchBackend):
     capabilities = _FP8_ONLY
 
     def validate_dtype(self, dtype, spec):
-        return md.DtypeDecision("accept", dtype)
+        return mdb.DtypeDecision("accept", dtype)
 
 
 class StartsShareOneReceive(TorchBackend):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
-from moe_dispatch.reference.exchange import ReferenceDispatcher
-from moe_dispatch.routing import random_routing
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
+from moe_dispatch._reference.exchange import ReferenceDispatcher
+from moe_dispatch_testing.routing import random_routing
 
 H, E, K = 128, 4, 2
 
@@ -44,7 +45,7 @@ class _Buggy(TorchBackend):
         return _Mangled(ctx, self.mangle_out, self.mangle_y)
 
 
-def _run(backend: md.Backend, mode: str = "normal", check_inputs: bool = True) -> torch.Tensor:
+def _run(backend: mdb.Backend, mode: str = "normal", check_inputs: bool = True) -> torch.Tensor:
     spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=8, mode=mode, output_dtype="bf16")
     d = md.create_dispatcher(backend, spec, env={}, check_inputs=check_inputs)
     g = torch.Generator().manual_seed(0)
@@ -110,7 +111,7 @@ def test_packed_rows_past_the_segments_are_a_plugin_error_in_normal_mode_and_the
     """A backend that makes no host sync sizes low-latency PACKED rows for the worst case (DeepEP V2 without
     ``do_cpu_sync``): rows past the experts' segments are allowed where it declares so
     (``Capabilities.worst_case_rows``), and only there."""
-    from moe_dispatch.output_checks import OutputChecks
+    from moe_dispatch._checks import OutputChecks
 
     spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=8, output_dtype="bf16")
     d = md.create_dispatcher("torch", spec, env={})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import RankPool
+from moe_dispatch_testing.local import RankPool
 
 SPEC = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=8)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
+from moe_dispatch_testing.routing import random_routing
 
 H, E, K, T = 256, 8, 2, 6
 
@@ -166,7 +166,7 @@ def test_value_checks_stand_aside_while_a_cuda_graph_is_captured(monkeypatch):
     device tensors here: reading a flag off them raises, so a check that ran would show."""
     import torch
 
-    from moe_dispatch import validation
+    from moe_dispatch import _checks as validation
 
     spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
     x = torch.empty(4, 128, dtype=torch.bfloat16, device="meta")
@@ -184,7 +184,7 @@ def test_check_inputs_true_stands_aside_while_a_cuda_graph_is_captured(monkeypat
     of either side runs; before and after, they do."""
     import torch
 
-    from moe_dispatch import validation as validation_module
+    from moe_dispatch import _checks as validation_module
 
     spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
     d = md.create_dispatcher("torch", spec, env={}, check_inputs=True)

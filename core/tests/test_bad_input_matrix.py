@@ -1,7 +1,7 @@
 """Issue 7, bad input everywhere: a table of bad inputs through the public API.
 
 Every case is one public call (``DispatchSpec``, ``QuantHints``, ``create_dispatcher``,
-``Backend.check_spec``, ``Dispatcher.dispatch``, ``Dispatcher.combine``, ``moe_forward``) with
+``Backend.check_spec``, ``Dispatcher.dispatch``, ``Dispatcher.combine``, ``Dispatcher.forward``) with
 one thing wrong. Each must raise its typed ``MoEDispatchError`` subclass whose ``parameter``
 names what is wrong and whose message shows the value seen and what is allowed; no input
 tensor may change (bit for bit), and no collective may be entered (``traffic.collectives``).
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
+from moe_dispatch_testing.routing import random_routing
 
 H, E, K, T, CAP = 256, 8, 2, 6, 8
 GLOBAL_SCALE = 448.0 * 6.0 / 4.0
@@ -50,7 +50,7 @@ class Call:
     tensors: list[Any]
     dispatcher: md.Dispatcher | None = None
     #: collectives the call may legitimately enter before the bad input is reached
-    #: (moe_forward: the dispatch of a good batch, before the experts' bad rows reach combine).
+    #: (forward: the dispatch of a good batch, before the experts' bad rows reach combine).
     collectives_allowed: int = 0
 
 
@@ -145,7 +145,7 @@ def _weights() -> md.ExpertWeights:
 
 def forward(experts: md.ExpertKernel, change: Callable[[list[torch.Tensor]], None] | None = None,
             bad_rows: bool = False) -> Callable[[], Call]:
-    """``moe_forward`` with a bad input (``change``) or an expert kernel that returns bad rows."""
+    """``Dispatcher.forward`` with a bad input (``change``) or an expert kernel that returns bad rows."""
 
     def build() -> Call:
         d = make()
@@ -159,7 +159,7 @@ def forward(experts: md.ExpertKernel, change: Callable[[list[torch.Tensor]], Non
             allowed = twin.traffic.collectives
         layer = _weights()
         tensors = [a for a in (*args, layer.w13_weight, layer.w2_weight) if isinstance(a, torch.Tensor)]
-        return Call(lambda: md.moe_forward(d, experts, layer, *args), tensors, d, allowed)
+        return Call(lambda: d.forward(experts, layer, *args), tensors, d, allowed)
 
     return build
 
@@ -247,7 +247,7 @@ CASES = [
     Case("create group without torch.distributed", call(md.create_dispatcher, "torch", spec(H, E, K), object(),
                                                         env={}),
          invalid_spec, "group", "<object object", "None (one process)"),
-    Case("check_spec experts not divisible by ranks", call(lambda: md.get_backend("torch").check_spec(spec(H, E, K), 3)),
+    Case("check_spec experts not divisible by ranks", call(lambda: md.PluginHost.default().get_backend("torch").check_spec(spec(H, E, K), 3)),
          invalid_spec, "num_experts", "=8", "a multiple of the world size (3)"),
     # Dispatcher.dispatch: metadata (always checked)
     Case("dispatch hidden_states a list", dispatch(put(0, lambda x: x.tolist())), invalid_input, "hidden_states",
@@ -320,14 +320,14 @@ CASES = [
          "another dispatcher", "a DispatchOutput returned by this dispatcher's dispatch"),
     Case("combine expert rows of another dispatch", combine(_other_dispatch_rows), invalid_input, "expert_output",
          "shape=(", "256]"),
-    # moe_forward
-    Case("moe_forward hidden_states NaN", forward(md.TorchExperts(), poke(0, (0, 0), math.nan)), invalid_input,
+    # forward
+    Case("forward hidden_states NaN", forward(md.TorchExperts(), poke(0, (0, 0), math.nan)), invalid_input,
          "hidden_states", "nan", "finite"),
-    Case("moe_forward topk_ids out of range", forward(md.TorchExperts(), poke(1, (2, 1), 99)), invalid_input,
+    Case("forward topk_ids out of range", forward(md.TorchExperts(), poke(1, (2, 1), 99)), invalid_input,
          "topk_ids", "=99", "-1 (no expert) or 0..7"),
-    Case("moe_forward expert kernel returns float32", forward(Float32Experts(), bad_rows=True), invalid_input,
+    Case("forward expert kernel returns float32", forward(Float32Experts(), bad_rows=True), invalid_input,
          "expert_output", "dtype=torch.float32", "torch.bfloat16"),
-    Case("moe_forward expert kernel drops a row", forward(ShortExperts(), bad_rows=True), invalid_input,
+    Case("forward expert kernel drops a row", forward(ShortExperts(), bad_rows=True), invalid_input,
          "expert_output", "shape=(", "256]"),
 ]
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch.cli.bench.cases import BenchCase, BenchSettings
-from moe_dispatch.cli.bench.results import percentile
+from moe_dispatch_testing.bench.cases import BenchCase, BenchSettings
+from moe_dispatch_testing.bench.results import percentile
 from moe_dispatch.cli import main
-from moe_dispatch.dtypes import DispatchDtype, Mode
-from moe_dispatch.errors import InvalidSpecError
-from moe_dispatch.wire import WireFormat
+from moe_dispatch import DispatchDtype, Mode
+from moe_dispatch import InvalidSpecError
+from moe_dispatch.backend import WireFormat
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_bench_json_counts_exactly_the_wire_format_bytes(capsys):
 
 
 def test_bench_overhead_table(capsys, monkeypatch):
-    from moe_dispatch.cli.bench import overhead
+    from moe_dispatch_testing.bench import overhead
 
     # The table's form, not the measurement's precision: a few short rounds (the full run takes ~6 s).
     measure = overhead.measure_overhead
@@ -94,7 +94,7 @@ def test_bench_overlap_case_json(capsys):
 
 
 def test_overhead_of_the_value_checks_is_measured_not_assumed():
-    from moe_dispatch.cli.bench.overhead import measure_overhead
+    from moe_dispatch_testing.bench.overhead import measure_overhead
 
     off = measure_overhead(check_inputs=False, rounds=5, calls_per_round=200)
     on = measure_overhead(check_inputs=True, rounds=5, calls_per_round=200)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.local import RankPool
-from moe_dispatch.routing import random_routing
+from moe_dispatch_testing.local import RankPool
+from moe_dispatch_testing.routing import random_routing
 
 H, E, K, CAP = 128, 8, 2, 16
 

@@ -1,6 +1,6 @@
 """The conformance kit against the built-in backends, as any plugin would run it."""
 
-from moe_dispatch.testing import BackendConformance
+from moe_dispatch_testing import BackendConformance
 
 
 class TestTorchBackend(BackendConformance):

@@ -5,8 +5,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.cli.demo import DemoCase, run_case, summarize
-from moe_dispatch.cli.presets import DEMO_SCALE, get_preset
+from moe_dispatch_testing.demo import DemoCase, run_case, summarize
+from moe_dispatch.cli.presets import get_preset
+from moe_dispatch_testing.commands import DEMO_SCALE
 
 from dispatch_scenarios import conservation, interleaved
 

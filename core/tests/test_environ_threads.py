@@ -12,7 +12,7 @@ import time
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 
 SCOPED = "MD_TEST_ENVIRON_SCOPED"
 WRITTEN = "MD_TEST_ENVIRON_WRITTEN"

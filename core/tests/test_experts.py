@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.codecs import nvfp4_global_scale
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.routing import random_expert_weights, random_routing
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch.backend import nvfp4_global_scale
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing.routing import random_expert_weights, random_routing
 
 H, E, K, I, T = 256, 8, 3, 96, 24
 
@@ -30,9 +31,9 @@ def test_forward_matches_the_dense_reference(dtype, mode, group_list_type, w8a8)
     spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode, output_dtype=dtype,
                            quant=quant, group_list_type=group_list_type)
     d = md.create_dispatcher("torch", spec, env={})
-    out = md.MoELayer(d, md.TorchExperts(), weights)(x, ids, w)
+    out = d.forward(md.TorchExperts(), weights, x, ids, w)
     assert out.dtype == torch.bfloat16 and out.shape == (T, H)
-    assert relative_error(out, md.reference_moe(x, ids, w, weights)) <= TOLERANCES[dtype]
+    assert relative_error(out, mdt.reference_moe(x, ids, w, weights)) <= TOLERANCES[dtype]
 
 
 def test_experts_reject_inconsistent_group_lists():

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
-from moe_dispatch.reference.builtin import TorchBackend
-from moe_dispatch.distributed.local import RankPool
-from moe_dispatch.testing import outcome
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch._reference.builtin import TorchBackend
+from moe_dispatch_testing.local import RankPool
+from moe_dispatch_testing import outcome
 
 SPEC = dict(hidden_size=128, num_experts=12, top_k=2, num_max_dispatch_tokens_per_rank=16)
 TIMEOUT_S = 3.0
@@ -228,7 +228,7 @@ class _SliceWork:
 
 
 def test_a_collective_that_finishes_just_after_a_wait_slice_is_a_success_not_an_error():
-    from moe_dispatch.distributed.watch import Watch
+    from moe_dispatch._distributed.watch import Watch
 
     watch = Watch(rank=0, world_size=2, timeout_s=5.0, poll=True)
     watch.wait(_SliceWork(None), "all_to_all", 1)  # returns: the collective succeeded
@@ -241,7 +241,7 @@ def test_a_function_the_spawned_ranks_cannot_import_is_refused_before_they_start
     import subprocess
     import sys
 
-    code = ("from moe_dispatch.distributed.local import run_local\n"
+    code = ("from moe_dispatch_testing.local import run_local\n"
             "def job(rank, world):\n    return rank\n"
             "run_local(job, 2)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -256,7 +256,7 @@ def test_the_ranks_take_the_environment_of_the_process_that_made_the_pool(monkey
     """The ranks are forked from a fork server started with the first pool, whose environment dates from then: each
     rank takes the pool maker's environment at the pool's creation, as a spawned process would, and gloo stays on
     the loopback interface."""
-    from moe_dispatch.testing import on_a_fresh_pool
+    from moe_dispatch_testing import on_a_fresh_pool
 
     on_a_fresh_pool(_environment_seen)  # the fork server exists before the variable does
     monkeypatch.setenv("MOE_DISPATCH_TEST_MARK", "set after the server started")

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.formats import WIRE_DTYPES
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import TOLERANCES
+from moe_dispatch.backend import make_codec
+from moe_dispatch._wire import WIRE_DTYPES
 
 LIBRARY = Path(md.__file__).parent
 WINGS = ("testing/", "cli/", "accuracy.py", "routing.py", "__main__.py")
@@ -23,15 +24,15 @@ WINGS = ("testing/", "cli/", "accuracy.py", "routing.py", "__main__.py")
 def test_bytes_per_token_are_the_documented_ones(hidden):
     expected = {md.DispatchDtype.BF16: 2 * hidden, md.DispatchDtype.FP8: hidden + 4 * hidden // 128,
                 md.DispatchDtype.INT8: hidden + 4, md.DispatchDtype.NVFP4: hidden // 2 + hidden // 16}
-    assert {d: md.WireFormat(d, hidden).bytes_per_token for d in md.DispatchDtype} == expected
-    assert md.WireFormat(md.DispatchDtype.FP8, hidden, ue8m0=True).bytes_per_token == hidden + hidden // 128
+    assert {d: mdb.WireFormat(d, hidden).bytes_per_token for d in md.DispatchDtype} == expected
+    assert mdb.WireFormat(md.DispatchDtype.FP8, hidden, ue8m0=True).bytes_per_token == hidden + hidden // 128
 
 
 def test_every_dtype_is_declared_once_with_a_codec_that_matches_it():
     assert set(WIRE_DTYPES) == set(md.DispatchDtype)
     x = torch.randn(3, 256)
     for dtype, fmt in WIRE_DTYPES.items():
-        codec = make_codec(md.WireFormat(dtype, 256), 100.0 if fmt.global_scale else None)
+        codec = make_codec(mdb.WireFormat(dtype, 256), 100.0 if fmt.global_scale else None)
         q = codec.quantize(x)
         assert codec.dtype is dtype and q.data.dtype == fmt.element == codec.data_dtype()
         assert q.data.shape == (3, fmt.row_columns(256))
@@ -42,13 +43,13 @@ def test_every_dtype_is_declared_once_with_a_codec_that_matches_it():
 def test_ue8m0_and_the_global_scale_come_from_the_declaration():
     for dtype, fmt in WIRE_DTYPES.items():
         if fmt.ue8m0_scale_bytes:
-            md.WireFormat(dtype, 256, ue8m0=True)
+            mdb.WireFormat(dtype, 256, ue8m0=True)
         else:
             with pytest.raises(md.InvalidSpecError):
-                md.WireFormat(dtype, 256, ue8m0=True)
+                mdb.WireFormat(dtype, 256, ue8m0=True)
         if fmt.global_scale:
             with pytest.raises(md.InvalidSpecError) as info:
-                make_codec(md.WireFormat(dtype, 256))
+                make_codec(mdb.WireFormat(dtype, 256))
             assert info.value.parameter == "quant.input_global_scale"
 
 
@@ -59,7 +60,7 @@ def _members_named(path: Path) -> set[str]:
 
 
 def test_the_library_names_a_format_only_where_a_policy_picks_it():
-    """Adding a format is ``dtypes.py`` (the member), ``formats.py`` (its declaration) and ``codecs.py`` (its codec):
+    """Adding a format is ``_wire.py`` (the member and its declaration) and ``_codecs.py`` (its codec):
     no other library module names a format for what it is (bytes, blocks, scales, tolerance, row shape)."""
     named = {}
     for path in sorted(LIBRARY.rglob("*.py")):
@@ -70,11 +71,10 @@ def test_the_library_names_a_format_only_where_a_policy_picks_it():
         if members:
             named[rel] = members
     assert named == {
-        "formats.py": {"BF16", "FP8", "INT8", "NVFP4"},  # the declarations
-        "codecs.py": {"BF16", "FP8", "INT8", "NVFP4"},  # each codec's WIRE_DTYPE
-        "wire.py": {"FP8", "NVFP4"},  # FP8_BLOCK, NVFP4_BLOCK: named exports read from the declarations
-        "resolution.py": {"BF16", "FP8", "NVFP4"},  # policy: the legacy BF16 variable, a global scale asks
-                                                      # for NVFP4, the library default FP8
+        "_wire.py": {"BF16", "FP8", "INT8", "NVFP4"},  # the declarations; FP8_BLOCK, NVFP4_BLOCK read from them
+        "_codecs.py": {"BF16", "FP8", "INT8", "NVFP4"},  # each codec's WIRE_DTYPE
+        "_resolution.py": {"BF16", "FP8", "NVFP4"},  # policy: the legacy BF16 variable, a global scale asks
+                                                       # for NVFP4, the library default FP8
         "planning.py": {"BF16"},  # sglang sizes every buffer for a BF16 wire
-        "capabilities.py": {"BF16"},  # combine sends BF16 back
+        "_contract.py": {"BF16"},  # combine sends BF16 back
     }

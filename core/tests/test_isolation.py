@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.resolution import ENV_OUTPUT_DTYPE, ENV_SGLANG_BF16
+from moe_dispatch._resolution import ENV_OUTPUT_DTYPE, ENV_SGLANG_BF16
 
 import _lost_helpers as lost
 

@@ -45,7 +45,7 @@ def test_the_kit_fails_each_buggy_backend_in_the_test_named_for_its_bug_and_pass
     real = "class TestReal(BackendConformance):\n    backend_name = 'torch'\n"
     selection = " or ".join([*(f"(Test{name} and {MUTANTS[name]})" for name in MUTANTS),
                              "(TestReal and (" + " or ".join(f"({s})" for s in MUTANTS.values()) + "))"])
-    result = kit_run("import kit_mutants\nfrom moe_dispatch.testing import BackendConformance\n\n" + classes + real,
+    result = kit_run("import kit_mutants\nfrom moe_dispatch_testing import BackendConformance\n\n" + classes + real,
                      selection)
     out = result.stdout.str()
     for name in MUTANTS:
@@ -59,7 +59,7 @@ def test_the_kit_fails_each_buggy_backend_in_the_test_named_for_its_bug_and_pass
 def test_the_guard_catches_a_silent_override_and_accepts_an_explained_one(kit_run):
     result = kit_run("""
         import pytest
-        from moe_dispatch.testing import BackendConformance
+        from moe_dispatch_testing import BackendConformance
 
         class TestSilent(BackendConformance):
             backend_name = "torch"

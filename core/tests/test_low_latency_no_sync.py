@@ -1,6 +1,6 @@
 """Low-latency mode makes no host sync on the payload path and moves exactly its capacity.
 
-A host sync is a device-to-host read of tensor data (``moe_dispatch.testing.host_reads``): on CPU
+A host sync is a device-to-host read of tensor data (``moe_dispatch_testing.host_reads``): on CPU
 nothing blocks, so the test records every aten op that dispatch and combine run and fails on any
 of those: the same code on CUDA would stall the stream and could not be captured in a CUDA graph.
 """
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import nvfp4_global_scale
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing.host_reads import RecordedOps
+from moe_dispatch.backend import nvfp4_global_scale
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing.host_reads import RecordedOps
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in md.DispatchDtype])

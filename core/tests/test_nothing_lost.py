@@ -34,8 +34,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.testing import IdentityExperts
+from moe_dispatch.backend import make_codec
+from moe_dispatch_testing import IdentityExperts
 
 import _lost_helpers as lost
 from _lost_helpers import Batch, Routing

@@ -10,10 +10,12 @@ import warnings
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
 from moe_dispatch.cli.plan import add_plan_command, run_plan_command
-from moe_dispatch.planning import EnvRequirement, plan_buffers
-from moe_dispatch.registry import PluginHost
+from moe_dispatch.backend import EnvRequirement
+from moe_dispatch.planning import plan_buffers
+from moe_dispatch import PluginHost
 
 B, F8, I8 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8
 
@@ -100,7 +102,7 @@ class _SmallLimit(TorchBackend):
 
     name = "small_limit"
     capabilities = dataclasses.replace(
-        TorchBackend.capabilities, limits={md.Mode.NORMAL: md.Limits(max_buffer_bytes=64 << 20)})
+        TorchBackend.capabilities, limits={md.Mode.NORMAL: mdb.Limits(max_buffer_bytes=64 << 20)})
 
     def env_requirements(self, spec, world_size):
         return [EnvRequirement("FAKE_WINDOW_MB", spec.num_max_dispatch_tokens_per_rank, "MB", None, "test")]

@@ -15,18 +15,20 @@ import textwrap
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.registry import PluginHost
+import moe_dispatch.backend as mdb
+from moe_dispatch import PluginHost
 
 GOOD = '''
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
 
 MOE_DISPATCH_API = 1
 
 class Renamed(TorchBackend):
     name = "{name}"
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_backends(register):
     register(Renamed())
 '''
@@ -103,7 +105,7 @@ def test_misspelt_hook_is_rejected_with_a_suggestion(site):
 
 
 def test_a_plugin_raising_while_registering_leaves_nothing_behind(site):
-    source = GOOD.format(name="half") + "\n@md.hookimpl\ndef moe_dispatch_register_runners(register):\n    raise RuntimeError('boom')\n"
+    source = GOOD.format(name="half") + "\n@mdb.hookimpl\ndef moe_dispatch_register_runners(register):\n    raise RuntimeError('boom')\n"
     make_dist(site, "fx-half", "fx_half", source)
     host = PluginHost(env={})
     assert "half" not in host.backend_names()
@@ -185,7 +187,8 @@ def test_backends_json_is_the_documented_schema(site):
     doc = json.loads(run.stdout)
     assert set(doc) == {"schema", "core", "backends", "plugins", "allow_list_unmatched", "runners", "commands",
                         "command_conflicts"}
-    assert doc["commands"] == [] and doc["command_conflicts"] == {}
+    assert {c["name"]: c["distribution"].split()[0] for c in doc["commands"]} == {
+        "demo": "moe-dispatch-testing", "bench": "moe-dispatch-testing"} and doc["command_conflicts"] == {}
     assert doc["schema"] == 1
     torch_runner = next(r for r in doc["runners"] if r["name"] == "torch")
     assert torch_runner == {"name": "torch", "needs": None, "accepts": None, "backends": None, "available": None,
@@ -269,7 +272,7 @@ def test_a_plugin_raising_a_base_exception_is_a_failure_not_an_exit(site, raisin
 def test_a_plugin_is_registered_whole_or_not_at_all(site):
     # fx-late registers "shared" then fails: fx-early keeps "shared", with no conflict left behind.
     make_dist(site, "fx-early", "fx_early", GOOD.format(name="shared"))
-    late = GOOD.format(name="shared") + "\n@md.hookimpl\ndef moe_dispatch_register_runners(register):\n    raise RuntimeError('late')\n"
+    late = GOOD.format(name="shared") + "\n@mdb.hookimpl\ndef moe_dispatch_register_runners(register):\n    raise RuntimeError('late')\n"
     make_dist(site, "fx-late", "fx_late", late)
     host = PluginHost(env={})
     assert host.get_backend("shared").name == "shared"
@@ -287,6 +290,7 @@ def test_a_backend_whose_name_is_not_a_new_str_is_refused_at_registration(site, 
 
 COMMAND = '''
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 MOE_DISPATCH_API = 1
 
@@ -299,9 +303,9 @@ def _run(args):
     print("{name} ran " * args.times)
     return 0
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_commands(register):
-    register(md.Command("{name}", "says it ran", _arguments, _run))
+    register(mdb.Command("{name}", "says it ran", _arguments, _run))
 '''
 
 
@@ -332,7 +336,7 @@ def test_plugin_commands_cannot_take_a_builtin_name_and_two_owners_lose_theirs(s
 
 def test_every_builtin_subcommand_name_is_reserved():
     from moe_dispatch.cli.main import build_parser
-    from moe_dispatch.commands import RESERVED_COMMAND_NAMES
+    from moe_dispatch._hookspecs import RESERVED_COMMAND_NAMES
 
     sub = next(a for a in build_parser(PluginHost(load_entry_points=False))._actions if a.dest == "command")
     assert set(sub.choices) <= RESERVED_COMMAND_NAMES
@@ -345,7 +349,7 @@ def test_every_builtin_subcommand_name_is_reserved():
 def test_a_malformed_command_is_a_typed_error(kwargs, parameter):
     fields = {"name": "fx-ok", "help": "h", "add_arguments": lambda p: None, "run": lambda a: 0, **kwargs}
     with pytest.raises(md.PluginError) as info:
-        md.Command(**fields)
+        mdb.Command(**fields)
     assert info.value.parameter == parameter
 
 

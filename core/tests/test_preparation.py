@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+from moe_dispatch._reference.builtin import TorchBackend
 from moe_dispatch.cli import explain
 
 MIB = 1 << 20
@@ -24,7 +26,7 @@ class LimitedBackend(TorchBackend):
     name = "limited"
     capabilities = dataclasses.replace(
         TorchBackend.capabilities, fp8_ue8m0=False,
-        limits={m: md.Limits(max_buffer_bytes=4 * MIB, max_top_k=8) for m in md.Mode})
+        limits={m: mdb.Limits(max_buffer_bytes=4 * MIB, max_top_k=8) for m in md.Mode})
 
 
 HOST = md.PluginHost(env={})
@@ -91,7 +93,7 @@ def test_the_limited_backend_refuses_each_way():
 def test_plan_buffers_reports_the_limit_create_dispatcher_refuses():
     limited = LimitedBackend()
     big = md.DispatchSpec(7168, 64, 8, num_max_dispatch_tokens_per_rank=4096, output_dtype="bf16")
-    plan = md.plan_buffers(limited, {"layer": big}, world_size=1, env={}, host=HOST)
+    plan = mdp.plan_buffers(limited, {"layer": big}, world_size=1, env={}, host=HOST)
     assert [m.parameter for m in plan.misfits] == ["num_max_dispatch_tokens_per_rank"]
     with pytest.raises(md.CapacityError):
         md.create_dispatcher(limited, big, host=HOST, env={})
@@ -99,9 +101,9 @@ def test_plan_buffers_reports_the_limit_create_dispatcher_refuses():
 
 def test_resolve_output_dtype_takes_a_name_or_a_backend():
     spec = md.DispatchSpec(2048, 64, 8, output_dtype="int8")
-    by_name = md.resolve_output_dtype(spec, "torch", env={}, host=HOST)
-    by_object = md.resolve_output_dtype(spec, TorchBackend(), env={}, runners=HOST.runners())
+    by_name = mdp.resolve_output_dtype(spec, "torch", env={}, host=HOST)
+    by_object = mdp.resolve_output_dtype(spec, TorchBackend(), env={}, runners=HOST.runners())
     assert by_name == by_object and by_name.dtype is md.DispatchDtype.INT8
     with pytest.raises(md.InvalidSpecError) as info:
-        md.resolve_output_dtype(dataclasses.replace(spec, runner="torch"), TorchBackend(), env={}, runners={})
+        mdp.resolve_output_dtype(dataclasses.replace(spec, runner="torch"), TorchBackend(), env={}, runners={})
     assert info.value.parameter == "runner"  # the caller's runners, none here: not a global registry's

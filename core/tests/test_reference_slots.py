@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.reference.slots import SlotPool
-from moe_dispatch.routing import random_routing
+from moe_dispatch._reference.slots import SlotPool
+from moe_dispatch_testing.routing import random_routing
 
 H, E, K, T = 256, 8, 2, 16
 

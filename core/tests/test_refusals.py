@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import on_a_fresh_pool, outcome
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import on_a_fresh_pool, outcome
 
 CAPACITY = 16
 SPEC = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=CAPACITY, output_dtype="bf16")

@@ -6,32 +6,34 @@ import warnings
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+from moe_dispatch._reference.builtin import TorchBackend
 
 D, M = md.DispatchDtype, md.Mode
 
 
-class AscendLike(md.Backend):
+class AscendLike(mdb.Backend):
     """A table-driven backend shaped like Ascend: BF16 default, FP8 → INT8, NVFP4 rejected."""
 
     name = "ascend-like"
-    capabilities = md.Capabilities(
+    capabilities = mdb.Capabilities(
         dtypes={M.NORMAL: frozenset({D.BF16, D.INT8}), M.LOW_LATENCY: frozenset({D.BF16, D.INT8})},
-        fallbacks={(m, D.FP8): md.Fallback(D.INT8, "A2/A3 have no FP8") for m in M},
+        fallbacks={(m, D.FP8): mdb.Fallback(D.INT8, "A2/A3 have no FP8") for m in M},
         rejections={D.NVFP4: "Ascend has no NVFP4"},
         default_dtype=D.BF16,
     )
 
 
 RUNNERS = {
-    "torch": md.RunnerInfo("torch", None, "any"),
-    "cutlass": md.RunnerInfo("cutlass", D.BF16, "quantizes internally"),
+    "torch": mdb.RunnerInfo("torch", None, "any"),
+    "cutlass": mdb.RunnerInfo("cutlass", D.BF16, "quantizes internally"),
 }
 
 
 def resolve(spec=None, backend=None, env=None, **kw):
     spec = spec or md.DispatchSpec(256, 8, 2)
-    return md.resolve_output_dtype(spec, backend or TorchBackend(), env=env or {}, runners=RUNNERS, **kw)
+    return mdp.resolve_output_dtype(spec, backend or TorchBackend(), env=env or {}, runners=RUNNERS, **kw)
 
 
 def test_library_default_is_fp8_and_every_step_is_recorded():
@@ -149,14 +151,14 @@ def test_cli_args_round_trip_into_a_spec():
     assert args.moe_a2a_backend == "torch"
 
 
-class _PerModeWorlds(md.Backend):
+class _PerModeWorlds(mdb.Backend):
     """Normal mode on tuned EP sizes only, low latency on any (DeepEP's rule)."""
 
     name = "per_mode_worlds"
-    capabilities = md.Capabilities(
+    capabilities = mdb.Capabilities(
         dtypes={md.Mode.NORMAL: frozenset({md.DispatchDtype.BF16}), md.Mode.LOW_LATENCY: frozenset({md.DispatchDtype.BF16})},
         world_sizes=frozenset(range(1, 65)),
-        limits={md.Mode.NORMAL: md.Limits(world_sizes=frozenset({2, 4, 8}))},
+        limits={md.Mode.NORMAL: mdb.Limits(world_sizes=frozenset({2, 4, 8}))},
     )
 
 

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.scale_layouts import swizzle_128x4, swizzled_shape, unswizzle_128x4
+from moe_dispatch.backend import swizzle_128x4, swizzled_shape
+from moe_dispatch._scale_layouts import unswizzle_128x4
 
 
 def _offset(m: int, k: int, kp: int) -> int:

@@ -4,8 +4,8 @@ import textwrap
 
 import pytest
 
-from moe_dispatch.signatures import REQUIRED, Param, VendorSignature, compare, differences, params_of, \
-    signature_from_source
+from moe_dispatch.backend import REQUIRED, Param, VendorSignature
+from moe_dispatch_testing.signatures import compare, differences, params_of, signature_from_source
 
 RECORDED = VendorSignature(
     "Buffer.dispatch",

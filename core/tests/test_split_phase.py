@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.reference.builtin import TorchBackend
-from moe_dispatch.reference.exchange import ReferenceDispatcher
-from moe_dispatch.reference.receiver import Receiver
-from moe_dispatch.reference.slots import SlotPool
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import on_a_fresh_pool, outcome
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
+from moe_dispatch._reference.exchange import ReferenceDispatcher
+from moe_dispatch._reference.receiver import Receiver
+from moe_dispatch._reference.slots import SlotPool
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import on_a_fresh_pool, outcome
 
 H, E, K, T = 256, 8, 2, 16
 
@@ -64,13 +65,13 @@ class _SyncOnly(TorchBackend):
     """The torch backend without its split-phase declaration: what a vendor without one looks like."""
 
     name = "torch-sync-only"
-    capabilities = md.Capabilities(dtypes=TorchBackend.capabilities.dtypes)
+    capabilities = mdb.Capabilities(dtypes=TorchBackend.capabilities.dtypes)
 
 
 class _DeclaresWithoutMethods(TorchBackend):
     name = "torch-declares-split"
 
-    def create(self, ctx: md.DispatchContext) -> md.BackendDispatcher:
+    def create(self, ctx: mdb.DispatchContext) -> mdb.BackendDispatcher:
         inner = ReferenceDispatcher(ctx, send_to_all_ranks=False)
 
         class Plain:  # dispatch and combine only
@@ -104,7 +105,8 @@ def test_a_backend_that_runs_one_call_whole_says_so_through_the_core(monkeypatch
 def test_the_tensors_a_call_hands_out_are_its_outputs_own():
     """``streams.tensors_of``: what a wait() on another stream records there (the rows, scales, routing and
     group list of a DispatchOutput; a combined tensor), never the backend's handle; off CUDA no stream."""
-    from moe_dispatch.streams import hand_over, handed_over, keep_on_current, start_mark, tensors_of
+    from moe_dispatch.backend import hand_over, handed_over, keep_on_current, start_mark
+    from moe_dispatch._streams import tensors_of
 
     d = md.create_dispatcher(TorchBackend(), _spec(), env={})
     out = d.dispatch(*_inputs(1))

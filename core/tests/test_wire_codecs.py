@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import moe_dispatch as md
-from moe_dispatch.codecs import FP8_MAX, Quantized, e2m1_unpack, make_codec, nvfp4_global_scale, pack_ue8m0, unpack_ue8m0
-from moe_dispatch.wire import WireFormat
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import FP8_MAX, Quantized, e2m1_unpack, make_codec, nvfp4_global_scale, pack_ue8m0, unpack_ue8m0
+from moe_dispatch.backend import WireFormat
 
 D = md.DispatchDtype
 
@@ -136,9 +137,9 @@ def test_ue8m0_scales_pack_four_exponents_per_word_low_byte_first(hidden):
 
 
 def test_ue8m0_on_a_backend_without_it_is_refused_at_creation():
-    class NoUE8M0(md.Backend):
+    class NoUE8M0(mdb.Backend):
         name = "no_ue8m0"
-        capabilities = md.Capabilities(dtypes={md.Mode.NORMAL: frozenset({D.BF16, D.FP8})}, default_dtype=D.FP8)
+        capabilities = mdb.Capabilities(dtypes={md.Mode.NORMAL: frozenset({D.BF16, D.FP8})}, default_dtype=D.FP8)
 
     spec = md.DispatchSpec(256, 4, 2, output_dtype="fp8", quant=md.QuantHints(fp8_ue8m0_scales=True))
     with pytest.raises(md.InvalidSpecError) as info:
@@ -223,7 +224,7 @@ def test_nvfp4_codec_needs_a_global_scale():
 def test_ue8m0_scales_round_up_exactly_even_just_above_a_power_of_two():
     """exp2(ceil(log2(s))) gives 2^16 for the float just above 2^16, and the block's largest
     value then clips at 448; the bit arithmetic DeepGEMM and DeepEP use never rounds down."""
-    from moe_dispatch.codecs import pow2_ceil
+    from moe_dispatch.backend import pow2_ceil
 
     powers = torch.tensor([2.0**-20, 2.0**-10, 1.0, 2.0**16])
     above = torch.nextafter(powers, torch.tensor(float("inf")))
@@ -239,7 +240,7 @@ def test_ue8m0_scales_round_up_exactly_even_just_above_a_power_of_two():
 def test_ue8m0_bytes_decode_exactly_from_their_bits():
     """Byte e is 2^(e-127) exactly (0: the subnormal 2^-127; 255: NaN), built from bits rather
     than exp2, which a device need not compute exactly; the decode inverts pack_ue8m0."""
-    from moe_dispatch.codecs import ue8m0_value
+    from moe_dispatch.backend import ue8m0_value
 
     e = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     v = ue8m0_value(e)

@@ -17,7 +17,7 @@ import importlib.util
 import os
 import sys
 
-from .environ import restored_environ
+from ._environ import restored_environ
 
 AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 #: Set by CANN's set_env.sh; without any of them torch-npu cannot load.

@@ -20,14 +20,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .backend import Backend, BufferSize
-from .capabilities import EnvRequirement
-from .dtypes import DispatchDtype
-from .errors import CapacityError, InvalidSpecError
-from .registry import PluginHost, default_host
-from .preparation import prepare_layer
-from .spec import DispatchSpec
-from .trail import DtypeFallbackWarning, Resolution
+from ._contract import Backend, BufferSize, EnvRequirement, RunnerInfo
+from ._errors import CapacityError, InvalidSpecError
+from ._registry import PluginHost, default_host
+from ._resolution import DtypeFallbackWarning, PreparedLayer, Resolution, prepare_layer, resolve_dtype
+from ._spec import DispatchSpec
+from ._wire import DispatchDtype
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -336,4 +334,31 @@ def _human(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
-__all__ = ["BufferPlan", "EnvRequirement", "LayerBuffers", "Misfit", "Peak", "plan_buffers"]
+def resolve_output_dtype(
+    spec: DispatchSpec,
+    backend: "str | Backend",
+    *,
+    env: Mapping[str, str] | None = None,
+    strict: bool = False,
+    runners: "Mapping[str, RunnerInfo] | None" = None,
+    host: "PluginHost | None" = None,
+) -> Resolution:
+    """Choose the wire dtype for ``spec`` on ``backend`` (a name or a ``Backend``), with the
+    reason for every step (``moe_dispatch.resolution`` has the order).
+
+    :param env: the environment to read (``os.environ`` when None); never written.
+    :param strict: a fallback raises ``UnsupportedDtypeError`` instead of warning.
+    :param runners: the known expert-kernel families; ``host``'s when None.
+    :param host: where a backend name and the runners are looked up (the process's default
+        ``PluginHost`` when None).
+    :raises UnsupportedDtypeError: the backend rejects the dtype, or falls back under strict.
+    :raises InvalidSpecError: a bad env value, unknown runner, or a dtype the spec cannot use.
+    """
+    if isinstance(backend, str) or runners is None:
+        chosen = (host or default_host()).select(backend, must_run_here=False)
+        backend, runners = chosen.backend, chosen.runners if runners is None else runners
+    return resolve_dtype(spec, backend, runners=runners, env=env, strict=strict)
+
+
+__all__ = ["BufferPlan", "LayerBuffers", "Misfit", "Peak", "PreparedLayer", "plan_buffers", "prepare_layer",
+           "resolve_output_dtype"]

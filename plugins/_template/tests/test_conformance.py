@@ -1,4 +1,4 @@
-from moe_dispatch.testing import BackendConformance
+from moe_dispatch_testing import BackendConformance
 
 
 class TestExampleBackend(BackendConformance):

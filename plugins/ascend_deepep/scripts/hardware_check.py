@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, world = parse(argv)
     if opts.fake:
         os.environ.setdefault("HCCL_BUFFSIZE", "1024")  # the fakes check the window as the ops do
-        from moe_dispatch.distributed.local import RankPool
+        from moe_dispatch_testing.local import RankPool
 
         with RankPool(world) as pool:
             per_rank = pool.map(run_rank, opts, _fuseep())

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
+from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch.cli import main
-from moe_dispatch.experts import dequantize_rows
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import dequantize_rows
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_ascend_deepep import sizes, vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY, INT8_ENV

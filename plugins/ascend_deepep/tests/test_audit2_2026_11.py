@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.environ import restored_environ
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_ascend_deepep import sizes, vendor as v
 from moe_dispatch_ascend_deepep.backend import WINDOW_OPTION, AscendDeepEPBackend, a2_limits
 from moe_dispatch_ascend_deepep.fakes import deep_ep as fake

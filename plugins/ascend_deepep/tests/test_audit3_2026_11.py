@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_ascend_deepep import vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.fakes import deep_ep as fake

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.routing import random_expert_weights
-from moe_dispatch.signatures import differences
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import restored_environ
+from moe_dispatch_testing.routing import random_expert_weights
+from moe_dispatch_testing.signatures import differences
 from moe_dispatch_ascend_deepep import sizes, vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.experts import EMULATOR, NpuExperts, unpack_int4, uint64_as_fp32

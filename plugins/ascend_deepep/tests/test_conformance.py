@@ -1,6 +1,6 @@
 """The conformance kit on the DeepEP-Ascend adapter, on both emulated generations."""
 
-from moe_dispatch.testing import BackendConformance, KitShape
+from moe_dispatch_testing import BackendConformance, KitShape
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
 

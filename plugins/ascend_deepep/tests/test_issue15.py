@@ -16,10 +16,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import (
-    ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, routing_reuse,
-)
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, routing_reuse
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
 

@@ -30,9 +30,12 @@ import torch
 import torch.nn.functional as F
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch.backend import make_codec
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_ascend_deepep.fakes import torch_npu as emu
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.experts import (
@@ -65,7 +68,7 @@ def _rows(scheme: str, shape: tuple, seed: int = 1) -> tuple[torch.Tensor, torch
     x = torch.randn(*shape, H, generator=torch.Generator().manual_seed(seed))
     if NEEDS[scheme] is BF16:
         return x.to(torch.bfloat16), None
-    q = make_codec(md.WireFormat(INT8, H)).quantize(x)
+    q = make_codec(mdb.WireFormat(INT8, H)).quantize(x)
     return q.data, q.scale
 
 
@@ -224,7 +227,7 @@ def test_process_weights_gives_the_npu_layouts(scheme, w13, w2, s13, s2):
 
 
 def test_w8a8_takes_int8_checkpoint_weights_as_they_are():
-    from moe_dispatch.experts import quantize_weights_w8a8
+    from moe_dispatch.backend import quantize_weights_w8a8
 
     q = quantize_weights_w8a8(_weights())
     layer = NpuExperts("w8a8", EMULATOR).process_weights(q)
@@ -307,7 +310,7 @@ def test_grouped_matmul_asserts_its_documented_constraints():
 def test_dynamic_quant_is_the_core_codec_and_packs_int4():
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     q, s = emu.npu_dynamic_quant(x)
-    ref = make_codec(md.WireFormat(INT8, 64)).quantize(x.float())
+    ref = make_codec(mdb.WireFormat(INT8, 64)).quantize(x.float())
     assert torch.equal(q, ref.data) and torch.equal(s, ref.scale)
     q4, s4 = emu.npu_dynamic_quant(x, dst_type=torch.quint4x2)
     assert q4.dtype == torch.int32 and q4.shape == (5, 8) and s4.shape == (5,)
@@ -376,7 +379,7 @@ def test_resolution_sends_what_the_scheme_needs(scheme, mode):
     backend = AscendDeepEPBackend(DEEPEP_EMULATOR, env={})
     for runner in (None, experts.runner):
         spec = md.DispatchSpec(1024, 8, 2, mode=mode, quant=experts.quant_hints(), runner=runner)
-        resolution = md.resolve_output_dtype(spec, backend, env={}, runners=md.PluginHost(env={}).runners())
+        resolution = mdp.resolve_output_dtype(spec, backend, env={}, runners=md.PluginHost(env={}).runners())
         assert resolution.dtype is NEEDS[scheme]
         decided = [s for s in resolution.steps if s.decided]
         assert decided[0].source == "quant.dispatcher_output_dtype" and decided[0].value == NEEDS[scheme].value
@@ -393,7 +396,7 @@ def test_the_registered_runners():
     assert "moe-dispatch-ascend-deepep[npu]" in runner_probe("no_such_torch_npu")
     spec = md.DispatchSpec(1024, 8, 2, output_dtype="bf16", runner="npu_w8a8")
     with pytest.raises(md.InvalidSpecError) as info:  # BF16 rows cannot feed the W8A8 GEMMs
-        md.resolve_output_dtype(spec, AscendDeepEPBackend(DEEPEP_EMULATOR, env={}), env={}, runners=runners)
+        mdp.resolve_output_dtype(spec, AscendDeepEPBackend(DEEPEP_EMULATOR, env={}), env={}, runners=runners)
     assert info.value.parameter == "output_dtype"
 
 
@@ -461,7 +464,7 @@ def test_wrong_inputs_are_typed_errors():
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_dispatch_npu_experts_combine_agrees_with_the_dense_reference(moe_rank_pools, scheme, mode):
     """Emulated DeepEP-Ascend with the spec built from ``quant_hints()``, the kernel on each
-    rank's experts, combine: within the wire dtype's tolerance of ``md.reference_moe`` on the
+    rank's experts, combine: within the wire dtype's tolerance of ``mdt.reference_moe`` on the
     dequantized weights (W4A4: ``W4A4_BOUND``, its rows are int4). Measured at H=1024, I=256,
     seeds 0-2: W8A8 0.019-0.021 (input int8 + the requantization between the GEMMs, against
     0.03), W4A8 0.018-0.021, BF16 and W4A16 ~0.004 (against 0.01), W4A4 0.20-0.245."""

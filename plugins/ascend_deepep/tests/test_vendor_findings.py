@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_ascend_deepep import sizes, vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.fakes import deep_ep as fake

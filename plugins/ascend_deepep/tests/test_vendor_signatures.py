@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch.signatures import compare, differences, signature_from_source
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 from moe_dispatch_ascend_deepep import vendor as v
 
 
@@ -82,7 +82,7 @@ def test_the_installed_torch_npu_documents_the_recorded_prototype(record):
     assert _DOCS is not None
     documented = v.documented_signature(Path(_DOCS).read_text(encoding="utf-8"), record.qualname)
     assert documented is not None, f"{_DOCS} documents no {record.qualname}"
-    from moe_dispatch.signatures import VendorSignature
+    from moe_dispatch.backend import VendorSignature
 
     assert compare(record.params, VendorSignature(record.qualname, documented, _DOCS).params,
                    record.qualname) == []
@@ -99,7 +99,7 @@ def test_the_installed_torch_npu_registers_the_recorded_schema(record):
     assert _LIBRARY is not None
     schema = v.registered_schema(Path(_LIBRARY).read_bytes(), record.qualname)
     assert schema is not None, f"{_LIBRARY} registers no {record.qualname}"
-    from moe_dispatch.signatures import VendorSignature
+    from moe_dispatch.backend import VendorSignature
 
     assert compare(record.params, VendorSignature(record.qualname, v.schema_params(schema), _LIBRARY).params,
                    record.qualname) == []

@@ -5,7 +5,7 @@ which collective op runs, so the ranks agree on it before the Buffer exists (new
 from __future__ import annotations
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_ascend_deepep.fakes import torch_npu as fake_npu
 from moe_dispatch_ascend_fuseep import FuseEPBackend
 from moe_dispatch_ascend_fuseep import vendor as v

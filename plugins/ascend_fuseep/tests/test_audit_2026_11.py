@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_ascend_deepep.fakes import torch_npu as fake_npu
 from moe_dispatch_ascend_fuseep import FuseEPBackend, process_fuseep_weights
 from moe_dispatch_ascend_fuseep import vendor as v
@@ -71,7 +72,7 @@ def minus_one(rank: int, world: int, fuse_mode: int) -> float:
     ids[1] = -1  # a token without a valid expert
     w = torch.rand(T, K, generator=g)
     y = md.moe_forward(d, None, layer, x, ids, w)
-    return relative_error(y, md.reference_moe(x, ids, w, weights))
+    return relative_error(y, mdt.reference_moe(x, ids, w, weights))
 
 
 @pytest.mark.parametrize("fuse_mode", [1, 2])

@@ -3,8 +3,8 @@
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.testing import BackendConformance, KitShape
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing import BackendConformance, KitShape
 from moe_dispatch_ascend_fuseep import vendor as v
 from moe_dispatch_ascend_fuseep.backend import FuseEPBackend
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch.cli import main
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.routing import random_expert_weights, random_routing
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing.routing import random_expert_weights, random_routing
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.experts import EMULATOR as NPU_OPS, NpuExperts
 from moe_dispatch_ascend_deepep.vendor import EMULATOR as DEEPEP_ASCEND
@@ -46,7 +47,7 @@ def fused_vs_unfused(rank: int, world: int, fuse_mode: int) -> dict:
     mine = slice(rank * tokens, (rank + 1) * tokens)
     y_fused = md.moe_forward(fused, kernel, layer, x[mine], ids[mine], w[mine])
     y_unfused = md.moe_forward(unfused, kernel, kernel.process_weights(mine_w), x[mine], ids[mine], w[mine])
-    dense = md.reference_moe(x[mine], ids[mine], w[mine], weights)
+    dense = mdt.reference_moe(x[mine], ids[mine], w[mine], weights)
     return {"vs_unfused": relative_error(y_fused, y_unfused), "vs_dense": relative_error(y_fused, dense),
             "wire": fused.output_dtype.value}
 

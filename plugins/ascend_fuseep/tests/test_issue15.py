@@ -14,9 +14,9 @@ import time
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.routing import random_expert_weights, random_routing
-from moe_dispatch.testing import ScaledLayer, on_a_fresh_pool, outcome, routing_reuse
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing.routing import random_expert_weights, random_routing
+from moe_dispatch_testing import ScaledLayer, on_a_fresh_pool, outcome, routing_reuse
 from moe_dispatch_ascend_fuseep import FuseEPBackend
 from moe_dispatch_ascend_fuseep.vendor import FAKE as EMULATOR
 

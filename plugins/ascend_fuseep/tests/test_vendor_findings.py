@@ -8,9 +8,10 @@ import torch
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_ascend_fuseep import FuseEPBackend, process_fuseep_weights
 from moe_dispatch_ascend_fuseep import vendor as v
 
@@ -41,7 +42,7 @@ def forward(rank: int, world: int, vendor_module: str, fuse_mode: int, routing: 
             torch.zeros(0, k, dtype=torch.int64)
     w = torch.rand(tokens, k, generator=g)
     y = md.moe_forward(d, None, layer, x, ids, w)
-    dense = md.reference_moe(x, ids, w, weights)
+    dense = mdt.reference_moe(x, ids, w, weights)
     return {"rows": y.shape[0], "error": relative_error(y, dense) if tokens else 0.0}
 
 

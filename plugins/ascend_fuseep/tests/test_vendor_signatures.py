@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch.signatures import compare, differences, signature_from_source
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 from moe_dispatch_ascend_deepep import vendor as deepep_vendor
 from moe_dispatch_ascend_fuseep import vendor as v
 

@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_dispatch.distributed.local import one_rank_group
+from moe_dispatch_testing.local import one_rank_group
 
 from moe_dispatch_cuda_deepep import hardware, vendor
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.alignment import align_rows
-from moe_dispatch.codecs import make_codec, pack_ue8m0
-from moe_dispatch.output import DispatchOutput, row_experts
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch.backend import align_rows
+from moe_dispatch.backend import make_codec, pack_ue8m0
+from moe_dispatch import DispatchOutput
+from moe_dispatch.backend import row_experts
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts, run_layer
 from moe_dispatch_cuda_deepep.fakes import deep_gemm as emu
@@ -32,7 +34,7 @@ def _dense(kind: str, ue8m0: bool = False, group_list_type: int = 1, packed: boo
     if kind == "bf16":
         return DispatchOutput(x.to(torch.bfloat16), None, routing, routing.float(), group_list, group_list_type,
                               md.Layout.PACKED, BF16, None)
-    q = make_codec(md.WireFormat(FP8, H, ue8m0=ue8m0)).quantize(x)
+    q = make_codec(mdb.WireFormat(FP8, H, ue8m0=ue8m0)).quantize(x)
     scale = pack_ue8m0(q.scale) if ue8m0 and packed else q.scale
     return DispatchOutput(q.data, scale, routing, routing.float(), group_list, group_list_type, md.Layout.PACKED,
                           FP8, None)

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch.backend import make_codec
+from moe_dispatch.backend import restored_environ
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import buffers, hardware, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts
@@ -489,7 +490,7 @@ def test_r2_dg49_sm100_fp32_scales_are_packed_by_the_runner():
     layer = experts.process_weights(weights)
     capacity = experts.masked_capacity_multiple
     x = torch.randn(4, capacity, 256, generator=torch.Generator().manual_seed(1))
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
     mn_major = q.scale.transpose(1, 2).contiguous().transpose(1, 2)  # DeepEP's LL scale layout
     counts = torch.tensor([3, 0, capacity - 1, 1])
     got = experts.apply_without_routing_weights(layer, q.data, mn_major, 1, counts, torch.float32)
@@ -544,7 +545,7 @@ def test_r2_dg44_dg48_hardware_signature_rows_per_2_0_build():
 def test_r2_dg50_the_runner_takes_powers_of_two_from_the_core():
     """Row 50 (with the core's fix): the runner and the fakes build UE8M0 values from bits with
     ``moe_dispatch.codecs.pow2_ceil`` / ``ue8m0_value``, not private copies."""
-    from moe_dispatch.codecs import pow2_ceil
+    from moe_dispatch.backend import pow2_ceil
 
     from moe_dispatch_cuda_deepep.deep_gemm import quantize_block_fp8
 

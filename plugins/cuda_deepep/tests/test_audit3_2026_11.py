@@ -14,12 +14,14 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.distributed.comm import Comm
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.routing import random_expert_weights
-from moe_dispatch.signatures import differences
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch.backend import make_codec
+from moe_dispatch.backend import Comm
+from moe_dispatch.backend import restored_environ
+from moe_dispatch_testing.routing import random_expert_weights
+from moe_dispatch_testing.signatures import differences
 from moe_dispatch_cuda_deepep import buffers, selfcheck, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts
@@ -282,8 +284,8 @@ def test_r3_n4_deepep_without_round_scale_is_refused(monkeypatch, v10):
     spec = md.DispatchSpec(H, 8, 2, num_max_dispatch_tokens_per_rank=8, mode="low_latency", output_dtype="bf16")
     with pytest.raises(md.BackendUnavailableError, match="round_scale"):
         md.create_dispatcher(backend, spec, env={})
-    resolution = md.resolve_output_dtype(spec, DeepEPBackend(vendor.EMULATOR), env={})
-    ctx = md.DispatchContext(spec, resolution, Comm(None), make_codec(spec.wire_format()),
+    resolution = mdp.resolve_output_dtype(spec, DeepEPBackend(vendor.EMULATOR), env={})
+    ctx = mdb.DispatchContext(spec, resolution, Comm(None), make_codec(spec.wire_format()),
                              DeepEPBackend(vendor.EMULATOR).buffer_size(spec, 1), torch.device("cpu"))
     with pytest.raises(md.BackendUnavailableError, match="round_scale") as info:
         backend.create(ctx)
@@ -345,7 +347,7 @@ def _sm100_masked(garbage_past_counts):
     layer = experts.process_weights(random_expert_weights(4, 256, 128, generator=torch.Generator().manual_seed(0)))
     capacity = experts.masked_capacity_multiple
     x = torch.randn(4, capacity, 256, generator=torch.Generator().manual_seed(1))
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
     counts = torch.tensor([3, 0, capacity - 1, 1])
     data, scale = q.data.clone(), q.scale.clone()
     if garbage_past_counts:  # DeepEP's torch::empty past each expert's count

@@ -8,7 +8,7 @@ import importlib
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 

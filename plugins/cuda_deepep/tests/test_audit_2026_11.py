@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import make_codec
+from moe_dispatch.backend import restored_environ
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import hardware, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts, quantize_block_fp8, quantize_per_token_group
@@ -403,7 +404,7 @@ def _weights(experts=E, hidden=256, inter=I):
 
 
 def _masked_rows(capacity, hidden=256):
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, hidden)).quantize(
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, hidden)).quantize(
         torch.randn(E, capacity, hidden, generator=torch.Generator().manual_seed(1)))
     return q.data, q.scale
 
@@ -554,7 +555,7 @@ def test_dg40_the_vendors_layout_functions_are_used_when_installed():
 def test_dg19_power_of_two_scales_by_bits():
     """Row 19: ``exp2(ceil(log2(s)))`` rounds log2 to float first: for s just above 2^16 it gives 2^16 < s. The
     runner takes them by bits (the core's ``pow2_ceil``, as DeepGEMM's ``ceil_to_ue8m0``)."""
-    from moe_dispatch.codecs import pow2_ceil
+    from moe_dispatch.backend import pow2_ceil
 
     s = torch.tensor([65536 * (1 + 2**-23), 3.0, 0.25])
     assert pow2_ceil(s).tolist() == [131072.0, 4.0, 0.25]

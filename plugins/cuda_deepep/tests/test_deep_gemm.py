@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import TOLERANCES, relative_error
-from moe_dispatch.codecs import make_codec, pack_ue8m0, pow2_ceil
-from moe_dispatch.experts import dequantize_rows
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch.backend import make_codec, pack_ue8m0, pow2_ceil
+from moe_dispatch.backend import dequantize_rows
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.fakes import _native
@@ -59,7 +62,7 @@ def _rows(kind: str, shape: tuple, ue8m0: bool = False, seed: int = 1):
     x = torch.randn(*shape, H, generator=torch.Generator().manual_seed(seed))
     if kind == "bf16":
         return x.to(torch.bfloat16), None
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, H, ue8m0=ue8m0)).quantize(x)
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, H, ue8m0=ue8m0)).quantize(x)
     return q.data, q.scale
 
 
@@ -225,7 +228,7 @@ def test_block_fp8_weights_keep_one_scale_per_128x128_block():
 
 def _fp8_operands(m: int, g: int = 2, n: int = 128, k: int = 256):
     gen = torch.Generator().manual_seed(3)
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, k)).quantize(torch.randn(m, k, generator=gen))
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, k)).quantize(torch.randn(m, k, generator=gen))
     a, sa = q.data, q.scale
     b, sb = quantize_block_fp8(torch.randn(g, n, k, generator=gen))
     return a, sa, b, sb
@@ -290,7 +293,7 @@ def test_the_fake_scale_formats_per_architecture():
     the exponent."""
     a, _, b, sb = _fp8_operands(128)
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
     ids = torch.zeros(128, dtype=torch.int32)
     d_ref, d_int = (torch.empty(128, 128, dtype=torch.bfloat16) for _ in range(2))
     assert emu100.get_tma_aligned_size(128, 4) == 128 and emu100.get_tma_aligned_size(130, 4) == 132
@@ -395,7 +398,7 @@ def test_wrong_inputs_are_typed_errors():
     assert error(fp8, fp8_layer, x8, s8, counts + 1).parameter == "group_list"  # counts do not sum to the rows
     assert error(fp8, bf16_layer, x8, s8).parameter == "layer"
     assert error(fp8, _weights(), x8, s8).parameter == "layer"
-    short = make_codec(md.WireFormat(md.DispatchDtype.FP8, 128)).quantize(torch.randn(3, 128))
+    short = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 128)).quantize(torch.randn(3, 128))
     assert error(fp8, fp8_layer, short.data, short.scale, _group_list([3, 0, 0, 0], 1)).parameter == "hidden_states"
     with pytest.raises(md.InvalidInputError) as info:
         fp8.process_weights(random_expert_weights(2, 256, 96))
@@ -431,7 +434,7 @@ def test_the_hint_overrides_the_runner_default_in_resolution():
     experts = DeepGemmExperts("bf16", LL, EMULATOR)
     spec = md.DispatchSpec(2048, 8, 2, mode="low_latency", quant=experts.quant_hints(), runner="deep_gemm")
     runners = md.PluginHost(env={}).runners()
-    resolution = md.resolve_output_dtype(spec, DeepEPBackend(DEEPEP_EMULATOR), env={}, runners=runners)
+    resolution = mdp.resolve_output_dtype(spec, DeepEPBackend(DEEPEP_EMULATOR), env={}, runners=runners)
     assert resolution.dtype is md.DispatchDtype.BF16
     decided = [s for s in resolution.steps if s.decided]
     assert decided[0].source == "quant.dispatcher_output_dtype" and decided[0].value == "bf16"
@@ -450,7 +453,7 @@ def test_the_hint_overrides_the_runner_default_in_resolution():
 ])
 def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_pools, kind, mode, kernel):
     """DeepEP (its fake) with the spec built from ``quant_hints()``, the kernel on each rank's
-    experts, combine: within the wire dtype's tolerance of ``md.reference_moe`` on the
+    experts, combine: within the wire dtype's tolerance of ``mdt.reference_moe`` on the
     dequantized weights, and the resolution trail shows the dtype came from the hints."""
     results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128)
     for r in results:

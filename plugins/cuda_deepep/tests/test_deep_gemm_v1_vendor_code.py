@@ -20,8 +20,9 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import make_codec
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import make_codec
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts
 
@@ -43,7 +44,7 @@ CAPACITY = 256
 def _inputs(layout: str):
     counts = [5, 0, 130, 1] if layout == "packed" else [3, 0, 8, 1]
     shape = (sum(counts),) if layout == "packed" else (E, CAPACITY)
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, H)).quantize(
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, H)).quantize(
         torch.randn(*shape, H, generator=torch.Generator().manual_seed(1)))
     return q.data, q.scale, torch.tensor(counts)
 
@@ -105,7 +106,7 @@ def test_the_fake_refuses_what_deep_gemm_v1_refuses(name, call):
 
 
 def test_the_signatures_are_v1s():
-    from moe_dispatch.signatures import differences
+    from moe_dispatch_testing.signatures import differences
 
     for record in vendor.DEEP_GEMM_V1_SIGNATURES:
         assert differences(record, vendor.lookup(deep_gemm, record.qualname)) == []

@@ -9,8 +9,9 @@ from contextlib import redirect_stdout
 import pytest
 
 import moe_dispatch as md
+import moe_dispatch.planning as mdp
 from moe_dispatch.cli import main
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_cuda_deepep import sizes, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.fakes.deep_ep import Buffer, Config
@@ -128,11 +129,11 @@ def test_nvfp4_reaches_a_hybrid_deepep_in_low_latency_only(moe_rank_pools):
         assert seen.vendor_payload_bytes == seen.expected_payload_bytes == 8 * 2 * (1024 + 128)
     hybrid, v1 = DeepEPBackend(EMULATOR_NVFP4), DeepEPBackend(EMULATOR)
     ll = md.DispatchSpec(H, 64, 8, mode="low_latency", quant=md.QuantHints(input_global_scale=100.0))
-    assert md.resolve_output_dtype(ll, hybrid, env={}).dtype is md.DispatchDtype.NVFP4
+    assert mdp.resolve_output_dtype(ll, hybrid, env={}).dtype is md.DispatchDtype.NVFP4
     with pytest.raises(md.UnsupportedDtypeError, match="use_nvfp4"):
-        md.resolve_output_dtype(ll, v1, env={})
+        mdp.resolve_output_dtype(ll, v1, env={})
     with pytest.raises(md.UnsupportedDtypeError, match="normal-mode NVFP4"):
-        md.resolve_output_dtype(md.DispatchSpec(H, 64, 8, quant=md.QuantHints(input_global_scale=100.0)), hybrid,
+        mdp.resolve_output_dtype(md.DispatchSpec(H, 64, 8, quant=md.QuantHints(input_global_scale=100.0)), hybrid,
                                 env={})
 
 

@@ -425,7 +425,7 @@ def _adapter_ops_in_low_latency(rank, world):  # type: ignore[no-untyped-def]
     the ``do_cpu_sync`` it passed."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from moe_dispatch.testing.host_reads import RecordedOps
+    from moe_dispatch_testing.host_reads import RecordedOps
     from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
 
     synced = []

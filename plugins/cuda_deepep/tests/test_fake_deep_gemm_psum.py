@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import make_codec, pack_ue8m0
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import make_codec, pack_ue8m0
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.deep_gemm import quantize_block_fp8
 from moe_dispatch_cuda_deepep.fakes import _native
@@ -47,7 +48,7 @@ def _fp8(m: int = M, ue8m0: bool = False, zero_gaps: bool = False, seed: int = 0
     """A (FP8, fp32 scale per row and 128 channels) and B (FP8, fp32 per 128x128 block, powers of two so SM100's
     2.6.1 cast takes them)."""
     gen = torch.Generator().manual_seed(seed)
-    q = make_codec(md.WireFormat(md.DispatchDtype.FP8, K, ue8m0=ue8m0)).quantize(torch.randn(m, K, generator=gen))
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, K, ue8m0=ue8m0)).quantize(torch.randn(m, K, generator=gen))
     a, sa = q.data.clone(), q.scale.clone()
     if zero_gaps:  # as DeepEP V2's do_zero_padding hands the rows over
         a.view(torch.uint8)[_gap_mask(m)] = 0

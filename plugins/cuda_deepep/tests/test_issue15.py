@@ -15,10 +15,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import (
-    ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome, routing_reuse,
-)
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome, routing_reuse
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.vendor import EMULATOR
 

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from moe_dispatch.signatures import differences
+from moe_dispatch_testing.signatures import differences
 from moe_dispatch_cuda_deepep import vendor
 
 

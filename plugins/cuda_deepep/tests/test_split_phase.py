@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import nvfp4_global_scale
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer, on_a_fresh_pool, outcome
+from moe_dispatch.backend import nvfp4_global_scale
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer, on_a_fresh_pool, outcome
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.fakes._native import check_context
 from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4
@@ -107,7 +107,7 @@ def _overwritten_in_a_fresh_process(rank: int, world: int):
 
 
 def test_the_fake_loses_the_context_when_a_later_call_overwrites_a_pending_receive():
-    from moe_dispatch.testing import on_a_fresh_pool
+    from moe_dispatch_testing import on_a_fresh_pool
 
     for (kind, message), alive in on_a_fresh_pool(_overwritten_in_a_fresh_process):
         assert kind == "lost" and "one LL call per Buffer may await its receive" in message

@@ -45,12 +45,12 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.codecs import NVFP4Codec, nvfp4_global_scale
-from moe_dispatch.distributed.local import one_rank_group
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.signatures import compare, differences, signature_from_source
-from moe_dispatch.wire import WireFormat
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import NVFP4Codec, nvfp4_global_scale
+from moe_dispatch_testing.local import one_rank_group
+from moe_dispatch.backend import restored_environ
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
+from moe_dispatch.backend import WireFormat
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.experts import CuteDslExperts

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.routing import random_routing
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch_testing.routing import random_routing
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.fakes import mnnvl
@@ -82,7 +83,7 @@ def run_after_a_failed_allocation(rank: int, world: int, fake: str, by: str) -> 
             if by == "adapter":
                 md.create_dispatcher(FlashInferA2ABackend(fake), spec, groups[rank], env={})
             else:
-                config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(md.Comm(groups[rank])))
+                config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(mdb.Comm(groups[rank])))
                 mod.MoeAlltoAll(_one_rank(mod), 4, 2, E, hidden_size=H, mnnvl_config=config)
             failed = "no error"
         except md.BackendUnavailableError as exc:  # the core's wrapping of a vendor failure in create

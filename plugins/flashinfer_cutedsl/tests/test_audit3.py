@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.fakes import mnnvl
@@ -110,7 +111,7 @@ def run_after_one_rank_allocated(rank: int, world: int, fake: str, fabric: bool)
         earlier = None
         if rank == 0:
             memory.set_comm_from_config(_one_rank(mod), mod.comm.mnnvl.MnnvlConfig(
-                comm_backend=GroupCommBackend(md.Comm(groups[0]))))
+                comm_backend=GroupCommBackend(mdb.Comm(groups[0]))))
             earlier = memory(_one_rank(mod), memory.fabric_page_size)  # fills its 512 MiB range (address space)
         try:
             d = md.create_dispatcher(FlashInferA2ABackend(fake), spec, env={}, timeout_s=10)

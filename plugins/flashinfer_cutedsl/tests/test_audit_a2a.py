@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.codecs import nvfp4_global_scale
-from moe_dispatch.routing import random_routing
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import nvfp4_global_scale
+from moe_dispatch_testing.routing import random_routing
 from moe_dispatch_flashinfer_cutedsl import alltoall, vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 
@@ -120,7 +121,7 @@ def test_12_every_receive_plane_is_aligned_for_every_shape():
     for dtype in ("bf16", "fp8", "nvfp4"):
         for hidden in (128, 256, 384, 7168):
             wire = md.DispatchSpec(hidden, 8, 1, output_dtype=dtype).wire_format()
-            q = md.make_codec(wire, 100.0).quantize(torch.zeros(1, hidden, dtype=torch.bfloat16))
+            q = mdb.make_codec(wire, 100.0).quantize(torch.zeros(1, hidden, dtype=torch.bfloat16))
             for k in range(1, 10):
                 per_token = {"data": (q.data.shape[1] * q.data.element_size(), q.data.element_size()),
                              "weights": (4 * k, 4), "ids": (4 * k, 4)}
@@ -148,9 +149,9 @@ def run_odd_shape(rank: int, world: int, fake: str, dtype: str, tokens: int, top
         x = buf[4:].view(tokens, hidden)  # 8 bytes past an allocation: not 16-byte aligned
         ids, w = random_routing(tokens, E, top_k, generator=g, drop_prob=0.2)
         out = d.dispatch(x, ids, w)
-        codec = md.make_codec(spec.wire_format(), gs)
+        codec = mdb.make_codec(spec.wire_format(), gs)
         rows = out.hidden_states if dtype == "bf16" else codec.dequantize(
-            md.Quantized(out.hidden_states, out.hidden_states_scale)).to(torch.bfloat16)
+            mdb.Quantized(out.hidden_states, out.hidden_states_scale)).to(torch.bfloat16)
         y = d.combine(rows, out)
     except Exception as exc:  # noqa: BLE001 - the failure is the result
         return f"{type(exc).__name__}: {exc}"
@@ -226,13 +227,13 @@ def test_22_a_dispatch_that_fails_after_flashinfer_set_its_phase_stays_out_of_th
 def test_23_create_barriers_on_the_group_after_flashinfer_initializes_the_workspaces(monkeypatch):
     mod = _fake(vendor.FAKE_0_6_17)
     seen = []
-    barrier = md.Comm.barrier
+    barrier = mdb.Comm.barrier
 
     def spy(self, operation="barrier"):  # noqa: ANN001, ANN202 - records, then does the barrier
         seen.append((operation, mod.KERNELS.calls.count("moe_a2a_initialize")))
         return barrier(self, operation)
 
-    monkeypatch.setattr(md.Comm, "barrier", spy)
+    monkeypatch.setattr(mdb.Comm, "barrier", spy)
     before = mod.KERNELS.calls.count("moe_a2a_initialize")
     md.create_dispatcher(FlashInferA2ABackend(vendor.FAKE_0_6_17), md.DispatchSpec(H, E, 2,
                          num_max_dispatch_tokens_per_rank=6), env={})

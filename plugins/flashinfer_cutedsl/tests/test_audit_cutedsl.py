@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import nvfp4_global_scale
+from moe_dispatch.backend import nvfp4_global_scale
 from moe_dispatch_flashinfer_cutedsl import CuteDslExperts, vendor
 
 H, I, E = 256, 128, 8

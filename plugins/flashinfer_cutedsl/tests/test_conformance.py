@@ -1,6 +1,6 @@
 """The conformance kit on FlashInfer's MoE all-to-all adapter, driving the CPU emulator."""
 
-from moe_dispatch.testing import BackendConformance
+from moe_dispatch_testing import BackendConformance
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.vendor import EMULATOR
 

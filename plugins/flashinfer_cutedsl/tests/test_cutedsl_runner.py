@@ -10,13 +10,15 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch.cli import main
-from moe_dispatch.codecs import NVFP4Codec, nvfp4_global_scale
-from moe_dispatch.experts import swiglu
-from moe_dispatch.routing import random_routing
-from moe_dispatch.scale_layouts import swizzle_128x4
-from moe_dispatch.wire import WireFormat
+from moe_dispatch.backend import NVFP4Codec, nvfp4_global_scale
+from moe_dispatch.backend import swiglu
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch.backend import swizzle_128x4
+from moe_dispatch.backend import WireFormat
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.vendor import EMULATOR as DEEPEP_EMULATOR
 from moe_dispatch_cuda_deepep.vendor import EMULATOR_NVFP4 as HYBRID_DEEPEP_EMULATOR
@@ -24,7 +26,7 @@ from moe_dispatch_flashinfer_cutedsl import RUNNER, CuteDslExperts, FlashInferA2
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.fakes import flashinfer_0_7_2 as fi
 from moe_dispatch_flashinfer_cutedsl.vendor import EMULATOR, sm100_reason
-from moe_dispatch.scale_layouts import from_mma_view, to_mma_view
+from moe_dispatch.backend import from_mma_view, to_mma_view
 from moe_dispatch_flashinfer_cutedsl.weights import deinterleave_up_gate, interleave_up_gate
 
 H, I, E = 2048, 128, 8  # H: a hidden size DeepEP's low-latency kernels are built for
@@ -195,7 +197,7 @@ def test_nvfp4_4over6_never_changes_the_runners_quantization(monkeypatch, fake):
 # -- every declared pairing, end to end ------------------------------------------------------------------
 
 
-def _backend(name: str) -> md.Backend:
+def _backend(name: str) -> mdb.Backend:
     # DeepEP as built from its hybrid-ep branch: the V1 paths plus NVFP4 low-latency dispatch.
     return {"cuda_deepep": DeepEPBackend(HYBRID_DEEPEP_EMULATOR), "flashinfer_a2a": FlashInferA2ABackend(EMULATOR)}.get(
         name) or md.get_backend(name)
@@ -267,7 +269,7 @@ def test_undeclared_pairings_and_dtypes_are_refused_at_creation():
     with warnings.catch_warnings():  # INT8 on CUDA falls back to FP8, which the runner cannot take
         warnings.simplefilter("ignore", md.DtypeFallbackWarning)
         with pytest.raises(md.InvalidSpecError, match="cannot consume fp8"):
-            md.resolve_output_dtype(md.DispatchSpec(7168, 256, 8, mode="low_latency", runner=RUNNER.name,
+            mdp.resolve_output_dtype(md.DispatchSpec(7168, 256, 8, mode="low_latency", runner=RUNNER.name,
                                                     output_dtype="int8"), DeepEPBackend(DEEPEP_EMULATOR), env={})
 
 

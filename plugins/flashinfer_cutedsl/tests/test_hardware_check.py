@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moe_dispatch.environ import restored_environ
+from moe_dispatch.backend import restored_environ
 from moe_dispatch_flashinfer_cutedsl import vendor
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hardware_check.py"

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import (
-    ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome, routing_reuse,
-)
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import ScaledLayer, combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome, routing_reuse
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 
@@ -107,7 +106,7 @@ class _RankOneLateOrFailingAtCreation(FlashInferA2ABackend):
         super().__init__(fake)
         self.how = how
 
-    def create(self, ctx: md.DispatchContext):  # noqa: ANN201
+    def create(self, ctx: mdb.DispatchContext):  # noqa: ANN201
         if ctx.rank == 1:
             if self.how == "raise":
                 raise RuntimeError("rank 1's device is gone")

@@ -23,10 +23,10 @@ pytest.importorskip("flashinfer.comm.trtllm_moe_alltoall",
                     reason="flashinfer-python is not installed (the optional vendor-code job installs it)")
 
 import moe_dispatch as md  # noqa: E402
-from moe_dispatch.accuracy import relative_error  # noqa: E402
-from moe_dispatch.codecs import nvfp4_global_scale  # noqa: E402
-from moe_dispatch.routing import random_routing  # noqa: E402
-from moe_dispatch.signatures import compare, differences, signature_from_source  # noqa: E402
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import nvfp4_global_scale
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 from moe_dispatch_flashinfer_cutedsl import vendor  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend  # noqa: E402
 
@@ -100,8 +100,8 @@ def run_layer(rank: int, world: int, top_k: int, drop: float, experts: int, dtyp
     xs = [torch.randn(16, H, generator=g).to(torch.bfloat16) for _ in range(2)]
     routes = [random_routing(16, experts, top_k, generator=g, drop_prob=drop) for _ in range(2)]
     outs = [d.dispatch(x, ids, w) for x, (ids, w) in zip(xs, routes)]  # two in flight
-    codec = md.make_codec(spec.wire_format(), gs)
-    rows = [codec.dequantize(md.Quantized(o.hidden_states, o.hidden_states_scale)).to(torch.bfloat16)
+    codec = mdb.make_codec(spec.wire_format(), gs)
+    rows = [codec.dequantize(mdb.Quantized(o.hidden_states, o.hidden_states_scale)).to(torch.bfloat16)
             if dtype == "nvfp4" else o.hidden_states for o in outs]  # identity experts
     ys = [d.combine(r, o) for r, o in zip(rows, outs)]
     refs = [codec.dequantize(codec.quantize(x)).float() * ((ids >= 0).float() * w).sum(dim=1, keepdim=True)
@@ -276,7 +276,7 @@ def run_after_failed_allocation(rank: int, world: int) -> tuple:
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
     with fresh_address_range(memory):
         DRIVER.free_bytes = 0  # cuMemCreate fails after the range was reserved
-        config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(md.Comm(groups[rank])))
+        config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend(mdb.Comm(groups[rank])))
         try:  # another user of FlashInfer's MoeAlltoAll, over a one-rank group
             mod.comm.MoeAlltoAll(_mapping(mod, 0, 1), 4, 2, E, hidden_size=H, mnnvl_config=config)
             failed = "no error"
@@ -443,5 +443,5 @@ def test_4_the_fakes_mnnvl_collectives_equal_flashinfers_open_mnnvl_memory(fabri
 def test_the_real_python_fake_waits_with_the_dispatchers_watch():
     """Audit 2026-11-23 #9: without the emulated-wait scope the fake kernels' exchanges under FlashInfer's real
     Python blocked in gloo for the process group's timeout and never heard a peer's failure notice."""
-    from moe_dispatch.distributed.emulation import emulated_watch
+    from moe_dispatch_testing.emulation import emulated_watch
     assert getattr(_real(), vendor.EMULATED_WATCH_ATTRIBUTE) is emulated_watch

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from moe_dispatch.signatures import differences
+from moe_dispatch_testing.signatures import differences
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend, LocalCommBackend
 

@@ -1,6 +1,9 @@
-"""The ``moe-dispatch`` command and its applications (a wing: ``import moe_dispatch`` loads none
-of it): ``main`` (backends, explain, demo, bench, plan), ``plan``, ``demo``, ``bench``, ``presets``."""
+"""The ``moe-dispatch`` command: ``backends``, ``explain``, ``plan``, and the subcommands plugins register
+(``moe_dispatch_register_commands``). ``import moe_dispatch`` loads none of it. Command authors may use
+``explain`` (``create_dispatcher``'s own preparation of a spec), the model shapes of ``presets`` and the
+flag types of ``flags``."""
 
-from .main import BACKENDS_JSON_SCHEMA, backends_report, build_parser, explain, main
+from .explain import explain
+from .main import main
 
-__all__ = ["BACKENDS_JSON_SCHEMA", "backends_report", "build_parser", "explain", "main"]
+__all__ = ["explain", "main"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..dtypes import DispatchDtype, Mode
-from ..errors import InvalidSpecError
+from .._errors import InvalidSpecError
+from .._wire import DispatchDtype, Mode
 
 DTYPES = ", ".join(d.value for d in DispatchDtype)
 MODES = ", ".join(m.value for m in Mode)

@@ -1,5 +1,5 @@
-"""The ``moe-dispatch`` command: backends, explain, demo, bench, plan, and the plugins' own
-subcommands (``moe_dispatch_register_commands``)."""
+"""The ``moe-dispatch`` command: backends, explain, plan, and the subcommands plugins register
+(``moe_dispatch_register_commands``: ``demo`` and ``bench`` come with moe-dispatch-testing)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
-from ..alignment import plan_alignment
-from ..dtypes import DispatchDtype, Mode
-from ..errors import MoEDispatchError
-from ..hints import QuantHints
-from ..registry import PluginHost, default_host
+from .._alignment import plan_alignment
+from .._errors import MoEDispatchError
+from .._registry import PluginHost, default_host
+from .._spec import QuantHints
+from .._wire import DispatchDtype, Mode
 from . import flags
+from .explain import explain
 from .flags import positive_int
-from .preflight import explain
-from .presets import DEMO_SCALE, PRESETS, get_preset
-
+from .presets import PRESETS, get_preset
 
 #: Version of ``moe-dispatch backends --json`` output; bumped only for an incompatible change.
 BACKENDS_JSON_SCHEMA = 1
@@ -25,8 +24,8 @@ BACKENDS_JSON_SCHEMA = 1
 
 def backends_report(host: "PluginHost") -> dict[str, object]:
     """The ``backends --json`` document (schema in docs/cli.md)."""
-    from .. import hookspecs
-    from ..registry import core_version
+    from .. import _hookspecs as hookspecs
+    from .._loading import core_version
 
     return {
         "schema": BACKENDS_JSON_SCHEMA,
@@ -87,7 +86,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from ..spec import DispatchSpec
+    from .._spec import DispatchSpec
 
     host = default_host()
     preset = get_preset(args.preset)
@@ -144,7 +143,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
     """``text`` parsed as a JSON object, or an ``InvalidSpecError`` naming ``flag`` (one line, exit 2)."""
-    from ..errors import InvalidSpecError
+    from .._errors import InvalidSpecError
 
     try:
         value = json.loads(text)
@@ -157,76 +156,6 @@ def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
     return value
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    preset = get_preset(args.preset)
-    scale = args.scale if args.scale is not None else DEMO_SCALE.get(preset.name, 1)
-    if scale > 1:
-        preset = preset.scaled(scale)
-    dtypes = [DispatchDtype.parse(d) for d in args.dtype] if args.dtype else None
-    modes = [Mode.parse(m) for m in args.mode] if args.mode else None
-    if args.launcher == "torchrun":
-        return _demo_torchrun(preset, args, dtypes, modes)
-    _check_demo_cases(preset, args, dtypes, modes)
-    results = run_demo(
-        preset,
-        world_size=args.world_size,
-        tokens_per_rank=args.tokens,
-        dtypes=[d for d in dtypes if d] if dtypes else None,
-        modes=modes,
-        backend=args.backend,
-    )
-    return 0 if all(r.ok for r in results) else 1
-
-
-def _check_demo_cases(preset, args: argparse.Namespace, dtypes: "list[DispatchDtype] | None",  # type: ignore[no-untyped-def]
-                      modes: "list[Mode] | None") -> None:
-    """Before any rank starts, what ``create_dispatcher`` would refuse on every rank, as one line: a backend that
-    cannot run here, no (dtype, mode) it accepts, a shape or world size a case cannot take."""
-    from ..errors import InvalidSpecError
-    from .demo import DemoCase, case_spec
-
-    host = default_host()
-    chosen = host.select(args.backend)  # BackendUnavailableError (one line) where it cannot run on this machine
-    caps = chosen.backend.capabilities
-    cases = [DemoCase(preset, d, m, args.tokens, args.backend) for m in modes or list(Mode)
-             for d in dtypes or list(DispatchDtype) if d in caps.dtypes.get(m, ())]
-    if not cases:
-        raise InvalidSpecError(f"backend {args.backend!r} accepts none of the dtypes and modes asked for, so the demo "
-                               "has nothing to run", parameter="--dtype/--mode",
-                               value=[*(d.value for d in dtypes or []), *(m.value for m in modes or [])],
-                               allowed="; ".join(f"{m.value}: {', '.join(sorted(d.value for d in ds))}"
-                                                 for m, ds in caps.dtypes.items()))
-    for case in cases:
-        explain(case_spec(case), args.backend, args.world_size, host=host)
-
-
-def _demo_torchrun(preset, args, dtypes, modes) -> int:  # type: ignore[no-untyped-def]
-    """Under torchrun: this process is one rank; rendezvous comes from the environment."""
-    import torch.distributed as dist
-
-    from .demo import DemoCase, format_table, run_case, summarize
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = []
-    try:
-        for mode in modes or list(Mode):
-            for dtype in [d for d in dtypes if d] if dtypes else list(DispatchDtype):
-                mine = run_case(rank, world, DemoCase(preset, dtype, mode, args.tokens, args.backend))
-                gathered: list = [None] * world
-                dist.all_gather_object(gathered, mine)
-                results.append(summarize(gathered))
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        print(f"moe-dispatch demo under torchrun: {preset.name}, {world} ranks")
-        print(format_table(results, world))
-        print(f"all cases within tolerance: {all(r.ok for r in results)}")
-    return 0 if all(r.ok for r in results) else 1
-
-
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one line on stderr and exit 2 (argparse prints its whole usage block first); ``-h`` shows
     the usage."""
@@ -237,7 +166,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     """The built-in subcommands, then those the plugins of ``host`` (the default one) register."""
-    from ..registry import core_version
+    from .._loading import core_version
 
     parser = _Parser(prog="moe-dispatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"moe-dispatch {core_version()}")
@@ -267,24 +196,8 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(func=_cmd_explain)
 
-    p = sub.add_parser("demo", help="run a MoE layer on local CPU ranks for every dtype and mode the backend accepts")
-    p.add_argument("--world-size", type=positive_int, default=4, help="local ranks (default 4)")
-    p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS),
-                   help="model shape (default qwen3-30b-a3b), scaled down for a CPU (--scale)")
-    p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
-    p.add_argument("--tokens", type=positive_int, default=64, help="tokens per rank (default 64)")
-    p.add_argument("--backend", default="torch", help="the backend to run (default torch)")
-    p.add_argument("--dtype", action="append", type=flags.dtype,
-                   help=f"only this dtype: {flags.DTYPES} (repeatable; default every one the backend accepts)")
-    p.add_argument("--mode", action="append", type=flags.mode, help=f"only this mode: {flags.MODES} (repeatable; default both)")
-    p.add_argument("--launcher", default="local", choices=["local", "torchrun"],
-                   help="local: spawn --world-size gloo ranks; torchrun: this process is one rank")
-    p.set_defaults(func=_cmd_demo)
-
-    from .bench.cli import add_bench_command
     from .plan import add_plan_command
 
-    add_bench_command(sub)
     add_plan_command(sub)
     for name, (command, label) in (host or default_host()).commands().items():
         p = sub.add_parser(name, help=f"{command.help} [{label}]")

@@ -12,15 +12,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TextIO
 
-from ..backend import Backend
-from ..dtypes import DispatchDtype, Mode
-from ..errors import InvalidSpecError, MoEDispatchError
-from ..hints import QuantHints
+from .._contract import Backend
+from .._errors import InvalidSpecError, MoEDispatchError
+from .._registry import PluginHost, default_host
+from .._spec import DispatchSpec, QuantHints
+from .._wire import DispatchDtype, Mode
 from ..planning import BufferPlan, plan_buffers
-from ..registry import PluginHost, default_host
 from . import flags
 from .presets import model_shapes
-from ..spec import DispatchSpec
 
 #: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
 PLAN_JSON_SCHEMA = 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidSpecError
+from .._errors import InvalidSpecError
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,6 @@ PRESETS: dict[str, ModelPreset] = {
     )
 }
 
-#: How much each preset is scaled down for the CPU demo.
-DEMO_SCALE = {"qwen3-30b-a3b": 4, "deepseek-v3": 8, "kimi-k2": 8, "mixtral-8x7b": 8}
-
-
 def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
@@ -78,4 +74,4 @@ def model_shapes(presets: "list[str] | None", default: "list[str]", hidden: int 
     return [(name, *size) for size, name in shapes.items()]
 
 
-__all__ = ["DEMO_SCALE", "PRESETS", "ModelPreset", "get_preset", "model_shapes"]
+__all__ = ["PRESETS", "ModelPreset", "get_preset", "model_shapes"]

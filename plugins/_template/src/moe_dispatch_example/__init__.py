@@ -4,6 +4,7 @@ The core imports this module, checks ``MOE_DISPATCH_API``, and calls the hooks b
 """
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from .backend import ExampleBackend
 
@@ -11,7 +12,7 @@ from .backend import ExampleBackend
 MOE_DISPATCH_API = 1
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(ExampleBackend())
 

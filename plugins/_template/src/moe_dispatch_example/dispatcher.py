@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ExampleHandle:
 
 
 class ExampleDispatcher:
-    def __init__(self, ctx: md.DispatchContext) -> None:
+    def __init__(self, ctx: mdb.DispatchContext) -> None:
         self.comm, self.codec, self.spec = ctx.comm, ctx.codec, ctx.spec
         self.rank, self.world, self.local_experts = ctx.rank, ctx.world_size, ctx.local_experts
         self.dtype = ctx.dtype

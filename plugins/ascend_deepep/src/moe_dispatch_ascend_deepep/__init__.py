@@ -10,6 +10,7 @@ torch_npu expert runners ``npu_w8a8``, ``npu_w4a8``, ``npu_w4a4``, ``npu_w4a16``
 """
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from .backend import AscendDeepEPBackend
 from .experts import REASONS, SCHEMES, NpuExperts, NpuExpertLayer, runner_name, runner_probe
@@ -17,18 +18,18 @@ from .experts import REASONS, SCHEMES, NpuExperts, NpuExpertLayer, runner_name, 
 MOE_DISPATCH_API = 1
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(AscendDeepEPBackend())
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
     # One runner per torch_npu scheme: W8A8/W4A8 need INT8 rows, W4A4/W4A16/BF16 BF16 rows
     # (NpuExperts(scheme).quant_hints() asks for the same dtype, ahead of the runner step).
     for scheme in SCHEMES:
         needs = md.DispatchDtype.INT8 if scheme in ("w8a8", "w4a8") else md.DispatchDtype.BF16
-        register(md.RunnerInfo(runner_name(scheme), needs, REASONS[scheme], accepts=frozenset({needs}),
+        register(mdb.RunnerInfo(runner_name(scheme), needs, REASONS[scheme], accepts=frozenset({needs}),
                                backends={"ascend_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},
                                probe=runner_probe))
 

@@ -8,8 +8,9 @@ import sys
 from typing import Any, Mapping
 
 import moe_dispatch as md
-from moe_dispatch.distributed.emulation import emulated_waits
-from moe_dispatch.environ import restored_environ
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.emulation import emulated_waits
+from moe_dispatch.backend import restored_environ
 
 from . import sizes
 from . import vendor as v
@@ -30,19 +31,19 @@ WINDOW_OPTION = "hccl_window_mb"
 AGREED_ENV = (v.HCCL_BUFFSIZE, v.DEEPEP_HCCL_BUFFSIZE, v.INTRA_PCIE_ENV, v.INTRA_ROCE_ENV, v.OP_EXPANSION_ENV)
 
 
-def capabilities(emulated: bool) -> md.Capabilities:
+def capabilities(emulated: bool) -> mdb.Capabilities:
     no_fp8 = "Atlas A2/A3 have no FP8; DeepEP-Ascend quantizes to INT8 (per token) instead"
-    ll = md.Limits(max_tokens_per_rank=v.LL_MAX_TOKENS, hidden_multiple=v.HIDDEN_MULTIPLE, min_hidden=v.MIN_HIDDEN,
+    ll = mdb.Limits(max_tokens_per_rank=v.LL_MAX_TOKENS, hidden_multiple=v.HIDDEN_MULTIPLE, min_hidden=v.MIN_HIDDEN,
                    max_hidden=v.MAX_HIDDEN, max_top_k=v.MAX_TOP_K)
-    return md.Capabilities(
+    return mdb.Capabilities(
         dtypes={N: frozenset({B, I8}), LL: frozenset({B, I8})},
-        fallbacks={(N, F8): md.Fallback(I8, no_fp8), (LL, F8): md.Fallback(I8, no_fp8)},
+        fallbacks={(N, F8): mdb.Fallback(I8, no_fp8), (LL, F8): mdb.Fallback(I8, no_fp8)},
         rejections={F4: "Atlas A2/A3 have no FP4 dispatch (MXFP4 is A5-only and not NVFP4)"},
         default_dtype=B,
         devices=frozenset({"cpu"} if emulated else {"npu"}),
         # The ops' tiling needs at least 2 ranks; normal mode runs only on get_dispatch_config's sizes.
         world_sizes=frozenset(range(v.MIN_EP_WORLD_SIZE, v.MAX_EP_WORLD_SIZE_LL + 1)),
-        limits={N: md.Limits(max_tokens_per_rank=v.NORMAL_MAX_TOKENS, hidden_multiple=v.HIDDEN_MULTIPLE,
+        limits={N: mdb.Limits(max_tokens_per_rank=v.NORMAL_MAX_TOKENS, hidden_multiple=v.HIDDEN_MULTIPLE,
                              min_hidden=v.MIN_HIDDEN, max_hidden=v.MAX_HIDDEN, max_top_k=v.MAX_TOP_K,
                              world_sizes=frozenset(v.CONFIG_RANKS)), LL: ll},
     )
@@ -137,7 +138,7 @@ def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None, env: Mapp
             value=f"{env.get(v.INTRA_PCIE_ENV)}/{env.get(v.INTRA_ROCE_ENV)}", allowed="1/0")
 
 
-class AscendDeepEPBackend(md.Backend):
+class AscendDeepEPBackend(mdb.Backend):
     """DeepEP-Ascend (sgl-kernel-npu) ``Buffer`` on Atlas A2/A3, or with ``vendor_module=vendor.FAKE``
     its CPU fake. ``env`` is what the HCCL variables are read from (``os.environ`` when None), never
     written; the vendor itself reads the process environment. ``soc`` (``"A2"`` or ``"A3"``) names the
@@ -231,7 +232,7 @@ class AscendDeepEPBackend(md.Backend):
         """The window (MB) this spec needs on ``soc`` (None: not known): what every check and report uses."""
         return v.window_mb(self._window_bytes(spec, world_size, soc))
 
-    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
+    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> mdb.BufferSize:
         T, h = spec.num_max_dispatch_tokens_per_rank, spec.hidden_size
         rows = v.ll_receive_rows(T, world_size, spec.local_experts(world_size), spec.top_k)
         window = self._window_bytes(spec, world_size)
@@ -239,14 +240,14 @@ class AscendDeepEPBackend(md.Backend):
         # Low-latency rows live in the window; normal mode's received rows are tensors the C++
         # allocates beside it (its window only stages rounds), so there the parts add up.
         shared = window if window >= max(dispatch, combine) else None
-        return md.BufferSize(
+        return mdb.BufferSize(
             dispatch, combine,
             notes=(f"HCCL window >= {v.window_mb(window)} MB (the group's, and the ops' DEEPEP_HCCL_BUFFSIZE or "
                    "HCCL_BUFFSIZE): what DeepEP-Ascend's ops check and its kernels use",),
             allocated_bytes=shared,
         )
 
-    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
+    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[mdb.EnvRequirement, ...]:
         """The window (MB) that ``create`` checks: what DeepEP-Ascend's ops and kernels need for this spec on
         this chip (where the chip is unknown: the larger of A2 and A3 on one node, A3's beyond; ``create`` then
         checks A2's), on the variable the ops read (``DEEPEP_HCCL_BUFFSIZE`` when set, else ``HCCL_BUFFSIZE``);
@@ -256,7 +257,7 @@ class AscendDeepEPBackend(md.Backend):
                                                  f" on Atlas {soc}")
         env = self._env()
         name = v.DEEPEP_HCCL_BUFFSIZE if env.get(v.DEEPEP_HCCL_BUFFSIZE) is not None else v.HCCL_BUFFSIZE
-        return (md.EnvRequirement(name, self.window_needed_mb(spec, world_size, soc), "MB",
+        return (mdb.EnvRequirement(name, self.window_needed_mb(spec, world_size, soc), "MB",
                                   v.DEFAULT_HCCL_BUFFSIZE_MB if name == v.HCCL_BUFFSIZE else None,
                                   f"DeepEP-Ascend's HCCL window ({where}; the group's window must hold it too)"),)
 
@@ -310,7 +311,7 @@ class AscendDeepEPBackend(md.Backend):
                 **{name: env.get(name) for name in AGREED_ENV},
                 "group window MB": group.mb, "ops window MB": v.ops_window_mb(env), "window MB needed": need}
 
-    def agreement(self, ctx: md.DispatchContext) -> Mapping[str, Any]:
+    def agreement(self, ctx: mdb.DispatchContext) -> Mapping[str, Any]:
         return self.agreement_values(ctx.spec, ctx.world_size, self.group_hccl_config(ctx.comm.process_group),
                                      ctx.options)
 
@@ -320,7 +321,7 @@ class AscendDeepEPBackend(md.Backend):
         with restored_environ({**CONSTRUCTION_ENV, **dict.fromkeys(CONSTRUCTION_UNSET)}):  # None: unset for the call
             return info.module.Buffer(process_group, low_latency_mode=low_latency)
 
-    def create(self, ctx: md.DispatchContext) -> AscendDeepEPDispatcher:
+    def create(self, ctx: mdb.DispatchContext) -> AscendDeepEPDispatcher:
         spec, R = ctx.spec, ctx.world_size
         self.check_environment(spec, R, self.group_hccl_config(ctx.comm.process_group), ctx.options)
         info = self.vendor()

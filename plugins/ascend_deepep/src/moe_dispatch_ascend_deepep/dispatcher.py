@@ -48,8 +48,9 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.output import group_list_from_counts, kept_routing
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import restored_environ
+from moe_dispatch.backend import group_list_from_counts, kept_routing
 
 from .vendor import CCU_ENV, COUNTS_TYPE_ENV, INT8_ENV, NEG_ONE_ENV, is_layered
 
@@ -69,7 +70,7 @@ def _low_latency_env(layered: bool) -> dict[str, str]:
 
 
 class AscendDeepEPDispatcher:
-    def __init__(self, ctx: md.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool,
+    def __init__(self, ctx: mdb.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool,
                  waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.buffer = buffer
         #: The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch (its

@@ -58,14 +58,14 @@ import torch
 
 import moe_dispatch as md
 
-from moe_dispatch.experts import dequantized_weights, quantize_weights_w8a8
-from moe_dispatch.output import group_counts
+from moe_dispatch.backend import dequantized_weights, quantize_weights_w8a8
+from moe_dispatch.backend import group_counts
 
 from . import vendor as v
 from .vendor import TORCH_NPU, TORCH_NPU_FAKE
 
 if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
-    from moe_dispatch.testing.layers import LayerCheck
+    from moe_dispatch_testing.layers import LayerCheck
 
 REAL = TORCH_NPU
 EMULATOR = TORCH_NPU_FAKE  # kept name: the torch_npu fake
@@ -527,8 +527,8 @@ def run_layer(rank: int, world: int, scheme: str, mode: str = "normal", kernel_m
     """Run on every rank (``RankPool.map`` in the tests, torchrun on an NPU): an ascend_deepep
     dispatcher whose spec takes the kernel's quant hints, the kernel on this rank's experts,
     combine, and the relative error against the dense fp32 reference on the dequantized weights."""
-    from moe_dispatch.routing import random_expert_weights
-    from moe_dispatch.testing.layers import check_layer
+    from moe_dispatch_testing.routing import random_expert_weights
+    from moe_dispatch_testing.layers import check_layer
 
     from .backend import AscendDeepEPBackend
     from .vendor import REAL as DEEPEP

@@ -21,9 +21,10 @@ from typing import Any, Callable
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.experts import dequantize_rows
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import restored_environ
+from moe_dispatch.backend import dequantize_rows
 
 from . import vendor as v
 from .backend import AscendDeepEPBackend
@@ -90,7 +91,7 @@ def _probe(part: str, check: str, fn: Callable[[], list[Row]]) -> list[Row]:
 def deep_ep_source_rows(buffer_py: Path) -> list[Row]:
     """Each method the adapter calls, read by AST from an installed ``deep_ep/buffer.py``, against every
     signature a supported build has (``vendor.RECORDED_VERSIONS``)."""
-    from moe_dispatch.signatures import compare, signature_from_source
+    from moe_dispatch_testing.signatures import compare, signature_from_source
 
     rows = []
     for qualname, recs in v.RECORDED_VERSIONS.items():
@@ -102,7 +103,8 @@ def deep_ep_source_rows(buffer_py: Path) -> list[Row]:
 
 
 def _signature_rows(opts: Options) -> list[Row]:
-    from moe_dispatch.signatures import VendorSignature, compare, differences
+    from moe_dispatch.backend import VendorSignature
+    from moe_dispatch_testing.signatures import compare, differences
 
     rows: list[Row] = []
     fake_npu = importlib.import_module(v.TORCH_NPU_FAKE)
@@ -148,7 +150,8 @@ def _signature_rows(opts: Options) -> list[Row]:
 
 def _schema_rows() -> list[Row]:
     """``torch.ops.npu.<op>`` (what ``torch_npu.npu_<op>`` is) against the record: names, kinds, defaults."""
-    from moe_dispatch.signatures import VendorSignature, compare
+    from moe_dispatch.backend import VendorSignature
+    from moe_dispatch_testing.signatures import compare
 
     importlib.import_module(v.TORCH_NPU)
     rows = []
@@ -378,8 +381,8 @@ def _world_one_rows(opts: Options) -> list[Row]:
 
 
 def _runner_rows(opts: Options) -> list[Row]:
-    from moe_dispatch.codecs import make_codec
-    from moe_dispatch.routing import random_expert_weights
+    from moe_dispatch.backend import make_codec
+    from moe_dispatch_testing.routing import random_expert_weights
 
     rows = []
     counts = [5, 0, 13, 2]
@@ -391,7 +394,7 @@ def _runner_rows(opts: Options) -> list[Row]:
             layer = fake.process_weights(random_expert_weights(len(counts), 1024, opts.intermediate, generator=g))
             x = torch.randn(sum(counts), 1024, generator=g)
             if fake.needs_dispatch_dtype is md.DispatchDtype.INT8:
-                q = make_codec(md.WireFormat(md.DispatchDtype.INT8, 1024)).quantize(x)
+                q = make_codec(mdb.WireFormat(md.DispatchDtype.INT8, 1024)).quantize(x)
                 rows_x, scale = q.data, q.scale
             else:
                 rows_x, scale = x.to(torch.bfloat16), None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Mapping
 
-from moe_dispatch.signatures import VendorSignature
+from moe_dispatch.backend import VendorSignature
 
 KN = "sgl-project/sgl-kernel-npu"
 KN_MAIN = "f425bdf"

@@ -7,6 +7,7 @@ see VENDOR.md.
 """
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from .backend import FuseEPBackend
 from .weights import FuseEPWeights, process_fuseep_weights
@@ -14,7 +15,7 @@ from .weights import FuseEPWeights, process_fuseep_weights
 MOE_DISPATCH_API = 1
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(FuseEPBackend())
 

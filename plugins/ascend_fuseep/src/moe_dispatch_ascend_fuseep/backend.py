@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep.dispatcher import AscendDeepEPDispatcher
 from moe_dispatch_ascend_deepep import vendor as deepep_vendor
@@ -22,17 +23,17 @@ LL = md.Mode.LOW_LATENCY
 MAX_TOKENS, MIN_HIDDEN, MAX_HIDDEN, MAX_TOP_K = v.MAX_BATCH, deepep_vendor.MIN_HIDDEN, v.MAX_HIDDEN, v.MAX_TOP_K
 
 
-def capabilities(emulated: bool) -> md.Capabilities:
-    return md.Capabilities(
+def capabilities(emulated: bool) -> mdb.Capabilities:
+    return mdb.Capabilities(
         dtypes={LL: frozenset({I8})},
-        fallbacks={(LL, F8): md.Fallback(I8, "Atlas A3 has no FP8; FuseEP quantizes to INT8 per token")},
+        fallbacks={(LL, F8): mdb.Fallback(I8, "Atlas A3 has no FP8; FuseEP quantizes to INT8 per token")},
         rejections={B: "FuseEP's fused op is W8A8 INT8 dynamic only (use ascend_deepep for BF16)",
                     F4: "FuseEP's fused op is W8A8 INT8 dynamic only"},
         default_dtype=I8,
         fused_forward=True,
         devices=frozenset({"cpu"} if emulated else {"npu"}),
         world_sizes=frozenset(range(deepep_vendor.MIN_EP_WORLD_SIZE, deepep_vendor.MAX_EP_WORLD_SIZE_LL + 1)),
-        limits={LL: md.Limits(max_tokens_per_rank=MAX_TOKENS, hidden_multiple=deepep_vendor.HIDDEN_MULTIPLE,
+        limits={LL: mdb.Limits(max_tokens_per_rank=MAX_TOKENS, hidden_multiple=deepep_vendor.HIDDEN_MULTIPLE,
                               min_hidden=MIN_HIDDEN, max_hidden=MAX_HIDDEN, max_top_k=MAX_TOP_K)},
     )
 
@@ -142,7 +143,7 @@ class FuseEPBackend(AscendDeepEPBackend):
                     v.dispatch_ffn_combine_window_bytes(T, spec.top_k, h))
         return max(super().window_needed_mb(spec, world_size, soc), v.window_mb(fused))
 
-    def agreement(self, ctx: md.DispatchContext) -> Mapping[str, Any]:
+    def agreement(self, ctx: mdb.DispatchContext) -> Mapping[str, Any]:
         """ascend_deepep's, and the fuse mode and its bound: they pick the collective op (aclnnFusedDeepMoe or
         aclnnDispatchFFNCombine) and its workspace, so ranks that differ would wait in different ops."""
         fuse_mode, max_output = self.check_options(ctx.spec, ctx.options, ctx.world_size)
@@ -167,7 +168,7 @@ class FuseEPBackend(AscendDeepEPBackend):
                                       allowed=f"an int >= {least} (T·R·min(k, E_local))")
         return fuse_mode, rows
 
-    def create(self, ctx: md.DispatchContext) -> FuseEPDispatcher:
+    def create(self, ctx: mdb.DispatchContext) -> FuseEPDispatcher:
         fuse_mode, max_output = self.check_options(ctx.spec, ctx.options, ctx.world_size)
         soc = self.soc()
         if soc not in (None, *v.FUSED_OPS_SOCS):

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.experts import quantize_weights_w8a8
-from moe_dispatch.routing import random_expert_weights
+import moe_dispatch_testing as mdt
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import quantize_weights_w8a8
+from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_ascend_deepep.hardware import Options, Row, _guard, _probe
 
 from . import vendor as v
@@ -81,7 +82,7 @@ def _probe_neg_one(rank: int, world: int, opts: Options, group: Any, reference: 
     """The vendor's op with raw -1 ids (mode 2: some slots; mode 1: a whole token), against the adapter's
     mapped call on the fake: settles whether the mapping (backend.fill_minus_one) is needed."""
     from moe_dispatch_ascend_deepep.backend import CONSTRUCTION_ENV
-    from moe_dispatch.environ import restored_environ
+    from moe_dispatch.backend import restored_environ
 
     from .weights import process_fuseep_weights
 
@@ -107,7 +108,7 @@ def _probe_neg_one(rank: int, world: int, opts: Options, group: Any, reference: 
     out, _ = buffer.fused_deep_moe(x.to(opts.device), ids.to(opts.device), w.to(opts.device),
                                    layer.gmm1_permuted_weight, layer.gmm1_permuted_weight_scale, layer.gmm2_weight,
                                    layer.gmm2_weight_scale, bound, E, quant_mode=1, fuse_mode=fuse_mode)
-    want = md.reference_moe(x, ids, w, weights)
+    want = mdt.reference_moe(x, ids, w, weights)
     err = relative_error(out.float().cpu(), want)
     return [Row("fuseep", name, None, f"no error; rel err against the dense reference {err:.2e} "
                                       "(the adapter maps -1 to unused experts with weight 0)")]
@@ -117,7 +118,7 @@ def _probe_mode2_tokens(rank: int, world: int, opts: Options, group: Any, refere
     """Mode 2 with sglang's bound (T, not the rows received) and every token to rank 0, called on
     the vendor directly. May corrupt device memory if the op trusts the bound: run it last."""
     from moe_dispatch_ascend_deepep.backend import CONSTRUCTION_ENV
-    from moe_dispatch.environ import restored_environ
+    from moe_dispatch.backend import restored_environ
 
     from .weights import process_fuseep_weights
 

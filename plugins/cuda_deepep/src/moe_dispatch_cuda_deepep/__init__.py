@@ -8,6 +8,7 @@ The entry point ``cuda_deepep`` names this module; it registers ``DeepEPBackend`
 """
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from .backend import DeepEPBackend
 from .elastic import NAME as V2_NAME, DeepEPV2Backend
@@ -16,17 +17,17 @@ from .deep_gemm import RUNNER, DeepGemmExperts, DeepGemmLayer, runner_probe
 MOE_DISPATCH_API = 1
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(DeepEPBackend())
     register(DeepEPV2Backend())
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
     # Block-FP8 layers need FP8 rows (the default); a BF16 layer's DeepGemmExperts.quant_hints()
     # asks for BF16, which resolution takes before the runner's default.
-    register(md.RunnerInfo(RUNNER, md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
+    register(mdb.RunnerInfo(RUNNER, md.DispatchDtype.FP8, "DeepGEMM's grouped GEMMs take block-FP8 activations",
                            accepts=frozenset({md.DispatchDtype.FP8, md.DispatchDtype.BF16}),
                            backends={"cuda_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY}),
                                      V2_NAME: frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})},

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.emulation import emulated_waits
-from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+from moe_dispatch_testing.emulation import emulated_waits
+from moe_dispatch.backend import DEFAULT_TIMEOUT_S, check_timeout
 
 from . import sizes, vendor
 from .buffers import PROCESS_BUFFERS, BufferPlan, BufferRequest, qps_option, reserved_bytes
@@ -40,7 +42,7 @@ CONFIG_OPTIONS = ("dispatch_config", "combine_config")
 
 
 def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRelease = vendor.PLANNING_RELEASE,
-                 normal_world_sizes: frozenset[int] | None = None) -> md.Capabilities:
+                 normal_world_sizes: frozenset[int] | None = None) -> mdb.Capabilities:
     """``nvfp4``: the installed DeepEP's ``low_latency_dispatch`` takes ``use_nvfp4`` (hybrid-ep).
 
     Normal mode runs on the EP sizes with a tuned config and a kernel (``Limits.world_sizes``); low-latency mode on
@@ -49,9 +51,9 @@ def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRele
     int8 = "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element"
     no_nvfp4 = ("this DeepEP's low_latency_dispatch has no use_nvfp4 (NVFP4 dispatch is on DeepEP's hybrid-ep "
                 "branch)" if not nvfp4 else "DeepEP's normal-mode NVFP4 (hybrid-ep HybridEPBuffer) is not driven")
-    return md.Capabilities(
+    return mdb.Capabilities(
         dtypes={N: frozenset({B, F8}), LL: frozenset({B, F8, F4} if nvfp4 else {B, F8})},
-        fallbacks={(N, I8): md.Fallback(F8, int8), (LL, I8): md.Fallback(F8, int8)},
+        fallbacks={(N, I8): mdb.Fallback(F8, int8), (LL, I8): mdb.Fallback(F8, int8)},
         rejections={F4: no_nvfp4},
         default_dtype=F8,
         fp8_ue8m0=True,
@@ -59,9 +61,9 @@ def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRele
         split_phase=frozenset({N, LL}),  # LL: return_recv_hook; normal: async_finish (dispatcher.py)
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
-            N: md.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES,
+            N: mdb.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES,
                          world_sizes=release.world_sizes if normal_world_sizes is None else normal_world_sizes),
-            LL: md.Limits(max_tokens_per_rank=LOW_LATENCY_MAX_TOKENS, hidden_sizes=release.ll_hidden_sizes,
+            LL: mdb.Limits(max_tokens_per_rank=LOW_LATENCY_MAX_TOKENS, hidden_sizes=release.ll_hidden_sizes,
                           max_top_k=release.ll_max_topk, max_buffer_bytes=MAX_BUFFER_BYTES),
         },
     )
@@ -81,7 +83,7 @@ class LayerConfigs:
     num_sms: int
 
 
-class DeepEPBackend(md.Backend):
+class DeepEPBackend(mdb.Backend):
     """DeepEP's V1 ``Buffer`` on CUDA (or, with ``vendor_module=vendor.EMULATOR``, its CPU fake).
 
     Buffers: the process's (``buffers.PROCESS_BUFFERS``): one ``deep_ep.Buffer`` with NVSHMEM per process (every
@@ -91,7 +93,7 @@ class DeepEPBackend(md.Backend):
     Options (``create_dispatcher(options=...)``): ``dispatch_config`` / ``combine_config``: ``vendor.ConfigFields``
     or a dict of its five fields (sglang's ``--deepep-config``), converted to DeepEP's ``Config``; both with the
     same ``num_sms``. ``buffer_bytes``: what the process's Buffer reserves when this layer creates it (an int, e.g.
-    ``md.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``, per mode: ``buffers.reserved_bytes``).
+    ``mdp.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``, per mode: ``buffers.reserved_bytes``).
     ``buffer_num_qps_per_rank``: the QPs per peer of a Buffer this layer creates, or of the one it hands in.
     ``buffer``: a ``deep_ep.Buffer`` of the engine's own to use instead (the process's only NVSHMEM one; checked
     as the adapter's own are). Every rank must pass the same (``agreement``).
@@ -108,7 +110,7 @@ class DeepEPBackend(md.Backend):
 
     def __init__(self, vendor_module: str = vendor.REAL) -> None:
         self.vendor_module = vendor_module
-        self._capabilities: md.Capabilities | None = None
+        self._capabilities: mdb.Capabilities | None = None
         self._info: vendor.VendorInfo | None = None
         self._masked_multiple: int | None = None
 
@@ -126,7 +128,7 @@ class DeepEPBackend(md.Backend):
         return self.vendor().module
 
     @property
-    def capabilities(self) -> md.Capabilities:  # type: ignore[override]
+    def capabilities(self) -> mdb.Capabilities:  # type: ignore[override]
         """Read on first use, not at registration: NVFP4 and the limits depend on the DeepEP installed."""
         if self._capabilities is None:
             info = self.vendor()
@@ -236,12 +238,12 @@ class DeepEPBackend(md.Backend):
                 parameter="low_latency", value=(nvl, rdma), allowed=f"< {vendor.INT_MAX} bytes each")
         return {"buffer_bytes": (nvl, rdma), "buffer_num_qps_per_rank": max(ll.num_qps_per_rank, n.num_qps_per_rank)}
 
-    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[md.EnvRequirement, ...]:
+    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[mdb.EnvRequirement, ...]:
         """Low-latency mode: ``NVSHMEM_QP_DEPTH`` (read by the Buffer constructor, default 1024) must be at
         least 2·(T+1), which DeepEP asserts in every low-latency call."""
         if spec.mode is not LL:
             return ()
-        return (md.EnvRequirement(vendor.NVSHMEM_QP_DEPTH, 2 * (spec.num_max_dispatch_tokens_per_rank + 1),
+        return (mdb.EnvRequirement(vendor.NVSHMEM_QP_DEPTH, 2 * (spec.num_max_dispatch_tokens_per_rank + 1),
                                   "work requests", vendor.DEFAULT_NVSHMEM_QP_DEPTH,
                                   "DeepEP asserts the NVSHMEM QP depth covers 2·(T+1) in-flight requests"),)
 
@@ -287,7 +289,7 @@ class DeepEPBackend(md.Backend):
                else vendor.DEFAULT_NUM_QPS_PER_RANK)
         return BufferRequest(hints.nvl_bytes, hints.rdma_bytes, False, qps, configs.num_sms)
 
-    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
+    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> mdb.BufferSize:
         if spec.mode is LL:
             return sizes.low_latency_buffer(spec, world_size, self._module)
         self._check_hidden(spec, world_size)
@@ -382,7 +384,7 @@ class DeepEPBackend(md.Backend):
             return self.buffer_request(spec, world_size), None
         return self._normal_request(spec, world_size, configs), configs
 
-    def _plan(self, ctx: md.DispatchContext) -> tuple[BufferPlan, LayerConfigs | None]:
+    def _plan(self, ctx: mdb.DispatchContext) -> tuple[BufferPlan, LayerConfigs | None]:
         """Which Buffer this layer uses (create, reuse, adopt) and its configs: typed errors first."""
         module = self._module
         assert module is not None  # probe() said so before create_dispatcher got here
@@ -395,7 +397,7 @@ class DeepEPBackend(md.Backend):
         plan = PROCESS_BUFFERS.plan(module, ctx.comm.process_group, ctx.world_size, need, ctx.spec, ctx.options)
         return plan, configs
 
-    def agreement(self, ctx: md.DispatchContext) -> Mapping[str, Any]:
+    def agreement(self, ctx: mdb.DispatchContext) -> Mapping[str, Any]:
         """What decides DeepEP's collective constructor (its bytes, mode and QPs; ``all_gather_object`` then
         NVSHMEM's symmetric allocation) and the kernels' launch: whether this layer creates, reuses or adopts a
         Buffer and what it holds, the configs, the QP depth read at construction. Ranks that differ get a
@@ -417,7 +419,7 @@ class DeepEPBackend(md.Backend):
         fields = given if isinstance(given, vendor.ConfigFields) else vendor.ConfigFields(**dict(given))
         return ",".join(map(str, fields.as_tuple()))
 
-    def create(self, ctx: md.DispatchContext) -> DeepEPDispatcher:
+    def create(self, ctx: mdb.DispatchContext) -> DeepEPDispatcher:
         module = self._module
         assert module is not None  # probe() said so before create_dispatcher got here
         self._check_torch_flags()

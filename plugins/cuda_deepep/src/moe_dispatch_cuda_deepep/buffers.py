@@ -54,8 +54,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.emulation import emulated_waits
-from moe_dispatch.environ import restored_environ
+import moe_dispatch.backend as mdb
+import moe_dispatch.planning as mdp
+from moe_dispatch_testing.emulation import emulated_waits
+from moe_dispatch.backend import restored_environ
 
 from . import vendor
 
@@ -109,7 +111,7 @@ def reserved_bytes(option: Any, low_latency: bool, world_size: int) -> tuple[int
     if not (isinstance(option, (tuple, list)) and len(option) == 2 and all(_non_negative_int(v) for v in option)):
         raise md.InvalidSpecError("the bytes to reserve in the process's DeepEP Buffer",
                                   parameter="options.buffer_bytes", value=option,
-                                  allowed="an int (md.plan_buffers(...).total_bytes) or (nvl, rdma)")
+                                  allowed="an int (mdp.plan_buffers(...).total_bytes) or (nvl, rdma)")
     nvl, rdma = int(option[0]), int(option[1])
     if not low_latency and not internode and rdma:
         raise md.InvalidSpecError("DeepEP's constructor asserts RDMA bytes only past 8 ranks or in low-latency mode",
@@ -186,7 +188,7 @@ def check_serves(held: BufferRequest, world_size: int, need: BufferRequest, spec
         raise md.CapacityError(
             f"the DeepEP Buffer holds NVL {held.num_nvl_bytes:,} B, RDMA {held.num_rdma_bytes:,} B; this layer needs "
             f"NVL {need.num_nvl_bytes:,} B, RDMA {need.num_rdma_bytes:,} B. Create the largest layer first, or give "
-            "the first layer options={'buffer_bytes': md.plan_buffers('cuda_deepep', every_layers_spec, "
+            "the first layer options={'buffer_bytes': mdp.plan_buffers('cuda_deepep', every_layers_spec, "
             "world_size).total_bytes} (or the (NVL, RDMA) pair DeepEPBackend.buffer_request gives)",
             parameter=parameter, value=(need.num_nvl_bytes, need.num_rdma_bytes),
             allowed=f"<= ({held.num_nvl_bytes}, {held.num_rdma_bytes}) on this Buffer")
@@ -641,7 +643,7 @@ class ProcessBuffers:
         try:
             for i, entry in enumerate(entries):
                 if entry.owned and entry.group is not None and not entry.closed:
-                    comm = md.Comm(entry.group, timeout_s=timeout_s)
+                    comm = mdb.Comm(entry.group, timeout_s=timeout_s)
                     # The same name on every rank without an exchange (they close in the same order): the barrier's
                     # store keys, by which a timeout names the ranks that never came.
                     comm.bind(hashlib.sha1(f"cuda_deepep close {domain} {self._closes} {i}".encode()).hexdigest())

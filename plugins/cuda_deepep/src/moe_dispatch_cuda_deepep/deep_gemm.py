@@ -71,12 +71,12 @@ import torch
 
 import moe_dispatch as md
 
-from moe_dispatch.codecs import FP8_MAX, pow2_ceil
-from moe_dispatch.experts import dequantized_weights, swiglu
-from moe_dispatch.output import group_counts, group_starts, row_experts
+from moe_dispatch.backend import FP8_MAX, pow2_ceil
+from moe_dispatch.backend import dequantized_weights, swiglu
+from moe_dispatch.backend import group_counts, group_starts, row_experts
 
 if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
-    from moe_dispatch.testing.layers import LayerCheck
+    from moe_dispatch_testing.layers import LayerCheck
 
 from . import vendor
 from .vendor import DeepGemmInfo
@@ -593,8 +593,8 @@ def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str
     ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer; low latency: its worst-case rows).
     ``aligned``: the spec asks for the kernel's
     ``expert_alignment`` (V2 writes that layout itself; V1 through the core's copy), so the runner copies nothing."""
-    from moe_dispatch.routing import random_expert_weights
-    from moe_dispatch.testing.layers import check_layer
+    from moe_dispatch_testing.routing import random_expert_weights
+    from moe_dispatch_testing.layers import check_layer
 
     from .backend import DeepEPBackend
     from .elastic import DeepEPV2Backend

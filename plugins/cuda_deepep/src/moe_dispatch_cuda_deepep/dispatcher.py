@@ -43,10 +43,11 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import pack_ue8m0
-from moe_dispatch.scale_layouts import from_mma_view
-from moe_dispatch.output import group_list_from_counts, kept_routing, rows_by_expert, sum_weighted_rows
-from moe_dispatch.streams import StartMark, hand_over, handed_over, keep_on_current, start_mark
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import pack_ue8m0
+from moe_dispatch.backend import from_mma_view
+from moe_dispatch.backend import group_list_from_counts, kept_routing, rows_by_expert, sum_weighted_rows
+from moe_dispatch.backend import StartMark, hand_over, handed_over, keep_on_current, start_mark
 
 from .buffers import SharedBuffer
 
@@ -83,7 +84,7 @@ class DeepEPDispatcher:
     ``combine_config``: DeepEP's own ``Config`` objects (normal mode); ``topk_idx_dtype``: ``deep_ep.topk_idx_t``,
     which every top-k index tensor handed to DeepEP must have."""
 
-    def __init__(self, ctx: md.DispatchContext, shared: SharedBuffer, dispatch_config: Any, combine_config: Any,
+    def __init__(self, ctx: mdb.DispatchContext, shared: SharedBuffer, dispatch_config: Any, combine_config: Any,
                  topk_idx_dtype: torch.dtype = torch.int64, capturing: Callable[[], bool] = lambda: False,
                  waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.shared = shared

@@ -56,11 +56,13 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import pack_ue8m0
-from moe_dispatch.distributed.emulation import emulated_waits
-from moe_dispatch.distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
-from moe_dispatch.output import DispatchOutput, group_list_from_counts, kept_routing
-from moe_dispatch.streams import hand_over, keep_on_current, start_mark
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import pack_ue8m0
+from moe_dispatch_testing.emulation import emulated_waits
+from moe_dispatch.backend import DEFAULT_TIMEOUT_S, check_timeout
+from moe_dispatch import DispatchOutput
+from moe_dispatch.backend import group_list_from_counts, kept_routing
+from moe_dispatch.backend import hand_over, keep_on_current, start_mark
 
 from . import vendor
 
@@ -69,11 +71,11 @@ N, L = md.Mode.NORMAL, md.Mode.LOW_LATENCY
 NAME = "cuda_deepep_v2"
 
 
-def capabilities(emulated: bool) -> md.Capabilities:
-    limits = md.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
+def capabilities(emulated: bool) -> mdb.Capabilities:
+    limits = mdb.Limits(hidden_multiple=vendor.V2_COMBINE_HIDDEN_MULTIPLE, max_top_k=vendor.V2_MAX_TOPK,
                        world_sizes=frozenset(range(1, vendor.V2_DIRECT_MAX_RANKS + 1)))
-    int8 = md.Fallback(F8, "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element")
-    return md.Capabilities(
+    int8 = mdb.Fallback(F8, "DeepEP has no INT8 dispatch; FP8 sends the same bytes per element")
+    return mdb.Capabilities(
         dtypes={N: frozenset({B, F8}), L: frozenset({B, F8})},
         fallbacks={(N, I8): int8, (L, I8): int8},
         rejections={F4: "DeepEP V2 moves pre-quantized rows with one 4-byte scale format; NVFP4 is not driven"},
@@ -155,7 +157,7 @@ class ElasticHandle:
     weights: torch.Tensor  # fp32 [rows]: the weight of the (token, expert) pair each row is
 
 
-class DeepEPV2Backend(md.Backend):
+class DeepEPV2Backend(mdb.Backend):
     name = NAME
     description = ("DeepEP 2.x's V2 ElasticBuffer (NCCL device API): rows per (token, expert), the host waiting for "
                    "the counts in normal mode and not in low-latency mode (worst-case rows), one buffer per group; "
@@ -171,7 +173,7 @@ class DeepEPV2Backend(md.Backend):
         return {**self.__dict__, "_buffers": ElasticBuffers()}  # each process its own buffers
 
     @property
-    def capabilities(self) -> md.Capabilities:  # type: ignore[override]
+    def capabilities(self) -> mdb.Capabilities:  # type: ignore[override]
         return capabilities(self.vendor_module != vendor.REAL)
 
     def probe(self) -> str | None:
@@ -201,15 +203,15 @@ class DeepEPV2Backend(md.Backend):
                 raise md.InvalidSpecError(f"backend {self.name!r}: DeepEP V2's workspace layout (layout.cuh:37-40) "
                                           "does not take this", parameter=parameter, value=value, allowed=allowed)
 
-    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
+    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> mdb.BufferSize:
         fp8 = spec.output_dtype is F8
         sizes = vendor.ported_elastic_buffer_sizes(world_size, spec.num_max_dispatch_tokens_per_rank,
                                                    spec.hidden_size, spec.top_k, fp8)
-        return md.BufferSize(sizes.dispatch, sizes.combine, allocated_bytes=sizes.total,
+        return mdb.BufferSize(sizes.dispatch, sizes.combine, allocated_bytes=sizes.total,
                              notes=("one ElasticBuffer per process group, shared by every layer: the largest layer's "
                                     "size (plus DeepEP's ~14 MiB workspace per rank)",))
 
-    def agreement(self, ctx: md.DispatchContext) -> dict[str, Any]:
+    def agreement(self, ctx: mdb.DispatchContext) -> dict[str, Any]:
         """The planned size, from the port: DeepEP's own hint wraps the group's NCCL communicator, which PyTorch
         creates lazily, and a DeepEP call before the group's first collective caches a null one and crashes
         (DeepEP #726; audit W1). ``create`` calls DeepEP only after a collective."""
@@ -217,7 +219,7 @@ class DeepEPV2Backend(md.Backend):
         return {"elastic num_bytes": vendor.ported_elastic_buffer_sizes(
             ctx.world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, ctx.dtype is F8).total}
 
-    def create(self, ctx: md.DispatchContext) -> "ElasticDispatcher":
+    def create(self, ctx: mdb.DispatchContext) -> "ElasticDispatcher":
         module, why = _module(self.vendor_module)
         assert why is None, why  # probe() said so before create_dispatcher got here
         group = ctx.comm.process_group
@@ -275,7 +277,7 @@ def _num_sms_option(options: Any) -> int:
 class ElasticDispatcher:
     """One layer's dispatch and combine on its group's shared ``ElasticBuffer``."""
 
-    ctx: md.DispatchContext
+    ctx: mdb.DispatchContext
     shared: Shared
     topk_idx_dtype: torch.dtype
     waits: Callable[[], ContextManager[Any]]

@@ -31,14 +31,16 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.alignment import align_rows
-from moe_dispatch.codecs import make_codec, pack_ue8m0
-from moe_dispatch.environ import restored_environ
-from moe_dispatch.experts import dequantize_rows
-from moe_dispatch.output import DispatchOutput, row_experts
-from moe_dispatch.routing import random_expert_weights
-from moe_dispatch.testing.streams import run_started
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import align_rows
+from moe_dispatch.backend import make_codec, pack_ue8m0
+from moe_dispatch.backend import restored_environ
+from moe_dispatch.backend import dequantize_rows
+from moe_dispatch import DispatchOutput
+from moe_dispatch.backend import row_experts
+from moe_dispatch_testing.routing import random_expert_weights
+from moe_dispatch_testing.streams import run_started
 
 from . import vendor
 from .backend import DeepEPBackend
@@ -302,7 +304,7 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
             if kind == "bf16":
                 data, scale = x.to(torch.bfloat16), None
             else:
-                q = make_codec(md.WireFormat(md.DispatchDtype.FP8, h, ue8m0=real.ue8m0)).quantize(x)
+                q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, h, ue8m0=real.ue8m0)).quantize(x)
                 packed = real.ue8m0 and aligned_case and not fp32_scales
                 data, scale = q.data, (pack_ue8m0(q.scale) if packed else q.scale)
             group_list = torch.tensor(counts)

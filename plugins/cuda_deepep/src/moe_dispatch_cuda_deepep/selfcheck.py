@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.accuracy import relative_error
-from moe_dispatch.output import row_experts
-from moe_dispatch.routing import random_routing
-from moe_dispatch.testing import ScaledIdentityExperts, ScaledLayer
-from moe_dispatch.testing.streams import captured, run_started
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch.backend import row_experts
+from moe_dispatch_testing.routing import random_routing
+from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch_testing.streams import captured, run_started
 
 from .backend import DeepEPBackend
 from .vendor import EMULATOR, NUM_MAX_NVL_PEERS, REAL
@@ -62,7 +63,7 @@ def wire_seen(rank: int, world: int, mode: str, dtype: str, vendor_module: str =
     if d.spec.mode is md.Mode.LOW_LATENCY:
         # Every token slot to every rank (the emulator's all-gather). LL messages carry fp32
         # scales even with UE8M0: the kernel packs the exponents on the receiving side.
-        wire = md.WireFormat(d.output_dtype, hidden).bytes_per_token
+        wire = mdb.WireFormat(d.output_dtype, hidden).bytes_per_token
         expected = tokens * world * wire
     else:
         pairs = sum(len({int(e) // local for e in row if e >= 0}) for row in ids.tolist())
@@ -98,7 +99,7 @@ def fitting_experts_per_rank(backend: DeepEPBackend, world: int, hidden: int = 7
 
 def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module: str = REAL, hidden: int = 7168,
                      experts_per_rank: int = 8, top_k: int = 8, tokens: int = 128, iterations: int = 20,
-                     ue8m0: bool = False, backend: md.Backend | None = None,
+                     ue8m0: bool = False, backend: mdb.Backend | None = None,
                      options: dict | None = None, expert_alignment: int = 1, split: bool = False,
                      side_stream: bool = False) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
@@ -145,7 +146,7 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
             "created_s": created_s, "first_s": first["cuda_deepep"]}
 
 
-def captured_against_eager(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
+def captured_against_eager(rank: int, world: int, dtype: str, backend: mdb.Backend, vendor_module: str = REAL,
                            hidden: int = 2048, experts_per_rank: int = 4, top_k: int = 4, tokens: int = 16,
                            expert_alignment: int = 1) -> str:
     """Low-latency dispatch + scaled-identity experts + combine, with the dispatcher's defaults, captured once in a
@@ -180,7 +181,7 @@ def captured_against_eager(rank: int, world: int, dtype: str, backend: md.Backen
     return f"replay {'agrees' if worst < 1e-2 else 'DIFFERS'} with eager (rel {worst:.1e})"
 
 
-def nonzero_padding(rank: int, world: int, dtype: str, backend: md.Backend, vendor_module: str = REAL,
+def nonzero_padding(rank: int, world: int, dtype: str, backend: mdb.Backend, vendor_module: str = REAL,
                     expert_alignment: int = 128, calls: int = 20, hidden: int = 2048, ue8m0: bool = False,
                     split: bool = False) -> dict[str, int]:
     """Dispatch ``calls`` batches with the rows at ``expert_alignment``: how many padding rows are not all zero bits,

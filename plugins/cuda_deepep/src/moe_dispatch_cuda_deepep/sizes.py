@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from . import vendor
 
@@ -53,10 +54,10 @@ def normal_hints(spec: md.DispatchSpec, world_size: int, dispatch_config: Any, c
     )
 
 
-def low_latency_buffer(spec: md.DispatchSpec, world_size: int, module: ModuleType | None) -> md.BufferSize:
+def low_latency_buffer(spec: md.DispatchSpec, world_size: int, module: ModuleType | None) -> mdb.BufferSize:
     t, h, e = spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.num_experts
     layout = vendor.LowLatencyLayout.build(t, h, e)
-    return md.BufferSize(
+    return mdb.BufferSize(
         layout.dispatch_bytes, layout.combine_bytes,
         notes=("one RDMA buffer for both (DeepEP get_low_latency_rdma_size_hint); messages are sized for BF16 "
                "whatever the dispatch dtype",),
@@ -64,8 +65,8 @@ def low_latency_buffer(spec: md.DispatchSpec, world_size: int, module: ModuleTyp
     )
 
 
-def normal_buffer(hints: NormalHints) -> md.BufferSize:
-    return md.BufferSize(
+def normal_buffer(hints: NormalHints) -> mdb.BufferSize:
+    return mdb.BufferSize(
         hints.nvl[0] + hints.rdma[0], hints.nvl[1] + hints.rdma[1],
         notes=(f"NVL {hints.nvl_bytes:,} B + RDMA {hints.rdma_bytes:,} B, shared by dispatch and combine "
                "(combine is BF16)",),

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch.signatures import VendorSignature
+from moe_dispatch.backend import VendorSignature
 
 # =====================================================================================================
 # Module names

@@ -9,6 +9,7 @@ modules never import.
 """
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from .backend import FlashInferA2ABackend
 from .experts import RUNNER, CuteDslExperts
@@ -17,12 +18,12 @@ from .weights import CuteDslLayer
 MOE_DISPATCH_API = 1
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_backends(register):  # type: ignore[no-untyped-def]
     register(FlashInferA2ABackend())
 
 
-@md.hookimpl
+@mdb.hookimpl
 def moe_dispatch_register_runners(register):  # type: ignore[no-untyped-def]
     register(RUNNER)
 

@@ -46,7 +46,8 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.output import group_list_from_counts, rows_by_expert, sum_weighted_rows
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import group_list_from_counts, rows_by_expert, sum_weighted_rows
 
 from . import vendor
 
@@ -86,7 +87,7 @@ def kernel_ids(ids: torch.Tensor, fallback: int, kernel_top_k: int) -> torch.Ten
 
 
 class FlashInferA2ADispatcher:
-    def __init__(self, ctx: md.DispatchContext, instances: list[Any], kernel_top_k: int,
+    def __init__(self, ctx: mdb.DispatchContext, instances: list[Any], kernel_top_k: int,
                  waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         #: The scope of every vendor call: on a fake, its kernels' exchanges wait with this dispatcher's Watch (its
         #: timeout_s, its peers' failure notices; moe_dispatch.distributed.emulation); nothing on the real FlashInfer.

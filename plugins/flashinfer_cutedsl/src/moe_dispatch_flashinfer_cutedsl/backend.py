@@ -59,8 +59,9 @@ from typing import Any, Iterator
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.emulation import emulated_waits
-from moe_dispatch.codecs import as_bytes, from_bytes
+import moe_dispatch.backend as mdb
+from moe_dispatch_testing.emulation import emulated_waits
+from moe_dispatch.backend import as_bytes, from_bytes
 
 from . import vendor
 from .alltoall import FlashInferA2ADispatcher
@@ -85,14 +86,14 @@ def slot_size(base: int, slot: int) -> int:
     return base + SLOT_RESIDUE + vendor.CACHELINE * slot
 
 
-def capabilities(info: VendorInfo) -> md.Capabilities:
-    return md.Capabilities(
+def capabilities(info: VendorInfo) -> mdb.Capabilities:
+    return mdb.Capabilities(
         dtypes={N: frozenset({B, F8, F4})},
-        fallbacks={(N, I8): md.Fallback(F8, "CUDA MoE kernels take FP8, not INT8; FP8 sends the same bytes per element")},
+        fallbacks={(N, I8): mdb.Fallback(F8, "CUDA MoE kernels take FP8, not INT8; FP8 sends the same bytes per element")},
         # The kernels behind it (CuTe-DSL, TRT-LLM MoE) quantize BF16 themselves.
         default_dtype=B,
         devices=frozenset({"cpu"} if info.fake else {"cuda"}),
-        limits={N: md.Limits(hidden_multiple=128, max_top_k=info.a2a_profile().max_top_k)},
+        limits={N: mdb.Limits(hidden_multiple=128, max_top_k=info.a2a_profile().max_top_k)},
     )
 
 
@@ -101,7 +102,7 @@ def dispatch_bytes_per_token(spec: md.DispatchSpec) -> int:
     return spec.wire_format().bytes_per_token + 2 * 4 * spec.top_k
 
 
-class FlashInferA2ABackend(md.Backend):
+class FlashInferA2ABackend(mdb.Backend):
     """FlashInfer's ``MoeAlltoAll`` (TRT-LLM's MNNVL all-to-all), normal mode, any wire dtype
     but INT8. ``in_flight``: workspaces per dispatcher (default 2)."""
 
@@ -127,7 +128,7 @@ class FlashInferA2ABackend(md.Backend):
         return self._info
 
     @property
-    def capabilities(self) -> md.Capabilities:  # type: ignore[override]
+    def capabilities(self) -> mdb.Capabilities:  # type: ignore[override]
         return capabilities(self.vendor())
 
     def probe(self) -> str | None:
@@ -162,11 +163,11 @@ class FlashInferA2ABackend(md.Backend):
                 f"FlashInfer's moe_a2a_get_workspace_size_per_rank failed: {type(exc).__name__}: {exc}",
                 parameter="backend", value=self.name) from exc
 
-    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> md.BufferSize:
+    def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> mdb.BufferSize:
         total, source = self.workspace_bytes(spec, world_size, planning=True)
         combine = vendor.pad128(world_size * spec.num_max_dispatch_tokens_per_rank * 2 * spec.hidden_size)
         slots = range(FIRST_SLOT, FIRST_SLOT + self.in_flight)  # the least the distinct cache keys add
-        return md.BufferSize(
+        return mdb.BufferSize(
             total - combine, combine,
             notes=(f"one workspace = {total:,} B ({source}), x{self.in_flight} workspaces (in_flight), each "
                    f"{SLOT_RESIDUE} B + {vendor.CACHELINE} B x its slot number (from {FIRST_SLOT}) larger to keep "
@@ -174,7 +175,7 @@ class FlashInferA2ABackend(md.Backend):
             allocated_bytes=sum(slot_size(total, j) for j in slots),
         )
 
-    def agreement(self, ctx: md.DispatchContext) -> dict[str, Any]:
+    def agreement(self, ctx: mdb.DispatchContext) -> dict[str, Any]:
         """What decides FlashInfer's collective constructors: the FlashInfer (its workspace layout,
         kernels and cache key), how many workspaces (one collective allocation each) and the size of
         one. No environment variable decides them (FlashInfer's mnnvl.py and trtllm_moe_alltoall.py
@@ -194,11 +195,11 @@ class FlashInferA2ABackend(md.Backend):
         return {"FlashInfer": f"{info.module_name} {info.version_text}", "in_flight": self.in_flight,
                 "workspace bytes per rank": base}
 
-    def _workspace(self, ctx: md.DispatchContext) -> int:
+    def _workspace(self, ctx: mdb.DispatchContext) -> int:
         """One workspace's size, by FlashInfer's own function (the number ``agreement`` carries)."""
         return self.workspace_bytes(ctx.spec, ctx.world_size, planning=False)[0]
 
-    def create(self, ctx: md.DispatchContext) -> FlashInferA2ADispatcher:
+    def create(self, ctx: mdb.DispatchContext) -> FlashInferA2ADispatcher:
         info = self.vendor()
         api = info.api
         assert api is not None
@@ -289,7 +290,7 @@ def _first_free_slot(cls: type, rank: int, world: int, tokens: int, base: int) -
     return max([FIRST_SLOT - 1, *used]) + 1
 
 
-def _gather_process_state(api: Any, comm: md.Comm, rank: int, world: int, tokens: int, base: int,
+def _gather_process_state(api: Any, comm: mdb.Comm, rank: int, world: int, tokens: int, base: int,
                           count: int) -> tuple[list[int], list[int]]:
     """One gather over the group of this process's FlashInfer state that ``create`` needs equal on
     every rank: ``count`` slot numbers no rank's cache holds (each rank's cache may hold other keys:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 from . import vendor
 from .vendor import INSTALL_HINT, REAL, VendorInfo, detect, sm100_reason
@@ -194,7 +195,7 @@ def _no_4over6(info: VendorInfo) -> dict[str, Any]:
 
 #: Resolution step 5, and the combinations tested behind each dispatch backend (the
 #: conformance of each pairing is in tests/test_cutedsl_runner.py).
-RUNNER = md.RunnerInfo(
+RUNNER = mdb.RunnerInfo(
     "flashinfer_cutedsl", B, "CuTe-DSL MoE quantizes BF16 rows to NVFP4 itself",
     accepts=frozenset({B, F4}),
     backends={"cuda_deepep": frozenset({N, LL}), "flashinfer_a2a": frozenset({N}), "torch": frozenset({N, LL})},

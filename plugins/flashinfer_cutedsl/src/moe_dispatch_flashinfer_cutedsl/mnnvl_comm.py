@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 import moe_dispatch as md
+import moe_dispatch.backend as mdb
 
 
 class GroupCommBackend:
@@ -24,8 +25,8 @@ class GroupCommBackend:
     failure notices, as its own collectives do; a peer that fails while the workspaces are being
     allocated is named, not waited for. ``comm`` None: a ``Comm`` over the default group."""
 
-    def __init__(self, comm: md.Comm | None = None) -> None:
-        self._comm = comm if comm is not None else md.Comm()
+    def __init__(self, comm: mdb.Comm | None = None) -> None:
+        self._comm = comm if comm is not None else mdb.Comm()
 
     def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's names
         return self._comm.rank
@@ -76,7 +77,7 @@ class LocalCommBackend:
         return self
 
 
-def comm_backend_for(comm: md.Comm) -> GroupCommBackend | LocalCommBackend:
+def comm_backend_for(comm: mdb.Comm) -> GroupCommBackend | LocalCommBackend:
     """The CommBackend for the dispatcher's ``Comm``."""
     if dist.is_available() and dist.is_initialized():
         return GroupCommBackend(comm)

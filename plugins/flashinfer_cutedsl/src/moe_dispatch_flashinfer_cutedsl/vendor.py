@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch.signatures import VendorSignature
+from moe_dispatch.backend import VendorSignature
 
 Version = tuple[int, int, int]
 

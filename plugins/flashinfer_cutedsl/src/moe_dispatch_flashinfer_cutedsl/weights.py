@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import NVFP4Codec, e2m1_unpack, nvfp4_global_scale
-from moe_dispatch.experts import dequantized_weights
-from moe_dispatch.scale_layouts import from_mma_view, to_mma_view
-from moe_dispatch.wire import WireFormat
+from moe_dispatch.backend import NVFP4Codec, e2m1_unpack, nvfp4_global_scale
+from moe_dispatch.backend import dequantized_weights
+from moe_dispatch.backend import from_mma_view, to_mma_view
+from moe_dispatch.backend import WireFormat
 
 #: Rows per up/gate group in ``w1_weight``.
 GATE_UP_GROUP = 64

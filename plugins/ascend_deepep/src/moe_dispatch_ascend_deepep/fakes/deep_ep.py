@@ -75,9 +75,9 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.distributed.emulation import WatchedComm, emulated_watch  # noqa: F401 (v.EMULATED_WATCH_ATTRIBUTE)
-from moe_dispatch.codecs import INT8Codec, as_bytes, from_bytes
-from moe_dispatch.wire import WireFormat
+from moe_dispatch_testing.emulation import WatchedComm, emulated_watch
+from moe_dispatch.backend import INT8Codec, as_bytes, from_bytes
+from moe_dispatch.backend import WireFormat
 
 from .. import vendor as v
 from . import torch_npu as fake_torch_npu

@@ -77,7 +77,8 @@ import torch
 import torch.nn.functional as F
 
 import moe_dispatch as md
-from moe_dispatch.codecs import make_codec
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import make_codec
 
 from .. import vendor as v
 
@@ -441,7 +442,7 @@ def npu_dynamic_quant(
         assert smooth_scales.dtype == x.dtype, "smooth_scales的dtype必须和x保持一致 (smooth_scales has x's dtype)"
         xf = xf * smooth_scales.float()
     if dst_type in (None, torch.int8):
-        q = make_codec(md.WireFormat(md.DispatchDtype.INT8, x.shape[-1])).quantize(xf)
+        q = make_codec(mdb.WireFormat(md.DispatchDtype.INT8, x.shape[-1])).quantize(xf)
         assert q.scale is not None
         return q.data, q.scale
     assert dst_type == torch.quint4x2, f"dst_type must be int8 or quint4x2, got {dst_type}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_dispatch.codecs import ue8m0_value, unpack_ue8m0
+from moe_dispatch.backend import ue8m0_value, unpack_ue8m0
 
 BLOCK = 128
 

@@ -70,8 +70,8 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch.distributed.emulation import WatchedComm, emulated_watch  # noqa: F401 (vendor.EMULATED_WATCH_ATTRIBUTE)
-from moe_dispatch.codecs import as_bytes, from_bytes, ue8m0_value
+from moe_dispatch_testing.emulation import WatchedComm, emulated_watch
+from moe_dispatch.backend import as_bytes, from_bytes, ue8m0_value
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import (

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from moe_dispatch.codecs import as_bytes, from_bytes
-from moe_dispatch.distributed.emulation import WatchedComm
+from moe_dispatch.backend import as_bytes, from_bytes
+from moe_dispatch_testing.emulation import WatchedComm
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import check_context, device_assert, ep_assert, lose_context

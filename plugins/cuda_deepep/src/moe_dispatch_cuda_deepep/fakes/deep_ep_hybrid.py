@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import NVFP4Codec, as_bytes, from_bytes
-from moe_dispatch.scale_layouts import to_mma_view
-from moe_dispatch.wire import WireFormat
+from moe_dispatch.backend import NVFP4Codec, as_bytes, from_bytes
+from moe_dispatch.backend import to_mma_view
+from moe_dispatch.backend import WireFormat
 from moe_dispatch_cuda_deepep import vendor
 
 from . import deep_ep

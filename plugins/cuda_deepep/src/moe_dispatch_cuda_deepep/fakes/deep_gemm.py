@@ -65,7 +65,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch.signatures import REQUIRED, VendorSignature
+from moe_dispatch.backend import REQUIRED, VendorSignature
 from moe_dispatch_cuda_deepep import vendor
 
 from . import _gemm

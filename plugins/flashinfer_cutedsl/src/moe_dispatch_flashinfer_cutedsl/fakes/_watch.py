@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moe_dispatch.distributed.emulation import WatchedComm, caller_watch
+from moe_dispatch_testing.emulation import WatchedComm, caller_watch
 
 
 def watched_comm(group: Any) -> WatchedComm | None:

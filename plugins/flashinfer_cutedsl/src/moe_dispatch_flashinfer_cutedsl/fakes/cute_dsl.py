@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 import moe_dispatch as md
-from moe_dispatch.codecs import NVFP4Codec, e2m1_unpack
-from moe_dispatch.scale_layouts import swizzled_shape, unswizzle_128x4
-from moe_dispatch.wire import WireFormat
+from moe_dispatch.backend import NVFP4Codec, e2m1_unpack
+from moe_dispatch.backend import swizzled_shape
+from moe_dispatch._scale_layouts import unswizzle_128x4
+from moe_dispatch.backend import WireFormat
 
 from .. import vendor
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from moe_dispatch.codecs import as_bytes, from_bytes
+from moe_dispatch.backend import as_bytes, from_bytes
 
 from .. import vendor
 from . import tvm

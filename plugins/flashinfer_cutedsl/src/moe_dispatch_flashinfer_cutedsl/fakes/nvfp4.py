@@ -24,9 +24,9 @@ from typing import Any, Callable
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.codecs import NVFP4Codec
-from moe_dispatch.scale_layouts import swizzle_128x4
-from moe_dispatch.wire import WireFormat
+from moe_dispatch.backend import NVFP4Codec
+from moe_dispatch.backend import swizzle_128x4
+from moe_dispatch.backend import WireFormat
 
 from .. import vendor
 from . import tvm

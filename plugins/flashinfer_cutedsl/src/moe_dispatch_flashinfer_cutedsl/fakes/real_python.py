@@ -30,7 +30,7 @@ from flashinfer.comm.mapping import Mapping
 
 # Exported as vendor.EMULATED_WATCH_ATTRIBUTE (not FlashInfer's): the fake kernels' exchanges wait with the
 # dispatcher's Watch (moe_dispatch.distributed.emulation), as in the all-fake releases.
-from moe_dispatch.distributed.emulation import emulated_watch
+from moe_dispatch_testing.emulation import emulated_watch
 
 from .. import vendor
 from .kernels import MoeA2AKernels

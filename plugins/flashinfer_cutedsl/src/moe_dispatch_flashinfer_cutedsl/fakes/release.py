@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import vendor
 from . import a2a, mnnvl, nvfp4
-from moe_dispatch.distributed.emulation import emulated_watch
+from moe_dispatch_testing.emulation import emulated_watch
 from .kernels import MoeA2AKernels
 from .mapping import Mapping
 

@@ -1,0 +1,640 @@
+"""``create_dispatcher`` and the ``Dispatcher`` engines call on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ._alignment import AlignmentPlan, align_rows, dense_rows, is_core_aligned, plan_alignment
+from ._checks import InputChecks, OutputChecks, not_an_output, runs_value_checks
+from ._codecs import make_codec
+from ._contract import (
+    Backend,
+    BackendDispatcher,
+    BufferSize,
+    DispatchContext,
+    FusedBackendDispatcher,
+    SplitPhaseBackendDispatcher,
+)
+from ._distributed.agreement import agree
+from ._distributed.comm import Comm, Traffic
+from ._distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
+from ._errors import (
+    CapacityError,
+    CommunicationError,
+    InvalidInputError,
+    InvalidSpecError,
+    MoEDispatchError,
+    PluginError,
+)
+from ._loading import core_version
+from ._output import DispatchOutput
+from ._pending import Pending
+from ._registry import PluginHost, Selection, default_host
+from ._resolution import Resolution, prepare_layer
+from ._spec import DispatchSpec
+from ._streams import start_mark
+from ._wire import DispatchDtype, Layout
+
+if TYPE_CHECKING:
+    from ._experts import ExpertKernel
+
+
+# A DispatchOutput is frozen for the engine; the core sets these two fields through their slots
+# (half the cost of object.__setattr__ on the hot path).
+_set_call = DispatchOutput.call.__set__  # type: ignore[attr-defined]
+_set_combined = DispatchOutput.combined.__set__  # type: ignore[attr-defined]
+
+#: Dispatches in flight at once by default: two micro-batches.
+DEFAULT_IN_FLIGHT = 2
+_MAX_IN_FLIGHT = 64
+
+
+class Dispatcher:
+    """One layer's dispatch and combine on one group. Keeps nothing of a call: several
+    dispatches may be in flight, each combined with its own ``DispatchOutput``, and each call
+    may be split in two (``dispatch_start``/``combine_start`` → ``Pending``) to overlap
+    micro-batches.
+
+    Every rank must make the same calls in the same order: the same dispatchers, each
+    dispatch, its combine (by the dispatch it combines) and each fused forward. The calls are
+    numbered; a rank at another call than its peers gets ``CallOrderError`` on every rank
+    (``Comm.begin``). After any failure that involved the peers the dispatcher refuses further
+    calls with ``CommunicationError`` instead of entering a collective the group cannot finish.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        spec: DispatchSpec,
+        resolution: Resolution,
+        impl: BackendDispatcher,
+        comm: Comm,
+        buffer_size: BufferSize,
+        *,
+        check_inputs: bool | None = None,
+    ) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.resolution = resolution
+        self.buffer_size = buffer_size
+        self.check_inputs = check_inputs
+        self._impl = impl
+        self._comm = comm
+        self._device = comm.device
+        self._checks = InputChecks(spec, self._device, impl)
+        #: How ``spec.expert_alignment`` is delivered: by the backend, or by a core copy (``moe_dispatch.alignment``).
+        self.alignment: AlignmentPlan = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode,
+                                                       spec.expert_alignment)
+        self._copy_alignment = self.alignment.copies
+        self._outputs = OutputChecks(backend.name, spec, comm.world_size,
+                                     1 if self._copy_alignment else spec.expert_alignment,
+                                     worst_case=spec.mode in backend.capabilities.worst_case_rows)
+        # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
+        # check reads attributes, too slow for every forward.
+        self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None
+        # None: no split phase in this mode (the core runs each call at its start); else whether impl has the halves.
+        self._split: bool | None = (isinstance(impl, SplitPhaseBackendDispatcher)
+                                    if spec.mode in backend.capabilities.split_phase else None)
+        self._dispatches = 0
+        self._forwards = 0
+        self._broken: str | None = None  # why this dispatcher can make no more calls
+        # The hot path's per-call steps chosen once (each Python call level costs ~50-100 ns, issue 16):
+        # calls are numbered only where there are peers to compare with, and the core's aligned copy
+        # step is skipped where the backend writes the layout itself.
+        self._numbered = comm.world_size > 1
+        self._received = self._received_aligned if self._copy_alignment else self._outputs.dispatch
+        # On gloo every backend call runs inside comm.calling(): the Comms a vendor (or a fake of one) makes wait
+        # with this dispatcher's Watch. Elsewhere the methods themselves.
+        self._in_call = in_call = comm.in_call
+        self._dispatch_impl, self._combine_impl = in_call(impl.dispatch), in_call(impl.combine)
+
+    @property
+    def output_dtype(self) -> DispatchDtype:
+        return self.resolution.dtype
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank has sent through this dispatcher so far, by category."""
+        return self._comm.traffic
+
+    @property
+    def comm(self) -> Comm:
+        """The counted process-group calls this dispatcher makes (``traffic``, ``recording()``)."""
+        return self._comm
+
+    @property
+    def input_checks(self) -> InputChecks:
+        """The checks dispatch and combine run; a fused forward runs them too."""
+        return self._checks
+
+    @property
+    def uid(self) -> str:
+        """The id its ranks agreed on at creation; ``CallOrderError`` names dispatchers by it."""
+        return self._comm.uid
+
+    @property
+    def backend_dispatcher(self) -> BackendDispatcher:
+        """The backend's own object, for callers that skip the core's checks."""
+        return self._impl
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        """Quantize to the wire dtype and send each token to the ranks of its experts.
+
+        :param hidden_states: bf16 ``[T, H]`` with T <= ``num_max_dispatch_tokens_per_rank``.
+        :param topk_ids: int32/int64 ``[T, top_k]`` global expert ids, -1 for none.
+        :param topk_weights: fp32 ``[T, top_k]``, on the device of ``hidden_states``.
+        :raises InvalidInputError: a wrong type, shape, dtype or device (always checked), or, with
+            ``check_inputs`` on, an expert id outside ``-1, 0..E-1``, an expert listed twice in one
+            token, or NaN/Inf in ``topk_weights`` or ``hidden_states``.
+        :raises CapacityError: T > ``num_max_dispatch_tokens_per_rank`` (raise
+            ``--num-max-dispatch-tokens-per-rank``).
+        :raises PeerFailedError: / :raises CollectiveTimeoutError: another rank failed, died or
+            stalled while this one waited for it (docs/reliability.md).
+
+        Every check runs on this rank before any collective is entered; no input is modified.
+        Shape, dtype, device and capacity checks read only metadata and always run (about
+        0.5 µs). The value checks read the data (on an accelerator: a few small kernels and one
+        device sync per call). By default (``check_inputs=None``) they run on host memory and
+        not on an accelerator, where the sync would stall the device queue (no overlap, no
+        CUDA-graph capture); ``check_inputs=True`` runs them everywhere, ``False`` nowhere
+        (``create_dispatcher(check_inputs=...)`` or ``dispatcher.check_inputs = ...``).
+        While a CUDA graph is being captured the value checks stand aside (a sync would abort
+        the capture, and replays get new values); check inputs before a replay.
+        An error here is also posted to the other ranks, which stop waiting for this one.
+        """
+        if self._broken is not None:
+            self._usable("dispatch")
+        values = self._check_dispatch(hidden_states, topk_ids, topk_weights)
+        try:
+            self._dispatches = number = self._dispatches + 1
+            if self._numbered:
+                self._comm.begin("dispatch", number)
+            out = self._received(self._dispatch_impl(hidden_states, topk_ids, topk_weights), values)
+        except BaseException as exc:
+            self._dispatch_failed(exc)
+        _set_call(out, number)  # frozen for the engine, numbered here
+        return out
+
+    def _received_aligned(self, out: object, check_values: bool) -> DispatchOutput:
+        """The backend's output checked and moved to the aligned layout (``_received`` where the core does that;
+        elsewhere ``_received`` is the output check alone)."""
+        checked = self._outputs.dispatch(out, check_values)
+        if checked.layout is Layout.PACKED:
+            return align_rows(checked, self.spec.expert_alignment)
+        return checked
+
+    def _backend_rows(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput
+                      ) -> tuple[torch.Tensor, DispatchOutput]:
+        """What the backend's combine takes: its own output, and the expert rows in its order."""
+        if self._copy_alignment and is_core_aligned(dispatch_output):
+            return dense_rows(expert_output, dispatch_output)
+        return expert_output, dispatch_output
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        """Send the unweighted expert rows back, apply the top-k weights, sum: bf16 ``[T, H]``.
+
+        :raises InvalidInputError: ``expert_output`` that is not bf16 ``[..., H]`` with one row per
+            dispatched row on the dispatch output's device, or a ``dispatch_output`` this
+            dispatcher did not return, or one already combined.
+        """
+        if self._broken is not None:
+            self._usable("combine")
+        self._check_combine(expert_output, dispatch_output)
+        try:
+            if self._numbered:
+                self._comm.begin("combine", dispatch_output.call)
+            result = self._outputs.combine(self._combine_impl(*self._backend_rows(expert_output, dispatch_output)),
+                                           dispatch_output)
+        except BaseException as exc:
+            self._failed("combine", exc)  # with peers, the dispatcher is broken; alone, a retry may complete it
+            raise
+        _set_combined(dispatch_output, True)
+        return result
+
+    # -- split phase ------------------------------------------------------------------------
+
+    @property
+    def split_phase(self) -> bool:
+        """Whether ``dispatch_start``/``combine_start`` return while the data is on its way
+        (``capabilities.split_phase`` names this dispatcher's mode). When False they still work,
+        running each call to its end at start (``Pending.overlapped`` is False). Where it is True a
+        backend may still run one call whole (DeepEP under CUDA-graph capture): that call's
+        ``Pending.overlapped`` says so."""
+        return self._split is not None
+
+    def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+        """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and
+        compute something else in between (the other micro-batch, shared experts).
+
+        The same input checks and errors as ``dispatch``, raised here, before anything is sent; a
+        peer's failure while the rows travel is raised by ``wait()``, and so is anything a backend
+        does after the start returned (on gloo the reference backends run the whole call on a
+        thread: the call check, a memory error). Calls are numbered at their start: every rank
+        starts the same calls in the same order, as for ``dispatch``, and makes a given call in the
+        same form (started or blocking); waits may come in any order. Buffers stay the call's own
+        until its combine, so two micro-batches in flight use two sets. On an accelerator ``wait()``
+        orders the current stream after the exchange without blocking the host where the backend
+        can (DeepEP's receive hook); on gloo it blocks.
+
+        The inputs are the call's until its ``wait()`` returns: a vendor may still read them on its
+        own stream (DeepEP 2.x's comm stream does), and on gloo the reference backends' thread does,
+        so do not write into them before then; dropping your references is fine. After ``wait()``
+        they are yours again, as after ``dispatch``.
+        ``Pending.overlapped`` is False when the backend ran the call to its end at start.
+        """
+        if self._split is None:
+            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), start_mark(hidden_states))
+        self._usable("dispatch")
+        values = self._check_dispatch(hidden_states, topk_ids, topk_weights)
+        try:
+            self._dispatches = number = self._dispatches + 1
+            self._comm.begin("dispatch", number)
+            started = _pending_from(self.backend.name, "dispatch_start",
+                                    self._in_call(self._split_impl().dispatch_start)(hidden_states, topk_ids,
+                                                                                                  topk_weights))
+        except BaseException as exc:
+            self._dispatch_failed(exc)
+        return Pending(functools.partial(self._receive_dispatch, started, number, values),
+                       overlapped=_overlapped(started))
+
+    def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
+        """``combine`` in two halves: this rank's rows are on their way (or queued to be) when it
+        returns; ``wait()`` gives the bf16 ``[T, H]``. Checked as ``combine``; the output counts as
+        combined from here on. ``expert_output`` is the call's until ``wait()``, as a started
+        dispatch's inputs are."""
+        if self._split is None:
+            return Pending.completed(self.combine(expert_output, dispatch_output), start_mark(expert_output))
+        self._usable("combine")
+        self._check_combine(expert_output, dispatch_output)
+        try:
+            self._comm.begin("combine", dispatch_output.call)
+            started = _pending_from(self.backend.name, "combine_start", self._in_call(self._split_impl().combine_start)(
+                *self._backend_rows(expert_output, dispatch_output)))
+        except BaseException as exc:
+            self._failed("combine", exc)
+            raise
+        _set_combined(dispatch_output, True)  # its rows are on their way back: no second combine
+        return Pending(functools.partial(self._receive_combine, started, dispatch_output),
+                       overlapped=_overlapped(started))
+
+    def _receive_dispatch(self, started: Pending[DispatchOutput], number: int, check_values: bool) -> DispatchOutput:
+        try:
+            out = self._received(self._in_call(started.wait)(), check_values)
+        except BaseException as exc:
+            self._received_failed()
+            self._dispatch_failed(exc)
+        _set_call(out, number)
+        return out
+
+    def _receive_combine(self, started: Pending[torch.Tensor], dispatch_output: DispatchOutput) -> torch.Tensor:
+        try:
+            return self._outputs.combine(self._in_call(started.wait)(), dispatch_output)
+        except BaseException as exc:
+            self._received_failed()
+            self._failed("combine", exc)
+            raise
+
+    def _received_failed(self) -> None:
+        """A call failed after its collectives ran (at ``wait()``): with peers, whatever the error, this
+        dispatcher makes no more calls (its exchange is in an unknown state)."""
+        if self.world_size > 1 and self._broken is None:
+            self._broken = f"a started call failed at wait() on rank {self.rank}"
+
+    def _split_impl(self) -> SplitPhaseBackendDispatcher:
+        if not self._split:
+            raise PluginError(f"backend {self.backend.name!r} declares capabilities.split_phase for "
+                              f"{self.spec.mode.value} mode, but its dispatcher {type(self._impl).__name__} has no "
+                              "dispatch_start/combine_start (moe_dispatch.SplitPhaseBackendDispatcher)")
+        return self._impl  # type: ignore[return-value]
+
+    # -- shared by the calls ----------------------------------------------------------------
+
+    def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
+        """The input checks; whether the value checks ran (the output checks read the counts then)."""
+        try:
+            return self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+        except BaseException as exc:
+            self._failed("dispatch", exc, before=("dispatch", self._dispatches + 1))
+            raise
+
+    def _values(self, hidden_states: torch.Tensor) -> bool:
+        """Whether this call runs the value checks (on inputs whose metadata passed): ``check_inputs``,
+        or by default (None) where the data is host memory: on an accelerator they would sync the
+        device every call. Never while a CUDA graph is captured: the sync would abort the capture
+        (the output checks' read-back of the counts did, on an H100, before this)."""
+        return runs_value_checks(self.check_inputs, hidden_states)
+
+    def _dispatch_failed(self, exc: BaseException) -> NoReturn:
+        oom = _out_of_memory(exc, self.buffer_size)
+        self._failed("dispatch", oom or exc)
+        if oom is not None:
+            raise oom from exc
+        raise exc
+
+    def _check_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
+        try:
+            self._checks.combine(expert_output, dispatch_output)
+            if dispatch_output.combined:
+                self._refuse_combined(dispatch_output)
+        except BaseException as exc:
+            self._failed("combine", exc, before=(
+                "combine", dispatch_output.call if isinstance(dispatch_output, DispatchOutput) else None))
+            raise
+
+    @staticmethod
+    def _refuse_combined(dispatch_output: DispatchOutput) -> NoReturn:
+        """Its buffers may already hold a later dispatch's rows."""
+        raise InvalidInputError(
+            f"dispatch #{dispatch_output.call} was already combined (or its combine started); its buffers "
+            "may now hold a later dispatch's rows (an output is valid until its combine)",
+            parameter="dispatch_output", value=f"dispatch #{dispatch_output.call}",
+            allowed="an output not yet combined")
+
+    def _usable(self, operation: str) -> None:
+        if self._broken is not None:
+            raise CommunicationError(
+                f"this dispatcher cannot {operation}: {self._broken}; the process group must be rebuilt (a collective "
+                "its ranks started may never finish) and the dispatcher created again"
+            )
+
+    def _failed(self, operation: str, exc: BaseException, *, before: tuple[str, int | None] | None = None,
+                call: tuple[str, int | None] | None = None) -> None:
+        """A call failed on this rank: tell the peers. Refused inputs leave the dispatcher as it was on this rank:
+        the core's checks (``before``: the phase and number of the call they refused, before its collectives) and an
+        ``InvalidInputError`` from the backend, which the contract puts before its collectives too (or from the
+        expert kernel, between them: ``call``): only the peers waiting in that very call stop (``Watch.refused``),
+        and this rank's next calls are told apart from it. Any other failure once the call had begun, on a group
+        with peers, breaks the dispatcher (the peers have left the call, and the group may hold an unfinished
+        collective): every peer stops waiting for this rank, from then on."""
+        if before is None and self.world_size > 1 and not isinstance(exc, InvalidInputError):
+            self._broken = f"{operation} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+        if self._broken is not None:
+            self._comm.announce_failure(operation, exc)
+            return
+        if before is None and call is None:
+            begun = self._comm.watch.call  # the call whose backend refused its inputs
+            call = (begun.phase, begun.number) if begun is not None else (operation, None)
+        self._comm.announce_refusal(operation, exc, *(before or call))  # type: ignore[misc]
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``forward`` runs the backend's fused op (``capabilities.fused_forward``)."""
+        return self._fused is not None
+
+    def process_weights(self, weights: Any) -> Any:
+        """The ``layer`` ``forward`` takes, built once at load time from this rank's experts: the
+        fused op's layout on a fused backend; otherwise ``weights`` as they are (the expert kernel's
+        own ``process_weights`` builds its layout)."""
+        return self._fused_impl().process_weights(weights) if self.fused else weights
+
+    def forward(self, experts: "ExpertKernel | None", layer: Any, hidden_states: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer over the group: dispatch → ``experts`` → combine, or the backend's fused
+        op (``experts`` unused); bf16 ``[T, H]`` out. The input checks run either way, and a failure
+        on this rank (the expert kernel's included) is announced to the peers, which stop waiting."""
+        if self.fused:
+            self._usable("forward")
+            try:
+                self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
+            except BaseException as exc:
+                self._failed("forward", exc, before=("forward", self._forwards + 1))
+                raise
+            try:
+                self._forwards += 1
+                self._comm.begin("forward", self._forwards)
+                return self._in_call(self._fused_impl().fused_forward)(layer, hidden_states, topk_ids, topk_weights)
+            except BaseException as exc:
+                self._failed("forward", exc)
+                raise
+        if experts is None:
+            self._usable("forward")
+            missing = InvalidInputError("an unfused backend needs the expert kernel", parameter="experts", value=None,
+                                        allowed="an ExpertKernel (apply_without_routing_weights)")
+            self._failed("forward", missing, before=("dispatch", self._dispatches + 1))  # the peers may be in dispatch
+            raise missing
+        out = self.dispatch(hidden_states, topk_ids, topk_weights)
+        try:
+            rows = run_experts(experts, layer, out)
+        except BaseException as exc:
+            self._failed("experts", exc, call=("combine", out.call))  # the peers wait for this rank's combine
+            raise
+        return self.combine(rows, out)
+
+    def _fused_impl(self) -> FusedBackendDispatcher:
+        if not self._fused:
+            raise PluginError(f"backend {self.backend.name!r} declares capabilities.fused_forward, but its dispatcher "
+                              f"{type(self._impl).__name__} has no fused_forward/process_weights "
+                              "(moe_dispatch.FusedBackendDispatcher)")
+        return self._impl  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Dispatcher {self.backend.name} {self.spec.mode.value} {self.output_dtype.value} "
+            f"rank {self.rank}/{self.world_size}>"
+        )
+
+
+def create_dispatcher(
+    backend: str | Backend,
+    spec: DispatchSpec,
+    group: "dist.ProcessGroup | None" = None,
+    *,
+    strict: bool = False,
+    env: Mapping[str, str] | None = None,
+    check_inputs: bool | None = None,
+    host: PluginHost | None = None,
+    options: Mapping[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    in_flight: int = DEFAULT_IN_FLIGHT,
+) -> Dispatcher:
+    """Resolve the wire dtype, check the spec against the backend, plan the buffers, agree
+    with the other ranks and build the dispatcher: everything that can fail does so here,
+    before the first forward, and on every rank of the group.
+
+    Works in one process (no torch.distributed: world size 1), under ``torchrun`` after
+    ``dist.init_process_group()`` (``group=None`` is the default group), and on any group.
+    Every rank of the group must call it (it is a collective).
+
+    :param strict: a dtype fallback raises instead of warning.
+    :param env: environment for the resolution (``os.environ`` when None); never written.
+    :param check_inputs: run the value checks (ids in range, no duplicate ids, finite
+        values) on every dispatch; they read the data (a device sync on an accelerator).
+        None (the default): on host memory only, so an accelerator's hot path makes no host
+        sync; True: everywhere; False: nowhere. The shape, dtype, device and capacity checks
+        always run.
+    :param in_flight: how many dispatches the engine keeps in flight at once (two-batch overlap:
+        2, the default, as DeepEP double-buffers its low-latency mode). Backends that reuse their
+        buffers plan that many sets at creation (the reference backends' low-latency slots); more
+        in flight still works, each extra one at the cost of one more set.
+    :param timeout_s: how long a rank waits for the others in one collective (gloo) before
+        ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
+        the process group's own timeout.
+    """
+    comm = Comm(group, timeout_s=_timeout_or_default(timeout_s))  # a bad one is refused below, with the peers told
+    try:
+        _check_arguments(spec, env, options, timeout_s, in_flight)
+        chosen = (host or default_host()).select(backend)
+        with chosen.typed_errors("planning the dispatcher"):  # a plugin bug reaches the peers too
+            ctx, resolution = _prepare(chosen, spec, comm, strict=strict, env=env, options=options,
+                                       in_flight=in_flight)
+            _check_fits_memory(ctx)
+            fingerprint = _fingerprint(chosen, ctx, timeout_s)
+    except MoEDispatchError as exc:
+        # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
+        agree(comm, {}, "configuration", failure=exc)
+        raise
+    comm.bind(agree(comm, fingerprint, "configuration"))
+    try:
+        impl = comm.in_call(chosen.create)(ctx)
+        if not (callable(getattr(impl, "dispatch", None)) and callable(getattr(impl, "combine", None))):
+            raise PluginError(f"backend {chosen.backend.name!r} broke the contract: create() returned this",
+                              parameter="create()", value=type(impl).__name__,
+                              allowed="a BackendDispatcher (an object with dispatch and combine)")
+    except BaseException as exc:
+        comm.announce_failure("create", exc)
+        raise
+    return Dispatcher(chosen.backend, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
+
+
+def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> torch.Tensor:
+    """``experts`` on a dispatch output's rows, bf16 out: what ``Dispatcher.forward`` runs between its calls.
+    ``expert_alignment`` is passed only when the rows are aligned (a kernel that never asks for it needs no such
+    keyword)."""
+    if not isinstance(out, DispatchOutput):
+        raise InvalidInputError(not_an_output(out), parameter="out", value=type(out).__name__,
+                                allowed="the DispatchOutput a dispatch returned")
+    extra = {"expert_alignment": out.expert_alignment} if out.expert_alignment > 1 else {}
+    return experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
+                                                 out.group_list_type, out.group_list, torch.bfloat16,
+                                                 global_scale=out.global_scale, **extra)
+
+
+def _pending_from(backend: str, call: str, started: object) -> Pending[Any]:
+    if not callable(getattr(started, "wait", None)):
+        raise PluginError(f"backend {backend!r} broke the contract: {call}() returned this", parameter=f"{call}()",
+                          value=type(started).__name__, allowed="a moe_dispatch.Pending (an object with wait())")
+    return started  # type: ignore[return-value]
+
+
+def _overlapped(started: Pending[Any]) -> bool:
+    """Whether the backend's started call is still on its way (False: it ran to its end at start)."""
+    return bool(getattr(started, "overlapped", True))
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory, where it can be read cheaply (None: unknown)."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info()[1])
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None
+
+
+def _check_fits_memory(ctx: DispatchContext) -> None:
+    """Buffers larger than the device's whole memory cannot be allocated: say so at creation, not
+    with an allocator error at the first dispatch (a low-latency capacity of 2**25 tokens)."""
+    total = _memory_bytes(ctx.device)
+    need = ctx.buffer_size.total_bytes
+    if total is not None and need > total:
+        raise CapacityError(
+            f"the buffers this spec needs ({need:,} bytes on {ctx.world_size} ranks) exceed the device's whole memory "
+            f"({total:,} bytes on {ctx.device.type})", parameter="num_max_dispatch_tokens_per_rank",
+            value=ctx.spec.num_max_dispatch_tokens_per_rank, allowed="a capacity whose buffers fit the device",
+        )
+
+
+def _out_of_memory(exc: BaseException, buffers: BufferSize) -> CapacityError | None:
+    """An allocator failure inside a backend's dispatch, as a typed error (None for anything else)."""
+    text = str(exc)
+    if not (isinstance(exc, torch.OutOfMemoryError)
+            or (isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))):
+        return None
+    return CapacityError(
+        f"the device ran out of memory in dispatch ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+        f"the planned buffers are {buffers.total_bytes:,} bytes", parameter="num_max_dispatch_tokens_per_rank",
+        value=None, allowed="a smaller capacity or batch, or more free device memory",
+    )
+
+
+def _timeout_or_default(timeout_s: object) -> float:
+    try:
+        return check_timeout(timeout_s)
+    except InvalidSpecError:
+        return DEFAULT_TIMEOUT_S
+
+
+def _check_arguments(spec: object, env: object, options: object, timeout_s: object, in_flight: object) -> None:
+    """Typed errors for arguments of the wrong kind, raised inside the agreement so the peers hear of them."""
+    check_timeout(timeout_s)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or not 1 <= in_flight <= _MAX_IN_FLIGHT:
+        raise InvalidSpecError("must be the number of dispatches kept in flight at once", parameter="in_flight",
+                               value=in_flight, allowed=f"an int in 1..{_MAX_IN_FLIGHT} (2 for two micro-batches)")
+    if not isinstance(spec, DispatchSpec):
+        raise InvalidSpecError("must be a moe_dispatch.DispatchSpec", parameter="spec", value=spec,
+                               allowed="DispatchSpec(hidden_size, num_experts, top_k, ...)")
+    for name, value in (("env", env), ("options", options)):
+        if value is not None and not isinstance(value, Mapping):
+            raise InvalidSpecError("must be a mapping of names to values, or None", parameter=name,
+                                   value=value, allowed="None or a dict (e.g. os.environ)")
+
+
+def _prepare(
+    chosen: Selection, spec: DispatchSpec, comm: Comm, *, strict: bool,
+    env: Mapping[str, str] | None, options: Mapping[str, Any] | None, in_flight: int = 2,
+) -> tuple[DispatchContext, Resolution]:
+    """Everything local (``prepare_layer``), then the context the backend creates from."""
+    layer = prepare_layer(chosen.backend, spec, comm.world_size, runners=chosen.runners, env=env, strict=strict)
+    ctx = DispatchContext(
+        spec=layer.spec,
+        resolution=layer.resolution,
+        comm=comm,
+        codec=make_codec(layer.spec.wire_format(), layer.spec.quant.input_global_scale),
+        buffer_size=layer.buffer_size,
+        device=comm.device or torch.device("cpu"),
+        options=dict(options or {}),
+        in_flight=in_flight,
+    )
+    return ctx, layer.resolution
+
+
+def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:
+    """What every rank of the group must agree on (compared field by field at creation)."""
+    spec, backend = ctx.spec, chosen.backend
+    return {
+        "hidden_size": spec.hidden_size,
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "num_max_dispatch_tokens_per_rank": spec.num_max_dispatch_tokens_per_rank,
+        "mode": spec.mode.value,
+        "resolved dtype": spec.output_dtype.value,
+        "quant": repr(spec.quant),
+        "runner": spec.runner,
+        "group_list_type": spec.group_list_type,
+        "expert_alignment": spec.expert_alignment,
+        "backend": backend.name,
+        "backend version": chosen.label,
+        "core version": core_version(),
+        "world_size": ctx.world_size,
+        "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],
+        "timeout_s": timeout_s,
+        "in_flight": ctx.in_flight,  # backends may plan buffers per call in flight collectively (the reference's LL)
+        **{f"{backend.name}: {name}": value for name, value in backend.agreement(ctx).items()},
+    }

@@ -1,0 +1,503 @@
+"""The process-group calls the reference backends make, with the bytes counted at each.
+
+Every tensor crosses as raw bytes (uint8 rows), so the same code runs on gloo, NCCL and
+HCCL whatever the wire dtype (gloo has no float8). Bytes are counted per category at the
+call: ``payload`` (activations and their scales), ``metadata`` (routing: ids, weights,
+counts) and ``combine`` (the BF16 rows sent back). A rank counts what it sends, including
+the share it sends to itself, so totals compare directly with ``WireFormat`` × pairs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._codecs import as_bytes, from_bytes
+from .._errors import CallOrderError, CommunicationError, InvalidInputError, InvalidSpecError
+from .watch import DEFAULT_TIMEOUT_S, CallId, Watch, check_timeout
+
+#: The Watch of the dispatcher call running on this thread (``Comm.calling``): a ``Comm`` a vendor library, or a fake
+#: of one, makes for the same ranks waits with it (its timeout, its peers' failure notices) instead of its own.
+_CALLING: ContextVar[Watch | None] = ContextVar("moe_dispatch_calling", default=None)
+
+#: The calls a dispatcher makes, as they travel in the call check (``Comm.begin``).
+PHASES = ("dispatch", "combine", "forward")
+_CALL_ROW = 4  # int64 words per peer in the call check: count, dispatcher tag, attempt, number
+#: The attempt word: the phase's index in PHASES in its low bits, the calls the rank refused before (the epoch) above.
+_PHASE_BITS = 8
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank has sent, by category, and how many collectives it entered."""
+
+    payload_bytes: int = 0
+    metadata_bytes: int = 0
+    combine_bytes: int = 0
+    #: What the call check (``begin``) adds: 24 bytes per peer beside the counts it rides with, 32 alone.
+    check_bytes: int = 0
+    collectives: int = 0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def restore(self, saved: "Traffic") -> None:
+        """Back to the counts of ``saved`` (a ``copy``), in place: the started calls' ``Comm`` counts into this object
+        too (``Comm.for_started_calls``)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(saved, f.name))
+
+    def copy(self) -> "Traffic":
+        return Traffic(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+Section = tuple[str, int]  # (category, bytes per row)
+
+# Device types by process-group backend; devices are built on use ("npu" exists once torch_npu is imported).
+_DEVICE_TYPES = {"local": "cpu", "gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as this rank called it: bytes to and from each peer, in rank order.
+    What ``moe-dispatch bench`` replays as bare ``all_to_all_single`` calls (the transport
+    floor)."""
+
+    name: str
+    send_bytes: tuple[int, ...]
+    recv_bytes: tuple[int, ...]
+    categories: tuple[str, ...]
+
+    @property
+    def carries_data(self) -> bool:
+        """False for routing-only exchanges (the per-rank counts)."""
+        return any(c not in ("metadata", "check") for c in self.categories)
+
+
+class Comm:
+    """A process group (or none, for one process) with counted, byte-level collectives.
+
+    Backends get one as ``DispatchContext.comm``. Every call takes uint8 rows ``[N, W]`` and
+    ``sections``: ``(category, bytes per row)`` pairs that split each row's W columns into
+    ``"payload"`` (activations and their scales), ``"metadata"`` (routing) and ``"combine"``
+    (rows sent back), so ``Dispatcher.traffic`` can report each. With world size 1 the calls
+    return their input.
+
+    A ``Comm`` not bound to a dispatcher (one a backend or a fake of a vendor makes itself) waits,
+    inside a dispatcher's call on the same ranks, with that dispatcher's ``Watch``: the core sets it
+    around every backend call on gloo (``calling``), so a rank that fails is heard there too.
+    """
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        timeout_s = check_timeout(timeout_s)
+        if dist.is_available() and dist.is_initialized():
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            if self.rank < 0:
+                raise InvalidSpecError(
+                    f"this process (global rank {dist.get_rank()}) is not a member of the group",
+                    parameter="group", value=group, allowed="a group this rank belongs to (dist.new_group(ranks))",
+                )
+        elif group is not None:
+            raise InvalidSpecError(
+                "a process group was given but torch.distributed is not initialized",
+                parameter="group",
+                value=group,
+                allowed="None (one process) or a group of an initialized torch.distributed",
+            )
+        else:
+            self.group = None
+            self.rank = 0
+            self.world_size = 1
+        self.traffic = Traffic()
+        self._seq = 0  # collectives entered: the same number names the same call on every rank
+        self._numbering = ""  # what prefixes those numbers: "" here, "started-" on the started calls' group
+        self._counting = threading.Lock()  # the traffic is counted from the receiver thread too (for_started_calls)
+        self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
+        self._tag = 0
+        self._call: CallId | None = None  # begun, not yet checked with the peers
+        on_gloo = self.world_size > 1 and self.backend_name == "gloo"
+        self._watch = Watch(self.rank, self.world_size, float(timeout_s), poll=on_gloo)
+        self._checks_every_call = on_gloo  # fixed for the group: not asked of torch.distributed per collective
+        #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
+        self.records: list[CollectiveRecord] | None = None
+
+    def bind(self, uid: str) -> None:
+        """Name this dispatcher's calls and failure notices by the ``uid`` its ranks agreed on."""
+        self.uid = uid
+        self._tag = int(uid[:15], 16) if uid else 0
+        self._watch.bind(uid)
+
+    @property
+    def watch(self) -> Watch:
+        """This dispatcher's ``Watch``; for a ``Comm`` bound to none, the calling dispatcher's (``calling``)."""
+        return self._caller() or self._watch
+
+    def _caller(self) -> Watch | None:
+        if self.uid:
+            return None
+        caller = _CALLING.get()
+        return caller if caller is not None and caller.rank == self.rank and caller.world_size == self.world_size \
+            else None
+
+    @contextmanager
+    def calling(self) -> Iterator[None]:
+        """Inside the block, a ``Comm`` bound to no dispatcher (a vendor's, or a fake's) waits with this one's
+        ``Watch``. The core enters it around every backend call on gloo; an adapter enters it around a vendor
+        collective it makes outside a dispatcher call (a teardown)."""
+        token = _CALLING.set(self._watch)
+        try:
+            yield
+        finally:
+            _CALLING.reset(token)
+
+    def in_call(self, fn):  # type: ignore[no-untyped-def]
+        """``fn`` run inside ``calling`` where this ``Comm`` polls (gloo with peers); ``fn`` itself elsewhere."""
+        if not self._watch.poll:
+            return fn
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with self.calling():
+                return fn(*args, **kwargs)
+        return run
+
+    @property
+    def checks_calls_everywhere(self) -> bool:
+        """Whether every call is checked against the peers' (``begin``): on gloo, whose tensors are
+        host memory, the check reads no device. NCCL and HCCL check only the calls that read the
+        counts on the host anyway (normal-mode dispatch), so low-latency mode stays sync-free."""
+        return self._checks_every_call
+
+    def begin(self, phase: str, number: int) -> None:
+        """The collectives that follow belong to call ``number`` of ``phase`` of this dispatcher.
+        The first of them (the counts exchange, or a 32-byte-per-peer exchange of its own) first
+        checks that every rank is at the same call; otherwise ``CallOrderError`` on every rank
+        before any data moves (gloo aborts the process on mismatched sizes; NCCL pairs the wrong
+        buffers)."""
+        if self.world_size > 1:
+            self._call = call = CallId(self.watch.epoch, phase, number)
+            self.watch.enter(call)
+
+    def for_started_calls(self, group: "dist.ProcessGroup") -> "Comm":
+        """This dispatcher's collectives on ``group``, the started calls' own group of the same ranks
+        (``reference/receiver.py``): the same uid, ``Watch`` and traffic counts, numbered apart from the calls on
+        this group, with a call check of their own (``take_call``). Only the receiver thread uses it. It records
+        nothing (``recording`` is for the bench's blocking calls), and its counts land in ``traffic`` when its
+        collectives start, on that thread: a copy taken while a started call runs may hold part of it."""
+        started = copy.copy(self)
+        started.group, started._seq, started._numbering = group, 0, "started-"
+        started._call, started.records = None, None
+        return started
+
+    def take_call(self) -> CallId | None:
+        """The call check ``begin`` left for this call's first collective, taken away to go with the call to the
+        started calls' group (``resume_call`` there)."""
+        call, self._call = self._call, None
+        return call
+
+    def resume_call(self, call: CallId | None) -> None:
+        self._call = call
+        if call is not None:
+            self.watch.enter(call)  # on the receiver thread: its waits belong to the started call
+
+    @contextmanager
+    def recording(self) -> Iterator[list[CollectiveRecord]]:
+        """Record the collectives made inside the block (for the bench; off otherwise)."""
+        previous, self.records = self.records, []
+        try:
+            yield self.records
+        finally:
+            self.records = previous
+
+    @property
+    def process_group(self) -> "dist.ProcessGroup | None":
+        """The group to hand a vendor library (which wants an explicit one): the WORLD group
+        when the default group is in use, None without torch.distributed."""
+        if self.group is None and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return self.group
+
+    @property
+    def backend_name(self) -> str:
+        if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+            return "local"
+        return str(dist.get_backend(self.group))
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device type this group's tensors live on (cpu for gloo and one process,
+        cuda for NCCL, npu for HCCL); None for a backend the core does not know."""
+        kind = _DEVICE_TYPES.get(self.backend_name)
+        return torch.device(kind) if kind else None
+
+    def _count(self, rows: int, sections: Sequence[Section]) -> None:
+        with self._counting:
+            t = self.traffic
+            t.collectives += 1
+            for category, width in sections:
+                nbytes = rows * width
+                if category == "payload":
+                    t.payload_bytes += nbytes
+                elif category == "metadata":
+                    t.metadata_bytes += nbytes
+                elif category == "combine":
+                    t.combine_bytes += nbytes
+                elif category == "check":
+                    t.check_bytes += nbytes
+                else:
+                    raise InvalidInputError(
+                        "unknown traffic category", parameter="sections", value=category,
+                        allowed="payload, metadata, combine, check",
+                    )
+
+    def all_to_all(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int] | None,
+        recv_counts: list[int] | None,
+        sections: Sequence[Section],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows of ``send`` (uint8 ``[N, W]``) go to ranks in ``send_counts`` slices; the
+        received rows come back rank by rank. None counts split evenly (fixed-size). ``out``:
+        where to receive (a backend's reused buffer), exactly the received shape; with world
+        size 1 the rows stay where they are and ``send`` is returned."""
+        return self.all_to_all_start(send, send_counts, recv_counts, sections, out).wait()
+
+    def all_to_all_start(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int] | None,
+        recv_counts: list[int] | None,
+        sections: Sequence[Section],
+        out: torch.Tensor | None = None,
+    ) -> "Transfer":
+        """``all_to_all`` started: the rows are on their way when it returns; ``wait()`` on the
+        ``Transfer`` hands back the received rows (split phase). ``send`` and ``out`` must stay
+        untouched until then. Collectives are numbered when they start, so every rank must
+        start the same ones in the same order; waits may come in any order."""
+        if self._call is not None and self.checks_calls_everywhere:
+            self._check_call(None)  # before the first collective of a call, whose sizes may differ
+        send = send.contiguous()  # no-op for the backends' own buffers; collectives need dense memory
+        self._count(send.shape[0], sections)
+        if self.records is not None:
+            self._record("all_to_all", send, send_counts, recv_counts, sections)
+        if self.world_size == 1:
+            return Transfer(send)
+        rows = sum(recv_counts) if recv_counts is not None else send.shape[0]
+        out = _receive_into(out, send, (rows, *send.shape[1:]))
+        return self._start(
+            "all_to_all", out,
+            lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True),
+        )
+
+    def all_gather(self, send: torch.Tensor, sections: Sequence[Section], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
+        what every destination receives from this rank: ``world_size`` copies. ``out`` as for
+        ``all_to_all``."""
+        return self.all_gather_start(send, sections, out).wait()
+
+    def all_gather_start(self, send: torch.Tensor, sections: Sequence[Section],
+                         out: torch.Tensor | None = None) -> "Transfer":
+        """``all_gather`` started (as ``all_to_all_start``)."""
+        if self._call is not None and self.checks_calls_everywhere:
+            self._check_call(None)
+        send = send.contiguous()
+        self._count(send.shape[0] * self.world_size, sections)
+        if self.records is not None:
+            per_peer = [send.shape[0]] * self.world_size
+            self._record("all_gather", send, per_peer, per_peer, sections)
+        if self.world_size == 1:
+            return Transfer(send)
+        out = _receive_into(out, send, (self.world_size * send.shape[0], *send.shape[1:]))
+        return self._start("all_gather", out, lambda: _gather(out, send, self.group))
+
+    def gather_uncounted(self, send: torch.Tensor, operation: str) -> torch.Tensor:
+        """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the
+        configuration agreement at creation)."""
+        if self.world_size == 1:
+            return send.unsqueeze(0)
+        device = self.device or torch.device("cpu")
+        if device.type != "cpu":  # NCCL/HCCL gather tensors on this process's current device only
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        send = send.to(device).contiguous()
+        out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
+        self._run(operation, lambda: _gather(out, send, self.group))
+        return out.view(self.world_size, *send.shape).cpu()
+
+    def gather_object(self, obj: Any, operation: str) -> list[Any]:
+        """Every rank's picklable ``obj`` in rank order, outside the traffic counts, with the same
+        failure handling as the data collectives: a vendor's start-up exchanges (FlashInfer's MNNVL
+        handles) and the emulators' stand-ins for device stores. Two gathers: sizes, then bytes."""
+        if self.world_size == 1:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.gather_uncounted(torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8), operation)
+        lengths = [int(n) for n in sizes.view(torch.int64).reshape(-1)]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        rows = self.gather_uncounted(padded, operation)
+        return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
+    def barrier(self, operation: str = "barrier") -> None:
+        """Every rank arrives here before any leaves, with the same failure handling as the
+        data collectives (a peer that failed or died is named, not waited for)."""
+        if self.world_size > 1:
+            self.gather_uncounted(torch.zeros(1, dtype=torch.uint8), operation)
+
+    def announce_failure(self, operation: str, error: BaseException) -> None:
+        """Tell the other ranks this one raised and makes no more calls (of this dispatcher), so they stop waiting
+        for it."""
+        self.watch.announce(operation, error)
+
+    def announce_refusal(self, operation: str, error: BaseException, phase: str, number: int | None) -> None:
+        """Tell the other ranks this one refused call ``number`` of ``phase`` before its collectives and goes on:
+        the ranks waiting in that call stop; the calls this rank makes next are told apart from it (the epoch)."""
+        self.watch.refused(operation, error, CallId(self.watch.epoch, phase, number))
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets.
+        Carries the call check when one is due (``begin``): the same 32 bytes per peer."""
+        if self._call is None:
+            raw = as_bytes(counts.to(torch.int64).unsqueeze(1))  # one 8-byte row per rank
+            got = self.all_to_all(raw, None, None, [("metadata", 8)])
+            return from_bytes(got, torch.int64).squeeze(1)
+        return self._check_call(counts.to(torch.int64))
+
+    def _check_call(self, counts: torch.Tensor | None) -> torch.Tensor:
+        """One all-to-all of (count, dispatcher, attempt, number) per peer; every rank compares the
+        calls it received with its own and raises ``CallOrderError`` on any difference (each rank
+        sees every rank's call, so all raise together). The attempt word holds the phase and the calls
+        the rank refused before this one: a call one rank makes again after refusing it alone is
+        another attempt than its peers' (who met the refusal) and never pairs with theirs. Returns the
+        received counts."""
+        assert self._call is not None
+        call, self._call = self._call, None
+        attempt = PHASES.index(call.phase) | call.epoch << _PHASE_BITS
+        rows = torch.tensor([[0, self._tag, attempt, call.number]], dtype=torch.int64).repeat(self.world_size, 1)
+        if counts is not None:
+            rows[:, 0] = counts.to(rows.device)
+        device = counts.device if counts is not None else self.device or torch.device("cpu")
+        if device.type != "cpu":
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        sections = [("check", 8 * _CALL_ROW)] if counts is None else [("metadata", 8), ("check", 8 * (_CALL_ROW - 1))]
+        got = from_bytes(self.all_to_all(as_bytes(rows.to(device)), None, None, sections),
+                         torch.int64).view(self.world_size, _CALL_ROW)
+        calls = [tuple(row) for row in got[:, 1:].tolist()]  # gloo: host memory; NCCL: where counts sync anyway
+        if any(c != (self._tag, attempt, call.number) for c in calls):
+            mask = (1 << _PHASE_BITS) - 1
+            named = tuple((f"{tag:015x}", PHASES[a & mask] if (a & mask) < len(PHASES) else f"phase {a & mask}",
+                           int(n)) for tag, a, n in calls)
+            refused = tuple(a >> _PHASE_BITS for _, a, _ in calls)
+            per_rank = "; ".join(f"rank {r}: dispatcher {u} {ph} #{n}" + (f" after {e} refused call(s)" if e else "")
+                                 for r, ((u, ph, n), e) in enumerate(zip(named, refused)))
+            raise CallOrderError(
+                f"the ranks reached different calls ({per_rank}); every rank must call the same dispatchers, "
+                f"dispatch and combine, in the same order, and a call refused on some ranks only is not made again "
+                f"(docs/reliability.md); nothing was exchanged, and this dispatcher must be created again",
+                calls=named, refused=refused,
+            )
+        return got[:, 0]
+
+    def _record(
+        self, name: str, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
+        sections: Sequence[Section],
+    ) -> None:
+        width = send.shape[1] if send.dim() > 1 else 1
+        even = [send.shape[0] // self.world_size] * self.world_size
+        assert self.records is not None
+        self.records.append(CollectiveRecord(
+            name,
+            tuple(c * width for c in (send_counts if send_counts is not None else even)),
+            tuple(c * width for c in (recv_counts if recv_counts is not None else even)),
+            tuple(category for category, _ in sections),
+        ))
+
+    def _collective_number(self) -> int | str:
+        """The next collective's number, the same on every rank: names its markers in the Watch's store. A vendor's
+        collectives under a dispatcher's Watch are numbered on it, apart from the dispatcher's own."""
+        caller = self._caller()
+        if caller is not None:
+            caller.emulated += 1
+            return f"emulated-{caller.emulated}"
+        self._seq += 1
+        return f"{self._numbering}{self._seq}" if self._numbering else self._seq
+
+    def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
+        self._start(name, None, start).wait()
+
+    def _start(self, name: str, out: torch.Tensor | None, start) -> "Transfer":  # type: ignore[no-untyped-def]
+        number = self._collective_number()
+        try:
+            work = start()
+        except (RuntimeError, dist.DistError) as exc:
+            raise CommunicationError(
+                f"{name} could not start on rank {self.rank} of {self.world_size}: another rank probably failed, "
+                f"stalled or disagreed on the call ({exc})"
+            ) from exc
+        return Transfer(out, work, self.watch, name, number, self.watch.call, bool(self._numbering))
+
+
+class Transfer:
+    """A collective in flight (``Comm.all_to_all_start``): ``wait()`` returns its received rows, under
+    the dispatcher's ``Watch`` (a peer that failed or stalled is named, not waited for forever)."""
+
+    __slots__ = ("out", "_work", "_watch", "_name", "_number", "_call", "_started")
+
+    def __init__(self, out, work=None, watch: "Watch | None" = None, name: str = "",  # type: ignore[no-untyped-def]
+                 number: int | str = 0, call: CallId | None = None, started: bool = False) -> None:
+        self.out = out
+        self._work = work
+        self._watch = watch
+        self._name = name
+        self._number = number
+        self._call = call  # the call it belongs to, when it started: a peer's refusal of that call ends the wait
+        self._started = started  # on the started calls' group (Comm.for_started_calls)
+
+    @property
+    def done(self) -> bool:
+        """Whether the collective has ended (the bytes are in, or it failed): its buffers are free to reuse. A wait
+        that gave up (a peer failed, a timeout) leaves it not done while gloo may still write."""
+        work = self._work  # read once: a wait() on the other thread may clear it meanwhile
+        return work is None or bool(work.is_completed())
+
+    def wait(self):  # type: ignore[no-untyped-def]
+        if self._work is not None:
+            self._watch.wait(self._work, self._name, self._number, self._call, self._started)  # type: ignore[union-attr]
+            self._work = None  # only once it has completed
+        return self.out
+
+
+def _receive_into(out: torch.Tensor | None, send: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The receive buffer: a new one, or the caller's, checked to be exactly what arrives (a
+    short buffer would leave rows unwritten; a long one would hand back rows of an earlier call)."""
+    if out is None:
+        return send.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != send.dtype or out.device != send.device or not out.is_contiguous():
+        raise InvalidInputError(
+            "the receive buffer does not match what arrives", parameter="out",
+            value=f"{tuple(out.shape)} {out.dtype} {out.device}", allowed=f"contiguous {shape} {send.dtype} {send.device}")
+    return out
+
+
+def _gather(out: torch.Tensor, send: torch.Tensor, group: "dist.ProcessGroup | None"):  # type: ignore[no-untyped-def]
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    return gather(out, send, group=group, async_op=True)

@@ -1,0 +1,267 @@
+"""Waiting for a collective without hanging when another rank fails, stalls or dies.
+
+On gloo (CPU) a rank waits in short slices. Between slices it looks in the process
+group's store for a failure notice that a peer posts when it raises (bad input on that
+rank, a bug): the error reaches every rank within a slice instead of after a timeout.
+A notice says whether the peer is done with the dispatcher (it broke, or was never made:
+no call named) or refused one call's inputs and goes on (the ``CallId`` it names): a refusal stops only
+the ranks waiting in that very call, so ranks that all refused a call, each in its own time,
+can fix it and go on, and a call started before the refusal still completes.
+Past ``timeout_s`` the waiting ranks each leave a marker in the store; the ranks without
+one are the ones that never arrived, and the error names them. A rank that died closes its
+connections: gloo fails the collective at once, and the same markers name the dead rank.
+
+NCCL and HCCL ``wait()`` only orders streams (no host sync, CUDA-graph safe); their own
+watchdogs enforce the process group's timeout, so nothing is polled there.
+
+Keys live under ``moe_dispatch/<uid>/``, the uid agreed by all ranks when the dispatcher
+was created. After an error the group has a collective that will never finish, so the
+process group must be rebuilt (torch.distributed cannot cancel a gloo operation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .._errors import CallOrderError, CollectiveTimeoutError, CommunicationError, InvalidSpecError, PeerFailedError
+
+#: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
+DEFAULT_TIMEOUT_S = 300.0
+_SLICE = datetime.timedelta(milliseconds=50)
+#: A wait this long looks for a peer making the same call in the other form (``Watch._check_form``): a store write
+#: and a read a slice from then on, so not for the many waits a busy machine makes a few slices long.
+_FORM_AFTER_S = 1.0
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0  # beyond a year a deadline is a typo, and timedelta overflows near 1e14 s
+
+
+def check_timeout(value: object) -> float:
+    """``value`` as a collective deadline in seconds, or an ``InvalidSpecError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSpecError("must be a number of seconds", parameter="timeout_s", value=value,
+                               allowed=f"a number in (0, {_MAX_TIMEOUT_S:g}]")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = float("inf")
+    if not (0 < seconds <= _MAX_TIMEOUT_S):  # also NaN
+        raise InvalidSpecError("must be a positive number of seconds, at most a year", parameter="timeout_s",
+                               value=value, allowed=f"a number in (0, {_MAX_TIMEOUT_S:g}]")
+    return seconds
+
+
+def _default_store():  # type: ignore[no-untyped-def]
+    """The store every rank of the default group shares (private in torch, stable since 1.x)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no store: no notices, plain timeouts
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CallId:
+    """Which call of a dispatcher a collective belongs to, the same on every rank that makes it:
+    ``phase`` and ``number`` as ``Comm.begin`` numbers them (``number`` None: a refused combine of
+    something that was no dispatch output), and ``epoch``, the calls this rank had refused before
+    it. A refused call takes no number (its inputs never left the rank), so a call made again after
+    its refusal has the same number: the epoch tells the two attempts apart."""
+
+    epoch: int
+    phase: str
+    number: int | None
+
+
+class Watch:
+    """Deadline and peer-failure notices for one dispatcher's collectives."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, poll: bool) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.poll = poll
+        self.store = _default_store() if poll else None
+        self.uid = ""  # the dispatcher's, agreed at creation (``bind``)
+        #: Calls this rank refused so far (``refused``): part of every later call's ``CallId``.
+        self.epoch = 0
+        # The call this thread is in (``enter``): the caller's, or the receiver thread's started call.
+        self._thread = threading.local()
+        # Notices read so far (``_notice``), from the caller's thread and the receiver thread alike.
+        self._heard: list[dict] = []  # type: ignore[type-arg]
+        self._reading = threading.Lock()
+        #: Collectives a vendor's emulator ran under this Watch (``emulation.WatchedComm``), numbered apart from the
+        #: dispatcher's own so that the markers naming absent ranks never mix the two.
+        self.emulated = 0
+
+    def bind(self, uid: str) -> None:
+        """Start posting and reading notices under the dispatcher's agreed ``uid``."""
+        self.uid = uid
+
+    @property
+    def prefix(self) -> str | None:
+        """Where this dispatcher's keys live in the store; None before ``bind``."""
+        return f"moe_dispatch/{self.uid}" if self.uid else None
+
+    @property
+    def call(self) -> CallId | None:
+        """The call this thread entered last (``enter``); None before any."""
+        return getattr(self._thread, "call", None)
+
+    def enter(self, call: CallId) -> None:
+        """This thread's collectives from here on belong to ``call`` (``Comm.begin``; a started call's on the
+        receiver thread); an emulated vendor collective on the thread takes it too."""
+        self._thread.call = call
+
+    def announce(self, operation: str, error: BaseException) -> None:
+        """Tell the peers this rank failed in ``operation`` and makes no more calls of this dispatcher (it broke,
+        or was never made): every rank waiting for it stops."""
+        self._post(operation, error, None)
+
+    def refused(self, operation: str, error: BaseException, call: CallId) -> None:
+        """Tell the peers this rank refused ``call``'s inputs before any collective and stays usable: the ranks
+        waiting in that call stop (the rank will not come), no other call does; and start the next epoch."""
+        self._post(operation, error, call)
+        self.epoch = call.epoch + 1
+
+    def _post(self, operation: str, error: BaseException, call: CallId | None) -> None:
+        if self.store is None or self.prefix is None:
+            return
+        notice = {"rank": self.rank, "operation": operation, "reason": f"{type(error).__name__}: {error}",
+                  "call": None if call is None else [call.epoch, call.phase, call.number]}
+        try:  # appended, never overwritten: a later refusal must not hide a rank that broke
+            n = self.store.add(f"{self.prefix}/notices", 1)
+            self.store.set(f"{self.prefix}/notice/{n}", json.dumps(notice))
+        except Exception:  # the store itself is gone: the peers will time out instead
+            pass
+
+    def wait(self, work, operation: str, seq: int | str, call: CallId | None = None,  # type: ignore[no-untyped-def]
+             started: bool = False) -> None:
+        """Wait for ``work``, collective ``seq`` of ``call`` (None: outside any call, e.g. at creation: then only a
+        peer that is done with the dispatcher stops the wait), on the started calls' group if ``started``
+        (``reference/receiver.py``): a peer that makes the same call in the other form waits on the other group,
+        and after a second both say so in the store and raise ``CallOrderError`` (instead of a timeout)."""
+        if not self.poll:
+            work.wait()
+            return
+        begun = time.monotonic()
+        deadline = begun + self.timeout_s
+        form = None
+        while True:
+            try:
+                work.wait(timeout=_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # it finished after the slice ran out, well or in an error
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as exc:  # a peer closed its connections (died, or left)
+                        raise self._broken(operation, seq, exc, call) from exc
+            notice = self._notice(call)
+            if notice is not None:
+                raise self._peer_failed(notice, operation)
+            if call is not None and call.number is not None and time.monotonic() - begun >= _FORM_AFTER_S:
+                form = self._check_form(call, started, form)
+            if time.monotonic() >= deadline:
+                missing = self._absent(f"waiting/{seq}")
+                who = (f"rank(s) {list(missing)} never arrived (stalled, dead, or making fewer calls than this rank: every "
+                       "rank must make the same calls, e.g. the same number of forwards)") if missing else \
+                    "the ranks that did not arrive could not be determined"
+                raise CollectiveTimeoutError(
+                    f"{operation} (collective #{seq}) on rank {self.rank} of {self.world_size} did not complete "
+                    f"within {self.timeout_s:g} s: {who}; the process group must be rebuilt",
+                    ranks=missing, operation=operation, timeout_s=self.timeout_s,
+                )
+
+    def _check_form(self, call: CallId, started: bool, key: str | None) -> str:
+        """Count this rank in its form of ``call`` (once per wait: ``key``), and raise ``CallOrderError`` if a peer
+        has counted itself in the other form. One store call a slice (two the first time), only in a slow wait."""
+        if self.store is None or self.prefix is None:
+            return ""
+        base = f"{self.prefix}/form/{call.epoch}/{call.phase}/{call.number}"
+        mine, other = ("started", "blocking") if started else ("blocking", "started")
+        try:
+            if key is None:
+                self.store.add(f"{base}/{mine}", 1)
+            elsewhere = self.store.add(f"{base}/{other}", 0)
+        except Exception:
+            return base
+        if elsewhere:
+            raise CallOrderError(
+                f"{call.phase} #{call.number} is a {mine} call on rank {self.rank} and a {other} call on "
+                f"{elsewhere} other rank(s): every rank makes a given call in the same form, started "
+                "(dispatch_start/combine_start) or blocking (docs/engine-guide.md); this dispatcher must be created "
+                "again", calls=tuple((self.uid[:15], call.phase, call.number) for _ in range(self.world_size)),
+            )
+        return base
+
+    def _notice(self, call: CallId | None) -> dict | None:  # type: ignore[type-arg]
+        """The first notice of a peer that this wait must not outlast: one that is done with the dispatcher, or one
+        that refused ``call`` itself. One store read when nothing is new."""
+        if self.store is None or self.prefix is None:
+            return None
+        with self._reading:
+            try:
+                posted = self.store.add(f"{self.prefix}/notices", 0)
+                while len(self._heard) < posted:
+                    key = f"{self.prefix}/notice/{len(self._heard) + 1}"
+                    if not self.store.check([key]):  # counted, not yet written: the next slice reads it
+                        break
+                    self._heard.append(json.loads(self.store.get(key)))
+            except Exception:
+                pass
+            heard = list(self._heard)
+        return next((n for n in heard if self._stops(n, call)), None)
+
+    def _stops(self, notice: dict, call: CallId | None) -> bool:  # type: ignore[type-arg]
+        if notice["rank"] == self.rank:
+            return False
+        refused = notice["call"]
+        if refused is None:
+            return True
+        epoch, phase, number = refused
+        return call is not None and (epoch, phase) == (call.epoch, call.phase) and number in (None, call.number)
+
+    def _peer_failed(self, notice: dict, operation: str) -> PeerFailedError:  # type: ignore[type-arg]
+        return PeerFailedError(
+            f"rank {notice['rank']} failed in {notice['operation']} while rank {self.rank} waited in {operation}: "
+            f"{notice['reason']}; the process group must be rebuilt",
+            rank=int(notice["rank"]), reason=str(notice["reason"]), operation=operation,
+        )
+
+    def _broken(self, operation: str, seq: int | str, exc: BaseException, call: CallId | None) -> CommunicationError:
+        notice = self._notice(call)
+        if notice is not None:
+            return self._peer_failed(notice, operation)
+        gone = self._absent(f"broken/{seq}")
+        if len(gone) == 1:
+            return PeerFailedError(
+                f"rank {gone[0]} left {operation} (collective #{seq}) without a word: its process died or "
+                f"destroyed the process group ({exc}); the process group must be rebuilt",
+                rank=gone[0], reason="no answer: the process died or left the process group", operation=operation,
+            )
+        return CommunicationError(
+            f"{operation} failed on rank {self.rank} of {self.world_size}: another rank probably failed, stalled or "
+            f"disagreed on the call ({exc})"
+        )
+
+    def _absent(self, tag: str) -> tuple[int, ...]:
+        """Ranks that do not leave a marker for ``tag`` within a short grace period."""
+        if self.store is None or self.prefix is None:
+            return ()
+        key = f"{self.prefix}/{tag}"
+        try:
+            self.store.set(f"{key}/{self.rank}", "1")
+            grace = min(1.0, self.timeout_s / 10)
+            end = time.monotonic() + grace
+            while True:
+                absent = tuple(r for r in range(self.world_size) if not self.store.check([f"{key}/{r}"]))
+                if not absent or time.monotonic() >= end:
+                    return absent
+                time.sleep(0.05)
+        except Exception:
+            return ()

@@ -1,0 +1,166 @@
+"""``DispatchOutput``: what dispatch hands to the experts, the same for every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._wire import DispatchDtype, Layout
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchOutput:
+    """Rows per (token, local expert), grouped by local expert, not weighted.
+
+    :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]``
+        in the wire dtype's tensor dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
+    :param hidden_states_scale: FP8 ``[..., H/128]`` fp32, or with ``fp8_ue8m0_scales`` either
+        that (powers of two) or int32 ``[..., ceil(H/512)]`` with four exponent bytes per word
+        (``codecs.pack_ue8m0``; what DeepEP hands DeepGEMM on SM100), possibly column-major;
+        INT8 ``[...]`` fp32 per row;
+        NVFP4 ``[..., H/16]`` e4m3 block scales in linear layout; None for BF16.
+    :param topk_ids: / :param topk_weights: the routing the caller gave dispatch. Combine uses
+        the routing as it was at dispatch: the engine may overwrite its tensors after dispatch
+        returns, or after a started dispatch's ``wait()`` (CUDA-graph engines reuse them), so a
+        backend that needs them at combine keeps its own copy in ``handle``.
+    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end
+        offset, ``start_e + count_e`` (type 0: the cumulative counts when ``expert_alignment``
+        is 1). In MASKED layout, expert e's first counts[e] rows are valid.
+    :param global_scale: NVFP4's global scale (dequant = e2m1 · block_scale / global_scale).
+    :param handle: backend-private state that combine needs. Everything of one call lives
+        here, never on the dispatcher, so several dispatches may be in flight.
+    :param call: which dispatch of its dispatcher this is (1, 2, ...), set by the ``Dispatcher``;
+        combine is checked against the peers under this number. Backends leave it 0.
+    :param combined: set by the ``Dispatcher`` when combine takes this output; a second combine
+        is refused.
+    :param expert_alignment: PACKED only: expert e's rows are ``[start_e, start_e + count_e)``
+        with ``start_0 = 0`` and ``start_{e+1} = align(start_e + count_e, expert_alignment)``;
+        every other row (each expert's gap, and rows after the last expert's end) is padding,
+        zero in its data and scales (but a worst case's tail, below). The expert output keeps the
+        same rows; combine ignores the padding rows' values. 1: dense, no padding (but a worst
+        case's tail). (DeepEP V2's expanded layout with
+        ``do_zero_padding``; DeepGEMM's contiguous "PSUM" layout, whose ``grouped_layout`` is the
+        type-0 group list.)
+
+    **Worst-case rows (low-latency mode).** A backend that makes no host sync cannot size PACKED
+    rows by the counts, which only the device knows: in low-latency mode, where the backend
+    declares it (``Capabilities.worst_case_rows``), a PACKED output may have more rows than its
+    experts' segments take (the same number every call: the backend's worst case, as CUDA
+    graphs need), and the rows after the last expert's aligned end are *unspecified*: anything,
+    NaN included (DeepEP V2 without ``do_cpu_sync`` leaves them unwritten). The gaps between
+    segments stay zero. An expert kernel driven by the group list ignores them (``row_experts``
+    marks them -1; DeepGEMM's PSUM layout never schedules them, its ``m_indices`` layout skips
+    or computes them into rows nobody reads); combine never reads them.
+    ``MASKED`` is the other no-sync layout. In normal mode PACKED rows end where the last
+    segment ends (at alignment 1 exactly the pairs received).
+
+    **Lifetime.** The tensors of a dispatch output may live in buffers the backend reuses for a
+    later dispatch (the reference backends do; DeepEP's and FlashInfer's receive buffers too):
+    they are valid until this output's combine, and read-only (a backend may rely on what it
+    wrote, e.g. that MASKED padding rows are still zero). An engine that needs the rows after
+    combine, or wants to change them, copies them first. Several outputs may be in flight at once; each keeps its own buffers
+    until its combine, or until the engine drops it.
+    """
+
+    hidden_states: torch.Tensor
+    hidden_states_scale: torch.Tensor | None
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    group_list: torch.Tensor
+    group_list_type: int
+    layout: Layout
+    dtype: DispatchDtype
+    handle: Any
+    global_scale: float | None = None
+    call: int = 0
+    combined: bool = False
+    expert_alignment: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        """Row capacity of ``hidden_states`` (PACKED: every row, the worst case's unspecified rows
+        included in low-latency mode)."""
+        if self.layout is Layout.PACKED:
+            return int(self.hidden_states.shape[0])
+        return int(self.hidden_states.shape[0] * self.hidden_states.shape[1])
+
+    def expert_counts(self) -> torch.Tensor:
+        """Per-expert valid row counts, whichever group_list type is in use."""
+        return group_counts(self.group_list, self.group_list_type, self.expert_alignment)
+
+
+def group_counts(group_list: torch.Tensor, group_list_type: int, expert_alignment: int = 1) -> torch.Tensor:
+    """Per-group counts from a group list of either type: type 0 holds each group's end, and a
+    group starts at the previous end rounded up to ``expert_alignment``."""
+    if group_list_type == 1:
+        return group_list
+    starts = torch.cat([group_list.new_zeros(1), group_list[:-1]])  # the previous group's end
+    if expert_alignment > 1:
+        starts = align_up(starts, expert_alignment)
+    return group_list - starts
+
+
+def group_starts(counts: torch.Tensor, expert_alignment: int = 1) -> torch.Tensor:
+    """Each group's first row from the counts: the exclusive prefix sum of the counts, each
+    rounded up to ``expert_alignment``."""
+    aligned = align_up(counts, expert_alignment)
+    return torch.cumsum(aligned, 0) - aligned
+
+
+def row_experts(counts: torch.Tensor, expert_alignment: int, rows: int) -> torch.Tensor:
+    """int64 ``[rows]``: the local expert each PACKED row belongs to, -1 for padding rows (device ops
+    only, no host sync). A zero-count expert shares its start with the next one: the last expert
+    starting at or before a row owns it."""
+    counts = counts.to(torch.int64)
+    starts = group_starts(counts, expert_alignment)
+    index = torch.arange(rows, device=counts.device)
+    expert = (torch.searchsorted(starts, index, right=True) - 1).clamp(min=0)
+    return torch.where(index < starts[expert] + counts[expert], expert, -1) if counts.numel() else index.new_full(
+        (rows,), -1)
+
+
+def align_up(rows: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``rows`` rounded up to a multiple of ``multiple`` (a segment's length or start)."""
+    return (rows + multiple - 1) // multiple * multiple
+
+
+def rows_by_expert(local_ids: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows per (token, local expert), grouped by expert: from received rows' local top-k
+    ids ``[N, k]`` (-1 for experts elsewhere), the flat slot ``n·k + j`` of each output row
+    (expert-major, row order within an expert) and the per-expert counts.
+    ``row_slot // k`` is each output row's received row."""
+    flat = local_ids.reshape(-1)
+    slots = (flat >= 0).nonzero().squeeze(1)
+    experts = flat[slots].to(torch.int64)
+    order = torch.sort(experts, stable=True).indices
+    return slots[order], torch.bincount(experts, minlength=num_local_experts)
+
+
+def sum_weighted_rows(expert_rows: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor,
+                      num_tokens: int) -> torch.Tensor:
+    """fp32 ``[num_tokens, H]``: each expert row times its routing weight, added into its
+    received token in row order. For vendors whose combine only adds (DeepEP normal mode,
+    FlashInfer's MoE all-to-all): the weights are applied, and a token's local experts
+    summed, before the vendor call."""
+    out = torch.zeros(num_tokens, expert_rows.shape[-1], dtype=torch.float32, device=expert_rows.device)
+    return out.index_add_(0, row_token, expert_rows.float() * row_weight.unsqueeze(1))
+
+
+def group_list_from_counts(counts: torch.Tensor, group_list_type: int, expert_alignment: int = 1) -> torch.Tensor:
+    """The group list of either type for ``counts``, segments rounded up to ``expert_alignment``."""
+    counts = counts.to(torch.int64)
+    if group_list_type == 1:
+        return counts
+    return group_starts(counts, expert_alignment) + counts if expert_alignment > 1 else torch.cumsum(counts, 0)
+
+
+def kept_routing(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """``t``, made from the caller's routing tensor ``caller`` (a cast, ``contiguous()``), as memory
+    of the backend's own: a copy when it still is the caller's memory. For a backend whose vendor
+    reads the routing again at combine: combine must use the routing given to its dispatch, and an
+    engine may overwrite its router output buffers once dispatch has returned (CUDA-graph engines
+    reuse them every step)."""
+    return t.clone() if t.data_ptr() == caller.data_ptr() else t

@@ -1,0 +1,488 @@
+"""The exchange both reference backends run on ``torch.distributed``.
+
+Normal mode: exchange per-rank counts (the one host sync), then one all-to-all of wire
+rows, one per (token, destination rank) pair: the quantized payload followed by routing
+metadata (per-slot local expert ids and weights). The receiver expands them into rows per
+(token, local expert), grouped by expert (PACKED). ``send_to_all_ranks`` turns the sparse
+selection into the all-gather the ``allgather`` backend does.
+
+Low-latency mode: every rank all-gathers ``capacity`` fixed slots (no host sync, so the
+call is capturable in a CUDA graph on NCCL), and scatters its local (token, expert) pairs
+into the MASKED layout ``[E_local, capacity·world, H]``. A fixed-size exchange cannot know
+which slots are empty without a host sync, so both backends move the same bytes here.
+
+Split phase, both modes: a call's start does everything up to the payload's collective and
+starts it (``Comm.all_to_all_start``/``all_gather_start``); its receive lays out what arrived, or
+adds what comes back. The blocking calls are ``start(comm)()`` on the caller's thread. With peers
+on host memory ``dispatch_start``/``combine_start`` hand both halves to the group's receiver
+thread, on the started calls' own group (``receiver.py``), and return at once (on a group of every
+rank; on a subgroup the start runs on the caller's thread and the receive at ``wait()``).
+
+Combine, both modes: the destination weights each row (fp32) and sums a token's local
+rows in ascending expert order; the BF16 partial goes back with the reverse exchange and
+the source sums ranks in ascending order in fp32. The order is fixed, so results are
+bit-identical run to run (CPU ``index_add_`` adds in index order; on CUDA set
+``torch.use_deterministic_algorithms(True)`` for the same guarantee).
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .._codecs import as_bytes, from_bytes
+from .._contract import DispatchContext
+from .._distributed.comm import Comm, Transfer
+from .._errors import CommunicationError
+from .._output import DispatchOutput, group_list_from_counts, rows_by_expert
+from .._pending import Pending
+from .._streams import handed_over, start_mark
+from .._wire import Layout, Mode
+from .receiver import Receiver, receiver_for
+from .slots import Lease, Slot, SlotPool
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTerms:
+    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (times
+    ``weight[e]``; nothing where ``valid[e]`` is False) into token ``token[e]``. Entries are
+    token-major, in the fixed order within a token; ``blocks`` are ``(t0, t1, e0, e1)``: tokens
+    ``t0..t1`` own entries ``e0..e1``, each block cache-sized. Low-latency mode's blocks follow from
+    the spec alone (every slot has k entries), so its combine reads nothing on the host."""
+
+    rows: torch.Tensor  # [entries] int64
+    token: torch.Tensor  # [entries] int64
+    weight: torch.Tensor | None  # [entries] fp32
+    valid: torch.Tensor | None  # [entries] bool
+    blocks: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NormalHandle:
+    owner: object
+    pair_token: torch.Tensor  # [P] source token of each sent pair, in (rank, token) order
+    send_counts: list[int]
+    recv_counts: list[int]
+    num_tokens: int
+    num_received: int
+    terms: "TokenTerms"  # each received token's expert rows and weights, in ascending expert order
+    returns: "TokenTerms"  # each own token's returned rows, in ascending rank order
+    lease: Lease  # the slot this dispatch's buffers live in, until its combine
+
+
+@dataclass(frozen=True, slots=True)
+class MaskedHandle:
+    owner: object
+    num_tokens: int
+    terms: "TokenTerms"  # each gathered slot's MASKED rows and weights, in ascending expert order
+    lease: Lease
+
+
+class ReferenceDispatcher:
+    """Dispatch and combine of the ``torch`` and ``allgather`` backends."""
+
+    def __init__(self, ctx: DispatchContext, *, send_to_all_ranks: bool) -> None:
+        spec = ctx.spec
+        self.comm = ctx.comm
+        self.codec = ctx.codec
+        self.rank = ctx.rank
+        self.world = ctx.world_size
+        self.local_experts = ctx.local_experts
+        self.top_k = spec.top_k
+        self.hidden = spec.hidden_size
+        self.capacity = spec.num_max_dispatch_tokens_per_rank
+        self.group_list_type = spec.group_list_type
+        self.dtype = ctx.dtype
+        self.global_scale = spec.quant.input_global_scale
+        self.send_to_all_ranks = send_to_all_ranks
+        self.payload_width = ctx.codec.wire.bytes_per_token
+        self.meta_width = 8 * spec.top_k  # k int32 expert ids + k fp32 weights
+        self.sections = (("payload", self.payload_width), ("metadata", self.meta_width))
+        self.low_latency = spec.mode is Mode.LOW_LATENCY
+        #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
+        self.slots = SlotPool()
+        #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
+        self.failed_in_background: BaseException | None = None
+        #: With peers on host memory (gloo), on a group of every rank, started calls run on the group's receiver
+        #: thread, on the started calls' group: made here, where every rank is (a collective of all of them; the
+        #: first dispatcher of the group makes it). On a subgroup the start runs on the caller's thread and the
+        #: receive at ``wait()``: ``dist.new_group``'s names for a group made by its members alone count the groups
+        #: each process has, which differ between ranks once subgroups have come and gone (ranks then wait for
+        #: each other's group forever: core/tests/test_nothing_lost.py, subgroups of a 4-rank pool).
+        self._receiver: Receiver | None = None
+        self._started_comm: Comm | None = None
+        if (self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu"
+                and self.world == dist.get_world_size()):
+            self._receiver = receiver_for(self.comm.process_group, self.comm.watch.timeout_s)
+            assert self._receiver.group is not None
+            self._started_comm = self.comm.for_started_calls(self._receiver.group)
+        if self.low_latency:
+            self._reserve(ctx.in_flight, ctx.device)
+
+    def _reserve(self, slots: int, device: torch.device) -> None:
+        """Low-latency mode: ``slots`` slots sized at creation (every buffer of a dispatch follows from the
+        capacity), so that a capacity the memory cannot hold fails here, not at the first dispatch. Combine's
+        buffers (the partial sums sent back and the cache-sized blocks: ``world·capacity`` rows, not the
+        ``E_local`` times larger MASKED rows) are sized at the first combine. A dispatch of an empty batch per
+        slot, each holding its slot until all are sized: the same code and buffers as a real call, and a
+        collective like the rest of creation (every rank does it)."""
+        H, k = self.hidden, self.top_k
+        empty = (torch.empty(0, H, dtype=torch.bfloat16, device=device),
+                 torch.empty(0, k, dtype=torch.int64, device=device), torch.empty(0, k, dtype=torch.float32, device=device))
+        before = self.comm.traffic.copy()
+        for out in [finish() for finish in [self._start_masked(*empty, self.comm) for _ in range(slots)]]:
+            out.handle.lease.release()
+        self.comm.traffic.restore(before)  # the planning is not the engine's traffic
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        return self._start_dispatch(hidden_states, topk_ids, topk_weights, self.comm)()
+
+    def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
+        """Split phase: with peers on host memory the whole call runs on the receiver thread (``_started``);
+        otherwise the payload's collective is started here and the rows are laid out at ``wait()``."""
+        return self._started(functools.partial(self._start_dispatch, hidden_states, topk_ids, topk_weights),
+                             hidden_states)
+
+    def _start_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        comm: Comm) -> Callable[[], DispatchOutput]:
+        self._check_background()
+        if self.low_latency:
+            return self._start_masked(x, topk_ids, topk_weights, comm)
+        return self._start_packed(x, topk_ids, topk_weights, comm)
+
+    def _started(self, start: Callable[[Comm], Callable[[], T]], like: torch.Tensor) -> Pending[T]:
+        """A started call's ``Pending``. With peers on host memory both halves run on the group's receiver thread
+        (``receiver.py``), the start on the started calls' group with the call check the core asked for, and the
+        caller returns at once. Otherwise the start runs here and the receive at ``wait()``, on an accelerator
+        after the start's end on its stream, whichever stream the wait runs on (``streams``)."""
+        receiver = self._receiver
+        if receiver is None:
+            return Pending(handed_over(start(self.comm), start_mark(like)))
+        self._check_background()  # refused here, before the call is queued
+        begun = receiver.submit(functools.partial(self._in_background, "start", self._begin, start,
+                                                  self.comm.take_call(), receiver))
+        return Pending(lambda: begun.result().result())
+
+    def _begin(self, start: Callable[[Comm], Callable[[], T]], call: tuple[int, int] | None,
+               receiver: Receiver) -> "Future[T]":
+        """On the receiver thread: the call's start (its collectives), then its receive queued ahead of the starts
+        queued meanwhile (``Receiver.submit_receive``: it issues no collective, so its place orders nothing)."""
+        comm = self._started_comm
+        assert comm is not None
+        comm.resume_call(call)
+        finish = start(comm)
+        return receiver.submit_receive(functools.partial(self._in_background, "receive", finish))
+
+    def _in_background(self, stage: str, job: Callable[..., T], *args: object) -> T:
+        """On the receiver thread: a failure there is kept (the first one: a later call it refuses fails too) and
+        told to the peers, so that the next call refuses to start even when the engine dropped this call's
+        ``Pending`` and never sees the error."""
+        try:
+            return job(*args)
+        except BaseException as exc:
+            if self.failed_in_background is None:
+                self.failed_in_background = exc
+            if not isinstance(exc, CommunicationError):  # a peer's failure or a timeout: the peers know already
+                self.comm.announce_failure(stage, exc)
+            raise
+
+    def _check_background(self) -> None:
+        exc = self.failed_in_background
+        if exc is not None:
+            raise CommunicationError(f"a started call failed on this rank while receiving ({type(exc).__name__}: "
+                                     f"{exc}); the process group must be rebuilt") from exc
+
+    def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One wire row per token: the payload, then its global top-k ids (int32) and fp32
+        weights. Built once per token; a pair's row is then a single gather."""
+        meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], dim=1)
+        return self.codec.encode(x, meta)
+
+    def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
+        """Views into received wire rows (no copy): payload, global ids, weights."""
+        pw, k = self.payload_width, self.top_k
+        q = self.codec.from_bytes(rows[:, :pw])
+        ids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
+        weights = from_bytes(rows[:, pw + 4 * k :], torch.float32)
+        return q, ids, weights
+
+    def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      comm: Comm) -> Callable[[], DispatchOutput]:
+        R, El = self.world, self.local_experts
+        T = x.shape[0]
+        if self.send_to_all_ranks:
+            in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
+        else:
+            ids = topk_ids.to(torch.int64)
+            dest = torch.where(ids >= 0, torch.div(ids, El, rounding_mode="floor"), R)  # R marks "no expert"
+            in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device).scatter_(1, dest, True)[:, :R]
+        pair_token = in_rank.t().reshape(-1).nonzero().squeeze(1) % max(T, 1)  # by rank, then token
+        send_counts_t = in_rank.sum(dim=0)
+        lease = self.slots.acquire()
+        slot = lease.slot
+        rows = self._token_rows(x, topk_ids, topk_weights)
+        send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), rows.shape[1]),
+                                                                         rows.dtype, rows.device))
+
+        recv_counts = comm.exchange_counts(send_counts_t).tolist()  # the host sync
+        send_counts = send_counts_t.tolist()
+        transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
+                                         out=None if self.world == 1 else
+                                         slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype, send.device))
+        self.slots.keep_until_done(lease, transfer)
+        return functools.partial(self._finish_packed, transfer, lease, topk_ids, topk_weights, pair_token,
+                                 send_counts, recv_counts)
+
+    def _finish_packed(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       pair_token: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> DispatchOutput:
+        El, k, slot = self.local_experts, self.top_k, lease.slot
+        T = topk_ids.shape[0]
+        recv = transfer.wait()
+        q, gids, rweights = self._split_rows(recv)
+
+        # Expand to rows per (token, local expert), grouped by expert, token order within.
+        local = gids.to(torch.int64) - self.rank * El
+        local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
+        row_slot, counts = rows_by_expert(local, El)
+        row_token = torch.div(row_slot, k, rounding_mode="floor")
+        hidden = _select_rows(q.data, row_token, slot.take, "rows")
+        scale = None if q.scale is None else _select_rows(q.scale, row_token, slot.take, "row_scales")
+        handle = NormalHandle(
+            owner=self,
+            pair_token=pair_token,
+            send_counts=send_counts,
+            recv_counts=recv_counts,
+            num_tokens=T,
+            num_received=recv.shape[0],
+            terms=_token_major(row_token, recv.shape[0], self.hidden, _chunk_bytes(recv.device),
+                               rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
+            returns=_token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device)),
+            lease=lease,
+        )
+        return DispatchOutput(
+            hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts, self.group_list_type),
+            self.group_list_type, Layout.PACKED, self.dtype, handle, self.global_scale,
+        )
+
+    def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      comm: Comm) -> Callable[[], DispatchOutput]:
+        R, k, C = self.world, self.top_k, self.capacity
+        T = x.shape[0]
+        lease = self.slots.acquire()
+        slot = lease.slot
+        rows = self._token_rows(x, topk_ids, topk_weights)
+        send = slot.take("send", (C, rows.shape[1]), rows.dtype, rows.device)
+        send[:T] = rows
+        if T < C:  # empty slots route nowhere: zero payload, ids -1 (all bits set)
+            send[T:] = 0
+            send[T:, self.payload_width : self.payload_width + 4 * k] = 255
+        transfer = comm.all_gather_start(send, self.sections, out=None if R == 1 else
+                                         slot.take("recv", (R * C, send.shape[1]), send.dtype, send.device))
+        self.slots.keep_until_done(lease, transfer)
+        return functools.partial(self._finish_masked, transfer, lease, topk_ids, topk_weights)
+
+    def _finish_masked(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> DispatchOutput:
+        R, El, k, C, slot = self.world, self.local_experts, self.top_k, self.capacity, lease.slot
+        device = topk_ids.device
+        q, gids, gweights = self._split_rows(transfer.wait())
+
+        first = self.rank * El
+        local = gids.reshape(-1).to(torch.int64) - first
+        valid = (local >= 0) & (local < El)
+        key = torch.where(valid, local, El)
+        ones = torch.ones_like(key)
+        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=device).scatter_add_(0, key, ones)
+        order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
+        sorted_key = key[order]
+        start = torch.cumsum(counts_ext, 0) - counts_ext
+        position = torch.arange(key.numel(), device=device) - start[sorted_key]
+        entry_valid = sorted_key < El
+        rows_per_expert = R * C
+        trash = El * rows_per_expert
+        entry_row = torch.where(entry_valid, sorted_key * rows_per_expert + position, trash)
+        entry_slot = torch.div(order, k, rounding_mode="floor")
+
+        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot, "rows")
+        scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert,
+                                                           slot, "row_scales")
+        row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=device)
+        row_of_entry[order] = torch.where(entry_valid, entry_row, 0)
+        handle = MaskedHandle(
+            owner=self,
+            num_tokens=topk_ids.shape[0],
+            terms=_slots_by_expert(key.view(R * C, k), El, row_of_entry.view(R * C, k), gweights.to(torch.float32),
+                                   self.hidden),
+            lease=lease,
+        )
+        return DispatchOutput(
+            hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts_ext[:El], self.group_list_type),
+            self.group_list_type, Layout.MASKED, self.dtype, handle, self.global_scale,
+        )
+
+    # -- combine ----------------------------------------------------------------------------
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        return self._start_combine(expert_output, dispatch_output, self.comm)()
+
+    def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
+        """Split phase: this rank's partial sums computed and sent, what comes back added (``_started``)."""
+        return self._started(functools.partial(self._start_combine, expert_output, dispatch_output), expert_output)
+
+    def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                       comm: Comm) -> Callable[[], torch.Tensor]:
+        self._check_background()
+        handle = dispatch_output.handle
+        if isinstance(handle, MaskedHandle):
+            return self._start_combine_masked(expert_output, handle, comm)
+        return self._start_combine_packed(expert_output, handle, comm)
+
+    def _returned(self, handle: "NormalHandle | MaskedHandle", transfer: Transfer, returns: TokenTerms,
+                  device: torch.device) -> torch.Tensor:
+        """Combine's second half: each token's rows from the ranks, added in rank order."""
+        back = transfer.wait()
+        out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=device)
+        _sum_terms(out, from_bytes(back, torch.bfloat16), returns, handle.lease.slot)
+        # The slot's buffers may now serve a later dispatch. A combine that raised keeps them (a retry at world size
+        # 1 needs them); its handle gives them back when it is collected.
+        handle.lease.release()
+        return out
+
+    def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle, comm: Comm) -> Callable[[], torch.Tensor]:
+        H, slot = self.hidden, h.lease.slot
+        send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
+        _sum_terms(send, y, h.terms, slot)
+        transfer = comm.all_to_all_start(
+            as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
+            out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
+        )
+        self.slots.keep_until_done(h.lease, transfer)
+        return functools.partial(self._returned, h, transfer, h.returns, y.device)
+
+    def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle, comm: Comm) -> Callable[[], torch.Tensor]:
+        R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
+        send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
+        _sum_terms(send, y.reshape(-1, H), h.terms, slot)
+        transfer = comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
+                                         out=None if R == 1 else
+                                         slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
+        self.slots.keep_until_done(h.lease, transfer)
+        # Token c's partials come back from every rank at rows r·C + c, added in rank order.
+        T = h.num_tokens
+        rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
+        token = torch.arange(T, device=y.device).repeat_interleave(R)
+        returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H, _chunk_bytes(y.device)))
+        return functools.partial(self._returned, h, transfer, returns, y.device)
+
+
+def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk: int,
+                 weight: torch.Tensor | None = None) -> TokenTerms:
+    """The rows in token-major order, keeping their order within a token (rows come expert-major
+    to the experts, and pairs rank-major from the sender). One host read (the per-token counts),
+    in normal mode, which reads its counts on the host anyway."""
+    order = torch.sort(token_of_row, stable=True).indices
+    counts = torch.bincount(token_of_row, minlength=num_tokens).tolist()
+    return TokenTerms(order, token_of_row[order], None if weight is None else weight[order], None,
+                      _blocks(counts, hidden, chunk))
+
+
+def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor, weight: torch.Tensor,
+                     hidden: int) -> TokenTerms:
+    """Low-latency: each gathered slot's k entries (``key``: local expert, ``experts`` for none)
+    sorted by local expert within the slot; entries for no local expert stay, marked invalid."""
+    slots, k = key.shape
+    by_expert = torch.sort(key, dim=1, stable=True).indices
+    token = torch.arange(slots, device=key.device).repeat_interleave(k)
+    return TokenTerms(row_of_entry.gather(1, by_expert).reshape(-1), token, weight.gather(1, by_expert).reshape(-1),
+                      (key.gather(1, by_expert) < experts).reshape(-1),
+                      _even_blocks(slots, k, hidden, _chunk_bytes(key.device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _even_blocks(tokens: int, per_token: int, hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``_blocks`` for tokens with ``per_token`` entries each (low-latency mode: from the spec)."""
+    return _blocks([per_token] * tokens, hidden, chunk)
+
+
+def _blocks(counts: list[int], hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Consecutive tokens grouped while their accumulator and their entries' fp32 rows stay within
+    ``chunk`` bytes each (at least one token per block)."""
+    row = 4 * max(hidden, 1)
+    blocks, t0, e0, tokens, entries = [], 0, 0, 0, 0
+    for t, n in enumerate(counts):
+        if tokens and ((tokens + 1) * row > chunk or (entries + n) * row > chunk):
+            blocks.append((t0, t, e0, e0 + entries))
+            t0, e0, tokens, entries = t, e0 + entries, 0, 0
+        tokens, entries = tokens + 1, entries + n
+    if tokens:
+        blocks.append((t0, t0 + tokens, e0, e0 + entries))
+    return tuple(blocks)
+
+
+#: On the CPU, fp32 temporaries of this size come from the allocator's heap and stay in cache; one
+#: temporary the size of all rows would be fresh pages (page faults) on every call.
+_CPU_CHUNK_BYTES = 4 << 20
+#: On an accelerator every block costs a handful of kernel launches and there is no cache to fit:
+#: blocks only bound the temporaries. On an H100 at 4096 tokens × top-8 × H=7168, 4 MiB blocks
+#: made combine 29-38 ms, all launches (docs/hardware-runs.md).
+_DEVICE_CHUNK_BYTES = 256 << 20
+
+
+def _chunk_bytes(device: torch.device) -> int:
+    return _CPU_CHUNK_BYTES if device.type == "cpu" else _DEVICE_CHUNK_BYTES
+
+
+def _sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slot) -> None:
+    """``out[t] = bf16(0 + fp32(src[r1])·w1 + fp32(src[r2])·w2 + ...)`` over token t's entries in
+    their order, a cache-sized block of tokens at a time: the block's fp32 accumulator stays in
+    cache and each token's BF16 sum is written once (no zeroed full-size fp32 tensor, no separate
+    cast). The same fp32 operations in the same order as adding every row into a zeroed fp32
+    tensor with ``index_add_`` and casting it, so the bits are those."""
+    H = out.shape[1]
+    most_tokens = max((t1 - t0 for t0, t1, _, _ in terms.blocks), default=0)
+    most_entries = max((e1 - e0 for _, _, e0, e1 in terms.blocks), default=0)
+    acc_buf = slot.take("sum", (most_tokens, H), torch.float32, out.device)
+    term_buf = slot.take("term", (most_entries, H), torch.float32, out.device)
+    gathered = slot.take("gathered", (most_entries, H), src.dtype, out.device)
+    for t0, t1, e0, e1 in terms.blocks:
+        acc = acc_buf[: t1 - t0].zero_()
+        if e1 > e0:
+            term = term_buf[: e1 - e0]
+            term.copy_(torch.index_select(src, 0, terms.rows[e0:e1], out=gathered[: e1 - e0]))
+            if terms.weight is not None:
+                term.mul_(terms.weight[e0:e1].unsqueeze(1))
+            if terms.valid is not None:  # MASKED padding rows may hold anything, NaN included
+                term.masked_fill_(~terms.valid[e0:e1].unsqueeze(1), 0.0)
+            acc.index_add_(0, terms.token[e0:e1] - t0, term)
+        out[t0:t1].copy_(acc)
+
+
+def _select_rows(src: torch.Tensor, index: torch.Tensor, take, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``src[index]`` written into the slot's buffer ``name``."""
+    raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_select(out=)
+    out = take(name, (index.numel(), *raw.shape[1:]), raw.dtype, raw.device)
+    return torch.index_select(raw, 0, index, out=out).view(src.dtype)
+
+
+def _scatter_rows(
+    src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int, rows_per_expert: int,
+    slot: Slot, name: str,
+) -> torch.Tensor:
+    """Rows ``src[src_index]`` written at ``dest_row`` of a ``[experts, rows_per_expert, ...]`` slot
+    buffer ``name`` that is zero elsewhere (only the rows its previous call wrote are zeroed again);
+    entries of other ranks all land on one extra trash row that is cut off."""
+    raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_copy_
+    tail = raw.shape[1:]
+    buf = slot.scattered(name, (trash + 1, *tail), raw.dtype, raw.device, dest_row)
+    buf.index_copy_(0, dest_row, raw.index_select(0, src_index))
+    return buf[:trash].view(src.dtype).view(experts, rows_per_expert, *tail)

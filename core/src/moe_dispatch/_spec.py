@@ -1,0 +1,292 @@
+"""Typed hints a layer's quantization method gives the dispatcher (instead of a dict).
+
+``DispatchSpec``: everything about one MoE layer's dispatch, fixed at creation.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import torch
+
+from ._errors import InvalidSpecError
+from ._wire import DispatchDtype, Mode, WireFormat, wire_dtype
+
+
+def check_global_scale(global_scale: object, parameter: str = "quant.input_global_scale") -> float:
+    """NVFP4's global scale must be one positive finite number: a Python or numpy number, or
+    a 0-dim or 1-element tensor (as sglang passes it; read once, here, at creation)."""
+    allowed = "a positive finite float, or a 1-element tensor (FlashInfer's convention: 448*6/amax)"
+    value = global_scale
+    if isinstance(value, torch.Tensor) or (
+        not isinstance(value, type) and hasattr(value, "item") and hasattr(value, "shape")
+    ):  # a tensor or a numpy array
+        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
+        if size != 1:
+            raise InvalidSpecError(
+                "NVFP4 needs one scalar global scale for the whole dispatch",
+                parameter=parameter,
+                value=value,
+                allowed=allowed,
+            )
+        value = value.item()
+    elif hasattr(value, "item") and not isinstance(value, (str, bytes, type)):  # a numpy scalar
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSpecError(
+            f"must be a number, not {type(value).__name__}", parameter=parameter, value=value, allowed=allowed
+        )
+    try:
+        scale = float(value)
+    except OverflowError:
+        scale = math.inf
+    if not math.isfinite(scale) or scale <= 0:
+        raise InvalidSpecError("must be positive and finite", parameter=parameter, value=value, allowed=allowed)
+    if not _FP32_TINY <= scale <= _FP32_MAX:  # the codecs compute in fp32: 1e39 is inf there, 1e-320 is 0
+        raise InvalidSpecError("is outside float32's normal range, where the quantization computes (it would give "
+                               "inf, NaN or all-zero rows)", parameter=parameter, value=value,
+                               allowed=f"{_FP32_TINY:.3g} .. {_FP32_MAX:.3g} (448*6/amax of the activations)")
+    return scale
+
+
+_FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True)
+class QuantHints:
+    """What the quantization method of a layer tells the dispatcher.
+
+    :param dispatcher_output_dtype: the wire dtype the layer's expert kernel needs
+        (e.g. INT8 for W8A8, BF16 for W4A16); None lets later steps decide.
+    :param input_global_scale: NVFP4 activation global scale (FlashInfer: 448·6/amax).
+        Its presence asks for NVFP4 dispatch.
+    :param fp8_ue8m0_scales: FP8 scales rounded to powers of two and sent as one exponent
+        byte (DeepGEMM on Blackwell wants UE8M0).
+    """
+
+    dispatcher_output_dtype: DispatchDtype | None = None
+    input_global_scale: float | None = None
+    fp8_ue8m0_scales: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "dispatcher_output_dtype",
+            DispatchDtype.parse(self.dispatcher_output_dtype, "quant.dispatcher_output_dtype"),
+        )
+        if self.input_global_scale is not None:
+            object.__setattr__(
+                self, "input_global_scale", check_global_scale(self.input_global_scale, "quant.input_global_scale")
+            )
+        if not isinstance(self.fp8_ue8m0_scales, bool):
+            raise InvalidSpecError(
+                "must be a bool", parameter="quant.fp8_ue8m0_scales", value=self.fp8_ue8m0_scales, allowed="True, False"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "QuantHints":
+        """Build from the dict an engine's quant method used to hand over; an unknown key
+        is an error with the nearest known key suggested."""
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {close[0]}?" if close else "no similar key"
+                raise InvalidSpecError(
+                    f"unknown quant hint ({hint})", parameter="quant", value=key, allowed=", ".join(known)
+                )
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dispatcher_output_dtype": None if self.dispatcher_output_dtype is None else self.dispatcher_output_dtype.value,
+            "input_global_scale": self.input_global_scale,
+            "fp8_ue8m0_scales": self.fp8_ue8m0_scales,
+        }
+
+
+
+pass  # (merged)
+
+#: The largest ``expert_alignment``: every local expert may add alignment - 1 padding rows per call.
+MAX_EXPERT_ALIGNMENT = 1024
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidSpecError("must be a positive int", parameter=name, value=value, allowed="1, 2, 3, ...")
+    return value
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """One layer's dispatch, immutable.
+
+    :param hidden_size: H, the activation width.
+    :param num_experts: E, routed experts over the whole EP group.
+    :param top_k: experts per token.
+    :param num_max_dispatch_tokens_per_rank: T, the most tokens one rank may dispatch in
+        one call; low-latency mode sizes its fixed exchanges from it.
+    :param mode: ``"normal"`` or ``"low_latency"``.
+    :param output_dtype: the wire dtype, or ``"auto"`` to let resolution decide.
+    :param quant: hints from the layer's quantization method.
+    :param runner: the expert-kernel family that consumes the output (``"torch"``,
+        ``"deep_gemm"``, ``"flashinfer_cutedsl"``, ``"npu_w8a8"``, ...).
+    :param group_list_type: 0 = cumulative offsets (each expert's end), 1 = per-expert counts.
+    :param expert_alignment: PACKED rows with each local expert's rows starting at a multiple of
+        this many rows, the gaps zero-filled (DeepGEMM's contiguous layout wants its
+        ``get_mk_alignment_for_contiguous_layout()``, 128): 1 = dense. A backend that cannot write
+        that layout itself has the core copy its rows into it (``Dispatcher.alignment`` says
+        which); MASKED outputs ignore it.
+    """
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    num_max_dispatch_tokens_per_rank: int = 128
+    mode: Mode = Mode.NORMAL
+    output_dtype: DispatchDtype | None = None
+    quant: QuantHints = field(default_factory=QuantHints)
+    runner: str | None = None
+    group_list_type: int = 1
+    expert_alignment: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("hidden_size", self.hidden_size)
+        _positive_int("num_experts", self.num_experts)
+        _positive_int("top_k", self.top_k)
+        _positive_int("num_max_dispatch_tokens_per_rank", self.num_max_dispatch_tokens_per_rank)
+        if self.top_k > self.num_experts:
+            raise InvalidSpecError(
+                "top_k cannot exceed the number of experts",
+                parameter="top_k",
+                value=self.top_k,
+                allowed=f"1..num_experts ({self.num_experts})",
+            )
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        object.__setattr__(self, "output_dtype", DispatchDtype.parse(self.output_dtype))
+        if isinstance(self.quant, Mapping):
+            object.__setattr__(self, "quant", QuantHints.from_dict(self.quant))
+        elif not isinstance(self.quant, QuantHints):
+            raise InvalidSpecError(
+                "must be QuantHints or a dict of its fields", parameter="quant", value=self.quant, allowed="QuantHints"
+            )
+        if self.runner is not None and (not isinstance(self.runner, str) or not self.runner):
+            raise InvalidSpecError(
+                "must be a non-empty str or None",
+                parameter="runner",
+                value=self.runner,
+                allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'npu_w8a8'",
+            )
+        if isinstance(self.group_list_type, bool) or self.group_list_type not in (0, 1):
+            raise InvalidSpecError(
+                "unknown group_list_type",
+                parameter="group_list_type",
+                value=self.group_list_type,
+                allowed="0 (cumulative offsets), 1 (per-expert counts)",
+            )
+        if (isinstance(self.expert_alignment, bool) or not isinstance(self.expert_alignment, int)
+                or not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT):
+            raise InvalidSpecError(
+                "must be the row multiple each local expert's rows start at",
+                parameter="expert_alignment",
+                value=self.expert_alignment,
+                allowed=f"an int in 1..{MAX_EXPERT_ALIGNMENT} (1: dense; DeepGEMM's contiguous layout: 128)",
+            )
+
+    def with_dtype(self, dtype: DispatchDtype) -> "DispatchSpec":
+        """The same spec with a concrete wire dtype (what backends size buffers for)."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    def wire_format(self, dtype: DispatchDtype | None = None) -> WireFormat:
+        dtype = dtype or self.output_dtype
+        if dtype is None:
+            raise InvalidSpecError(
+                "the wire dtype is not resolved yet", parameter="output_dtype", value="auto", allowed="a concrete dtype"
+            )
+        ue8m0 = self.quant.fp8_ue8m0_scales and wire_dtype(dtype).ue8m0_scale_bytes > 0
+        return WireFormat(dtype, self.hidden_size, ue8m0=ue8m0)
+
+    def local_experts(self, world_size: int) -> int:
+        """Experts per rank; E must divide evenly."""
+        if world_size <= 0 or self.num_experts % world_size:
+            raise InvalidSpecError(
+                f"experts must divide evenly over {world_size} ranks",
+                parameter="num_experts",
+                value=self.num_experts,
+                allowed=f"a multiple of the world size ({world_size})",
+            )
+        return self.num_experts // world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "num_max_dispatch_tokens_per_rank": self.num_max_dispatch_tokens_per_rank,
+            "mode": self.mode.value,
+            "output_dtype": "auto" if self.output_dtype is None else self.output_dtype.value,
+            "quant": self.quant.to_dict(),
+            "runner": self.runner,
+            "group_list_type": self.group_list_type,
+            "expert_alignment": self.expert_alignment,
+        }
+
+    @classmethod
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        *,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        quant: QuantHints | Mapping[str, Any] | None = None,
+        runner: str | None = None,
+        expert_alignment: int = 1,
+    ) -> "DispatchSpec":
+        """Build from the flags ``add_cli_args`` added; the model's shape comes from the
+        model config, the per-layer hints from its quant method, the alignment from its expert kernel."""
+        return cls(
+            hidden_size=hidden_size,
+            num_experts=num_experts,
+            top_k=top_k,
+            num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank,
+            mode=args.dispatch_mode,
+            output_dtype=args.dispatch_output_dtype,
+            quant=quant if quant is not None else QuantHints(),
+            runner=runner if runner is not None else args.dispatch_runner,
+            expert_alignment=expert_alignment,
+        )
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags for expert-parallel dispatch to ``parser``."""
+    group = parser.add_argument_group("MoE dispatch (moe-dispatch)")
+    group.add_argument("--moe-a2a-backend", default="torch", help="dispatch backend name (see `moe-dispatch backends`)")
+    group.add_argument(
+        "--dispatch-output-dtype",
+        default="auto",
+        choices=["auto", *(d.value for d in DispatchDtype)],
+        help="wire dtype of dispatched activations; auto resolves it per layer",
+    )
+    group.add_argument("--dispatch-mode", default="normal", choices=[m.value for m in Mode])
+    group.add_argument(
+        "--num-max-dispatch-tokens-per-rank",
+        type=int,
+        default=128,
+        help="the most tokens one rank dispatches in one call (low-latency capacity)",
+    )
+    group.add_argument("--dispatch-runner", default=None, help="expert-kernel family consuming the output")
+    group.add_argument(
+        "--dispatch-strict", action="store_true", help="make any dtype fallback an error instead of a warning"
+    )
+    return parser

@@ -1,0 +1,112 @@
+"""Handing a call's tensors from the CUDA stream it started on to the stream its ``wait()`` runs on.
+
+An engine may start a call on one stream and wait for it on another (``Pending``'s promise:
+``wait()`` orders the stream current at the wait after the exchange). Two things then need doing
+on the waiting stream: wait for what the call's start queued on its stream (a backend's copies
+and casts, a vendor's wait for its comm stream), and ``record_stream`` every tensor read or handed
+out there, so the caching allocator does not reuse their memory on the stream they were made on
+while the waiting one still reads them.
+
+``start_mark`` is taken where the start half ends: an event on the start's stream after everything
+the call queued there and nothing after it (waiting for the whole stream at ``wait()`` time would
+also wait for the other micro-batch's work queued since). ``hand_over`` does both things with it.
+Off CUDA (gloo, the fakes) there are no streams and every function here is a no-op::
+
+    start on S: the vendor's calls ── start_mark(S) ──▶ (S goes on: the other micro-batch)
+    wait on W:  hand_over: W waits for the mark ── outputs read on W ── recorded on W
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, TypeVar
+
+import torch
+
+from ._errors import InvalidSpecError
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartMark:
+    """Where a call's start half ended: its stream, an event recorded there at that point, and whether that stream
+    was being captured into a CUDA graph then (a captured event can only be waited inside the same capture, an eager
+    one only outside any)."""
+
+    stream: Any  # torch.cuda.Stream
+    event: Any  # torch.cuda.Event
+    captured: bool = False
+
+
+def start_mark(t: torch.Tensor) -> StartMark | None:
+    """The mark of a start half that has queued all its work on the current stream of ``t``'s device (None off
+    CUDA). Take it after the start's last call, not before: a vendor that ran the call whole ends it with a wait
+    for its own stream, which the mark must follow."""
+    if not t.is_cuda:
+        return None
+    stream = torch.cuda.current_stream(t.device)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return StartMark(stream, event, torch.cuda.is_current_stream_capturing())
+
+
+def hand_over(mark: StartMark | None, tensors: Iterable[torch.Tensor | None] = ()) -> None:
+    """On the stream current now, if it is not the mark's: wait for the mark, and record every tensor there.
+    Idempotent: a second hand-over of the same mark waits again for an event already passed.
+
+    :raises InvalidSpecError: a call started outside a CUDA-graph capture waited inside one, or the reverse (CUDA
+        refuses a captured stream's wait for an eager event with an error that invalidates the capture)."""
+    if mark is None:
+        return
+    current = torch.cuda.current_stream(mark.stream.device)
+    if current == mark.stream:
+        return
+    if torch.cuda.is_current_stream_capturing() != mark.captured:
+        started, waited = ("inside", "outside") if mark.captured else ("outside", "inside")
+        raise InvalidSpecError(
+            f"this call was started {started} a CUDA-graph capture and waited on another stream {waited} it: a "
+            "capture can only wait for work captured with it",
+            parameter="cuda_graph_capture", value=f"started {started} the capture",
+            allowed="start and wait() a call both inside one capture, or both outside any")
+    current.wait_event(mark.event)
+    for t in tensors:
+        if t is not None:
+            t.record_stream(current)
+
+
+def handed_over(finish: Callable[[], T], mark: StartMark | None) -> Callable[[], T]:
+    """``finish`` (a split call's receiving half) run on the waiting stream after the mark, and its result recorded
+    there. ``finish`` still hands over the vendor tensors it reads and does not return (they are its own)."""
+    if mark is None:
+        return finish
+
+    def run() -> T:
+        hand_over(mark)  # before finish reads anything the start queued (a call the vendor ran whole)
+        result = finish()
+        hand_over(mark, tensors_of(result))
+        return result
+    return run
+
+
+def keep_on_current(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Record tensors made earlier (a dispatch's handle) on the current stream, which is about to read them (a
+    combine on another stream than its dispatch): their memory is then not reused before that read. A no-op on the
+    stream they were made on, and off CUDA."""
+    current = None
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            if current is None:  # one lookup: a call's tensors share a device
+                current = torch.cuda.current_stream(t.device)
+            t.record_stream(current)
+
+
+def tensors_of(result: Any) -> list[torch.Tensor]:
+    """The tensors a call hands out: the tensor itself, or a dataclass's tensor fields (a ``DispatchOutput``'s
+    rows, scales, routing and group list; the backend's handle is its own to keep)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if dataclasses.is_dataclass(result):
+        values = (getattr(result, f.name) for f in dataclasses.fields(result))
+        return [v for v in values if isinstance(v, torch.Tensor)]
+    return []

@@ -1,2 +1,0 @@
-"""Integrations with model libraries; each an extra (``moe-dispatch[transformers]``), never imported by
-``import moe_dispatch``."""

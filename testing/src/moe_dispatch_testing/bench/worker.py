@@ -1,0 +1,175 @@
+"""One rank's measurement of one case (runs inside a local rank or under torchrun).
+
+Each iteration times, on every rank, between barriers: the dispatch, the combine, and the
+transport floor: the same collectives replayed as bare ``all_to_all_single`` calls of raw
+bytes with the same per-peer sizes (what the layout work costs is the difference). The
+floor is interleaved with the real calls so both see the same machine load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_dispatch import DispatchDtype, DispatchSpec, Mode, MoEDispatchError, QuantHints, create_dispatcher
+from moe_dispatch.backend import Comm, Traffic, nvfp4_global_scale
+from moe_dispatch_testing.routing import random_routing
+
+from .cases import BenchCase, BenchSettings
+
+#: Big cases on a loaded CPU take tens of seconds per collective: wait, don't fail.
+BENCH_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class RankSamples:
+    """Seconds per iteration on this rank, and what it sent in one dispatch + combine."""
+
+    rank: int
+    dispatch_s: list[float] = field(default_factory=list)
+    combine_s: list[float] = field(default_factory=list)
+    floor_dispatch_s: list[float] = field(default_factory=list)
+    floor_combine_s: list[float] = field(default_factory=list)
+    dispatch_traffic: Traffic = field(default_factory=Traffic)
+    combine_traffic: Traffic = field(default_factory=Traffic)
+    #: (token, destination rank) pairs of this rank's routing: what a sparse dispatch must send.
+    rank_pairs: int = 0
+    wire_bytes_per_token: int = 0
+
+
+def case_spec(case: BenchCase, global_scale: float | None) -> DispatchSpec:
+    quant = QuantHints(input_global_scale=global_scale) if case.dtype is DispatchDtype.NVFP4 else QuantHints()
+    return DispatchSpec(
+        case.hidden, case.experts, case.top_k,
+        num_max_dispatch_tokens_per_rank=case.tokens_per_rank, mode=case.mode, output_dtype=case.dtype, quant=quant,
+    )
+
+
+def case_inputs(
+    case: BenchCase, rank: int, seed: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    x = torch.randn(case.tokens_per_rank, case.hidden, generator=g).to(torch.bfloat16)
+    ids, weights = random_routing(case.tokens_per_rank, case.experts, case.top_k, generator=g)
+    return x.to(device), ids.to(device), weights.to(device)
+
+
+class _Floor:
+    """The recorded collectives as bare all_to_all_single calls, buffers allocated once."""
+
+    def __init__(self, records: list[Any], world_size: int, device: str) -> None:
+        self.calls = []
+        for r in records:
+            if r.carries_data and world_size > 1:
+                send = torch.zeros(sum(r.send_bytes), dtype=torch.uint8, device=device)
+                recv = torch.empty(sum(r.recv_bytes), dtype=torch.uint8, device=device)
+                self.calls.append((recv, send, list(r.recv_bytes), list(r.send_bytes)))
+
+    def run(self) -> None:
+        for recv, send, recv_splits, send_splits in self.calls:
+            dist.all_to_all_single(recv, send, recv_splits, send_splits)
+
+
+def _timed(fn, samples: list[float], comm: Comm, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    comm.barrier("bench barrier")  # watched: a rank that failed is named, not waited for
+    start = time.perf_counter()
+    value = fn()
+    if cuda:  # kernels are asynchronous: time until they finish
+        torch.cuda.synchronize()
+    samples.append(time.perf_counter() - start)
+    return value
+
+
+def _rank_pairs(ids: torch.Tensor, case: BenchCase) -> int:
+    local = case.experts // case.world_size
+    dest = torch.where(ids >= 0, ids // local, case.world_size)
+    seen = torch.zeros(ids.shape[0], case.world_size + 1, dtype=torch.bool, device=ids.device).scatter_(1, dest, True)
+    return int(seen[:, : case.world_size].sum())
+
+
+def _setup(rank: int, case: BenchCase, settings: BenchSettings, in_flight: int = 1):  # type: ignore[no-untyped-def]
+    """This rank's dispatcher and inputs for ``case`` (one call in flight at a time, unless ``in_flight``)."""
+    x, ids, weights = case_inputs(case, rank, settings.seed, settings.device)
+    scale = nvfp4_global_scale(8.0) if case.dtype is DispatchDtype.NVFP4 else None  # the same on every rank
+    dispatcher = create_dispatcher(case.backend, case_spec(case, scale), env={}, check_inputs=settings.check_inputs,
+                                   timeout_s=BENCH_TIMEOUT_S, in_flight=in_flight)
+    return dispatcher, x, ids, weights
+
+
+def _expert_rows(out, case: BenchCase, device: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """What the (untimed) experts hand combine: constant bf16 rows shaped like the dispatched ones."""
+    return torch.full((*out.hidden_states.shape[:-1], case.hidden), 0.5, dtype=torch.bfloat16, device=device)
+
+
+def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings) -> RankSamples:
+    """Run ``case`` on this rank: warm-up, then ``settings.iterations`` timed iterations."""
+    dev = settings.device
+    dispatcher, x, ids, weights = _setup(rank, case, settings)
+    comm = dispatcher.comm
+
+    # One untimed call records the collectives and sizes the expert output.
+    with comm.recording() as dispatch_records:
+        before = comm.traffic.copy()
+        out = dispatcher.dispatch(x, ids, weights)
+        dispatch_traffic = comm.traffic - before
+    expert_rows = _expert_rows(out, case, dev)
+    with comm.recording() as combine_records:
+        before = comm.traffic.copy()
+        dispatcher.combine(expert_rows, out)
+        combine_traffic = comm.traffic - before
+    del out
+    floor_dispatch, floor_combine = _Floor(dispatch_records, world_size, dev), _Floor(combine_records, world_size, dev)
+
+    samples = RankSamples(rank, dispatch_traffic=dispatch_traffic, combine_traffic=combine_traffic,
+                          rank_pairs=_rank_pairs(ids, case),
+                          wire_bytes_per_token=dispatcher.spec.wire_format().bytes_per_token)
+    scratch = RankSamples(rank)
+    try:
+        for i in range(settings.warmup + settings.iterations):
+            into = samples if i >= settings.warmup else scratch
+            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev)
+            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev)
+            out = None  # free the rows before the floor runs
+            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev)
+            _timed(floor_combine.run, into.floor_combine_s, comm, dev)
+    except MoEDispatchError:
+        raise  # the dispatcher told the other ranks already
+    except BaseException as exc:
+        comm.announce_failure("bench", exc)
+        raise
+    return samples
+
+
+def capacity_pairs(case: BenchCase) -> int:
+    """What low-latency mode must move per rank: every capacity slot to every rank."""
+    return case.tokens_per_rank * case.world_size if case.mode is Mode.LOW_LATENCY else 0
+
+
+__all__ = ["RankSamples", "capacity_pairs", "case_inputs", "case_spec", "measure_case"]
+
+
+def profile_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings, rows: int = 12) -> str:
+    """torch.profiler's table of ops (self CPU time) over a few dispatch + combine iterations
+    on this rank: where the time goes, stage by stage (``moe-dispatch bench --profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dispatcher, x, ids, weights = _setup(rank, case, settings)
+    out = dispatcher.dispatch(x, ids, weights)
+    expert_rows = _expert_rows(out, case, settings.device)
+    dispatcher.combine(expert_rows, out)
+    del out
+    dispatcher.comm.barrier("bench barrier")
+    iterations = max(1, min(settings.iterations, 5))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iterations):
+            dispatcher.combine(expert_rows, dispatcher.dispatch(x, ids, weights))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return f"rank {rank}, {iterations} iterations of dispatch + combine, {case.label}:\n{table}"
