@@ -1,4 +1,5 @@
-"""The installed core distribution: console script, extras naming the plugins, typed package."""
+"""The installed distributions: the core's console script, extras and typed package; the kit as its own distribution
+(an engine that installs only the core gets no pytest plugin); the template found through its entry point."""
 
 from importlib import metadata
 from pathlib import Path
@@ -17,6 +18,8 @@ def test_console_script_and_extras():
         ("ascend", "moe-dispatch-ascend-fuseep"),
         ("flashinfer-cutedsl", "moe-dispatch-flashinfer-cutedsl"),
         ("all", "moe-dispatch-cuda-deepep"),
+        ("testing", "moe-dispatch-testing"),
+        ("transformers", "moe-dispatch-transformers"),
     ]:
         assert any(r.startswith(plugin) and f'extra == "{extra}"' in r for r in requires), (extra, plugin)
     core_deps = {r.split(";")[0].split(">")[0].split("<")[0].strip() for r in requires if "extra ==" not in r}
@@ -31,9 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "plugins" / "_template"
 
 
-def test_the_kit_is_a_pytest_plugin_of_the_core():
-    eps = metadata.distribution("moe-dispatch").entry_points
-    assert {(ep.group, ep.name, ep.value) for ep in eps} >= {("pytest11", "moe_dispatch", "moe_dispatch_testing.plugin")}
+def test_the_kit_and_its_commands_come_with_their_own_distribution_not_the_core():
+    assert [ep for ep in metadata.distribution("moe-dispatch").entry_points if ep.group == "pytest11"] == []
+    eps = metadata.distribution("moe-dispatch-testing").entry_points
+    assert {(ep.group, ep.value) for ep in eps} == {("pytest11", "moe_dispatch_testing.plugin"),
+                                                     ("moe_dispatch.backends", "moe_dispatch_testing.commands")}
 
 
 def test_the_template_is_installed_and_discovered_through_its_entry_point():

@@ -57,9 +57,9 @@ def _kill(proc: subprocess.Popen) -> None:
 def launch_two_nodes(tmp_path: Path, *program: str) -> list[Agent]:
     """``torchrun --nnodes 2 --nproc-per-node 2 --node-rank N ... program`` for N = 0, 1."""
     port = _free_port()
-    # The children's environment only: gloo on loopback, only the built-in backends, one
+    # The children's environment only: gloo on loopback, only the built-in backends (and the kit, for demo), one
     # thread per worker (torchrun's default, said here so the output is quiet).
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MOE_DISPATCH_PLUGINS": "", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MOE_DISPATCH_PLUGINS": "moe-dispatch-testing", "OMP_NUM_THREADS": "1"}
     procs, files = [], []
     for node in range(NODES):
         out, err = (tmp_path / f"node{node}.out").open("w+"), (tmp_path / f"node{node}.err").open("w+")

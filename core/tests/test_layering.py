@@ -1,4 +1,4 @@
-"""The core's layering (docs/design.md "The map"): every import between ``moe_dispatch`` modules,
+"""The core's layering and size (docs/design.md): every import between ``moe_dispatch`` modules,
 read from the source by AST (``TYPE_CHECKING`` and function-level imports included), goes to the
 importer's own layer or a lower one, and there is no import cycle; ``import moe_dispatch`` loads
 none of the wings."""
@@ -6,6 +6,7 @@ none of the wings."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,25 +14,24 @@ from pathlib import Path
 import moe_dispatch
 
 PACKAGE = Path(moe_dispatch.__file__).parent
+#: What a first dispatch may load (docs/design.md "Size").
+FIRST_DISPATCH_LINES = 4500
 
 #: Lowest first. A module not listed here fails ``test_every_module_has_a_layer``.
 LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
-    "contract": ("errors", "environ", "_torch_import", "signatures", "dtypes", "formats", "wire", "codecs", "hints", "spec",
-                 "capabilities", "output", "streams", "pending", "trail", "scale_layouts", "distributed", "distributed.watch",
-                 "distributed.comm", "distributed.emulation", "distributed.agreement", "backend", "commands", "hookspecs"),
-    # the policies: the wire dtype, the input checks, the reference experts
-    "policy": ("resolution", "validation", "output_checks", "experts", "alignment"),
+    "contract": ("_errors", "_torch_import", "_environ", "_signatures", "_wire", "_spec", "_output", "_streams",
+                 "_pending", "_trail", "_codecs", "_scale_layouts", "_contract", "_hookspecs", "_distributed",
+                 "_distributed.comm", "_distributed.watch", "_distributed.agreement"),
+    # the policies: the wire dtype, the input and output checks, the reference experts, the core's aligned copy
+    "policy": ("_resolution", "_checks", "_experts", "_alignment"),
     # where backends and runners come from (the built-ins registered like any plugin)
-    "registry": ("loading", "registry", "probes", "reference", "reference.builtin", "reference.exchange", "reference.receiver", "reference.slots"),
-    # what an engine calls
-    "runtime": ("preparation", "planning", "dispatcher", "layer", ""),
-    # the wings: the command line and its applications, the test kit
-    "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.demo", "cli.bench", "cli.bench.cases",
-              "cli.bench.cli", "cli.bench.overhead", "cli.bench.overlap", "cli.bench.report", "cli.bench.results", "cli.bench.runner",
-              "cli.bench.worker", "cli.flags", "cli.preflight", "integrations", "integrations.transformers", "testing", "testing.cases", "testing.conformance", "testing.experts",
-              "testing.host_reads", "testing.layers", "testing.outcomes", "testing.plugin", "testing.pools", "testing.ranks", "testing.streams", "testing.torchrun", "routing",
-              "accuracy", "distributed.local"),
+    "registry": ("_loading", "_registry", "_reference", "_reference.builtin", "_reference.exchange",
+                 "_reference.receiver", "_reference.slots"),
+    # what an engine calls, and the toolbox a plugin imports
+    "runtime": ("_dispatcher", "_create", "planning", "backend", ""),
+    # the command line: loaded by the console script only
+    "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.flags", "cli.explain"),
 }
 RANK = {module: i for i, (_, modules) in enumerate(LAYERS.items()) for module in modules}
 WINGS = LAYERS["wings"]
@@ -94,19 +94,60 @@ def test_no_import_cycle():
     assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
 
 
-def test_importing_moe_dispatch_loads_no_wing():
-    code = "import sys, moe_dispatch; print('\\n'.join(m for m in sys.modules if m.startswith('moe_dispatch')))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    wings = {f"moe_dispatch.{w}" for w in WINGS}
-    assert sorted(set(loaded) & wings) == []
-    assert "moe_dispatch.dispatcher" in loaded  # the check reads the real list
+_LOADED = ("import sys, moe_dispatch as md\n{code}\n"
+           "mods = [m for n, m in sys.modules.items() if n.split('.')[0] == 'moe_dispatch' and getattr(m, '__file__', None)]\n"
+           "print(sum(1 for m in mods for _ in open(m.__file__)), ' '.join(m.__name__ for m in mods))")
+
+
+def _loaded(code: str = "") -> tuple[int, set[str]]:
+    """Lines and names of the ``moe_dispatch`` modules a fresh process holds after ``import moe_dispatch`` and
+    ``code``, with the built-in backends only (what ``pip install moe-dispatch`` has)."""
+    out = subprocess.run([sys.executable, "-c", _LOADED.format(code=code)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "MOE_DISPATCH_PLUGINS": ""}).stdout.split()
+    return int(out[0]), set(out[1:])
+
+
+def test_importing_moe_dispatch_loads_the_contract_only():
+    """The contract an engine imports: at most 15 modules and 3,000 lines (docs/design.md "Size"), no wing, and
+    nothing of creation, the plugin host or the reference backends until first used."""
+    lines, loaded = _loaded()
+    assert len(loaded) <= 15 and lines <= 3000, (len(loaded), lines)
+    later = {f"moe_dispatch.{m}" for m in (*LAYERS["wings"], *LAYERS["registry"], "_create", "_dispatcher",
+                                           "backend", "planning")}
+    assert sorted(loaded & later) == []
+    assert "moe_dispatch._spec" in loaded  # the check reads the real list
+
+
+def test_a_first_dispatch_loads_what_it_uses():
+    """A first torch dispatch and combine at world size 1 stays within its budget and loads nothing for peers (the
+    gloo failure detector, the receiver thread, the agreement), streams or the core's aligned copy."""
+    lines, loaded = _loaded(
+        "import torch\nd = md.create_dispatcher('torch', md.DispatchSpec(128, 4, 2, num_max_dispatch_tokens_per_rank=2), "
+        "env={})\nout = d.dispatch(torch.zeros(2, 128, dtype=torch.bfloat16), torch.tensor([[0, 1], [2, 3]]), "
+        "torch.ones(2, 2))\nd.combine(torch.zeros(4, 128, dtype=torch.bfloat16), out)")
+    assert lines <= FIRST_DISPATCH_LINES, lines
+    unused = {f"moe_dispatch.{m}" for m in ("_distributed.watch", "_distributed.agreement", "_reference.receiver",
+                                            "_streams", "_alignment", "_environ", "backend", "planning")}
+    assert sorted(loaded & unused) == []
+    assert "moe_dispatch._reference.exchange" in loaded
+
+
+def test_the_core_imports_nothing_but_the_standard_library_torch_and_pluggy():
+    allowed = {"torch", "pluggy"}
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            found |= {n.split(".")[0] for n in names}
+    assert sorted(found - allowed - {"moe_dispatch"} - set(sys.stdlib_module_names)) == []
 
 
 def test_the_checks_see_an_upward_import_and_a_cycle():
     """The two checks above on a made-up graph: they would fail on a violation."""
-    made_up = {"errors": {"cli"}, "cli": {"errors"}}
-    assert [(n, d) for n, deps in made_up.items() for d in deps if RANK[d] > RANK[n]] == [("errors", "cli")]
-    assert [sorted(c) for c in _cycles(made_up)] == [["cli", "errors"]]
+    made_up = {"_errors": {"cli"}, "cli": {"_errors"}}
+    assert [(n, d) for n, deps in made_up.items() for d in deps if RANK[d] > RANK[n]] == [("_errors", "cli")]
+    assert [sorted(c) for c in _cycles(made_up)] == [["_errors", "cli"]]
 
 
 def _layer(name: str) -> str:

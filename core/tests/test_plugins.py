@@ -325,11 +325,11 @@ def test_a_plugin_adds_a_subcommand_to_the_command_line(site):
 
 
 def test_plugin_commands_cannot_take_a_builtin_name_and_two_owners_lose_theirs(site):
-    make_dist(site, "fx-cmd-bench", "fx_cmd_bench", COMMAND.replace("{name}", "bench"))
+    make_dist(site, "fx-cmd-plan", "fx_cmd_plan", COMMAND.replace("{name}", "plan"))
     make_dist(site, "fx-cmd-a", "fx_cmd_a", COMMAND.replace("{name}", "fx-same"))
     make_dist(site, "fx-cmd-b", "fx_cmd_b", COMMAND.replace("{name}", "fx-same"))
     host = PluginHost(env={})
-    assert "belongs to moe-dispatch itself" in next(p for p in host.failures() if p.name == "fx_cmd_bench").error
+    assert "belongs to moe-dispatch itself" in next(p for p in host.failures() if p.name == "fx_cmd_plan").error
     assert "fx-same" not in host.commands()
     assert [p.distribution for p in host.command_conflicts["fx-same"]] == ["fx-cmd-a", "fx-cmd-b"]
 
@@ -343,7 +343,7 @@ def test_every_builtin_subcommand_name_is_reserved():
 
 
 @pytest.mark.parametrize("kwargs, parameter", [
-    ({"name": "Bad Name"}, "name"), ({"name": "demo"}, "name"), ({"run": "not callable"}, "run"),
+    ({"name": "Bad Name"}, "name"), ({"name": "explain"}, "name"), ({"run": "not callable"}, "run"),
     ({"help": None}, "help"),
 ])
 def test_a_malformed_command_is_a_typed_error(kwargs, parameter):

@@ -19,7 +19,8 @@ from ._torch_import import import_torch
 
 import_torch()  # before anything imports torch: torch-npu without CANN must not break the import
 
-from ._dispatcher import Dispatcher, create_dispatcher, run_experts  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from ._errors import (  # noqa: E402
     BackendUnavailableError,
     CallOrderError,
@@ -35,16 +36,36 @@ from ._errors import (  # noqa: E402
     UnsupportedDtypeError,
 )
 from ._experts import ExpertKernel, ExpertWeights, TorchExperts  # noqa: E402
-from ._loading import core_version  # noqa: E402
 from ._output import DispatchOutput  # noqa: E402
 from ._pending import Pending  # noqa: E402
-from ._registry import PluginHost, available_backends  # noqa: E402
-from ._resolution import DtypeFallbackWarning, Resolution  # noqa: E402
 from ._spec import DispatchSpec, QuantHints, add_cli_args  # noqa: E402
+from ._trail import DtypeFallbackWarning, Resolution  # noqa: E402
 from ._wire import DispatchDtype, Layout, Mode  # noqa: E402
 
-#: The installed distribution's version (``moe-dispatch --version``).
-__version__ = core_version()
+if TYPE_CHECKING:
+    from ._create import create_dispatcher
+    from ._dispatcher import Dispatcher, run_experts
+    from ._registry import PluginHost, available_backends
+
+# What creation and the plugin host need loads with the first use of these names (``__getattr__``): importing the
+# contract costs an engine little, and a first dispatch loads the rest.
+_LAZY = {"create_dispatcher": "_create", "Dispatcher": "_dispatcher", "run_experts": "_dispatcher",
+         "PluginHost": "_registry", "available_backends": "_registry"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the installed distribution's version (``moe-dispatch --version``)
+        from ._loading import core_version
+
+        return core_version()
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BackendUnavailableError",

@@ -23,33 +23,6 @@ from typing import Any
 import torch
 
 from ._output import DispatchOutput, align_up, group_list_from_counts, group_starts
-from ._wire import Mode
-
-
-@dataclass(frozen=True)
-class AlignmentPlan:
-    """How a dispatcher delivers ``spec.expert_alignment``: ``native`` (the backend writes it), by a
-    core copy, or not at all (1: dense rows)."""
-
-    alignment: int
-    native: bool
-    note: str
-
-    @property
-    def copies(self) -> bool:
-        """The core copies PACKED rows into the aligned layout (and back)."""
-        return self.alignment > 1 and not self.native
-
-
-def plan_alignment(backend: str, native_modes: frozenset[Mode], mode: Mode, alignment: int) -> AlignmentPlan:
-    if alignment == 1:
-        return AlignmentPlan(1, True, "dense PACKED rows (expert_alignment 1)")
-    if mode in native_modes:
-        return AlignmentPlan(alignment, True, f"backend {backend!r} writes each expert's rows at a multiple of "
-                                              f"{alignment}, the gaps zeroed")
-    return AlignmentPlan(alignment, False, f"backend {backend!r} writes dense rows in {mode.value} mode: the core "
-                                           f"copies PACKED rows to starts at multiples of {alignment} after dispatch "
-                                           "and gathers the expert rows back before combine (one copy each way)")
 
 
 @dataclass(frozen=True)

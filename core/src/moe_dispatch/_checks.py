@@ -1,259 +1,173 @@
-"""Checks on the tensors handed to dispatch and combine, before any data is touched or any
-collective entered. Each failure is a typed error (``InvalidInputError``, ``CapacityError``)
-naming the parameter, the value seen and what is allowed, raised on the rank that has the
-bad input.
+"""The checks on what dispatch and combine are given and what a backend returns: typed errors naming
+the parameter, the value and what is allowed, before any data is touched or collective entered.
 
-Two kinds of check:
-
-- **Metadata** (always on): types, shapes, dtypes, devices, the batch against
-  ``num_max_dispatch_tokens_per_rank``, and that a ``DispatchOutput`` comes from this
-  dispatcher. They read no tensor data and cost about half a microsecond per call on a CPU
-  host: one combined test against values computed once per dispatcher (``InputChecks``); only
-  when it fails does the slower diagnosis run, which finds the first thing wrong and raises
-  its precise error.
-- **Values** (the ``check_inputs`` switch): expert ids in ``-1, 0..E-1``, no expert twice in
-  a token, finite ``topk_weights`` and ``hidden_states``. They read the data, so on an
-  accelerator they cost kernels and one device sync per dispatch (all flags are reduced to
-  one boolean first). By default (``check_inputs=None``) they run where the data is host
-  memory (gloo, one process on a CPU) and not on an accelerator, where a sync per call would
-  stall the device queue: no micro-batch overlap, no CUDA-graph capture (issue 16).
-  ``check_inputs=True`` runs them everywhere (debugging an engine's router on a GPU),
-  ``False`` nowhere. The metadata checks stay on either way.
-
-Checks on what a backend returns, so a plugin's bug is a ``PluginError`` naming the backend at
-the call that produced it, not an ``AttributeError`` or a wrong shape in the engine later.
-
-- **Metadata** (always on, about a microsecond per call): dispatch returns a ``DispatchOutput``
-  whose rows have the wire dtype's tensor dtype and row width, in the layout's rank, with one
-  ``group_list`` entry per local expert; combine returns bf16 ``[T, H]`` for the T tokens
-  dispatched.
-  PACKED rows at the ``expert_alignment`` the backend was asked to write (the spec's where it
-  aligns them itself, else 1).
-- **Values** (with the input value checks, ``check_inputs``; one device sync): the rows a
-  ``group_list`` claims fit the rows returned (PACKED: exactly, or within the rows with their
-  segments aligned; MASKED: at most the capacity per expert), and no count is negative.
-
-The conformance kit checks more (the rows' contents); these are what the core can afford on
-every call.
+Each check is written once, as a ``Rule``: a test expression and the error it raises. A ``Rules``
+compiles every test of a call into one expression (the hot path: about half a microsecond, reading
+only metadata); only when that fails, or raises, does it run the tests one by one to raise the first
+failing rule's error. The value checks (``check_inputs``: ids in range, no expert twice in a token,
+finite values) read the data, so by default they run on host memory only: on an accelerator they
+would sync the device every call (no overlap, no CUDA-graph capture).
 """
-
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import torch
 
-from ._errors import CapacityError, InvalidInputError, PluginError
+from ._errors import CapacityError, InvalidInputError, MoEDispatchError, PluginError
 from ._output import DispatchOutput, align_up
 from ._pending import Pending
 from ._spec import DispatchSpec
 from ._wire import Layout, wire_dtype
 
-_BF16, _F32, _I32, _I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
-_ID_DTYPES = (_I32, _I64)
-_FAST_FAIL = (AttributeError, TypeError, ValueError, IndexError)
+_BF16, _F32 = torch.bfloat16, torch.float32
+
+
+class Rule(NamedTuple):
+    """One check: ``test`` (a Python expression over a call's names) is true for a good input; else
+    ``error(message, parameter=..., value=eval(value), allowed=eval(f-string allowed))``. A test may bind a
+    name with ``:=`` for the tests after it (a call reads each tensor attribute once)."""
+
+    parameter: str
+    test: str
+    message: str
+    allowed: str
+    value: str
+    error: type[MoEDispatchError] = InvalidInputError
+    fast: bool = True  # False: implied by the other tests, so only the diagnosis runs it (for its precise error)
+
+
+class Rules:
+    """The rules of one call (``args``: its argument names), compiled once against ``constants``: the hot path
+    is every fast test in one expression (``all``; when it is false or raises, ``diagnose``); the diagnosis finds the first rule whose chain (it and every rule before
+    it) fails, so a test may use what an earlier one bound."""
+
+    def __init__(self, args: str, rules: list[Rule], constants: dict[str, Any]) -> None:
+        self.rules = rules
+        self.namespace = {"torch": torch, "Tensor": torch.Tensor, **constants}
+        self.args = args.split(", ")
+        self.all = self._chain(args, [r for r in rules if r.fast])
+        self.prefixes = [self._chain(args, rules[: i + 1]) for i in range(len(rules))]
+
+    def _chain(self, args: str, rules: list[Rule]) -> Callable[..., bool]:
+        return eval(f"lambda {args}: " + " and ".join(f"({r.test})" for r in rules), self.namespace)
+
+    def diagnose(self, *values: Any) -> None:
+        """Raise the first failing rule's error (a test that raises fails)."""
+        for rule, chain in zip(self.rules, self.prefixes):
+            try:
+                if chain(*values):
+                    continue
+            except Exception:  # noqa: BLE001
+                pass
+            names = {**self.namespace, **dict(zip(self.args, values))}
+            message = eval(f"f{rule.message!r}", names)
+            raise rule.error(message, parameter=rule.parameter, value=eval(rule.value, names),
+                             allowed=eval(f"f{rule.allowed!r}", names) or None)
+
+
+_ARGS = {"x": "hidden_states", "ids": "topk_ids", "w": "topk_weights"}
+
+
+def _dispatch_rules(device: torch.device | None) -> list[Rule]:
+    # The tensor checks are implied by the dtype identities (only a tensor has a torch dtype): diagnosis only.
+    is_tensor = [Rule(p, f"isinstance({n}, Tensor)", f"must be a torch.Tensor, not {{type({n}).__name__}}",
+                      "torch.Tensor", n, fast=False) for n, p in _ARGS.items()]
+    # ids and w: implied by x's and the same-device rules below. is_cpu/is_cuda: device.type costs 270 ns.
+    kind = {"cpu": "{}.is_cpu", "cuda": "{}.is_cuda"}.get(device.type, "{}.device.type == DEVICE") if device else ""
+    on_device = [] if device is None else [
+        Rule(p, kind.format(n), "is on the wrong device for this process group", "{DEVICE}", n, fast=n == "x")
+        for n, p in _ARGS.items()]
+    return [
+        *is_tensor,
+        Rule("hidden_states", "len(s := x.shape) == 2 and s[1] == H", "wrong shape", "[num_tokens, {H}]", "x"),
+        Rule("hidden_states", "x.dtype is BF16", "wrong dtype", "torch.bfloat16", "x"),
+        Rule("topk_ids", "ids.shape == (s[0], K)", "wrong shape", "[{x.shape[0]}, {K}] (num_tokens, top_k)", "ids"),
+        Rule("topk_ids", "(d := ids.dtype) is I64 or d is I32", "wrong dtype", "torch.int32, torch.int64", "ids"),
+        Rule("topk_weights", "w.shape == (s[0], K)", "wrong shape", "[{x.shape[0]}, {K}] (num_tokens, top_k)", "w"),
+        Rule("topk_weights", "w.dtype is F32", "wrong dtype", "torch.float32", "w"),
+        *on_device,
+        Rule("topk_ids", "ids.device == (dev := x.device)", "is not on the device of hidden_states", "{x.device}",
+             "ids"),
+        Rule("topk_weights", "w.device == dev", "is not on the device of hidden_states", "{x.device}", "w"),
+        Rule("num_max_dispatch_tokens_per_rank", "s[0] <= CAPACITY",
+             "a batch of {x.shape[0]} tokens exceeds the per-rank capacity; raise --num-max-dispatch-tokens-per-rank "
+             "(DispatchSpec.num_max_dispatch_tokens_per_rank) to at least {x.shape[0]}", ">= {x.shape[0]}",
+             "CAPACITY", CapacityError),
+    ]
+
+
+def _combine_rules(rows_are_hidden: bool) -> list[Rule]:
+    # Rows [..., H] for every dtype but packed ones (NVFP4: [..., H/2]): then one shape comparison.
+    shape = ("y.shape == (rows := out.hidden_states).shape" if rows_are_hidden else
+             "(ys := y.shape)[-1] == H and ys[:-1] == (rows := out.hidden_states).shape[:-1]")
+    return [
+        Rule("dispatch_output", "type(out) is DispatchOutput", "{not_an_output(out)}", "DispatchOutput", "out"),
+        Rule("dispatch_output", "getattr(out.handle, 'owner', OWNER) is OWNER",
+             "comes from another dispatcher; combine each output on the dispatcher that produced it",
+             "a DispatchOutput returned by this dispatcher's dispatch", "type(out.handle).__name__"),
+        Rule("expert_output", "isinstance(y, Tensor)", "must be a torch.Tensor, not {type(y).__name__}",
+             "torch.Tensor", "y", fast=False),
+        Rule("expert_output", shape, "wrong shape: one row per dispatched row",
+             "{[*out.hidden_states.shape[:-1], H]}", "y"),
+        Rule("expert_output", "y.dtype is BF16", "wrong dtype (combine sends BF16)", "torch.bfloat16", "y"),
+        Rule("expert_output", "y.device == rows.device", "is not on the device of the dispatch output",
+             "{out.hidden_states.device}", "y"),
+    ]
+
+
+def not_an_output(value: object) -> str:
+    """Why ``value`` is refused where a ``DispatchOutput`` belongs (a ``Pending`` not yet waited is the usual slip)."""
+    if isinstance(value, Pending):
+        return "is the Pending of a started dispatch: call .wait() first for its DispatchOutput"
+    return "must be the DispatchOutput this dispatcher returned"
 
 
 class InputChecks:
-    """The input checks of one dispatcher, with what they compare against computed once.
-
-    :param spec: the dispatcher's spec, its wire dtype resolved.
-    :param device: the device type of the process group (None: any).
-    :param owner: the backend dispatcher; a ``DispatchOutput`` whose ``handle.owner`` is
-        another object came from another dispatcher.
-    """
-
-    __slots__ = ("spec", "device", "owner", "_hidden", "_top_k", "_capacity", "_seen", "_rows_are_hidden")
+    """The input checks of one dispatcher. ``device``: the process group's device type (None: any);
+    ``owner``: the backend dispatcher whose outputs combine takes (``handle.owner``)."""
 
     def __init__(self, spec: DispatchSpec, device: torch.device | None, owner: object) -> None:
         self.spec = spec
-        self.device = device
-        self.owner = owner
-        self._hidden = spec.hidden_size
-        self._top_k = spec.top_k
-        self._capacity = spec.num_max_dispatch_tokens_per_rank
-        # The device of the last inputs that passed: the fast path compares against it, so
-        # an index (cuda:3) never needs the slow type comparison after the first call.
-        self._seen: torch.device | None = None
-        # Dispatched rows are [..., H] for every dtype but packed ones (NVFP4: [..., H/2]): then
-        # the expert output has exactly the dispatched rows' shape, one comparison.
-        self._rows_are_hidden = (spec.output_dtype is not None
-                                 and wire_dtype(spec.output_dtype).row_columns(spec.hidden_size) == spec.hidden_size)
+        constants = {"H": spec.hidden_size, "K": spec.top_k, "CAPACITY": spec.num_max_dispatch_tokens_per_rank,
+                     "BF16": _BF16, "F32": _F32, "I32": torch.int32, "I64": torch.int64,
+                     "DEVICE": None if device is None else device.type, "OWNER": owner,
+                     "DispatchOutput": DispatchOutput, "not_an_output": not_an_output}
+        self._dispatch = Rules("x, ids, w", _dispatch_rules(device), constants)
+        rows_are_hidden = (spec.output_dtype is not None
+                           and wire_dtype(spec.output_dtype).row_columns(spec.hidden_size) == spec.hidden_size)
+        self._combine = Rules("y, out", _combine_rules(rows_are_hidden), constants)
+        self._dispatch_ok, self._combine_ok = self._dispatch.all, self._combine.all
 
-    def dispatch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        check_values: bool | None = True,
-    ) -> bool:
-        """Raise a typed error for a bad dispatch input; ``check_values`` adds the value checks (None:
-        where the data is host memory, the dispatcher's default). Returns whether they ran
-        (``runs_value_checks``): the output checks read the counts under the same rule."""
-        try:
-            t, h = hidden_states.shape
-            dev = hidden_states.device
-            ok = (
-                h == self._hidden
-                and t <= self._capacity
-                and hidden_states.dtype is _BF16
-                and topk_weights.dtype is _F32
-                and ((d := topk_ids.dtype) is _I64 or d is _I32)
-                and topk_ids.shape == (t, self._top_k)
-                and topk_weights.shape == (t, self._top_k)
-                and dev == self._seen
-                and topk_ids.device == dev
-                and topk_weights.device == dev
-            )
-        except _FAST_FAIL:
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 check_values: bool | None = True) -> bool:
+        """Raise a typed error for a bad dispatch input; with ``check_values`` (None: on host memory) the value
+        checks too. Returns whether they ran: the output checks read the counts under the same rule."""
+        try:  # Rules.check, inlined: this is most of the core's per-call cost
+            ok = self._dispatch_ok(hidden_states, topk_ids, topk_weights)
+        except Exception:  # noqa: BLE001
             ok = False
         if not ok:
-            diagnose_dispatch_inputs(self.spec, self.device, hidden_states, topk_ids, topk_weights)
-            t = hidden_states.shape[0]
-            if topk_ids.device == hidden_states.device == topk_weights.device:
-                self._seen = hidden_states.device
+            self._dispatch.diagnose(hidden_states, topk_ids, topk_weights)
         values = runs_value_checks(check_values, hidden_states)
-        if values and t:
+        if values and hidden_states.shape[0]:
             check_dispatch_values(self.spec, hidden_states, topk_ids, topk_weights)
         return values
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
-        """Raise a typed error for a bad combine input (metadata only: reads no data)."""
+        """Raise a typed error for a bad combine input (metadata only)."""
         try:
-            rows = dispatch_output.hidden_states
-            ok = (
-                type(dispatch_output) is DispatchOutput
-                and expert_output.dtype is _BF16
-                and getattr(dispatch_output.handle, "owner", self.owner) is self.owner
-                and (
-                    expert_output.shape == rows.shape
-                    if self._rows_are_hidden
-                    else expert_output.shape[-1] == self._hidden and expert_output.shape[:-1] == rows.shape[:-1]
-                )
-                and expert_output.device == rows.device
-            )
-        except _FAST_FAIL:
+            ok = self._combine_ok(expert_output, dispatch_output)
+        except Exception:  # noqa: BLE001
             ok = False
         if not ok:
-            diagnose_combine_inputs(self.spec, self.owner, expert_output, dispatch_output)
-
-
-def check_dispatch_inputs(
-    spec: DispatchSpec,
-    device: torch.device | None,
-    hidden_states: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    *,
-    check_values: bool,
-) -> None:
-    """One-off form of ``InputChecks.dispatch``: the metadata checks, and the value checks
-    when ``check_values``."""
-    InputChecks(spec, device, None).dispatch(hidden_states, topk_ids, topk_weights, check_values)
-
-
-def check_combine_inputs(
-    spec: DispatchSpec, owner: object, expert_output: torch.Tensor, dispatch_output: DispatchOutput
-) -> None:
-    """One-off form of ``InputChecks.combine``."""
-    InputChecks(spec, None, owner).combine(expert_output, dispatch_output)
-
-
-# -- the slow path: find the first thing wrong and say so precisely ----------------------------
-
-
-def _tensor(name: str, value: object) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise InvalidInputError(
-            f"must be a torch.Tensor, not {type(value).__name__}", parameter=name, value=value, allowed="torch.Tensor"
-        )
-    return value
-
-
-def diagnose_dispatch_inputs(
-    spec: DispatchSpec,
-    device: torch.device | None,
-    hidden_states: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-) -> None:
-    """Every metadata check of a dispatch, one by one; returns when all pass."""
-    x = _tensor("hidden_states", hidden_states)
-    ids = _tensor("topk_ids", topk_ids)
-    w = _tensor("topk_weights", topk_weights)
-    h, k = spec.hidden_size, spec.top_k
-    if x.dim() != 2 or x.shape[1] != h:
-        raise InvalidInputError("wrong shape", parameter="hidden_states", value=x, allowed=f"[num_tokens, {h}]")
-    if x.dtype != _BF16:
-        raise InvalidInputError("wrong dtype", parameter="hidden_states", value=x, allowed="torch.bfloat16")
-    t = x.shape[0]
-    if tuple(ids.shape) != (t, k):
-        raise InvalidInputError("wrong shape", parameter="topk_ids", value=ids, allowed=f"[{t}, {k}] (num_tokens, top_k)")
-    if ids.dtype not in _ID_DTYPES:
-        raise InvalidInputError("wrong dtype", parameter="topk_ids", value=ids, allowed="torch.int32, torch.int64")
-    if tuple(w.shape) != (t, k):
-        raise InvalidInputError(
-            "wrong shape", parameter="topk_weights", value=w, allowed=f"[{t}, {k}] (num_tokens, top_k)"
-        )
-    if w.dtype != _F32:
-        raise InvalidInputError("wrong dtype", parameter="topk_weights", value=w, allowed="torch.float32")
-    for name, tensor in (("hidden_states", x), ("topk_ids", ids), ("topk_weights", w)):
-        if device is not None and tensor.device.type != device.type:
-            raise InvalidInputError(
-                "is on the wrong device for this process group", parameter=name, value=tensor, allowed=str(device)
-            )
-    if ids.device != x.device or w.device != x.device:
-        name, tensor = ("topk_ids", ids) if ids.device != x.device else ("topk_weights", w)
-        raise InvalidInputError(
-            "is not on the device of hidden_states", parameter=name, value=tensor, allowed=str(x.device)
-        )
-    if t > spec.num_max_dispatch_tokens_per_rank:
-        raise CapacityError(
-            f"a batch of {t} tokens exceeds the per-rank capacity; raise --num-max-dispatch-tokens-per-rank "
-            f"(DispatchSpec.num_max_dispatch_tokens_per_rank) to at least {t}",
-            parameter="num_max_dispatch_tokens_per_rank",
-            value=spec.num_max_dispatch_tokens_per_rank,
-            allowed=f">= {t}",
-        )
-
-
-def check_dispatch_values(
-    spec: DispatchSpec, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> None:
-    """The value checks (the ``check_inputs`` switch), on inputs whose metadata passed. On an
-    accelerator every flag is reduced on the device and read back with one sync; on the CPU,
-    where reading a flag costs nothing, each check stops at the first failure. Only a failure
-    costs more: ``_diagnose_values`` finds the first bad element.
-
-    While a CUDA graph is being captured they do not run: reading a flag back is a host sync,
-    which capture forbids, and a check at capture would see the capture's inputs, not the
-    replays'. Check the inputs before copying them into the graph's static tensors."""
-    if not hidden_states.is_cpu and capturing(hidden_states):
-        return
-    e = spec.num_experts
-    ids = topk_ids
-    dup = None
-    if ids.is_cpu:
-        lo, hi = torch.aminmax(ids)
-        bad = int(lo) < -1 or int(hi) >= e
-        if not bad and ids.shape[1] > 1:
-            s = torch.sort(ids, dim=1).values
-            dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-            bad = bool(dup.any())
-        bad = bad or not bool(torch.isfinite(topk_weights).all()) or not bool(torch.isfinite(hidden_states).all())
-    else:
-        flags = [((ids < -1) | (ids >= e)).any()]
-        if ids.shape[1] > 1:
-            s = torch.sort(ids, dim=1).values
-            dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-            flags.append(dup.any())
-        flags.append(~torch.isfinite(topk_weights).all())
-        flags.append(~torch.isfinite(hidden_states).all())
-        bad = bool(torch.stack(flags).any())
-    if bad:
-        _diagnose_values(e, hidden_states, ids, topk_weights)
+            self._combine.diagnose(expert_output, dispatch_output)
 
 
 def runs_value_checks(check_inputs: bool | None, hidden_states: torch.Tensor) -> bool:
-    """Whether a call with this ``check_inputs`` setting reads values: None (the default) where the
-    data is host memory, not on an accelerator, where each call would sync the device; True
-    everywhere but inside a CUDA-graph capture (a sync would abort it); False nowhere."""
+    """Whether a call reads values: None (the default) where the data is host memory; True everywhere but
+    inside a CUDA-graph capture (a sync would abort it, and replays bring new values); False nowhere."""
     if check_inputs is None:
         return hidden_states.is_cpu
     return bool(check_inputs) and not capturing(hidden_states)
@@ -264,156 +178,109 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _duplicates(ids: torch.Tensor) -> torch.Tensor:
+    s = torch.sort(ids, dim=1).values
+    return (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+
+
+def check_dispatch_values(spec: DispatchSpec, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                          topk_weights: torch.Tensor) -> None:
+    """The value checks on inputs whose metadata passed: every flag reduced to one boolean (one device sync on an
+    accelerator); only a failure looks for the first bad element. They stand aside during a CUDA-graph capture."""
+    if not hidden_states.is_cpu and capturing(hidden_states):
+        return
+    e, ids = spec.num_experts, topk_ids
+    flags = [((ids < -1) | (ids >= e)).any(), ~torch.isfinite(topk_weights).all(), ~torch.isfinite(hidden_states).all()]
+    if ids.shape[1] > 1:
+        flags.append(_duplicates(ids).any())
+    if bool(torch.stack(flags).any()):
+        _diagnose_values(e, hidden_states, ids, topk_weights)
+
+
 def _diagnose_values(e: int, hidden_states: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
     out_of_range = (ids < -1) | (ids >= e)
     if bool(out_of_range.any()):
         token, slot = out_of_range.nonzero()[0].tolist()
-        raise InvalidInputError(
-            f"expert id out of range at token {token}, slot {slot}",
-            parameter="topk_ids",
-            value=int(ids[token, slot]),
-            allowed=f"-1 (no expert) or 0..{e - 1}",
-        )
-    if ids.shape[1] > 1:
-        s = torch.sort(ids, dim=1).values
-        dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(dim=1)
-        if bool(dup.any()):
-            row = int(dup.nonzero()[0, 0])
-            raise InvalidInputError(
-                f"token {row} lists the same expert twice",
-                parameter="topk_ids",
-                value=ids[row].tolist(),
-                allowed="distinct expert ids per token (-1 may repeat)",
-            )
+        raise InvalidInputError(f"expert id out of range at token {token}, slot {slot}", parameter="topk_ids",
+                                value=int(ids[token, slot]), allowed=f"-1 (no expert) or 0..{e - 1}")
+    if ids.shape[1] > 1 and bool((dup := _duplicates(ids).any(dim=1)).any()):
+        row = int(dup.nonzero()[0, 0])
+        raise InvalidInputError(f"token {row} lists the same expert twice", parameter="topk_ids",
+                                value=ids[row].tolist(), allowed="distinct expert ids per token (-1 may repeat)")
     for name, tensor, axis in (("topk_weights", topk_weights, "slot"), ("hidden_states", hidden_states, "channel")):
         bad = ~torch.isfinite(tensor)
         if bool(bad.any()):
             token, col = bad.nonzero()[0].tolist()
-            raise InvalidInputError(
-                f"non-finite value at token {token}, {axis} {col}",
-                parameter=name,
-                value=float(tensor[token, col]),
-                allowed="finite values",
-            )
+            raise InvalidInputError(f"non-finite value at token {token}, {axis} {col}", parameter=name,
+                                    value=float(tensor[token, col]), allowed="finite values")
 
 
-def not_an_output(value: object) -> str:
-    """Why ``value`` is refused where a ``DispatchOutput`` belongs (a ``Pending`` not yet waited is the usual slip)."""
-    if isinstance(value, Pending):
-        return "is the Pending of a started dispatch: call .wait() first for its DispatchOutput"
-    return "must be the DispatchOutput this dispatcher returned"
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={list(value.shape)}, dtype={value.dtype})"
+    return type(value).__name__ if value is not None else "None"
 
 
-def diagnose_combine_inputs(
-    spec: DispatchSpec, owner: object, expert_output: torch.Tensor, dispatch_output: DispatchOutput
-) -> None:
-    """Every metadata check of a combine, one by one; returns when all pass."""
-    if not isinstance(dispatch_output, DispatchOutput):
-        raise InvalidInputError(
-            not_an_output(dispatch_output),
-            parameter="dispatch_output",
-            value=dispatch_output,
-            allowed="DispatchOutput",
-        )
-    if getattr(dispatch_output.handle, "owner", owner) is not owner:
-        raise InvalidInputError(
-            "comes from another dispatcher; combine each output on the dispatcher that produced it",
-            parameter="dispatch_output",
-            value=type(dispatch_output.handle).__name__,
-            allowed="a DispatchOutput returned by this dispatcher's dispatch",
-        )
-    y = _tensor("expert_output", expert_output)
-    rows = dispatch_output.hidden_states
-    expected = (*rows.shape[:-1], spec.hidden_size)
-    if tuple(y.shape) != expected:
-        raise InvalidInputError(
-            "wrong shape: one row per dispatched row", parameter="expert_output", value=y, allowed=f"{list(expected)}"
-        )
-    if y.dtype != _BF16:
-        raise InvalidInputError(
-            "wrong dtype (combine sends BF16)", parameter="expert_output", value=y, allowed="torch.bfloat16"
-        )
-    if y.device != rows.device:
-        raise InvalidInputError(
-            "is not on the device of the dispatch output",
-            parameter="expert_output",
-            value=y,
-            allowed=str(rows.device),
-        )
+def _broken(what: str) -> str:
+    return "backend {BACKEND!r} broke the contract: " + what
 
 
-
-
-
-_PACKED, _MASKED = Layout.PACKED, Layout.MASKED
+_OUTPUT_RULES = [
+    Rule("dispatch()", "type(out) is DispatchOutput", _broken("its result"), "a moe_dispatch.DispatchOutput",
+         "type(out).__name__", PluginError),
+    Rule("hidden_states", "out.hidden_states.dtype is ELEMENT and out.hidden_states.shape[-1] == COLUMNS",
+         _broken("dispatch() returned these rows"), "a {ELEMENT} tensor [..., {COLUMNS}]",
+         "described(out.hidden_states)", PluginError),
+    Rule("layout", "(out.layout is PACKED and out.hidden_states.dim() == 2) "
+         "or (out.layout is MASKED and out.hidden_states.dim() == 3)",
+         _broken("dispatch() returned {out.layout!r} rows"),
+         "PACKED [rows, cols] or MASKED [local experts, capacity, cols]", "described(out.hidden_states)", PluginError),
+    Rule("group_list", "out.group_list.shape == GROUPS and not out.group_list.is_floating_point() "
+         "and out.group_list_type in (0, 1)", _broken("dispatch() returned this group_list"),
+         "an integer tensor [{GROUPS[0]}] (one entry per local expert), type 0 or 1", "described(out.group_list)",
+         PluginError),
+    Rule("hidden_states", "out.layout is PACKED or out.hidden_states.shape[0] == GROUPS[0]",
+         _broken("dispatch() returned these MASKED rows"), "[{GROUPS[0]}, capacity, {COLUMNS}]",
+         "described(out.hidden_states)", PluginError),
+    Rule("expert_alignment", "out.layout is MASKED or out.expert_alignment == ALIGNMENT",
+         _broken("dispatch() returned PACKED rows at another alignment"),
+         "{ALIGNMENT} (what this dispatcher asks of the backend)", "out.expert_alignment", PluginError),
+]
 
 
 class OutputChecks:
-    """The output checks of one dispatcher, against values computed once."""
-
-    __slots__ = ("backend", "hidden", "element", "columns", "local_experts", "alignment", "worst_case", "_groups")
+    """The checks on one dispatcher's backend outputs, so a plugin's bug is a ``PluginError`` naming the backend
+    at the call that produced it. ``alignment``: of the backend's PACKED rows; ``worst_case``: its low-latency
+    PACKED rows may run past the segments (``Capabilities.worst_case_rows``). With the value checks, the counts are
+    checked to fit the rows (one device sync)."""
 
     def __init__(self, backend: str, spec: DispatchSpec, world_size: int, alignment: int = 1, *,
                  worst_case: bool = False) -> None:
-        self.backend = backend
-        self.hidden = spec.hidden_size
+        self.backend, self.hidden, self.worst_case = backend, spec.hidden_size, worst_case
         dtype = wire_dtype(spec.output_dtype)  # type: ignore[arg-type]  # resolved by now
-        self.element = dtype.element
-        self.columns = dtype.row_columns(spec.hidden_size)
-        self.local_experts = spec.num_experts // world_size
-        self._groups = (self.local_experts,)
-        self.alignment = alignment  # of the backend's PACKED rows
-        #: PACKED rows may be the backend's worst case, past the segments' end (``Capabilities.worst_case_rows``).
-        self.worst_case = worst_case
+        self._rules = Rules("out", _OUTPUT_RULES, {
+            "BACKEND": backend, "ELEMENT": dtype.element, "COLUMNS": dtype.row_columns(spec.hidden_size),
+            "GROUPS": (spec.num_experts // world_size,), "ALIGNMENT": alignment, "PACKED": Layout.PACKED,
+            "MASKED": Layout.MASKED, "DispatchOutput": DispatchOutput, "described": _described})
+        self._ok = self._rules.all
 
     def dispatch(self, out: object, check_values: bool) -> DispatchOutput:
-        # One combined test on the hot path (dtypes and enums are singletons: ``is``); the checks
-        # below only run, to say what is wrong, when it fails.
         try:
-            rows, groups, layout = out.hidden_states, out.group_list, out.layout  # type: ignore[attr-defined]
-            shape = rows.shape
-            ok = (type(out) is DispatchOutput and rows.dtype is self.element and shape[-1] == self.columns
-                  and groups.shape == self._groups and not groups.is_floating_point()
-                  and (len(shape) == 2 and out.expert_alignment == self.alignment  # type: ignore[attr-defined]
-                       if layout is _PACKED else
-                       (layout is _MASKED and len(shape) == 3 and shape[0] == self.local_experts))
-                  and out.group_list_type in (0, 1))  # type: ignore[attr-defined]
-        except (AttributeError, TypeError, IndexError):
+            ok = self._ok(out)
+        except Exception:  # noqa: BLE001
             ok = False
         if not ok:
-            self._diagnose(out)
+            self._rules.diagnose(out)
         if check_values:
             self._check_counts(out)  # type: ignore[arg-type]
         return out  # type: ignore[return-value]
 
-    def _diagnose(self, out: object) -> None:
-        if not isinstance(out, DispatchOutput):
-            raise self._broken("dispatch()", "its result", type(out).__name__, "a moe_dispatch.DispatchOutput")
-        rows, groups = out.hidden_states, out.group_list
-        if not (isinstance(rows, torch.Tensor) and rows.dtype == self.element and rows.dim() >= 1
-                and rows.shape[-1] == self.columns):
-            raise self._broken("hidden_states", "dispatch() returned these rows", _described(rows),
-                               f"a {self.element} tensor [..., {self.columns}]")
-        layout = out.layout
-        if rows.dim() != (3 if layout is Layout.MASKED else 2) or not isinstance(layout, Layout):
-            raise self._broken("layout", f"dispatch() returned {layout!r} rows", _described(rows),
-                               "PACKED [rows, cols] or MASKED [local experts, capacity, cols]")
-        if not (isinstance(groups, torch.Tensor) and groups.shape == (self.local_experts,)
-                and not groups.is_floating_point() and out.group_list_type in (0, 1)):
-            raise self._broken("group_list", "dispatch() returned this group_list", _described(groups),
-                               f"an integer tensor [{self.local_experts}] (one entry per local expert), type 0 or 1")
-        if layout is Layout.MASKED and rows.shape[0] != self.local_experts:
-            raise self._broken("hidden_states", "dispatch() returned these MASKED rows", _described(rows),
-                               f"[{self.local_experts}, capacity, {self.columns}]")
-        if layout is Layout.PACKED and out.expert_alignment != self.alignment:
-            raise self._broken("expert_alignment", "dispatch() returned PACKED rows at another alignment",
-                               out.expert_alignment, f"{self.alignment} (what this dispatcher asks of the backend)")
-
     def _check_counts(self, out: DispatchOutput) -> None:
         counts = out.expert_counts()
-        per_expert = out.hidden_states.shape[1] if out.layout is Layout.MASKED else out.hidden_states.shape[0]
-        lo = int(counts.min()) if counts.numel() else 0  # one sync for both on an accelerator: small tensors
-        if out.layout is Layout.MASKED:
+        masked = out.layout is Layout.MASKED
+        per_expert = out.hidden_states.shape[1 if masked else 0]
+        lo = int(counts.min()) if counts.numel() else 0
+        if masked:
             bad = counts.numel() > 0 and (lo < 0 or int(counts.max()) > per_expert)
             limit = f"0..{per_expert} rows per expert (the MASKED capacity)"
         elif out.expert_alignment > 1 or self.worst_case:
@@ -425,21 +292,12 @@ class OutputChecks:
             bad = lo < 0 or int(counts.sum()) != per_expert
             limit = f"counts >= 0 adding up to the {per_expert} rows returned"
         if bad:
-            raise self._broken("group_list", "dispatch() returned counts that do not fit its rows", counts.tolist(), limit)
+            raise PluginError(f"backend {self.backend!r} broke the contract: dispatch() returned counts that do not "
+                              "fit its rows", parameter="group_list", value=counts.tolist(), allowed=limit)
 
     def combine(self, result: object, dispatch_output: DispatchOutput) -> torch.Tensor:
         tokens = dispatch_output.topk_ids.shape[0]
-        if not (isinstance(result, torch.Tensor) and result.dtype is torch.bfloat16
-                and result.shape == (tokens, self.hidden)):
-            raise self._broken("combine()", "its result", _described(result), f"a bfloat16 tensor [{tokens}, {self.hidden}]")
+        if not (isinstance(result, torch.Tensor) and result.dtype is _BF16 and result.shape == (tokens, self.hidden)):
+            raise PluginError(f"backend {self.backend!r} broke the contract: its result", parameter="combine()",
+                              value=_described(result), allowed=f"a bfloat16 tensor [{tokens}, {self.hidden}]")
         return result
-
-    def _broken(self, field: str, what: str, value: object, allowed: str) -> PluginError:
-        return PluginError(f"backend {self.backend!r} broke the contract: {what}", parameter=field, value=value,
-                           allowed=allowed)
-
-
-def _described(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"Tensor(shape={list(value.shape)}, dtype={value.dtype})"
-    return type(value).__name__ if value is not None else "None"

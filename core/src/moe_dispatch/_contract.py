@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ._codecs import Codec
     from ._distributed.comm import Comm
     from ._pending import Pending
-    from ._resolution import Resolution
+    from ._trail import Resolution
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,6 @@ class EnvRequirement:
 
 
 
-pass  # (merged)
 
 
 

@@ -4,42 +4,31 @@
 from __future__ import annotations
 
 import functools
-import os
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
-import torch.distributed as dist
 
-from ._alignment import AlignmentPlan, align_rows, dense_rows, is_core_aligned, plan_alignment
 from ._checks import InputChecks, OutputChecks, not_an_output, runs_value_checks
-from ._codecs import make_codec
 from ._contract import (
     Backend,
     BackendDispatcher,
     BufferSize,
-    DispatchContext,
     FusedBackendDispatcher,
     SplitPhaseBackendDispatcher,
 )
-from ._distributed.agreement import agree
 from ._distributed.comm import Comm, Traffic
-from ._distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
 from ._errors import (
     CapacityError,
     CommunicationError,
     InvalidInputError,
-    InvalidSpecError,
-    MoEDispatchError,
     PluginError,
 )
-from ._loading import core_version
 from ._output import DispatchOutput
 from ._pending import Pending
-from ._registry import PluginHost, Selection, default_host
-from ._resolution import Resolution, prepare_layer
+from ._resolution import Resolution
 from ._spec import DispatchSpec
-from ._streams import start_mark
-from ._wire import DispatchDtype, Layout
+from ._wire import DispatchDtype, Layout, Mode
 
 if TYPE_CHECKING:
     from ._experts import ExpertKernel
@@ -52,7 +41,33 @@ _set_combined = DispatchOutput.combined.__set__  # type: ignore[attr-defined]
 
 #: Dispatches in flight at once by default: two micro-batches.
 DEFAULT_IN_FLIGHT = 2
-_MAX_IN_FLIGHT = 64
+
+
+@dataclass(frozen=True)
+class AlignmentPlan:
+    """How a dispatcher delivers ``spec.expert_alignment``: ``native`` (the backend writes it), by a
+    core copy, or not at all (1: dense rows)."""
+
+    alignment: int
+    native: bool
+    note: str
+
+    @property
+    def copies(self) -> bool:
+        """The core copies PACKED rows into the aligned layout (and back)."""
+        return self.alignment > 1 and not self.native
+
+
+def plan_alignment(backend: str, native_modes: frozenset[Mode], mode: Mode, alignment: int) -> AlignmentPlan:
+    if alignment == 1:
+        return AlignmentPlan(1, True, "dense PACKED rows (expert_alignment 1)")
+    if mode in native_modes:
+        return AlignmentPlan(alignment, True, f"backend {backend!r} writes each expert's rows at a multiple of "
+                                              f"{alignment}, the gaps zeroed")
+    return AlignmentPlan(alignment, False, f"backend {backend!r} writes dense rows in {mode.value} mode: the core "
+                                           f"copies PACKED rows to starts at multiples of {alignment} after dispatch "
+                                           "and gathers the expert rows back before combine (one copy each way)")
+
 
 
 class Dispatcher:
@@ -194,14 +209,19 @@ class Dispatcher:
         elsewhere ``_received`` is the output check alone)."""
         checked = self._outputs.dispatch(out, check_values)
         if checked.layout is Layout.PACKED:
+            from ._alignment import align_rows
+
             return align_rows(checked, self.spec.expert_alignment)
         return checked
 
     def _backend_rows(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput
                       ) -> tuple[torch.Tensor, DispatchOutput]:
         """What the backend's combine takes: its own output, and the expert rows in its order."""
-        if self._copy_alignment and is_core_aligned(dispatch_output):
-            return dense_rows(expert_output, dispatch_output)
+        if self._copy_alignment:
+            from ._alignment import dense_rows, is_core_aligned
+
+            if is_core_aligned(dispatch_output):
+                return dense_rows(expert_output, dispatch_output)
         return expert_output, dispatch_output
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
@@ -258,7 +278,7 @@ class Dispatcher:
         ``Pending.overlapped`` is False when the backend ran the call to its end at start.
         """
         if self._split is None:
-            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), start_mark(hidden_states))
+            return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), _start_mark(hidden_states))
         self._usable("dispatch")
         values = self._check_dispatch(hidden_states, topk_ids, topk_weights)
         try:
@@ -278,7 +298,7 @@ class Dispatcher:
         combined from here on. ``expert_output`` is the call's until ``wait()``, as a started
         dispatch's inputs are."""
         if self._split is None:
-            return Pending.completed(self.combine(expert_output, dispatch_output), start_mark(expert_output))
+            return Pending.completed(self.combine(expert_output, dispatch_output), _start_mark(expert_output))
         self._usable("combine")
         self._check_combine(expert_output, dispatch_output)
         try:
@@ -381,7 +401,9 @@ class Dispatcher:
         and this rank's next calls are told apart from it. Any other failure once the call had begun, on a group
         with peers, breaks the dispatcher (the peers have left the call, and the group may hold an unfinished
         collective): every peer stops waiting for this rank, from then on."""
-        if before is None and self.world_size > 1 and not isinstance(exc, InvalidInputError):
+        if self.world_size == 1:
+            return  # no one to tell
+        if before is None and not isinstance(exc, InvalidInputError):
             self._broken = f"{operation} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
         if self._broken is not None:
             self._comm.announce_failure(operation, exc)
@@ -449,68 +471,6 @@ class Dispatcher:
         )
 
 
-def create_dispatcher(
-    backend: str | Backend,
-    spec: DispatchSpec,
-    group: "dist.ProcessGroup | None" = None,
-    *,
-    strict: bool = False,
-    env: Mapping[str, str] | None = None,
-    check_inputs: bool | None = None,
-    host: PluginHost | None = None,
-    options: Mapping[str, Any] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    in_flight: int = DEFAULT_IN_FLIGHT,
-) -> Dispatcher:
-    """Resolve the wire dtype, check the spec against the backend, plan the buffers, agree
-    with the other ranks and build the dispatcher: everything that can fail does so here,
-    before the first forward, and on every rank of the group.
-
-    Works in one process (no torch.distributed: world size 1), under ``torchrun`` after
-    ``dist.init_process_group()`` (``group=None`` is the default group), and on any group.
-    Every rank of the group must call it (it is a collective).
-
-    :param strict: a dtype fallback raises instead of warning.
-    :param env: environment for the resolution (``os.environ`` when None); never written.
-    :param check_inputs: run the value checks (ids in range, no duplicate ids, finite
-        values) on every dispatch; they read the data (a device sync on an accelerator).
-        None (the default): on host memory only, so an accelerator's hot path makes no host
-        sync; True: everywhere; False: nowhere. The shape, dtype, device and capacity checks
-        always run.
-    :param in_flight: how many dispatches the engine keeps in flight at once (two-batch overlap:
-        2, the default, as DeepEP double-buffers its low-latency mode). Backends that reuse their
-        buffers plan that many sets at creation (the reference backends' low-latency slots); more
-        in flight still works, each extra one at the cost of one more set.
-    :param timeout_s: how long a rank waits for the others in one collective (gloo) before
-        ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
-        the process group's own timeout.
-    """
-    comm = Comm(group, timeout_s=_timeout_or_default(timeout_s))  # a bad one is refused below, with the peers told
-    try:
-        _check_arguments(spec, env, options, timeout_s, in_flight)
-        chosen = (host or default_host()).select(backend)
-        with chosen.typed_errors("planning the dispatcher"):  # a plugin bug reaches the peers too
-            ctx, resolution = _prepare(chosen, spec, comm, strict=strict, env=env, options=options,
-                                       in_flight=in_flight)
-            _check_fits_memory(ctx)
-            fingerprint = _fingerprint(chosen, ctx, timeout_s)
-    except MoEDispatchError as exc:
-        # The peers learn of it in the agreement below (no one waits for a timeout); then raise it here.
-        agree(comm, {}, "configuration", failure=exc)
-        raise
-    comm.bind(agree(comm, fingerprint, "configuration"))
-    try:
-        impl = comm.in_call(chosen.create)(ctx)
-        if not (callable(getattr(impl, "dispatch", None)) and callable(getattr(impl, "combine", None))):
-            raise PluginError(f"backend {chosen.backend.name!r} broke the contract: create() returned this",
-                              parameter="create()", value=type(impl).__name__,
-                              allowed="a BackendDispatcher (an object with dispatch and combine)")
-    except BaseException as exc:
-        comm.announce_failure("create", exc)
-        raise
-    return Dispatcher(chosen.backend, ctx.spec, resolution, impl, comm, ctx.buffer_size, check_inputs=check_inputs)
-
-
 def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> torch.Tensor:
     """``experts`` on a dispatch output's rows, bf16 out: what ``Dispatcher.forward`` runs between its calls.
     ``expert_alignment`` is passed only when the rows are aligned (a kernel that never asks for it needs no such
@@ -536,31 +496,6 @@ def _overlapped(started: Pending[Any]) -> bool:
     return bool(getattr(started, "overlapped", True))
 
 
-def _memory_bytes(device: torch.device) -> int | None:
-    """The device's total memory, where it can be read cheaply (None: unknown)."""
-    try:
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info()[1])
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        pass
-    return None
-
-
-def _check_fits_memory(ctx: DispatchContext) -> None:
-    """Buffers larger than the device's whole memory cannot be allocated: say so at creation, not
-    with an allocator error at the first dispatch (a low-latency capacity of 2**25 tokens)."""
-    total = _memory_bytes(ctx.device)
-    need = ctx.buffer_size.total_bytes
-    if total is not None and need > total:
-        raise CapacityError(
-            f"the buffers this spec needs ({need:,} bytes on {ctx.world_size} ranks) exceed the device's whole memory "
-            f"({total:,} bytes on {ctx.device.type})", parameter="num_max_dispatch_tokens_per_rank",
-            value=ctx.spec.num_max_dispatch_tokens_per_rank, allowed="a capacity whose buffers fit the device",
-        )
-
-
 def _out_of_memory(exc: BaseException, buffers: BufferSize) -> CapacityError | None:
     """An allocator failure inside a backend's dispatch, as a typed error (None for anything else)."""
     text = str(exc)
@@ -574,67 +509,10 @@ def _out_of_memory(exc: BaseException, buffers: BufferSize) -> CapacityError | N
     )
 
 
-def _timeout_or_default(timeout_s: object) -> float:
-    try:
-        return check_timeout(timeout_s)
-    except InvalidSpecError:
-        return DEFAULT_TIMEOUT_S
+def _start_mark(t: torch.Tensor) -> Any:
+    """Where a call run to its end at start ended on its CUDA stream (None off CUDA: no streams module then)."""
+    if not t.is_cuda:
+        return None
+    from ._streams import start_mark
 
-
-def _check_arguments(spec: object, env: object, options: object, timeout_s: object, in_flight: object) -> None:
-    """Typed errors for arguments of the wrong kind, raised inside the agreement so the peers hear of them."""
-    check_timeout(timeout_s)
-    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or not 1 <= in_flight <= _MAX_IN_FLIGHT:
-        raise InvalidSpecError("must be the number of dispatches kept in flight at once", parameter="in_flight",
-                               value=in_flight, allowed=f"an int in 1..{_MAX_IN_FLIGHT} (2 for two micro-batches)")
-    if not isinstance(spec, DispatchSpec):
-        raise InvalidSpecError("must be a moe_dispatch.DispatchSpec", parameter="spec", value=spec,
-                               allowed="DispatchSpec(hidden_size, num_experts, top_k, ...)")
-    for name, value in (("env", env), ("options", options)):
-        if value is not None and not isinstance(value, Mapping):
-            raise InvalidSpecError("must be a mapping of names to values, or None", parameter=name,
-                                   value=value, allowed="None or a dict (e.g. os.environ)")
-
-
-def _prepare(
-    chosen: Selection, spec: DispatchSpec, comm: Comm, *, strict: bool,
-    env: Mapping[str, str] | None, options: Mapping[str, Any] | None, in_flight: int = 2,
-) -> tuple[DispatchContext, Resolution]:
-    """Everything local (``prepare_layer``), then the context the backend creates from."""
-    layer = prepare_layer(chosen.backend, spec, comm.world_size, runners=chosen.runners, env=env, strict=strict)
-    ctx = DispatchContext(
-        spec=layer.spec,
-        resolution=layer.resolution,
-        comm=comm,
-        codec=make_codec(layer.spec.wire_format(), layer.spec.quant.input_global_scale),
-        buffer_size=layer.buffer_size,
-        device=comm.device or torch.device("cpu"),
-        options=dict(options or {}),
-        in_flight=in_flight,
-    )
-    return ctx, layer.resolution
-
-
-def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:
-    """What every rank of the group must agree on (compared field by field at creation)."""
-    spec, backend = ctx.spec, chosen.backend
-    return {
-        "hidden_size": spec.hidden_size,
-        "num_experts": spec.num_experts,
-        "top_k": spec.top_k,
-        "num_max_dispatch_tokens_per_rank": spec.num_max_dispatch_tokens_per_rank,
-        "mode": spec.mode.value,
-        "resolved dtype": spec.output_dtype.value,
-        "quant": repr(spec.quant),
-        "runner": spec.runner,
-        "group_list_type": spec.group_list_type,
-        "expert_alignment": spec.expert_alignment,
-        "backend": backend.name,
-        "backend version": chosen.label,
-        "core version": core_version(),
-        "world_size": ctx.world_size,
-        "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],
-        "timeout_s": timeout_s,
-        "in_flight": ctx.in_flight,  # backends may plan buffers per call in flight collectively (the reference's LL)
-        **{f"{backend.name}: {name}": value for name, value in backend.agreement(ctx).items()},
-    }
+    return start_mark(t)

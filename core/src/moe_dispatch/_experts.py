@@ -10,7 +10,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from ._codecs import Quantized, dispatch_dtype_of, make_codec
 from ._errors import InvalidInputError
 from ._output import align_up, group_counts, group_starts
 from ._wire import DispatchDtype, WireFormat, wire_dtype
@@ -166,6 +165,8 @@ def dequantize_rows(
     hidden_states: torch.Tensor, scale: torch.Tensor | None, hidden: int, global_scale: float | None = None
 ) -> torch.Tensor:
     """Dispatched rows in any wire dtype back to fp32 ``[..., H]``."""
+    from ._codecs import Quantized, dispatch_dtype_of, make_codec  # the codecs load with the first dispatch
+
     dtype = dispatch_dtype_of(hidden_states)
     if wire_dtype(dtype).scaled and scale is None:
         raise InvalidInputError(

@@ -34,7 +34,6 @@ from ._errors import PluginError
 
 if TYPE_CHECKING:
     from ._contract import Backend, RunnerInfo
-    pass  # (merged)
 
 
 PROJECT = "moe_dispatch"

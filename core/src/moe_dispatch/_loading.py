@@ -185,7 +185,6 @@ class Prober:
 
 
 
-pass  # (merged)
 
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
 ENV_PLUGINS = "MOE_DISPATCH_PLUGINS"

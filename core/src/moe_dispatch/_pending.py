@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generic, TypeVar
 
-from ._streams import hand_over, tensors_of
-
 T = TypeVar("T")
 
 
@@ -58,6 +56,8 @@ class Pending(Generic[T]):
     def wait(self) -> T:
         """The result: the dispatch output, or combine's bf16 ``[T, H]``."""
         if self._start is not None:  # a completed call, waited on another stream than its own
+            from ._streams import hand_over, tensors_of  # only a CUDA call has a start mark
+
             start, self._start = self._start, None
             hand_over(start, tensors_of(self._result))
         if self._finish is not None:

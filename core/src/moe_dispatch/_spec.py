@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -107,18 +108,21 @@ class QuantHints:
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "dispatcher_output_dtype": None if self.dispatcher_output_dtype is None else self.dispatcher_output_dtype.value,
-            "input_global_scale": self.input_global_scale,
-            "fp8_ue8m0_scales": self.fp8_ue8m0_scales,
-        }
+        return _plain(self)
 
 
 
-pass  # (merged)
 
 #: The largest ``expert_alignment``: every local expert may add alignment - 1 padding rows per call.
 MAX_EXPERT_ALIGNMENT = 1024
+
+
+def _plain(value: Any) -> Any:
+    """A dataclass as a dict of its fields, by ``dataclasses.fields`` (a new field is included by construction);
+    enums by value."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -228,18 +232,9 @@ class DispatchSpec:
         return self.num_experts // world_size
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.hidden_size,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "num_max_dispatch_tokens_per_rank": self.num_max_dispatch_tokens_per_rank,
-            "mode": self.mode.value,
-            "output_dtype": "auto" if self.output_dtype is None else self.output_dtype.value,
-            "quant": self.quant.to_dict(),
-            "runner": self.runner,
-            "group_list_type": self.group_list_type,
-            "expert_alignment": self.expert_alignment,
-        }
+        """Every field, in declaration order, as plain values (enums by value; ``output_dtype`` None as "auto"): what
+        ``explain --json`` prints and, resolved, what every rank must agree on at creation."""
+        return {**_plain(self), "output_dtype": "auto" if self.output_dtype is None else self.output_dtype.value}
 
     @classmethod
     def from_args(

@@ -17,8 +17,6 @@ import importlib.util
 import os
 import sys
 
-from ._environ import restored_environ
-
 AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 #: Set by CANN's set_env.sh; without any of them torch-npu cannot load.
 CANN_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
@@ -33,6 +31,8 @@ def import_torch() -> None:
     if "torch" in sys.modules or not npu_autoload_would_fail():
         importlib.import_module("torch")  # the caller's (or torch's default) behaviour stands
         return
+    from ._environ import restored_environ
+
     with restored_environ({AUTOLOAD: "0"}):
         importlib.import_module("torch")
 

@@ -89,7 +89,6 @@ class Layout(str, enum.Enum):
 
 
 
-pass  # (merged)
 
 
 @dataclass(frozen=True)
@@ -154,8 +153,6 @@ def wire_dtype(dtype: DispatchDtype) -> WireDtype:
 
 
 
-pass  # (merged)
-pass  # (merged)
 
 FP8_BLOCK = wire_dtype(DispatchDtype.FP8).scale_group  # channels per fp32 scale (DeepEP / DeepGEMM)
 NVFP4_BLOCK = wire_dtype(DispatchDtype.NVFP4).scale_group  # elements per e4m3 block scale (FlashInfer NVFP4)

@@ -45,8 +45,7 @@ from ._contract import (
     RunnerInfo,
     SplitPhaseBackendDispatcher,
 )
-from ._distributed.comm import Comm, Traffic
-from ._distributed.watch import DEFAULT_TIMEOUT_S, check_timeout
+from ._distributed.comm import DEFAULT_TIMEOUT_S, Comm, Traffic, check_timeout
 from ._environ import restored_environ
 from ._experts import dequantize_rows, dequantized_weights, quantize_weights_w8a8, swiglu
 from ._hookspecs import API_VERSION, Command, hookimpl

@@ -23,8 +23,9 @@ from typing import Any, Callable, Mapping, Sequence
 from ._contract import Backend, BufferSize, EnvRequirement, RunnerInfo
 from ._errors import CapacityError, InvalidSpecError
 from ._registry import PluginHost, default_host
-from ._resolution import DtypeFallbackWarning, PreparedLayer, Resolution, prepare_layer, resolve_dtype
+from ._resolution import PreparedLayer, prepare_layer, resolve_dtype
 from ._spec import DispatchSpec
+from ._trail import DtypeFallbackWarning, Resolution
 from ._wire import DispatchDtype
 
 MIB = 1 << 20

@@ -16,14 +16,35 @@ import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._codecs import as_bytes, from_bytes
 from .._errors import CallOrderError, CommunicationError, InvalidInputError, InvalidSpecError
-from .watch import DEFAULT_TIMEOUT_S, CallId, Watch, check_timeout
+
+if TYPE_CHECKING:
+    from .watch import CallId, Watch
+
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0  # beyond a year a deadline is a typo, and timedelta overflows near 1e14 s
+#: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
+DEFAULT_TIMEOUT_S = 300.0
+def check_timeout(value: object) -> float:
+    """``value`` as a collective deadline in seconds, or an ``InvalidSpecError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidSpecError("must be a number of seconds", parameter="timeout_s", value=value,
+                               allowed=f"a number in (0, {_MAX_TIMEOUT_S:g}]")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = float("inf")
+    if not (0 < seconds <= _MAX_TIMEOUT_S):  # also NaN
+        raise InvalidSpecError("must be a positive number of seconds, at most a year", parameter="timeout_s",
+                               value=value, allowed=f"a number in (0, {_MAX_TIMEOUT_S:g}]")
+    return seconds
+
+
 
 #: The Watch of the dispatcher call running on this thread (``Comm.calling``): a ``Comm`` a vendor library, or a fake
 #: of one, makes for the same ranks waits with it (its timeout, its peers' failure notices) instead of its own.
@@ -134,7 +155,12 @@ class Comm:
         self._tag = 0
         self._call: CallId | None = None  # begun, not yet checked with the peers
         on_gloo = self.world_size > 1 and self.backend_name == "gloo"
-        self._watch = Watch(self.rank, self.world_size, float(timeout_s), poll=on_gloo)
+        self.timeout_s = float(timeout_s)
+        self._watch: Watch | None = None  # peers' failures and deadlines: only where there are peers
+        if self.world_size > 1:
+            from .watch import Watch
+
+            self._watch = Watch(self.rank, self.world_size, self.timeout_s, poll=on_gloo)
         self._checks_every_call = on_gloo  # fixed for the group: not asked of torch.distributed per collective
         #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
         self.records: list[CollectiveRecord] | None = None
@@ -143,11 +169,13 @@ class Comm:
         """Name this dispatcher's calls and failure notices by the ``uid`` its ranks agreed on."""
         self.uid = uid
         self._tag = int(uid[:15], 16) if uid else 0
-        self._watch.bind(uid)
+        if self._watch is not None:
+            self._watch.bind(uid)
 
     @property
-    def watch(self) -> Watch:
-        """This dispatcher's ``Watch``; for a ``Comm`` bound to none, the calling dispatcher's (``calling``)."""
+    def watch(self) -> Watch | None:
+        """This dispatcher's ``Watch`` (None alone: no peers); for a ``Comm`` bound to none, the calling
+        dispatcher's (``calling``)."""
         return self._caller() or self._watch
 
     def _caller(self) -> Watch | None:
@@ -170,7 +198,7 @@ class Comm:
 
     def in_call(self, fn):  # type: ignore[no-untyped-def]
         """``fn`` run inside ``calling`` where this ``Comm`` polls (gloo with peers); ``fn`` itself elsewhere."""
-        if not self._watch.poll:
+        if self._watch is None or not self._watch.poll:
             return fn
 
         @functools.wraps(fn)
@@ -193,6 +221,8 @@ class Comm:
         before any data moves (gloo aborts the process on mismatched sizes; NCCL pairs the wrong
         buffers)."""
         if self.world_size > 1:
+            from .watch import CallId
+
             self._call = call = CallId(self.watch.epoch, phase, number)
             self.watch.enter(call)
 
@@ -366,12 +396,16 @@ class Comm:
     def announce_failure(self, operation: str, error: BaseException) -> None:
         """Tell the other ranks this one raised and makes no more calls (of this dispatcher), so they stop waiting
         for it."""
-        self.watch.announce(operation, error)
+        if self._watch is not None:
+            self.watch.announce(operation, error)
 
     def announce_refusal(self, operation: str, error: BaseException, phase: str, number: int | None) -> None:
         """Tell the other ranks this one refused call ``number`` of ``phase`` before its collectives and goes on:
         the ranks waiting in that call stop; the calls this rank makes next are told apart from it (the epoch)."""
-        self.watch.refused(operation, error, CallId(self.watch.epoch, phase, number))
+        if self._watch is not None:
+            from .watch import CallId
+
+            self.watch.refused(operation, error, CallId(self.watch.epoch, phase, number))
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets.

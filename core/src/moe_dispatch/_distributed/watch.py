@@ -29,30 +29,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .._errors import CallOrderError, CollectiveTimeoutError, CommunicationError, InvalidSpecError, PeerFailedError
+from .._errors import CallOrderError, CollectiveTimeoutError, CommunicationError, PeerFailedError
 
-#: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
-DEFAULT_TIMEOUT_S = 300.0
 _SLICE = datetime.timedelta(milliseconds=50)
 #: A wait this long looks for a peer making the same call in the other form (``Watch._check_form``): a store write
 #: and a read a slice from then on, so not for the many waits a busy machine makes a few slices long.
 _FORM_AFTER_S = 1.0
-_MAX_TIMEOUT_S = 365 * 24 * 3600.0  # beyond a year a deadline is a typo, and timedelta overflows near 1e14 s
-
-
-def check_timeout(value: object) -> float:
-    """``value`` as a collective deadline in seconds, or an ``InvalidSpecError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidSpecError("must be a number of seconds", parameter="timeout_s", value=value,
-                               allowed=f"a number in (0, {_MAX_TIMEOUT_S:g}]")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = float("inf")
-    if not (0 < seconds <= _MAX_TIMEOUT_S):  # also NaN
-        raise InvalidSpecError("must be a positive number of seconds, at most a year", parameter="timeout_s",
-                               value=value, allowed=f"a number in (0, {_MAX_TIMEOUT_S:g}]")
-    return seconds
 
 
 def _default_store():  # type: ignore[no-untyped-def]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,10 @@ from .._distributed.comm import Comm, Transfer
 from .._errors import CommunicationError
 from .._output import DispatchOutput, group_list_from_counts, rows_by_expert
 from .._pending import Pending
-from .._streams import handed_over, start_mark
 from .._wire import Layout, Mode
-from .receiver import Receiver, receiver_for
+
+if TYPE_CHECKING:
+    from .receiver import Receiver
 from .slots import Lease, Slot, SlotPool
 
 T = TypeVar("T")
@@ -116,10 +117,12 @@ class ReferenceDispatcher:
         #: receive at ``wait()``: ``dist.new_group``'s names for a group made by its members alone count the groups
         #: each process has, which differ between ranks once subgroups have come and gone (ranks then wait for
         #: each other's group forever: core/tests/test_nothing_lost.py, subgroups of a 4-rank pool).
-        self._receiver: Receiver | None = None
+        self._receiver: "Receiver | None" = None
         self._started_comm: Comm | None = None
         if (self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu"
                 and self.world == dist.get_world_size()):
+            from .receiver import receiver_for  # the receiver thread: host memory with peers only
+
             self._receiver = receiver_for(self.comm.process_group, self.comm.watch.timeout_s)
             assert self._receiver.group is not None
             self._started_comm = self.comm.for_started_calls(self._receiver.group)
@@ -167,6 +170,10 @@ class ReferenceDispatcher:
         after the start's end on its stream, whichever stream the wait runs on (``streams``)."""
         receiver = self._receiver
         if receiver is None:
+            if not like.is_cuda:
+                return Pending(start(self.comm))
+            from .._streams import handed_over, start_mark
+
             return Pending(handed_over(start(self.comm), start_mark(like)))
         self._check_background()  # refused here, before the call is queued
         begun = receiver.submit(functools.partial(self._in_background, "start", self._begin, start,

@@ -20,7 +20,8 @@ def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, 
     """What ``moe-dispatch explain`` shows: ``create_dispatcher``'s own preparation of ``spec``
     (``prepare_layer``), so it refuses exactly what ``create_dispatcher`` refuses, with the
     same typed error; the dtype fallback is on the trail instead of a warning."""
-    from .._resolution import DtypeFallbackWarning, prepare_layer
+    from .._resolution import prepare_layer
+    from .._trail import DtypeFallbackWarning
 
     chosen = (host or default_host()).select(backend, must_run_here=False)  # explain works for any backend
     with warnings.catch_warnings():  # the trail shows the fallback

@@ -8,11 +8,10 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
-from .._alignment import plan_alignment
+from .._dispatcher import plan_alignment
 from .._errors import MoEDispatchError
 from .._registry import PluginHost, default_host
 from .._spec import QuantHints
-from .._wire import DispatchDtype, Mode
 from . import flags
 from .explain import explain
 from .flags import positive_int

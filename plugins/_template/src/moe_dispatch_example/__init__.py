@@ -3,7 +3,6 @@
 The core imports this module, checks ``MOE_DISPATCH_API``, and calls the hooks below.
 """
 
-import moe_dispatch as md
 import moe_dispatch.backend as mdb
 
 from .backend import ExampleBackend
