@@ -3,6 +3,8 @@
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import moe_dispatch as md
@@ -192,3 +194,38 @@ def test_check_inputs_true_stands_aside_while_a_cuda_graph_is_captured(monkeypat
     assert d._values(x)
     monkeypatch.setattr(validation_module, "capturing", lambda t: True)
     assert not d._values(x)
+
+
+_DTYPES = [torch.bfloat16, torch.float32, torch.int32, torch.int64]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.integers(0, 6), hidden=st.sampled_from([128, 64]), k=st.sampled_from([1, 2, 3]),
+       dtypes=st.tuples(*[st.sampled_from(_DTYPES)] * 3), meta=st.tuples(*[st.booleans()] * 3),
+       not_tensor=st.sampled_from([None, 0, 1, 2]), combine_rows=st.integers(0, 6))
+def test_the_hot_path_refuses_exactly_what_the_diagnosis_names(tokens, hidden, k, dtypes, meta, not_tensor,
+                                                                combine_rows):
+    """Each check is one rule serving both paths: the one-expression hot path passes an input exactly when the
+    rule-by-rule diagnosis finds nothing wrong (a rule the hot path skips must be implied by the others)."""
+    from moe_dispatch._checks import InputChecks
+
+    spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4).with_dtype(md.DispatchDtype.BF16)
+    checks = InputChecks(spec, torch.device("cpu"), None)
+    args = [torch.zeros(tokens, hidden if i == 0 else k, dtype=dt, device="meta" if m else "cpu")
+            for i, (dt, m) in enumerate(zip(dtypes, meta))]
+    if not_tensor is not None:
+        args[not_tensor] = [[0.0] * k] * tokens
+    for rules, values in ((checks._dispatch, args),
+                          (checks._combine, (args[0], md.DispatchOutput(
+                              torch.zeros(combine_rows, 128, dtype=torch.bfloat16), None, args[1], args[2],
+                              torch.zeros(4, dtype=torch.int64), 1, md.Layout.PACKED, md.DispatchDtype.BF16, None)))):
+        try:
+            fast = bool(rules.all(*values))
+        except Exception:  # noqa: BLE001
+            fast = False
+        try:
+            rules.diagnose(*values)
+            named = None
+        except md.MoEDispatchError as exc:
+            named = exc
+        assert fast == (named is None), (fast, named)

@@ -7,6 +7,7 @@ kill tests check the error arrives within the timeout, naming the rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -47,6 +48,29 @@ def test_ranks_that_disagree_on_the_spec_all_raise_naming_the_field():
         assert attrs["parameter"] == "num_max_dispatch_tokens_per_rank" and attrs["value"] == [16, 32, 16]
         assert "rank 1: 32" in message
         assert seconds < TIMEOUT_S  # found at creation, not by a timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpecWithANewField(md.DispatchSpec):
+    """What adding a field to ``DispatchSpec`` looks like to the agreement: nothing lists it there."""
+
+    route_salt: int = 0
+
+
+def _mismatched_new_field(rank: int, world: int, quant: bool):
+    spec = (md.DispatchSpec(**SPEC, output_dtype="fp8", quant=md.QuantHints(fp8_ue8m0_scales=rank == 1)) if quant
+            else _SpecWithANewField(**SPEC, route_salt=rank))
+    return outcome(lambda: md.create_dispatcher("torch", spec, env={}, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.parametrize("quant, field, values", [(False, "route_salt", [0, 1]),
+                                                  (True, "quant.fp8_ue8m0_scales", [False, True])])
+def test_every_field_of_the_spec_is_compared_by_construction(quant, field, values):
+    with RankPool(2) as pool:
+        outcomes = pool.map(_mismatched_new_field, quant)
+    for name, attrs, seconds, message in outcomes:
+        assert name == "ConfigMismatchError", message
+        assert attrs["parameter"] == field and attrs["value"] == values
 
 
 class _OptionsDecideTheConstructor(TorchBackend):

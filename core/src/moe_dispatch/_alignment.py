@@ -48,14 +48,10 @@ def align_rows(out: DispatchOutput, alignment: int) -> DispatchOutput:
     dest = group_starts(counts, alignment)[expert] + torch.arange(rows, device=device) - first[expert]
     capacity = int(align_up(counts, alignment).sum())
     scale = out.hidden_states_scale
-    return replace(
-        out,
-        hidden_states=_scattered(out.hidden_states, dest, capacity),
-        hidden_states_scale=None if scale is None else _scattered(scale, dest, capacity),
-        group_list=group_list_from_counts(counts, out.group_list_type, alignment),
-        handle=AlignedHandle(out, dest),
-        expert_alignment=alignment,
-    )
+    return replace(out, hidden_states=_scattered(out.hidden_states, dest, capacity),
+                   hidden_states_scale=None if scale is None else _scattered(scale, dest, capacity),
+                   group_list=group_list_from_counts(counts, out.group_list_type, alignment),
+                   handle=AlignedHandle(out, dest), expert_alignment=alignment)
 
 
 def dense_rows(expert_output: torch.Tensor, out: DispatchOutput) -> tuple[torch.Tensor, DispatchOutput]:

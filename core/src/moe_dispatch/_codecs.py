@@ -185,12 +185,9 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """The inverse of ``pack_ue8m0``: int32 ``[..., ceil(G/4)]`` → fp32 ``[..., G]``. Works on
     column-major (MN-major) views too."""
     if packed.dtype != torch.int32 or packed.shape[-1] != -(-groups // 4):
-        raise InvalidInputError(
-            f"packed UE8M0 scales for {groups} groups need {-(-groups // 4)} int32 words per row",
-            parameter="hidden_states_scale",
-            value=packed,
-            allowed=f"int32 [..., {-(-groups // 4)}]",
-        )
+        raise InvalidInputError(f"packed UE8M0 scales for {groups} groups need {-(-groups // 4)} int32 words per row",
+                                parameter="hidden_states_scale", value=packed,
+                                allowed=f"int32 [..., {-(-groups // 4)}]")
     return ue8m0_value(as_bytes(packed)[..., :groups])
 
 
@@ -361,9 +358,5 @@ def dispatch_dtype_of(tensor: torch.Tensor, parameter: str = "hidden_states") ->
     for dtype, tdtype in _TORCH_DTYPE_OF.items():
         if tensor.dtype == tdtype:
             return dtype
-    raise InvalidInputError(
-        "is not a dispatched activation dtype",
-        parameter=parameter,
-        value=tensor,
-        allowed="bfloat16, float8_e4m3fn, int8, uint8 (packed NVFP4)",
-    )
+    raise InvalidInputError("is not a dispatched activation dtype", parameter=parameter, value=tensor,
+                            allowed="bfloat16, float8_e4m3fn, int8, uint8 (packed NVFP4)")

@@ -1,19 +1,12 @@
-"""What a backend can do, as data: the dtype table, limits, and features.
-
-The conformance kit reads these to pick its tests, ``moe-dispatch backends`` prints them,
-and ``Backend.validate_dtype`` decides from them by default.
-
-What a backend plugin implements.
-
-A ``Backend`` describes itself (name, capabilities, ``probe``), validates dtypes, sizes its
-buffers, and creates a ``BackendDispatcher`` for one spec on one process group. The core's
-``Dispatcher`` calls that object directly: no plugin-manager call on the hot path.
+"""What a backend is: ``Backend`` (capabilities as data, checks, sizes, ``create``), the ``BackendDispatcher``
+protocols it creates, and the data they get (``DispatchContext``) and declare (``Capabilities``, ``Limits``,
+``BufferSize``, ``RunnerInfo``). The core's ``Dispatcher`` calls a backend dispatcher directly: no plugin-manager
+call on the hot path. The conformance kit reads the capabilities to pick its tests.
 """
-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, runtime_checkable
 
 import torch
@@ -72,16 +65,7 @@ class Limits:
     world_sizes: frozenset[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_tokens_per_rank": self.max_tokens_per_rank,
-            "hidden_sizes": None if self.hidden_sizes is None else sorted(self.hidden_sizes),
-            "hidden_multiple": self.hidden_multiple,
-            "min_hidden": self.min_hidden,
-            "max_hidden": self.max_hidden,
-            "max_top_k": self.max_top_k,
-            "max_buffer_bytes": self.max_buffer_bytes,
-            "world_sizes": None if self.world_sizes is None else sorted(self.world_sizes),
-        }
+        return {f.name: sorted(v) if isinstance(v := getattr(self, f.name), frozenset) else v for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -194,10 +178,6 @@ class EnvRequirement:
     unit: str
     default: int | None = None
     reason: str = ""
-
-
-
-
 
 
 
@@ -350,56 +330,31 @@ class Backend:
 
     def check_spec(self, spec: DispatchSpec, world_size: int) -> None:
         """Raise a typed error when ``spec`` exceeds this backend's declared limits."""
-        caps = self.capabilities
+        caps, mode, name = self.capabilities, spec.mode.value, self.name
         if spec.mode not in caps.dtypes:
-            raise InvalidSpecError(
-                f"backend {self.name!r} does not support this mode",
-                parameter="mode",
-                value=spec.mode.value,
-                allowed=", ".join(m.value for m in caps.modes),
-            )
+            raise InvalidSpecError(f"backend {name!r} does not support this mode", parameter="mode", value=mode,
+                                   allowed=", ".join(m.value for m in caps.modes))
         sizes = caps.world_sizes_for(spec.mode)
         if sizes is not None and world_size not in sizes:
-            raise InvalidSpecError(
-                f"backend {self.name!r} ({spec.mode.value}) does not support this EP size",
-                parameter="world_size",
-                value=world_size,
-                allowed=", ".join(map(str, sorted(sizes))),
-            )
+            raise InvalidSpecError(f"backend {name!r} ({mode}) does not support this EP size", parameter="world_size",
+                                   value=world_size, allowed=", ".join(map(str, sorted(sizes))))
         spec.local_experts(world_size)
-        lim = caps.limits_for(spec.mode)
-        t = spec.num_max_dispatch_tokens_per_rank
+        lim, t, h = caps.limits_for(spec.mode), spec.num_max_dispatch_tokens_per_rank, spec.hidden_size
         if lim.max_tokens_per_rank is not None and t > lim.max_tokens_per_rank:
-            raise CapacityError(
-                f"backend {self.name!r} ({spec.mode.value}) handles at most {lim.max_tokens_per_rank} tokens per rank",
-                parameter="num_max_dispatch_tokens_per_rank",
-                value=t,
-                allowed=f"1..{lim.max_tokens_per_rank}",
-            )
-        h = spec.hidden_size
+            raise CapacityError(f"backend {name!r} ({mode}) handles at most {lim.max_tokens_per_rank} tokens per rank",
+                                parameter="num_max_dispatch_tokens_per_rank", value=t,
+                                allowed=f"1..{lim.max_tokens_per_rank}")
         if lim.hidden_sizes is not None and h not in lim.hidden_sizes:
+            raise InvalidSpecError(f"backend {name!r} ({mode}) kernels are built for fixed hidden sizes",
+                                   parameter="hidden_size", value=h,
+                                   allowed=", ".join(map(str, sorted(lim.hidden_sizes))))
+        if h % lim.hidden_multiple or not (lim.min_hidden or 1) <= h <= (lim.max_hidden or h):
             raise InvalidSpecError(
-                f"backend {self.name!r} ({spec.mode.value}) kernels are built for fixed hidden sizes",
-                parameter="hidden_size",
-                value=h,
-                allowed=", ".join(map(str, sorted(lim.hidden_sizes))),
-            )
-        if h % lim.hidden_multiple or (lim.min_hidden is not None and h < lim.min_hidden) or (
-            lim.max_hidden is not None and h > lim.max_hidden
-        ):
-            raise InvalidSpecError(
-                f"backend {self.name!r} ({spec.mode.value}) does not support this hidden size",
-                parameter="hidden_size",
-                value=h,
-                allowed=f"multiples of {lim.hidden_multiple} in [{lim.min_hidden or 1}, {lim.max_hidden or 'inf'}]",
-            )
+                f"backend {name!r} ({mode}) does not support this hidden size", parameter="hidden_size", value=h,
+                allowed=f"multiples of {lim.hidden_multiple} in [{lim.min_hidden or 1}, {lim.max_hidden or 'inf'}]")
         if lim.max_top_k is not None and spec.top_k > lim.max_top_k:
-            raise InvalidSpecError(
-                f"backend {self.name!r} ({spec.mode.value}) supports at most top-{lim.max_top_k}",
-                parameter="top_k",
-                value=spec.top_k,
-                allowed=f"1..{lim.max_top_k}",
-            )
+            raise InvalidSpecError(f"backend {name!r} ({mode}) supports at most top-{lim.max_top_k}",
+                                   parameter="top_k", value=spec.top_k, allowed=f"1..{lim.max_top_k}")
 
     def buffer_size(self, spec: DispatchSpec, world_size: int) -> BufferSize:
         """Bytes needed for ``spec`` (its ``output_dtype`` already resolved) on

@@ -146,16 +146,10 @@ def _prepare(
 ) -> tuple[DispatchContext, Resolution]:
     """Everything local (``prepare_layer``), then the context the backend creates from."""
     layer = prepare_layer(chosen.backend, spec, comm.world_size, runners=chosen.runners, env=env, strict=strict)
-    ctx = DispatchContext(
-        spec=layer.spec,
-        resolution=layer.resolution,
-        comm=comm,
-        codec=make_codec(layer.spec.wire_format(), layer.spec.quant.input_global_scale),
-        buffer_size=layer.buffer_size,
-        device=comm.device or torch.device("cpu"),
-        options=dict(options or {}),
-        in_flight=in_flight,
-    )
+    ctx = DispatchContext(spec=layer.spec, resolution=layer.resolution, comm=comm,
+                          codec=make_codec(layer.spec.wire_format(), layer.spec.quant.input_global_scale),
+                          buffer_size=layer.buffer_size, device=comm.device or torch.device("cpu"),
+                          options=dict(options or {}), in_flight=in_flight)
     return ctx, layer.resolution
 
 

@@ -69,18 +69,15 @@ def plan_alignment(backend: str, native_modes: frozenset[Mode], mode: Mode, alig
                                            "and gathers the expert rows back before combine (one copy each way)")
 
 
-
 class Dispatcher:
-    """One layer's dispatch and combine on one group. Keeps nothing of a call: several
-    dispatches may be in flight, each combined with its own ``DispatchOutput``, and each call
-    may be split in two (``dispatch_start``/``combine_start`` → ``Pending``) to overlap
-    micro-batches.
+    """One layer's dispatch and combine on one group (``create_dispatcher`` makes it). Keeps nothing of a call:
+    several dispatches may be in flight, each combined with its own ``DispatchOutput``, and each call may be split
+    in two (``dispatch_start``/``combine_start`` → ``Pending``) to overlap micro-batches.
 
-    Every rank must make the same calls in the same order: the same dispatchers, each
-    dispatch, its combine (by the dispatch it combines) and each fused forward. The calls are
-    numbered; a rank at another call than its peers gets ``CallOrderError`` on every rank
-    (``Comm.begin``). After any failure that involved the peers the dispatcher refuses further
-    calls with ``CommunicationError`` instead of entering a collective the group cannot finish.
+    Every rank makes the same calls in the same order: the same dispatchers, each dispatch, its combine and each
+    forward; a rank at another call than its peers gets ``CallOrderError`` on every rank. After a failure that
+    involved the peers, further calls are refused with ``CommunicationError`` instead of entering a collective the
+    group cannot finish.
     """
 
     def __init__(
@@ -103,7 +100,7 @@ class Dispatcher:
         self._comm = comm
         self._device = comm.device
         self._checks = InputChecks(spec, self._device, impl)
-        #: How ``spec.expert_alignment`` is delivered: by the backend, or by a core copy (``moe_dispatch.alignment``).
+        #: How ``spec.expert_alignment`` is delivered: by the backend, or by a core copy.
         self.alignment: AlignmentPlan = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode,
                                                        spec.expert_alignment)
         self._copy_alignment = self.alignment.copies
@@ -119,9 +116,8 @@ class Dispatcher:
         self._dispatches = 0
         self._forwards = 0
         self._broken: str | None = None  # why this dispatcher can make no more calls
-        # The hot path's per-call steps chosen once (each Python call level costs ~50-100 ns, issue 16):
-        # calls are numbered only where there are peers to compare with, and the core's aligned copy
-        # step is skipped where the backend writes the layout itself.
+        # The hot path's per-call steps chosen once (a Python call level costs 50-100 ns): calls are numbered only
+        # with peers, and the aligned copy only where the core makes it.
         self._numbered = comm.world_size > 1
         self._received = self._received_aligned if self._copy_alignment else self._outputs.dispatch
         # On gloo every backend call runs inside comm.calling(): the Comms a vendor (or a fake of one) makes wait
@@ -152,19 +148,9 @@ class Dispatcher:
         return self._comm
 
     @property
-    def input_checks(self) -> InputChecks:
-        """The checks dispatch and combine run; a fused forward runs them too."""
-        return self._checks
-
-    @property
     def uid(self) -> str:
         """The id its ranks agreed on at creation; ``CallOrderError`` names dispatchers by it."""
         return self._comm.uid
-
-    @property
-    def backend_dispatcher(self) -> BackendDispatcher:
-        """The backend's own object, for callers that skip the core's checks."""
-        return self._impl
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         """Quantize to the wire dtype and send each token to the ranks of its experts.
@@ -180,16 +166,10 @@ class Dispatcher:
         :raises PeerFailedError: / :raises CollectiveTimeoutError: another rank failed, died or
             stalled while this one waited for it (docs/reliability.md).
 
-        Every check runs on this rank before any collective is entered; no input is modified.
-        Shape, dtype, device and capacity checks read only metadata and always run (about
-        0.5 µs). The value checks read the data (on an accelerator: a few small kernels and one
-        device sync per call). By default (``check_inputs=None``) they run on host memory and
-        not on an accelerator, where the sync would stall the device queue (no overlap, no
-        CUDA-graph capture); ``check_inputs=True`` runs them everywhere, ``False`` nowhere
-        (``create_dispatcher(check_inputs=...)`` or ``dispatcher.check_inputs = ...``).
-        While a CUDA graph is being captured the value checks stand aside (a sync would abort
-        the capture, and replays get new values); check inputs before a replay.
-        An error here is also posted to the other ranks, which stop waiting for this one.
+        The checks run before any collective and modify nothing; an error is also posted to the peers, which stop
+        waiting for this rank. The metadata checks always run (about 0.5 µs); the value checks read the data (one
+        device sync on an accelerator), by default (``check_inputs=None``) on host memory only, and never while a
+        CUDA graph is captured (check inputs before a replay).
         """
         if self._broken is not None:
             self._usable("dispatch")
@@ -249,33 +229,22 @@ class Dispatcher:
 
     @property
     def split_phase(self) -> bool:
-        """Whether ``dispatch_start``/``combine_start`` return while the data is on its way
-        (``capabilities.split_phase`` names this dispatcher's mode). When False they still work,
-        running each call to its end at start (``Pending.overlapped`` is False). Where it is True a
-        backend may still run one call whole (DeepEP under CUDA-graph capture): that call's
-        ``Pending.overlapped`` says so."""
+        """Whether ``dispatch_start``/``combine_start`` return while the data is on its way (the backend's
+        ``split_phase`` names this mode). When False they still work, running each call whole at start; either way a
+        call's ``Pending.overlapped`` says whether it overlapped."""
         return self._split is not None
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
-        """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and
-        compute something else in between (the other micro-batch, shared experts).
+        """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and compute
+        something else in between (the other micro-batch, shared experts).
 
-        The same input checks and errors as ``dispatch``, raised here, before anything is sent; a
-        peer's failure while the rows travel is raised by ``wait()``, and so is anything a backend
-        does after the start returned (on gloo the reference backends run the whole call on a
-        thread: the call check, a memory error). Calls are numbered at their start: every rank
-        starts the same calls in the same order, as for ``dispatch``, and makes a given call in the
-        same form (started or blocking); waits may come in any order. Buffers stay the call's own
-        until its combine, so two micro-batches in flight use two sets. On an accelerator ``wait()``
-        orders the current stream after the exchange without blocking the host where the backend
-        can (DeepEP's receive hook); on gloo it blocks.
-
-        The inputs are the call's until its ``wait()`` returns: a vendor may still read them on its
-        own stream (DeepEP 2.x's comm stream does), and on gloo the reference backends' thread does,
-        so do not write into them before then; dropping your references is fine. After ``wait()``
-        they are yours again, as after ``dispatch``.
-        ``Pending.overlapped`` is False when the backend ran the call to its end at start.
+        The input checks and their errors are ``dispatch``'s, raised here before anything is sent; what fails later
+        (a peer, the backend's work after the start) is raised by ``wait()``. Every rank starts the same calls in
+        the same order and makes a given call in the same form (started or blocking); waits may come in any order.
+        On an accelerator ``wait()`` orders the current stream after the exchange; on gloo it blocks. The inputs
+        are the call's until ``wait()`` returns (a vendor's stream or the reference backends' thread may still read
+        them): do not write into them before then.
         """
         if self._split is None:
             return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), _start_mark(hidden_states))
@@ -293,10 +262,9 @@ class Dispatcher:
                        overlapped=_overlapped(started))
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
-        """``combine`` in two halves: this rank's rows are on their way (or queued to be) when it
-        returns; ``wait()`` gives the bf16 ``[T, H]``. Checked as ``combine``; the output counts as
-        combined from here on. ``expert_output`` is the call's until ``wait()``, as a started
-        dispatch's inputs are."""
+        """``combine`` in two halves: this rank's rows are on their way when it returns; ``wait()`` gives the bf16
+        ``[T, H]``. Checked as ``combine``; the output counts as combined from here on, and ``expert_output`` is the
+        call's until ``wait()``."""
         if self._split is None:
             return Pending.completed(self.combine(expert_output, dispatch_output), _start_mark(expert_output))
         self._usable("combine")

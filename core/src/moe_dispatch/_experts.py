@@ -70,12 +70,8 @@ class ExpertWeights:
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[first : first + count]
 
-        return ExpertWeights(
-            self.w13_weight[first : first + count],
-            self.w2_weight[first : first + count],
-            cut(self.w13_weight_scale),
-            cut(self.w2_weight_scale),
-        )
+        return ExpertWeights(self.w13_weight[first : first + count], self.w2_weight[first : first + count],
+                             cut(self.w13_weight_scale), cut(self.w2_weight_scale))
 
 
 def dequantized_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +129,8 @@ class TorchExperts:
         counts = group_counts(group_list.to(torch.int64), group_list_type, expert_alignment)
         if hidden_states.dim() == 3:  # MASKED [E_local, capacity, H]
             if hidden_states.shape[0] != experts:
-                raise InvalidInputError(
-                    "masked layout needs one block per local expert",
-                    parameter="hidden_states",
-                    value=hidden_states,
-                    allowed=f"[{experts}, capacity, {hidden}]",
-                )
+                raise InvalidInputError("masked layout needs one block per local expert", parameter="hidden_states",
+                                        value=hidden_states, allowed=f"[{experts}, capacity, {hidden}]")
             out = torch.bmm(swiglu(torch.bmm(x, w13.transpose(1, 2))), w2.transpose(1, 2))
             valid = torch.arange(x.shape[1], device=x.device).unsqueeze(0) < counts.unsqueeze(1)
             return torch.where(valid.unsqueeze(-1), out, 0.0).to(output_dtype)
@@ -173,12 +165,8 @@ def dequantize_rows(
             f"{dtype.value} rows need their scales", parameter="hidden_states_scale", value=None, allowed="a tensor"
         )
     if wire_dtype(dtype).global_scale and global_scale is None:
-        raise InvalidInputError(
-            f"{dtype.value} rows need the dispatcher's global scale",
-            parameter="global_scale",
-            value=None,
-            allowed="DispatchOutput.global_scale",
-        )
+        raise InvalidInputError(f"{dtype.value} rows need the dispatcher's global scale", parameter="global_scale",
+                                value=None, allowed="DispatchOutput.global_scale")
     codec = make_codec(WireFormat(dtype, hidden), global_scale)
     return codec.dequantize(Quantized(hidden_states, scale))
 

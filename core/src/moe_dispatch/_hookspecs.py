@@ -131,20 +131,14 @@ class Command:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise PluginError(
-                "a command name is lower-case words joined by '-'", parameter="name", value=self.name,
-                allowed="e.g. 'cuda-deepep-check'",
-            )
+            raise PluginError("a command name is lower-case words joined by '-'", parameter="name", value=self.name,
+                              allowed="e.g. 'cuda-deepep-check'")
         if self.name in RESERVED_COMMAND_NAMES:
-            raise PluginError(
-                "this command name belongs to moe-dispatch itself", parameter="name", value=self.name,
-                allowed=f"any other name; taken: {', '.join(sorted(RESERVED_COMMAND_NAMES))}",
-            )
+            raise PluginError("this command name belongs to moe-dispatch itself", parameter="name", value=self.name,
+                              allowed=f"any other name; taken: {', '.join(sorted(RESERVED_COMMAND_NAMES))}")
         for field_name in ("add_arguments", "run"):
             if not callable(getattr(self, field_name)):
-                raise PluginError(
-                    f"Command.{field_name} must be callable", parameter=field_name,
-                    value=getattr(self, field_name), allowed="a function",
-                )
+                raise PluginError(f"Command.{field_name} must be callable", parameter=field_name,
+                                  value=getattr(self, field_name), allowed="a function")
         if not isinstance(self.help, str):
             raise PluginError("Command.help is one line of text", parameter="help", value=self.help, allowed="str")

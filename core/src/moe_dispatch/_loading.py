@@ -1,23 +1,17 @@
-"""Probing a backend with a deadline: ``probe()`` on a daemon thread, so a probe that hangs (a
-driver that never answers, a vendor import stuck on a lock) costs its caller one deadline and
-leaves the backend unavailable instead of stalling an engine's start-up. The plugin host
-(``registry.PluginHost``) caches the registered backends' answers.
+"""Loading plugins one at a time, and probing them with deadlines.
 
-Loading plugins, one at a time: where each comes from, its API check, its hooks.
+``load_plugin`` imports one plugin module (on a daemon thread, within ``import_timeout_s``), checks the API
+version it declares and the names of its hooks, and runs its registration hooks into lists of its own: nothing
+reaches the host unless the plugin loaded whole. A failure to import, an unsupported API, a hook that does not
+exist, or anything raised while registering (even ``SystemExit``) comes back as a record with its error.
+``Prober`` runs ``probe()`` on a daemon thread within a deadline, so a probe that hangs (a driver that never
+answers, a vendor import stuck on a lock) costs one deadline and leaves its backend unavailable instead of stalling
+an engine's start-up. Neither may change ``MOE_DISPATCH_*`` variables (put back, and a failure).
 
-``load_plugin`` imports one plugin module, checks the API version it declares and the names of
-the hooks it implements, and runs its registration hooks into lists of its own. Nothing reaches
-the host until the plugin has loaded whole: a plugin that fails to import, declares an
-unsupported API, implements a hook that does not exist, or raises while registering (even
-``SystemExit``) comes back as a record with its error and nothing registered.
-
-Environment (read by the host, once; never written):
-
-- ``MOE_DISPATCH_PLUGINS``: comma-separated allow-list of entry-point or distribution
-  names; empty loads no external plugin; unset loads all. Built-in backends always load.
-- ``MOE_DISPATCH_TRACE_PLUGINS=1``: trace every hook call and probe to stderr.
+Environment (read by the host, once; never written): ``MOE_DISPATCH_PLUGINS``, a comma-separated allow-list of
+entry-point or distribution names (empty: no external plugin; unset: all; the built-ins always load);
+``MOE_DISPATCH_TRACE_PLUGINS=1`` traces every hook call and probe to stderr.
 """
-
 
 from __future__ import annotations
 
@@ -28,6 +22,7 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
@@ -48,56 +43,14 @@ DEFAULT_PROBE_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One ``probe()`` answer: ``reason`` is None when the backend runs here.
-
-    :param error: the traceback when ``probe()`` raised (``reason`` names the exception).
-    :param timed_out: ``probe()`` did not return within the deadline. Its thread is left to
-        finish on its own (a thread cannot be stopped); a registered backend keeps the timeout
-        as its answer for the life of the host, so start-up and later calls agree.
-    """
+    """One ``probe()`` answer: ``reason`` is None when the backend runs here; ``error`` the traceback when it
+    raised; ``timed_out`` when it did not answer within the deadline (its thread is left to finish: a thread
+    cannot be stopped; a registered backend keeps the timeout as its answer for the host's life)."""
 
     reason: str | None
     seconds: float
     error: str | None = None
     timed_out: bool = False
-
-
-class ProbeRun:
-    """One ``probe()`` call on a daemon thread, so the caller can stop waiting for it.
-
-    A thread cannot be killed, so a probe that hangs keeps its thread until it returns or the
-    process exits; being a daemon, it never holds up interpreter exit.
-    """
-
-    def __init__(self, backend: Backend, on_late: Callable[["ProbeRun"], None]) -> None:
-        self.backend = backend  # held so id(backend) stays unique while the run is tracked
-        self.started = time.perf_counter()
-        self.result: ProbeResult | None = None
-        self._abandoned = False
-        self._done = threading.Event()
-        # Orders "the probe answered" against "the caller gave up", so exactly one of the two
-        # sees the other: the caller uses the answer, or the late answer is only traced.
-        self._lock = threading.Lock()
-        self._on_late = on_late
-        self._thread = threading.Thread(target=self._run, name=f"moe-dispatch-probe-{backend.name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        result = call_probe(self.backend, self.started)
-        with self._lock:
-            self.result = result
-            self._done.set()
-            late = self._abandoned
-        if late:
-            self._on_late(self)
-
-    def wait(self, timeout_s: float) -> ProbeResult | None:
-        """The answer; None (and the run marked abandoned) if there is none within ``timeout_s``."""
-        self._done.wait(timeout_s)
-        with self._lock:
-            if not self._done.is_set():
-                self._abandoned = True
-            return self.result
 
 
 #: Variables a plugin may not change: they steer every backend's resolution and the host.
@@ -143,47 +96,39 @@ def call_probe(backend: Backend, started: float) -> ProbeResult:
 def check_probe_timeout(value: object, parameter: str = "probe_timeout_s") -> float:
     """``value`` as a deadline in seconds, or a ``PluginError`` naming ``parameter``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        raise PluginError(
-            "the deadline must be a positive number of seconds",
-            parameter=parameter,
-            value=value,
-            allowed="a number > 0, or math.inf to call the plugin on the calling thread without a deadline",
-        )
+        raise PluginError("the deadline must be a positive number of seconds", parameter=parameter, value=value,
+                          allowed="a number > 0, or math.inf to call the plugin on the calling thread, no deadline")
     return float(value)
 
 
 class Prober:
-    """Runs probes within deadlines; a probe still running past its deadline is kept, by
-    ``id(backend)``, so asking again waits for the same call instead of starting another thread
-    on a probe that hangs. ``trace`` gets a line when such a probe answers late."""
+    """Runs probes within deadlines, each on a daemon thread. A probe still running past its deadline is kept (by
+    ``id(backend)``), so asking again waits for the same call instead of starting another thread on a probe that
+    hangs; ``trace`` gets a line when it answers late, which tells how far to raise the deadline."""
 
     def __init__(self, trace: Callable[[str], None]) -> None:
         self._trace = trace
-        self._running: dict[int, ProbeRun] = {}
+        self._running: dict[int, tuple[Backend, Future[ProbeResult], float]] = {}
 
     def run(self, backend: Backend, deadline: float) -> ProbeResult:
         """``backend.probe()`` within ``deadline`` seconds (``math.inf``: on this thread)."""
         if math.isinf(deadline):
             return call_probe(backend, time.perf_counter())
-        run = self._running.pop(id(backend), None)
-        if run is None or run.backend is not backend:
-            run = ProbeRun(backend, self._late_answer)
-        result = run.wait(deadline)
-        if result is not None:
-            return result
-        self._running[id(backend)] = run
-        return ProbeResult(f"probe did not answer within {deadline:g} s", time.perf_counter() - run.started,
-                           timed_out=True)
-
-    def _late_answer(self, run: ProbeRun) -> None:
-        answer = run.result.reason if run.result is not None else None
-        # A registered backend keeps its timeout for the host's life (start-up already reported
-        # it); the trace still shows the answer, which tells how far to raise the deadline.
-        self._trace(f"probe {run.backend.name} answered past its deadline, {time.perf_counter() - run.started:.1f} s "
-                    f"after it started: {answer or 'available'}")
-
-
-
+        entry = self._running.pop(id(backend), None)
+        if entry is None or entry[0] is not backend:
+            entry = (backend, Future(), time.perf_counter())
+            threading.Thread(target=lambda b, f, t: f.set_result(call_probe(b, t)), args=entry, daemon=True,
+                             name=f"moe-dispatch-probe-{backend.name}").start()
+        try:
+            return entry[1].result(deadline)
+        except TimeoutError:
+            if id(backend) not in self._running:  # the first time it is given up on: trace its late answer
+                entry[1].add_done_callback(lambda f, t=entry[2]: self._trace(
+                    f"probe {backend.name} answered past its deadline, {time.perf_counter() - t:.1f} s after it "
+                    f"started: {f.result().reason or 'available'}"))
+            self._running[id(backend)] = entry
+            return ProbeResult(f"probe did not answer within {deadline:g} s", time.perf_counter() - entry[2],
+                               timed_out=True)
 
 
 ENTRY_POINT_GROUP = "moe_dispatch.backends"
@@ -308,14 +253,12 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
                     impl.function(register=getattr(found, hook_name))
         changed = undo_environ_changes(before)
         if changed:
-            raise PluginError(
-                "the plugin changed moe-dispatch's environment variables while loading (put back); they steer every "
-                "backend, so a plugin must not set them", parameter="os.environ", value=changed,
-                allowed="no change to MOE_DISPATCH_* variables",
-            )
+            raise PluginError("the plugin changed moe-dispatch's environment variables while loading (put back); "
+                              "they steer every backend, so a plugin must not set them", parameter="os.environ",
+                              value=changed, allowed="no change to MOE_DISPATCH_* variables")
         for backend in found.backends:
             if not isinstance(backend.capabilities, Capabilities):  # a property that raises fails the plugin here
-                raise PluginError(f"backend {backend.name!r} has capabilities that are not a moe_dispatch.Capabilities",
+                raise PluginError(f"backend {backend.name!r} has capabilities that are not a Capabilities",
                                   parameter="capabilities", value=type(backend.capabilities).__name__,
                                   allowed="Capabilities")
     except BaseException as exc:  # one bad plugin must not stop the others, not even with SystemExit
@@ -347,11 +290,10 @@ def _import_within(source: PluginSource, timeout_s: float) -> Any:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise PluginError(
-            f"importing the plugin did not finish within {timeout_s:g} s (its thread is left blocked); a plugin "
-            "must import vendor libraries lazily, in probe() or create()", parameter="import_timeout_s",
-            value=timeout_s, allowed="a plugin module that imports quickly, or a larger PluginHost(import_timeout_s=)",
-        )
+        raise PluginError(f"importing the plugin did not finish within {timeout_s:g} s (its thread is left blocked); "
+                          "a plugin must import vendor libraries lazily, in probe() or create()",
+                          parameter="import_timeout_s", value=timeout_s,
+                          allowed="a plugin module that imports quickly, or a larger PluginHost(import_timeout_s=)")
     if "error" in box:
         raise box["error"]
     return box["module"]
@@ -370,12 +312,8 @@ class _Registrations:
     def moe_dispatch_register_backends(self, backend: Backend) -> None:
         name = getattr(backend, "name", None)
         if not isinstance(backend, Backend) or not isinstance(name, str) or not name:
-            raise PluginError(
-                "register() takes a named moe_dispatch.Backend instance",
-                parameter="backend",
-                value=backend,
-                allowed="an instance of a moe_dispatch.Backend subclass whose name is a non-empty str",
-            )
+            raise PluginError("register() takes a named Backend instance", parameter="backend", value=backend,
+                              allowed="an instance of a moe_dispatch.backend.Backend subclass with a non-empty name")
         if name in self.reserved and not self.record.builtin:
             raise PluginError(
                 "this backend name belongs to a moe-dispatch built-in; register it under a name of your own",
@@ -385,37 +323,28 @@ class _Registrations:
 
     def moe_dispatch_register_runners(self, runner: RunnerInfo) -> None:
         if not isinstance(runner, RunnerInfo):
-            raise PluginError(
-                "register() takes a moe_dispatch.RunnerInfo", parameter="runner", value=runner, allowed="RunnerInfo"
-            )
+            raise PluginError("register() takes a RunnerInfo", parameter="runner", value=runner,
+                              allowed="moe_dispatch.backend.RunnerInfo")
         self.runners.append(runner)
 
     def moe_dispatch_register_commands(self, command: Command) -> None:
         if not isinstance(command, Command):
-            raise PluginError(
-                "register() takes a moe_dispatch.Command", parameter="command", value=command, allowed="Command"
-            )
+            raise PluginError("register() takes a Command", parameter="command", value=command,
+                              allowed="moe_dispatch.backend.Command")
         self.commands.append(command)
 
 
 def _check_api(record: PluginRecord, module: Any) -> None:
     declared = getattr(module, "MOE_DISPATCH_API", None)
+    supported = ", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS)))
     if declared is None:
-        raise PluginError(
-            f"plugin {record.label()} does not declare MOE_DISPATCH_API; add `MOE_DISPATCH_API = "
-            f"{hookspecs.API_VERSION}` to {record.module.split(':')[0]}",
-            parameter="MOE_DISPATCH_API",
-            value=None,
-            allowed=", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS))),
-        )
+        raise PluginError(f"plugin {record.label()} does not declare MOE_DISPATCH_API; add `MOE_DISPATCH_API = "
+                          f"{hookspecs.API_VERSION}` to {record.module.split(':')[0]}", parameter="MOE_DISPATCH_API",
+                          value=None, allowed=supported)
     if declared not in hookspecs.SUPPORTED_API_VERSIONS:
-        raise PluginError(
-            f"plugin {record.label()} was written for core API {declared}, but moe-dispatch {core_version()} "
-            f"implements API {hookspecs.API_VERSION}; install a plugin release built for it",
-            parameter="MOE_DISPATCH_API",
-            value=declared,
-            allowed=", ".join(map(str, sorted(hookspecs.SUPPORTED_API_VERSIONS))),
-        )
+        raise PluginError(f"plugin {record.label()} was written for core API {declared}, but moe-dispatch "
+                          f"{core_version()} implements API {hookspecs.API_VERSION}; install a plugin release built "
+                          "for it", parameter="MOE_DISPATCH_API", value=declared, allowed=supported)
 
 
 def _check_hook_names(record: PluginRecord, pm: pluggy.PluginManager, module: Any) -> None:
@@ -424,9 +353,5 @@ def _check_hook_names(record: PluginRecord, pm: pluggy.PluginManager, module: An
         if caller.spec is None:
             close = difflib.get_close_matches(caller.name, list(HOOK_NAMES), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise PluginError(
-                f"plugin {record.label()} implements a hook that does not exist{hint}",
-                parameter="hook",
-                value=caller.name,
-                allowed=", ".join(HOOK_NAMES),
-            )
+            raise PluginError(f"plugin {record.label()} implements a hook that does not exist{hint}", parameter="hook",
+                              value=caller.name, allowed=", ".join(HOOK_NAMES))

@@ -13,56 +13,37 @@ from ._wire import DispatchDtype, Layout
 
 @dataclass(frozen=True, slots=True)
 class DispatchOutput:
-    """Rows per (token, local expert), grouped by local expert, not weighted.
+    """Rows per (token, local expert), grouped by local expert, not weighted: the same for every backend.
 
-    :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]``
-        in the wire dtype's tensor dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
-    :param hidden_states_scale: FP8 ``[..., H/128]`` fp32, or with ``fp8_ue8m0_scales`` either
-        that (powers of two) or int32 ``[..., ceil(H/512)]`` with four exponent bytes per word
-        (``codecs.pack_ue8m0``; what DeepEP hands DeepGEMM on SM100), possibly column-major;
-        INT8 ``[...]`` fp32 per row;
-        NVFP4 ``[..., H/16]`` e4m3 block scales in linear layout; None for BF16.
-    :param topk_ids: / :param topk_weights: the routing the caller gave dispatch. Combine uses
-        the routing as it was at dispatch: the engine may overwrite its tensors after dispatch
-        returns, or after a started dispatch's ``wait()`` (CUDA-graph engines reuse them), so a
-        backend that needs them at combine keeps its own copy in ``handle``.
-    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end
-        offset, ``start_e + count_e`` (type 0: the cumulative counts when ``expert_alignment``
-        is 1). In MASKED layout, expert e's first counts[e] rows are valid.
-    :param global_scale: NVFP4's global scale (dequant = e2m1 · block_scale / global_scale).
-    :param handle: backend-private state that combine needs. Everything of one call lives
-        here, never on the dispatcher, so several dispatches may be in flight.
-    :param call: which dispatch of its dispatcher this is (1, 2, ...), set by the ``Dispatcher``;
-        combine is checked against the peers under this number. Backends leave it 0.
-    :param combined: set by the ``Dispatcher`` when combine takes this output; a second combine
-        is refused.
-    :param expert_alignment: PACKED only: expert e's rows are ``[start_e, start_e + count_e)``
-        with ``start_0 = 0`` and ``start_{e+1} = align(start_e + count_e, expert_alignment)``;
-        every other row (each expert's gap, and rows after the last expert's end) is padding,
-        zero in its data and scales (but a worst case's tail, below). The expert output keeps the
-        same rows; combine ignores the padding rows' values. 1: dense, no padding (but a worst
-        case's tail). (DeepEP V2's expanded layout with
-        ``do_zero_padding``; DeepGEMM's contiguous "PSUM" layout, whose ``grouped_layout`` is the
-        type-0 group list.)
+    :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]`` in the wire dtype's
+        tensor dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
+    :param hidden_states_scale: FP8 fp32 ``[..., H/128]``, or with ``fp8_ue8m0_scales`` those as powers of two or
+        int32 ``[..., ceil(H/512)]`` of four exponent bytes (``pack_ue8m0``: DeepEP's SM100 form), possibly
+        column-major; INT8 fp32 ``[...]`` per row; NVFP4 e4m3 ``[..., H/16]``, linear; None for BF16.
+    :param topk_ids: / :param topk_weights: the routing dispatch was given. The engine may overwrite those tensors
+        once dispatch (or a started dispatch's ``wait()``) returns; a backend that reads them at combine keeps its
+        own copy in ``handle`` (``kept_routing``).
+    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end, ``start_e + count_e``
+        (type 0). MASKED: expert e's first counts[e] rows are valid.
+    :param global_scale: NVFP4's (dequant = e2m1 · block_scale / global_scale).
+    :param handle: what combine needs, backend-private: a call's state lives here, never on the dispatcher, so
+        several dispatches may be in flight.
+    :param call: / :param combined: set by the ``Dispatcher`` (the call's number, checked against the peers at
+        combine; a second combine is refused). Backends leave them.
+    :param expert_alignment: PACKED only: expert e's rows are ``[start_e, start_e + count_e)`` with
+        ``start_{e+1} = align(start_e + count_e, expert_alignment)``; the gaps are zero (data and scales), the
+        expert output keeps the same rows and combine ignores the gaps. 1: dense. (DeepEP V2 with
+        ``do_zero_padding``; DeepGEMM's contiguous layout, whose ``grouped_layout`` is the type-0 group list.)
 
-    **Worst-case rows (low-latency mode).** A backend that makes no host sync cannot size PACKED
-    rows by the counts, which only the device knows: in low-latency mode, where the backend
-    declares it (``Capabilities.worst_case_rows``), a PACKED output may have more rows than its
-    experts' segments take (the same number every call: the backend's worst case, as CUDA
-    graphs need), and the rows after the last expert's aligned end are *unspecified*: anything,
-    NaN included (DeepEP V2 without ``do_cpu_sync`` leaves them unwritten). The gaps between
-    segments stay zero. An expert kernel driven by the group list ignores them (``row_experts``
-    marks them -1; DeepGEMM's PSUM layout never schedules them, its ``m_indices`` layout skips
-    or computes them into rows nobody reads); combine never reads them.
-    ``MASKED`` is the other no-sync layout. In normal mode PACKED rows end where the last
-    segment ends (at alignment 1 exactly the pairs received).
+    **Worst-case rows.** In low-latency mode a backend that declares ``Capabilities.worst_case_rows`` (no host
+    sync, so the counts stay on the device) returns its worst-case PACKED row count, the same every call (as CUDA
+    graphs need); the rows after the last expert's aligned end are unspecified, NaN included. Kernels driven by
+    the group list never read them (``row_experts`` marks them -1), nor does combine. Elsewhere PACKED rows end
+    where the last segment ends.
 
-    **Lifetime.** The tensors of a dispatch output may live in buffers the backend reuses for a
-    later dispatch (the reference backends do; DeepEP's and FlashInfer's receive buffers too):
-    they are valid until this output's combine, and read-only (a backend may rely on what it
-    wrote, e.g. that MASKED padding rows are still zero). An engine that needs the rows after
-    combine, or wants to change them, copies them first. Several outputs may be in flight at once; each keeps its own buffers
-    until its combine, or until the engine drops it.
+    **Lifetime.** The tensors may live in buffers the backend reuses for a later dispatch: they are valid until
+    this output's combine and read-only (a backend may rely on what it wrote, e.g. zero MASKED padding). Copy
+    them to keep or change them. Each output in flight keeps its own buffers until its combine, or until dropped.
     """
 
     hidden_states: torch.Tensor

@@ -258,17 +258,10 @@ class PluginHost:
         except Exception as exc:  # checked at registration; a property may still fail later
             return BackendInfo(name, record.distribution, record.version, "broken",
                                f"capabilities raised {type(exc).__name__}: {exc}", None)
-        return BackendInfo(
-            name=name,
-            distribution=record.distribution,
-            version=record.version,
-            status="available" if reason is None else "unavailable",
-            reason=reason,
-            capabilities=capabilities,
-            install_hint=backend.install_hint if reason is not None else "",
-            description=backend.description,
-            error=probed.error,
-        )
+        return BackendInfo(name=name, distribution=record.distribution, version=record.version,
+                           status="available" if reason is None else "unavailable", reason=reason,
+                           capabilities=capabilities, install_hint=backend.install_hint if reason is not None else "",
+                           description=backend.description, error=probed.error)
 
     def allow_list_suggestion(self, name: str) -> str | None:
         """The installed plugin or distribution name nearest to an unmatched ``MOE_DISPATCH_PLUGINS`` entry."""

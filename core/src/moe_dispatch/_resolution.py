@@ -85,12 +85,8 @@ def resolve_dtype(
             stacklevel=4,
         )
     else:
-        raise UnsupportedDtypeError(
-            f"backend {backend.name!r} rejects it: {decision.reason}",
-            parameter="output_dtype",
-            value=chosen.value,
-            allowed=_accepted(backend, spec),
-        )
+        raise UnsupportedDtypeError(f"backend {backend.name!r} rejects it: {decision.reason}", parameter="output_dtype",
+                                    value=chosen.value, allowed=_accepted(backend, spec))
     _check_usable(spec, final)
     if spec.runner is not None:
         _check_runner(spec, backend, final, _lookup_runner(spec.runner, runners), steps)
@@ -109,12 +105,8 @@ def _check_runner(spec: DispatchSpec, backend: "Backend", dtype: DispatchDtype, 
             allowed=combos,
         )
     if info.accepts is not None and dtype not in info.accepts:
-        raise InvalidSpecError(
-            f"runner {info.name!r} cannot consume {dtype.value} rows",
-            parameter="output_dtype",
-            value=dtype.value,
-            allowed=", ".join(sorted(d.value for d in info.accepts)),
-        )
+        raise InvalidSpecError(f"runner {info.name!r} cannot consume {dtype.value} rows", parameter="output_dtype",
+                               value=dtype.value, allowed=", ".join(sorted(d.value for d in info.accepts)))
     steps.append(Step(f"runner {info.name}", dtype.value, f"consumes {dtype.value} behind {backend.name} "
                                                            f"({spec.mode.value})"))
 
@@ -145,11 +137,8 @@ def _choose(
     if legacy is not None:
         text = legacy.strip().lower()
         if text in _TRUE:
-            warnings.warn(
-                f"{ENV_SGLANG_BF16} is deprecated; set {ENV_OUTPUT_DTYPE}=bf16 or pass output_dtype='bf16'",
-                DeprecationWarning,
-                stacklevel=4,
-            )
+            warnings.warn(f"{ENV_SGLANG_BF16} is deprecated; set {ENV_OUTPUT_DTYPE}=bf16 or pass output_dtype='bf16'",
+                          DeprecationWarning, stacklevel=4)
             steps.append(Step(f"env {ENV_SGLANG_BF16}", "bf16", f"deprecated; use {ENV_OUTPUT_DTYPE}=bf16", True))
             return DispatchDtype.BF16
         if text not in _FALSE:
@@ -192,12 +181,8 @@ def _lookup_runner(name: str, runners: "Mapping[str, RunnerInfo]") -> "RunnerInf
     if info is None:
         close = difflib.get_close_matches(name, list(runners), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise InvalidSpecError(
-            f"unknown expert runner{hint}; a plugin registers its runners",
-            parameter="runner",
-            value=name,
-            allowed=", ".join(sorted(runners)) or "none registered",
-        )
+        raise InvalidSpecError(f"unknown expert runner{hint}; a plugin registers its runners", parameter="runner",
+                               value=name, allowed=", ".join(sorted(runners)) or "none registered")
     return info
 
 
@@ -215,12 +200,8 @@ def _check_usable(spec: DispatchSpec, dtype: DispatchDtype) -> None:
     """The resolved dtype must fit the spec: block divisibility, a global scale where the format has one."""
     spec.wire_format(dtype)
     if wire_dtype(dtype).global_scale and spec.quant.input_global_scale is None:
-        raise InvalidSpecError(
-            f"{dtype.value} dispatch needs a global scale",
-            parameter="quant.input_global_scale",
-            value=None,
-            allowed="a positive finite float (FlashInfer's convention: 448*6/amax)",
-        )
+        raise InvalidSpecError(f"{dtype.value} dispatch needs a global scale", parameter="quant.input_global_scale",
+                               value=None, allowed="a positive finite float (FlashInfer's convention: 448*6/amax)")
 
 
 
@@ -283,10 +264,8 @@ def prepare_layer(
     resolution = resolve_dtype(spec, backend, runners=runners, env=env, strict=strict)
     resolved = spec.with_dtype(resolution.dtype)
     if resolved.wire_format().ue8m0 and not backend.capabilities.fp8_ue8m0:
-        raise InvalidSpecError(
-            f"backend {backend.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
-            parameter="quant.fp8_ue8m0_scales", value=True, allowed="False for this backend",
-        )
+        raise InvalidSpecError(f"backend {backend.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
+                               parameter="quant.fp8_ue8m0_scales", value=True, allowed="False for this backend")
     layer = PreparedLayer(backend, resolved, resolution, backend.buffer_size(resolved, world_size), world_size)
     error = layer.over_limit() if enforce_limit else None
     if error is not None:

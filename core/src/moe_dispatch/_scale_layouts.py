@@ -39,12 +39,8 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
     swizzled block per expert of a MASKED layout).
     """
     if scales.dim() < 2 or scales.element_size() != 1:
-        raise InvalidInputError(
-            "block scales must be one byte each, at least [M, K]",
-            parameter="scales",
-            value=scales,
-            allowed="float8_e4m3fn or uint8 [..., M, K]",
-        )
+        raise InvalidInputError("block scales must be one byte each, at least [M, K]", parameter="scales", value=scales,
+                                allowed="float8_e4m3fn or uint8 [..., M, K]")
     *lead, m, k = scales.shape
     mp, kp = swizzled_shape(m, k)
     raw = scales.view(torch.uint8)
@@ -61,12 +57,8 @@ def unswizzle_128x4(swizzled: torch.Tensor, rows: int, columns: int) -> torch.Te
     """The inverse of ``swizzle_128x4``: back to linear ``[..., rows, columns]``, padding dropped."""
     mp, kp = swizzled_shape(rows, columns)
     if swizzled.dim() < 2 or tuple(swizzled.shape[-2:]) != (mp, kp) or swizzled.element_size() != 1:
-        raise InvalidInputError(
-            f"a swizzled block for {rows}×{columns} scales is {mp}×{kp} bytes",
-            parameter="swizzled",
-            value=swizzled,
-            allowed=f"one-byte [..., {mp}, {kp}]",
-        )
+        raise InvalidInputError(f"a swizzled block for {rows}×{columns} scales is {mp}×{kp} bytes",
+                                parameter="swizzled", value=swizzled, allowed=f"one-byte [..., {mp}, {kp}]")
     lead = swizzled.shape[:-2]
     n = len(lead)
     tiles = swizzled.view(torch.uint8).reshape(*lead, mp // ROW_TILE, kp // COL_TILE, 32, 4, COL_TILE)

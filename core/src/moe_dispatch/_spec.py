@@ -30,12 +30,8 @@ def check_global_scale(global_scale: object, parameter: str = "quant.input_globa
     ):  # a tensor or a numpy array
         size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
         if size != 1:
-            raise InvalidSpecError(
-                "NVFP4 needs one scalar global scale for the whole dispatch",
-                parameter=parameter,
-                value=value,
-                allowed=allowed,
-            )
+            raise InvalidSpecError("NVFP4 needs one scalar global scale for the whole dispatch", parameter=parameter,
+                                   value=value, allowed=allowed)
         value = value.item()
     elif hasattr(value, "item") and not isinstance(value, (str, bytes, type)):  # a numpy scalar
         try:
@@ -79,11 +75,8 @@ class QuantHints:
     fp8_ue8m0_scales: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "dispatcher_output_dtype",
-            DispatchDtype.parse(self.dispatcher_output_dtype, "quant.dispatcher_output_dtype"),
-        )
+        object.__setattr__(self, "dispatcher_output_dtype",
+                           DispatchDtype.parse(self.dispatcher_output_dtype, "quant.dispatcher_output_dtype"))
         if self.input_global_scale is not None:
             object.__setattr__(
                 self, "input_global_scale", check_global_scale(self.input_global_scale, "quant.input_global_scale")
@@ -170,12 +163,8 @@ class DispatchSpec:
         _positive_int("top_k", self.top_k)
         _positive_int("num_max_dispatch_tokens_per_rank", self.num_max_dispatch_tokens_per_rank)
         if self.top_k > self.num_experts:
-            raise InvalidSpecError(
-                "top_k cannot exceed the number of experts",
-                parameter="top_k",
-                value=self.top_k,
-                allowed=f"1..num_experts ({self.num_experts})",
-            )
+            raise InvalidSpecError("top_k cannot exceed the number of experts", parameter="top_k", value=self.top_k,
+                                   allowed=f"1..num_experts ({self.num_experts})")
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         object.__setattr__(self, "output_dtype", DispatchDtype.parse(self.output_dtype))
         if isinstance(self.quant, Mapping):
@@ -192,12 +181,8 @@ class DispatchSpec:
                 allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'npu_w8a8'",
             )
         if isinstance(self.group_list_type, bool) or self.group_list_type not in (0, 1):
-            raise InvalidSpecError(
-                "unknown group_list_type",
-                parameter="group_list_type",
-                value=self.group_list_type,
-                allowed="0 (cumulative offsets), 1 (per-expert counts)",
-            )
+            raise InvalidSpecError("unknown group_list_type", parameter="group_list_type", value=self.group_list_type,
+                                   allowed="0 (cumulative offsets), 1 (per-expert counts)")
         if (isinstance(self.expert_alignment, bool) or not isinstance(self.expert_alignment, int)
                 or not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT):
             raise InvalidSpecError(
@@ -223,12 +208,8 @@ class DispatchSpec:
     def local_experts(self, world_size: int) -> int:
         """Experts per rank; E must divide evenly."""
         if world_size <= 0 or self.num_experts % world_size:
-            raise InvalidSpecError(
-                f"experts must divide evenly over {world_size} ranks",
-                parameter="num_experts",
-                value=self.num_experts,
-                allowed=f"a multiple of the world size ({world_size})",
-            )
+            raise InvalidSpecError(f"experts must divide evenly over {world_size} ranks", parameter="num_experts",
+                                   value=self.num_experts, allowed=f"a multiple of the world size ({world_size})")
         return self.num_experts // world_size
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,36 +231,21 @@ class DispatchSpec:
     ) -> "DispatchSpec":
         """Build from the flags ``add_cli_args`` added; the model's shape comes from the
         model config, the per-layer hints from its quant method, the alignment from its expert kernel."""
-        return cls(
-            hidden_size=hidden_size,
-            num_experts=num_experts,
-            top_k=top_k,
-            num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank,
-            mode=args.dispatch_mode,
-            output_dtype=args.dispatch_output_dtype,
-            quant=quant if quant is not None else QuantHints(),
-            runner=runner if runner is not None else args.dispatch_runner,
-            expert_alignment=expert_alignment,
-        )
+        return cls(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k,
+                   num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank, mode=args.dispatch_mode,
+                   output_dtype=args.dispatch_output_dtype, quant=quant if quant is not None else QuantHints(),
+                   runner=runner if runner is not None else args.dispatch_runner, expert_alignment=expert_alignment)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags for expert-parallel dispatch to ``parser``."""
     group = parser.add_argument_group("MoE dispatch (moe-dispatch)")
     group.add_argument("--moe-a2a-backend", default="torch", help="dispatch backend name (see `moe-dispatch backends`)")
-    group.add_argument(
-        "--dispatch-output-dtype",
-        default="auto",
-        choices=["auto", *(d.value for d in DispatchDtype)],
-        help="wire dtype of dispatched activations; auto resolves it per layer",
-    )
+    group.add_argument("--dispatch-output-dtype", default="auto", choices=["auto", *(d.value for d in DispatchDtype)],
+                       help="wire dtype of dispatched activations; auto resolves it per layer")
     group.add_argument("--dispatch-mode", default="normal", choices=[m.value for m in Mode])
-    group.add_argument(
-        "--num-max-dispatch-tokens-per-rank",
-        type=int,
-        default=128,
-        help="the most tokens one rank dispatches in one call (low-latency capacity)",
-    )
+    group.add_argument("--num-max-dispatch-tokens-per-rank", type=int, default=128,
+                       help="the most tokens one rank dispatches in one call (low-latency capacity)")
     group.add_argument("--dispatch-runner", default=None, help="expert-kernel family consuming the output")
     group.add_argument(
         "--dispatch-strict", action="store_true", help="make any dtype fallback an error instead of a warning"

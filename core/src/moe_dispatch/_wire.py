@@ -41,12 +41,8 @@ class DispatchDtype(str, enum.Enum):
         for member in cls:
             if member.value == text:
                 return member
-        raise InvalidSpecError(
-            "unknown dispatch dtype",
-            parameter=parameter,
-            value=value,
-            allowed="auto, " + ", ".join(m.value for m in cls),
-        )
+        raise InvalidSpecError("unknown dispatch dtype", parameter=parameter, value=value,
+                               allowed="auto, " + ", ".join(m.value for m in cls))
 
     def __str__(self) -> str:
         return self.value

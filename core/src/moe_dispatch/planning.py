@@ -230,16 +230,11 @@ def plan_buffers(
     layers = tuple(_plan_layer(backend_obj, i, name, spec, world_size, env, runners, strict)
                    for i, (name, spec) in enumerate(named))
     misfits = _misfits(backend_obj, layers, world_size, env)
-    return BufferPlan(
-        backend=backend_obj.name,
-        world_size=world_size,
-        layers=layers,
-        dispatch=_peak(layers, lambda layer: layer.size.dispatch_bytes),
-        combine=_peak(layers, lambda layer: layer.size.combine_bytes),
-        allocated=_peak(layers, lambda layer: layer.size.total_bytes),
-        bf16_allocated=_peak(layers, lambda layer: layer.bf16_size.total_bytes),
-        misfits=misfits,
-    )
+    return BufferPlan(backend=backend_obj.name, world_size=world_size, layers=layers,
+                      dispatch=_peak(layers, lambda layer: layer.size.dispatch_bytes),
+                      combine=_peak(layers, lambda layer: layer.size.combine_bytes),
+                      allocated=_peak(layers, lambda layer: layer.size.total_bytes),
+                      bf16_allocated=_peak(layers, lambda layer: layer.bf16_size.total_bytes), misfits=misfits)
 
 
 def _plan_layer(backend: Backend, index: int, name: str, spec: DispatchSpec, world_size: int,

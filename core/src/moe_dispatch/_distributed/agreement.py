@@ -51,10 +51,8 @@ def agree(comm: Comm, fields: Mapping[str, Any], stage: str, *, failure: BaseExc
         return ""
     if failed:
         rank, reason = failed[0]
-        raise PeerFailedError(
-            f"rank {rank} could not create the dispatcher: {reason}", rank=rank, reason=reason,
-            operation=f"agreement on the {stage}",
-        )
+        raise PeerFailedError(f"rank {rank} could not create the dispatcher: {reason}", rank=rank, reason=reason,
+                              operation=f"agreement on the {stage}")
     _compare(everyone, stage)
     return str(everyone[0][_UID])
 

@@ -132,17 +132,13 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             if self.rank < 0:
-                raise InvalidSpecError(
-                    f"this process (global rank {dist.get_rank()}) is not a member of the group",
-                    parameter="group", value=group, allowed="a group this rank belongs to (dist.new_group(ranks))",
-                )
+                raise InvalidSpecError(f"this process (global rank {dist.get_rank()}) is not a member of the group",
+                                       parameter="group", value=group,
+                                       allowed="a group this rank belongs to (dist.new_group(ranks))")
         elif group is not None:
-            raise InvalidSpecError(
-                "a process group was given but torch.distributed is not initialized",
-                parameter="group",
-                value=group,
-                allowed="None (one process) or a group of an initialized torch.distributed",
-            )
+            raise InvalidSpecError("a process group was given but torch.distributed is not initialized",
+                                   parameter="group", value=group,
+                                   allowed="None (one process) or a group of an initialized torch.distributed")
         else:
             self.group = None
             self.rank = 0
@@ -293,10 +289,8 @@ class Comm:
                 elif category == "check":
                     t.check_bytes += nbytes
                 else:
-                    raise InvalidInputError(
-                        "unknown traffic category", parameter="sections", value=category,
-                        allowed="payload, metadata, combine, check",
-                    )
+                    raise InvalidInputError("unknown traffic category", parameter="sections", value=category,
+                                            allowed="payload, metadata, combine, check")
 
     def all_to_all(
         self,

@@ -33,18 +33,12 @@ class _ReferenceBackend(Backend):
         back = 2 * h
         if spec.mode is Mode.LOW_LATENCY:
             slots = t * world_size  # fixed: every rank gathers every rank's capacity
-            return BufferSize(
-                dispatch_bytes=t * row + slots * row,
-                combine_bytes=2 * slots * back,
-                notes=("fixed all-gather of capacity slots; combine returns one BF16 row per slot",),
-            )
+            return BufferSize(dispatch_bytes=t * row + slots * row, combine_bytes=2 * slots * back,
+                              notes=("fixed all-gather of capacity slots; combine returns one BF16 row per slot",))
         fanout = world_size if self.send_to_all_ranks else min(k, world_size)
         sent, received = t * fanout, t * world_size
-        return BufferSize(
-            dispatch_bytes=(sent + received) * row,
-            combine_bytes=(sent + received) * back,
-            notes=(f"a token goes to at most {fanout} ranks; a rank receives at most T from each",),
-        )
+        return BufferSize(dispatch_bytes=(sent + received) * row, combine_bytes=(sent + received) * back,
+                          notes=(f"a token goes to at most {fanout} ranks; a rank receives at most T from each",))
 
     def create(self, ctx: DispatchContext) -> BackendDispatcher:
         return ReferenceDispatcher(ctx, send_to_all_ranks=self.send_to_all_ranks)

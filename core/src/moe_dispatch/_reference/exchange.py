@@ -276,10 +276,9 @@ class ReferenceDispatcher:
             returns=_token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device)),
             lease=lease,
         )
-        return DispatchOutput(
-            hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts, self.group_list_type),
-            self.group_list_type, Layout.PACKED, self.dtype, handle, self.global_scale,
-        )
+        return DispatchOutput(hidden, scale, topk_ids, topk_weights,
+                              group_list_from_counts(counts, self.group_list_type), self.group_list_type, Layout.PACKED,
+                              self.dtype, handle, self.global_scale)
 
     def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       comm: Comm) -> Callable[[], DispatchOutput]:
@@ -332,10 +331,9 @@ class ReferenceDispatcher:
                                    self.hidden),
             lease=lease,
         )
-        return DispatchOutput(
-            hidden, scale, topk_ids, topk_weights, group_list_from_counts(counts_ext[:El], self.group_list_type),
-            self.group_list_type, Layout.MASKED, self.dtype, handle, self.global_scale,
-        )
+        return DispatchOutput(hidden, scale, topk_ids, topk_weights,
+                              group_list_from_counts(counts_ext[:El], self.group_list_type), self.group_list_type,
+                              Layout.MASKED, self.dtype, handle, self.global_scale)
 
     # -- combine ----------------------------------------------------------------------------
 

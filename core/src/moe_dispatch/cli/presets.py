@@ -23,14 +23,8 @@ class ModelPreset:
         of 128, experts of 8, top-k capped by the experts)."""
         hidden = max(128, (self.hidden_size // factor) // 128 * 128)
         experts = max(8, self.num_experts // factor // 8 * 8)
-        return ModelPreset(
-            f"{self.name} /{factor}",
-            hidden,
-            experts,
-            min(self.top_k, experts),
-            max(64, self.intermediate_size // factor),
-            self.source,
-        )
+        return ModelPreset(f"{self.name} /{factor}", hidden, experts, min(self.top_k, experts),
+                           max(64, self.intermediate_size // factor), self.source)
 
 
 PRESETS: dict[str, ModelPreset] = {
