@@ -148,6 +148,11 @@ class Dispatcher:
         return self._comm
 
     @property
+    def backend_dispatcher(self) -> BackendDispatcher:
+        """The backend's own object: for callers that skip the core's checks, or share its vendor buffer."""
+        return self._impl
+
+    @property
     def uid(self) -> str:
         """The id its ranks agreed on at creation; ``CallOrderError`` names dispatchers by it."""
         return self._comm.uid
