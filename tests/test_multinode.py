@@ -1,4 +1,4 @@
-"""Multi-node under torchrun, on one machine (issue 7): two torchrun agents (``--nnodes 2``),
+"""Multi-node under torchrun, on one machine: two torchrun agents (``--nnodes 2``),
 two processes each, meeting over 127.0.0.1, so node-local and global ranks differ exactly as
 on two machines. Runs the demo and the kit's whole-layer check (``moe_dispatch_testing.torchrun``).
 

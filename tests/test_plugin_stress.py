@@ -1,4 +1,4 @@
-"""Plugins under stress (issue 7): a broken plugin, a probe that hangs, a probe that raises and
+"""Plugins under stress: a broken plugin, a probe that hangs, a probe that raises and
 a backend whose ``create`` raises, all installed at once. The engine's start-up (load the
 plugins, list the backends, create a dispatcher) completes, reports each, and the other
 backends keep working.

@@ -1,4 +1,4 @@
-"""The core checks what a backend returns (issue 15, class 3): a plugin's bug is a ``PluginError``
+"""The core checks what a backend returns: a plugin's bug is a ``PluginError``
 naming the backend at the call that produced it, never an ``AttributeError`` or a wrong shape
 reaching the engine. Metadata always; the counts against the rows with ``check_inputs``."""
 

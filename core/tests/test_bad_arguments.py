@@ -1,6 +1,5 @@
-"""Arguments that cannot work are typed errors at creation (issue 15, class 8): before, each was
-accepted silently, or failed later with an untyped error (an allocator error at the first
-dispatch, ``AttributeError``, ``OverflowError``, or NVFP4 rows of all zeros or NaN)."""
+"""Arguments that cannot work are typed errors at creation, not accepted silently nor an untyped error later (an
+allocator error at the first dispatch, ``AttributeError``, ``OverflowError``, or NVFP4 rows of all zeros or NaN)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 7, bad input everywhere: a table of bad inputs through the public API.
+"""Bad input everywhere: a table of bad inputs through the public API.
 
 Every case is one public call (``DispatchSpec``, ``QuantHints``, ``create_dispatcher``,
 ``Backend.check_spec``, ``Dispatcher.dispatch``, ``Dispatcher.combine``, ``Dispatcher.forward``) with

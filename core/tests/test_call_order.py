@@ -1,4 +1,4 @@
-"""Ranks that make their calls in different orders (issue 15, class 1): every rank gets
+"""Ranks that make their calls in different orders: every rank gets
 ``CallOrderError`` naming each rank's call, before any data moves, instead of wrong results,
 NaN rows, or a process killed by gloo's ``std::terminate`` on mismatched sizes.
 

@@ -62,7 +62,7 @@ def test_demo_under_torchrun_uses_env_rendezvous():
     assert "all cases within tolerance: True" in p.stdout
 
 
-# -- issue 17: one line and exit 2 for every bad flag -------------------------------------------------------------
+# -- one line and exit 2 for every bad flag -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv,names", [

@@ -1,4 +1,4 @@
-"""``restored_environ`` under threads (issue 15, class 5): it touches only the variables it is told
+"""``restored_environ`` under threads: it touches only the variables it is told
 about, restores each to its own previous value, runs blocks that agree at once and blocks that
 disagree one after the other, and never raises KeyError while other threads set and delete
 unrelated variables."""

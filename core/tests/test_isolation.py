@@ -1,4 +1,4 @@
-"""Isolation (issue 7): several dispatchers in one process, and across threads, share nothing.
+"""Isolation: several dispatchers in one process, and across threads, share nothing.
 
 Dispatchers that differ in dtype (and in how it was chosen), backend, mode, shape, quant
 hints, group-list type and process group run alone, then interleaved with several dispatches

@@ -1,4 +1,4 @@
-"""Nothing lost (issue 7): a long randomized run of dispatch → identity experts → combine.
+"""Nothing lost: a long randomized run of dispatch → identity experts → combine.
 
 On the built-in backends ``torch`` and ``allgather``, world sizes 1–4, every wire dtype
 (bf16, fp8, int8, nvfp4), both modes (normal, low_latency), both group-list types:
@@ -185,7 +185,7 @@ def test_every_token_comes_back_once_per_routed_expert_bit_exact(layout, moe_ran
     assert tally["examples"] == EXAMPLES[layout], "hypothesis ran fewer examples than asked; the routing count is off"
     expected = EXAMPLES[layout] * _batches_per_example(layout) * ROUTINGS_PER_BATCH * COMBOS
     assert tally["round_trips"] == expected
-    # the run must keep exercising the edge cases the issue names
+    # the run must keep exercising these edge cases
     for key in ("minus_one_slots", "unrouted_tokens", "empty_rank_calls", "full_rank_calls"):
         assert tally[key] > 0, f"no {key.replace('_', ' ')} in the whole run: the generator lost an edge case"
     if layout != "1":

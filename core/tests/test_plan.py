@@ -303,7 +303,7 @@ def test_default_grid_covers_every_backend_quickly(host):
 
 
 def test_plan_exits_1_when_a_row_does_not_fit_and_refuses_an_unknown_env_name(host):
-    """Issue 17: a script planning a deployment must not read "no" as success; a misspelt --env changes nothing."""
+    """A script planning a deployment must not read "no" as success; a misspelt --env changes nothing."""
     rc, _ = plan_cli(host, "--preset", "deepseek-v3", "--backend", "torch", "--ep", "8")
     assert rc == 0
     # DeepEP-Ascend's normal mode at BF16 needs more HCCL window than the default 200 MB

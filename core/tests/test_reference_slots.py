@@ -1,4 +1,4 @@
-"""The reference backends keep their buffers per dispatcher (issue 16): nothing large is allocated per
+"""The reference backends keep their buffers per dispatcher: nothing large is allocated per
 call once the slots have grown, a slot serves one dispatch at a time, and an output dropped without its
 combine gives its slot back."""
 

@@ -1,4 +1,4 @@
-"""The split-phase calls of the contract (issue 16): ``Pending``, the core's fallback and refusals, the
+"""The split-phase calls of the contract: ``Pending``, the core's fallback and refusals, the
 reference backends' slots while a transfer is in flight, failures between start and wait, and the
 default value checks that make no host sync on an accelerator."""
 

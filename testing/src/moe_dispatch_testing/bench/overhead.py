@@ -114,7 +114,7 @@ def _parts(d: Dispatcher, x, ids, w, y, calls: int) -> dict[str, float]:  # type
     out = d.dispatch(x, ids, w)
     impl = d.backend_dispatcher
     result = impl.combine(y, out)
-    checks, outputs, values = d.input_checks, d._outputs, d._values(x)  # noqa: SLF001 - the bench measures them
+    checks, outputs, values = d._checks, d._outputs, d._values(x)  # noqa: SLF001 - the bench measures them
     bare = Dispatcher(d.backend, d.spec, d.resolution, impl, d.comm, d.buffer_size, check_inputs=d.check_inputs)
     bare._checks, bare._outputs = _NoInputChecks(), _NoOutputChecks()  # type: ignore[assignment]  # noqa: SLF001
     bare._received = bare._outputs.dispatch  # noqa: SLF001
