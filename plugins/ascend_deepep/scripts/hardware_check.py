@@ -1,12 +1,14 @@
 """Check the Ascend plugins on an NPU against the real DeepEP-Ascend and torch_npu.
 
-    # on an Atlas A2/A3 machine with CANN, torch-npu, DeepEP-Ascend (and pytest) installed:
+    # on an Atlas A2/A3 machine with CANN, torch-npu, DeepEP-Ascend, pytest and the testing distributions
+    # (pip install -e plugins/ascend_deepep/testing [-e plugins/ascend_fuseep/testing]) installed:
     export HCCL_BUFFSIZE=1024            # the ops check it; the table prints what each mode needs
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-neg-one-unset
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-mode2-tokens
     torchrun --nproc-per-node 2 plugins/ascend_deepep/scripts/hardware_check.py --probe-fused-neg-one
-    # Atlas A2 beyond one node (the internode kernels; VENDOR.md §5): on each of two 8-NPU nodes
+    # Atlas A2 beyond one node (the internode kernels; VENDOR.md "Only the hardware can settle"): on each of two
+    # 8-NPU nodes
     export HCCL_INTRA_PCIE_ENABLE=1 HCCL_INTRA_ROCE_ENABLE=0 HCCL_BUFFSIZE=1300
     torchrun --nnodes 2 --nproc-per-node 8 ... plugins/ascend_deepep/scripts/hardware_check.py --parts platform,windows,deepep
     # the same checks with the CPU fakes standing in for the vendor (no NPU; 2 local gloo ranks):
@@ -21,12 +23,12 @@ different sizes in flight combined in either order and two dispatchers on one gr
 (the Buffer's real_max_bs and the kernels' window halves); the chip, CANN's version and which aclnn
 variants it has; the torch_npu expert runners against the fake ops (and the int4 packing against
 ``npu_convert_weight_to_int4pack`` on the NPU); FuseEP's two fuse modes (with
-moe-dispatch-ascend-fuseep installed); the recorded signatures against torch_npu's registered op
+moe-dispatch-ascend-fuseep-testing installed); the recorded signatures against torch_npu's registered op
 schemas (the callables), its documented prototypes (information) and the installed
 ``deep_ep/buffer.py``; the HCCL window the ops check. The probes run what the adapter never does
 (``-1`` ids with no active mask; fuse mode 2 with sglang's bound T; raw ``-1`` ids in the fused
 ops) and may fail or corrupt device memory: run them alone, last. Rank 0 prints a table; the exit status is 1 if any check failed.
-Record the output in docs/hardware-runs.md.
+Record the output in docs/evidence/hardware-runs.md.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ import os
 import sys
 from typing import Sequence
 
-from moe_dispatch_ascend_deepep.hardware import Options, run_rank, summarize
+from moe_dispatch_ascend_deepep_testing.hardware import Options, run_rank, summarize
 
 
 def _fuseep():  # type: ignore[no-untyped-def]
     try:
-        from moe_dispatch_ascend_fuseep.hardware import fuseep_rows
+        from moe_dispatch_ascend_fuseep_testing.hardware import fuseep_rows
     except ImportError:
         return None
     return fuseep_rows
@@ -74,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, world = parse(argv)
     if opts.fake:
         os.environ.setdefault("HCCL_BUFFSIZE", "1024")  # the fakes check the window as the ops do
-        from moe_dispatch_testing.local import RankPool
+        from moe_dispatch_testing import RankPool
 
         with RankPool(world) as pool:
             per_rank = pool.map(run_rank, opts, _fuseep())

@@ -1,8 +1,9 @@
-"""The DeepEP-Ascend adapter beyond the kit: the dtype each vendor call receives, the INT8
-choice isolated per dispatcher (sglang #26389/#26408), the HCCL window, the trails."""
+"""The DeepEP-Ascend adapter beyond the kit: the dtype each vendor call receives, the Buffer's state
+between calls (dispatches in flight, an all-idle step), what the vendor asserts that the adapter
+refuses with a typed error or avoids, the routing combine uses, the fakes' own vendor rules, and the
+trails (``moe-dispatch explain``, the plugin listing)."""
 
 import io
-import os
 import warnings
 from contextlib import redirect_stdout
 
@@ -10,31 +11,39 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch_testing.accuracy import relative_error
-from moe_dispatch.cli import main
 from moe_dispatch.backend import dequantize_rows
-from moe_dispatch.backend import restored_environ
-from moe_dispatch_ascend_deepep import sizes, vendor as v
-from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
-from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY, INT8_ENV
+from moe_dispatch.cli import main
+from moe_dispatch_ascend_deepep_testing import FAKE, FAKE_ENV_ONLY, ascend_backend
+from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as fake
+from moe_dispatch_testing import ScaledLayer, random_routing, relative_error, routing_reuse
 
 H = 1024
 
 
-def _dispatcher(vendor: str, dtype: str, mode: str = "normal", tokens: int = 8,
+def _dispatcher(vendor: str, dtype: str, mode: str = "normal", tokens: int = 8, experts: int = 8,
                 env: dict[str, str] | None = None) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, 8, 2, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
+    spec = md.DispatchSpec(H, experts, 2, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", md.DtypeFallbackWarning)
-        return md.create_dispatcher(AscendDeepEPBackend(vendor, env=env), spec, env={})
+        return md.create_dispatcher(ascend_backend(vendor, env=env), spec, env={})
 
 
-def _batch(seed: int = 0, tokens: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(seed: int = 0, tokens: int = 8, experts: int = 8, drop: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
-    ids[0, 1] = -1
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, 2, dtype=torch.int64)
+    if drop:
+        ids[0, 1] = -1
     return x, ids, torch.rand(tokens, 2, generator=g)
+
+
+def _expected(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)  # identity experts
+
+
+# -- the dtype each vendor call receives -------------------------------------------------------------------------
 
 
 def wire_seen(rank: int, world: int, vendor: str, mode: str, dtype: str) -> dict:
@@ -45,13 +54,13 @@ def wire_seen(rank: int, world: int, vendor: str, mode: str, dtype: str) -> dict
     pairs = int((ids >= 0).sum())  # DeepEP-Ascend sends one row per (token, expert)
     rows = dequantize_rows(out.hidden_states, out.hidden_states_scale, H).to(torch.bfloat16)  # identity experts
     y = d.combine(rows, out)
-    ref = (x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True))  # identity experts
+    ref = _expected(x, ids, w)
     return {"resolved": d.output_dtype.value, "int8": call.int8, "out": str(out.hidden_states.dtype),
             "bytes": call.payload_bytes, "expected": pairs * d.spec.wire_format().bytes_per_token,
             "error": relative_error(y, ref)}
 
 
-@pytest.mark.parametrize("vendor", [EMULATOR, EMULATOR_ENV_ONLY])
+@pytest.mark.parametrize("vendor", [FAKE, FAKE_ENV_ONLY])
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "fp8"])
 def test_the_resolved_dtype_is_what_reaches_the_kernel(moe_rank_pools, vendor, mode, dtype):
@@ -64,63 +73,184 @@ def test_the_resolved_dtype_is_what_reaches_the_kernel(moe_rank_pools, vendor, m
         assert seen["error"] < (0.03 if seen["resolved"] == "int8" else 0.01)
 
 
-def interleaved(rank: int, world: int, vendor: str, mode: str, rounds: int) -> list[tuple]:
-    """An INT8 and a BF16 dispatcher in one process (a draft and a target model), interleaved,
-    with someone's process-wide INT8 switch already set."""
-    results = []
-    with restored_environ({INT8_ENV: "1"}):
-        bf16, int8 = _dispatcher(vendor, "bf16", mode), _dispatcher(vendor, "int8", mode)
-        x, ids, w = _batch(rank)
-        for _ in range(rounds):
-            for d in (int8, bf16):
-                out = d.dispatch(x, ids, w)
-                results.append((d.output_dtype.value, str(out.hidden_states.dtype),
-                                d.backend_dispatcher.buffer.calls[-1].int8))
-                d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
-        assert os.environ[INT8_ENV] == "1"  # untouched by the dispatchers
-    return results
+# -- the Buffer's state between calls --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vendor", [EMULATOR, EMULATOR_ENV_ONLY])
-@pytest.mark.parametrize("mode", ["normal", "low_latency"])
-def test_an_int8_and_a_bf16_dispatcher_never_see_each_others_choice(moe_rank_pools, vendor, mode):
-    """sglang #26389/#26408: each vendor call gets this dispatcher's choice, whatever the process
-    environment holds, and the environment is as it was afterwards."""
-    for results in moe_rank_pools.get(2).map(interleaved, vendor, mode, 3):
-        assert len(results) == 6
-        for resolved, tensor_dtype, vendor_int8 in results:
-            assert (tensor_dtype == "torch.int8") is (resolved == "int8") and vendor_int8 is (resolved == "int8")
+def in_flight(rank: int, world: int) -> list[float]:
+    d = _dispatcher(FAKE, "bf16", "normal", experts=4)
+    # the second's largest batch (2) < the first's (8)
+    first, second = _batch(10 + rank, 8, 4, False), _batch(20 + rank, 2, 4, False)
+    out1 = d.dispatch(*first)
+    out2 = d.dispatch(*second)
+    y1 = d.combine(out1.hidden_states, out1)  # after the second dispatch: real_max_bs is the second's
+    y2 = d.combine(out2.hidden_states, out2)
+    return [relative_error(y1, _expected(*first)), relative_error(y2, _expected(*second))]
 
 
-def test_hccl_window_follows_the_vendors_formulas():
-    # The README's non-layered minimum 2·(bs·R·min(E_l,k)·H·2 + 2 MB), H=7168, k=8, E=256, bs=128.
-    assert [v.window_mb(v.readme_window_bytes(128, 7168, r, 256 // r, 8)) for r in (8, 16, 32)] == [228, 452, 900]
-    spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, mode="low_latency", output_dtype="int8")
-    backend = AscendDeepEPBackend(EMULATOR, env={})
-    need = max(v.ll_op_window_bytes(128, 7168, 8, 32, 8), v.readme_window_bytes(128, 7168, 8, 32, 8))
-    assert backend.buffer_size(spec, 8).allocated_bytes == need
-    assert sizes.required_window_mb(spec, 8, {}) == v.window_mb(need) == 956
-    with pytest.raises(md.CapacityError) as info:
-        sizes.check_hccl_window(956, {"HCCL_BUFFSIZE": "100"})
-    assert info.value.parameter == "HCCL_BUFFSIZE" and "HCCL_BUFFSIZE=956" in str(info.value)
-    with pytest.raises(md.CapacityError, match="default 200 MB"):
-        sizes.check_hccl_window(956, {})
-    sizes.check_hccl_window(956, {"HCCL_BUFFSIZE": "956"})
-    with pytest.raises(md.InvalidSpecError):
-        sizes.check_hccl_window(956, {"HCCL_BUFFSIZE": "lots"})
+def test_normal_dispatches_in_flight_combine_after_a_smaller_one(moe_rank_pools):
+    """deep_ep.cpp keeps real_max_bs = max(batch over ranks, num_worst_tokens) on the Buffer and the next
+    combine passes it to the op, whose tiling refuses it below its own batch: the adapter passes
+    num_worst_tokens=T so every dispatch leaves the same value."""
+    for errors in moe_rank_pools.get(2).map(in_flight):
+        assert max(errors) < 0.01, errors
 
 
-def small_window(rank: int, world: int) -> str:
-    spec = md.DispatchSpec(H, 8, 2, num_max_dispatch_tokens_per_rank=8)
+def fake_in_flight_without_worst_tokens(rank: int, world: int) -> str:
+    """The fake itself keeps the vendor's state: without num_worst_tokens the first combine fails."""
+    import torch.distributed as dist
+
+    buffer = fake.Buffer(dist.group.WORLD)
+    handles = []
+    for tokens in (8, 2):
+        x, ids, w = _batch(rank + tokens, tokens, 4, False)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
+        _, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w)
+        handles.append((handle, handle[3].rows))
+    handle, rows = handles[0]
     try:
-        md.create_dispatcher(AscendDeepEPBackend(EMULATOR, env={"HCCL_BUFFSIZE": "1"}), spec, env={})
-    except md.CapacityError as exc:
-        return exc.parameter or ""
-    return "created"
+        buffer.combine(torch.zeros(rows, H, dtype=torch.bfloat16), handle)
+    except RuntimeError as exc:
+        return str(exc)
+    return "combined"
 
 
-def test_creation_refuses_a_small_hccl_window(moe_rank_pools):
-    assert moe_rank_pools.get(2).map(small_window) == ["HCCL_BUFFSIZE"] * 2
+def test_the_fake_keeps_real_max_bs_like_the_buffer(moe_rank_pools):
+    for message in moe_rank_pools.get(2).map(fake_in_flight_without_worst_tokens):
+        assert "realMaxBs is invalid" in message
+
+
+def all_idle(rank: int, world: int) -> tuple[int, int]:
+    d = _dispatcher(FAKE, "bf16", "normal", experts=4)
+    x, ids, w = _batch(rank, 0, 4, False)
+    out = d.dispatch(x, ids, w)
+    y = d.combine(out.hidden_states, out)
+    return out.hidden_states.shape[0], y.shape[0]
+
+
+def test_an_all_idle_normal_step(moe_rank_pools):
+    """max_bs = 0 on every rank gives global_bs = 0, which CamMoeDispatchNormal's tiling refuses ("globalBS
+    is invalid, should be positive"); with num_worst_tokens=T it is T·R."""
+    assert moe_rank_pools.get(2).map(all_idle) == [(0, 0), (0, 0)]
+
+
+# -- what the vendor asserts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,world", [("normal", 1), ("normal", 3), ("normal", 12), ("low_latency", 1)])
+def test_world_sizes_the_vendor_refuses_are_typed_errors(mode, world):
+    """dispatch/combine with config=None assert num_ranks in get_dispatch_config's map
+    (2, 4, 8, 16, 24, 32, 64, 128, 144, 160); the ops' tiling needs at least 2 ranks."""
+    spec = md.DispatchSpec(H, 12 * 16, 2, num_max_dispatch_tokens_per_rank=8, mode=mode)
+    with pytest.raises(md.InvalidSpecError) as info:
+        ascend_backend(FAKE, env={}).check_spec(spec, world)
+    assert info.value.parameter == "world_size"
+
+
+def non_hccl_group(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from moe_dispatch_ascend_deepep.backend import check_hccl_group
+
+    try:
+        check_hccl_group(dist.group.WORLD)
+    except md.InvalidSpecError as exc:
+        return f"{exc.parameter}: {exc.value}"
+    return "accepted"
+
+
+def test_a_process_group_without_hccl_is_a_typed_error(moe_rank_pools):
+    """The vendor prints and carries on with "" (every rank its own communicator); the adapter refuses
+    a non-HCCL group on the real vendor at creation."""
+    assert moe_rank_pools.get(2).map(non_hccl_group) == ["process_group: gloo"] * 2
+
+
+def non_contiguous(rank: int, world: int, mode: str) -> str:
+    d = _dispatcher(FAKE, "bf16", mode, experts=4)
+    x, ids, w = _batch(rank, experts=4)
+    ids_t, w_t = ids.t().contiguous().t(), w.t().contiguous().t()  # column-major views
+    assert not ids_t.is_contiguous()
+    out = d.dispatch(x, ids_t, w_t)
+    d.combine(out.hidden_states, out)
+    return "ok"
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_non_contiguous_routing_reaches_the_vendor_contiguous(moe_rank_pools, mode):
+    """get_dispatch_layout and intranode_dispatch EP_HOST_ASSERT contiguous topk_idx/topk_weights."""
+    assert moe_rank_pools.get(2).map(non_contiguous, mode) == ["ok", "ok"]
+
+
+# -- combine uses the routing given to its dispatch ------------------------------------------------------------
+
+
+def _world_dispatcher(vendor: str, world: int, mode: str, dtype: str) -> md.Dispatcher:
+    spec = md.DispatchSpec(H, 4 * world, 2, num_max_dispatch_tokens_per_rank=8, mode=mode, output_dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
+        return md.create_dispatcher(ascend_backend(vendor), spec, env={})
+
+
+def _combine_after_the_router_buffers_change(rank: int, world: int, vendor: str, mode: str, dtype: str):
+    d = _world_dispatcher(vendor, world, mode, dtype)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(8, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(8, d.spec.num_experts, 2, generator=g, drop_prob=0.1)
+    other_ids, _ = random_routing(8, d.spec.num_experts, 2, generator=g)
+    layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, 4)
+    return tuple(routing_reuse(d, layer, x, ids, w, other_ids))
+
+
+@pytest.mark.parametrize("vendor", [FAKE, FAKE_ENV_ONLY])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_combine_uses_the_routing_given_to_its_dispatch(moe_rank_pools, vendor, mode, dtype):
+    """The caller's ids and weights are overwritten in place after dispatch (the kit's ``routing_reuse``: ids copied
+    from another routing, w.mul_(0.5).add_(0.25)): combine's result is bit for bit the one without the overwrite.
+    The vendor keeps the normal-mode routing in its handle and the low-latency combine takes it again, so the
+    adapter hands both copies of its own."""
+    for repeatable, same, diff in moe_rank_pools.get(2).map(_combine_after_the_router_buffers_change, vendor, mode,
+                                                             dtype):
+        assert repeatable, "the round trip itself is not repeatable: the comparison below would mean nothing"
+        assert same, f"combine read the overwritten routing (max difference {diff})"
+
+
+# -- the fakes' own vendor rules ---------------------------------------------------------------------------------
+
+
+def test_the_fake_int8_is_the_kernels():
+    """Normal: s = 127/(amax + 1e-12), q = rint(x·s), scale 1/s; low latency: s = 127/amax, a zero row
+    has scale 0; not the codec's x/(amax/127) (it differs at rounding ties)."""
+    x = torch.tensor([[0.1, -0.3, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q, s = fake.quant_normal(x)
+    want_s = torch.tensor(127.0) / (x.abs().amax(-1, keepdim=True) + torch.tensor(1e-12))
+    assert torch.equal(q, torch.round(x * want_s).to(torch.int8)) and torch.equal(s, (1 / want_s).squeeze(-1))
+    q, s = fake.quant_low_latency(x)
+    assert s[1] == 0 and (q[1] == 0).all()
+    assert torch.equal(q[0], torch.round(x[0] * (torch.tensor(127.0) / x[0].abs().max())).to(torch.int8))
+
+
+def bad_hidden(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    buffer = fake.Buffer(dist.group.WORLD)
+    ids = torch.tensor([[0, 1]])
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
+    try:
+        buffer.dispatch(torch.zeros(1, 512, dtype=torch.bfloat16), num_tokens_per_rank=per_rank,
+                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
+                        topk_weights=torch.ones(1, 2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "dispatched"
+
+
+def test_the_fake_checks_the_normal_op_tiling(moe_rank_pools):
+    for message in moe_rank_pools.get(2).map(bad_hidden):
+        assert "H) should be in [1024" in message
+
+
+# -- the trails -----------------------------------------------------------------------------------------------
 
 
 def _explain(*args: str) -> tuple[int, str]:

@@ -1,32 +1,32 @@
-"""The conformance kit on the DeepEP-Ascend adapter, on both emulated generations."""
+"""The conformance kit on the DeepEP-Ascend adapter, on the fakes of both generations."""
 
-from moe_dispatch_testing import BackendConformance, KitShape
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
-from moe_dispatch_ascend_deepep.vendor import EMULATOR, EMULATOR_ENV_ONLY
+from moe_dispatch_ascend_deepep_testing import FAKE, FAKE_ENV_ONLY, ascend_backend
+from moe_dispatch_testing import BackendConformance, KitShape
 
 
 _ENV = None  # the process environment (conftest exports HCCL_BUFFSIZE, as a launcher must)
 
 
-def emulated() -> AscendDeepEPBackend:
-    return AscendDeepEPBackend(EMULATOR, env=_ENV)
+def on_the_fake() -> AscendDeepEPBackend:
+    return ascend_backend(FAKE, env=_ENV)
 
 
-def emulated_env_only() -> AscendDeepEPBackend:
-    return AscendDeepEPBackend(EMULATOR_ENV_ONLY, env=_ENV)
+def on_the_env_only_fake() -> AscendDeepEPBackend:
+    return ascend_backend(FAKE_ENV_ONLY, env=_ENV)
 
 
-class TestAscendDeepEPOnEmulator(BackendConformance):
+class TestAscendDeepEPOnTheFake(BackendConformance):
     backend_name = "ascend_deepep"
-    backend_factory = emulated
+    backend_factory = on_the_fake
     kit_shape = KitShape(hidden_size=1024)
 
 
-class TestOlderAscendDeepEPOnEmulator(BackendConformance):
+class TestOlderAscendDeepEPOnTheFake(BackendConformance):
     """A DeepEP-Ascend without ``quant_mode``: INT8 through the scoped environment variable
     (the same adapter and fake otherwise: two ranks are enough)."""
 
     backend_name = "ascend_deepep"
-    backend_factory = emulated_env_only
+    backend_factory = on_the_env_only_fake
     kit_shape = KitShape(hidden_size=1024)
     world_sizes = (2,)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from moe_dispatch_ascend_deepep.hardware import Options, run_rank, summarize
+from moe_dispatch_ascend_deepep_testing.hardware import Options, run_rank, summarize
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "hardware_check.py"
 
@@ -30,11 +30,11 @@ def test_every_check_runs_and_passes_on_the_fakes(moe_rank_pools):
     for part in parts:
         assert any(line.startswith(part) for line in table.splitlines()), table
     assert "low_latency int8 with -1 ids" in table
-    # audit a30: the Buffer's per-call state (real_max_bs, window halves) under interleaving
+    # the Buffer's per-call state (real_max_bs, window halves) under interleaving
     assert "normal: two dispatches in flight" in table and "two dispatchers on one group" in table
     # the probes report the fake's refusals as information, not failures
     assert "(fake) expert id -1" in table
-    if script._fuseep():  # moe-dispatch-ascend-fuseep installed
+    if script._fuseep():  # moe-dispatch-ascend-fuseep-testing installed
         assert "fuse mode 2 (every token to rank 0)" in table and "max_output_size=" in table
         assert "probe: fuse mode 2 with raw -1 ids" in table and "topk=-1 is not supported" in table
     assert len(table.splitlines()) > 30

@@ -3,7 +3,7 @@ results per scheme against a mirror of their precision steps and against the cor
 experts, the ops' documented semantics and constraints, the dtype each scheme asks dispatch
 for, typed errors, and a whole layer on two gloo ranks behind the emulated DeepEP-Ascend.
 
-Tolerances (relative L2 error, ``moe_dispatch.accuracy.relative_error``):
+Tolerances (relative L2 error, ``moe_dispatch_testing.relative_error``):
 
 - ``mirror`` (< 1e-3): written here from the ops' documented formulas, it takes the kernel's
   precision steps (int8/int4 quantization of the activations with the same scale and rounding,
@@ -32,25 +32,22 @@ import torch.nn.functional as F
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
 import moe_dispatch.planning as mdp
-import moe_dispatch_testing as mdt
-from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
-from moe_dispatch.backend import make_codec
-from moe_dispatch_testing.routing import random_expert_weights
-from moe_dispatch_ascend_deepep.fakes import torch_npu as emu
-from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
+from moe_dispatch.backend import make_codec, quantize_weights_w8a8
+from moe_dispatch_ascend_deepep import vendor as v
 from moe_dispatch_ascend_deepep.experts import (
-    EMULATOR,
     SCHEMES,
     NpuExpertLayer,
     NpuExperts,
     fp32_as_uint64,
     pack_int4,
-    run_layer,
     runner_probe,
     uint64_as_fp32,
     unpack_int4,
 )
-from moe_dispatch_ascend_deepep.vendor import EMULATOR as DEEPEP_EMULATOR
+from moe_dispatch_ascend_deepep_testing import FAKE, TORCH_NPU_FAKE, ascend_backend
+from moe_dispatch_ascend_deepep_testing.fakes import torch_npu as emu
+from moe_dispatch_ascend_deepep_testing.layers import run_layer
+from moe_dispatch_testing import TOLERANCES, random_expert_weights, relative_error
 
 H, I, E = 512, 256, 4
 COUNTS = [5, 0, 13, 2]  # uneven, with an empty expert
@@ -121,7 +118,7 @@ def mirror(scheme: str, layer: NpuExpertLayer, x: torch.Tensor, scale: torch.Ten
 
 
 def _apply(scheme: str, counts: list[int], group_list_type: int, seed: int = 1):
-    experts = NpuExperts(scheme, EMULATOR)
+    experts = NpuExperts(scheme, TORCH_NPU_FAKE)
     layer = experts.process_weights(_weights(experts=len(counts)))
     x, scale = _rows(scheme, (sum(counts),), seed)
     group_list = _group_list(counts, group_list_type)
@@ -165,7 +162,7 @@ def test_masked_rows_match_the_mirror_and_padding_is_zero(scheme):
     """MASKED ``[E, capacity, H]``: each expert's block runs as a group of ``capacity`` rows and
     the rows past its count come back exactly 0, whatever the padding rows held."""
     capacity, counts = 6, [3, 0, 6, 1]
-    experts = NpuExperts(scheme, EMULATOR)
+    experts = NpuExperts(scheme, TORCH_NPU_FAKE)
     layer = experts.process_weights(_weights())
     x, scale = _rows(scheme, (E, capacity))
     out = experts.apply_without_routing_weights(layer, x, scale, 1, _group_list(counts, 1), torch.bfloat16)
@@ -181,7 +178,7 @@ def test_masked_rows_match_the_mirror_and_padding_is_zero(scheme):
 def test_no_rows_give_an_empty_output_without_calling_the_ops(scheme):
     """DeepEP-Ascend hands over zero rows when nothing arrived; ``npu_swiglu`` takes no empty
     tensor, so the kernel must not call the ops."""
-    experts = NpuExperts(scheme, EMULATOR)
+    experts = NpuExperts(scheme, TORCH_NPU_FAKE)
     layer = experts.process_weights(_weights())
     x, scale = _rows(scheme, (0,))
     experts.ops = types.SimpleNamespace()  # any op call would fail
@@ -208,7 +205,7 @@ def test_process_weights_gives_the_npu_layouts(scheme, w13, w2, s13, s2):
     uint64 scales as int64 with fp32 bits; ``dequantized()`` is within the scheme's weight
     quantization error of the original (int8 per channel ~1%, int4 ~13%)."""
     original = _weights()
-    layer = NpuExperts(scheme, EMULATOR).process_weights(original)
+    layer = NpuExperts(scheme, TORCH_NPU_FAKE).process_weights(original)
 
     def spec(t):
         return None if t is None else (t.dtype, tuple(t.shape))
@@ -220,17 +217,15 @@ def test_process_weights_gives_the_npu_layouts(scheme, w13, w2, s13, s2):
     bound = {"w8a8": 0.02, "bf16": 0.005}.get(scheme, 0.15)
     assert relative_error(back.w13_weight, original.w13_weight.float()) < bound
     assert relative_error(back.w2_weight, original.w2_weight.float()) < (0.02 if scheme == "w4a4" else bound)
-    if scheme == "w4a8":  # CANN A8W4's required 8·Σ_k(w·s) (test_audit_2026_11.py::test_b16_*)
+    if scheme == "w4a8":  # CANN A8W4's required 8·Σ_k(w·s) (test_w4a8_scale_bias_is_8_times_the_k_sum_of_w_times_s)
         assert layer.w13_scale_bias.shape == (E, 2 * I) and layer.w13_scale_bias.dtype == torch.float32
     if scheme == "w4a16":
         assert torch.equal(layer.w13_weight_offset, torch.zeros_like(layer.w13_weight_scale))
 
 
 def test_w8a8_takes_int8_checkpoint_weights_as_they_are():
-    from moe_dispatch.backend import quantize_weights_w8a8
-
     q = quantize_weights_w8a8(_weights())
-    layer = NpuExperts("w8a8", EMULATOR).process_weights(q)
+    layer = NpuExperts("w8a8", TORCH_NPU_FAKE).process_weights(q)
     assert torch.equal(layer.w13_weight, q.w13_weight.transpose(1, 2))
     assert torch.equal(layer.w13_weight_scale, q.w13_weight_scale)
 
@@ -358,13 +353,154 @@ def test_swiglu_activates_the_first_half_and_refuses_empty_tensors():
     with pytest.raises(AssertionError, match="empty"):
         emu.npu_swiglu(torch.empty(0, 8, dtype=torch.bfloat16))
 
+# -- CANN's A8W4 (W4A8), the NPU-only int4 packer, and what the fake ops refuse as the vendor does --------------
+
+E_, HB, IB = 2, 512, 256
+
+
+def _w4a8_layer() -> tuple[NpuExperts, object]:
+    experts = NpuExperts("w4a8", TORCH_NPU_FAKE)
+    weights = random_expert_weights(E_, HB, IB, generator=torch.Generator().manual_seed(0))
+    return experts, experts.process_weights(weights)
+
+
+
+def test_w4a8_scale_bias_is_8_times_the_k_sum_of_w_times_s():
+    """CANN A8W4 computes ((x − 8)@(w·s) + bias)·pts with bias = 8·Σ_k(w·s) required: zeros are wrong
+    by 8·pts·Σ_k(w·s) on every output."""
+    _, layer = _w4a8_layer()
+    for w, s, b in ((layer.w13_weight, layer.w13_weight_scale, layer.w13_scale_bias),
+                    (layer.w2_weight, layer.w2_weight_scale, layer.w2_scale_bias)):
+        values = unpack_int4(w).double()  # [E, K, N]
+        scale = uint64_as_fp32(s).double().repeat_interleave(values.shape[1] // s.shape[1], dim=1)
+        assert torch.allclose(b.double(), 8 * (values * scale).sum(1), rtol=1e-6, atol=1e-6)
+
+
+
+def test_the_fake_a8w4_gmm_needs_the_bias():
+    experts, layer = _w4a8_layer()
+    x = torch.randint(-127, 128, (6, HB), dtype=torch.int8)
+    pts = torch.rand(6) * 0.01
+    gl = torch.tensor([3, 3])
+
+    def gmm(bias):  # type: ignore[no-untyped-def]
+        return emu.npu_grouped_matmul([x], [layer.w13_weight], scale=[layer.w13_weight_scale], bias=bias,
+                                           per_token_scale=[pts], group_list=gl, split_item=2, group_type=0,
+                                           group_list_type=1, output_dtype=torch.bfloat16)[0]
+
+    w = layer.dequantized(torch.float64).w13_weight  # [E, 2I, H]
+    want = torch.cat([(x[:3].double() @ w[0].t()) * pts[:3, None].double(),
+                      (x[3:].double() @ w[1].t()) * pts[3:, None].double()]).float()
+    assert relative_error(gmm([layer.w13_scale_bias]), want) < 1e-2
+    assert relative_error(gmm([torch.zeros_like(layer.w13_scale_bias)]), want) > 0.05
+    with pytest.raises(AssertionError, match="bias"):
+        gmm(None)
+
+
+
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_w4a8_passes_counts_whatever_the_callers_type(group_list_type):
+    """CANN's A8W4 reads group_list as counts whatever group_list_type says: cumulative ends read as counts
+    multiply the wrong rows and read past x."""
+    experts, layer = _w4a8_layer()
+    counts = [5, 3]
+    q = torch.randint(-127, 128, (8, HB), dtype=torch.int8)
+    scale = torch.rand(8) * 0.01
+    gl = torch.tensor(counts) if group_list_type else torch.cumsum(torch.tensor(counts), 0)
+    out = experts.apply_without_routing_weights(layer, q, scale, group_list_type, gl, torch.bfloat16)
+    ref = md.TorchExperts().apply_without_routing_weights(layer.dequantized(), q, scale, group_list_type, gl,
+                                                          torch.float32)
+    assert relative_error(out, ref) < 0.03
+
+
+
+def test_w4a8_group_size_and_k_limits():
+    """CANN's A8W4 supports quantGroupSize 256 only, k % 64 == 0 and k <= 18432 (tiling GRAPH_FAILED)."""
+    with pytest.raises(md.InvalidSpecError) as info:
+        NpuExperts("w4a8", TORCH_NPU_FAKE, group_size=128)
+    assert info.value.parameter == "group_size" and info.value.allowed == "256"
+    with pytest.raises(md.InvalidInputError) as info:
+        NpuExperts("w4a8", TORCH_NPU_FAKE).process_weights(random_expert_weights(1, 18688, 256))
+    assert info.value.parameter == "hidden_size"
+
+
+
+def test_the_fake_a8w4_tiling_limits():
+    w = torch.zeros(1, 192, 8, dtype=torch.int32)  # K = 192: k % 64 == 0 but groups of 64
+    x = torch.zeros(2, 192, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="quantGroupSize must be 256"):
+        emu.npu_grouped_matmul([x], [w], scale=[torch.zeros(1, 3, 64, dtype=torch.int64)],
+                                    bias=[torch.zeros(1, 64)], per_token_scale=[torch.ones(2)],
+                                    group_list=torch.tensor([2]), split_item=2, group_type=0, group_list_type=0,
+                                    output_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="divisible by 64"):
+        emu.npu_grouped_matmul([torch.zeros(2, 96, dtype=torch.int8)], [torch.zeros(1, 96, 8, dtype=torch.int32)],
+                                    scale=[torch.zeros(1, 1, 64, dtype=torch.int64)], bias=[torch.zeros(1, 64)],
+                                    per_token_scale=[torch.ones(2)], group_list=torch.tensor([2]), split_item=2,
+                                    group_type=0, group_list_type=0, output_dtype=torch.bfloat16)
+
+
+
+def test_w4a16_never_runs_the_npu_only_op_on_cpu_weights():
+    """npu_convert_weight_to_int4pack has an NPU kernel only: process_weights on CPU weights packed with
+    it raised "Could not run 'npu::npu_convert_weight_to_int4pack' ... 'CPU' backend"."""
+    with pytest.raises(NotImplementedError, match="CPU"):
+        emu.npu_convert_weight_to_int4pack(torch.zeros(8, 8, dtype=torch.int32))
+    layer = NpuExperts("w4a16", TORCH_NPU_FAKE).process_weights(
+        random_expert_weights(2, HB, IB, generator=torch.Generator().manual_seed(0)))
+    assert layer.w13_weight.dtype == torch.int32 and layer.w13_weight.device.type == "cpu"
+
+
+
+def test_the_fake_ops_take_the_registered_schemas():
+    """torch_npu.npu_X is torch.ops.npu.npu_X: `input`, not `self`/`x`, and the schemas' extra keywords."""
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    assert emu.npu_swiglu(input=x).shape == (2, 4)
+    with pytest.raises(TypeError):
+        emu.npu_swiglu(self=x)
+    with pytest.raises(TypeError):
+        emu.npu_dynamic_quant(x=x)
+    emu.npu_dynamic_quant(x, quant_mode="pertoken", dst_type_max=0.0)
+    with pytest.raises(NotImplementedError, match=r"\(fake\) round_mode"):
+        emu.npu_dequant_swiglu_quant(torch.zeros(2, 128, dtype=torch.int32), weight_scale=torch.ones(1, 128),
+                                          activation_scale=torch.ones(2), group_index=torch.tensor([2]),
+                                          quant_mode=1, round_mode=1)
+    assert v.schema_params(v.TORCH_NPU_SCHEMAS["npu_swiglu"]) == "(input, dim=-1)"
+    blob = b"junk\x00" + v.TORCH_NPU_SCHEMAS["npu_swiglu"].encode() + b"\x00more"
+    assert v.registered_schema(blob, "npu_swiglu") == v.TORCH_NPU_SCHEMAS["npu_swiglu"]
+
+
+
+def test_a_group_list_covering_fewer_rows_leaves_the_rest_unwritten():
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    w = torch.randn(2, 16, 8).to(torch.bfloat16)
+    y = emu.npu_grouped_matmul([x], [w], group_list=torch.tensor([2, 1]), split_item=2, group_type=0,
+                                    group_list_type=1)[0]
+    assert torch.isfinite(y[:3].float()).all() and torch.isnan(y[3:].float()).all()
+    with pytest.raises(RuntimeError, match="reads past x"):
+        emu.npu_grouped_matmul([x], [w], group_list=torch.tensor([4, 2]), split_item=2, group_type=0,
+                                    group_list_type=1)
+
+
+
+def test_what_cann_and_the_docs_refuse():
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    w = torch.zeros(1, 32, 1, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="antiquantOffset"):
+        emu.npu_grouped_matmul([x], [w], antiquant_scale=[torch.ones(1, 1, 8, dtype=torch.bfloat16)],
+                                    group_list=torch.tensor([4]), split_item=2, group_type=0, group_list_type=0)
+    with pytest.raises(AssertionError, match="contiguous"):
+        emu.npu_swiglu(torch.randn(8, 4).t().to(torch.bfloat16))
+    with pytest.raises(AssertionError, match="smooth_scales"):
+        emu.npu_dynamic_quant(x, smooth_scales=torch.ones(32, dtype=torch.float16))
+
 
 # -- the dtype each scheme asks for -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_needs_dispatch_dtype_and_quant_hints(scheme):
-    experts = NpuExperts(scheme, EMULATOR)
+    experts = NpuExperts(scheme, TORCH_NPU_FAKE)
     assert isinstance(experts, md.ExpertKernel)
     assert experts.needs_dispatch_dtype is NEEDS[scheme]
     assert experts.quant_hints() == md.QuantHints(dispatcher_output_dtype=NEEDS[scheme])
@@ -375,8 +511,8 @@ def test_needs_dispatch_dtype_and_quant_hints(scheme):
 def test_resolution_sends_what_the_scheme_needs(scheme, mode):
     """The hint decides (resolution step 4) on the emulated DeepEP-Ascend, whose default is
     BF16; with ``runner`` named, the registered runner's combinations are checked too."""
-    experts = NpuExperts(scheme, EMULATOR)
-    backend = AscendDeepEPBackend(DEEPEP_EMULATOR, env={})
+    experts = NpuExperts(scheme, TORCH_NPU_FAKE)
+    backend = ascend_backend(FAKE, env={})
     for runner in (None, experts.runner):
         spec = md.DispatchSpec(1024, 8, 2, mode=mode, quant=experts.quant_hints(), runner=runner)
         resolution = mdp.resolve_output_dtype(spec, backend, env={}, runners=md.PluginHost(env={}).runners())
@@ -392,11 +528,11 @@ def test_the_registered_runners():
         runner = runners[f"npu_{scheme}"]
         assert runner.needs is NEEDS[scheme] and runner.accepts == {NEEDS[scheme]}
         assert runner.backends == {"ascend_deepep": frozenset({md.Mode.NORMAL, md.Mode.LOW_LATENCY})}
-    assert runner_probe(EMULATOR) is None
+    assert runner_probe(TORCH_NPU_FAKE) is None
     assert "moe-dispatch-ascend-deepep[npu]" in runner_probe("no_such_torch_npu")
     spec = md.DispatchSpec(1024, 8, 2, output_dtype="bf16", runner="npu_w8a8")
     with pytest.raises(md.InvalidSpecError) as info:  # BF16 rows cannot feed the W8A8 GEMMs
-        mdp.resolve_output_dtype(spec, AscendDeepEPBackend(DEEPEP_EMULATOR, env={}), env={}, runners=runners)
+        mdp.resolve_output_dtype(spec, ascend_backend(FAKE, env={}), env={}, runners=runners)
     assert info.value.parameter == "output_dtype"
 
 
@@ -416,7 +552,7 @@ def test_a_missing_torch_npu_says_how_to_install_it():
 
 
 def test_wrong_inputs_are_typed_errors():
-    w8a8, bf16 = NpuExperts("w8a8", EMULATOR), NpuExperts("bf16", EMULATOR)
+    w8a8, bf16 = NpuExperts("w8a8", TORCH_NPU_FAKE), NpuExperts("bf16", TORCH_NPU_FAKE)
     l8, lb = w8a8.process_weights(_weights()), bf16.process_weights(_weights())
     counts = _group_list(COUNTS, 1)
     x8, s8 = _rows("w8a8", (sum(COUNTS),))
@@ -449,12 +585,12 @@ def test_wrong_inputs_are_typed_errors():
         w8a8.process_weights(random_expert_weights(2, 256, 96))
     assert info.value.parameter == "intermediate_size"
     with pytest.raises(md.InvalidInputError) as info:
-        NpuExperts("w4a16", EMULATOR, group_size=96).process_weights(_weights())
+        NpuExperts("w4a16", TORCH_NPU_FAKE, group_size=96).process_weights(_weights())
     assert info.value.parameter == "hidden_size"
     with pytest.raises(md.InvalidSpecError):
-        NpuExperts("w8a8", EMULATOR, group_size=128)
+        NpuExperts("w8a8", TORCH_NPU_FAKE, group_size=128)
     with pytest.raises(md.InvalidSpecError):
-        NpuExperts("w4", EMULATOR)
+        NpuExperts("w4", TORCH_NPU_FAKE)
 
 
 # -- a whole layer on two ranks ---------------------------------------------------------------------
@@ -464,11 +600,11 @@ def test_wrong_inputs_are_typed_errors():
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
 def test_dispatch_npu_experts_combine_agrees_with_the_dense_reference(moe_rank_pools, scheme, mode):
     """Emulated DeepEP-Ascend with the spec built from ``quant_hints()``, the kernel on each
-    rank's experts, combine: within the wire dtype's tolerance of ``mdt.reference_moe`` on the
+    rank's experts, combine: within the wire dtype's tolerance of ``moe_dispatch_testing.reference_moe`` on the
     dequantized weights (W4A4: ``W4A4_BOUND``, its rows are int4). Measured at H=1024, I=256,
     seeds 0-2: W8A8 0.019-0.021 (input int8 + the requantization between the GEMMs, against
     0.03), W4A8 0.018-0.021, BF16 and W4A16 ~0.004 (against 0.01), W4A4 0.20-0.245."""
-    results = moe_rank_pools.get(2).map(run_layer, scheme, mode, EMULATOR, DEEPEP_EMULATOR, 1024, 256, 2, 2, 8)
+    results = moe_rank_pools.get(2).map(run_layer, scheme, mode, TORCH_NPU_FAKE, FAKE, 1024, 256, 2, 2, 8)
     for r in results:
         assert r.dtype == NEEDS[scheme].value, r.resolution
         assert r.decided_by == "quant.dispatcher_output_dtype", r.resolution

@@ -2,7 +2,8 @@
 installed, against the vendor: torch_npu's registered op schemas (``torch_npu.npu_X`` is
 ``torch.ops.npu.npu_X``; read from ``libtorch_npu.so`` without loading it, which needs CANN), its
 documented prototypes (``_op_plugin_docs.py``: what the docs say, recorded apart) and
-DeepEP-Ascend's ``buffer.py`` (read by AST). A plain run skips the vendor checks with the reason;
+DeepEP-Ascend's ``buffer.py`` (read by AST; every supported build's signatures are recorded, as the
+hardware check accepts them). A plain run skips the vendor checks with the reason;
 ``pip install --no-deps torch-npu==2.13.0`` (no NPU needed) runs the torch_npu ones."""
 
 from __future__ import annotations
@@ -14,22 +15,25 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 from moe_dispatch_ascend_deepep import vendor as v
+from moe_dispatch_ascend_deepep_testing import FAKE, FAKE_ENV_ONLY, SIGNATURES, TORCH_NPU_FAKE
+from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as fake
+from moe_dispatch_ascend_deepep_testing.hardware import deep_ep_source_rows
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 
 
-@pytest.mark.parametrize("fake_module", [v.FAKE, v.FAKE_ENV_ONLY])
+@pytest.mark.parametrize("fake_module", [FAKE, FAKE_ENV_ONLY])
 def test_each_fake_buffer_method_has_the_recorded_signature(fake_module):
     buffer = importlib.import_module(fake_module).Buffer
-    problems = [p for rec in v.DEEP_EP_SIGNATURES[fake_module]
+    problems = [p for rec in SIGNATURES[fake_module]
                 for p in differences(rec, getattr(buffer, rec.qualname.split(".")[1]))]
     assert problems == []
 
 
 @pytest.mark.parametrize("record", v.TORCH_NPU_SIGNATURES, ids=lambda r: r.qualname)
 def test_each_torch_npu_fake_takes_the_registered_schema(record):
-    fake = importlib.import_module(v.TORCH_NPU_FAKE)
-    assert differences(record, getattr(fake, record.qualname)) == []
+    fake_npu = importlib.import_module(TORCH_NPU_FAKE)
+    assert differences(record, getattr(fake_npu, record.qualname)) == []
     assert record.text == v.schema_params(v.TORCH_NPU_SCHEMAS[record.qualname])
 
 
@@ -37,15 +41,15 @@ def test_a_wrong_keyword_fails_in_the_fake_as_in_the_vendor():
     """``npu_swiglu(Tensor input, int dim=-1)``: a keyword ``x=`` is a TypeError on the real op."""
     import torch
 
-    fake = importlib.import_module(v.TORCH_NPU_FAKE)
+    fake_npu = importlib.import_module(TORCH_NPU_FAKE)
     with pytest.raises(TypeError):
-        fake.npu_swiglu(x=torch.ones(2, 4))
-    config = importlib.import_module(v.FAKE).Config
+        fake_npu.npu_swiglu(x=torch.ones(2, 4))
+    config = fake.Config
     with pytest.raises(TypeError, match="incompatible"):
         config(20, 6, 256, 6, 128.0)  # pybind: ints are not floats
 
 
-@pytest.mark.parametrize("fake_module,quant,ll_quant", [(v.FAKE, True, True), (v.FAKE_ENV_ONLY, False, False)])
+@pytest.mark.parametrize("fake_module,quant,ll_quant", [(FAKE, True, True), (FAKE_ENV_ONLY, False, False)])
 def test_detect_reads_the_version_from_the_signatures(fake_module, quant, ll_quant):
     info = v.detect(fake_module)
     assert info.is_ascend and info.supported and info.emulated and info.has_strategies
@@ -67,6 +71,28 @@ torch_npu.npu_demo(Tensor x,
 '''
     assert v.documented_signature(docs, "npu_demo") == "(x, *, smooth=None, tuning=None, left=False)"
     assert v.documented_signature(docs, "npu_other") is None
+
+
+def test_the_fake_config_is_pybinds():
+    assert differences(v.SIG_CONFIG_INIT, fake.Config.__init__) == []
+    assert fake.Config().num_max_rdma_chunked_recv_tokens == 256 and fake.Config(num_sms=24).num_sms == 24
+    with pytest.raises(TypeError, match="incompatible"):
+        fake.Config(20.0)
+
+
+def test_every_supported_build_has_a_recorded_signature(tmp_path):
+    """KN@0ac00159..9aa6257c (no topk_weights) and 9aa6257c..be6b5e7f (no use_mxfp4) have their own
+    low_latency_dispatch; builds before 9aa6257c the old __init__: the hardware check accepts them."""
+    recorded = {rec.text for rec in v.RECORDED_VERSIONS["Buffer.low_latency_dispatch"]}
+    assert {v.SIG_LOW_LATENCY_DISPATCH_OLD.text, v.SIG_LOW_LATENCY_DISPATCH_TOPK_WEIGHTS.text} <= recorded
+    oldest = {**{q: recs[0] for q, recs in v.RECORDED_VERSIONS.items()},
+              "Buffer.__init__": v.SIG_BUFFER_INIT_OLD, "Buffer.low_latency_dispatch": v.SIG_LOW_LATENCY_DISPATCH_OLD,
+              "Buffer.dispatch": v.SIG_DISPATCH_ENV_ONLY, "Buffer.fused_deep_moe": v.SIG_FUSED_DEEP_MOE_NO_PROFILE}
+    body = "\n".join(f"    def {q.split('.')[1]}{rec.text}:\n        pass" for q, rec in oldest.items())
+    path = tmp_path / "buffer.py"
+    path.write_text(f"class Buffer:\n{body}\n", encoding="utf-8")
+    rows = deep_ep_source_rows(path)
+    assert rows and all(row.ok for row in rows), rows
 
 
 # -- the installed vendor (optional) -------------------------------------------------------------------------

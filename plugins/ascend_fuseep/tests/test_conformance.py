@@ -4,9 +4,10 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.backend import quantize_weights_w8a8
-from moe_dispatch_testing import BackendConformance, KitShape
 from moe_dispatch_ascend_fuseep import vendor as v
 from moe_dispatch_ascend_fuseep.backend import FuseEPBackend
+from moe_dispatch_ascend_fuseep_testing import FAKE, fuseep_backend
+from moe_dispatch_testing import BackendConformance, KitShape
 
 #: fused_deep_moe (fuse mode 1) takes gmm1 N = 2I in 1024..6144; the kit's experts have I = 128.
 FUSED_INTERMEDIATE = v.MIN_GMM1_HIDDEN // 2
@@ -24,17 +25,17 @@ def w8a8_at_fused_intermediate(weights: md.ExpertWeights) -> md.ExpertWeights:
     return quantize_weights_w8a8(md.ExpertWeights(w13, w2))
 
 
-def emulated_fuseep() -> FuseEPBackend:
-    return FuseEPBackend(v.FAKE)  # HCCL_BUFFSIZE from the process environment (conftest)
+def on_the_fake() -> FuseEPBackend:
+    return fuseep_backend(FAKE)  # HCCL_BUFFSIZE from the process environment (conftest)
 
 
-class TestFuseEPOnEmulator(BackendConformance):
+class TestFuseEPOnTheFake(BackendConformance):
     backend_name = "ascend_fuseep"
-    backend_factory = emulated_fuseep
+    backend_factory = on_the_fake
     kit_shape = KitShape(hidden_size=1024)
     kit_weights = w8a8_at_fused_intermediate  # the fused op takes nothing else
 
 
-class TestFuseEPMode2OnEmulator(TestFuseEPOnEmulator):
+class TestFuseEPMode2OnTheFake(TestFuseEPOnTheFake):
     backend_options = {"fuse_mode": 2}
     world_sizes = (2,)  # the unfused path is mode 1's; the fused op's mode 2 on two ranks

@@ -10,24 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 from moe_dispatch_ascend_deepep import vendor as deepep_vendor
 from moe_dispatch_ascend_fuseep import vendor as v
+from moe_dispatch_ascend_fuseep_testing import FAKE, FAKE_NO_FUSE_MODE, SIGNATURES
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 
 
-@pytest.mark.parametrize("fake_module", [v.FAKE, v.FAKE_NO_FUSE_MODE])
+@pytest.mark.parametrize("fake_module", [FAKE, FAKE_NO_FUSE_MODE])
 def test_each_fake_fused_deep_moe_has_the_recorded_signature(fake_module):
     buffer = importlib.import_module(fake_module).Buffer
-    assert differences(v.SIGNATURES[fake_module], buffer.fused_deep_moe) == []
-    # the rest of the Buffer is DeepEP-Ascend's, recorded by ascend_deepep
-    problems = [p for rec in deepep_vendor.DEEP_EP_SIGNATURES[deepep_vendor.FAKE] if rec.qualname != "Buffer.fused_deep_moe"
+    assert differences(SIGNATURES[fake_module], buffer.fused_deep_moe) == []
+    # the rest of the Buffer is DeepEP-Ascend's main, recorded by ascend_deepep
+    problems = [p for rec in deepep_vendor.DEEP_EP_SIGNATURES if rec.qualname != "Buffer.fused_deep_moe"
                 for p in differences(rec, getattr(buffer, rec.qualname.split(".")[1]))]
     assert problems == []
 
 
 def test_detect_sees_which_fused_deep_moe_is_installed():
-    assert "fuse_mode" in v.detect(v.FAKE).fused_params and "profile_enable" in v.detect(v.FAKE).fused_params
-    assert "fuse_mode" not in v.detect(v.FAKE_NO_FUSE_MODE).fused_params
+    assert "fuse_mode" in v.detect(FAKE).fused_params and "profile_enable" in v.detect(FAKE).fused_params
+    assert "fuse_mode" not in v.detect(FAKE_NO_FUSE_MODE).fused_params
 
 
 def _buffer_py() -> str | None:

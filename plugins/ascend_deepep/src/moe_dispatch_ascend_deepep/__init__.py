@@ -1,12 +1,10 @@
 """moe-dispatch-ascend-deepep: DeepEP-Ascend (sgl-kernel-npu) as a moe-dispatch backend.
 
 The entry point ``ascend_deepep`` names this module; it registers ``AscendDeepEPBackend`` on
-the real ``deep_ep`` (unavailable, with the reason, without DeepEP-Ascend, torch-npu or an NPU).
-Every vendor fact is in ``vendor.py``; tests run the same adapter on the fakes in
-``moe_dispatch_ascend_deepep.fakes``: ``deep_ep`` (DeepEP-Ascend main f425bdf, with ``quant_mode``)
-and ``deep_ep_env_only`` (KN@be6b5e7f, INT8 through the environment). It also registers the
-torch_npu expert runners ``npu_w8a8``, ``npu_w4a8``, ``npu_w4a4``, ``npu_w4a16`` and ``npu_bf16``
-(``experts.NpuExperts``; ``fakes.torch_npu`` on CPU). See VENDOR.md.
+the real ``deep_ep`` (unavailable, with the reason, without DeepEP-Ascend, torch-npu or an NPU),
+and the torch_npu expert runners ``npu_w8a8``, ``npu_w4a8``, ``npu_w4a4``, ``npu_w4a16`` and
+``npu_bf16`` (``experts.NpuExperts``). Every vendor fact is in ``vendor.py``; the tests run the same
+adapter on the CPU fakes of moe-dispatch-ascend-deepep-testing. See VENDOR.md.
 """
 
 import moe_dispatch as md

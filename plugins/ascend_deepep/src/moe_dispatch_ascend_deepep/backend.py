@@ -9,7 +9,6 @@ from typing import Any, Mapping
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch_testing.emulation import emulated_waits
 from moe_dispatch.backend import restored_environ
 
 from . import sizes
@@ -139,13 +138,14 @@ def a2_limits(spec: md.DispatchSpec, world_size: int, soc: str | None, env: Mapp
 
 
 class AscendDeepEPBackend(mdb.Backend):
-    """DeepEP-Ascend (sgl-kernel-npu) ``Buffer`` on Atlas A2/A3, or with ``vendor_module=vendor.FAKE``
-    its CPU fake. ``env`` is what the HCCL variables are read from (``os.environ`` when None), never
-    written; the vendor itself reads the process environment. ``soc`` (``"A2"`` or ``"A3"``) names the
-    chip for planning elsewhere; by default it is read from torch_npu where this process has it (on the
-    NPU; the fakes' torch_npu on CPU), and where it cannot be known the window and limits are the safe
-    bound over both chips. The group's HCCL window is read from its options at creation
-    (``options={"hccl_window_mb": N}`` states it for a group whose options cannot be read)."""
+    """DeepEP-Ascend (sgl-kernel-npu) ``Buffer`` on Atlas A2/A3, or, named by ``vendor_module`` and
+    ``torch_npu_module``, stand-ins of both (the CPU fakes of moe-dispatch-ascend-deepep-testing). ``env``
+    is what the HCCL variables are read from (``os.environ`` when None), never written; the vendor itself
+    reads the process environment. ``soc`` (``"A2"`` or ``"A3"``) names the chip for planning elsewhere;
+    by default it is read from torch_npu where this process has it (on the NPU; a stand-in is imported),
+    and where it cannot be known the window and limits are the safe bound over both chips. The group's
+    HCCL window is read from its options at creation (``options={"hccl_window_mb": N}`` states it for a
+    group whose options cannot be read)."""
 
     name = "ascend_deepep"
     engine_sizing = ("sglang sizes nothing here: memory is the HCCL window, HCCL_BUFFSIZE (default 200 MB); the total "
@@ -154,11 +154,13 @@ class AscendDeepEPBackend(mdb.Backend):
     install_hint = v.INSTALL_HINT
 
     def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None,
-                 soc: str | None = None) -> None:
+                 soc: str | None = None, torch_npu_module: str = v.TORCH_NPU) -> None:
         if soc not in (None, v.SOC_A2, v.SOC_A3):
             raise md.InvalidSpecError("is not an Atlas chip this plugin knows", parameter="soc", value=soc,
                                       allowed=f"None, {v.SOC_A2!r}, {v.SOC_A3!r}")
         self.vendor_module = vendor_module
+        #: Where the chip and the groups' HCCL options are read: torch_npu, or a stand-in module's name.
+        self.torch_npu_module = torch_npu_module
         self.env = env
         self.soc_override = soc
         self.capabilities = capabilities(vendor_module != v.REAL)
@@ -170,12 +172,12 @@ class AscendDeepEPBackend(mdb.Backend):
         return v.detect(self.vendor_module)
 
     def soc(self) -> str | None:
-        """The chip: the override, else what torch_npu says (the fakes' on CPU; the real one only when
-        this process has imported it, never importing it here), else None (unknown)."""
+        """The chip: the override, else what torch_npu says (a stand-in's, imported; the real one only
+        when this process has imported it, never importing it here), else None (unknown)."""
         if self.soc_override is not None:
             return self.soc_override
-        if self.vendor_module != v.REAL:
-            return v.current_soc(importlib.import_module(v.TORCH_NPU_FAKE))
+        if self.torch_npu_module != v.TORCH_NPU:
+            return v.current_soc(importlib.import_module(self.torch_npu_module))
         module = sys.modules.get(v.TORCH_NPU)
         return None if module is None else v.current_soc(module)
 
@@ -262,9 +264,9 @@ class AscendDeepEPBackend(mdb.Backend):
                                   f"DeepEP-Ascend's HCCL window ({where}; the group's window must hold it too)"),)
 
     def group_hccl_config(self, process_group: Any) -> dict[str, Any] | None:
-        """The group's ``hccl_config`` as torch_npu keeps it (the fake torch_npu's for the fakes' gloo groups)."""
-        if self.vendor_module != v.REAL:
-            return importlib.import_module(v.TORCH_NPU_FAKE).hccl_config_of(process_group)
+        """The group's ``hccl_config`` as torch_npu keeps it (a stand-in's for its gloo groups)."""
+        if self.torch_npu_module != v.TORCH_NPU:
+            return importlib.import_module(self.torch_npu_module).hccl_config_of(process_group)
         return v.group_hccl_config(process_group)
 
     def check_window(self, spec: md.DispatchSpec, world_size: int, hccl_config: Mapping[str, Any] | None,
@@ -325,9 +327,6 @@ class AscendDeepEPBackend(mdb.Backend):
         spec, R = ctx.spec, ctx.world_size
         self.check_environment(spec, R, self.group_hccl_config(ctx.comm.process_group), ctx.options)
         info = self.vendor()
-        # On a fake, its collectives wait with this dispatcher's Watch: its timeout_s and its peers' failure notices
-        # (moe_dispatch.distributed.emulation; nothing on the real DeepEP-Ascend).
-        waits = emulated_waits(info.module, v.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
         buffer = ctx.options.get("buffer")
         if buffer is None:
             if not info.supported:
@@ -335,6 +334,5 @@ class AscendDeepEPBackend(mdb.Backend):
                                                  allowed=f"DeepEP-Ascend from {v.KN}@0ac00159 on")
             if not info.emulated:  # the fakes run on gloo; the vendor needs the group's HCCL communicator
                 check_hccl_group(ctx.comm.process_group)
-            with waits():
-                buffer = self._construct(info, ctx.comm.process_group, spec.mode is LL)
-        return AscendDeepEPDispatcher(ctx, buffer, info.has_quant_mode, info.ll_quant_mode, waits)
+            buffer = self._construct(info, ctx.comm.process_group, spec.mode is LL)
+        return AscendDeepEPDispatcher(ctx, buffer, info.has_quant_mode, info.ll_quant_mode)

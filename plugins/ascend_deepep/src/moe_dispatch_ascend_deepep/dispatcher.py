@@ -18,10 +18,10 @@ which applies the weights.
 Routing at combine. Both combines weight by the dispatch's top-k (normal mode: the ``topk_idx``
 and ``topk_weights`` the vendor keeps in its handle; low-latency: the ones passed again), so the
 vendor gets copies of the caller's ids and weights, never the caller's tensors: an engine may
-overwrite its router buffers between dispatch and combine (issue 15).
+overwrite its router buffers between dispatch and combine.
 
 What the vendor reads from the process environment at a call is set for that call only, in
-``moe_dispatch.environ.restored_environ`` (blocks that set the same values share; blocks that disagree wait),
+``moe_dispatch.backend.restored_environ`` (blocks that set the same values share; blocks that disagree wait),
 whatever the process has:
 
 - normal dispatch: ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` = this dispatcher's choice (``quant_mode``
@@ -40,17 +40,15 @@ after, ``quant_mode=None`` with ``use_fp8=True`` means INT8) and as ``quant_mode
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch.backend import restored_environ
-from moe_dispatch.backend import group_list_from_counts, kept_routing
+from moe_dispatch.backend import group_list_from_counts, kept_routing, restored_environ
 
 from .vendor import CCU_ENV, COUNTS_TYPE_ENV, INT8_ENV, NEG_ONE_ENV, is_layered
 
@@ -70,12 +68,8 @@ def _low_latency_env(layered: bool) -> dict[str, str]:
 
 
 class AscendDeepEPDispatcher:
-    def __init__(self, ctx: mdb.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool,
-                 waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+    def __init__(self, ctx: mdb.DispatchContext, buffer: Any, has_quant_mode: bool, ll_quant_mode: bool) -> None:
         self.buffer = buffer
-        #: The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch (its
-        #: timeout_s, its peers' failure notices; moe_dispatch.distributed.emulation); nothing on the real DeepEP-Ascend.
-        self.waits = waits
         self.spec, self.dtype = ctx.spec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.int8 = ctx.dtype is md.DispatchDtype.INT8
@@ -93,10 +87,6 @@ class AscendDeepEPDispatcher:
         return _low_latency_env(layered)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
-        with self.waits():
-            return self._dispatch(x, topk_ids, topk_weights)
-
-    def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> md.DispatchOutput:
         x = x.contiguous()  # the C++ EP_HOST_ASSERTs contiguous x, topk_idx and topk_weights
         # Combine uses the routing given to this dispatch, and the engine may overwrite its router buffers once
         # dispatch returns: the vendor keeps topk_idx/topk_weights in its normal-mode handle (combine weights by
@@ -134,10 +124,6 @@ class AscendDeepEPDispatcher:
                                  md.Layout.PACKED, self.dtype, out_handle)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
-        with self.waits():
-            return self._combine(expert_output, dispatch_output)
-
-    def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput) -> torch.Tensor:
         h: AscendHandle = dispatch_output.handle
         rows = expert_output.to(torch.bfloat16)
         if rows.shape[0] < h.padded_rows:  # the vendor wants its own row count back

@@ -41,8 +41,9 @@ this differs from sglang, on purpose:
   a group of ``capacity`` rows, and rows past an expert's count zeroed afterwards.
 
 The ops come from ``module``: ``torch_npu`` (imported when the kernel is built, not when this
-plugin is imported) or ``EMULATOR`` (= ``vendor.TORCH_NPU_FAKE``), the CPU fake of the same ops. Reading ``group_list``
-for validation and the MASKED mask costs one host sync per call.
+plugin is imported) or a stand-in of the same ops, by name or as a module (the CPU fake of
+moe-dispatch-ascend-deepep-testing). Reading ``group_list`` for validation and the MASKED mask
+costs one host sync per call.
 """
 
 from __future__ import annotations
@@ -52,23 +53,17 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import moe_dispatch as md
-
-from moe_dispatch.backend import dequantized_weights, quantize_weights_w8a8
-from moe_dispatch.backend import group_counts
+from moe_dispatch.backend import dequantized_weights, group_counts, quantize_weights_w8a8
 
 from . import vendor as v
-from .vendor import TORCH_NPU, TORCH_NPU_FAKE
-
-if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
-    from moe_dispatch_testing.layers import LayerCheck
+from .vendor import TORCH_NPU
 
 REAL = TORCH_NPU
-EMULATOR = TORCH_NPU_FAKE  # kept name: the torch_npu fake
 SCHEMES = ("w8a8", "w4a8", "w4a4", "w4a16", "bf16")
 #: sglang's W4A8 group size (``NPUW4A8Int4DynamicMoEMethod.group_size``); W4A16's is the checkpoint's.
 DEFAULT_GROUP_SIZE = {"w4a8": 256, "w4a16": 128}
@@ -254,7 +249,7 @@ def load_ops(module: str | ModuleType | Any, scheme: str) -> Any:
         except Exception as exc:  # a missing or broken torch_npu is a reason, not a crash
             raise md.BackendUnavailableError(
                 f"cannot run the {scheme} expert kernel: {type(exc).__name__}: {exc}; {install_hint()}",
-                parameter="runner", value=runner, allowed=f"an installed torch_npu, or module={EMULATOR!r} on CPU",
+                parameter="runner", value=runner, allowed="an installed torch_npu, or a module of the same ops on CPU",
             ) from exc
     missing = [op for op in _OPS[scheme] if not hasattr(module, op)]
     if missing:
@@ -269,7 +264,7 @@ class NpuExperts:
     """torch_npu grouped-matmul experts as an ``md.ExpertKernel``, one ``scheme`` per instance.
 
     :param scheme: ``"w8a8"``, ``"w4a8"``, ``"w4a4"``, ``"w4a16"`` or ``"bf16"``.
-    :param module: where the ops come from: ``"torch_npu"`` (default), ``EMULATOR``, or a module.
+    :param module: where the ops come from: ``"torch_npu"`` (default), a stand-in's module name, or a module.
     :param group_size: int4 scale group along K for w4a8/w4a16 (default 256 / 128).
     :raises md.BackendUnavailableError: torch_npu is missing or lacks an op the scheme calls.
     """
@@ -518,36 +513,7 @@ class NpuExperts:
         return self._gmm(self.ops.npu_swiglu(h), layer.w2_weight, gl, glt, torch.bfloat16)
 
 
-# -- a whole layer on every rank ----------------------------------------------------------------------
-
-
-def run_layer(rank: int, world: int, scheme: str, mode: str = "normal", kernel_module: str = REAL,
-              vendor_module: str | None = None, hidden: int = 1024, intermediate: int = 256,
-              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 8, seed: int = 0) -> LayerCheck:
-    """Run on every rank (``RankPool.map`` in the tests, torchrun on an NPU): an ascend_deepep
-    dispatcher whose spec takes the kernel's quant hints, the kernel on this rank's experts,
-    combine, and the relative error against the dense fp32 reference on the dequantized weights."""
-    from moe_dispatch_testing.routing import random_expert_weights
-    from moe_dispatch_testing.layers import check_layer
-
-    from .backend import AscendDeepEPBackend
-    from .vendor import REAL as DEEPEP
-
-    experts = NpuExperts(scheme, kernel_module)
-    spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, quant=experts.quant_hints(), runner=experts.runner)
-    # The HCCL window is read from the process environment, as HCCL and the ops read it.
-    dispatcher = md.create_dispatcher(AscendDeepEPBackend(vendor_module or DEEPEP), spec, env={})
-    device = torch.device("npu" if kernel_module == REAL else "cpu")
-    g = torch.Generator().manual_seed(seed)
-    global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))
-    layer = global_layer.slice(rank * experts_per_rank, experts_per_rank).to(device)
-    return check_layer(rank, world, dispatcher, experts, layer, global_layer.dequantized(), tokens=tokens,
-                       generator=g, device=device)
-
-
 __all__ = [
-    "EMULATOR",
     "REAL",
     "REASONS",
     "SCHEMES",
@@ -557,7 +523,6 @@ __all__ = [
     "install_hint",
     "load_ops",
     "pack_int4",
-    "run_layer",
     "runner_name",
     "runner_probe",
     "uint64_as_fp32",

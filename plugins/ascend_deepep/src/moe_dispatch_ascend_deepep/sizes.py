@@ -44,7 +44,8 @@ from . import vendor as v
 
 def is_a2_internode(mode: md.Mode, world_size: int, soc: str | None) -> bool:
     """Normal mode on more than 8 ranks of an Atlas A2 (``create`` takes a chip torch_npu cannot name as
-    A2; planning without the chip keeps the A3 op's figure there, VENDOR.md §3)."""
+    A2; planning without the chip keeps the A3 op's figure there: §3 of
+    docs/evidence/plugins/ascend_deepep/vendor-notes.md)."""
     return mode is md.Mode.NORMAL and soc == v.SOC_A2 and world_size > v.A2_MAX_HCCS_PEERS
 
 

@@ -9,7 +9,7 @@ prototypes in ``torch_npu/_op_plugin_docs.py`` (TNPU), and CANN's grouped-matmul
 ``torch_npu.npu.get_soc_version()``'s.
 
 Nothing here imports an adapter module or a fake. Adapters and fakes import these facts; the
-fakes live in ``moe_dispatch_ascend_deepep.fakes`` and are chosen by module-name string.
+fakes live in the moe-dispatch-ascend-deepep-testing distribution and are chosen by module-name string.
 """
 
 from __future__ import annotations
@@ -38,20 +38,7 @@ TNPU_SO = "torch-npu 2.13.0 torch_npu/lib/libtorch_npu.so (registered schema; to
 # -- module names ------------------------------------------------------------------------------------
 
 REAL = "deep_ep"
-FAKE = "moe_dispatch_ascend_deepep.fakes.deep_ep"
-#: A DeepEP-Ascend before ``quant_mode`` (KN@be6b5e7f): INT8 only through the environment.
-FAKE_ENV_ONLY = "moe_dispatch_ascend_deepep.fakes.deep_ep_env_only"
-#: Kept names (other plugins' tests use them): the fakes' module paths.
-EMULATOR = FAKE
-EMULATOR_ENV_ONLY = FAKE_ENV_ONLY
 TORCH_NPU = "torch_npu"
-TORCH_NPU_FAKE = "moe_dispatch_ascend_deepep.fakes.torch_npu"
-#: The context manager a fake module exports for how its collectives wait: ``emulated_watch(watch)`` makes the fake's
-#: collectives inside it wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its
-#: peers' failure notices). Not DeepEP-Ascend's: its Buffer takes a process group and no deadline (KN@f425bdf
-#: python/deep_ep/deep_ep/buffer.py Buffer.__init__), its ops wait in HCCL under the group's own timeout; a fake that
-#: moves bytes over gloo would otherwise wait its own 300 s and never hear of a peer's failure (issue 15).
-EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
 INSTALL_HINT = ("DeepEP-Ascend builds from source with CANN: see https://github.com/sgl-project/sgl-kernel-npu "
                 "(python/deep_ep), on an Atlas A2/A3 machine, with torch-npu matching torch "
                 "(pip install \"moe-dispatch-ascend-deepep[npu]\" \"torch==<your torch>\")")
@@ -752,15 +739,14 @@ SIG_CONFIG_INIT = VendorSignature(
 CONFIG_FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                  "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
 
-#: The Buffer methods the adapter calls, by fake module: what each fake must equal.
-DEEP_EP_SIGNATURES = {
-    FAKE: (SIG_BUFFER_INIT, SIG_GET_DISPATCH_LAYOUT, SIG_DISPATCH, SIG_COMBINE, SIG_LOW_LATENCY_DISPATCH,
-           SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT, SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG,
-           SIG_FUSED_DEEP_MOE),
-    FAKE_ENV_ONLY: (SIG_BUFFER_INIT, SIG_GET_DISPATCH_LAYOUT, SIG_DISPATCH_ENV_ONLY, SIG_COMBINE,
-                    SIG_LOW_LATENCY_DISPATCH_USE_FP8, SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT,
-                    SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG, SIG_FUSED_DEEP_MOE_NO_PROFILE),
-}
+#: The Buffer methods the adapter calls, as main f425bdf has them: what a fake of main must equal.
+DEEP_EP_SIGNATURES = (SIG_BUFFER_INIT, SIG_GET_DISPATCH_LAYOUT, SIG_DISPATCH, SIG_COMBINE, SIG_LOW_LATENCY_DISPATCH,
+                      SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT, SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG,
+                      SIG_FUSED_DEEP_MOE)
+#: The same methods as KN@be6b5e7f has them (before ``quant_mode``).
+DEEP_EP_SIGNATURES_ENV_ONLY = (SIG_BUFFER_INIT, SIG_GET_DISPATCH_LAYOUT, SIG_DISPATCH_ENV_ONLY, SIG_COMBINE,
+                               SIG_LOW_LATENCY_DISPATCH_USE_FP8, SIG_LOW_LATENCY_COMBINE, SIG_LL_SIZE_HINT,
+                               SIG_GET_DISPATCH_CONFIG, SIG_GET_COMBINE_CONFIG, SIG_FUSED_DEEP_MOE_NO_PROFILE)
 #: Every signature a supported build (KN@0ac00159 .. main) has, per method (checked by AST against buffer.py at
 #: 0ac00159, 3d98638a, 607b0002, 9aa6257c, b2fce2cd, 27306d00, 9a77a110, be6b5e7f, f451a596, 7c2b9e06, d6617476,
 #: eb44721d, 454d9c3e, 929a00ae, 0a7c55a4, f425bdf): what the hardware check accepts as "a recorded version". The
@@ -1079,9 +1065,8 @@ __all__ = [
     "a2_layered_ipc_bytes", "normal_op_max_window_mb", "normal_op_state1_offset", "plain_decimal", "strtol_prefix",
     "group_hccl_config", "normal_internode_combine_assert_bytes", "normal_internode_ipc_bytes",
     "normal_internode_window_bytes_a2", "notify_dispatch_a2_window_bytes", "soc_family_from_name",
-    "EMULATED_WATCH_ATTRIBUTE",
-    "EMULATOR", "EMULATOR_ENV_ONLY", "ENV_VARS", "FAKE", "FAKE_ENV_ONLY", "INSTALL_HINT", "REAL", "TORCH_NPU",
-    "TORCH_NPU_FAKE", "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
+    "DEEP_EP_SIGNATURES", "DEEP_EP_SIGNATURES_ENV_ONLY", "ENV_VARS", "INSTALL_HINT", "REAL", "TORCH_NPU",
+    "VERSION_RULES", "EnvVar", "VendorInfo", "VersionRule", "detect", "is_layered",
     "layered_window_bytes", "ll_op_window_bytes", "ll_receive_rows", "normal_op_window_bytes",
     "normal_op_window_bytes_a2", "ops_window_mb", "parse_env_int", "readme_window_bytes", "registered_schema",
     "schema_params", "soc_family", "current_soc", "stoi_prefix", "window_mb",

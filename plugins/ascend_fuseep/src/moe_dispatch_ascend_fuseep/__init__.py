@@ -1,12 +1,10 @@
 """moe-dispatch-ascend-fuseep: Ascend FuseEP (``fused_deep_moe``) as a moe-dispatch backend.
 
 The entry point ``ascend_fuseep`` names this module; it registers ``FuseEPBackend`` on the real
-DeepEP-Ascend (unavailable, with the reason, without it, torch-npu or an NPU). Tests run it on
-the fake ``moe_dispatch_ascend_fuseep.fakes.deep_ep`` (``vendor.FAKE``). Vendor facts: ``vendor.py``;
-see VENDOR.md.
+DeepEP-Ascend (unavailable, with the reason, without it, torch-npu or an NPU). The tests run it on
+the CPU fakes of moe-dispatch-ascend-fuseep-testing. Vendor facts: ``vendor.py``; see VENDOR.md.
 """
 
-import moe_dispatch as md
 import moe_dispatch.backend as mdb
 
 from .backend import FuseEPBackend

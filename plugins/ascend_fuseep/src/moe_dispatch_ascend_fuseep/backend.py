@@ -77,11 +77,6 @@ class FuseEPDispatcher(AscendDeepEPDispatcher):
 
     def fused_forward(self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor:
-        with self.waits():  # on a fake, its collectives wait with this dispatcher's Watch
-            return self._fused_forward(layer, hidden_states, topk_ids, topk_weights)
-
-    def _fused_forward(self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor) -> torch.Tensor:
         if not isinstance(layer, FuseEPWeights) or layer.fuse_mode != self.fuse_mode:
             got = f"FuseEPWeights for fuse mode {layer.fuse_mode}" if isinstance(layer, FuseEPWeights) else \
                 type(layer).__name__
@@ -117,8 +112,9 @@ class FuseEPBackend(AscendDeepEPBackend):
     engine_sizing = "as ascend_deepep (sglang's FuseEP path also fixes params_bytes = 2)."
     description = "Ascend FuseEP: dispatch, GMM1, SwiGLU, GMM2 and combine in one op (W8A8, Atlas A3)"
 
-    def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None) -> None:
-        super().__init__(vendor_module, env)
+    def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None,
+                 torch_npu_module: str = v.TORCH_NPU) -> None:
+        super().__init__(vendor_module, env, torch_npu_module=torch_npu_module)
         self.capabilities = capabilities(vendor_module != v.REAL)
 
     def probe(self) -> str | None:
@@ -177,7 +173,7 @@ class FuseEPBackend(AscendDeepEPBackend):
                 "csrc/deepep/ops2, has no FusedDeepMoe / DispatchFFNCombine)", parameter="backend", value=soc,
                 allowed="Atlas A3; on A2 use ascend_deepep with the npu_w8a8 runner")
         base = super().create(ctx)
-        d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode, base.ll_quant_mode, base.waits)
+        d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode, base.ll_quant_mode)
         d.fuse_mode, d.max_output_size = fuse_mode, max_output
         d.nz_cast = None if self.vendor().emulated else _nz_cast
         return d

@@ -16,13 +16,6 @@ from moe_dispatch_ascend_deepep.vendor import (  # noqa: F401 - re-exported vend
     SOC_A3, TORCH_NPU, VendorInfo, detect, window_mb,
 )
 
-FAKE = "moe_dispatch_ascend_fuseep.fakes.deep_ep"
-#: A DeepEP-Ascend between KN@c4e7608f and KN@0ac00159: ``fused_deep_moe`` without ``fuse_mode``
-#: (below the supported floor: the fake lets the tests check that probe() says so).
-FAKE_NO_FUSE_MODE = "moe_dispatch_ascend_fuseep.fakes.deep_ep_no_fuse_mode"
-
-SIGNATURES = {FAKE: SIG_FUSED_DEEP_MOE, FAKE_NO_FUSE_MODE: SIG_FUSED_DEEP_MOE_NO_FUSE_MODE}
-
 # KN@f425bdf buffer.py class FuseMode(IntEnum): FUSED_DEEP_MOE = 1, DISPATCH_FFN_COMBINE = 2 (module level;
 # not exported from deep_ep/__init__.py: `from deep_ep.buffer import FuseMode` or the integers).
 FUSED_DEEP_MOE, DISPATCH_FFN_COMBINE = 1, 2
@@ -94,7 +87,6 @@ def dispatch_ffn_combine_window_bytes(tokens: int, top_k: int, hidden: int) -> i
 
 __all__ = [
     "MINUS_ONE_UNSUPPORTED_MODES",
-    "DISPATCH_FFN_COMBINE", "FAKE", "FAKE_NO_FUSE_MODE", "FUSED_DEEP_MOE", "FUSE_MODES", "GMM1_TILE_N",
-    "SIGNATURES", "dispatch_ffn_combine_window_bytes", "fused_deep_moe_window_bytes", "mode2_max_output_rows",
+    "DISPATCH_FFN_COMBINE", "FUSED_DEEP_MOE", "FUSE_MODES", "GMM1_TILE_N", "dispatch_ffn_combine_window_bytes", "fused_deep_moe_window_bytes", "mode2_max_output_rows",
     "mode2_min_output_rows",
 ]

@@ -3,8 +3,8 @@ torch_npu against the same adapter on the CPU fakes, the recorded signatures aga
 installed vendor, the HCCL window formulas, and the open questions only an NPU can settle.
 
 Every check is a ``Row``: ``ok`` True/False, or None for a measurement or a vendor message to
-read. The fakes are chosen by module-name string (``vendor.FAKE``, ``vendor.TORCH_NPU_FAKE``), as
-everywhere in the adapter. With ``Options(fake=True)`` the fakes stand in for the vendor too
+read. The fakes are chosen by module-name string (``FAKE``, ``TORCH_NPU_FAKE``), as the adapter
+takes the vendor's. With ``Options(fake=True)`` the fakes stand in for the vendor too
 (CPU, gloo): the same code runs, which is how the tests know the script works.
 """
 
@@ -22,13 +22,12 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch_testing.accuracy import relative_error
-from moe_dispatch.backend import restored_environ
-from moe_dispatch.backend import dequantize_rows
+from moe_dispatch.backend import dequantize_rows, restored_environ
+from moe_dispatch_ascend_deepep import sizes, vendor as v
+from moe_dispatch_ascend_deepep.experts import SCHEMES, NpuExperts, pack_int4
+from moe_dispatch_testing import random_expert_weights, relative_error
 
-from . import vendor as v
-from .backend import AscendDeepEPBackend
-from .experts import SCHEMES, NpuExperts
+from . import FAKE, SIGNATURES, TORCH_NPU_FAKE, ascend_backend
 
 
 @dataclass(frozen=True)
@@ -56,11 +55,11 @@ class Options:
 
     @property
     def deep_ep(self) -> str:
-        return v.FAKE if self.fake else v.REAL
+        return FAKE if self.fake else v.REAL
 
     @property
     def torch_npu(self) -> str:
-        return v.TORCH_NPU_FAKE if self.fake else v.TORCH_NPU
+        return TORCH_NPU_FAKE if self.fake else v.TORCH_NPU
 
     @property
     def device(self) -> torch.device:
@@ -107,7 +106,7 @@ def _signature_rows(opts: Options) -> list[Row]:
     from moe_dispatch_testing.signatures import compare, differences
 
     rows: list[Row] = []
-    fake_npu = importlib.import_module(v.TORCH_NPU_FAKE)
+    fake_npu = importlib.import_module(TORCH_NPU_FAKE)
     for rec in v.TORCH_NPU_SIGNATURES:  # the callables' registered schemas
         rows.append(Row("signatures", f"fake {rec.qualname} = registered schema",
                         not differences(rec, getattr(fake_npu, rec.qualname))))
@@ -134,7 +133,7 @@ def _signature_rows(opts: Options) -> list[Row]:
                         "; ".join(problems) or "as recorded"))
     if not opts.fake:  # the registered op schemas of the imported torch_npu (CANN present)
         rows += _guard("signatures", "torch_npu op schemas", lambda: _schema_rows())
-    for fake_module, records in v.DEEP_EP_SIGNATURES.items():
+    for fake_module, records in SIGNATURES.items():
         buffer = importlib.import_module(fake_module).Buffer
         bad = [p for rec in records for p in differences(rec, getattr(buffer, rec.qualname.split(".")[1]))]
         rows.append(Row("signatures", f"{fake_module.rsplit('.', 1)[1]} Buffer = recorded", not bad, "; ".join(bad)))
@@ -167,7 +166,7 @@ def _platform_rows(opts: Options) -> list[Row]:
     """The chip, CANN's version and which aclnn variants the installed CANN has (op-plugin picks
     aclnnGroupedMatmulV5/V4, aclnnDequantSwigluQuantV2/V1, aclnnDynamicQuantV2.. by availability; their
     host checks and rounding differ: audit b30/b34/b41)."""
-    module = importlib.import_module(v.TORCH_NPU_FAKE if opts.fake else v.TORCH_NPU)
+    module = importlib.import_module(opts.torch_npu)
     try:
         name = module.npu.get_device_name()
     except Exception as exc:  # noqa: BLE001 - information
@@ -202,12 +201,10 @@ def _platform_rows(opts: Options) -> list[Row]:
 def _window_rows(opts: Options, world: int, group: Any) -> list[Row]:
     """The windows: what the group was given (its hccl_config, read as the backend reads it), what the ops see,
     and what each mode needs; whether the backend's creation check passes."""
-    from . import sizes
-
     rows: list[Row] = []
     E = opts.experts_per_rank * world
-    backend = AscendDeepEPBackend(opts.deep_ep)
-    config = backend.group_hccl_config(group)
+    adapter = ascend_backend(opts.deep_ep)
+    config = adapter.group_hccl_config(group)
     seen = (f"hccl_config read: {config}; {v.HCCL_BUFFSIZE}={os.environ.get(v.HCCL_BUFFSIZE)!r}, "
             f"{v.OP_EXPANSION_ENV}={os.environ.get(v.OP_EXPANSION_ENV)!r}")
     try:
@@ -220,11 +217,11 @@ def _window_rows(opts: Options, world: int, group: Any) -> list[Row]:
                     f"{window.mb} MB: {window.source}; {seen}"))
     for mode in (md.Mode.NORMAL, md.Mode.LOW_LATENCY):
         spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
-        soc = backend.soc()
+        soc = adapter.soc()
         need = sizes.required_window_mb(spec, world, os.environ, soc)
         have = v.ops_window_mb(os.environ)
         try:
-            backend.check_environment(spec, world, config, {})
+            adapter.check_environment(spec, world, config, {})
             verdict = "the creation check passes"
         except md.MoEDispatchError as exc:
             verdict = f"the creation check refuses: {type(exc).__name__} {exc.parameter}: {str(exc)[:160]}"
@@ -272,12 +269,12 @@ def _deepep_rows(rank: int, world: int, opts: Options, group: Any, reference_gro
                     spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens,
                                            mode=mode, output_dtype=dtype)
                     try:
-                        real = md.create_dispatcher(AscendDeepEPBackend(opts.deep_ep), spec, group, env={})
+                        real = md.create_dispatcher(ascend_backend(opts.deep_ep), spec, group, env={})
                     except md.InvalidSpecError as exc:  # A2 beyond 8 ranks: no INT8 kernel (every rank refuses)
                         if exc.parameter != "output_dtype":
                             raise
                         return [Row("deepep", f"{name}: refused at creation", None, str(exc)[:200])]
-                    fake = md.create_dispatcher(AscendDeepEPBackend(v.FAKE), spec, reference_group, env={})
+                    fake = md.create_dispatcher(ascend_backend(FAKE), spec, reference_group, env={})
                     x, ids, w = _batch(rank, opts, world, minus_one)
                     c_real, r_real, y_real = _roundtrip(real, x, ids, w, opts.device)
                     c_fake, r_fake, y_fake = _roundtrip(fake, x, ids, w, torch.device("cpu"))
@@ -317,8 +314,8 @@ def _in_flight_rows(rank: int, world: int, opts: Options, group: Any, reference_
     flight of different sizes, combined in either order, must give what the fake gives."""
     E = opts.experts_per_rank * world
     spec = md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=mode)
-    real = md.create_dispatcher(AscendDeepEPBackend(opts.deep_ep), spec, group, env={})
-    fake = md.create_dispatcher(AscendDeepEPBackend(v.FAKE), spec, reference_group, env={})
+    real = md.create_dispatcher(ascend_backend(opts.deep_ep), spec, group, env={})
+    fake = md.create_dispatcher(ascend_backend(FAKE), spec, reference_group, env={})
     small = Options(**{**opts.__dict__, "tokens": max(1, opts.tokens // 4)})
     batches = [_batch(rank, opts, world, False), _batch(rank + 50, small, world, False)]
     worst = 0.0
@@ -336,8 +333,8 @@ def _two_dispatchers_rows(rank: int, world: int, opts: Options, group: Any, refe
     specs = [md.DispatchSpec(opts.hidden, E, opts.top_k, num_max_dispatch_tokens_per_rank=opts.tokens, mode=m,
                              output_dtype=dt) for m, dt in (("normal", "int8"), ("low_latency", "bf16"))]
     results = []
-    for module, grp, device in ((opts.deep_ep, group, opts.device), (v.FAKE, reference_group, torch.device("cpu"))):
-        ds = [md.create_dispatcher(AscendDeepEPBackend(module), s, grp, env={}) for s in specs]
+    for module, grp, device in ((opts.deep_ep, group, opts.device), (FAKE, reference_group, torch.device("cpu"))):
+        ds = [md.create_dispatcher(ascend_backend(module), s, grp, env={}) for s in specs]
         x, ids, w = _batch(rank, opts, world, False)
         outs = [d.dispatch(x.to(device), ids.to(device), w.to(device)) for d in ds]
         ys = [d.combine(dequantize_rows(o.hidden_states, o.hidden_states_scale, opts.hidden).to(torch.bfloat16), o)
@@ -381,20 +378,17 @@ def _world_one_rows(opts: Options) -> list[Row]:
 
 
 def _runner_rows(opts: Options) -> list[Row]:
-    from moe_dispatch.backend import make_codec
-    from moe_dispatch_testing.routing import random_expert_weights
-
     rows = []
     counts = [5, 0, 13, 2]
     for scheme in SCHEMES:
         def check(scheme: str = scheme) -> list[Row]:
             g = torch.Generator().manual_seed(7)
-            fake = NpuExperts(scheme, v.TORCH_NPU_FAKE)
+            fake = NpuExperts(scheme, TORCH_NPU_FAKE)
             real = NpuExperts(scheme, opts.torch_npu)
             layer = fake.process_weights(random_expert_weights(len(counts), 1024, opts.intermediate, generator=g))
             x = torch.randn(sum(counts), 1024, generator=g)
             if fake.needs_dispatch_dtype is md.DispatchDtype.INT8:
-                q = make_codec(mdb.WireFormat(md.DispatchDtype.INT8, 1024)).quantize(x)
+                q = mdb.make_codec(mdb.WireFormat(md.DispatchDtype.INT8, 1024)).quantize(x)
                 rows_x, scale = q.data, q.scale
             else:
                 rows_x, scale = x.to(torch.bfloat16), None
@@ -413,8 +407,6 @@ def _runner_rows(opts: Options) -> list[Row]:
 
 def _int4pack_rows(opts: Options) -> list[Row]:
     """The W4A16 runner packs on the host (``pack_int4``); the op, on the NPU, must give the same words."""
-    from .experts import pack_int4
-
     if opts.fake:
         return [Row("runners", "npu_convert_weight_to_int4pack(npu) = pack_int4", None,
                     "the op has an NPU kernel only (the fake refuses CPU tensors as torch_npu does)")]

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-import moe_dispatch_testing as mdt
-from moe_dispatch_testing.accuracy import relative_error
-from moe_dispatch.backend import quantize_weights_w8a8
-from moe_dispatch_testing.routing import random_expert_weights
-from moe_dispatch_ascend_deepep.hardware import Options, Row, _guard, _probe
+from moe_dispatch.backend import quantize_weights_w8a8, restored_environ
+from moe_dispatch_ascend_deepep.backend import CONSTRUCTION_ENV
+from moe_dispatch_ascend_deepep_testing.hardware import Options, Row, _guard, _probe
+from moe_dispatch_ascend_fuseep import vendor as v
+from moe_dispatch_ascend_fuseep.weights import process_fuseep_weights
+from moe_dispatch_testing import random_expert_weights, reference_moe, relative_error
 
-from . import vendor as v
-from .backend import FuseEPBackend
+from . import FAKE, fuseep_backend
 
 
 def _to(weights: md.ExpertWeights, device: torch.device) -> md.ExpertWeights:
@@ -28,7 +28,7 @@ def _to(weights: md.ExpertWeights, device: torch.device) -> md.ExpertWeights:
 
 
 def _module(opts: Options) -> str:
-    return v.FAKE if opts.fake else v.REAL
+    return FAKE if opts.fake else v.REAL
 
 
 def _forward(rank: int, world: int, opts: Options, backend_module: str, group: Any, fuse_mode: int,
@@ -36,7 +36,7 @@ def _forward(rank: int, world: int, opts: Options, backend_module: str, group: A
     local, k, T = opts.experts_per_rank, min(opts.top_k, v.MAX_TOP_K), min(opts.tokens, v.MAX_BATCH)
     E = local * world
     spec = md.DispatchSpec(opts.hidden, E, k, num_max_dispatch_tokens_per_rank=T, mode="low_latency")
-    d = md.create_dispatcher(FuseEPBackend(backend_module), spec, group, env={}, options={"fuse_mode": fuse_mode})
+    d = md.create_dispatcher(fuseep_backend(backend_module), spec, group, env={}, options={"fuse_mode": fuse_mode})
     g = torch.Generator().manual_seed(0)
     weights = quantize_weights_w8a8(random_expert_weights(E, opts.hidden, opts.intermediate, generator=g))
     layer = d.process_weights(_to(weights.slice(rank * local, local), device))
@@ -45,14 +45,14 @@ def _forward(rank: int, world: int, opts: Options, backend_module: str, group: A
     ids = (torch.arange(k).repeat(T, 1) if all_to_rank_0 else
            torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]))
     w = torch.rand(T, k, generator=g)
-    return md.moe_forward(d, None, layer, x.to(device), ids.to(device), w.to(device)).float().cpu()
+    return d.forward(None, layer, x.to(device), ids.to(device), w.to(device)).float().cpu()
 
 
 def fuseep_rows(rank: int, world: int, opts: Options, group: Any, reference: Any) -> list[Row]:
     rows: list[Row] = []
     if not hasattr(importlib.import_module(_module(opts)).Buffer, "fused_deep_moe"):
         return [Row("fuseep", "fused_deep_moe", None, "this DeepEP-Ascend has none")]
-    reason = FuseEPBackend(_module(opts)).probe()
+    reason = fuseep_backend(_module(opts)).probe()
     if reason is not None:  # e.g. an Atlas A2: no fused ops in its build
         return [Row("fuseep", "fused_deep_moe", None, f"not run: {reason}")]
     for fuse_mode in (v.FUSED_DEEP_MOE, v.DISPATCH_FFN_COMBINE):
@@ -61,7 +61,7 @@ def fuseep_rows(rank: int, world: int, opts: Options, group: Any, reference: Any
 
             def check(fuse_mode: int = fuse_mode, concentrated: bool = concentrated, name: str = name) -> list[Row]:
                 got = _forward(rank, world, opts, _module(opts), group, fuse_mode, opts.device, concentrated)
-                want = _forward(rank, world, opts, v.FAKE, reference, fuse_mode, torch.device("cpu"), concentrated)
+                want = _forward(rank, world, opts, FAKE, reference, fuse_mode, torch.device("cpu"), concentrated)
                 err = relative_error(got, want)
                 return [Row("fuseep", name, err < opts.tolerance["int8"], f"rel err {err:.2e}")]
 
@@ -81,11 +81,6 @@ def _probe_neg_one(rank: int, world: int, opts: Options, group: Any, reference: 
                    ) -> list[Row]:
     """The vendor's op with raw -1 ids (mode 2: some slots; mode 1: a whole token), against the adapter's
     mapped call on the fake: settles whether the mapping (backend.fill_minus_one) is needed."""
-    from moe_dispatch_ascend_deepep.backend import CONSTRUCTION_ENV
-    from moe_dispatch.backend import restored_environ
-
-    from .weights import process_fuseep_weights
-
     module = importlib.import_module(_module(opts))
     local, k, T = opts.experts_per_rank, min(opts.top_k, v.MAX_TOP_K), min(opts.tokens, v.MAX_BATCH)
     E = local * world
@@ -108,7 +103,7 @@ def _probe_neg_one(rank: int, world: int, opts: Options, group: Any, reference: 
     out, _ = buffer.fused_deep_moe(x.to(opts.device), ids.to(opts.device), w.to(opts.device),
                                    layer.gmm1_permuted_weight, layer.gmm1_permuted_weight_scale, layer.gmm2_weight,
                                    layer.gmm2_weight_scale, bound, E, quant_mode=1, fuse_mode=fuse_mode)
-    want = mdt.reference_moe(x, ids, w, weights)
+    want = reference_moe(x, ids, w, weights)
     err = relative_error(out.float().cpu(), want)
     return [Row("fuseep", name, None, f"no error; rel err against the dense reference {err:.2e} "
                                       "(the adapter maps -1 to unused experts with weight 0)")]
@@ -117,11 +112,6 @@ def _probe_neg_one(rank: int, world: int, opts: Options, group: Any, reference: 
 def _probe_mode2_tokens(rank: int, world: int, opts: Options, group: Any, reference: Any) -> list[Row]:
     """Mode 2 with sglang's bound (T, not the rows received) and every token to rank 0, called on
     the vendor directly. May corrupt device memory if the op trusts the bound: run it last."""
-    from moe_dispatch_ascend_deepep.backend import CONSTRUCTION_ENV
-    from moe_dispatch.backend import restored_environ
-
-    from .weights import process_fuseep_weights
-
     module = importlib.import_module(_module(opts))
     local, k, T = opts.experts_per_rank, min(opts.top_k, v.MAX_TOP_K), min(opts.tokens, v.MAX_BATCH)
     E = local * world
@@ -137,7 +127,7 @@ def _probe_mode2_tokens(rank: int, world: int, opts: Options, group: Any, refere
     w = torch.rand(T, k, generator=g).to(opts.device)
     out, _ = buffer.fused_deep_moe(x, ids, w, layer.gmm1_permuted_weight, layer.gmm1_permuted_weight_scale,
                                    layer.gmm2_weight, layer.gmm2_weight_scale, T, E, quant_mode=1, fuse_mode=2)
-    want = _forward(rank, world, opts, v.FAKE, reference, 2, torch.device("cpu"), True)
+    want = _forward(rank, world, opts, FAKE, reference, 2, torch.device("cpu"), True)
     err = relative_error(out.float().cpu(), want)
     return [Row("fuseep", "probe: mode 2 with num_max_dispatch_tokens_per_rank = T", None,
                 f"no error; rel err against the fake {err:.2e} (rank 0 received T·R·k rows)")]

@@ -1,3 +1,3 @@
 """CPU fakes of the vendor libraries, one module per behaviour range, selected by module name
-(``moe_dispatch_ascend_deepep.vendor.FAKE``, ``FAKE_ENV_ONLY``, ``TORCH_NPU_FAKE``). They import
-vendor facts from ``..vendor`` and helpers from the core, never the adapter modules."""
+(``FAKE``, ``FAKE_ENV_ONLY``, ``TORCH_NPU_FAKE`` of this package). They import vendor facts from
+``moe_dispatch_ascend_deepep.vendor`` and helpers from the core, never the adapter modules."""

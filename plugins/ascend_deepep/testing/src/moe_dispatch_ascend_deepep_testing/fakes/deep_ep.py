@@ -4,8 +4,9 @@ torch.distributed (gloo on CPU): real results between real processes, and the ve
 What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425bdf):
 
 - Python layer (``python/deep_ep/deep_ep/buffer.py``, ``strategies/*.py``): the signatures
-  (``vendor.DEEP_EP_SIGNATURES``); ``config=None`` → ``get_dispatch_config(num_ranks)``, whose
-  ``assert num_ranks in config_map`` fails outside ``vendor.CONFIG_RANKS``; ``handle`` →
+  (``vendor.DEEP_EP_SIGNATURES``; ``deep_ep_env_only``: ``_ENV_ONLY``); ``config=None`` →
+  ``get_dispatch_config(num_ranks)``, whose ``assert num_ranks in config_map`` fails outside
+  ``vendor.CONFIG_RANKS``; ``handle`` →
   ``NotImplementedError``; ``quant_mode`` validation (``ValueError``); the low-latency mapping
   ``quant_mode is None and use_fp8`` → ``"int8"`` (since KN@f451a596); the normal priority
   explicit ``quant_mode`` > tuple ``x`` > ``DEEP_NORMAL_MODE_USE_INT8_QUANT`` read at the call;
@@ -52,9 +53,9 @@ What it enforces, as the vendor does (``KN`` = sgl-project/sgl-kernel-npu @ f425
 - State: ``get_dispatch_layout`` feeds the next ``dispatch`` on the same buffer (the C++ keeps
   ``notify_send_data``); a dispatch with other ids than the layout's is a ``RuntimeError`` here
   (garbage on the device); ``Buffer.num_sms`` is class-level.
-- Waits: bytes move between the rank processes through the core's ``Comm``, which waits with the
-  dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices) inside ``emulated_watch``
-  (``moe_dispatch.distributed.emulation``: a channel beside the vendor's API, which takes a group and no deadline).
+- Waits: bytes move between the rank processes through the core's ``Comm``, which, inside a
+  dispatcher's call on the same ranks, waits with that dispatcher's ``Watch`` (its ``timeout_s``, its
+  peers' failure notices); the vendor's API takes a group and no deadline.
 
 Fake-only, marked "(fake)" in messages: ``-1`` ids reaching the low-latency op without
 ``MOE_ENABLE_TOPK_NEG_ONE=1`` raise (the kernel gets no active mask; its behaviour is not
@@ -74,15 +75,12 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-import moe_dispatch as md
-from moe_dispatch_testing.emulation import WatchedComm, emulated_watch
-from moe_dispatch.backend import INT8Codec, as_bytes, from_bytes
-from moe_dispatch.backend import WireFormat
+import moe_dispatch.backend as mdb
+from moe_dispatch.backend import as_bytes, from_bytes
+from moe_dispatch_ascend_deepep import vendor as v
 
-from .. import vendor as v
 from . import torch_npu as fake_torch_npu
 
-INT8_ENV, COUNTS_TYPE_ENV = v.INT8_ENV, v.COUNTS_TYPE_ENV  # kept for readers of the old emulator
 QUANT_MODES = ("bf16", "int8")
 A3, A2 = v.SOC_A3, v.SOC_A2
 _CONFIG_MAP = {n: (v.NUM_SMS, 6, 256, 6, 128) for n in v.CONFIG_RANKS}  # values do not matter on NPU
@@ -395,7 +393,7 @@ class Buffer:
         low_latency_strategy: Union[str, LowLatencyStrategy] = LowLatencyStrategy.DEFAULT,
     ) -> None:
         self.group = group
-        self.comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (moe_dispatch.distributed.emulation)
+        self.comm = mdb.Comm(group)  # bound to no dispatcher: waits with the calling one's Watch
         self.rank, self.group_size = self.comm.rank, self.comm.world_size
         self.low_latency_mode = low_latency_mode
         # the C++ reads GetSocVersion() at construction; HCCL allocates the window when the communicator is made
@@ -451,7 +449,7 @@ class Buffer:
                        num_max_dispatch_tokens_per_rank: int, num_experts: int, quant_mode: int = 1,
                        fuse_mode: FuseMode = FuseMode.FUSED_DEEP_MOE, profile_enable: bool = False
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("(fake) fused_deep_moe is faked by moe_dispatch_ascend_fuseep.fakes.deep_ep")
+        raise NotImplementedError("(fake) fused_deep_moe is faked by moe-dispatch-ascend-fuseep-testing's fakes.deep_ep")
 
     # -- normal mode ----------------------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from .. import vendor as v
+from moe_dispatch_ascend_deepep import vendor as v
+
 from . import deep_ep
 from .deep_ep import Config, EventOverlap, FuseMode, VendorCall
-from .deep_ep import emulated_watch  # noqa: F401 (v.EMULATED_WATCH_ATTRIBUTE: every fake module has it)
 
 
 class Buffer(deep_ep.Buffer):
@@ -77,7 +77,7 @@ class Buffer(deep_ep.Buffer):
         num_max_dispatch_tokens_per_rank: int, num_experts: int, quant_mode: int = 1,
         fuse_mode: FuseMode = FuseMode.FUSED_DEEP_MOE,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("(fake) fused_deep_moe is faked by moe_dispatch_ascend_fuseep.fakes.deep_ep")
+        raise NotImplementedError("(fake) fused_deep_moe is faked by moe-dispatch-ascend-fuseep-testing's fakes.deep_ep")
 
 
 __all__ = ["Buffer", "Config", "EventOverlap", "VendorCall"]

@@ -80,7 +80,7 @@ import moe_dispatch as md
 import moe_dispatch.backend as mdb
 from moe_dispatch.backend import make_codec
 
-from .. import vendor as v
+from moe_dispatch_ascend_deepep import vendor as v
 
 INNER_LIMIT = 65536
 MAX_GROUPS = v.GMM_MAX_GROUPS

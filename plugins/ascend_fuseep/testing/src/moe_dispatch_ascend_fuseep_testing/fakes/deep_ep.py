@@ -1,5 +1,5 @@
 """DeepEP-Ascend's ``Buffer`` with ``fused_deep_moe`` (sgl-project/sgl-kernel-npu main f425bdf),
-faked on CPU: ``moe_dispatch_ascend_deepep.fakes.deep_ep.Buffer`` plus the fused op.
+faked on CPU: ``moe_dispatch_ascend_deepep_testing.fakes.deep_ep.Buffer`` plus the fused op.
 
 The vendor's checks, as it makes them (``KN`` = sgl-project/sgl-kernel-npu @ f425bdf): the Python
 wrapper (``python/deep_ep/deep_ep/buffer.py`` ``fused_deep_moe``: ``topk_idx.int()``, fuse mode 1 or
@@ -20,7 +20,7 @@ weight scale in **fp16** (``CType = float16_t``, the uint64 fixpipe dequant;
 dispatch_ffn_combine.h), so an overflow there is an inf in the fake too.
 
 The chip: an Atlas A2 build of DeepEP-Ascend compiles ``csrc/deepep/ops2``, which has neither
-FusedDeepMoe nor DispatchFFNCombine: on the A2 fake chip (``fakes.torch_npu.soc_version(220)``)
+FusedDeepMoe nor DispatchFFNCombine: on the A2 fake chip (ascend_deepep's ``fakes.torch_npu.soc_version(220)``)
 ``fused_deep_moe`` raises as EXEC_NPU_CMD does for a missing op.
 
 Fake-only ("(fake)"): mode 2's workspace holds ``max_output_size`` rows (its tiling sizes it so):
@@ -38,13 +38,11 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from moe_dispatch_ascend_deepep.fakes import deep_ep as base
-from moe_dispatch_ascend_deepep.fakes.deep_ep import emulated_watch  # noqa: F401 (EMULATED_WATCH_ATTRIBUTE)
-from moe_dispatch_ascend_deepep.fakes.deep_ep import (
+from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as base
+from moe_dispatch_ascend_deepep_testing.fakes.deep_ep import (
     A2, Config, EventOverlap, FuseMode, VendorCall, _ep_assert, _op_check, quant_low_latency,
 )
-
-from .. import vendor as v
+from moe_dispatch_ascend_fuseep import vendor as v
 
 
 def _untile_gate_up(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

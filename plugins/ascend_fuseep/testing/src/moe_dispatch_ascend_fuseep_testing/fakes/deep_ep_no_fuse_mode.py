@@ -10,7 +10,6 @@ import torch
 
 from . import deep_ep
 from .deep_ep import Config, EventOverlap, FuseMode, VendorCall
-from .deep_ep import emulated_watch  # noqa: F401 (EMULATED_WATCH_ATTRIBUTE: every fake module has it)
 
 
 class Buffer(deep_ep.Buffer):
