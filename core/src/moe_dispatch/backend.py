@@ -59,7 +59,7 @@ from ._output import (
     rows_by_expert,
     sum_weighted_rows,
 )
-from ._scale_layouts import from_mma_view, swizzle_128x4, swizzled_shape, to_mma_view
+from ._scale_layouts import from_mma_view, swizzle_128x4, swizzled_shape, to_mma_view, unswizzle_128x4
 from ._signatures import REQUIRED, Param, VendorSignature
 from ._streams import StartMark, hand_over, handed_over, keep_on_current, start_mark
 from ._wire import WireFormat, wire_dtype
@@ -124,6 +124,7 @@ __all__ = [
     "swizzled_shape",
     "to_mma_view",
     "ue8m0_value",
+    "unswizzle_128x4",
     "unpack_ue8m0",
     "wire_dtype",
 ]

@@ -3,6 +3,8 @@
     python plugins/flashinfer_cutedsl/scripts/hardware_check.py          # or: torchrun --nproc-per-node 1 ...
     python plugins/flashinfer_cutedsl/scripts/hardware_check.py --fake   # the same checks on the fakes, on CPU
 
+Needs the testing distribution (the fakes it compares with): pip install -e plugins/flashinfer_cutedsl/testing.
+
 Checks, one table row each:
 
 - signatures: every recorded signature (``vendor.SIGNATURES``) against the installed callable
@@ -12,14 +14,14 @@ Checks, one table row each:
 - a2a ep=1: ``flashinfer_a2a`` through the real MoeAlltoAll at one rank (MNNVL memory: fabric or
   POSIX fd handles) against the same inputs through the fake of that version, and against the
   reference, at the ``--tokens`` shape and at T=17 top-3 (R·T·k odd: the receive-plane alignment
-  FlashInfer 0.6.0-0.7.0 needs, audit #12), the rows starting 8 bytes into their allocation on the
-  device (the source half of #12: FlashInfer <= 0.7.0 loads them with vector loads);
+  FlashInfer 0.6.0-0.7.0 needs), the rows starting 8 bytes into their allocation on the device
+  (FlashInfer <= 0.7.0 loads them with vector loads too);
 - fp4_quantize: on the GPU against the core NVFP4 codec, bit for bit (data and linear scales), with
   and without the exact-math variables the installed version reads (``vendor.fp4_fast_math_env``);
 - cutedsl ...: the CuTe-DSL runner on the real kernel against the fake, only on compute capability
   10.x (skipped with the reason elsewhere): PACKED BF16; MASKED with -1 slots (valid rows compared,
   padding rows must be zero); MASKED with every count zero (all ids -1: every row must come back
-  zero, second audit #42); an EP offset (experts 4..7 of 8); pre-quantized NVFP4 rows with their own
+  zero); an EP offset (experts 4..7 of 8); pre-quantized NVFP4 rows with their own
   global scale and an fc2 scale different from the layer's input scale; zero rows.
 
 A row is REFUSED only when FlashInfer itself refuses the machine (``vendor.ENVIRONMENT_REFUSALS``:
@@ -45,15 +47,13 @@ import torch
 import torch.distributed as dist
 
 import moe_dispatch as md
-from moe_dispatch_testing.accuracy import relative_error
-from moe_dispatch.backend import NVFP4Codec, nvfp4_global_scale
-from moe_dispatch_testing.local import one_rank_group
-from moe_dispatch.backend import restored_environ
-from moe_dispatch_testing.signatures import compare, differences, signature_from_source
-from moe_dispatch.backend import WireFormat
+from moe_dispatch.backend import NVFP4Codec, WireFormat, nvfp4_global_scale, restored_environ
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.experts import CuteDslExperts
+from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR, fake_for
+from moe_dispatch_testing import one_rank_group, relative_error
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source
 
 
 @dataclass
@@ -312,7 +312,7 @@ def run(s: Setup) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fake", action="store_true", help="run the checks on the fakes, on CPU")
-    parser.add_argument("--fake-module", default=vendor.EMULATOR, help="the fake standing in for FlashInfer")
+    parser.add_argument("--fake-module", default=EMULATOR, help="the fake standing in for FlashInfer")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args(argv)
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if info.api is None or info.version is None:
             print(info.describe(), file=sys.stderr)
             return 2
-        setup = Setup(vendor.REAL, vendor.fake_for(info.version), torch.device("cuda"), args.hidden, args.tokens)
+        setup = Setup(vendor.REAL, fake_for(info.version), torch.device("cuda"), args.hidden, args.tokens)
     if dist.get_world_size() != 1:
         print("run on one rank (torchrun --nproc-per-node 1)", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """The conformance kit on FlashInfer's MoE all-to-all adapter, driving the CPU emulator."""
 
-from moe_dispatch_testing import BackendConformance
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
-from moe_dispatch_flashinfer_cutedsl.vendor import EMULATOR
+from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR
+from moe_dispatch_testing import BackendConformance
 
 
 def emulated_flashinfer_a2a() -> FlashInferA2ABackend:

@@ -1,6 +1,7 @@
-"""The independent audit of the ``flashinfer_cutedsl`` runner (VENDOR.md, "Independent audit
-(2026-11)"): one test per non-OK row, against fakes as strict as FlashInfer's source. Row numbers
-are the audit's (``docs/vendor-audits/2026-11/round1/flashinfer_cutedsl.md``)."""
+"""FlashInfer's CuTe-DSL MoE and ``fp4_quantize`` as each version behaves, on fakes as strict as FlashInfer's
+source (rows without a local expert, fp4_quantize's checks and shapes, the routing step's limits, raw-pointer
+reads, one signature per release), and what the runner does about it (zeroed padding, no call for zero rows,
+expert ranges refused when the weights load, everything on the rows' device)."""
 
 import importlib
 
@@ -10,6 +11,17 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.backend import nvfp4_global_scale
 from moe_dispatch_flashinfer_cutedsl import CuteDslExperts, vendor
+from moe_dispatch_flashinfer_cutedsl_testing import (
+    EMULATOR,
+    FAKE_0_6_6,
+    FAKE_0_6_7,
+    FAKE_0_6_13,
+    FAKE_0_6_14,
+    FAKE_0_6_15,
+    FAKE_0_7_0,
+    FAKE_0_7_2,
+    fake_for,
+)
 
 H, I, E = 256, 128, 8
 GS = nvfp4_global_scale(4.0)
@@ -44,11 +56,11 @@ def _rows(fake: str, n: int = 6):  # noqa: ANN202
     return mod.fp4_quantize(x, torch.tensor([GS]), is_sf_swizzled_layout=False)
 
 
-# -- #7 FAKE / #33 DOC: rows of tokens with no local expert -------------------------------------------
+# -- rows of tokens with no local expert -------------------------------------------
 
 
-@pytest.mark.parametrize("fake,garbage", [(vendor.FAKE_0_6_6, True), (vendor.FAKE_0_6_7, False)])
-def test_7_flashinfer_leaves_rows_without_a_local_expert_uninitialised_until_0_6_7(fake, garbage):
+@pytest.mark.parametrize("fake,garbage", [(FAKE_0_6_6, True), (FAKE_0_6_7, False)])
+def test_flashinfer_leaves_rows_without_a_local_expert_uninitialised_until_0_6_7(fake, garbage):
     layer = _layer(fake)
     x_q, x_sf = _rows(fake)
     ids = torch.tensor([[0], [-1], [1], [-1], [2], [3]], dtype=torch.int32)
@@ -58,8 +70,8 @@ def test_7_flashinfer_leaves_rows_without_a_local_expert_uninitialised_until_0_6
         assert not out[[1, 3]].any()
 
 
-@pytest.mark.parametrize("fake", [vendor.FAKE_0_6_6, vendor.FAKE_0_7_2])
-def test_7_the_runner_zeroes_masked_padding_on_every_version(fake):
+@pytest.mark.parametrize("fake", [FAKE_0_6_6, FAKE_0_7_2])
+def test_the_runner_zeroes_masked_padding_on_every_version(fake):
     layer = _layer(fake)
     counts = torch.tensor([2, 0, 3, 1])
     hidden = torch.randn(4, 5, H).to(torch.bfloat16)
@@ -68,11 +80,11 @@ def test_7_the_runner_zeroes_masked_padding_on_every_version(fake):
     assert not out[~valid].isnan().any() and not out[~valid].any() and out[valid].abs().sum() > 0
 
 
-# -- #21 FAKE: fp4_quantize as each version checks and shapes -----------------------------------------
+# -- fp4_quantize as each version checks and shapes -----------------------------------------
 
 
-@pytest.mark.parametrize("fake", [vendor.FAKE_0_6_6, vendor.FAKE_0_6_13, vendor.FAKE_0_7_2])
-def test_21_fp4_quantize_checks_contiguity_and_flattens_leading_dims(fake):
+@pytest.mark.parametrize("fake", [FAKE_0_6_6, FAKE_0_6_13, FAKE_0_7_2])
+def test_fp4_quantize_checks_contiguity_and_flattens_leading_dims(fake):
     mod = importlib.import_module(fake)
     x = torch.randn(4, 2 * H).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -81,8 +93,8 @@ def test_21_fp4_quantize_checks_contiguity_and_flattens_leading_dims(fake):
     assert tuple(data.shape) == (2, 2, H) and tuple(sf.shape) == (4, 2 * H // 16)
 
 
-@pytest.mark.parametrize("fake,shape", [(vendor.FAKE_0_6_7, None), (vendor.FAKE_0_6_13, (128, 8))])
-def test_21_fp4_quantize_swizzled_scales_take_the_shape_of_each_version(fake, shape):
+@pytest.mark.parametrize("fake,shape", [(FAKE_0_6_7, None), (FAKE_0_6_13, (128, 8))])
+def test_fp4_quantize_swizzled_scales_take_the_shape_of_each_version(fake, shape):
     """K = 96: 6 scale columns, padded to 8 by the swizzle. Up to 0.6.7 FlashInfer reshapes the
     padded buffer to (-1, 6), which torch refuses; from 0.6.8 to (-1, 8)."""
     mod = importlib.import_module(fake)
@@ -94,22 +106,22 @@ def test_21_fp4_quantize_swizzled_scales_take_the_shape_of_each_version(fake, sh
         assert tuple(mod.fp4_quantize(x, torch.tensor([GS]))[1].shape) == shape
 
 
-def test_21_before_0_6_13_the_global_scale_is_read_as_fp32_bytes():
-    old, new = importlib.import_module(vendor.FAKE_0_6_7), importlib.import_module(vendor.FAKE_0_6_13)
+def test_before_0_6_13_fp4_quantize_reads_the_global_scale_as_fp32_bytes():
+    old, new = importlib.import_module(FAKE_0_6_7), importlib.import_module(FAKE_0_6_13)
     x = torch.randn(2, H).to(torch.bfloat16)
     with pytest.raises(AssertionError, match="fake: .*float32"):
         old.fp4_quantize(x, torch.tensor([GS], dtype=torch.float64))
     new.fp4_quantize(x, torch.tensor([GS], dtype=torch.float64))  # cast in Python from 0.6.13
 
 
-# -- #22 RISK: zero received rows -------------------------------------------------------------------------
+# -- zero received rows -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8])
-def test_22_zero_rows_return_before_any_flashinfer_kernel(dtype):
-    layer = _layer(vendor.EMULATOR)
-    kernel = CuteDslExperts(vendor.EMULATOR)
-    mod = importlib.import_module(vendor.EMULATOR)
+def test_zero_rows_return_before_any_flashinfer_kernel(dtype):
+    layer = _layer(EMULATOR)
+    kernel = CuteDslExperts(EMULATOR)
+    mod = importlib.import_module(EMULATOR)
     with pytest.raises(AssertionError, match="fake: .*0 rows"):
         mod.fp4_quantize(torch.zeros(0, H, dtype=torch.bfloat16), torch.tensor([GS]))
     width = H if dtype == torch.bfloat16 else H // 2
@@ -120,13 +132,13 @@ def test_22_zero_rows_return_before_any_flashinfer_kernel(dtype):
     assert tuple(out.shape) == (0, H) and out.dtype == torch.bfloat16 and layer.wrapper.calls == calls
 
 
-# -- #23 FAKE: the routing step's limits ---------------------------------------------------------------
+# -- the routing step's limits ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fake,experts,message", [
-    (vendor.FAKE_0_6_7, 12 + 2, "multiple of 4"), (vendor.FAKE_0_6_7, 516, "<= #threads"),
-    (vendor.FAKE_0_6_13, 2052, "Unsupported numExperts"), (vendor.FAKE_0_7_2, 2052, "no compiled tier")])
-def test_23_the_fake_routing_step_refuses_what_flashinfers_does(fake, experts, message):
+    (FAKE_0_6_7, 12 + 2, "multiple of 4"), (FAKE_0_6_7, 516, "<= #threads"),
+    (FAKE_0_6_13, 2052, "Unsupported numExperts"), (FAKE_0_7_2, 2052, "no compiled tier")])
+def test_the_fake_routing_step_refuses_what_flashinfers_does(fake, experts, message):
     mod = importlib.import_module(fake)
     wrapper = mod.CuteDslMoEWrapper(num_experts=experts, top_k=1, hidden_size=H, intermediate_size=I,
                                     num_local_experts=4, local_expert_offset=0, device="cpu")
@@ -137,25 +149,25 @@ def test_23_the_fake_routing_step_refuses_what_flashinfers_does(fake, experts, m
         _run(layer, x_q, x_sf, torch.zeros(6, 1, dtype=torch.int32))
 
 
-def test_23_the_runner_refuses_expert_ranges_flashinfer_cannot_route_when_weights_load():
+def test_the_runner_refuses_expert_ranges_flashinfer_cannot_route_when_weights_load():
     with pytest.raises(md.InvalidSpecError) as info:
-        CuteDslExperts(vendor.FAKE_0_6_7).process_weights(_weights(6).slice(0, 3), first_expert=0, num_experts=6,
+        CuteDslExperts(FAKE_0_6_7).process_weights(_weights(6).slice(0, 3), first_expert=0, num_experts=6,
                                                           input_global_scale=GS, fc2_input_scale=GS)
     assert info.value.parameter == "num_experts" and "multiple of 4" in info.value.allowed
     with pytest.raises(md.InvalidSpecError) as info:
-        CuteDslExperts(vendor.EMULATOR).process_weights(_weights().slice(4, 4), first_expert=6, num_experts=E,
+        CuteDslExperts(EMULATOR).process_weights(_weights().slice(4, 4), first_expert=6, num_experts=E,
                                                         input_global_scale=GS, fc2_input_scale=GS)
     assert info.value.parameter == "first_expert"
-    CuteDslExperts(vendor.FAKE_0_6_13).process_weights(_weights(6).slice(0, 3), first_expert=3, num_experts=6,
+    CuteDslExperts(FAKE_0_6_13).process_weights(_weights(6).slice(0, 3), first_expert=3, num_experts=6,
                                                        input_global_scale=GS, fc2_input_scale=GS)
 
 
-# -- #24 FAKE: the kernel reads raw pointers -------------------------------------------------------------
+# -- the kernel reads raw pointers -------------------------------------------------------------
 
 
-def test_24_the_fake_reads_weights_scales_and_alphas_from_their_storage():
-    layer = _layer(vendor.EMULATOR)
-    x_q, x_sf = _rows(vendor.EMULATOR)
+def test_the_fake_reads_weights_scales_and_alphas_from_their_storage():
+    layer = _layer(EMULATOR)
+    x_q, x_sf = _rows(EMULATOR)
     ids = torch.tensor([[0], [1], [2], [3], [0], [1]], dtype=torch.int32)
     good = _run(layer, x_q, x_sf, ids)
     wide = torch.zeros(2 * layer.num_local_experts)
@@ -169,33 +181,33 @@ def test_24_the_fake_reads_weights_scales_and_alphas_from_their_storage():
         assert not torch.allclose(bad.float(), good.float(), atol=1e-3), "the kernel would read other bytes"
 
 
-# -- #25 FAKE: token_final_scales dtypes, one device --------------------------------------------------------
+# -- token_final_scales dtypes, one device --------------------------------------------------------
 
 
-def test_25_token_final_scales_may_be_bf16_or_fp16_and_everything_is_on_one_device():
-    layer = _layer(vendor.EMULATOR)
-    x_q, x_sf = _rows(vendor.EMULATOR)
+def test_token_final_scales_may_be_bf16_or_fp16_and_everything_is_on_one_device():
+    layer = _layer(EMULATOR)
+    x_q, x_sf = _rows(EMULATOR)
     ids = torch.zeros(6, 1, dtype=torch.int32)
     ref = _run(layer, x_q, x_sf, ids)
     for dtype in (torch.bfloat16, torch.float16):
         assert torch.equal(_run(layer, x_q, x_sf, ids, scales=torch.ones(6, 1, dtype=dtype)), ref)
     with pytest.raises(AssertionError, match="device"):
         _run(layer, x_q, x_sf, ids, scales=torch.ones(6, 1, device="meta"))
-    kernel = CuteDslExperts(vendor.EMULATOR)
+    kernel = CuteDslExperts(EMULATOR)
     with pytest.raises(md.InvalidInputError) as info:
         kernel.apply_without_routing_weights(layer, torch.empty(3, H, dtype=torch.bfloat16, device="meta"), None, 1,
                                              torch.tensor([3, 0, 0, 0]), torch.bfloat16)
     assert info.value.parameter == "layer"
 
 
-# -- #26 FAKE: a fake per wrapper signature -------------------------------------------------------------
+# -- a fake per wrapper signature -------------------------------------------------------------
 
 
-def test_26_each_release_with_its_own_wrapper_signature_has_its_own_fake():
-    assert vendor.fake_for((0, 6, 14)) == vendor.FAKE_0_6_14 and vendor.fake_for((0, 6, 15)) == vendor.FAKE_0_6_15
-    assert vendor.fake_for((0, 6, 18)) == vendor.FAKE_0_7_0 and vendor.fake_for((0, 6, 5)) == vendor.FAKE_0_6_6
-    m14, m15 = importlib.import_module(vendor.FAKE_0_6_14), importlib.import_module(vendor.FAKE_0_6_15)
-    m70, m66 = importlib.import_module(vendor.FAKE_0_7_0), importlib.import_module(vendor.FAKE_0_6_6)
+def test_each_release_with_its_own_wrapper_signature_has_its_own_fake():
+    assert fake_for((0, 6, 14)) == FAKE_0_6_14 and fake_for((0, 6, 15)) == FAKE_0_6_15
+    assert fake_for((0, 6, 18)) == FAKE_0_7_0 and fake_for((0, 6, 5)) == FAKE_0_6_6
+    m14, m15 = importlib.import_module(FAKE_0_6_14), importlib.import_module(FAKE_0_6_15)
+    m70, m66 = importlib.import_module(FAKE_0_7_0), importlib.import_module(FAKE_0_6_6)
     m14.CuteDslMoEWrapper(8, 1, H, I, activation="silu", device="cpu")
     with pytest.raises(TypeError, match="activation_type"):
         m14.CuteDslMoEWrapper(8, 1, H, I, activation_type=3, device="cpu")
@@ -209,10 +221,10 @@ def test_26_each_release_with_its_own_wrapper_signature_has_its_own_fake():
                     torch.ones(2, 1), None, None, None, None, None, None, None)
 
 
-# -- DOC rows that are facts in vendor.py -----------------------------------------------------------------
+# -- facts in vendor.py -----------------------------------------------------------------
 
 
-def test_18_19_20_the_fp4_quantize_facts_the_audit_corrected():
+def test_fp4_quantize_keywords_source_and_exact_math_variables_per_version():
     assert "is_global_scale_inversed" in vendor.signature("fp4_quantize", (0, 6, 11)).names()
     assert "is_global_scale_inversed" not in vendor.signature("fp4_quantize", (0, 6, 10)).names()
     assert "quantization/fp4_quantization.py" in vendor.signature("fp4_quantize", (0, 6, 7)).source

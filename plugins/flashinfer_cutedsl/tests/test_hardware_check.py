@@ -1,6 +1,6 @@
 """scripts/hardware_check.py runs: its --fake mode (the same checks with the fakes standing in for
 FlashInfer, on CPU) passes, so the GPU run finds a working script; an exception from the adapter
-is a FAIL (exit 1), only FlashInfer's own refusal of the machine is REFUSED (audit #46)."""
+is a FAIL (exit 1), only FlashInfer's own refusal of the machine is REFUSED."""
 
 import importlib.util
 import io
@@ -12,6 +12,7 @@ import torch
 
 from moe_dispatch.backend import restored_environ
 from moe_dispatch_flashinfer_cutedsl import vendor
+from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR, FAKE_0_6_13
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hardware_check.py"
 
@@ -37,7 +38,7 @@ def _rows(text: str, check: str) -> list[str]:
 
 
 def test_the_hardware_check_passes_on_the_fakes(moe_rank_pools):
-    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", vendor.EMULATOR, "--hidden",
+    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", EMULATOR, "--hidden",
                                                          "256", "--tokens", "8"], {})
     assert code == 0, text
     for check in ("signatures", "workspace size ep=8 T=128", "a2a ep=1 ", "a2a ep=1 T=17 top-3", "fp4_quantize",
@@ -46,25 +47,25 @@ def test_the_hardware_check_passes_on_the_fakes(moe_rank_pools):
         assert any(" PASS " in line for line in _rows(text, check)), (check, text)
 
 
-def test_52_the_a2a_rows_hand_the_device_rows_8_bytes_into_their_allocation():
+def test_the_a2a_rows_hand_the_device_rows_8_bytes_into_their_allocation():
     """The view is made on the device (``meta`` stands in for CUDA): ``x.to("cuda")`` of a CPU view
-    would be a fresh allocation, aligned, and never exercise the misaligned source (#12)."""
+    would be a fresh allocation, aligned, and never exercise the misaligned source."""
     module = _load()
     buf = torch.zeros(5 * 256 + 4, dtype=torch.bfloat16)
     rows = module._source_rows(buf, torch.device("meta"), 5, 256)  # noqa: SLF001
     assert rows.device.type == "meta" and rows.shape == (5, 256) and rows.storage_offset() == 4
 
 
-def test_46_an_adapter_exception_fails_the_hardware_check(moe_rank_pools):
+def test_an_adapter_exception_fails_the_hardware_check(moe_rank_pools):
     """The adapter refuses TLLM_MOE_A2A_ONE_BLOCK_PER_TOKEN=0 on FlashInfer < 0.6.14: a FAIL, not a REFUSED."""
-    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", vendor.FAKE_0_6_13, "--hidden",
+    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", FAKE_0_6_13, "--hidden",
                                                          "256", "--tokens", "8"],
                                               {vendor.ENV_ONE_BLOCK_PER_TOKEN: "0"})
     assert code == 1, text
     assert all(" FAIL " in line and vendor.ENV_ONE_BLOCK_PER_TOKEN in line for line in _rows(text, "a2a ep=1")), text
 
 
-def test_46_only_flashinfers_refusal_of_the_machine_is_refused():
+def test_only_flashinfers_refusal_of_the_machine_is_refused():
     module = _load()
     refused = RuntimeError("pidfd_getfd(pidfd=3, fd=7) failed with errno 1: Operation not permitted.")
     assert module._failure("a2a", refused).status == "REFUSED"  # noqa: SLF001

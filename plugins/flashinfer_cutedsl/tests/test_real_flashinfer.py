@@ -1,6 +1,7 @@
 """``flashinfer_a2a`` through FlashInfer's REAL Python (the optional vendor-code job).
 
-flashinfer-python installs on a CPU machine; ``fakes.real_python`` replaces only its compiled
+flashinfer-python installs on a CPU machine; the testing distribution's ``fakes.real_python``
+(``REAL_PYTHON_ON_FAKE_KERNELS``) replaces only its compiled
 all-to-all module and the CUDA-driver memory under ``MnnvlMemory``. What runs as FlashInfer ships
 it: ``MoeAlltoAll`` (class-level workspace cache, state machine, asserts), ``moe_a2a_dispatch``'s
 workspace views, ``MnnvlMemory.get_comm`` / ``set_comm_from_config`` (the MPI fallback), ``Mapping``.
@@ -9,10 +10,10 @@ The CuTe-DSL wrapper is compared by its source (its kernels need an SM100 GPU).
 A plain ``pytest`` skips this file when flashinfer is not importable; .ci/vendor runs it.
 """
 
-import re
 import importlib
 import importlib.util
 import inspect
+import re
 import warnings
 from pathlib import Path
 
@@ -23,16 +24,24 @@ pytest.importorskip("flashinfer.comm.trtllm_moe_alltoall",
                     reason="flashinfer-python is not installed (the optional vendor-code job installs it)")
 
 import moe_dispatch as md  # noqa: E402
-from moe_dispatch_testing.accuracy import relative_error
-from moe_dispatch.backend import nvfp4_global_scale
-from moe_dispatch_testing.routing import random_routing
-from moe_dispatch_testing.signatures import compare, differences, signature_from_source
+import moe_dispatch.backend as mdb  # noqa: E402
+from moe_dispatch.backend import nvfp4_global_scale  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl import vendor  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend  # noqa: E402
+from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend, LocalCommBackend  # noqa: E402
+from moe_dispatch_flashinfer_cutedsl_testing import REAL_PYTHON_ON_FAKE_KERNELS, fake_for  # noqa: E402
+from moe_dispatch_flashinfer_cutedsl_testing.support import (  # noqa: E402
+    Recording,
+    flashinfer_sizes,
+    mnnvl_collectives,
+    run_after_one_rank_allocated,
+)
+from moe_dispatch_testing import dispatch_with_a_bad_id, on_a_fresh_pool, random_routing, relative_error  # noqa: E402
+from moe_dispatch_testing.signatures import compare, differences, signature_from_source  # noqa: E402
 
 pytestmark = [pytest.mark.vendor_code,
               pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")]
-REAL = vendor.REAL_PYTHON_ON_FAKE_KERNELS
+REAL = REAL_PYTHON_ON_FAKE_KERNELS
 H, E = 256, 8
 
 
@@ -47,7 +56,6 @@ def _mapping(mod, rank: int, world: int):  # noqa: ANN001, ANN202
 
 def run_shared_workspace(rank: int, world: int) -> bool:
     mod = _real()
-    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
     config = mod.comm.mnnvl.MnnvlConfig(comm_backend=GroupCommBackend())
     size = mod.comm.moe_a2a_get_workspace_size_per_rank(world, 4, 2 * H + 16, 2 * H)
     a = mod.comm.MoeAlltoAll(_mapping(mod, rank, world), 4, 2, E, workspace_size_per_rank=size, mnnvl_config=config)
@@ -55,7 +63,7 @@ def run_shared_workspace(rank: int, world: int) -> bool:
     return a.workspace is b.workspace and a.metainfo is b.metainfo
 
 
-def test_3_two_identical_real_moealltoall_instances_share_one_workspace(moe_rank_pools):
+def test_two_identical_real_moealltoall_instances_share_one_workspace(moe_rank_pools):
     assert moe_rank_pools.get(2).map(run_shared_workspace) == [True, True]
 
 
@@ -71,7 +79,7 @@ def run_without_config(rank: int, world: int) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - what FlashInfer raises is the point
             seen.append(f"{type(exc).__name__}: {exc}")
         # mpi4py present, no mpirun: COMM_WORLD has one rank.
-        from moe_dispatch_flashinfer_cutedsl.fakes.mnnvl import SingletonWorld
+        from moe_dispatch_flashinfer_cutedsl_testing.fakes.mnnvl import SingletonWorld
         memory.comm, mpi._MPI, mpi._comm = None, object(), SingletonWorld()
         try:
             mod.comm.MoeAlltoAll(_mapping(mod, rank, world), 5, 2, E, hidden_size=H)  # a key not cached yet
@@ -82,7 +90,7 @@ def run_without_config(rank: int, world: int) -> list[str]:
     return seen
 
 
-def test_5_without_mnnvl_config_real_flashinfer_falls_back_to_mpi(moe_rank_pools):
+def test_without_mnnvl_config_real_flashinfer_falls_back_to_mpi(moe_rank_pools):
     for seen in moe_rank_pools.get(2).map(run_without_config):
         assert len(seen) == 2, seen
         assert seen[0].startswith("ImportError") or "ep_size" in seen[0], seen  # no mpi4py here: ImportError
@@ -117,8 +125,8 @@ def run_layer(rank: int, world: int, top_k: int, drop: float, experts: int, dtyp
 @pytest.mark.parametrize("top_k,drop,experts,dtype", [(2, 0.0, 8, "bf16"), (1, 0.5, 2, "bf16"), (3, 0.5, 8, "bf16"),
                                                      (8, 0.3, 16, "nvfp4")])
 def test_the_adapter_runs_on_flashinfers_real_python(moe_rank_pools, top_k, drop, experts, dtype):
-    """#3 (two in flight on distinct workspaces), #4 (FlashInfer's own size function, equal to the
-    ported formula), #5 (the dispatcher's group), #8 (-1 ids, one expert per rank), top-k 3."""
+    """Two in flight on distinct workspaces, FlashInfer's own size function (equal to the ported
+    formula), the dispatcher's group, -1 ids with one expert per rank, top-k 3, the NVFP4 wire."""
     for r in moe_rank_pools.get(2).map(run_layer, top_k, drop, experts, dtype):
         assert r["workspaces"] == 2 and r["error"] < 2e-2, r
         # FlashInfer's size function (called on the real Python) equals the ported formula; each
@@ -168,13 +176,13 @@ def test_kmaxtopk_and_payload_limits_equal_the_installed_headers():
     assert {int(v) for v in re.findall(r"case (\d+):", switch)} == set(profile.top_k_values)
 
 
-# -- the independent audit's rows, through FlashInfer's real Python -----------------------------------
+# -- MNNVL state, failures and odd shapes, through FlashInfer's real Python --------------------------
 
 
 def run_larger_group(rank: int, world: int) -> tuple:
     import torch.distributed as dist
-    from moe_dispatch_flashinfer_cutedsl.fakes.mnnvl import fresh_address_range
-    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
+
+    from moe_dispatch_flashinfer_cutedsl_testing.fakes.mnnvl import fresh_address_range
     mod = _real()
     groups = [dist.new_group([r]) for r in range(world)]
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
@@ -194,7 +202,7 @@ def run_larger_group(rank: int, world: int) -> tuple:
     return adapter, raw
 
 
-def test_8_real_mnnvl_state_refuses_a_larger_group_after_a_smaller_one(moe_rank_pools):
+def test_real_mnnvl_state_refuses_a_larger_group_after_a_smaller_one(moe_rank_pools):
     """The adapter reads FlashInfer's own class-level reservation (``_MnnvlAllocationRecord``s)."""
     for adapter, raw in moe_rank_pools.get(2).map(run_larger_group):
         assert adapter == "group" and "CUDA_ERROR_INVALID_VALUE" in raw, (adapter, raw)
@@ -226,7 +234,7 @@ def run_failed_combine(rank: int, world: int) -> list[str]:
     return seen
 
 
-def test_22_a_failed_combine_never_hands_a_dispatched_workspace_to_the_next_dispatch(moe_rank_pools):
+def test_a_failed_combine_never_hands_a_dispatched_workspace_to_the_next_dispatch(moe_rank_pools):
     assert moe_rank_pools.get(1).map(run_failed_combine) == [["RuntimeError", "dispatched", "True"]]
 
 
@@ -242,16 +250,15 @@ def run_odd(rank: int, world: int) -> float:
     return relative_error(y, x.float() * ((ids >= 0).float() * w).sum(dim=1, keepdim=True))
 
 
-def test_12_odd_shapes_run_through_the_real_python(moe_rank_pools):
+def test_odd_shapes_run_through_the_real_python(moe_rank_pools):
     assert moe_rank_pools.get(1).map(run_odd)[0] < 1e-2
 
 
-# -- the second audit's rows, through FlashInfer's real Python ---------------------------------------
+# -- workspaces of other MoeAlltoAll users, failed allocations, warnings ---------------------------------
 
 
 def run_default_sized_after(rank: int, world: int) -> tuple[bool, bool]:
     mod, tokens = _real(), 31  # a max-tokens no other test uses: nothing cached for it
-    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import LocalCommBackend
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=tokens)
     d = md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={})
     mine = {inst.workspace.data_ptr() for inst in d.backend_dispatcher.instances}
@@ -261,15 +268,15 @@ def run_default_sized_after(rank: int, world: int) -> tuple[bool, bool]:
     return other.workspace.data_ptr() not in mine, again.workspace is other.workspace
 
 
-def test_6_a_default_sized_real_moealltoall_created_later_gets_its_own_workspace(moe_rank_pools):
+def test_a_default_sized_real_moealltoall_created_later_gets_its_own_workspace(moe_rank_pools):
     """FlashInfer's own default size (``hidden_size=H``) is never one of the dispatcher's."""
     assert moe_rank_pools.get(1).map(run_default_sized_after) == [(True, True)]
 
 
 def run_after_failed_allocation(rank: int, world: int) -> tuple:
     import torch.distributed as dist
-    from moe_dispatch_flashinfer_cutedsl.fakes.mnnvl import DRIVER, fresh_address_range
-    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend
+
+    from moe_dispatch_flashinfer_cutedsl_testing.fakes.mnnvl import DRIVER, fresh_address_range
     mod = _real()
     memory = mod.comm.mnnvl.MnnvlMemory
     groups = [dist.new_group([r]) for r in range(world)]
@@ -291,7 +298,7 @@ def run_after_failed_allocation(rank: int, world: int) -> tuple:
         return failed, orphan, relative_error(d.combine(out.hidden_states, out), x.float() * 2)
 
 
-def test_10_real_mnnvl_state_shows_a_range_a_failed_allocation_left(moe_rank_pools):
+def test_real_mnnvl_state_shows_a_range_a_failed_allocation_left(moe_rank_pools):
     """FlashInfer's real class attributes and records after a failed allocation (over the fake's port
     of ``open_mnnvl_memory``): the adapter has FlashInfer reserve a new range for the larger group."""
     for failed, orphan, error in moe_rank_pools.get(2).map(run_after_failed_allocation):
@@ -314,25 +321,17 @@ def run_under_error_filter(rank: int, world: int) -> str:
     return "created"
 
 
-def test_23_create_runs_under_an_error_warnings_filter_on_real_flashinfer(moe_rank_pools):
+def test_create_runs_under_an_error_warnings_filter_on_real_flashinfer(moe_rank_pools):
     import flashinfer
     if vendor.parse_version(flashinfer.__version__) < vendor.A2A_DEPRECATED_SINCE:
         pytest.skip("this FlashInfer does not deprecate MoeAlltoAll")
     assert moe_rank_pools.get(1).map(run_under_error_filter) == ["created"]
 
 
-# -- the third audit's rows, through FlashInfer's real Python ----------------------------------------
-
-
-def _audit3():  # noqa: ANN202
-    """The fake-side tests of the third audit (its helpers), a sibling module (pytest's importlib mode)."""
-    package = __name__.rpartition(".")[0]
-    return importlib.import_module(f"{package}.test_audit3" if package else "test_audit3")
+# -- FlashInfer-sized workspaces, the FABRIC decision, the collectives of an allocation ---------------
 
 
 def run_flashinfer_sized_after(rank: int, world: int) -> list[int]:
-    flashinfer_sizes = _audit3().flashinfer_sizes
-    from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import LocalCommBackend
     mod, tokens = _real(), 10  # a max-tokens no other test uses: nothing cached for it
     d = md.create_dispatcher(FlashInferA2ABackend(REAL), md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=tokens),
                              env={})
@@ -347,7 +346,7 @@ def run_flashinfer_sized_after(rank: int, world: int) -> list[int]:
     return sorted({o.workspace_size_per_rank for o in others if o.workspace.data_ptr() in mine})
 
 
-def test_1_no_flashinfer_sized_real_moealltoall_shares_a_dispatcher_workspace(moe_rank_pools):
+def test_no_flashinfer_sized_real_moealltoall_shares_a_dispatcher_workspace(moe_rank_pools):
     """FlashInfer's own default size and size function, for every top-k and wire dtype: none is one
     of the dispatcher's sizes."""
     assert moe_rank_pools.get(1).map(run_flashinfer_sized_after) == [[]]
@@ -355,11 +354,11 @@ def test_1_no_flashinfer_sized_real_moealltoall_shares_a_dispatcher_workspace(mo
 
 def run_real_after_one_rank_allocated(rank: int, world: int, fabric: bool) -> tuple:
     _real()
-    return _audit3().run_after_one_rank_allocated(rank, world, REAL, fabric)
+    return run_after_one_rank_allocated(rank, world, REAL, fabric)
 
 
 @pytest.mark.parametrize("fabric", [False, True])
-def test_3_real_fabric_decision_cached_on_one_rank_only(moe_rank_pools, fabric):
+def test_real_fabric_decision_cached_on_one_rank_only(moe_rank_pools, fabric):
     """FlashInfer's real ``_resolve_fabric_support`` (v0.6.16+; the driver's probe is the fake's)."""
     import flashinfer
     if vendor.parse_version(flashinfer.__version__) < vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
@@ -406,6 +405,7 @@ def _fresh_real_mnnvl():  # noqa: ANN202
     """A new copy of the installed ``flashinfer/comm/mnnvl.py`` (its own MnnvlMemory class state, as
     in a new process; ``real_python``'s patches are not in it), on the stub driver."""
     import sys
+
     import flashinfer.comm.mnnvl as installed
     name = "flashinfer.comm._mnnvl_fresh_copy"
     spec = importlib.util.spec_from_file_location(name, installed.__file__)
@@ -420,11 +420,10 @@ def _fresh_real_mnnvl():  # noqa: ANN202
 
 
 @pytest.mark.parametrize("fabric", [False, True])
-def test_4_the_fakes_mnnvl_collectives_equal_flashinfers_open_mnnvl_memory(fabric):
+def test_the_fakes_mnnvl_collectives_equal_flashinfers_open_mnnvl_memory(fabric):
     """FlashInfer's own ``open_mnnvl_memory`` (the installed one, only the CUDA driver calls stubbed)
     makes the allgathers the fake of its version makes, in order, for two allocations."""
     import flashinfer
-    Recording, mnnvl_collectives = _audit3().Recording, _audit3().mnnvl_collectives
     real = _fresh_real_mnnvl()
     memory = real.MnnvlMemory
     memory._probe_fabric_supported = staticmethod(lambda dev_id: fabric)  # noqa: SLF001 - the driver's answer
@@ -436,12 +435,24 @@ def test_4_the_fakes_mnnvl_collectives_equal_flashinfers_open_mnnvl_memory(fabri
         comm.seen = []
         held.append(memory(mapping, 1000))
         seen.append(comm.seen)
-    fake = importlib.import_module(vendor.fake_for(vendor.parse_version(flashinfer.__version__)))
+    fake = importlib.import_module(fake_for(vendor.parse_version(flashinfer.__version__)))
     assert seen == mnnvl_collectives(fake, fabric, "aarch64" if fabric else "x86_64")
 
 
-def test_the_real_python_fake_waits_with_the_dispatchers_watch():
-    """Audit 2026-11-23 #9: without the emulated-wait scope the fake kernels' exchanges under FlashInfer's real
-    Python blocked in gloo for the process group's timeout and never heard a peer's failure notice."""
-    from moe_dispatch_testing.emulation import emulated_watch
-    assert getattr(_real(), vendor.EMULATED_WATCH_ATTRIBUTE) is emulated_watch
+def _bad_input_on_rank_1(rank: int, world: int):  # noqa: ANN202
+    _real()
+    spec = md.DispatchSpec(H, 4 * world, 3, num_max_dispatch_tokens_per_rank=8, output_dtype="bf16")
+    d = md.create_dispatcher(FlashInferA2ABackend(REAL), spec, env={}, timeout_s=30)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(8, H, generator=g).to(torch.bfloat16)
+    ids, w = random_routing(8, d.spec.num_experts, 3, generator=g, drop_prob=0.1)
+    return dispatch_with_a_bad_id(d, x, ids, w, bad=rank == 1)
+
+
+def test_a_peers_failure_reaches_the_fake_kernels_exchange_under_the_real_python():
+    """The fake kernels' exchanges under FlashInfer's real Python wait with the dispatcher's Watch: rank 0, waiting
+    in one, gets PeerFailedError naming rank 1 within a few seconds (timeout 30 s), not after gloo's own timeout."""
+    (name0, attrs0, seconds0, message0), (name1, _, _, _) = on_a_fresh_pool(_bad_input_on_rank_1)
+    assert name1 == "InvalidInputError"
+    assert name0 == "PeerFailedError" and attrs0["rank"] == 1, message0
+    assert seconds0 < 5.0

@@ -6,9 +6,10 @@ import importlib
 
 import pytest
 
-from moe_dispatch_testing.signatures import differences
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend, LocalCommBackend
+from moe_dispatch_flashinfer_cutedsl_testing import FAKE_0_6_7, FAKES
+from moe_dispatch_testing.signatures import differences
 
 CALLABLES = {
     "MoeAlltoAll.__init__": lambda m: m.comm.MoeAlltoAll.__init__,
@@ -23,7 +24,7 @@ CALLABLES = {
 }
 
 
-@pytest.mark.parametrize("fake,version", vendor.FAKES)
+@pytest.mark.parametrize("fake,version", FAKES)
 def test_each_fake_has_the_recorded_signatures_of_its_version(fake, version):
     module = importlib.import_module(fake)
     assert vendor.parse_version(module.__version__) == version
@@ -36,7 +37,7 @@ def test_each_fake_has_the_recorded_signatures_of_its_version(fake, version):
 
 
 def test_a_wrong_keyword_fails_in_the_fake_as_in_flashinfer():
-    old = importlib.import_module(vendor.FAKE_0_6_7)
+    old = importlib.import_module(FAKE_0_6_7)
     with pytest.raises(TypeError, match="activation_type"):
         old.CuteDslMoEWrapper(8, 1, 256, 128, activation_type=3)
     with pytest.raises(TypeError, match="output_dtype"):

@@ -3,12 +3,11 @@
 
 The entry point ``flashinfer_cutedsl`` names this module. The runner works behind the
 dispatch backends ``RUNNER.backends`` declares (DeepEP, FlashInfer's all-to-all, the core's
-``torch``). ``vendor`` is the one place FlashInfer facts live; the tests run both on the fakes in
-``moe_dispatch_flashinfer_cutedsl.fakes`` (one per FlashInfer version range), which the adapter
-modules never import.
+``torch``). ``vendor`` is the one place FlashInfer facts live; the tests run both on the fakes of
+the testing distribution (``moe_dispatch_flashinfer_cutedsl_testing.fakes``, one per FlashInfer
+version range), which the adapter modules never import.
 """
 
-import moe_dispatch as md
 import moe_dispatch.backend as mdb
 
 from .backend import FlashInferA2ABackend

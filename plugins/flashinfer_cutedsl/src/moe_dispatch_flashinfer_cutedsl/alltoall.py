@@ -38,10 +38,9 @@ for good; a dispatch that finds no free workspace says which ones failed.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 
@@ -87,11 +86,7 @@ def kernel_ids(ids: torch.Tensor, fallback: int, kernel_top_k: int) -> torch.Ten
 
 
 class FlashInferA2ADispatcher:
-    def __init__(self, ctx: mdb.DispatchContext, instances: list[Any], kernel_top_k: int,
-                 waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
-        #: The scope of every vendor call: on a fake, its kernels' exchanges wait with this dispatcher's Watch (its
-        #: timeout_s, its peers' failure notices; moe_dispatch.distributed.emulation); nothing on the real FlashInfer.
-        self.waits = waits
+    def __init__(self, ctx: mdb.DispatchContext, instances: list[Any], kernel_top_k: int) -> None:
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.rank, self.world = ctx.rank, ctx.world_size
         self.local_experts = ctx.local_experts
@@ -140,11 +135,10 @@ class FlashInferA2ADispatcher:
         names = payload_order({n: (t.shape[1] * t.element_size(), t.element_size()) for n, t in named.items()})
         instance = self._acquire()
         try:
-            with self.waits():
-                got = self.instances[instance].dispatch(
-                    kernel_ids(ids32, first, self.kernel_top_k), [named[n] for n in names],
-                    self.spec.num_max_dispatch_tokens_per_rank, invalid_token_expert_id=-1,
-                    expert_id_payload_index=names.index("ids"))
+            got = self.instances[instance].dispatch(
+                kernel_ids(ids32, first, self.kernel_top_k), [named[n] for n in names],
+                self.spec.num_max_dispatch_tokens_per_rank, invalid_token_expert_id=-1,
+                expert_id_payload_index=names.index("ids"))
         except BaseException as exc:
             if vendor.a2a_phase(self.instances[instance]) == "idle":
                 self._release(instance)  # refused before FlashInfer changed its state
@@ -181,8 +175,7 @@ class FlashInferA2ADispatcher:
         T = self.spec.num_max_dispatch_tokens_per_rank
         partial = sum_weighted_rows(expert_output, h.row_slot, h.row_weight, self.world * T)
         try:
-            with self.waits():
-                out = self.instances[h.instance].combine(partial.to(torch.bfloat16).view(self.world, T, -1), T)
+            out = self.instances[h.instance].combine(partial.to(torch.bfloat16).view(self.world, T, -1), T)
         except BaseException as exc:
             self._fail(h.instance, "combine", exc)  # FlashInfer still holds it dispatched
             raise

@@ -49,7 +49,6 @@ with a barrier on the dispatcher's group (every version; once per dispatcher).
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import warnings
@@ -60,7 +59,6 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch_testing.emulation import emulated_waits
 from moe_dispatch.backend import as_bytes, from_bytes
 
 from . import vendor
@@ -232,11 +230,7 @@ class FlashInferA2ABackend(mdb.Backend):
         # No rank dispatches into a workspace before every rank has initialized it (FlashInfer
         # barriers itself from 0.7.1 only).
         ctx.comm.barrier("flashinfer_a2a: workspaces initialized")
-        # On a fake, its kernels' exchanges wait with this dispatcher's Watch: its timeout_s and its peers' failure
-        # notices (moe_dispatch.distributed.emulation; nothing on the real FlashInfer).
-        waits = emulated_waits(importlib.import_module(info.module_name), vendor.EMULATED_WATCH_ATTRIBUTE,
-                               ctx.comm.watch)
-        return FlashInferA2ADispatcher(ctx, instances, kernel_k, waits)
+        return FlashInferA2ADispatcher(ctx, instances, kernel_k)
 
 
 def _check_threading_policy(version: vendor.Version) -> None:

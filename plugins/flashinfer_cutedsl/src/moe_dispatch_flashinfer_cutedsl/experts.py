@@ -116,7 +116,7 @@ class CuteDslExperts:
                                        value=hidden_states, allowed=f"bfloat16 [..., {h}] or uint8 [..., {h // 2}]")
         masked = hidden_states.dim() == 3
         device = hidden_states.device
-        counts = md.output.group_counts(group_list.to(device=device, dtype=torch.int64), group_list_type)
+        counts = mdb.group_counts(group_list.to(device=device, dtype=torch.int64), group_list_type)
         valid = None
         if masked:
             cap = hidden_states.shape[1]

@@ -3,7 +3,8 @@
 Every FlashInfer name the adapters call, the recorded signature of each call per version, the
 kernel limits and environment variables per version, the ported workspace formula, and
 ``detect()``. The adapters (``backend``, ``alltoall``, ``mnnvl_comm``, ``experts``, ``weights``)
-and the fakes (``fakes/``) take these facts from here and from nowhere else.
+and the fakes (the testing distribution's ``moe_dispatch_flashinfer_cutedsl_testing.fakes``) take
+these facts from here and from nowhere else.
 
 Citations: ``flashinfer-ai/flashinfer@<commit> <path> <symbol>`` for the git tags (v0.6.0 =
 4230a48, v0.6.4 = f1e6fdc, v0.6.6 = 70b142b, v0.6.7 = 56ed540, v0.6.8 = b9372aa, v0.6.11 = 98f48f8,
@@ -29,36 +30,7 @@ from moe_dispatch.backend import VendorSignature
 Version = tuple[int, int, int]
 
 REAL = "flashinfer"
-#: The fakes' package; one module per version range where FlashInfer behaves differently.
-FAKES_PACKAGE = "moe_dispatch_flashinfer_cutedsl.fakes"
-FAKE_0_6_6 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_6"
-FAKE_0_6_7 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_7"
-FAKE_0_6_13 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_13"
-FAKE_0_6_14 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_14"
-FAKE_0_6_15 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_15"
-FAKE_0_6_17 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_6_17"
-FAKE_0_7_0 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_0"
-FAKE_0_7_1 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_1"
-FAKE_0_7_2 = "moe_dispatch_flashinfer_cutedsl.fakes.flashinfer_0_7_2"
-#: FlashInfer's own Python (MoeAlltoAll, MnnvlMemory's communicator logic, Mapping) with only the
-#: compiled module and the CUDA-driver memory replaced by the fakes: the optional vendor-code tests.
-REAL_PYTHON_ON_FAKE_KERNELS = "moe_dispatch_flashinfer_cutedsl.fakes.real_python"
-#: The fake of the newest FlashInfer this plugin was checked against (the old name, kept).
-EMULATOR = FAKE_0_7_2
-#: Each fake and the release it models, oldest first.
-FAKES: tuple[tuple[str, Version], ...] = (
-    (FAKE_0_6_6, (0, 6, 6)), (FAKE_0_6_7, (0, 6, 7)), (FAKE_0_6_13, (0, 6, 13)), (FAKE_0_6_14, (0, 6, 14)),
-    (FAKE_0_6_15, (0, 6, 15)), (FAKE_0_6_17, (0, 6, 17)), (FAKE_0_7_0, (0, 7, 0)), (FAKE_0_7_1, (0, 7, 1)),
-    (FAKE_0_7_2, (0, 7, 2)))
 INSTALL_HINT = 'pip install "moe-dispatch-flashinfer-cutedsl[flashinfer]" (flashinfer-python), on a CUDA machine'
-#: The context manager a fake release exports for how its kernels' exchanges wait: ``emulated_watch(watch)`` makes
-#: them wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its peers' failure
-#: notices). Not FlashInfer's: ``MoeAlltoAll`` takes no deadline (flashinfer-python==0.7.2.post1
-#: flashinfer/comm/trtllm_moe_alltoall.py), its kernels spin on completion flags in the workspace and trap
-#: (moeAlltoAllKernels.cu); a fake that moves the stores over gloo would otherwise block in gloo for the group's
-#: timeout and never hear of a peer's failure (issue 15).
-EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
-
 
 
 # -- versions ----------------------------------------------------------------------------------
@@ -887,8 +859,9 @@ def _find(module: ModuleType, paths: tuple[str, ...], notes: list[str]) -> Any:
 
 
 def detect(module_name: str = REAL) -> VendorInfo:
-    """Import ``module_name`` (FlashInfer or one of the fakes) and find the entry points."""
-    fake = module_name.startswith(FAKES_PACKAGE)
+    """Import ``module_name`` (FlashInfer, or a module standing in for it: a fake of the testing
+    distribution) and find the entry points."""
+    fake = module_name != REAL
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # a missing or broken vendor library is a reason, not a crash
@@ -897,18 +870,6 @@ def detect(module_name: str = REAL) -> VendorInfo:
     found = {name: _find(module, paths, notes) for name, paths in PATHS.items()}
     return VendorInfo(module_name, FlashInferAPI(**found), str(getattr(module, "__version__", "")), None, fake,
                       tuple(notes))
-
-
-#: The version range each fake stands for (from this version on, until the next).
-FAKE_RANGES: tuple[tuple[Version, str], ...] = (
-    ((0, 6, 0), FAKE_0_6_6), ((0, 6, 7), FAKE_0_6_7), ((0, 6, 8), FAKE_0_6_13), ((0, 6, 14), FAKE_0_6_14),
-    ((0, 6, 15), FAKE_0_6_15), ((0, 6, 16), FAKE_0_6_17), ((0, 6, 18), FAKE_0_7_0), ((0, 7, 1), FAKE_0_7_1),
-    ((0, 7, 2), FAKE_0_7_2))
-
-
-def fake_for(version: Version) -> str:
-    """The fake of the version range ``version`` falls in."""
-    return str(_pick(FAKE_RANGES, version))
 
 
 def workspace_size_per_rank(info: VendorInfo, ep_size: int, max_num_tokens: int, dispatch_bytes_per_token: int,
@@ -939,11 +900,10 @@ def sm100_reason() -> str | None:
 
 
 __all__ = [
-    "A2AProfile", "EMULATED_WATCH_ATTRIBUTE",
-    "EMULATOR", "FAKES", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
+    "A2AProfile", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
     "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
     "cpp_stoi", "cutedsl_routing_limits", "default_workspace_bytes_per_token", "detect", "dispatch_vector_width",
-    "fake_for", "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
+    "forget_mnnvl_fabric_decision", "fp4_fast_math_env", "is_environment_refusal", "kernel_top_k", "metainfo_offsets", "mnnvl_fabric_decision",
     "mnnvl_reservation",
     "one_block_per_token", "parse_version", "ported_workspace_size_per_rank", "profile", "retire_mnnvl_range",
     "sanitize_block_size", "signature", "sm100_reason", "workspace_size_per_rank",

@@ -21,10 +21,15 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.backend import NVFP4Codec, e2m1_unpack, nvfp4_global_scale
-from moe_dispatch.backend import dequantized_weights
-from moe_dispatch.backend import from_mma_view, to_mma_view
-from moe_dispatch.backend import WireFormat
+from moe_dispatch.backend import (
+    NVFP4Codec,
+    WireFormat,
+    dequantized_weights,
+    e2m1_unpack,
+    from_mma_view,
+    nvfp4_global_scale,
+    to_mma_view,
+)
 
 #: Rows per up/gate group in ``w1_weight``.
 GATE_UP_GROUP = 64

@@ -1,5 +1,5 @@
 """CPU fakes of FlashInfer, one module per version range where it behaves differently
-(``vendor.FAKE_RANGES``):
+(``FAKE_RANGES`` of the testing package):
 
 - ``flashinfer_0_6_6``  v0.6.0-v0.6.6: kMaxTopK 8 (top-k 1, 2, 4, 8), 8 payloads, tuple MNNVL
   records, fp4_quantize's old swizzled-scale shape, CuteDslMoEWrapper (v0.6.4+) without enable_pdl

@@ -18,7 +18,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .. import vendor
+from moe_dispatch_flashinfer_cutedsl import vendor
+
 from .kernels import MoeA2AKernels
 
 

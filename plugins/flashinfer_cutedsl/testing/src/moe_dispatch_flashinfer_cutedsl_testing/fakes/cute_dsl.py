@@ -36,12 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import moe_dispatch as md
-from moe_dispatch.backend import NVFP4Codec, e2m1_unpack
-from moe_dispatch.backend import swizzled_shape
-from moe_dispatch._scale_layouts import unswizzle_128x4
-from moe_dispatch.backend import WireFormat
-
-from .. import vendor
+from moe_dispatch.backend import NVFP4Codec, WireFormat, e2m1_unpack, swizzled_shape, unswizzle_128x4
+from moe_dispatch_flashinfer_cutedsl import vendor
 
 DEFAULT_SWIGLU_ALPHA = vendor.DEFAULT_SWIGLU_ALPHA
 DEFAULT_SWIGLU_BETA = vendor.DEFAULT_SWIGLU_BETA

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from moe_dispatch.backend import as_bytes, from_bytes
+from moe_dispatch_flashinfer_cutedsl import vendor
 
-from .. import vendor
 from . import tvm
 from .mnnvl import Segment, segment_of
 

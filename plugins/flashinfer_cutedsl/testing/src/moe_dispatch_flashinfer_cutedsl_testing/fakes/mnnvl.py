@@ -47,8 +47,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .. import vendor
-from ._watch import watched_comm
+import moe_dispatch.backend as mdb
+from moe_dispatch_flashinfer_cutedsl import vendor
 
 #: The fake's allocation granularity (the real one is the driver's, typically 2 MiB): the rank
 #: stride is the size rounded up to it, so a segment is narrower than its stride, as on the GPU.
@@ -277,28 +277,25 @@ class Segment:
 
     def exchange(self, outgoing: dict[int, list[tuple[int, torch.Tensor]]]) -> list[list[tuple[int, torch.Tensor]]]:
         """Byte stores ``(offset, uint8 tensor)`` to each peer → the stores every source made to
-        this rank. The headers travel through the communicator (allgather); the bytes through
-        its process group when it has one (``_group``, as FlashInfer's TorchDistBackend), else
-        through the communicator too. Inside ``emulated_watch`` (``moe_dispatch.distributed.emulation``) both go through
-        the core's ``Comm`` on that group, waiting with the caller's ``Watch`` (the dispatcher's
-        ``timeout_s``, its peers' failure notices) instead of blocking in gloo."""
+        this rank. Over a communicator with a process group (``_group``, as FlashInfer's
+        TorchDistBackend) the headers and bytes go through the core's ``Comm`` on that group, which
+        inside a dispatcher's call on the same ranks waits with the dispatcher's ``Watch`` (its
+        ``timeout_s``, its peers' failure notices) instead of blocking in gloo; otherwise (the
+        adapter's CommBackend, already over the dispatcher's ``Comm``) both go through the
+        communicator's allgather."""
         size = self.comm_size
         headers = {peer: [(off, int(data.numel())) for off, data in stores] for peer, stores in outgoing.items()}
         group = getattr(self.comm, "_group", _NO_GROUP)
-        watched = watched_comm(group) if size > 1 and group is not _NO_GROUP else None
-        everyone = self.comm.allgather(headers) if watched is None else \
-            watched.gather_object(headers, "fake MNNVL stores (headers)")
+        comm = mdb.Comm(group) if size > 1 and group is not _NO_GROUP and dist.is_initialized() else None
+        everyone = self.comm.allgather(headers) if comm is None else \
+            comm.gather_object(headers, "fake MNNVL stores (headers)")
         send = [torch.cat([d.reshape(-1) for _, d in outgoing.get(p, [])] or [torch.empty(0, dtype=torch.uint8)])
                 for p in range(size)]
         send_counts = [int(t.numel()) for t in send]
         recv_counts = [sum(n for _, n in everyone[src].get(self.rank, [])) for src in range(size)]
-        if watched is not None:
-            got = watched.all_to_all(torch.cat(send).unsqueeze(1), send_counts, recv_counts, [("payload", 1)])
+        if comm is not None:
+            got = comm.all_to_all(torch.cat(send).unsqueeze(1), send_counts, recv_counts, [("payload", 1)])
             chunks = list(torch.split(got.reshape(-1), recv_counts))
-        elif size > 1 and group is not _NO_GROUP and dist.is_initialized():
-            out = torch.empty(sum(recv_counts), dtype=torch.uint8)
-            dist.all_to_all_single(out, torch.cat(send), recv_counts, send_counts, group=group)
-            chunks = list(torch.split(out, recv_counts))
         else:
             gathered = self.comm.allgather(send)
             chunks = [gathered[src][self.rank] for src in range(size)]

@@ -24,11 +24,9 @@ from typing import Any, Callable
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.backend import NVFP4Codec
-from moe_dispatch.backend import swizzle_128x4
-from moe_dispatch.backend import WireFormat
+from moe_dispatch.backend import NVFP4Codec, WireFormat, swizzle_128x4
+from moe_dispatch_flashinfer_cutedsl import vendor
 
-from .. import vendor
 from . import tvm
 
 

@@ -28,11 +28,8 @@ from flashinfer.comm import mnnvl as _mnnvl
 from flashinfer.comm import trtllm_moe_alltoall as _a2a
 from flashinfer.comm.mapping import Mapping
 
-# Exported as vendor.EMULATED_WATCH_ATTRIBUTE (not FlashInfer's): the fake kernels' exchanges wait with the
-# dispatcher's Watch (moe_dispatch.distributed.emulation), as in the all-fake releases.
-from moe_dispatch_testing.emulation import emulated_watch
+from moe_dispatch_flashinfer_cutedsl import vendor
 
-from .. import vendor
 from .kernels import MoeA2AKernels
 from .mnnvl import _tuple_record, patch_real_mnnvl
 

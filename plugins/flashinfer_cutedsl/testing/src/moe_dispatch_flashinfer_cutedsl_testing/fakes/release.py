@@ -9,9 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from .. import vendor
+from moe_dispatch_flashinfer_cutedsl import vendor
+
 from . import a2a, mnnvl, nvfp4
-from moe_dispatch_testing.emulation import emulated_watch
 from .kernels import MoeA2AKernels
 from .mapping import Mapping
 
@@ -50,8 +50,7 @@ def build(module: str, version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoA
         VERSION=version, KERNELS=kernels, MoeAlltoAll=moe_a2a, Mapping=Mapping, comm=comm, SfLayout=a2a.SfLayout,
         moe_a2a_get_workspace_size_per_rank=size, get_moe_alltoall_module=get_moe_alltoall_module,
         fp4_quantize=_owned(nvfp4.fp4_quantize_for(version), module, "fp4_quantize"), CuteDslMoEWrapper=cute,
-        MnnvlMemory=memory, TorchDistBackend=torch_dist,
-        emulated_watch=emulated_watch)  # vendor.EMULATED_WATCH_ATTRIBUTE: not FlashInfer's (moe_dispatch.distributed.emulation)
+        MnnvlMemory=memory, TorchDistBackend=torch_dist)
 
 
 def export(namespace: dict[str, Any], version: vendor.Version, moe_alltoall: type[a2a.MoeAlltoAllBase],
