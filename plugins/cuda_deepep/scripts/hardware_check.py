@@ -3,10 +3,11 @@
     python plugins/cuda_deepep/scripts/hardware_check.py            # or: torchrun --nproc-per-node 1 ...
     python plugins/cuda_deepep/scripts/hardware_check.py --fake     # the same checks on the fakes, on CPU
 
-Checks (``moe_dispatch_cuda_deepep.hardware``): the recorded signatures against the real callables; DeepEP's
-size functions (``get_low_latency_rdma_size_hint``, each tuned ``Config``'s NVL/RDMA hints) and DeepGEMM's
-layout functions against the ports; the ``deep_gemm`` runner on the real DeepGEMM against its fake (FP8 and
-BF16, PACKED and MASKED, the masked capacity a multiple of every BLOCK_M the installed DeepGEMM may pick);
+Checks (``moe_dispatch_cuda_deepep_testing.hardware``, in ``plugins/cuda_deepep/testing``): the recorded
+signatures against the real callables; DeepEP's size functions (``get_low_latency_rdma_size_hint``, each tuned
+``Config``'s NVL/RDMA hints) and DeepGEMM's layout functions against the ports; the ``deep_gemm`` runner on the
+real DeepGEMM against its fake (FP8 and BF16, PACKED and MASKED, the masked capacity a multiple of every BLOCK_M
+the installed DeepGEMM may pick);
 DeepEP's V1 Buffer at one rank in low-latency mode (NVSHMEM, the process's one Buffer shared by both rounds,
 closed after them) against the fake; in normal mode the adapter's refusal. Last, in subprocesses (each may end its
 process: ``std::terminate`` from DeepEP's destructor, NVSHMEM started twice, V2 beside V1): DeepEP's own
@@ -27,9 +28,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from moe_dispatch_cuda_deepep import vendor
+from moe_dispatch_cuda_deepep_testing import hardware
 from moe_dispatch_testing.local import one_rank_group
-
-from moe_dispatch_cuda_deepep import hardware, vendor
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch, fitting_experts_per_rank, layer_spec
+from moe_dispatch_cuda_deepep_testing.selfcheck import agree_with_torch, fitting_experts_per_rank, layer_spec
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ here each test does, in this process and on every rank of the pools it used."""
 import pytest
 
 from moe_dispatch_cuda_deepep import buffers
-from moe_dispatch_cuda_deepep.fakes import _native, deep_ep
+from moe_dispatch_cuda_deepep_testing.fakes import _native, deep_ep
 
 
 def fresh_process(rank: int = 0, world: int = 1) -> None:

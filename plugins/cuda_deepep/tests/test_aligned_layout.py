@@ -1,5 +1,5 @@
-"""``DispatchSpec(expert_alignment=...)`` feeding DeepGEMM's contiguous GEMM without the runner's pad copy
-(issue 18): aligned rows go to the GEMM as they are (PSUM layout on DeepGEMM 2.3+, per-row ``m_indices``
+"""``DispatchSpec(expert_alignment=...)`` feeding DeepGEMM's contiguous GEMM without the runner's pad copy:
+aligned rows go to the GEMM as they are (PSUM layout on DeepGEMM 2.3+, per-row ``m_indices``
 before), on the CPU fakes of DeepGEMM (SM90, SM100, 2.2) and DeepEP V2; and a whole layer on two gloo ranks
 with V2 writing the layout itself and with V1 through the core's copy."""
 
@@ -10,15 +10,15 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
-from moe_dispatch.backend import align_rows
-from moe_dispatch.backend import make_codec, pack_ue8m0
 from moe_dispatch import DispatchOutput
-from moe_dispatch.backend import row_experts
-from moe_dispatch_testing.routing import random_expert_weights
+from moe_dispatch.backend import align_rows, make_codec, pack_ue8m0, row_experts
 from moe_dispatch_cuda_deepep import vendor
-from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts, run_layer
-from moe_dispatch_cuda_deepep.fakes import deep_gemm as emu
+from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts
+from moe_dispatch_cuda_deepep_testing import DEEP_GEMM_EMULATOR, EMULATOR
+from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm as emu
+from moe_dispatch_cuda_deepep_testing.selfcheck import run_layer
+from moe_dispatch_testing.accuracy import TOLERANCES
+from moe_dispatch_testing.routing import random_expert_weights
 
 H, I, E = 256, 128, 4
 COUNTS = [5, 0, 130, 1]  # an empty expert, one past a 128-row block
@@ -92,7 +92,7 @@ def test_aligned_rows_reach_the_gemm_as_they_are(kind, capability, version, psum
 @pytest.mark.parametrize("version", ["2.6.1", "2.5.0", "2.3.0"])
 def test_aligned_rows_with_fp32_ue8m0_scales_on_sm100(version):
     """SM100 with fp32 power-of-two scales: the runner packs them itself (DeepGEMM's pack, no psum layout), which
-    holds because the padding scales are +0.0, what 2.6.1's power-of-two assert accepts (audit issue18-aligned O8);
+    holds because the padding scales are +0.0, what 2.6.1's power-of-two assert accepts;
     the valid rows match the dense path's, bit for bit."""
     experts = DeepGemmExperts("block_fp8", md.Mode.NORMAL, emu.emulate((10, 0), version))
     assert experts.ue8m0
@@ -118,7 +118,7 @@ def test_an_alignment_deepgemm_cannot_read_is_a_typed_error():
 def test_a_whole_layer_with_aligned_rows(moe_rank_pools, v2, weights):
     """DeepEP (V2 writing the aligned layout itself; V1 through the core's copy) → DeepGEMM on the aligned rows
     → combine, on two gloo ranks, within the wire dtype's bound of the dense fp32 reference."""
-    results = moe_rank_pools.get(2).map(run_layer, weights, "normal", vendor.DEEP_GEMM_EMULATOR, vendor.EMULATOR,
+    results = moe_rank_pools.get(2).map(run_layer, weights, "normal", DEEP_GEMM_EMULATOR, EMULATOR,
                                         2048, 256, 2, 2, 128, v2=v2, aligned=True)
     dtype = FP8 if weights == "block_fp8" else BF16
     assert max(r.relative_error for r in results) < TOLERANCES[dtype], results

@@ -3,9 +3,9 @@
 DeepEP's normal mode has no kernel for one rank (``SWITCH_RANKS``: 2, 4, 8): the kit runs on 2 and 4 ranks;
 low-latency mode on one rank is covered in test_deepep_adapter.py."""
 
-from moe_dispatch_testing import BackendConformance
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4
+from moe_dispatch_cuda_deepep_testing import EMULATOR, EMULATOR_NVFP4
+from moe_dispatch_testing import BackendConformance
 
 
 def emulated_deepep() -> DeepEPBackend:

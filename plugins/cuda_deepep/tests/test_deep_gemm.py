@@ -10,8 +10,14 @@ path to ``TOLERANCES[BF16]`` = 0.01 (three bf16 roundings, ~0.004). The tight ch
 ``mirror``: a reference written here that takes the same precision steps; only fp32
 summation order differs, which flips a rare bf16 rounding (2^-8 of one element), so its
 relative error must stay below 1e-3.
+
+The fakes are as strict as DeepGEMM where the runner meets it (pybind conversions, layouts, whole-tile stores, each
+version's signatures and scale casts): what the runner refuses, and why, is checked against them.
 """
 
+import importlib
+import inspect
+import subprocess
 import types
 
 import pytest
@@ -21,34 +27,39 @@ import torch.nn.functional as F
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
 import moe_dispatch.planning as mdp
-import moe_dispatch_testing as mdt
-from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
-from moe_dispatch.backend import make_codec, pack_ue8m0, pow2_ceil
-from moe_dispatch.backend import dequantize_rows
-from moe_dispatch_testing.routing import random_expert_weights
+from moe_dispatch.backend import dequantize_rows, make_codec, pack_ue8m0, pow2_ceil
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.fakes import _native
-from moe_dispatch_cuda_deepep.fakes import deep_gemm as emu
-from moe_dispatch_cuda_deepep.fakes import deep_gemm_sm100 as emu100
-from moe_dispatch_cuda_deepep.fakes import deep_gemm_v1 as emu_v1
-from moe_dispatch_cuda_deepep.fakes.deep_gemm_v1_kernels import run_contiguous
 from moe_dispatch_cuda_deepep.deep_gemm import (
-    EMULATOR,
     DeepGemmExperts,
     DeepGemmLayer,
     detect,
     quantize_block_fp8,
-    run_layer,
+    quantize_per_token_group,
     runner_probe,
 )
-from moe_dispatch_cuda_deepep.vendor import EMULATOR as DEEPEP_EMULATOR
+from moe_dispatch_cuda_deepep_testing import (
+    DEEP_GEMM_EMULATOR,
+    DEEP_GEMM_EMULATOR_SM100,
+    DEEP_GEMM_V1_EMULATOR,
+    DEEP_GEMM_V1_KERNELS,
+    DEEP_GEMM_V1_PYPI_EMULATOR,
+)
+from moe_dispatch_cuda_deepep_testing import EMULATOR as DEEPEP_EMULATOR
+from moe_dispatch_cuda_deepep_testing.fakes import _native
+from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm as emu
+from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm_sm100 as emu100
+from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm_v1 as emu_v1
+from moe_dispatch_cuda_deepep_testing.fakes.deep_gemm_v1_kernels import run_contiguous
+from moe_dispatch_cuda_deepep_testing.selfcheck import run_layer
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
+from moe_dispatch_testing.routing import random_expert_weights
 
-SM100, V1 = vendor.DEEP_GEMM_EMULATOR_SM100, vendor.DEEP_GEMM_V1_EMULATOR
+SM90, SM100, V1 = DEEP_GEMM_EMULATOR, DEEP_GEMM_EMULATOR_SM100, DEEP_GEMM_V1_EMULATOR
 
 H, I, E = 256, 128, 4
 PACKED_COUNTS = [5, 0, 130, 1]  # uneven, an empty expert, none a multiple of 128
-#: A capacity every DeepGEMM's masked BLOCK_M divides (v1 and 2.0.x may pick 256; audit row 15).
+#: A capacity every DeepGEMM's masked BLOCK_M divides (v1 and 2.0.x may pick 256).
 MASKED_COUNTS, CAPACITY = [3, 0, 8, 1], 256
 LL, NORMAL = md.Mode.LOW_LATENCY, md.Mode.NORMAL
 
@@ -102,16 +113,13 @@ def mirror(layer: DeepGemmLayer, x: torch.Tensor, scale, counts: list[int]) -> t
     return out
 
 
-# -- results ----------------------------------------------------------------------------------------
-
-
 def test_rows_past_the_counts_are_padding_and_dense_rows_are_refused_under_capture():
     """Low latency's worst-case rows (``DispatchOutput``): the dense path runs the counts' rows and gives zeros past
     them; under CUDA-graph capture it cannot read the counts (a host read) and says to ask for aligned rows, instead
     of a CUDA error inside the capture."""
-    from moe_dispatch_cuda_deepep.fakes.deep_ep import CUDAGraph
+    from moe_dispatch_cuda_deepep_testing.fakes.deep_ep import CUDAGraph
 
-    experts = DeepGemmExperts("bf16", "low_latency", EMULATOR)
+    experts = DeepGemmExperts("bf16", "low_latency", SM90)
     layer = experts.process_weights(_weights())
     valid = sum(PACKED_COUNTS)
     x, scale = _rows("bf16", (valid + 5,))
@@ -131,7 +139,7 @@ def test_packed_rows_match_the_reference_experts(kind, group_list_type):
     """PACKED through the contiguous GEMM (padded to 128-row segments, gathered back). If this
     fails only for FP8, check the re-quantization between the GEMMs; if the emulator asserts,
     the padding of each expert's rows is wrong."""
-    experts = DeepGemmExperts(kind, NORMAL, EMULATOR)
+    experts = DeepGemmExperts(kind, NORMAL, SM90)
     layer = experts.process_weights(_weights())
     x, scale = _rows(kind, (sum(PACKED_COUNTS),))
     group_list = _group_list(PACKED_COUNTS, group_list_type)
@@ -149,7 +157,7 @@ def test_packed_rows_match_the_reference_experts(kind, group_list_type):
 def test_masked_rows_match_the_reference_and_padding_is_zero(kind, group_list_type):
     """MASKED through the masked GEMM; rows past each expert's count must come back exactly 0
     (DeepGEMM leaves them as they were)."""
-    experts = DeepGemmExperts(kind, LL, EMULATOR)
+    experts = DeepGemmExperts(kind, LL, SM90)
     layer = experts.process_weights(_weights())
     x, scale = _rows(kind, (E, CAPACITY))
     if scale is not None:
@@ -167,7 +175,7 @@ def test_masked_rows_match_the_reference_and_padding_is_zero(kind, group_list_ty
 
 
 def test_no_rows_at_all():
-    experts = DeepGemmExperts("block_fp8", NORMAL, EMULATOR)
+    experts = DeepGemmExperts("block_fp8", NORMAL, SM90)
     layer = experts.process_weights(_weights())
     x, scale = _rows("block_fp8", (0,))
     out = experts.apply_without_routing_weights(layer, x, scale, 1, torch.zeros(E, dtype=torch.int64), torch.bfloat16)
@@ -201,7 +209,7 @@ def test_the_v1_api_gives_the_same_result(layout):
     """The old generation's names (``m_grouped_gemm_fp8_fp8_bf16_nt_*``) are called with their
     own argument lists."""
     mode = NORMAL if layout == "packed" else LL
-    v2, v1 = DeepGemmExperts("block_fp8", mode, EMULATOR), DeepGemmExperts("block_fp8", mode, V1)
+    v2, v1 = DeepGemmExperts("block_fp8", mode, SM90), DeepGemmExperts("block_fp8", mode, V1)
     assert v1.info.generation == "v1"
     layer = v2.process_weights(_weights())
     shape, counts = ((sum(PACKED_COUNTS),), PACKED_COUNTS) if layout == "packed" else ((E, CAPACITY), MASKED_COUNTS)
@@ -212,18 +220,15 @@ def test_the_v1_api_gives_the_same_result(layout):
 
 def test_block_fp8_weights_keep_one_scale_per_128x128_block():
     w = _weights().w13_weight.float()
-    layer = DeepGemmExperts("block_fp8", NORMAL, EMULATOR).process_weights(_weights())
+    layer = DeepGemmExperts("block_fp8", NORMAL, SM90).process_weights(_weights())
     assert layer.w13_weight.dtype == torch.float8_e4m3fn and layer.w13_weight.shape == (E, 2 * I, H)
     assert layer.w13_weight_scale_inv.shape == (E, 2 * I // 128, H // 128)
     assert layer.w2_weight.shape == (E, H, I) and layer.w2_weight_scale_inv.shape == (E, H // 128, I // 128)
     block = w[1, 128:256, 128:256]
     assert torch.allclose(layer.w13_weight_scale_inv[1, 1, 1], block.abs().max() / 448.0)
     assert relative_error(layer.dequantized().w13_weight, w) < 0.05
-    bf16 = DeepGemmExperts("bf16", LL, EMULATOR).process_weights(_weights())
+    bf16 = DeepGemmExperts("bf16", LL, SM90).process_weights(_weights())
     assert bf16.w13_weight.dtype == torch.bfloat16 and bf16.w13_weight_scale_inv is None
-
-
-# -- the emulator ---------------------------------------------------------------------------------------
 
 
 def _fp8_operands(m: int, g: int = 2, n: int = 128, k: int = 256):
@@ -269,8 +274,8 @@ def test_the_fake_computes_the_contiguous_gemm_and_poisons_padding():
 
 
 def test_the_fake_masked_gemm_writes_whole_tiles():
-    """Rows up to the end of the last BLOCK_M tile are written (garbage past ``masked_m``); another group's rows
-    only when the tile passes ``m`` (audit row 15, ``test_dg15_...``)."""
+    """Rows up to the end of the last BLOCK_M tile are written (garbage past ``masked_m``); another group's rows only
+    when the tile passes ``m`` (``test_masked_capacity_is_a_multiple_of_every_block_m``)."""
     a, sa, b, sb = _fp8_operands(2 * 128)
     a, sa = a.view(2, 128, 256), sa.view(2, 128, 2)
     d = torch.full((2, 128, 128), 7.0, dtype=torch.bfloat16)
@@ -287,10 +292,9 @@ def test_the_fake_masked_gemm_writes_whole_tiles():
 
 
 def test_the_fake_scale_formats_per_architecture():
-    """SM90 takes fp32 only. SM100 takes packed UE8M0 (MN-major, TMA-aligned) and casts fp32 to UE8M0:
-    DeepGEMM 2.6.1 device-asserts powers of two; before it the CUDA cast ORs the later values' mantissa bits into
-    the packed bytes (garbage exponents, audit 2026-11 round two, DeepGEMM row 46); only its PyTorch fallback keeps
-    the exponent."""
+    """SM90 takes fp32 only. SM100 takes packed UE8M0 (MN-major, TMA-aligned) and casts fp32 to UE8M0: DeepGEMM 2.6.1
+    device-asserts powers of two; before it the CUDA cast ORs the later values' mantissa bits into the packed bytes
+    (garbage exponents); only its PyTorch fallback keeps the exponent."""
     a, _, b, sb = _fp8_operands(128)
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
     q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
@@ -321,11 +325,8 @@ def test_the_fake_scale_formats_per_architecture():
         emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, pow2_sb), d_int, ids, disable_ue8m0_cast=True)
 
 
-# -- detection and errors -------------------------------------------------------------------------------
-
-
 def test_detect_reads_the_api_generation():
-    v2 = detect(EMULATOR)
+    v2 = detect(SM90)
     assert (v2.generation, v2.has_bf16, v2.error) == ("v2", True, None) and "v2" in v2.describe()
     v1 = detect(V1)
     assert (v1.generation, v1.has_bf16) == ("v1", False) and "without BF16" in v1.describe()
@@ -352,16 +353,16 @@ def test_bf16_or_ue8m0_on_deep_gemm_v1_is_refused():
     with pytest.raises(md.InvalidSpecError, match="9.x"):  # v1 runs on SM90, which takes fp32 scales
         DeepGemmExperts("block_fp8", LL, V1, ue8m0=True)
     with pytest.raises(md.InvalidSpecError):
-        DeepGemmExperts("bf16", LL, EMULATOR, ue8m0=True)
+        DeepGemmExperts("bf16", LL, SM90, ue8m0=True)
     with pytest.raises(md.InvalidSpecError):
-        DeepGemmExperts("fp8", LL, EMULATOR)
+        DeepGemmExperts("fp8", LL, SM90)
     with pytest.raises(md.BackendUnavailableError, match="SM90 and SM100"):
         DeepGemmExperts("block_fp8", LL, emu.emulate((12, 0)))
 
 
 def test_v1_masked_capacity_and_sm90_bf16_dims_are_checked_before_deep_gemm():
-    """NEW: DeepGEMM v1's masked GEMM asserts M % block_m when M exceeds it (block_m 64/128/256 by its
-    heuristic); SM90's BF16 grouped GEMMs assert K % 64."""
+    """DeepGEMM v1's masked GEMM asserts M % block_m when M exceeds it (block_m 64/128/256 by its heuristic); SM90's
+    BF16 grouped GEMMs assert K % 64: both typed errors before DeepGEMM."""
     v1 = DeepGemmExperts("block_fp8", LL, V1)
     layer = v1.process_weights(_weights())
     x, scale = _rows("block_fp8", (E, 96))
@@ -369,14 +370,14 @@ def test_v1_masked_capacity_and_sm90_bf16_dims_are_checked_before_deep_gemm():
         v1.apply_without_routing_weights(layer, x, scale, 1, torch.tensor([1, 0, 0, 0]), torch.bfloat16)
     assert info.value.parameter == "hidden_states" and "256" in info.value.allowed
     with pytest.raises(md.InvalidInputError) as info:
-        DeepGemmExperts("bf16", LL, EMULATOR).process_weights(random_expert_weights(2, 256, 96))
+        DeepGemmExperts("bf16", LL, SM90).process_weights(random_expert_weights(2, 256, 96))
     assert info.value.parameter == "intermediate_size"
     DeepGemmExperts("bf16", LL, SM100).process_weights(random_expert_weights(2, 256, 96))  # SM100: no such rule
 
 
 def test_wrong_inputs_are_typed_errors():
-    fp8 = DeepGemmExperts("block_fp8", NORMAL, EMULATOR)
-    bf16 = DeepGemmExperts("bf16", NORMAL, EMULATOR)
+    fp8 = DeepGemmExperts("block_fp8", NORMAL, SM90)
+    bf16 = DeepGemmExperts("bf16", NORMAL, SM90)
     fp8_layer, bf16_layer = fp8.process_weights(_weights()), bf16.process_weights(_weights())
     counts = _group_list(PACKED_COUNTS, 1)
     x8, s8 = _rows("block_fp8", (sum(PACKED_COUNTS),))
@@ -405,9 +406,6 @@ def test_wrong_inputs_are_typed_errors():
     assert info.value.parameter == "intermediate_size"
 
 
-# -- the dtype it asks for ------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("kind,mode,needs", [
     ("block_fp8", NORMAL, md.DispatchDtype.FP8),
     ("block_fp8", LL, md.DispatchDtype.FP8),
@@ -415,7 +413,7 @@ def test_wrong_inputs_are_typed_errors():
     ("bf16", NORMAL, md.DispatchDtype.BF16),  # sglang keeps FP8 here; we use the contiguous BF16 GEMM
 ])
 def test_needs_dispatch_dtype_and_quant_hints(kind, mode, needs):
-    experts = DeepGemmExperts(kind, mode.value, EMULATOR)
+    experts = DeepGemmExperts(kind, mode.value, SM90)
     assert isinstance(experts, md.ExpertKernel)
     assert experts.needs_dispatch_dtype is needs
     assert experts.quant_hints() == md.QuantHints(dispatcher_output_dtype=needs)
@@ -426,12 +424,12 @@ def test_the_registered_runner_takes_both_dtypes_behind_deepep():
     assert runner.needs is md.DispatchDtype.FP8 and runner.accepts == {md.DispatchDtype.FP8, md.DispatchDtype.BF16}
     assert runner.backends == {"cuda_deepep": frozenset({NORMAL, LL}), "cuda_deepep_v2": frozenset({NORMAL, LL})}
     assert "github.com/deepseek-ai/DeepGEMM" in runner_probe("no_such_deep_gemm_module")
-    assert runner_probe(EMULATOR) is None
+    assert runner_probe(SM90) is None
 
 
 def test_the_hint_overrides_the_runner_default_in_resolution():
     """The ``deep_gemm`` runner is registered as needing FP8; a BF16 layer's hint comes first."""
-    experts = DeepGemmExperts("bf16", LL, EMULATOR)
+    experts = DeepGemmExperts("bf16", LL, SM90)
     spec = md.DispatchSpec(2048, 8, 2, mode="low_latency", quant=experts.quant_hints(), runner="deep_gemm")
     runners = md.PluginHost(env={}).runners()
     resolution = mdp.resolve_output_dtype(spec, DeepEPBackend(DEEPEP_EMULATOR), env={}, runners=runners)
@@ -440,14 +438,11 @@ def test_the_hint_overrides_the_runner_default_in_resolution():
     assert decided[0].source == "quant.dispatcher_output_dtype" and decided[0].value == "bf16"
 
 
-# -- a whole layer on two ranks --------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("kind,mode,kernel", [
-    ("block_fp8", "low_latency", EMULATOR),
-    ("bf16", "low_latency", EMULATOR),
+    ("block_fp8", "low_latency", SM90),
+    ("bf16", "low_latency", SM90),
     ("block_fp8", "low_latency", SM100),  # UE8M0 end to end
-    ("block_fp8", "normal", EMULATOR),
+    ("block_fp8", "normal", SM90),
     ("bf16", "normal", SM100),
     ("block_fp8", "normal", SM100),
 ])
@@ -464,17 +459,295 @@ def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_poo
 
 
 @pytest.mark.parametrize("kind,kernel,mode,aligned", [
-    ("block_fp8", EMULATOR, "normal", False), ("bf16", EMULATOR, "normal", False),
+    ("block_fp8", SM90, "normal", False), ("bf16", SM90, "normal", False),
     ("block_fp8", SM100, "normal", False),
     # low latency: DeepEP's worst-case rows, unwritten past the segments, no host sync in the aligned (PSUM) path
-    ("block_fp8", EMULATOR, "low_latency", True), ("bf16", SM100, "low_latency", True),
-    ("block_fp8", EMULATOR, "low_latency", False),
+    ("block_fp8", SM90, "low_latency", True), ("bf16", SM100, "low_latency", True),
+    ("block_fp8", SM90, "low_latency", False),
 ])
 def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind, kernel, mode, aligned):
     """DeepEP V2's expanded rows (PACKED; fp32 per-128 scales, or UE8M0 packed four per word for SM100) are what the
-    contiguous GEMMs take (issue 18), exact in normal mode and DeepEP's worst case in low-latency mode."""
+    contiguous GEMMs take, exact in normal mode and DeepEP's worst case in low-latency mode."""
     results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
                                         v2=True, aligned=aligned)
     for r in results:
         assert r.relative_error < r.tolerance, (r.relative_error, r.tolerance)
 
+
+# -- the masked capacity ----------------------------------------------------------------------------------------
+
+
+def _fake(name=DEEPEP_EMULATOR):
+    return importlib.import_module(name)
+
+
+def _expert_weights(experts=E, hidden=256, inter=I):
+    return random_expert_weights(experts, hidden, inter, generator=torch.Generator().manual_seed(0))
+
+
+def _masked_rows(capacity, hidden=256):
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, hidden)).quantize(
+        torch.randn(E, capacity, hidden, generator=torch.Generator().manual_seed(1)))
+    return q.data, q.scale
+
+
+def test_masked_capacity_is_a_multiple_of_every_block_m():
+    """DeepGEMM's masked GEMM stores whole BLOCK_M tiles into a ``[G·m, n]`` view: with ``m`` not a multiple of BLOCK_M
+    an expert's last tile overwrites the next expert's first rows. The runner refuses such a capacity (typed), the
+    backend refuses the spec at creation (``runner="deep_gemm"``), and the fake writes whole tiles."""
+    experts = DeepGemmExperts("block_fp8", LL, SM90)
+    assert experts.masked_capacity_multiple == 128  # 2.6.1 on SM90: BLOCK_M 64 or 128
+    layer = experts.process_weights(_expert_weights())
+    x, scale = _masked_rows(8)
+    with pytest.raises(md.InvalidInputError) as info:
+        experts.apply_without_routing_weights(layer, x, scale, 1, torch.tensor([3, 0, 8, 1]), torch.bfloat16)
+    assert info.value.parameter == "hidden_states" and "128" in info.value.allowed
+    backend = DeepEPBackend(DEEPEP_EMULATOR)
+    spec = md.DispatchSpec(7168, 16, 8, num_max_dispatch_tokens_per_rank=8, mode="low_latency", runner="deep_gemm")
+    with pytest.raises(md.InvalidSpecError) as info:
+        backend.check_spec(spec, 2)
+    assert info.value.parameter == "num_max_dispatch_tokens_per_rank"
+    backend.check_spec(md.DispatchSpec(7168, 16, 8, num_max_dispatch_tokens_per_rank=128, mode="low_latency",
+                                       runner="deep_gemm"), 2)
+    # The fake: expert 0's last tile spills NaN into expert 1's rows, as the TMA store does.
+    fake = _fake(SM90)
+    a, sa = _masked_rows(8)
+    b, sb = quantize_block_fp8(torch.randn(E, 128, 256, generator=torch.Generator().manual_seed(2)))
+    d = torch.zeros(E, 8, 128, dtype=torch.bfloat16)
+    fake.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, torch.tensor([3, 0, 0, 0], dtype=torch.int32), 8)
+    assert torch.isnan(d[0, 3:]).all() and torch.isnan(d[1]).all()
+
+
+def test_the_masked_block_ms_per_version():
+    """Which BLOCK_M each DeepGEMM may pick for a masked GEMM, per version and architecture (planning: every
+    version's)."""
+    def info(version, generation="v2"):
+        return vendor.DeepGemmInfo("deep_gemm", object(), generation, True, version=version)
+
+    assert vendor.dg_masked_block_ms(info(None), 9) == {64, 128, 256}  # 2.0.0 (before and after 79f48ee), 2.1.0
+    assert vendor.dg_masked_block_ms(info("2.3.0"), 10) == {64, 128}
+    assert vendor.dg_masked_block_ms(info("2.6.1"), 10, mk_alignment=128) == {128}
+    assert vendor.dg_masked_block_ms(info("2.6.1"), 9) == {64, 128}
+    assert vendor.dg_masked_block_ms(info(None, "v1"), 9) == {64, 128, 256}
+    assert vendor.dg_masked_block_ms(None, None) == {64, 128, 256}  # planning: every version
+
+
+# -- what the runner refuses, per architecture and version --------------------------------------------------
+
+
+def test_bf16_rows_need_16_byte_strides():
+    """TMA descriptors need 16-byte global strides: gmm2's ``[rows, I]`` BF16 rows need I % 8 == 0
+    (``cuTensorMapEncodeTiled`` fails otherwise, an untyped CUDA driver error, which the fake raises): the runner
+    refuses such weights, naming ``intermediate_size``."""
+    with pytest.raises(md.InvalidInputError) as info:
+        DeepGemmExperts("bf16", LL, SM100).process_weights(_expert_weights(2, 256, 100))
+    assert info.value.parameter == "intermediate_size"
+    DeepGemmExperts("bf16", LL, SM100).process_weights(_expert_weights(2, 256, 96))
+    fake = _fake(SM100)
+    a = torch.zeros(2, 128, 100, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="CUDA driver"):
+        fake.m_grouped_bf16_gemm_nt_masked(a, torch.zeros(2, 256, 100, dtype=torch.bfloat16),
+                                           torch.empty(2, 128, 256, dtype=torch.bfloat16),
+                                           torch.tensor([1, 1], dtype=torch.int32), 1)
+
+
+def test_pypi_v1_cannot_compile_odd_k_blocks():
+    """DeepGEMM v1 at b05ed2f (PyPI 1.0.0) static-asserts "Misaligned barriers" when ceil(K/128) is odd and BLOCK_N
+    divides 128 (removed by 6c5da03): without ``wgrad_gemm_fp8_fp8_fp32_nt`` (added after the fix) the runner refuses
+    odd ceil(I/128) and ceil(H/128); the fake's CPU JIT fails as nvcc does."""
+    old = DeepGemmExperts("block_fp8", LL, DEEP_GEMM_V1_PYPI_EMULATOR)
+    with pytest.raises(md.InvalidInputError) as info:
+        old.process_weights(_expert_weights(E, 256, 128))
+    assert info.value.parameter == "intermediate_size"
+    old.process_weights(_expert_weights(E, 256, 256))
+    DeepGemmExperts("block_fp8", LL, DEEP_GEMM_V1_EMULATOR).process_weights(_expert_weights(E, 256, 128))
+    kernels = importlib.import_module(DEEP_GEMM_V1_KERNELS)
+    with pytest.raises(subprocess.CalledProcessError):
+        kernels.CpuJitTuner().compile_and_tune("m_grouped_gemm_fp8_fp8_bf16_nt", {
+            "N": 256, "K": 128, "BLOCK_M": 64, "BLOCK_N": 16, "NUM_GROUPS": 4, "GEMM_TYPE": "GroupedMasked"},
+            (), (), (), "", ())
+
+
+def test_the_vendors_layout_functions_are_used_when_installed():
+    """``get_tma_aligned_size`` and the MN-major packing come from the installed DeepGEMM; the port is the fallback, and
+    gives the same."""
+    stub = types.SimpleNamespace(get_tma_aligned_size=lambda mn, size: 1000 + mn)
+    assert vendor.dg_tma_aligned_size(stub, 5, 4) == 1005
+    assert vendor.dg_tma_aligned_size(None, 5, 4) == 8
+    fake = _fake(SM100)
+    sf = torch.exp2(torch.randint(-5, 5, (3, 130, 8)).float())
+    packed = vendor.dg_packed_ue8m0_mn_major(fake, sf)
+    assert packed.dtype == torch.int32 and packed.stride(-1) == 132 and packed.stride(-2) == 1
+    assert torch.equal(packed, vendor.dg_packed_ue8m0_mn_major(None, sf))
+
+
+def test_power_of_two_scales_by_bits():
+    """``exp2(ceil(log2(s)))`` rounds log2 to float first: for s just above 2^16 it gives 2^16 < s. The runner takes
+    powers of two by bits with the core's ``pow2_ceil`` (as DeepGEMM's ``ceil_to_ue8m0``), for the activations' and the
+    weights' UE8M0 scales, and keeps no copy of its own."""
+    s = torch.tensor([65536 * (1 + 2**-23), 3.0, 0.25])
+    assert pow2_ceil(s).tolist() == [131072.0, 4.0, 0.25]
+    _, scale = quantize_per_token_group(torch.full((1, 128), 448.0 * 65536 * (1 + 2**-23)), ue8m0=True)
+    assert scale.item() == 131072.0
+    w = torch.randn(1, 128, 128, generator=torch.Generator().manual_seed(5)) * 1000
+    _, scale = quantize_block_fp8(w, ue8m0=True)
+    amax = w.abs().amax().clamp_min(1e-4) / 448.0
+    assert scale.item() == pow2_ceil(amax.reshape(1)).item()
+    assert not hasattr(vendor, "ceil_to_ue8m0")
+
+
+# -- SM100 fp32 activation scales ---------------------------------------------------------------------------
+
+
+def test_sm100_fp32_scales_are_packed_by_the_runner():
+    """DeepGEMM 2.0.0 builds of 2025-07-18 .. 07-29 and 08-02 .. 08-04 assert ``mn % 4 == 0 and num_groups == 1`` when
+    they cast non-contiguous (MN-major) fp32 scales to UE8M0, as DeepEP's LL layout has them: on SM100 the runner packs
+    fp32 activation scales itself, with DeepGEMM's helper on contiguous scales."""
+    module = _fake(DEEP_GEMM_EMULATOR).emulate((10, 0), "2.0.0", before_f85ec64=True)
+    experts = DeepGemmExperts("block_fp8", LL, module)
+    weights = random_expert_weights(4, 256, 128, generator=torch.Generator().manual_seed(0))
+    layer = experts.process_weights(weights)
+    capacity = experts.masked_capacity_multiple
+    x = torch.randn(4, capacity, 256, generator=torch.Generator().manual_seed(1))
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
+    mn_major = q.scale.transpose(1, 2).contiguous().transpose(1, 2)  # DeepEP's LL scale layout
+    counts = torch.tensor([3, 0, capacity - 1, 1])
+    got = experts.apply_without_routing_weights(layer, q.data, mn_major, 1, counts, torch.float32)
+    want = md.TorchExperts().apply_without_routing_weights(layer.dequantized(), q.data, q.scale, 1, counts,
+                                                           torch.float32)
+    assert relative_error(got, want) < TOLERANCES[md.DispatchDtype.FP8]
+
+
+def _sm100_masked(garbage_past_counts):
+    module = _fake(DEEP_GEMM_EMULATOR).emulate((10, 0), "2.6.1")
+    experts = DeepGemmExperts("block_fp8", LL, module)
+    layer = experts.process_weights(random_expert_weights(4, 256, 128, generator=torch.Generator().manual_seed(0)))
+    capacity = experts.masked_capacity_multiple
+    x = torch.randn(4, capacity, 256, generator=torch.Generator().manual_seed(1))
+    q = make_codec(mdb.WireFormat(md.DispatchDtype.FP8, 256, ue8m0=True)).quantize(x)
+    counts = torch.tensor([3, 0, capacity - 1, 1])
+    data, scale = q.data.clone(), q.scale.clone()
+    if garbage_past_counts:  # DeepEP's torch::empty past each expert's count
+        past = (torch.arange(capacity).unsqueeze(0) >= counts.unsqueeze(1))
+        scale[past] = float("nan")
+        data.view(torch.uint8)[past] = 0x7F
+    mn_major = scale.transpose(1, 2).contiguous().transpose(1, 2)  # DeepEP's LL scale layout
+    return experts, layer, q, data, mn_major, counts
+
+
+def test_sm100_fp32_scales_ignore_the_rows_past_the_counts():
+    """DeepEP's masked scales past each expert's count are ``torch::empty``: the runner checks and packs the valid rows
+    only (checking them as rows would refuse real power-of-two scales, or on DeepGEMM 2.6.1 trip its device assert)."""
+    experts, layer, q, data, scale, counts = _sm100_masked(True)
+    got = experts.apply_without_routing_weights(layer, data, scale, 1, counts, torch.float32)
+    want = md.TorchExperts().apply_without_routing_weights(layer.dequantized(), q.data, q.scale, 1, counts,
+                                                           torch.float32)
+    assert relative_error(got, want) < TOLERANCES[md.DispatchDtype.FP8]
+
+
+def test_sm100_fp32_scales_are_refused_under_capture():
+    """Under CUDA-graph capture the power-of-two check (a host read) cannot run, and DeepGEMM 2.6.1 device-asserts (the
+    context is lost) where earlier versions pack garbage exponents: fp32 activation scales on SM100 are refused under
+    capture, naming ``hidden_states_scale`` (dispatch must send packed UE8M0)."""
+    experts, layer, q, data, scale, counts = _sm100_masked(False)
+    graph = _fake().CUDAGraph()
+    try:
+        with pytest.raises(md.InvalidInputError) as info:
+            with graph.capture():
+                experts.apply_without_routing_weights(layer, data, scale * 1.5, 1, counts, torch.float32)
+        assert info.value.parameter == "hidden_states_scale" and "capture" in str(info.value)
+    finally:
+        _native.reset_context()
+
+
+# -- the fakes, as strict as DeepGEMM ------------------------------------------------------------------------
+
+
+def test_the_fake_sm100_cast_asserts_mn_major_fp32_scales():
+    """On the CUDA path ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` asserts MN-major fp32 input: K-major
+    non-contiguous scales are refused."""
+    fake = _fake(SM100)
+    a = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    sfa = torch.ones(128, 4)[:, :2]  # non-contiguous, K-major (stride(-1) == 1)
+    b, sb = quantize_block_fp8(torch.randn(1, 128, 256, generator=torch.Generator().manual_seed(3)), ue8m0=True)
+    with pytest.raises(RuntimeError, match="stride"):
+        fake.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sb), torch.empty(128, 128, dtype=torch.bfloat16),
+                                              torch.zeros(128, dtype=torch.int32))
+
+
+def test_the_contiguous_block_takes_its_first_rows_group():
+    """DeepGEMM reads a block's group from its first row (``max(0, -1) = 0``); -1 may only follow valid rows. Padding
+    rows are unspecified on both architectures (NaN in the fakes)."""
+    a = torch.ones(256, 256, dtype=torch.float8_e4m3fn)
+    b, sb = quantize_block_fp8(torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(4)))
+    sa = torch.ones(256, 2)
+    leading_padding = torch.cat([-torch.ones(28), torch.ones(100), torch.zeros(128)]).to(torch.int32)
+    with pytest.raises(RuntimeError, match="first row"):
+        _fake(SM90).m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16),
+                                                     leading_padding)
+    ids = torch.cat([torch.ones(100), -torch.ones(28), torch.zeros(128)]).to(torch.int32)
+    b1, sb1 = quantize_block_fp8(torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(4)), ue8m0=True)
+    d = torch.empty(256, 128, dtype=torch.bfloat16)
+    _fake(SM100).m_grouped_fp8_gemm_nt_contiguous((a, torch.ones(256, 2)), (b1, sb1), d, ids)
+    assert torch.isnan(d[100:128]).all() and not torch.isnan(d[:100]).any()
+
+
+def test_masked_m_past_m_is_the_fakes_refusal():
+    """DeepGEMM has no ``masked_m <= m`` check; the fake refuses and says it is its own check ("(fake)")."""
+    a, sa = _masked_rows(128)
+    b, sb = quantize_block_fp8(torch.randn(E, 128, 256, generator=torch.Generator().manual_seed(2)))
+    with pytest.raises(RuntimeError, match=r"^\(fake\)"):
+        _fake(SM90).m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), torch.empty(E, 128, 128, dtype=torch.bfloat16),
+                                                 torch.tensor([129, 0, 0, 0], dtype=torch.int32), 8)
+
+
+def test_emulated_versions_differ_as_deep_gemm_did():
+    """The 4th parameter was ``m_indices`` up to 2.2.0 and is ``grouped_layout`` from 2.3.0; ``set_mk_alignment_…``
+    arrived in 2.4.2."""
+    emulate = _fake(SM90).emulate
+    old, mid, new = emulate((9, 0), "2.2.0"), emulate((9, 0), "2.3.0"), emulate((9, 0), "2.4.2")
+    assert list(inspect.signature(getattr(old, vendor.DG_FP8_CONTIGUOUS)).parameters)[3] == "m_indices"
+    assert list(inspect.signature(getattr(mid, vendor.DG_FP8_CONTIGUOUS)).parameters)[3] == "grouped_layout"
+    assert not hasattr(mid, vendor.DG_SET_MK_ALIGNMENT) and hasattr(new, vendor.DG_SET_MK_ALIGNMENT)
+
+
+def test_the_fake_converts_arguments_as_pybind():
+    """Bool arguments take None (pybind's convert pass); ``expected_m_for_psum_layout`` is an optional int."""
+    fake = _fake(SM90)
+    a = torch.zeros(128, 256, dtype=torch.bfloat16)
+    b = torch.zeros(1, 128, 256, dtype=torch.bfloat16)
+    d, ids = torch.empty(128, 128, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.int32)
+    fake.m_grouped_bf16_gemm_nt_contiguous(a, b, d, ids, "nk", None, None)
+    with pytest.raises(TypeError, match="incompatible"):
+        fake.m_grouped_bf16_gemm_nt_contiguous(a, b, d, ids, expected_m_for_psum_layout=1.5)
+
+
+def test_the_fake_layout_helpers_take_their_versions_arguments():
+    """Before 2.6.1 ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` is bound without ``py::arg`` (``(arg0, /)``), and
+    ``set_mk_alignment_for_contiguous_layout`` always is: keywords fail as pybind fails."""
+    fakes = _fake(DEEP_GEMM_EMULATOR)
+    sf = torch.ones(128, 4)
+    for version in ("2.3.0", "2.5.0"):
+        module = fakes.emulate((10, 0), version)
+        with pytest.raises(TypeError, match="incompatible"):
+            getattr(module, vendor.DG_MN_MAJOR_PACKED_UE8M0)(sf=sf)
+        getattr(module, vendor.DG_MN_MAJOR_PACKED_UE8M0)(sf)
+    with pytest.raises(TypeError, match="incompatible"):
+        getattr(fakes.emulate((9, 0), "2.6.1"), vendor.DG_SET_MK_ALIGNMENT)(new_value=256)
+    getattr(fakes.emulate((10, 0), "2.6.1"), vendor.DG_MN_MAJOR_PACKED_UE8M0)(sf=sf, psum_layout=None)
+
+
+def test_before_2_6_1_the_cuda_cast_packs_garbage_exponents():
+    """Before 2.6.1 the CUDA cast ORs each value's bits shifted into place (``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 <<
+    1``): a non-power of two brings its mantissa into the lower bytes; 2.6.1 device-asserts powers of two instead. Only
+    the PyTorch fallback truncates."""
+    fakes = _fake(DEEP_GEMM_EMULATOR)
+    def packed_bytes(sf, version):
+        word = int(vendor.dg_packed_ue8m0_mn_major(fakes.emulate((10, 0), version), sf).reshape(-1)[0])
+        return list((word & 0xFFFFFFFF).to_bytes(4, "little"))
+
+    assert packed_bytes(torch.tensor([[3.0, 5.0, 0.75, 1.5]]), "2.5.0") == [192, 129, 254, 127]
+    assert packed_bytes(torch.tensor([[4.0, 8.0, 0.5, 2.0]]), "2.5.0") == [129, 130, 126, 128]
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):  # 2.6.1: the power-of-two device assert
+        packed_bytes(torch.tensor([[3.0, 5.0, 0.75, 1.5]]), "2.6.1")
+    _native.reset_context()

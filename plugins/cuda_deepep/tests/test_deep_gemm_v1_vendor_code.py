@@ -22,9 +22,10 @@ import torch
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
 from moe_dispatch.backend import make_codec
-from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts
+from moe_dispatch_cuda_deepep_testing import DEEP_GEMM_V1_EMULATOR, DEEP_GEMM_V1_KERNELS
+from moe_dispatch_testing.routing import random_expert_weights
 
 pytestmark = pytest.mark.vendor_code
 
@@ -34,10 +35,10 @@ if not hasattr(deep_gemm, vendor.DG_V1_CONTIGUOUS) or importlib.util.find_spec(
         f"{vendor.DEEP_GEMM}.jit_kernels.tuner") is None:
     pytest.skip("the installed deep_gemm is not DeepGEMM v1 1.0.0's Python layer", allow_module_level=True)
 
-kernels = importlib.import_module("moe_dispatch_cuda_deepep.fakes.deep_gemm_v1_kernels")
-#: I = 256: two 128-blocks of K for gmm2. 1.0.0 cannot compile an odd count (audit row 24; see below).
+kernels = importlib.import_module(DEEP_GEMM_V1_KERNELS)
+#: I = 256: two 128-blocks of K for gmm2. 1.0.0 cannot compile an odd count (see below).
 H, I, E = 256, 256, 4
-#: A masked capacity every v1 BLOCK_M divides (audit row 15).
+#: A masked capacity every v1 BLOCK_M divides.
 CAPACITY = 256
 
 
@@ -53,7 +54,7 @@ def _inputs(layout: str):
 def test_the_runner_on_deep_gemm_v1s_python_equals_the_fake(layout):
     mode = md.Mode.NORMAL if layout == "packed" else md.Mode.LOW_LATENCY
     real = DeepGemmExperts("block_fp8", mode, vendor.DEEP_GEMM)
-    fake = DeepGemmExperts("block_fp8", mode, vendor.DEEP_GEMM_V1_EMULATOR)
+    fake = DeepGemmExperts("block_fp8", mode, DEEP_GEMM_V1_EMULATOR)
     assert real.info.generation == "v1" and not real.ue8m0
     layer = fake.process_weights(random_expert_weights(E, H, I, generator=torch.Generator().manual_seed(0)))
     x, scale, counts = _inputs(layout)
@@ -64,7 +65,7 @@ def test_the_runner_on_deep_gemm_v1s_python_equals_the_fake(layout):
 
 
 def test_pypi_1_0_0_is_refused_odd_k_blocks_before_its_jit():
-    """Audit row 24: b05ed2f's kernel static-asserts "Misaligned barriers" for an odd ceil(K/128) when BLOCK_N
+    """b05ed2f's kernel static-asserts "Misaligned barriers" for an odd ceil(K/128) when BLOCK_N
     divides 128; the runner refuses such weights on a v1 without ``wgrad_gemm_fp8_fp8_fp32_nt``."""
     real = DeepGemmExperts("block_fp8", md.Mode.LOW_LATENCY, vendor.DEEP_GEMM)
     assert not real.info.compiles_odd_k_blocks
@@ -97,7 +98,7 @@ def _bad_calls():
 
 @pytest.mark.parametrize("name,call", _bad_calls(), ids=[n for n, _ in _bad_calls()])
 def test_the_fake_refuses_what_deep_gemm_v1_refuses(name, call):
-    fake = importlib.import_module(vendor.DEEP_GEMM_V1_EMULATOR)
+    fake = importlib.import_module(DEEP_GEMM_V1_EMULATOR)
     with kernels.installed(deep_gemm):
         with pytest.raises(AssertionError):
             call(deep_gemm)

@@ -10,13 +10,14 @@ import pytest
 
 import moe_dispatch as md
 import moe_dispatch.planning as mdp
-from moe_dispatch.cli import main
 from moe_dispatch.backend import restored_environ
+from moe_dispatch.cli import main
 from moe_dispatch_cuda_deepep import sizes, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.fakes.deep_ep import Buffer, Config
-from moe_dispatch_cuda_deepep.selfcheck import agree_with_torch, wire_seen
-from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4, detect
+from moe_dispatch_cuda_deepep.vendor import detect
+from moe_dispatch_cuda_deepep_testing import EMULATOR, EMULATOR_NVFP4
+from moe_dispatch_cuda_deepep_testing.fakes.deep_ep import Buffer, Config
+from moe_dispatch_cuda_deepep_testing.selfcheck import agree_with_torch, wire_seen
 
 H = 7168
 
@@ -58,7 +59,7 @@ def test_normal_mode_hints_reproduce_deepep():
 def test_the_tuned_configs_come_from_the_installed_deepep():
     """With DeepEP (here its fakes) the configs are its own ``Config`` objects, built with the class-level
     ``Buffer.num_sms``; the EP sizes are those it has a config and a kernel for (hybrid-ep: no 24/48/96)."""
-    from moe_dispatch_cuda_deepep.fakes import deep_ep as fake
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep as fake
 
     module = importlib.import_module(EMULATOR)
     cfg = vendor.dispatch_config(module, 8)

@@ -1,4 +1,4 @@
-"""The ``cuda_deepep_v2`` backend (DeepEP 2.x's ElasticBuffer) and its fake (fakes/deep_ep_elastic.py), issue 18.
+"""The ``cuda_deepep_v2`` backend (DeepEP 2.x's ElasticBuffer) and its fake (fakes/deep_ep_elastic.py).
 
 The kit runs on the fake at 2 and 4 ranks (test_conformance.py); here: the size formula against DeepEP's numbers,
 the fake refusing what DeepEP refuses, the expanded layout's order not being fixed, the shared buffer growing and
@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.cli.main import main as cli_main
+from moe_dispatch.cli import main as cli_main
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.elastic import NAME, DeepEPV2Backend, _num_sms_option
-from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_V1_TOPK9
-
+from moe_dispatch_cuda_deepep_testing import EMULATOR, EMULATOR_V1_TOPK9, EMULATOR_V2_0
 
 # -- sizes -------------------------------------------------------------------------------------------------------
 
@@ -41,7 +40,7 @@ def test_fp8_rows_shrink_dispatch_not_combine():
 
 
 def _fake_buffer(num_bytes: int = 2 << 20):  # type: ignore[no-untyped-def]
-    from moe_dispatch_cuda_deepep.fakes.deep_ep import ElasticBuffer
+    from moe_dispatch_cuda_deepep_testing.fakes.deep_ep import ElasticBuffer
 
     return ElasticBuffer(torch.distributed.group.WORLD, num_bytes=num_bytes, explicitly_destroy=True)
 
@@ -81,7 +80,7 @@ def test_expanded_rows_are_grouped_by_expert_in_no_fixed_order(moe_rank_pools):
 
 
 def _refusals(rank, world):  # type: ignore[no-untyped-def]
-    from moe_dispatch_cuda_deepep.fakes import _native
+    from moe_dispatch_cuda_deepep_testing.fakes import _native
 
     out = {}
     try:
@@ -191,7 +190,7 @@ def test_explain_names_the_deepep_api(capsys):
 
 def _combine_past_the_buffer(rank, world):  # type: ignore[no-untyped-def]
     """FP8 rows: a 2 MiB buffer holds N=2048 tokens' dispatch (640 B each, ×2 ranks) but not their combine (BF16
-    rows, 1088 B × min(R, K)): DeepEP checks combine's own size (buffer.hpp:1253-1256; audit S1)."""
+    rows, 1088 B × min(R, K)): DeepEP checks combine's own size (buffer.hpp:1253-1256)."""
     buf = _fake_buffer()
     x, ids, w = _routing(rank, 8, 4 * world, 2)
     q = (x.to(torch.float8_e4m3fn), torch.ones(8, 2))
@@ -213,7 +212,7 @@ def _order_of_first_calls(rank, world):  # type: ignore[no-untyped-def]
     """What ``create`` does on the group before DeepEP first sees it (a collective, then the hint, then the buffer)."""
     import torch.distributed as dist
 
-    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
 
     seen: list[str] = []
     real_reduce, real_hint = dist.all_reduce, deep_ep_elastic.ElasticBuffer.get_buffer_size_hint
@@ -231,13 +230,13 @@ def _order_of_first_calls(rank, world):  # type: ignore[no-untyped-def]
 
 def test_deepep_is_called_only_after_a_collective_on_the_group(moe_rank_pools):
     """DeepEP wraps the group's NCCL communicator, which PyTorch creates at the group's first collective; a DeepEP
-    call before it caches a null one and crashes (DeepEP #726; audit W1). The creation agreement uses the port."""
+    call before it caches a null one and crashes (DeepEP #726). The creation agreement uses the port."""
     for seen in moe_rank_pools.get(2).map(_order_of_first_calls):
         assert seen[:2] == ["collective", "deepep hint"], seen
 
 
 def _without_gin(rank, world):  # type: ignore[no-untyped-def]
-    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
 
     deep_ep_elastic.EMULATED_NETWORK_HAS_GIN = False
     try:
@@ -251,7 +250,7 @@ def _without_gin(rank, world):  # type: ignore[no-untyped-def]
 
 def test_a_network_without_gin_names_ep_disable_gin(moe_rank_pools):
     """On NVLink-only nodes DeepEP's constructor asserts "NCCL GIN is unavailable" unless EP_DISABLE_GIN=1 (DeepEP
-    #629/#630; audit R2): the adapter says so."""
+    #629/#630): the adapter says so."""
     for parameter, message in moe_rank_pools.get(2).map(_without_gin):
         assert parameter == "EP_DISABLE_GIN" and "EP_DISABLE_GIN=1" in message
 
@@ -259,12 +258,12 @@ def test_a_network_without_gin_names_ep_disable_gin(moe_rank_pools):
 def test_past_one_nvlink_domain_and_in_deterministic_mode_it_refuses_at_creation():
     backend = DeepEPV2Backend(vendor_module=EMULATOR)
     with pytest.raises(md.InvalidSpecError) as err:
-        backend.check_spec(_spec(num_experts=16), 16)  # hybrid kernels: not run anywhere yet (audit R1)
+        backend.check_spec(_spec(num_experts=16), 16)  # hybrid kernels: not run anywhere yet
     assert err.value.parameter == "world_size"
     torch.use_deterministic_algorithms(True)
     try:
         with pytest.raises(md.InvalidSpecError) as err:
-            backend._check_torch_flags()  # DeepEP asserts in every call otherwise (audit R3)
+            backend._check_torch_flags()  # DeepEP asserts in every call otherwise
         assert err.value.parameter == "torch.use_deterministic_algorithms"
     finally:
         torch.use_deterministic_algorithms(False)
@@ -294,17 +293,17 @@ def test_ue8m0_scales_travel_packed_four_per_word(moe_rank_pools):
 
 def test_deepep_2_0_is_refused_with_the_version_that_works():
     """DeepEP 2.0.0's ElasticBuffer.dispatch has no do_zero_padding (every call of the adapter would be a TypeError)
-    and its EPHandle no per-expert counts: the probe says so and names 2.1.0 (audit issue18-aligned W1)."""
-    from moe_dispatch_cuda_deepep.fakes import deep_ep_v2_0
+    and its EPHandle no per-expert counts: the probe says so and names 2.1.0."""
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_v2_0
 
     with pytest.raises(TypeError, match="do_zero_padding"):  # the 2.0.0 fake is as strict as 2.0.0
         deep_ep_v2_0.ElasticBuffer.dispatch(None, None, do_zero_padding=False)
-    why = DeepEPV2Backend(vendor.EMULATOR_V2_0).probe()
+    why = DeepEPV2Backend(EMULATOR_V2_0).probe()
     assert why is not None and "do_zero_padding" in why and vendor.V2_MIN_VERSION in why
-    assert DeepEPV2Backend(vendor.EMULATOR).probe() is None
+    assert DeepEPV2Backend(EMULATOR).probe() is None
 
 
-# -- split phase (audit issue18-v2-split-phase) ------------------------------------------------------------------
+# -- split phase ------------------------------------------------------------------------------------------------
 
 
 def _written_before_wait(rank, world):  # type: ignore[no-untyped-def]
@@ -362,9 +361,9 @@ def test_ep_avoid_record_stream_is_read_as_deepep_reads_it(value, avoids):
 
 def _padding_found(rank, world, stale):  # type: ignore[no-untyped-def]
     """``selfcheck.nonzero_padding`` on the fake; ``stale``: the padding DeepEP should zero keeps whatever shared
-    memory held (NaN here), as an unfenced TMA store could leave it on a device (audit issue18-aligned R1)."""
-    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
-    from moe_dispatch_cuda_deepep.selfcheck import nonzero_padding
+    memory held (NaN here), as an unfenced TMA store could leave it on a device."""
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
+    from moe_dispatch_cuda_deepep_testing.selfcheck import nonzero_padding
 
     garbage = deep_ep_elastic._garbage
     if stale:
@@ -425,8 +424,8 @@ def _adapter_ops_in_low_latency(rank, world):  # type: ignore[no-untyped-def]
     the ``do_cpu_sync`` it passed."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
     from moe_dispatch_testing.host_reads import RecordedOps
-    from moe_dispatch_cuda_deepep.fakes import deep_ep_elastic
 
     synced = []
     real = deep_ep_elastic.ElasticBuffer.dispatch, deep_ep_elastic.ElasticBuffer.combine

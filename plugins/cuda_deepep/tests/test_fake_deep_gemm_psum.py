@@ -1,5 +1,5 @@
 """The DeepGEMM fake's contiguous grouped GEMMs with the PSUM layout (``use_psum_layout=True``), against
-deepseek-ai/DeepGEMM@54e2261 (2.6.1) and its history (docs/vendor-notes/deepgemm-psum-layout.md).
+deepseek-ai/DeepGEMM@54e2261 (2.6.1) and its history (docs/evidence/vendor-notes/deepgemm-psum-layout.md).
 
 One layout throughout: four groups of 100, 0, 130 and 5 rows, starts aligned to 128 (``BLOCK_M`` =
 ``get_mk_alignment_for_contiguous_layout()``), so ``grouped_layout`` = [100, 128, 258, 389] (the empty group repeats
@@ -17,9 +17,9 @@ import moe_dispatch.backend as mdb
 from moe_dispatch.backend import make_codec, pack_ue8m0
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.deep_gemm import quantize_block_fp8
-from moe_dispatch_cuda_deepep.fakes import _native
-from moe_dispatch_cuda_deepep.fakes import deep_gemm as emu
-from moe_dispatch_cuda_deepep.fakes import deep_gemm_sm100 as emu100
+from moe_dispatch_cuda_deepep_testing.fakes import _native
+from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm as emu
+from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm_sm100 as emu100
 
 K, N, G, M = 256, 128, 4, 640
 ENDS = [100, 128, 258, 389]

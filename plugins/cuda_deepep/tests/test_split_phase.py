@@ -1,4 +1,4 @@
-"""Issue 16: DeepEP in split phase, on the fake.
+"""DeepEP in split phase (``dispatch_start``/``combine_start``), on the fake.
 
 Low-latency mode starts with ``return_recv_hook=True`` and receives in ``wait()``; DeepEP lets one LL call per
 Buffer await its receive (``vendor.LL_CALLS_AWAITING_RECEIVE``), so every call on the shared Buffer first runs the
@@ -15,11 +15,11 @@ import torch
 
 import moe_dispatch as md
 from moe_dispatch.backend import nvfp4_global_scale
-from moe_dispatch_testing.routing import random_routing
-from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer, on_a_fresh_pool, outcome
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
-from moe_dispatch_cuda_deepep.fakes._native import check_context
-from moe_dispatch_cuda_deepep.vendor import EMULATOR, EMULATOR_NVFP4
+from moe_dispatch_cuda_deepep_testing import EMULATOR, EMULATOR_NVFP4
+from moe_dispatch_cuda_deepep_testing.fakes._native import check_context
+from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer, on_a_fresh_pool, outcome
+from moe_dispatch_testing.routing import random_routing
 
 H, TOKENS, TOP_K, PER_RANK = 2048, 8, 3, 4
 
@@ -189,11 +189,11 @@ def test_split_phase_is_declared_for_both_modes(mode):
     assert md.Mode.parse(mode) in DeepEPBackend(EMULATOR).capabilities.split_phase
 
 
-# -- the audit of issue 16 (docs/vendor-audits/2026-11/issue16-split-phase-audit.md) ----------------------------------
+# -- receives awaited across layers, captures and close() ----------------------------------------------------------
 
 
 def _capture_with_a_receive_awaited(rank: int, world: int):
-    """Audit #6: an eager dispatch_start, then a capture: the awaited hook would be captured into the graph."""
+    """An eager dispatch_start, then a capture: the awaited hook would be captured into the graph."""
     import importlib
 
     fake = importlib.import_module(EMULATOR)
@@ -216,7 +216,7 @@ def test_a_capture_with_a_receive_awaited_is_refused():
 
 
 def _new_layer_while_a_receive_is_awaited(rank: int, world: int):
-    """Audit #2d: creating an LL layer of another E cleans the Buffer (both signalling halves): it must receive the
+    """Creating an LL layer of another E cleans the Buffer (both signalling halves): it must receive the
     awaited call first (else that receive spins until the trap: the fake loses the context)."""
     d = _dispatcher(world, "low_latency", per_rank=8)  # the largest layer first: it sizes the process's Buffer
     x, ids, w = _inputs(rank, d.spec.num_experts)
@@ -231,7 +231,7 @@ def test_a_new_layer_receives_the_awaited_call_before_its_clean():
 
 
 def _close_with_a_receive_awaited(rank: int, world: int):
-    """Audit #2e: close() receives the awaited call while the Buffer lives; a call after close() is the typed
+    """close() receives the awaited call while the Buffer lives; a call after close() is the typed
     refusal, not a stale hook."""
     backend = DeepEPBackend(EMULATOR)
     spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode="low_latency",
@@ -294,7 +294,7 @@ def test_the_fake_fills_async_normal_outputs_at_the_event(moe_rank_pools):
 
 def _normal_input_written_before_wait(rank: int, world: int):
     """Normal mode's data kernel reads the inputs on DeepEP's comm stream after the start returns (legacy
-    buffer.hpp:638-695): the fake refuses a write into them before the wait (fixes audit F6)."""
+    buffer.hpp:638-695): the fake refuses a write into them before the wait."""
     d = _dispatcher(world, "normal")
     x, ids, w = _inputs(rank, d.spec.num_experts)
     pending = d.dispatch_start(x, ids, w)

@@ -2,17 +2,19 @@
 
 The entry point ``cuda_deepep`` names this module; it registers ``DeepEPBackend`` (``cuda_deepep``, DeepEP's V1
 ``Buffer``) and ``DeepEPV2Backend`` (``cuda_deepep_v2``, DeepEP 2.x's ``ElasticBuffer``) on the real ``deep_ep``
-(unavailable, with the reason, where DeepEP or a GPU is missing) and the ``deep_gemm`` runner. Vendor facts live in ``vendor``; tests run the same adapter on the fakes in ``fakes``
-(``vendor.EMULATOR``, ``vendor.DEEP_GEMM_EMULATOR``, ...). The ``deep_ep.Buffer``s are the process's
-(``buffers.PROCESS_BUFFERS``, one with NVSHMEM per process); ``DeepEPBackend.close()`` destroys them.
+(unavailable, with the reason, where DeepEP or a GPU is missing) and the ``deep_gemm`` runner. Vendor facts live in
+``vendor``; tests run the same adapter on the fakes of the ``moe-dispatch-cuda-deepep-testing`` distribution, named
+by module path. The ``deep_ep.Buffer``s are the process's (``buffers.PROCESS_BUFFERS``, one with NVSHMEM per
+process); ``DeepEPBackend.close()`` destroys them.
 """
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
 
 from .backend import DeepEPBackend
-from .elastic import NAME as V2_NAME, DeepEPV2Backend
 from .deep_gemm import RUNNER, DeepGemmExperts, DeepGemmLayer, runner_probe
+from .elastic import NAME as V2_NAME
+from .elastic import DeepEPV2Backend
 
 MOE_DISPATCH_API = 1
 

@@ -22,8 +22,6 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-import moe_dispatch.planning as mdp
-from moe_dispatch_testing.emulation import emulated_waits
 from moe_dispatch.backend import DEFAULT_TIMEOUT_S, check_timeout
 
 from . import sizes, vendor
@@ -84,7 +82,7 @@ class LayerConfigs:
 
 
 class DeepEPBackend(mdb.Backend):
-    """DeepEP's V1 ``Buffer`` on CUDA (or, with ``vendor_module=vendor.EMULATOR``, its CPU fake).
+    """DeepEP's V1 ``Buffer`` on CUDA (or, with ``vendor_module`` a fake's module path, its CPU fake).
 
     Buffers: the process's (``buffers.PROCESS_BUFFERS``): one ``deep_ep.Buffer`` with NVSHMEM per process (every
     low-latency layer, and normal mode past 8 ranks), one intranode normal-mode Buffer per process group, shared by
@@ -93,7 +91,7 @@ class DeepEPBackend(mdb.Backend):
     Options (``create_dispatcher(options=...)``): ``dispatch_config`` / ``combine_config``: ``vendor.ConfigFields``
     or a dict of its five fields (sglang's ``--deepep-config``), converted to DeepEP's ``Config``; both with the
     same ``num_sms``. ``buffer_bytes``: what the process's Buffer reserves when this layer creates it (an int, e.g.
-    ``mdp.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``, per mode: ``buffers.reserved_bytes``).
+    ``moe_dispatch.planning.plan_buffers(...).total_bytes``, or ``(nvl, rdma)``, per mode: ``buffers.reserved_bytes``).
     ``buffer_num_qps_per_rank``: the QPs per peer of a Buffer this layer creates, or of the one it hands in.
     ``buffer``: a ``deep_ep.Buffer`` of the engine's own to use instead (the process's only NVSHMEM one; checked
     as the adapter's own are). Every rank must pass the same (``agreement``).
@@ -424,16 +422,11 @@ class DeepEPBackend(mdb.Backend):
         assert module is not None  # probe() said so before create_dispatcher got here
         self._check_torch_flags()
         plan, configs = self._plan(ctx)
-        # On a fake, its collectives (the Buffer's clean at creation, every call after) wait with this dispatcher's
-        # Watch: its timeout_s and its peers' failure notices (moe_dispatch.distributed.emulation; nothing on the real
-        # DeepEP).
-        waits = emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
-        with waits():
-            shared = PROCESS_BUFFERS.open(plan, module, ctx.comm.process_group, ctx.world_size, ctx.spec,
-                                          self.vendor().release.ll_clean_by_experts)
+        shared = PROCESS_BUFFERS.open(plan, module, ctx.comm.process_group, ctx.world_size, ctx.spec,
+                                      self.vendor().release.ll_clean_by_experts)
         return DeepEPDispatcher(ctx, shared, None if configs is None else configs.dispatch,
                                 None if configs is None else configs.combine, vendor.topk_idx_dtype(module),
-                                functools.partial(vendor.stream_capturing, module), waits)
+                                functools.partial(vendor.stream_capturing, module))
 
     def close(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Destroy the ``deep_ep.Buffer``s the adapter created in this process (every backend object's: they are the
@@ -446,4 +439,4 @@ class DeepEPBackend(mdb.Backend):
         timeout_s = check_timeout(timeout_s)
         module = self._module
         if module is not None:
-            PROCESS_BUFFERS.close(vendor.nvshmem_domain(module), module, timeout_s)
+            PROCESS_BUFFERS.close(vendor.nvshmem_domain(module), timeout_s)

@@ -55,8 +55,6 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-import moe_dispatch.planning as mdp
-from moe_dispatch_testing.emulation import emulated_waits
 from moe_dispatch.backend import restored_environ
 
 from . import vendor
@@ -111,7 +109,7 @@ def reserved_bytes(option: Any, low_latency: bool, world_size: int) -> tuple[int
     if not (isinstance(option, (tuple, list)) and len(option) == 2 and all(_non_negative_int(v) for v in option)):
         raise md.InvalidSpecError("the bytes to reserve in the process's DeepEP Buffer",
                                   parameter="options.buffer_bytes", value=option,
-                                  allowed="an int (mdp.plan_buffers(...).total_bytes) or (nvl, rdma)")
+                                  allowed="an int (moe_dispatch.planning.plan_buffers(...).total_bytes) or (nvl, rdma)")
     nvl, rdma = int(option[0]), int(option[1])
     if not low_latency and not internode and rdma:
         raise md.InvalidSpecError("DeepEP's constructor asserts RDMA bytes only past 8 ranks or in low-latency mode",
@@ -188,8 +186,8 @@ def check_serves(held: BufferRequest, world_size: int, need: BufferRequest, spec
         raise md.CapacityError(
             f"the DeepEP Buffer holds NVL {held.num_nvl_bytes:,} B, RDMA {held.num_rdma_bytes:,} B; this layer needs "
             f"NVL {need.num_nvl_bytes:,} B, RDMA {need.num_rdma_bytes:,} B. Create the largest layer first, or give "
-            "the first layer options={'buffer_bytes': mdp.plan_buffers('cuda_deepep', every_layers_spec, "
-            "world_size).total_bytes} (or the (NVL, RDMA) pair DeepEPBackend.buffer_request gives)",
+            "the first layer options={'buffer_bytes': moe_dispatch.planning.plan_buffers('cuda_deepep', "
+            "every_layers_spec, world_size).total_bytes} (or the (NVL, RDMA) pair DeepEPBackend.buffer_request gives)",
             parameter=parameter, value=(need.num_nvl_bytes, need.num_rdma_bytes),
             allowed=f"<= ({held.num_nvl_bytes}, {held.num_rdma_bytes}) on this Buffer")
     if not need.low_latency_mode and internode and not vendor.internode_bytes_ok(held.num_nvl_bytes,
@@ -630,7 +628,7 @@ class ProcessBuffers:
         self._entries.append(entry)
         return entry
 
-    def close(self, domain: str, module: ModuleType | Any, timeout_s: float) -> None:
+    def close(self, domain: str, timeout_s: float) -> None:
         """Destroy the adapter's Buffers of ``domain`` and forget the ones handed in, in creation order (every rank
         registered them in the same order): a collective. Before each destroy (itself a collective: DeepEP's barrier
         kernels, the fake's gloo calls) the ranks of its group meet in a barrier that waits ``timeout_s`` and names a
@@ -648,7 +646,7 @@ class ProcessBuffers:
                     # store keys, by which a timeout names the ranks that never came.
                     comm.bind(hashlib.sha1(f"cuda_deepep close {domain} {self._closes} {i}".encode()).hexdigest())
                     comm.barrier("cuda_deepep: close (every rank destroys the Buffer)")
-                    with emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, comm.watch)():
+                    with comm.calling():  # a fake's collectives in the destroy wait with this barrier's Watch
                         entry.close()
                 else:
                     entry.close()

@@ -18,7 +18,7 @@ no routing weights. Block-FP8 weights (e4m3, one fp32 scale per 128×128 block, 
   without a copy of the rows (the scales are laid out as on the dense path; fp32 UE8M0 scales on SM100
   still cost the host check of ``_pack_fp32``, refused under capture): with DeepGEMM's PSUM layout
   (SM100 2.3+, SM90 2.4.2+: ``use_psum_layout=True``, ``grouped_layout`` = each expert's end row, the
-  type-0 group list) or else ``m_indices`` made on the device (``moe_dispatch.output.row_experts``;
+  type-0 group list) or else ``m_indices`` made on the device (``moe_dispatch.backend.row_experts``;
   ``DeepGemmExperts(psum_layout=False)`` forces these). The output keeps the input's rows; its padding rows
   are whatever DeepGEMM left there (combine ignores them).
 - MASKED ``[E_local, capacity, H]`` goes through the masked GEMM as it is, with
@@ -65,18 +65,20 @@ import importlib.util
 import itertools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import moe_dispatch as md
-
-from moe_dispatch.backend import FP8_MAX, pow2_ceil
-from moe_dispatch.backend import dequantized_weights, swiglu
-from moe_dispatch.backend import group_counts, group_starts, row_experts
-
-if TYPE_CHECKING:  # the kit imports pytest; only the tests and GPU scripts need it
-    from moe_dispatch_testing.layers import LayerCheck
+from moe_dispatch.backend import (
+    FP8_MAX,
+    dequantized_weights,
+    group_counts,
+    group_starts,
+    pow2_ceil,
+    row_experts,
+    swiglu,
+)
 
 from . import vendor
 from .vendor import DeepGemmInfo
@@ -84,8 +86,6 @@ from .vendor import DeepGemmInfo
 REAL = vendor.DEEP_GEMM
 #: The runner's registered name: the module it runs.
 RUNNER = vendor.DEEP_GEMM
-#: The fake of DeepGEMM 2.6.1 on SM90 (name kept for other plugins' tests).
-EMULATOR = vendor.DEEP_GEMM_EMULATOR
 INSTALL_HINT = vendor.DEEP_GEMM_INSTALL_HINT
 BLOCK = vendor.DG_BLOCK
 WEIGHT_KINDS = ("block_fp8", "bf16")
@@ -213,7 +213,7 @@ class DeepGemmExperts:
     :param weights: ``"block_fp8"`` (FP8 rows in) or ``"bf16"`` (BF16 rows in).
     :param mode: the dispatch mode; it decides the wire dtype of BF16 weights.
     :param module: the ``deep_gemm`` module name (or a module object), imported here, not when
-        this plugin is imported; tests pass a fake's name (``vendor.DEEP_GEMM_EMULATOR``, ...).
+        this plugin is imported; tests pass a fake's module path.
     :param ue8m0: block-FP8 with power-of-two (UE8M0) scales, DeepGEMM's SM100 format; the
         dispatcher is then asked for UE8M0 scales too. None (the default): what the GPU needs (True on
         compute capability 10.x, False on 9.x); the other value there is an ``InvalidSpecError``.
@@ -580,43 +580,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-# -- a whole layer on every rank --------------------------------------------------------------------
-
-
-def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = REAL,
-              vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
-              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 128, ue8m0: bool | None = None,
-              seed: int = 0, v2: bool = False, aligned: bool = False) -> LayerCheck:
-    """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
-    whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
-    the relative error against the dense fp32 reference on the dequantized weights. ``v2``: the dispatcher is
-    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer; low latency: its worst-case rows).
-    ``aligned``: the spec asks for the kernel's
-    ``expert_alignment`` (V2 writes that layout itself; V1 through the core's copy), so the runner copies nothing."""
-    from moe_dispatch_testing.routing import random_expert_weights
-    from moe_dispatch_testing.layers import check_layer
-
-    from .backend import DeepEPBackend
-    from .elastic import DeepEPV2Backend
-    from .vendor import REAL as DEEPEP
-
-    experts = DeepGemmExperts(weights, mode, kernel_module, ue8m0=ue8m0)
-    spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
-                           mode=mode, quant=experts.quant_hints(), runner=RUNNER,
-                           expert_alignment=experts.expert_alignment if aligned else 1)
-    backend = (DeepEPV2Backend if v2 else DeepEPBackend)(vendor_module or DEEPEP)
-    dispatcher = md.create_dispatcher(backend, spec, env={})
-    device = torch.device("cuda" if kernel_module == REAL else "cpu")
-    g = torch.Generator().manual_seed(seed)
-    global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))
-    layer = dataclasses.replace(global_layer.slice(rank * experts_per_rank, experts_per_rank),
-                                expected_m=sglang_expected_m(spec, world)).to(device)
-    return check_layer(rank, world, dispatcher, experts, layer, global_layer.dequantized(), tokens=tokens,
-                       generator=g, device=device)
-
-
 __all__ = [
-    "EMULATOR",
     "INSTALL_HINT",
     "REAL",
     "DeepGemmExperts",
@@ -625,7 +589,6 @@ __all__ = [
     "detect",
     "quantize_block_fp8",
     "quantize_per_token_group",
-    "run_layer",
     "runner_probe",
     "sglang_expected_m",
 ]

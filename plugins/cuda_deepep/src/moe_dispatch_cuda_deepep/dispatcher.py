@@ -14,7 +14,7 @@ engine may overwrite its router buffers between dispatch and combine (normal mod
 the rows from what DeepEP received, which is the vendor's memory).
 
 UE8M0 (``QuantHints(fp8_ue8m0_scales=True)``, DeepGEMM on SM100): both modes hand over
-int32 scales with four exponent bytes per word (``moe_dispatch.codecs.pack_ue8m0``); LL asks
+int32 scales with four exponent bytes per word (``moe_dispatch.backend.pack_ue8m0``); LL asks
 DeepEP for them (``round_scale=use_ue8m0=True``), normal mode packs them before dispatch.
 
 NVFP4 (low-latency, a DeepEP from the hybrid-ep branch): ``use_nvfp4`` with the layer's
@@ -36,18 +36,26 @@ holds one; ``buffers``). Once the backend is closed
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch.backend import pack_ue8m0
-from moe_dispatch.backend import from_mma_view
-from moe_dispatch.backend import group_list_from_counts, kept_routing, rows_by_expert, sum_weighted_rows
-from moe_dispatch.backend import StartMark, hand_over, handed_over, keep_on_current, start_mark
+from moe_dispatch.backend import (
+    StartMark,
+    from_mma_view,
+    group_list_from_counts,
+    hand_over,
+    handed_over,
+    keep_on_current,
+    kept_routing,
+    pack_ue8m0,
+    rows_by_expert,
+    start_mark,
+    sum_weighted_rows,
+)
 
 from .buffers import SharedBuffer
 
@@ -71,7 +79,7 @@ class LowLatencyHandle:
 
 def _handle_tensors(h: object) -> list[torch.Tensor]:
     """The tensors of a dispatch's handle that its combine reads on the combine's stream, DeepEP's own handle's
-    included (a normal combine run whole records nothing itself; audit issue18-streams-fix 3)."""
+    included (a normal combine run whole records nothing itself)."""
     if isinstance(h, LowLatencyHandle):
         return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), h.topk_ids, h.topk_weights]
     if isinstance(h, NormalHandle):
@@ -85,13 +93,9 @@ class DeepEPDispatcher:
     which every top-k index tensor handed to DeepEP must have."""
 
     def __init__(self, ctx: mdb.DispatchContext, shared: SharedBuffer, dispatch_config: Any, combine_config: Any,
-                 topk_idx_dtype: torch.dtype = torch.int64, capturing: Callable[[], bool] = lambda: False,
-                 waits: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+                 topk_idx_dtype: torch.dtype = torch.int64, capturing: Callable[[], bool] = lambda: False) -> None:
         self.shared = shared
         self._capturing = capturing  # torch.cuda.is_current_stream_capturing() on the vendor's device
-        # The scope of every vendor call: on a fake, its collectives wait with this dispatcher's Watch
-        # (moe_dispatch.distributed.emulation); nothing on the real DeepEP.
-        self._waits = waits
         self.spec, self.codec, self.dtype = ctx.spec, ctx.codec, ctx.dtype
         self.local_experts = ctx.local_experts
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
@@ -125,7 +129,7 @@ class DeepEPDispatcher:
 
         A ``wait()`` on another stream than the start's first waits for where the start ended (``start_mark``: DeepEP
         may have run the call whole, ending with the start's stream waiting for its own), then records there the
-        DeepEP outputs it reads and the tensors it hands out (``moe_dispatch.streams``; audit issue18-followup A/B)."""
+        DeepEP outputs it reads and the tensors it hands out (``moe_dispatch.backend.hand_over``)."""
         finish = self._dispatch(x, topk_ids, topk_weights, split=True)
         mark = start_mark(x)  # after DeepEP's calls: the mark follows everything the start queued
         return md.Pending(handed_over(lambda: finish(mark), mark), overlapped=self._ran_split())
@@ -143,27 +147,21 @@ class DeepEPDispatcher:
 
     def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   split: bool) -> Callable[[StartMark | None], md.DispatchOutput]:
-        with self._waits():
-            self._settle()
-            if self.low_latency:
-                finish = self._dispatch_low_latency(x, topk_ids, topk_weights, split)
-            else:
-                finish = self._dispatch_normal(x, topk_ids, topk_weights, split)
-        return self._waiting(finish)
+        self._settle()
+        if self.low_latency:
+            return self._dispatch_low_latency(x, topk_ids, topk_weights, split)
+        return self._dispatch_normal(x, topk_ids, topk_weights, split)
 
     def _combine(self, expert_output: torch.Tensor, dispatch_output: md.DispatchOutput,
                  split: bool) -> Callable[[StartMark | None], torch.Tensor]:
-        with self._waits():
-            self._settle()
-            h = dispatch_output.handle
-            # The handle's tensors were made on the dispatch's stream; combine reads them on this one (an engine may
-            # combine on another): recorded here, their memory is not reused under that read (audit issue18-followup C).
-            keep_on_current(_handle_tensors(h))
-            if isinstance(h, LowLatencyHandle):
-                finish = self._combine_low_latency(expert_output, h, split)
-            else:
-                finish = self._combine_normal(expert_output, h, split)
-        return self._waiting(finish)
+        self._settle()
+        h = dispatch_output.handle
+        # The handle's tensors were made on the dispatch's stream; combine reads them on this one (an engine may
+        # combine on another): recorded here, their memory is not reused under that read.
+        keep_on_current(_handle_tensors(h))
+        if isinstance(h, LowLatencyHandle):
+            return self._combine_low_latency(expert_output, h, split)
+        return self._combine_normal(expert_output, h, split)
 
     def _settle(self) -> None:
         """Before any call on the shared Buffer: one LL call may await its receive there
@@ -185,12 +183,6 @@ class DeepEPDispatcher:
                 "CUDA-graph capture its hook would be captured instead of run. wait() for every started call before "
                 "capturing", parameter="cuda_graph_capture", value="a receive awaited",
                 allowed="a capture with every started call waited")
-
-    def _waiting(self, finish: Callable[[StartMark | None], Any]) -> Callable[[StartMark | None], Any]:
-        def run(mark: StartMark | None) -> Any:
-            with self._waits():
-                return finish(mark)
-        return run
 
     def _combine_low_latency(self, expert_output: torch.Tensor, h: LowLatencyHandle,
                              split: bool) -> Callable[[StartMark | None], torch.Tensor]:

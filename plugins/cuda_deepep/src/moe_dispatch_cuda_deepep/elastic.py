@@ -19,16 +19,16 @@ low-latency mode does not (``do_cpu_sync=False``, csrc/elastic/buffer.hpp:1065-1
 DeepEP's worst case, ``align(R·N·min(K, E_local) + (a - 1)·E_local, a)``, the same every call, the counts stay on the
 device, and the rows after the last expert's aligned end are unwritten, which the contract allows of low-latency
 PACKED rows (``DispatchOutput``, "Worst-case rows"; ``Capabilities.worst_case_rows``); with no host sync and fixed
-shapes the blocking calls can be captured in a CUDA graph (docs/vendor-notes/deepep-v2-elasticbuffer.md §5: inferred
-from the source, not yet run), after a warm-up call of each shape (the no-sync kernels are JIT builds of their own).
-Started calls under capture rely on torch taking DeepEP's ``record_stream`` while capturing, which DeepEP's
+shapes the blocking calls can be captured in a CUDA graph (docs/evidence/vendor-notes/deepep-v2-elasticbuffer.md §5:
+inferred from the source, not yet run), after a warm-up call of each shape (the no-sync kernels are JIT builds of their
+own). Started calls under capture rely on torch taking DeepEP's ``record_stream`` while capturing, which DeepEP's
 deep_ep/utils/event.py:26-28 calls incompatible with CUDA graphs (under ``EP_AVOID_RECORD_STREAM`` they run whole). The
 worst case costs: combine's weighting multiplies every row, the tail included. Both in split
 phase too: ``dispatch_start``/``combine_start`` pass ``async_with_compute_stream=True`` (DeepEP's kernels run on its
 comm stream, after everything queued on the current one; in normal mode the dispatch start returns once the host has
 the counts, which takes every peer's notify and whatever DeepEP's comm stream had queued, another micro-batch's calls
 included; in low-latency mode at once) and ``wait()`` makes the current stream wait on DeepEP's event before anything
-reads the outputs. Not yet driven (issue 18): cached handles (the no-sync path with a fresh handle needs none), and
+reads the outputs. Not yet driven: cached handles (the no-sync path with a fresh handle needs none), and
 past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them.
 
 ``DispatchSpec.expert_alignment`` is DeepEP's own ``expert_alignment`` with ``do_zero_padding`` (DeepEP 2.1.0 on): the
@@ -39,7 +39,7 @@ A started call's inputs are DeepEP's until ``wait()``: its data warps read them 
 returns (the contract's rule, ``Dispatcher.dispatch_start``); the routing it reads is the adapter's own copy when it
 was the caller's memory. Under ``EP_AVOID_RECORD_STREAM`` DeepEP keeps a call's tensors alive only through its
 event, so the starts run the calls to their end instead (``Pending.overlapped`` False). A ``wait()`` on another stream
-than the start's waits for that one and records what it hands out there (``moe_dispatch.streams.hand_over``).
+than the start's waits for that one and records what it hands out there (``moe_dispatch.backend.hand_over``).
 
 One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
 current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
@@ -51,18 +51,23 @@ import importlib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch.backend import pack_ue8m0
-from moe_dispatch_testing.emulation import emulated_waits
-from moe_dispatch.backend import DEFAULT_TIMEOUT_S, check_timeout
 from moe_dispatch import DispatchOutput
-from moe_dispatch.backend import group_list_from_counts, kept_routing
-from moe_dispatch.backend import hand_over, keep_on_current, start_mark
+from moe_dispatch.backend import (
+    DEFAULT_TIMEOUT_S,
+    check_timeout,
+    group_list_from_counts,
+    hand_over,
+    keep_on_current,
+    kept_routing,
+    pack_ue8m0,
+    start_mark,
+)
 
 from . import vendor
 
@@ -113,8 +118,7 @@ class ElasticBuffers:
     def __init__(self) -> None:
         self._by_group: dict[int, Shared] = {}
 
-    def open(self, module: Any, group: Any, num_bytes: int, timeout_s: float,
-             waits: Callable[[], ContextManager[Any]]) -> "Shared":
+    def open(self, module: Any, group: Any, num_bytes: int, timeout_s: float) -> "Shared":
         """The group's buffer, made (or replaced by a larger one) when ``num_bytes`` exceeds it. DeepEP's host wait
         for the counts gives up after ``num_cpu_timeout_secs`` ("Dispatch CPU wait", buffer.hpp:1063): the creating
         dispatcher's ``timeout_s``, so a peer that never dispatches ends in an error, not a hang, in normal mode.
@@ -125,16 +129,15 @@ class ElasticBuffers:
             return shared
         if shared is None:
             shared = self._by_group[id(group)] = Shared()
-        with waits():
-            if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
-                shared.buffer.destroy()
-            shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(
-                group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True)
+        if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
+            shared.buffer.destroy()
+        shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(
+            group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True)
         return shared
 
     def close(self) -> None:
         """Destroy every buffer, in creation order (DeepEP's ``destroy()`` is a device barrier of the group, with
-        no timeout of ours: every rank must get here; audit R9)."""
+        no timeout of ours: every rank must get here)."""
         for shared in self._by_group.values():
             if shared.buffer is not None:
                 shared.buffer.destroy()
@@ -188,7 +191,7 @@ class DeepEPV2Backend(mdb.Backend):
         if world_size > vendor.V2_DIRECT_MAX_RANKS:  # before the generic EP-size refusal: say why
             raise md.InvalidSpecError(
                 f"backend {self.name!r} drives DeepEP V2's direct kernels, within one NVLink domain; past it DeepEP "
-                "switches to hybrid kernels that no run here has checked (issue 18)", parameter="world_size",
+                "switches to hybrid kernels that no run here has checked", parameter="world_size",
                 value=world_size, allowed=f"1..{vendor.V2_DIRECT_MAX_RANKS}")
         super().check_spec(spec, world_size)
         local = spec.num_experts // world_size
@@ -214,7 +217,7 @@ class DeepEPV2Backend(mdb.Backend):
     def agreement(self, ctx: mdb.DispatchContext) -> dict[str, Any]:
         """The planned size, from the port: DeepEP's own hint wraps the group's NCCL communicator, which PyTorch
         creates lazily, and a DeepEP call before the group's first collective caches a null one and crashes
-        (DeepEP #726; audit W1). ``create`` calls DeepEP only after a collective."""
+        (DeepEP #726). ``create`` calls DeepEP only after a collective."""
         spec = ctx.spec
         return {"elastic num_bytes": vendor.ported_elastic_buffer_sizes(
             ctx.world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, ctx.dtype is F8).total}
@@ -233,11 +236,10 @@ class DeepEPV2Backend(mdb.Backend):
         # and DeepEP must not see it before (DeepEP #726: a null ncclComm_t, then a segfault in ncclTeamWorld).
         torch.distributed.all_reduce(torch.zeros(1, device=ctx.device), group=group)
         spec = ctx.spec
-        waits = emulated_waits(module, vendor.EMULATED_WATCH_ATTRIBUTE, ctx.comm.watch)
         num_bytes = vendor.elastic_buffer_size_hint(module, group, spec.num_max_dispatch_tokens_per_rank,
                                                     spec.hidden_size, spec.top_k, ctx.dtype is F8)
         try:
-            shared = self._buffers.open(module, group, num_bytes, ctx.comm.watch.timeout_s, waits)
+            shared = self._buffers.open(module, group, num_bytes, ctx.comm.timeout_s)
         except RuntimeError as exc:
             if vendor.V2_GIN_UNAVAILABLE not in str(exc):
                 raise
@@ -245,7 +247,7 @@ class DeepEPV2Backend(mdb.Backend):
                 "DeepEP's ElasticBuffer found no NCCL GIN on this network (nccl.cu:86-99); on one NVLink domain set "
                 f"{vendor.EP_DISABLE_GIN}=1 before creating it (DeepEP #629/#630)", parameter=vendor.EP_DISABLE_GIN,
                 value=None, allowed="1 on NVLink-only nodes, or a network with GIN") from exc
-        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), waits, num_sms)
+        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), num_sms)
 
     @staticmethod
     def _check_torch_flags() -> None:
@@ -280,9 +282,8 @@ class ElasticDispatcher:
     ctx: mdb.DispatchContext
     shared: Shared
     topk_idx_dtype: torch.dtype
-    waits: Callable[[], ContextManager[Any]]
     #: ``options["num_sms"]``: the SMs DeepEP's kernels take; 0, DeepEP's own pick (``get_theoretical_num_sms``, which
-    #: falls to 4 where ``nvidia-smi nvlink -s`` cannot be read: audit R6).
+    #: falls to 4 where ``nvidia-smi nvlink -s`` cannot be read).
     num_sms: int = 0
     spec: md.DispatchSpec = field(init=False)
 
@@ -328,12 +329,11 @@ class ElasticDispatcher:
         # buffer the engine reuses is never DeepEP's input; hidden_states still is, until wait(): the contract's rule).
         ids, weights = kept_routing(ids, topk_ids), kept_routing(weights, topk_weights)
         alignment = spec.expert_alignment
-        with self.waits():
-            recv, _, recv_w, handle, event = self._buffer().dispatch(
-                x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
-                num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
-                num_sms=self.num_sms, do_cpu_sync=spec.mode is N, do_expand=True, do_zero_padding=alignment > 1,
-                async_with_compute_stream=split)
+        recv, _, recv_w, handle, event = self._buffer().dispatch(
+            x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
+            num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
+            num_sms=self.num_sms, do_cpu_sync=spec.mode is N, do_expand=True, do_zero_padding=alignment > 1,
+            async_with_compute_stream=split)
         mark = start_mark(ids) if started else None  # after DeepEP's call: a whole one ends with a wait for its stream
 
         def finish() -> DispatchOutput:
@@ -367,11 +367,10 @@ class ElasticDispatcher:
         # and low latency's unwritten tail (weights too: NaN times anything) are never read: combine takes each
         # (token, expert)'s row from recv_src_metadata, for the tokens the device counted (combine.cuh:44-46).
         # Made on the dispatch's stream, read on this one (an engine may combine on another): recorded here, as a
-        # dispatch DeepEP ran whole recorded them nowhere else (audit issue18-streams-fix 4).
+        # dispatch DeepEP ran whole recorded them nowhere else.
         keep_on_current((h.weights, *(v for v in vars(h.vendor_handle).values() if isinstance(v, torch.Tensor))))
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
-        with self.waits():
-            combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
+        combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
         mark = start_mark(weighted) if started else None
 
         def finish() -> torch.Tensor:
@@ -385,7 +384,7 @@ class ElasticDispatcher:
 def _splits() -> bool:
     """Whether a ``*_start`` runs split: not when ``EP_AVOID_RECORD_STREAM`` is set, where DeepEP keeps the call's
     tensors alive only through the returned event, so a ``Pending`` dropped unwaited, or waited on another stream,
-    would free memory DeepEP's comm stream still uses (buffer.hpp:562-573; audit issue18-v2-split-phase R2)."""
+    would free memory DeepEP's comm stream still uses (buffer.hpp:562-573)."""
     return not vendor.avoids_record_stream(os.environ)
 
 

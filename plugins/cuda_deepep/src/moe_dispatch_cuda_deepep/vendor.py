@@ -5,7 +5,7 @@ deepseek-ai/DeepEP and deepseek-ai/DeepGEMM). Sizes and layouts the vendor compu
 through the installed module (``dispatch_config``, ``nvl_buffer_size_hint``, ``low_latency_rdma_size_hint``,
 ``mk_alignment``, ``dg_tma_aligned_size``, ``dg_mn_major``, ``dg_packed_ue8m0_mn_major``); the ported formulas
 here are the fallback for planning without DeepEP/DeepGEMM and are tested equal to the vendor's published
-numbers. Recorded signatures are ``moe_dispatch.signatures.VendorSignature``s (that module is stdlib-only).
+numbers. Recorded signatures are ``moe_dispatch.backend.VendorSignature``s.
 
 Nothing here imports the adapter or the fakes.
 """
@@ -33,25 +33,6 @@ from moe_dispatch.backend import VendorSignature
 REAL = "deep_ep"
 #: The real DeepGEMM package.
 DEEP_GEMM = "deep_gemm"
-FAKES = "moe_dispatch_cuda_deepep.fakes"
-#: DeepEP 2.x (main @ dd758ca): the V1 ``Buffer`` in ``deep_ep/buffers/legacy.py``.
-EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_ep"
-#: A DeepEP built from the hybrid-ep branch (@ 94a9f8f): NVFP4 low-latency dispatch.
-EMULATOR_NVFP4 = "moe_dispatch_cuda_deepep.fakes.deep_ep_hybrid"
-#: DeepEP 1.2.1 before 2025-09-15 (@ e9d053c): low-latency top-k at most 9.
-EMULATOR_V1_TOPK9 = "moe_dispatch_cuda_deepep.fakes.deep_ep_v121_topk9"
-#: DeepEP 2.x built with ``EP_NUM_TOPK_IDX_BITS=32``: ``deep_ep.topk_idx_t`` is int32.
-EMULATOR_TOPK_INT32 = "moe_dispatch_cuda_deepep.fakes.deep_ep_topk_int32"
-#: DeepEP 2.0.0 (b306af0): V2's ElasticBuffer without do_zero_padding or the unaligned per-expert counts.
-EMULATOR_V2_0 = "moe_dispatch_cuda_deepep.fakes.deep_ep_v2_0"
-#: DeepGEMM 2.6.1 (@ 54e2261) on an SM90 device.
-DEEP_GEMM_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm"
-#: DeepGEMM 2.6.1 (@ 54e2261) on an SM100 device.
-DEEP_GEMM_EMULATOR_SM100 = "moe_dispatch_cuda_deepep.fakes.deep_gemm_sm100"
-#: DeepGEMM v1 (main @ 0c88cd0, the last v1).
-DEEP_GEMM_V1_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm_v1"
-#: DeepGEMM v1 as PyPI's deep_gemm 1.0.0 has it (@ b05ed2f, 2025-02-27).
-DEEP_GEMM_V1_PYPI_EMULATOR = "moe_dispatch_cuda_deepep.fakes.deep_gemm_v1_pypi"
 #: The attribute a fake module sets to stand in for the GPU's compute capability.
 EMULATED_CAPABILITY_ATTRIBUTE = "EMULATED_DEVICE_CAPABILITY"
 
@@ -360,18 +341,11 @@ EMULATED_DEVICE_SMS_ATTRIBUTE = "EMULATED_DEVICE_SMS"
 #: The attribute a fake module sets for ``torch.cuda.get_device_name()`` (DeepEP reads it in every V1 constructor).
 EMULATED_DEVICE_NAME_ATTRIBUTE = "EMULATED_DEVICE_NAME"
 #: The attribute a fake module sets to name the process whose NVSHMEM it emulates (the fakes share one; the real
-#: DeepEP has the process's own): the adapter keeps one NVSHMEM Buffer per value.
+#: DeepEP has the process's own): the adapter keeps one NVSHMEM Buffer per value. A module that sets it is a fake
+#: (``VendorInfo.emulated``: it runs on CPU).
 EMULATED_NVSHMEM_ATTRIBUTE = "EMULATED_NVSHMEM"
 #: The function a fake module exports for ``torch.cuda.is_current_stream_capturing()`` of its emulated device.
 EMULATED_STREAM_CAPTURING_ATTRIBUTE = "emulated_stream_capturing"
-#: The context manager a fake module exports for how its collectives wait: ``emulated_watch(watch)`` makes the fake's
-#: collectives inside it wait with the dispatcher's ``moe_dispatch.distributed.watch.Watch`` (its ``timeout_s``, its
-#: peers' failure notices). Not DeepEP's: the real Buffer's kernels spin on NVSHMEM/NVLink flags and ``trap`` after a
-#: compiled-in cycle count (about 100 s: deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/compiled.cuh
-#: LEGACY_NUM_TIMEOUT_CYCLES; internode_ll.cu, utils.cuh), and only its constructor's ``all_gather_object`` waits
-#: under the process group's timeout (deep_ep/buffers/legacy.py takes a group, never a deadline); a fake that moves
-#: bytes over gloo would otherwise wait its own 300 s and never hear of a peer's failure (issue 15).
-EMULATED_WATCH_ATTRIBUTE = "emulated_watch"
 #: ``check_nvlink_connections(group)``, first in every V1 constructor: ``if 'PCIE' in torch.cuda.get_device_name():
 #: assert group.size() <= 2, 'PCIe GPUs only have pairwise NVLink connections'`` (case-sensitive: A100-PCIE names
 #: match, "H100 PCIe" does not) (deepseek-ai/DeepEP@dd758ca deep_ep/utils/envs.py check_nvlink_connections; the
@@ -741,7 +715,7 @@ def detect(module_name: str = REAL) -> VendorInfo:
         nvfp4 = "use_nvfp4" in inspect.signature(buffer.low_latency_dispatch).parameters
     return VendorInfo(module_name, module, None, has_v1_buffer=buffer is not None,
                       has_elastic_buffer=hasattr(module, "ElasticBuffer"), has_nvfp4=nvfp4,
-                      emulated=module_name.startswith(FAKES), release=release_of(module))
+                      emulated=hasattr(module, EMULATED_NVSHMEM_ATTRIBUTE), release=release_of(module))
 
 
 def topk_idx_dtype(module: ModuleType | None) -> torch.dtype:
@@ -1202,7 +1176,7 @@ def dg_masked_capacity_multiple(info: DeepGemmInfo | None, arch: int | None,
 #: 2.0-2.2 take a per-row ``m_indices`` only; 2.3.x has the keyword but runs it on SM100 only (SM90:
 #: ``DG_HOST_ASSERT(not use_psum_layout)``, @0f5f266 csrc/apis/gemm.hpp:196 and :466); SM90 from 2.4.2 (@7f2a703).
 #: Rows after the last group's aligned end are never written; padding rows in a group's blocks are computed from
-#: their A rows, left unwritten, or zeroed, depending on version and architecture (docs/vendor-notes/
+#: their A rows, left unwritten, or zeroed, depending on version and architecture (docs/evidence/vendor-notes/
 #: deepgemm-psum-layout.md section 4); the runner never reads them.
 DG_USE_PSUM_LAYOUT = "use_psum_layout"
 DG_PSUM_LAYOUT_VERSIONS = {DG_ARCH_SM100: (2, 3), DG_ARCH_SM90: (2, 4, 2)}
@@ -1456,7 +1430,8 @@ def lookup(module: Any, qualname: str) -> Any:
 
 # =====================================================================================================
 # DeepEP V2: the ElasticBuffer (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/elastic.py, csrc/elastic/buffer.hpp).
-# The facts the cuda_deepep_v2 backend and its fake use; docs/vendor-notes/deepep-v2-elasticbuffer.md has the rest.
+# The facts the cuda_deepep_v2 backend and its fake use; docs/evidence/vendor-notes/deepep-v2-elasticbuffer.md has
+# the rest.
 # =====================================================================================================
 
 #: ``deep_ep.ElasticBuffer`` and ``deep_ep.EPHandle`` (deep_ep/__init__.py:89).
@@ -1506,7 +1481,7 @@ def has_elastic_buffer(module: Any) -> bool:
 
 #: What the V2 adapter passes and reads that DeepEP 2.0.0 (b306af0, a422b5a) lacks: ``dispatch(do_zero_padding=)``
 #: and ``EPHandle.num_unaligned_recv_tokens_per_expert``, both from 2.1.0 (099d5f2, DeepEP #674). ``elastic.py`` is
-#: Python, so the keyword shows in the signature (docs/vendor-notes/deepep-v2-elasticbuffer.md section 7).
+#: Python, so the keyword shows in the signature (docs/evidence/vendor-notes/deepep-v2-elasticbuffer.md section 7).
 V2_ZERO_PADDING = "do_zero_padding"
 V2_MIN_VERSION = "2.1.0"
 

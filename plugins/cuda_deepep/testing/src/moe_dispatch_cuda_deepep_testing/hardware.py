@@ -7,7 +7,7 @@ Every check returns ``Row``s: what was compared, the two sides, and whether they
 (DeepEP's normal mode on one rank) is recorded with its exact message. Probes that can end the process on a GPU
 (a one-rank normal-mode Buffer throws from its noexcept destructor: ``std::terminate``; a second NVSHMEM Buffer in
 one process; the V2 ``ElasticBuffer`` beside NVSHMEM) run last, each in a subprocess (``python -m
-moe_dispatch_cuda_deepep.hardware <probe>``), after the adapter's Buffers were closed, and their exit status and
+moe_dispatch_cuda_deepep_testing.hardware <probe>``), after the adapter's Buffers were closed, and their exit status and
 output are recorded: they can fail, the table is still printed. The records compared are the installed release's
 (``vendor.deep_ep_signatures``: several where the release string cannot tell the builds apart, any one may match;
 ``DeepEPRelease.tuned_tables``; ``vendor.deep_gemm_signatures_of``).
@@ -32,19 +32,16 @@ import torch.distributed as dist
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch_testing.accuracy import relative_error
-from moe_dispatch.backend import align_rows
-from moe_dispatch.backend import make_codec, pack_ue8m0
-from moe_dispatch.backend import restored_environ
-from moe_dispatch.backend import dequantize_rows
 from moe_dispatch import DispatchOutput
-from moe_dispatch.backend import row_experts
+from moe_dispatch.backend import align_rows, dequantize_rows, make_codec, pack_ue8m0, restored_environ, row_experts
+from moe_dispatch_cuda_deepep import vendor
+from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+from moe_dispatch_cuda_deepep.deep_gemm import DeepGemmExperts
+from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch_testing.routing import random_expert_weights
 from moe_dispatch_testing.streams import run_started
 
-from . import vendor
-from .backend import DeepEPBackend
-from .deep_gemm import DeepGemmExperts
+from . import DEEP_GEMM_EMULATOR, DEEP_GEMM_V1_EMULATOR, DEEP_GEMM_V1_PYPI_EMULATOR, EMULATOR
 
 
 @dataclass(frozen=True)
@@ -256,9 +253,9 @@ def _fake_deep_gemm_for(real: Any) -> Any:
     """The fake of the same generation, version and architecture as ``real``."""
     info = vendor.detect_deep_gemm(real)
     if info.generation == "v1":
-        return importlib.import_module(vendor.DEEP_GEMM_V1_EMULATOR if info.compiles_odd_k_blocks
-                                       else vendor.DEEP_GEMM_V1_PYPI_EMULATOR)
-    fakes = importlib.import_module(vendor.DEEP_GEMM_EMULATOR)
+        return importlib.import_module(DEEP_GEMM_V1_EMULATOR if info.compiles_odd_k_blocks
+                                       else DEEP_GEMM_V1_PYPI_EMULATOR)
+    fakes = importlib.import_module(DEEP_GEMM_EMULATOR)
     capability = vendor.device_capability(real) or (9, 0)
     if info.version is None:  # 2.0.0 or 2.1.0 (no __version__); PR #112's API before f85ec64
         return fakes.emulate(capability, "2.0.0", before_f85ec64=not hasattr(real, vendor.DG_FP8_MASKED))
@@ -272,7 +269,7 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
     rows = []
     h, inter, experts = setup.gemm_hidden, 256, 4
     weights = random_expert_weights(experts, h, inter, generator=torch.Generator().manual_seed(0))
-    # The masked capacity: a multiple of every BLOCK_M the installed DeepGEMM may pick (audit row 15); the counts
+    # The masked capacity: a multiple of every BLOCK_M the installed DeepGEMM may pick; the counts
     # end mid-tile so a tile spilling into the next expert would show.
     capacity = DeepGemmExperts("block_fp8", "low_latency", real_module).masked_capacity_multiple
     counts_packed, counts_masked = [5, 0, 130, 1], [3, 0, capacity - 1, 1]
@@ -282,7 +279,7 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
             continue
         # ALIGNED: rows at the runner's expert_alignment (no pad copy; the PSUM layout where the version has it),
         # with empty experts first, in the middle and last, and one past a 128-row block; once more with per-row
-        # m_indices where PSUM exists, and on SM100 with fp32 UE8M0 scales the runner packs (issue18 audits R3, F4).
+        # m_indices where PSUM exists, and on SM100 with fp32 UE8M0 scales the runner packs.
         cases = [("PACKED", "normal", counts_packed, {}, False), ("ALIGNED", "normal", [0, 130, 0, 5], {}, False),
                  ("ALIGNED tail", "normal", [5, 0, 130, 0], {}, False),
                  ("ALIGNED m_indices", "normal", [0, 130, 0, 5], {"psum_layout": False}, False),
@@ -362,7 +359,7 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
     real_module = importlib.import_module(setup.deep_ep)
     info = vendor.detect(setup.deep_ep)
     rows.append(Row("DeepEP", "detected", _text(info.describe()), _text(info.release.reason), info.has_v1_buffer))
-    real_backend, fake_backend = DeepEPBackend(setup.deep_ep), DeepEPBackend(vendor.EMULATOR)
+    real_backend, fake_backend = DeepEPBackend(setup.deep_ep), DeepEPBackend(EMULATOR)
     for dtype, side in (("bf16", False), ("fp8", False), ("bf16", True)):
         label = f"LL {dtype} one rank" + (", side stream" if side else "")
         try:
@@ -448,9 +445,10 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     low-latency mode (``do_cpu_sync=False``: worst-case rows), and low-latency mode captured in a CUDA graph and
     replayed against eager (BF16; FP8 aligned to 128); then whether the padding
     rows DeepEP zeroes are all zero bits over 20 dispatches: BF16, FP8, and FP8 with UE8M0 scales in split phase
-    (``selfcheck.nonzero_padding``; issue 18). In a process of its
-    own: V2's buffer beside a live V1 LL Buffer is not a setup DeepEP documents (audit row 44)."""
-    from .elastic import DeepEPV2Backend
+    (``selfcheck.nonzero_padding``). In a process of its own: V2's buffer beside a live V1 LL Buffer is not a setup
+    DeepEP documents."""
+    from moe_dispatch_cuda_deepep.elastic import DeepEPV2Backend
+
     from .selfcheck import agree_with_torch, captured_against_eager, nonzero_padding
 
     if not vendor.has_elastic_buffer(module):
@@ -476,7 +474,7 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
         for dtype, alignment in (("bf16", 1), ("fp8", 128)):
             found = captured_against_eager(0, 1, dtype, backend, module.__name__, expert_alignment=alignment)
             parts.append(f"low latency {dtype} aligned {alignment} in a CUDA graph: {found}")
-        # DeepEP's zero padding, unfenced TMA stores (audits issue18-aligned R1/R2, fixes F5)
+        # DeepEP's zero padding, unfenced TMA stores
         for dtype, ue8m0, split in (("bf16", False, False), ("fp8", False, False), ("fp8", True, True)):
             found = nonzero_padding(0, 1, dtype, backend, module.__name__, ue8m0=ue8m0, split=split)
             verdict = "zero" if not any(found.values()) else "NONZERO"
@@ -558,7 +556,7 @@ def probe_rows(fake: bool) -> list[Row]:
 
 
 def _probe_main(argv: list[str]) -> int:
-    """``python -m moe_dispatch_cuda_deepep.hardware <probe> [--fake]``: one probe on a one-rank group."""
+    """``python -m moe_dispatch_cuda_deepep_testing.hardware <probe> [--fake]``: one probe on a one-rank group."""
     parser = argparse.ArgumentParser(description="one cuda_deepep hardware probe, in its own process")
     parser.add_argument("probe", choices=sorted(_PROBES))
     parser.add_argument("--fake", action="store_true")
@@ -566,7 +564,7 @@ def _probe_main(argv: list[str]) -> int:
     store = os.path.join(tempfile.mkdtemp(prefix="cuda_deepep_probe_"), "store")
     if args.fake:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        module, device = importlib.import_module(vendor.EMULATOR), torch.device("cpu")
+        module, device = importlib.import_module(EMULATOR), torch.device("cpu")
     else:
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
@@ -625,7 +623,7 @@ def run_checks(setup: Setup, emit: Callable[[list[Row]], None] = lambda rows: No
 def fake_setup(hidden: int = 2048, tokens: int = 16, gemm_hidden: int = 2048) -> Setup:
     """The fakes in place of the real libraries, on CPU; needs a torch.distributed group of one."""
     group = dist.group.WORLD
-    return Setup(vendor.EMULATOR, vendor.DEEP_GEMM_EMULATOR, torch.device("cpu"), group, group, True, hidden, tokens,
+    return Setup(EMULATOR, DEEP_GEMM_EMULATOR, torch.device("cpu"), group, group, True, hidden, tokens,
                  gemm_hidden)
 
 

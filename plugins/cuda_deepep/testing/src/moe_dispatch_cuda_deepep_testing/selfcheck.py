@@ -1,9 +1,11 @@
 """Checks that run on every rank: ``wire_seen`` (the fakes only: it reads their ``Buffer.calls`` record of what
-reached DeepEP) and ``agree_with_torch`` (the fakes in the tests, the real DeepEP on GPUs through
-``scripts/run_on_gpu.py``: agreement with the core ``torch`` backend and round-trip times)."""
+reached DeepEP), ``agree_with_torch`` (the fakes in the tests, the real DeepEP on GPUs through
+``scripts/run_on_gpu.py``: agreement with the core ``torch`` backend and round-trip times) and ``run_layer`` (the
+``deep_gemm`` runner between dispatch and combine, against the dense reference)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -11,14 +13,17 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
-from moe_dispatch_testing.accuracy import relative_error
 from moe_dispatch.backend import row_experts
-from moe_dispatch_testing.routing import random_routing
-from moe_dispatch_testing import ScaledIdentityExperts, ScaledLayer
+from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+from moe_dispatch_cuda_deepep.deep_gemm import RUNNER, DeepGemmExperts, sglang_expected_m
+from moe_dispatch_cuda_deepep.elastic import DeepEPV2Backend
+from moe_dispatch_cuda_deepep.vendor import DEEP_GEMM, NUM_MAX_NVL_PEERS, REAL
+from moe_dispatch_testing import LayerCheck, ScaledIdentityExperts, ScaledLayer, check_layer
+from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch_testing.routing import random_expert_weights, random_routing
 from moe_dispatch_testing.streams import captured, run_started
 
-from .backend import DeepEPBackend
-from .vendor import EMULATOR, NUM_MAX_NVL_PEERS, REAL
+from . import EMULATOR
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ def agree_with_torch(rank: int, world: int, mode: str, dtype: str, vendor_module
                      side_stream: bool = False) -> dict:
     """Dispatch + scaled-identity experts + combine on DeepEP and on the ``torch`` backend:
     the relative difference, the median time per round trip of each (``seconds``), and, for deciding whether creation
-    should warm DeepEP's JIT up (issue 18), the DeepEP dispatcher's creation and its first round trip (``created_s``,
+    should warm DeepEP's JIT up, the DeepEP dispatcher's creation and its first round trip (``created_s``,
     ``first_s``: DeepEP 2.x compiles its kernels at the first call of a shape). ``backend``: the one to create through
     (a new one by default; the Buffers are the process's either way). ``options``: ``create_dispatcher``'s.
     ``expert_alignment``: the spec's; ``split``: both calls in split phase (``dispatch_start``, ``wait``, ...);
@@ -187,8 +192,8 @@ def nonzero_padding(rank: int, world: int, dtype: str, backend: mdb.Backend, ven
     """Dispatch ``calls`` batches with the rows at ``expert_alignment``: how many padding rows are not all zero bits,
     per tensor (``data``, ``scales``, and ``weights``: the handle's per-row weights where it keeps them).
     DeepEP V2 zeroes its padding with a TMA store from shared memory written without a proxy fence
-    (dispatch_copy_epilogue.cuh:232-238, 288-293): only a device can say whether stale bytes get through (audit
-    issue18-aligned R1, R2). Every rank's four local experts get 128 rows (a multiple of the alignment: no padding),
+    (dispatch_copy_epilogue.cuh:232-238, 288-293): only a device can say whether stale bytes get through. Every
+    rank's four local experts get 128 rows (a multiple of the alignment: no padding),
     none, 160 (one past a block) and 32, in a shuffled order each call; ``split``: ``dispatch_start`` + ``wait``."""
     device = torch.device("cuda" if vendor_module == REAL else "cpu")
     tokens = 160
@@ -212,4 +217,30 @@ def nonzero_padding(rank: int, world: int, dtype: str, backend: mdb.Backend, ven
     return found
 
 
-__all__ = ["WireCheck", "agree_with_torch", "fitting_experts_per_rank", "layer_spec", "nonzero_padding", "wire_seen"]
+def run_layer(rank: int, world: int, weights: str, mode: str, kernel_module: str = DEEP_GEMM,
+              vendor_module: str | None = None, hidden: int = 2048, intermediate: int = 256,
+              experts_per_rank: int = 2, top_k: int = 2, tokens: int = 128, ue8m0: bool | None = None,
+              seed: int = 0, v2: bool = False, aligned: bool = False) -> LayerCheck:
+    """Run on every rank (``RankPool.map`` in the tests, torchrun on a GPU): a DeepEP dispatcher
+    whose spec takes the kernel's quant hints, the kernel on this rank's experts, combine, and
+    the relative error against the dense fp32 reference on the dequantized weights. ``v2``: the dispatcher is
+    ``cuda_deepep_v2`` (DeepEP 2.x's ElasticBuffer; low latency: its worst-case rows).
+    ``aligned``: the spec asks for the kernel's
+    ``expert_alignment`` (V2 writes that layout itself; V1 through the core's copy), so the runner copies nothing."""
+    experts = DeepGemmExperts(weights, mode, kernel_module, ue8m0=ue8m0)
+    spec = md.DispatchSpec(hidden, experts_per_rank * world, top_k, num_max_dispatch_tokens_per_rank=tokens,
+                           mode=mode, quant=experts.quant_hints(), runner=RUNNER,
+                           expert_alignment=experts.expert_alignment if aligned else 1)
+    backend = (DeepEPV2Backend if v2 else DeepEPBackend)(vendor_module or REAL)
+    dispatcher = md.create_dispatcher(backend, spec, env={})
+    device = torch.device("cuda" if kernel_module == DEEP_GEMM else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    global_layer = experts.process_weights(random_expert_weights(spec.num_experts, hidden, intermediate, generator=g))
+    layer = dataclasses.replace(global_layer.slice(rank * experts_per_rank, experts_per_rank),
+                                expected_m=sglang_expected_m(spec, world)).to(device)
+    return check_layer(rank, world, dispatcher, experts, layer, global_layer.dequantized(), tokens=tokens,
+                       generator=g, device=device)
+
+
+__all__ = ["WireCheck", "agree_with_torch", "fitting_experts_per_rank", "layer_spec", "nonzero_padding", "run_layer",
+           "wire_seen"]

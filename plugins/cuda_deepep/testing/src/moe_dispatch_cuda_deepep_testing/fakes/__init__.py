@@ -1,6 +1,7 @@
 """CPU fakes of the vendor libraries this plugin drives: one module per version range where behaviour
 differs. They import vendor facts from ``moe_dispatch_cuda_deepep.vendor`` and helpers from the core, never
-the adapter. The adapter names them by module path (``vendor.EMULATOR``, ``vendor.DEEP_GEMM_EMULATOR``, ...).
+the adapter. The adapter takes them by module path (``moe_dispatch_cuda_deepep_testing.EMULATOR``,
+``DEEP_GEMM_EMULATOR``, ...).
 
 - ``deep_ep``: DeepEP 2.x main @ dd758ca (the V1 ``Buffer``); ``deep_ep_v121_topk9``: DeepEP 1.2.1 before
   9af0e0d (low-latency top-k ≤ 9); ``deep_ep_hybrid``: the hybrid-ep branch @ 94a9f8f (NVFP4);

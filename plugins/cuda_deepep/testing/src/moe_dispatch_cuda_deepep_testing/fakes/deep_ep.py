@@ -49,9 +49,9 @@ As strict as the vendor where the adapter can meet it:
   the internode host and device checks on the config, the QPs and the RDMA ranks a token reaches
   (``internode_dispatch_checks``) before refusing to move the data (internode is not emulated).
 
-Results are real: bytes move between real processes through the core's ``Comm``, which waits with the
-dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices) inside ``emulated_watch`` (``moe_dispatch.distributed.emulation``:
-a channel beside the vendor's API, which takes a group and no deadline). Not emulated: CUDA
+Results are real: bytes move between real processes through the core's ``Comm``, which, inside a dispatcher's
+call, waits with that dispatcher's ``Watch`` (its ``timeout_s``, its peers' failure notices): the core's channel
+beside the vendor's API, which takes a group and no deadline. Not emulated: CUDA
 events and streams (calls are synchronous), cached-handle dispatch, internode (more than 8 ranks) normal-mode
 data movement, LogFMT and zero-copy combine. Each call is recorded in ``Buffer.calls`` for the tests.
 
@@ -70,8 +70,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch_testing.emulation import WatchedComm, emulated_watch
-from moe_dispatch.backend import as_bytes, from_bytes, ue8m0_value
+from moe_dispatch.backend import Comm, as_bytes, from_bytes, ue8m0_value
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import (
@@ -93,7 +92,7 @@ EMULATED_DEVICE_SMS = vendor.H100_NUM_SMS
 #: ``check_nvlink_connections`` refuse more than two ranks).
 EMULATED_DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 #: The fakes emulate one process's NVSHMEM (``NVSHMEM`` below), shared by every fake DeepEP module.
-EMULATED_NVSHMEM = "moe_dispatch_cuda_deepep.fakes (emulated process)"
+EMULATED_NVSHMEM = "moe_dispatch_cuda_deepep_testing.fakes (emulated process)"
 
 _BUFFER_HPP = "csrc/legacy/buffer.hpp"
 _CONFIG_HPP = "csrc/legacy/config.hpp"
@@ -572,7 +571,7 @@ class Buffer:
             raise NotImplementedError("the fake runs on torch.distributed process groups, not mpi4py communicators")
         self._check_nvlink_connections(group)
         check_context()
-        self._comm = WatchedComm(group)  # waits with the dispatcher's Watch inside emulated_watch (moe_dispatch.distributed.emulation)
+        self._comm = Comm(group)  # inside a dispatcher's call it waits with that dispatcher's Watch
         self.rank, self.group, self.group_size = self._comm.rank, group, self._comm.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode

@@ -1,6 +1,6 @@
 """DeepEP V2's ``ElasticBuffer`` and ``EPHandle`` (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/elastic.py,
 csrc/elastic/buffer.hpp), emulated on CPU over torch.distributed (gloo); ``fakes.deep_ep`` exports them as the real
-``deep_ep`` 2.x does. docs/vendor-notes/deepep-v2-elasticbuffer.md is the reading behind every rule here.
+``deep_ep`` 2.x does. docs/evidence/vendor-notes/deepep-v2-elasticbuffer.md is the reading behind every rule here.
 
 Emulated: the direct kernels of one NVLink domain (more ranks are refused: the hybrid kernels are not emulated);
 ``dispatch`` with fresh handles, with ``do_cpu_sync`` (exact shapes) or without (worst-case shapes: the rows past the
@@ -37,13 +37,18 @@ from typing import Any
 
 import torch
 
-from moe_dispatch.backend import as_bytes, from_bytes
-from moe_dispatch_testing.emulation import WatchedComm
+from moe_dispatch.backend import Comm, as_bytes, from_bytes
 from moe_dispatch_cuda_deepep import vendor
 
 from ._native import check_context, device_assert, ep_assert, lose_context
-from .deep_ep import (EventOverlap, _after_event, _check_torch_deterministic, _poisoned_copy, inputs_unchanged_check,
-                      topk_idx_t)
+from .deep_ep import (
+    EventOverlap,
+    _after_event,
+    _check_torch_deterministic,
+    _poisoned_copy,
+    inputs_unchanged_check,
+    topk_idx_t,
+)
 
 _BUFFER_HPP = "csrc/elastic/buffer.hpp"
 _LAYOUT_CUH = "deep_ep/include/deep_ep/common/layout.cuh"
@@ -107,7 +112,7 @@ class ElasticBuffer:
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
         self.num_allocated_qps = num_allocated_qps or 17  # non-hybrid default (elastic.py:328-335)
         self.explicitly_destroy = explicitly_destroy
-        self._comm = WatchedComm(group)
+        self._comm = Comm(group)
         self._calls = 0
         self._destroyed = False
         self._comm.barrier("ElasticBuffer")  # torch.cuda.synchronize(); group.barrier() (elastic.py:365-367)

@@ -32,13 +32,12 @@ from typing import Any
 import torch
 
 import moe_dispatch as md
-from moe_dispatch.backend import NVFP4Codec, as_bytes, from_bytes
-from moe_dispatch.backend import to_mma_view
-from moe_dispatch.backend import WireFormat
+from moe_dispatch.backend import NVFP4Codec, WireFormat, as_bytes, from_bytes, to_mma_view
 from moe_dispatch_cuda_deepep import vendor
 
 from . import deep_ep
 from ._native import check_args, device_assert, ep_assert, lose_context, scalar_type_check
+
 # The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
 from .deep_ep import (
     EMULATED_DEVICE_NAME,  # noqa: F401
@@ -49,12 +48,11 @@ from .deep_ep import (
     EventHandle,
     EventOverlap,
     VendorCall,
+    _combined_with_hook,
     _graph_kernel,
     _nan_like,
-    _combined_with_hook,
     _received,
     emulated_stream_capturing,  # noqa: F401
-    emulated_watch,  # noqa: F401
     install_statics,
 )
 

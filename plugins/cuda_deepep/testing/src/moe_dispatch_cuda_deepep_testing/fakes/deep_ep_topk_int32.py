@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import deep_ep
+
 # The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
 from .deep_ep import (
     EMULATED_DEVICE_NAME,  # noqa: F401
@@ -18,7 +19,6 @@ from .deep_ep import (
     EventOverlap,
     VendorCall,
     emulated_stream_capturing,  # noqa: F401
-    emulated_watch,  # noqa: F401
     install_statics,
 )
 

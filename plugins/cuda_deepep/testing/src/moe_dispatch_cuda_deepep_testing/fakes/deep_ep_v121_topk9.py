@@ -20,17 +20,17 @@ from __future__ import annotations
 from moe_dispatch_cuda_deepep import vendor
 
 from . import deep_ep
+
 # The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
 from .deep_ep import (
     EMULATED_DEVICE_NAME,  # noqa: F401
     EMULATED_DEVICE_SMS,  # noqa: F401
     EMULATED_NVSHMEM,  # noqa: F401
-    CUDAGraph,  # noqa: F401
     Config,
+    CUDAGraph,  # noqa: F401
     EventOverlap,
     VendorCall,
     emulated_stream_capturing,  # noqa: F401
-    emulated_watch,  # noqa: F401
     install_statics,
 )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import deep_ep_elastic
+
 # The emulated device, process and CUDA graphs: every fake DeepEP module has them (vendor.*_ATTRIBUTE).
 from .deep_ep import (  # noqa: F401
     EMULATED_DEVICE_NAME,
@@ -23,7 +24,6 @@ from .deep_ep import (  # noqa: F401
     CUDAGraph,
     EventOverlap,
     emulated_stream_capturing,
-    emulated_watch,
     topk_idx_t,
 )
 
