@@ -1,5 +1,5 @@
 """Where DeepGEMM's first contiguous FP8 GEMM dies (the 2026-11-23 H100 run: a segfault inside the runner's first
-call; docs/vendor-notes/deepgemm-segfault-hypotheses.md), one stage further per run, each in a process of its own::
+call; docs/evidence/vendor-notes/deepgemm-segfault-hypotheses.md), one stage further per run, each in a process of its own::
 
     DG_JIT_DEBUG=1 stdbuf -oL -eL python3 -X faulthandler benchmarks/gpu/dg_probe.py STAGE [--tests DIR]
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         err = float((d.float() - ref.float()).norm() / ref.float().norm())
         say(f"3 DeepGEMM's own contiguous GEMM: m={m}, relative error {err:.2e} ok")
     if args.stage >= 4:
-        from moe_dispatch_cuda_deepep import hardware
+        from moe_dispatch_cuda_deepep_testing import hardware
 
         setup = hardware.Setup("deep_ep", "deep_gemm", torch.device("cuda"), None, None, False)
         for row in hardware.deep_gemm_rows(setup):

@@ -50,8 +50,8 @@ step() {  # step NAME LOG COMMAND...: run under what is left, log the status
     "nccl (compiled against)", torch.cuda.nccl.version())'
   python3 -m pip list 2>/dev/null | grep -iE '^(nvidia-nccl|nvidia-nvshmem|triton|setuptools|wheel)'
   # --upgrade: on a machine still warm from a call before, --target keeps what is there (pip's _handle_target_dir)
-  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target "$site" ./core ./plugins/cuda_deepep \
-    ./plugins/flashinfer_cutedsl
+  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target "$site" ./core ./testing ./plugins/cuda_deepep \
+    ./plugins/cuda_deepep/testing ./plugins/flashinfer_cutedsl ./plugins/flashinfer_cutedsl/testing
 } >"$out/setup.log" 2>&1
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
 

@@ -154,13 +154,17 @@ class AscendDeepEPBackend(mdb.Backend):
     install_hint = v.INSTALL_HINT
 
     def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None,
-                 soc: str | None = None, torch_npu_module: str = v.TORCH_NPU) -> None:
+                 soc: str | None = None, torch_npu_module: str | None = None) -> None:
         if soc not in (None, v.SOC_A2, v.SOC_A3):
             raise md.InvalidSpecError("is not an Atlas chip this plugin knows", parameter="soc", value=soc,
                                       allowed=f"None, {v.SOC_A2!r}, {v.SOC_A3!r}")
+        if torch_npu_module is None and vendor_module != v.REAL:  # a stand-in Buffer beside the real torch_npu would
+            raise md.InvalidSpecError(  # plan for a chip and an HCCL window that are not the stand-in's
+                "a stand-in deep_ep needs the torch_npu it runs with", parameter="torch_npu_module", value=None,
+                allowed=f"the module name of the stand-in torch_npu (vendor_module is {vendor_module!r})")
         self.vendor_module = vendor_module
         #: Where the chip and the groups' HCCL options are read: torch_npu, or a stand-in module's name.
-        self.torch_npu_module = torch_npu_module
+        self.torch_npu_module = v.TORCH_NPU if torch_npu_module is None else torch_npu_module
         self.env = env
         self.soc_override = soc
         self.capabilities = capabilities(vendor_module != v.REAL)

@@ -113,7 +113,7 @@ class FuseEPBackend(AscendDeepEPBackend):
     description = "Ascend FuseEP: dispatch, GMM1, SwiGLU, GMM2 and combine in one op (W8A8, Atlas A3)"
 
     def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None,
-                 torch_npu_module: str = v.TORCH_NPU) -> None:
+                 torch_npu_module: str | None = None) -> None:
         super().__init__(vendor_module, env, torch_npu_module=torch_npu_module)
         self.capabilities = capabilities(vendor_module != v.REAL)
 

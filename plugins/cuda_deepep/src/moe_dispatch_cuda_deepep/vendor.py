@@ -1453,7 +1453,7 @@ V2_TMA_ALIGN_BYTES = 32
 #: ``dispatch`` asserts ``(x.size(1) * x.element_size()) % sizeof(int4) == 0`` (csrc/elastic/buffer.hpp:751-756).
 V2_INT4_BYTES = 16
 #: README.md:70 "NCCL 2.30.4 and above": the device API (``ncclDevCommCreate``, GIN) DeepEP 2.x builds against. No
-#: code compares versions; a DeepEP built against older headers does not build (docs/hardware-runs.md, 2026-11-23).
+#: code compares versions; a DeepEP built against older headers does not build (docs/evidence/hardware-runs.md, 2026-11-23).
 V2_MIN_NCCL = (2, 30, 4)
 V2_INSTALL_HINT = ("DeepEP 2.x builds from source (https://github.com/deepseek-ai/DeepEP: install.sh, or `python "
                    "setup.py install`; README.md:64-107) on an SM90 CUDA machine with nvcc >= 12.3 at run time (JIT), "

@@ -858,14 +858,19 @@ def _find(module: ModuleType, paths: tuple[str, ...], notes: list[str]) -> Any:
     return None
 
 
+#: Set (True) by a module that stands in for FlashInfer (the testing distribution's fakes), never by FlashInfer: what
+#: ``detect`` reads to plan a stand-in for CPU memory.
+EMULATION_MARKER = "MOE_DISPATCH_STANDS_IN_FOR_FLASHINFER"
+
+
 def detect(module_name: str = REAL) -> VendorInfo:
     """Import ``module_name`` (FlashInfer, or a module standing in for it: a fake of the testing
-    distribution) and find the entry points."""
-    fake = module_name != REAL
+    distribution, marked ``EMULATION_MARKER``) and find the entry points."""
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # a missing or broken vendor library is a reason, not a crash
-        return VendorInfo(module_name, None, "", f"{type(exc).__name__}: {exc}", fake)
+        return VendorInfo(module_name, None, "", f"{type(exc).__name__}: {exc}", module_name != REAL)
+    fake = bool(getattr(module, EMULATION_MARKER, False))
     notes: list[str] = []
     found = {name: _find(module, paths, notes) for name, paths in PATHS.items()}
     return VendorInfo(module_name, FlashInferAPI(**found), str(getattr(module, "__version__", "")), None, fake,

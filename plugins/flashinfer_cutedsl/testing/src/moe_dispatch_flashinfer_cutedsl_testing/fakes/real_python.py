@@ -34,6 +34,7 @@ from .kernels import MoeA2AKernels
 from .mnnvl import _tuple_record, patch_real_mnnvl
 
 __version__ = str(flashinfer.__version__)
+globals()[vendor.EMULATION_MARKER] = True  # FlashInfer's Python on fake kernels: a stand-in all the same
 VERSION = vendor.parse_version(__version__) or vendor.VERIFIED_UNTIL
 KERNELS = MoeA2AKernels(vendor.profile(VERSION))
 

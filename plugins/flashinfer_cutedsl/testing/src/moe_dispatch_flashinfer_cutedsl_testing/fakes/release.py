@@ -60,6 +60,7 @@ def export(namespace: dict[str, Any], version: vendor.Version, moe_alltoall: typ
     ``__version__`` and ``__all__``."""
     release = vars(build(namespace["__name__"], version, moe_alltoall, wrapper))
     namespace.update(release, __version__=".".join(map(str, version)), __all__=sorted(release))
+    namespace[vendor.EMULATION_MARKER] = True
 
 
 __all__ = ["build", "export"]
