@@ -13,48 +13,24 @@ import torch
 import moe_dispatch as md
 from moe_dispatch.backend import dequantize_rows
 from moe_dispatch.cli import main
+from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep_testing import FAKE, FAKE_ENV_ONLY, ascend_backend
 from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as fake
+from moe_dispatch_ascend_deepep_testing.support import H, batch, dispatcher, identity_reference
 from moe_dispatch_testing import ScaledLayer, random_routing, relative_error, routing_reuse
-
-H = 1024
-
-
-def _dispatcher(vendor: str, dtype: str, mode: str = "normal", tokens: int = 8, experts: int = 8,
-                env: dict[str, str] | None = None) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, experts, 2, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
-        return md.create_dispatcher(ascend_backend(vendor, env=env), spec, env={})
-
-
-def _batch(seed: int = 0, tokens: int = 8, experts: int = 8, drop: bool = True
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]) if tokens else \
-        torch.zeros(0, 2, dtype=torch.int64)
-    if drop:
-        ids[0, 1] = -1
-    return x, ids, torch.rand(tokens, 2, generator=g)
-
-
-def _expected(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)  # identity experts
-
 
 # -- the dtype each vendor call receives -------------------------------------------------------------------------
 
 
 def wire_seen(rank: int, world: int, vendor: str, mode: str, dtype: str) -> dict:
-    d = _dispatcher(vendor, dtype, mode)
-    x, ids, w = _batch(rank)
+    d = dispatcher(vendor, dtype, mode, experts=8)
+    x, ids, w = batch(rank, experts=8, drop=True)
     out = d.dispatch(x, ids, w)
     call = d.backend_dispatcher.buffer.calls[-1]
     pairs = int((ids >= 0).sum())  # DeepEP-Ascend sends one row per (token, expert)
     rows = dequantize_rows(out.hidden_states, out.hidden_states_scale, H).to(torch.bfloat16)  # identity experts
     y = d.combine(rows, out)
-    ref = _expected(x, ids, w)
+    ref = identity_reference(x, ids, w)
     return {"resolved": d.output_dtype.value, "int8": call.int8, "out": str(out.hidden_states.dtype),
             "bytes": call.payload_bytes, "expected": pairs * d.spec.wire_format().bytes_per_token,
             "error": relative_error(y, ref)}
@@ -77,14 +53,14 @@ def test_the_resolved_dtype_is_what_reaches_the_kernel(moe_rank_pools, vendor, m
 
 
 def in_flight(rank: int, world: int) -> list[float]:
-    d = _dispatcher(FAKE, "bf16", "normal", experts=4)
+    d = dispatcher(FAKE, "bf16", "normal", experts=4)
     # the second's largest batch (2) < the first's (8)
-    first, second = _batch(10 + rank, 8, 4, False), _batch(20 + rank, 2, 4, False)
+    first, second = batch(10 + rank, 8, 4, False), batch(20 + rank, 2, 4, False)
     out1 = d.dispatch(*first)
     out2 = d.dispatch(*second)
     y1 = d.combine(out1.hidden_states, out1)  # after the second dispatch: real_max_bs is the second's
     y2 = d.combine(out2.hidden_states, out2)
-    return [relative_error(y1, _expected(*first)), relative_error(y2, _expected(*second))]
+    return [relative_error(y1, identity_reference(*first)), relative_error(y2, identity_reference(*second))]
 
 
 def test_normal_dispatches_in_flight_combine_after_a_smaller_one(moe_rank_pools):
@@ -102,7 +78,7 @@ def fake_in_flight_without_worst_tokens(rank: int, world: int) -> str:
     buffer = fake.Buffer(dist.group.WORLD)
     handles = []
     for tokens in (8, 2):
-        x, ids, w = _batch(rank + tokens, tokens, 4, False)
+        x, ids, w = batch(rank + tokens, tokens, 4, False)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
         _, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                 num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w)
@@ -121,8 +97,8 @@ def test_the_fake_keeps_real_max_bs_like_the_buffer(moe_rank_pools):
 
 
 def all_idle(rank: int, world: int) -> tuple[int, int]:
-    d = _dispatcher(FAKE, "bf16", "normal", experts=4)
-    x, ids, w = _batch(rank, 0, 4, False)
+    d = dispatcher(FAKE, "bf16", "normal", experts=4)
+    x, ids, w = batch(rank, 0, 4, False)
     out = d.dispatch(x, ids, w)
     y = d.combine(out.hidden_states, out)
     return out.hidden_states.shape[0], y.shape[0]
@@ -166,8 +142,8 @@ def test_a_process_group_without_hccl_is_a_typed_error(moe_rank_pools):
 
 
 def non_contiguous(rank: int, world: int, mode: str) -> str:
-    d = _dispatcher(FAKE, "bf16", mode, experts=4)
-    x, ids, w = _batch(rank, experts=4)
+    d = dispatcher(FAKE, "bf16", mode, experts=4)
+    x, ids, w = batch(rank, experts=4, drop=True)
     ids_t, w_t = ids.t().contiguous().t(), w.t().contiguous().t()  # column-major views
     assert not ids_t.is_contiguous()
     out = d.dispatch(x, ids_t, w_t)
@@ -287,3 +263,14 @@ def test_explain_follows_the_layers_kernel(runner, wire, why):
     assert code == 0 and f"wire dtype {wire} for backend 'ascend_deepep'" in text
     assert f"runner {runner}" in text and why in text
     assert f"consumes {wire} behind ascend_deepep (low_latency)" in text
+
+
+def test_a_stand_in_deep_ep_without_its_torch_npu_is_refused_not_planned_for_another_chip():
+    """A stand-in Buffer beside the real torch_npu would plan for a chip and an HCCL window that are not the
+    stand-in's: the backend refuses it, naming the missing parameter."""
+    from moe_dispatch_ascend_deepep_testing import TORCH_NPU_FAKE
+
+    with pytest.raises(md.InvalidSpecError) as info:
+        AscendDeepEPBackend(FAKE)
+    assert info.value.parameter == "torch_npu_module"
+    assert AscendDeepEPBackend(FAKE, torch_npu_module=TORCH_NPU_FAKE).torch_npu_module == TORCH_NPU_FAKE

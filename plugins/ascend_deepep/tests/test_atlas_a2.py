@@ -15,7 +15,6 @@ import os
 import warnings
 
 import pytest
-import torch
 
 import moe_dispatch as md
 from moe_dispatch.backend import restored_environ
@@ -24,44 +23,21 @@ from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend, a2_limits
 from moe_dispatch_ascend_deepep_testing import FAKE, FAKE_ENV_ONLY, TORCH_NPU_FAKE, ascend_backend
 from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as fake
 from moe_dispatch_ascend_deepep_testing.fakes import torch_npu as fake_npu
+from moe_dispatch_ascend_deepep_testing.support import (
+    A2,
+    LAYERED,
+    H,
+    MiB,
+    batch,
+    identity_reference,
+    make_spec,
+    normal_spec,
+    on_a2,
+    on_a3,
+)
 from moe_dispatch_testing import relative_error
 
-H = 1024
-MiB = 1 << 20
 HCCL, EXPANSION = v.HCCL_BUFFSIZE, v.OP_EXPANSION_ENV
-LAYERED = {v.INTRA_PCIE_ENV: "1", v.INTRA_ROCE_ENV: "0"}
-A2 = 220  # torch_npu.npu.get_soc_version() of an Ascend910B1 (Atlas A2)
-
-
-def _spec(mode: str = "normal", tokens: int = 64, experts: int = 128, top_k: int = 8, hidden: int = 7168,
-          dtype: str | None = None) -> md.DispatchSpec:
-    return md.DispatchSpec(hidden, experts, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode,
-                           output_dtype=dtype)
-
-
-def _normal_spec(tokens: int = 8, top_k: int = 2, mode: str = "normal") -> md.DispatchSpec:
-    return md.DispatchSpec(H, 16, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode)
-
-
-def _a2(env: dict[str, str] | None = None, module: str = FAKE) -> AscendDeepEPBackend:
-    return ascend_backend(module, env={**LAYERED} if env is None else env, soc="A2")
-
-
-def _a3(env: dict[str, str]) -> AscendDeepEPBackend:
-    return ascend_backend(FAKE, env=env, soc="A3")
-
-
-def _batch(seed: int, tokens: int = 8, experts: int = 4, drop: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
-    if drop:
-        ids[0, 1] = -1
-    return x, ids, torch.rand(tokens, 2, generator=g)
-
-
-def _expected(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)  # identity experts
 
 
 # -- the chip ------------------------------------------------------------------------------------------------
@@ -87,7 +63,7 @@ def test_no_a2_bounds_on_an_a3_9363():
     with fake_npu.soc_version(256, "Ascend910_9363"):
         backend = ascend_backend(FAKE, env={})
         assert backend.soc() == "A3"
-        backend.check_spec(_spec(tokens=8192, experts=128, dtype="int8"), 16)  # no A2 internode limits
+        backend.check_spec(make_spec(tokens=8192, experts=128, dtype="int8"), 16)  # no A2 internode limits
 
 
 # -- more than 8 ranks: the internode paths ---------------------------------------------------------------------
@@ -103,14 +79,14 @@ def test_a2_multi_node_limits(soc):
         backend = ascend_backend(FAKE, env={})
     with fake_npu.soc_version(soc or 250):
         with pytest.raises(md.CapacityError) as info:
-            backend.check_spec(_normal_spec(tokens=8192), 16)
+            backend.check_spec(normal_spec(tokens=8192), 16)
         assert info.value.parameter == "num_max_dispatch_tokens_per_rank"
         with pytest.raises(md.InvalidSpecError) as info:  # A2 multi-server low latency
             backend.check_spec(md.DispatchSpec(H, 12 * 4, 2, num_max_dispatch_tokens_per_rank=8,
                                                mode="low_latency"), 12)
         assert info.value.parameter == "world_size"
-        backend.check_spec(_normal_spec(tokens=4096), 16)
-    ascend_backend(FAKE, env={}).check_spec(_normal_spec(tokens=8192), 16)  # the fake's default chip: A3
+        backend.check_spec(normal_spec(tokens=4096), 16)
+    ascend_backend(FAKE, env={}).check_spec(normal_spec(tokens=8192), 16)  # the fake's default chip: A3
 
 
 @pytest.mark.parametrize("world", [24, 32, 64])
@@ -118,21 +94,21 @@ def test_a2_normal_mode_takes_up_to_8_ranks_or_exactly_16(world):
     """notify_dispatch_a2.h exchanges with one peer, ``(1 − serverId)·8 + localRank`` ("2个server的计算方式");
     deep_ep.cpp's offset_inner is [2, 4096, E]; the combine is COMBINE_2SERVER_VERSION. 24..64 ranks pass the
     notify tiling's own limit (64), not the kernels."""
-    spec = _spec(experts=world * 8)
+    spec = make_spec(experts=world * 8)
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2().check_spec(spec, world)
+        on_a2().check_spec(spec, world)
     assert info.value.parameter == "world_size" and "16" in str(info.value.allowed)
     with pytest.raises(md.InvalidSpecError) as info:  # creation: a chip torch_npu cannot name counts as A2
         AscendDeepEPBackend(env={**LAYERED, HCCL: "3000"}).check_environment(spec, world, {}, {})
     assert info.value.parameter == "world_size"
-    _a2().check_spec(_spec("low_latency", experts=world * 8), world)  # low latency has its own kernels
-    _a3(LAYERED).check_spec(spec, world)  # an A3 runs the intranode op at any size of the config map
+    on_a2().check_spec(make_spec("low_latency", experts=world * 8), world)  # low latency has its own kernels
+    on_a3(LAYERED).check_spec(spec, world)  # an A3 runs the intranode op at any size of the config map
 
 
 def test_a2_normal_mode_at_8_and_16_ranks():
-    _a2().check_spec(_spec(experts=128), 16)
-    _a2().check_spec(_spec(experts=64), 8)
-    _a2({**LAYERED, HCCL: "1219"}).check_environment(_spec(), 16, {}, {})
+    on_a2().check_spec(make_spec(experts=128), 16)
+    on_a2().check_spec(make_spec(experts=64), 8)
+    on_a2({**LAYERED, HCCL: "1219"}).check_environment(make_spec(), 16, {}, {})
 
 
 def test_a2_internode_normal_mode_is_refused_beyond_64_ranks():
@@ -140,10 +116,10 @@ def test_a2_internode_normal_mode_is_refused_beyond_64_ranks():
     MAX_A2_WORLD_SIZE), though the dispatch/combine tiling take 256: 128, 144 and 160 (in the config map) fail.
     The kernels are tighter still: exactly 16 ranks (test_a2_normal_mode_takes_up_to_8_ranks_or_exactly_16)."""
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2().check_spec(_spec(experts=128), 128)
+        on_a2().check_spec(make_spec(experts=128), 128)
     assert info.value.parameter == "world_size" and "16" in str(info.value.allowed)
-    _a2().check_spec(_spec(experts=128), 16)
-    _a2().check_spec(_spec(mode="low_latency", experts=256), 128)  # low latency: up to 256
+    on_a2().check_spec(make_spec(experts=128), 16)
+    on_a2().check_spec(make_spec(mode="low_latency", experts=256), 128)  # low latency: up to 256
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
@@ -152,19 +128,19 @@ def test_the_a2_internode_normal_path_refuses_int8(dtype):
     2000001002 (2100001002 layered) and dispatch_normal_a2.cpp has kernels for 2000000000, 2000001000 and
     2100001000 only (all bf16). The README: "Normal mode does NOT support quantization" on A2 dual node."""
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2().check_spec(_spec(dtype=dtype), 16)
+        on_a2().check_spec(make_spec(dtype=dtype), 16)
     assert info.value.parameter == "output_dtype" and "no INT8 kernel" in str(info.value)
     with pytest.raises(md.InvalidSpecError):  # a resolved INT8 (a runner's hint): what create checks
-        _a2({**LAYERED, v.HCCL_BUFFSIZE: "1300"}).check_environment(_spec().with_dtype(md.DispatchDtype.INT8), 16,
-                                                                     {}, {})
+        on_a2({**LAYERED, v.HCCL_BUFFSIZE: "1300"}).check_environment(make_spec().with_dtype(md.DispatchDtype.INT8), 16,
+                                                                      {}, {})
     with pytest.raises(md.InvalidSpecError):  # creation: a chip torch_npu cannot name is taken as A2
         AscendDeepEPBackend(env={**LAYERED, v.HCCL_BUFFSIZE: "1300"}).check_environment(
-            _spec().with_dtype(md.DispatchDtype.INT8), 16, {}, {})
+            make_spec().with_dtype(md.DispatchDtype.INT8), 16, {}, {})
     with pytest.raises(md.InvalidSpecError):
-        a2_limits(_spec().with_dtype(md.DispatchDtype.INT8), 16, "A2")
-    _a2().check_spec(_spec(dtype="bf16"), 16)
-    _a2().check_spec(_spec(dtype="int8"), 8)  # one node: the intranode op has INT8
-    ascend_backend(FAKE, env=LAYERED, soc="A3").check_spec(_spec(dtype="int8"), 16)
+        a2_limits(make_spec().with_dtype(md.DispatchDtype.INT8), 16, "A2")
+    on_a2().check_spec(make_spec(dtype="bf16"), 16)
+    on_a2().check_spec(make_spec(dtype="int8"), 8)  # one node: the intranode op has INT8
+    ascend_backend(FAKE, env=LAYERED, soc="A3").check_spec(make_spec(dtype="int8"), 16)
 
 
 def test_the_a2_internode_normal_path_needs_the_layered_variables():
@@ -175,21 +151,22 @@ def test_the_a2_internode_normal_path_needs_the_layered_variables():
     enough = {v.HCCL_BUFFSIZE: "1300"}
     for env in ({}, {v.INTRA_PCIE_ENV: "1"}, {v.INTRA_PCIE_ENV: "1", v.INTRA_ROCE_ENV: "1"}):
         with pytest.raises(md.InvalidSpecError) as info:
-            _a2({**env, **enough}).check_environment(_spec(), 16, {}, {})
+            on_a2({**env, **enough}).check_environment(make_spec(), 16, {}, {})
         assert info.value.parameter == f"{v.INTRA_PCIE_ENV}/{v.INTRA_ROCE_ENV}"
-    _a2({**LAYERED, **enough}).check_environment(_spec(), 16, {}, {})
-    _a2(enough).check_environment(_spec(mode="low_latency"), 16, {}, {})  # low latency has its own (fullmesh) kernels
-    ascend_backend(FAKE, env=enough, soc="A3").check_environment(_spec(), 16, {}, {})
+    on_a2({**LAYERED, **enough}).check_environment(make_spec(), 16, {}, {})
+    # low latency has its own (fullmesh) kernels
+    on_a2(enough).check_environment(make_spec(mode="low_latency"), 16, {}, {})
+    ascend_backend(FAKE, env=enough, soc="A3").check_environment(make_spec(), 16, {}, {})
 
 
 def test_the_a2_internode_top_k_is_10_before_7a396def():
     """dispatch_normal_a2_tiling.cpp MAX_K_VALUE_A2 was 10 until KN@7a396def (2026-07-15); the first
     Python-visible change after it is low_latency_dispatch(quant_mode=) (KN@f451a596)."""
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2(module=FAKE_ENV_ONLY).check_spec(_spec(top_k=12), 16)
+        on_a2(module=FAKE_ENV_ONLY).check_spec(make_spec(top_k=12), 16)
     assert info.value.parameter == "top_k" and info.value.allowed == "2..10"
-    _a2(module=FAKE_ENV_ONLY).check_spec(_spec(top_k=10), 16)
-    _a2().check_spec(_spec(top_k=12), 16)
+    on_a2(module=FAKE_ENV_ONLY).check_spec(make_spec(top_k=10), 16)
+    on_a2().check_spec(make_spec(top_k=12), 16)
 
 
 def test_a2_internode_tokens_fit_the_kernels_fixed_rdma_area():
@@ -200,9 +177,9 @@ def test_a2_internode_tokens_fit_the_kernels_fixed_rdma_area():
     H, k = 7168, 16
     assert 32 + 4096 * (2 * H + 16 * k) <= v.a2_internode_dispatch_server_bytes(16)
     assert v.A2_INTERNODE_COMBINE_ROWS * 2 * H <= v.a2_internode_combine_server_bytes(16)
-    _a2().check_spec(_spec(tokens=4096, experts=128, top_k=k), 16)
+    on_a2().check_spec(make_spec(tokens=4096, experts=128, top_k=k), 16)
     with pytest.raises(md.CapacityError) as info:
-        _a2().check_spec(_spec(tokens=4097, experts=128), 16)
+        on_a2().check_spec(make_spec(tokens=4097, experts=128), 16)
     assert info.value.parameter == "num_max_dispatch_tokens_per_rank" and info.value.allowed == "1..4096"
 
 
@@ -258,12 +235,12 @@ def wide_a2_run(rank: int, world: int) -> list[str]:
             except md.MoEDispatchError as exc:
                 results.append(f"{dtype}: {type(exc).__name__} {exc.parameter}")
                 continue
-            x, ids, w = _batch(rank, experts=32)
+            x, ids, w = batch(rank, experts=32)
             out = d.dispatch(x, ids, w)
             y = d.combine(out.hidden_states, out)
-            results.append(f"{dtype}: {'ok' if relative_error(y, _expected(x, ids, w)) < 0.01 else 'wrong'}")
+            results.append(f"{dtype}: {'ok' if relative_error(y, identity_reference(x, ids, w)) < 0.01 else 'wrong'}")
         buffer = fake.Buffer(dist.group.WORLD)
-        x, ids, w = _batch(rank, experts=32)
+        x, ids, w = batch(rank, experts=32)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 32)
         with restored_environ({v.INT8_ENV: "1"}):
             try:
@@ -292,17 +269,17 @@ def test_hccl_op_expansion_mode_is_refused_on_a2(mode):
     (hccl_config["hccl_op_expansion_mode"])."""
     enough = {**LAYERED, HCCL: "2048"}
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2({**enough, EXPANSION: "AIV"}).check_environment(_spec(mode), 16, {}, {})
+        on_a2({**enough, EXPANSION: "AIV"}).check_environment(make_spec(mode), 16, {}, {})
     assert info.value.parameter == EXPANSION
     with pytest.raises(md.InvalidSpecError):  # one node too (the README's "A2 Single Node")
-        _a2({HCCL: "2048", EXPANSION: "AIV"}).check_environment(_spec(mode, experts=64), 8, {}, {})
+        on_a2({HCCL: "2048", EXPANSION: "AIV"}).check_environment(make_spec(mode, experts=64), 8, {}, {})
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2(enough).check_environment(_spec(mode), 16, {"hccl_op_expansion_mode": 3}, {})
+        on_a2(enough).check_environment(make_spec(mode), 16, {"hccl_op_expansion_mode": 3}, {})
     assert info.value.parameter == "process_group"
     with pytest.raises(md.InvalidSpecError):  # creation: a chip torch_npu cannot name counts as A2
-        AscendDeepEPBackend(env={**enough, EXPANSION: "AIV"}).check_environment(_spec(mode), 16, {}, {})
-    _a3({**enough, EXPANSION: "AIV"}).check_environment(_spec(mode), 16, {}, {})
-    _a2(enough).check_environment(_spec(mode), 16, {}, {})
+        AscendDeepEPBackend(env={**enough, EXPANSION: "AIV"}).check_environment(make_spec(mode), 16, {}, {})
+    on_a3({**enough, EXPANSION: "AIV"}).check_environment(make_spec(mode), 16, {}, {})
+    on_a2(enough).check_environment(make_spec(mode), 16, {}, {})
 
 
 # -- -1 ids on the layered (two-node) low-latency kernels -------------------------------------------------------
@@ -319,7 +296,7 @@ def layered_minus_one(rank: int, world: int, with_minus_one: bool) -> str:
     with fake_npu.soc_version(220), restored_environ({v.INTRA_PCIE_ENV: "1", v.INTRA_ROCE_ENV: "0"}):  # an A2
         d = _ll_dispatcher()
         assert d.backend_dispatcher.buffer.soc_version == fake.A2
-        x, ids, w = _batch(rank, drop=with_minus_one)
+        x, ids, w = batch(rank, drop=with_minus_one)
         try:
             out = d.dispatch(x, ids, w)
             d.combine(out.hidden_states, out)

@@ -17,31 +17,20 @@ from moe_dispatch.backend import restored_environ
 from moe_dispatch_ascend_deepep import vendor as v
 from moe_dispatch_ascend_deepep.vendor import INT8_ENV
 from moe_dispatch_ascend_deepep_testing import FAKE, FAKE_ENV_ONLY, ascend_backend
-from moe_dispatch_testing import on_a_fresh_pool, random_routing, relative_error
+from moe_dispatch_ascend_deepep_testing.support import (
+    PER_RANK,
+    TOKENS,
+    TOP_K,
+    H,
+    batch,
+    dispatcher,
+    identity_reference,
+    routed_inputs,
+    timed_dispatcher,
+)
+from moe_dispatch_testing import on_a_fresh_pool, relative_error
 
-H = 1024
 HCCL, EXPANSION = v.HCCL_BUFFSIZE, v.OP_EXPANSION_ENV
-
-
-def _dispatcher(vendor_module: str, dtype: str | None, mode: str, tokens: int = 8, experts: int = 4, top_k: int = 2,
-                env: dict | None = None) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, experts, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode, output_dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
-        return md.create_dispatcher(ascend_backend(vendor_module, env=env), spec, env={})
-
-
-def _batch(rank: int, tokens: int = 8, experts: int = 4, drop: bool = True) -> tuple:
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
-    if drop:
-        ids[0, 1] = -1
-    return x, ids, torch.rand(tokens, 2, generator=g)
-
-
-def _reference(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)  # identity experts
 
 
 # -- the variables each vendor call reads, set for that call ---------------------------------------------------
@@ -52,8 +41,8 @@ def interleaved(rank: int, world: int, vendor: str, mode: str, rounds: int) -> l
     with someone's process-wide INT8 switch already set."""
     results = []
     with restored_environ({INT8_ENV: "1"}):
-        bf16, int8 = _dispatcher(vendor, "bf16", mode, experts=8), _dispatcher(vendor, "int8", mode, experts=8)
-        x, ids, w = _batch(rank, experts=8)
+        bf16, int8 = dispatcher(vendor, "bf16", mode, experts=8), dispatcher(vendor, "int8", mode, experts=8)
+        x, ids, w = batch(rank, experts=8, drop=True)
         for _ in range(rounds):
             for d in (int8, bf16):
                 out = d.dispatch(x, ids, w)
@@ -80,8 +69,8 @@ def roundtrip(rank: int, world: int, vendor_module: str, dtype: str, mode: str, 
     """One dispatch → identity experts → combine with ``env`` set process-wide (as another
     library or the launcher would), then the environment as it was."""
     with restored_environ(env):
-        d = _dispatcher(vendor_module, dtype, mode)
-        x, ids, w = _batch(rank, drop=drop)
+        d = dispatcher(vendor_module, dtype, mode)
+        x, ids, w = batch(rank, drop=drop)
         out = d.dispatch(x, ids, w)
         call = d.backend_dispatcher.buffer.calls[-1]
         rows = out.hidden_states.float()
@@ -91,8 +80,8 @@ def roundtrip(rank: int, world: int, vendor_module: str, dtype: str, mode: str, 
         expected = torch.bincount(ids[ids >= 0], minlength=4)  # this rank's sends, gathered below
         seen = {k: os.environ.get(k) for k in env}
     return {"int8": call.int8, "int8_env_at_call": call.env_at_call(v.INT8_ENV), "dtype": str(out.hidden_states.dtype), "counts": out.expert_counts().tolist(),
-            "sent": expected.tolist(), "error": float((y.float() - _reference(x, ids, w)).norm()
-                                                      / _reference(x, ids, w).norm()), "env_inside": seen}
+            "sent": expected.tolist(), "error": float((y.float() - identity_reference(x, ids, w)).norm()
+                                                      / identity_reference(x, ids, w).norm()), "env_inside": seen}
 
 
 def _sum_received(results: list[dict], world: int) -> list[list[int]]:
@@ -130,12 +119,12 @@ def test_the_int8_variable_is_pinned_even_where_quant_mode_exists(moe_rank_pools
 
 def ccu_set(rank: int, world: int) -> float:
     with restored_environ({v.CCU_ENV: "1"}):
-        d = _dispatcher(FAKE, "bf16", "low_latency")
-        x, ids, w = _batch(rank, drop=False)
+        d = dispatcher(FAKE, "bf16", "low_latency")
+        x, ids, w = batch(rank, drop=False)
         out = d.dispatch(x, ids, w)
         y = d.combine(out.hidden_states, out)
         assert os.environ[v.CCU_ENV] == "1"
-    return relative_error(y, _reference(x, ids, w))
+    return relative_error(y, identity_reference(x, ids, w))
 
 
 def test_moe_enable_ccu_is_pinned_off_for_the_adapters_calls(moe_rank_pools):
@@ -145,8 +134,8 @@ def test_moe_enable_ccu_is_pinned_off_for_the_adapters_calls(moe_rank_pools):
 
 def constructed(rank: int, world: int, env: dict[str, str]) -> str:
     with restored_environ(env):
-        d = _dispatcher(FAKE, "bf16", "low_latency")
-        x, ids, w = _batch(rank)
+        d = dispatcher(FAKE, "bf16", "low_latency")
+        x, ids, w = batch(rank, drop=True)
         out = d.dispatch(x, ids, w)
         d.combine(out.hidden_states, out)
         return "ok"
@@ -168,25 +157,6 @@ def test_env_integers_are_read_as_the_vendors_strtol(raw, want):
 
 
 # -- other threads' variables --------------------------------------------------------------------------------
-
-
-TOKENS, TOP_K, PER_RANK = 8, 2, 4
-
-
-def _timed_dispatcher(vendor: str, world: int, mode: str, dtype: str, timeout_s: float = 300.0) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
-                           output_dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
-        return md.create_dispatcher(ascend_backend(vendor), spec, env={}, timeout_s=timeout_s)
-
-
-def _inputs(rank: int, num_experts: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
-    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
-    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
-    return x, ids, w, other_ids
 
 
 def _dispatchers_beside_an_environment_writer(rank: int, world: int, rounds: int) -> list[str]:
@@ -213,10 +183,10 @@ def _dispatchers_beside_an_environment_writer(rank: int, world: int, rounds: int
                     problems.append(f"{name} was {os.environ.get(name)!r}, set to {value!r} by its thread")
                     kept[name] = os.environ.get(name)  # type: ignore[assignment]
 
-    dispatchers = [(_timed_dispatcher(FAKE_ENV_ONLY, world, "normal", "int8"), "1"),
-                   (_timed_dispatcher(FAKE_ENV_ONLY, world, "normal", "bf16"), "0"),
-                   (_timed_dispatcher(FAKE, world, "low_latency", "int8"), None)]
-    x, ids, w, _ = _inputs(rank, dispatchers[0][0].spec.num_experts)
+    dispatchers = [(timed_dispatcher(FAKE_ENV_ONLY, world, "normal", "int8"), "1"),
+                   (timed_dispatcher(FAKE_ENV_ONLY, world, "normal", "bf16"), "0"),
+                   (timed_dispatcher(FAKE, world, "low_latency", "int8"), None)]
+    x, ids, w, _ = routed_inputs(rank, dispatchers[0][0].spec.num_experts)
     writer = threading.Thread(target=writing)
     writer.start()
     try:
@@ -262,7 +232,7 @@ def _two_threads_per_rank_on_their_own_groups(rank: int, world: int, rounds: int
         dispatchers = [md.create_dispatcher(ascend_backend(FAKE_ENV_ONLY), md.DispatchSpec(
             H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, output_dtype="bf16"),
             group, env={}, timeout_s=5.0) for group in groups]
-    x, ids, w, _ = _inputs(rank, dispatchers[0].spec.num_experts)
+    x, ids, w, _ = routed_inputs(rank, dispatchers[0].spec.num_experts)
     problems: list[str] = []
 
     def drive(d: md.Dispatcher) -> None:
@@ -299,7 +269,7 @@ _SMALL = md.DispatchSpec(1024, 16, 2, num_max_dispatch_tokens_per_rank=8, mode="
 def mismatched_env(rank: int, world: int, name: str, values: tuple[str, str]) -> str:
     env = {v.HCCL_BUFFSIZE: "1024", name: values[rank]}
     try:
-        _dispatcher(FAKE, None, "normal", env=env)
+        dispatcher(FAKE, None, "normal", env=env)
     except md.ConfigMismatchError as exc:
         return f"ConfigMismatchError {'window' in str(exc) or name in str(exc)}"
     return "created"

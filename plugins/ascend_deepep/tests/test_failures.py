@@ -4,44 +4,24 @@ input on one rank reaches the other at once and a rank that never arrives is nam
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 
-import moe_dispatch as md
-from moe_dispatch_ascend_deepep_testing import FAKE, ascend_backend
-from moe_dispatch_testing import combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, random_routing
+from moe_dispatch_ascend_deepep_testing import FAKE
+from moe_dispatch_ascend_deepep_testing.support import routed_inputs, timed_dispatcher
+from moe_dispatch_testing import combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool
 
-H, TOKENS, TOP_K, PER_RANK = 1024, 8, 2, 4
 TIMEOUT_S = 2.0
 
 
-def _dispatcher(vendor: str, world: int, mode: str, dtype: str, timeout_s: float = 300.0) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
-                           output_dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", md.DtypeFallbackWarning)
-        return md.create_dispatcher(ascend_backend(vendor), spec, env={}, timeout_s=timeout_s)
-
-
-def _inputs(rank: int, num_experts: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
-    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
-    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
-    return x, ids, w, other_ids
-
-
 def _bad_input_on_rank_1(rank: int, world: int, vendor: str, mode: str):
-    d = _dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S * 15)
-    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    d = timed_dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S * 15)
+    x, ids, w, _ = routed_inputs(rank, d.spec.num_experts)
     return dispatch_with_a_bad_id(d, x, ids, w, bad=rank == 1)
 
 
 def _stalls_before_combine(rank: int, world: int, vendor: str, mode: str):
-    d = _dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S)
-    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    d = timed_dispatcher(vendor, world, mode, "bf16", timeout_s=TIMEOUT_S)
+    x, ids, w, _ = routed_inputs(rank, d.spec.num_experts)
     # rank 1 never combines; once it has returned to its pool nothing it does reaches rank 0's wait
     return combine_unless_stalled(d, x, ids, w, stall_s=TIMEOUT_S + 0.5 if rank == 1 else None)
 

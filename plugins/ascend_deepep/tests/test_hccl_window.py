@@ -7,43 +7,33 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 import moe_dispatch as md
 from moe_dispatch.backend import restored_environ
-from moe_dispatch_ascend_deepep import sizes, vendor as v
+from moe_dispatch_ascend_deepep import sizes
+from moe_dispatch_ascend_deepep import vendor as v
 from moe_dispatch_ascend_deepep.backend import WINDOW_OPTION, AscendDeepEPBackend
 from moe_dispatch_ascend_deepep_testing import FAKE, ascend_backend
 from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as fake
 from moe_dispatch_ascend_deepep_testing.fakes import torch_npu as fake_npu
+from moe_dispatch_ascend_deepep_testing.support import (
+    A2,
+    LAYERED,
+    H,
+    MiB,
+    batch,
+    identity_reference,
+    make_spec,
+    normal_spec,
+    on_a2,
+    on_a3,
+)
 from moe_dispatch_testing import relative_error
 
-H = 1024
-MiB = 1 << 20
 HCCL, DEEPEP = v.HCCL_BUFFSIZE, v.DEEPEP_HCCL_BUFFSIZE
-LAYERED = {v.INTRA_PCIE_ENV: "1", v.INTRA_ROCE_ENV: "0"}
-A2 = 220  # torch_npu.npu.get_soc_version() of an Ascend910B1 (Atlas A2)
 
 
-def _spec(mode: str = "normal", tokens: int = 64, experts: int = 128, top_k: int = 8, hidden: int = 7168,
-          dtype: str | None = None) -> md.DispatchSpec:
-    return md.DispatchSpec(hidden, experts, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode,
-                           output_dtype=dtype)
-
-
-SMALL = _spec(tokens=8, experts=16, top_k=2, hidden=1024)
-
-
-def _normal_spec(tokens: int = 8, top_k: int = 2, mode: str = "normal") -> md.DispatchSpec:
-    return md.DispatchSpec(H, 16, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode)
-
-
-def _a2(env: dict[str, str] | None = None) -> AscendDeepEPBackend:
-    return ascend_backend(FAKE, env={**LAYERED} if env is None else env, soc="A2")
-
-
-def _a3(env: dict[str, str]) -> AscendDeepEPBackend:
-    return ascend_backend(FAKE, env=env, soc="A3")
+SMALL = make_spec(tokens=8, experts=16, top_k=2, hidden=1024)
 
 
 def _dispatcher(mode: str = "normal", backend: AscendDeepEPBackend | None = None, dtype: str | None = "bf16"
@@ -52,18 +42,6 @@ def _dispatcher(mode: str = "normal", backend: AscendDeepEPBackend | None = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", md.DtypeFallbackWarning)
         return md.create_dispatcher(backend or ascend_backend(FAKE), spec, env={})
-
-
-def _batch(seed: int, tokens: int = 8, experts: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]) if tokens else \
-        torch.zeros(0, 2, dtype=torch.int64)
-    return x, ids, torch.rand(tokens, 2, generator=g)
-
-
-def _expected(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.float() * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)  # identity experts
 
 
 # -- the need: the ops' own checks, ported ---------------------------------------------------------------------
@@ -115,11 +93,11 @@ def test_planning_without_the_chip_takes_the_a2_normal_window():
     """The A2 build's CamMoeDispatchNormal (ops2) checks (maxBs·k·(…) + 412 MB)·2 + 8 MB: at least 833 MB,
     against 213 MB on A3. Where the chip cannot be known (planning on a CPU machine), the larger."""
     assert v.window_mb(v.normal_op_window_bytes_a2(8, H, 2)) == 833
-    (req,) = AscendDeepEPBackend(env={}).env_requirements(_normal_spec(), 2)  # the real vendor, not on an NPU here
+    (req,) = AscendDeepEPBackend(env={}).env_requirements(normal_spec(), 2)  # the real vendor, not on an NPU here
     assert req.minimum == 833
-    (a3,) = AscendDeepEPBackend(env={}, soc="A3").env_requirements(_normal_spec(), 2)
+    (a3,) = AscendDeepEPBackend(env={}, soc="A3").env_requirements(normal_spec(), 2)
     assert a3.minimum == 213
-    (wide,) = AscendDeepEPBackend(env={}).env_requirements(_normal_spec(), 16)  # planning beyond 8 ranks: A3's
+    (wide,) = AscendDeepEPBackend(env={}).env_requirements(normal_spec(), 16)  # planning beyond 8 ranks: A3's
     assert wide.minimum == 213  # figure; create takes an unknown chip as A2
 
 
@@ -135,7 +113,7 @@ def test_the_layered_window_pads_top_k_to_8():
     E=256, T=512, H=1024, k=4: 256·512·(2048 + 128) B + 804 MiB = 1076 MB (the unpadded formula: 1068)."""
     assert v.layered_window_bytes(512, 1024, 256, 4) == 256 * 512 * (2 * 1024 + 16 * 8) + 804 * MiB
     assert v.layered_window_bytes(512, 1024, 256, 8) == 256 * 512 * (2 * 1024 + 16 * 8) + 804 * MiB
-    (req,) = _a2().env_requirements(_spec("low_latency", tokens=512, experts=256, top_k=4, hidden=1024), 16)
+    (req,) = on_a2().env_requirements(make_spec("low_latency", tokens=512, experts=256, top_k=4, hidden=1024), 16)
     assert req.minimum == 1076
 
 
@@ -145,15 +123,15 @@ def test_the_a2_internode_normal_window_is_what_its_kernels_need():
     (H + 16) bf16 per (token, expert of the server) into IPC slices of (window − 1204 MB)/R · 8.
     H=7168, k=8, T=64, R=16 (S=2), E_l=8: assert 2·64·14464 B + 1204 MiB (1206 MB); IPC
     16·ceil(64·min(8, 64)·14368/8) B + 1204 MiB = 1219 MB (the A3 op's formula gives 242 MB)."""
-    (req,) = _a2().env_requirements(_spec(), 16)
+    (req,) = on_a2().env_requirements(make_spec(), 16)
     assert req.minimum == 1219
-    (a3,) = ascend_backend(FAKE, env=LAYERED, soc="A3").env_requirements(_spec(), 16)
+    (a3,) = ascend_backend(FAKE, env=LAYERED, soc="A3").env_requirements(make_spec(), 16)
     assert a3.minimum < 300
-    for backend in (_a2({**LAYERED, v.HCCL_BUFFSIZE: "300"}),
+    for backend in (on_a2({**LAYERED, v.HCCL_BUFFSIZE: "300"}),
                     AscendDeepEPBackend(env={**LAYERED, v.HCCL_BUFFSIZE: "300"})):  # creation: unknown chip = A2
         with pytest.raises(md.CapacityError):
-            backend.check_window(_spec(), 16, {}, {})
-    _a2({**LAYERED, v.HCCL_BUFFSIZE: "1219"}).check_window(_spec(), 16, {}, {})
+            backend.check_window(make_spec(), 16, {}, {})
+    on_a2({**LAYERED, v.HCCL_BUFFSIZE: "1219"}).check_window(make_spec(), 16, {}, {})
 
 
 def test_the_a2_internode_ipc_need_counts_every_expert_of_a_server():
@@ -188,7 +166,7 @@ def a2_create(rank: int, world: int) -> str:
             d = _dispatcher("normal", backend=ascend_backend(FAKE, env=None))
         except md.CapacityError as exc:
             return f"CapacityError {exc.parameter} {exc.allowed}"
-        x, ids, w = _batch(rank, 8)
+        x, ids, w = batch(rank, 8)
         try:
             out = d.dispatch(x, ids, w)
             d.combine(out.hidden_states, out)
@@ -227,7 +205,7 @@ def test_deepep_hccl_buffsize_must_not_exceed_hccl_buffsize():
 
 def oversized_deepep_window(rank: int, world: int) -> str:
     d = _dispatcher("normal")  # constructed with HCCL_BUFFSIZE=1024 (conftest): the window HCCL allocated
-    x, ids, w = _batch(rank, 8)
+    x, ids, w = batch(rank, 8)
     with restored_environ({v.DEEPEP_HCCL_BUFFSIZE: "4096"}):
         try:
             d.dispatch(x, ids, w)
@@ -246,7 +224,7 @@ def window_by_max_batch(rank: int, world: int) -> str:
 
     with restored_environ({v.HCCL_BUFFSIZE: "215"}):  # 213 MB for one token, 222 MB for 512
         buffer = fake.Buffer(dist.group.WORLD)
-        x, ids, w = _batch(rank, 512 if rank == 0 else 1)
+        x, ids, w = batch(rank, 512 if rank == 0 else 1)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
         try:
             buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -274,13 +252,13 @@ def group_window_run(rank: int, world: int, env: dict[str, str], group_mb: int |
             d = _dispatcher(mode, ascend_backend(FAKE), dtype=None)
         except md.MoEDispatchError as exc:
             return f"{type(exc).__name__} {exc.parameter}"
-        x, ids, w = _batch(rank)
+        x, ids, w = batch(rank)
         try:
             out = d.dispatch(x, ids, w)
             y = d.combine(out.hidden_states, out)
         except RuntimeError as exc:
             return f"RuntimeError {str(exc)[:70]}"
-    return "ran" if relative_error(y, _expected(x, ids, w)) < 0.01 else "wrong"
+    return "ran" if relative_error(y, identity_reference(x, ids, w)) < 0.01 else "wrong"
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency"])
@@ -300,7 +278,7 @@ def test_the_window_is_the_groups_hccl_buffer_size(moe_rank_pools, mode):
 
 def test_a_stated_window_for_a_group_whose_options_cannot_be_read():
     backend = ascend_backend(FAKE, env={v.HCCL_BUFFSIZE: "400", v.DEEPEP_HCCL_BUFFSIZE: "1024"}, soc="A3")
-    spec = _spec(tokens=8, experts=16, hidden=1024, top_k=2)
+    spec = make_spec(tokens=8, experts=16, hidden=1024, top_k=2)
     with pytest.raises(md.InvalidSpecError):  # unreadable: HCCL_BUFFSIZE's 400 is taken, DEEPEP is above it
         backend.check_window(spec, 2, None, {})
     assert backend.check_window(spec, 2, None, {WINDOW_OPTION: 1024}).mb == 1024
@@ -314,7 +292,7 @@ def fake_allocated_window(rank: int, world: int) -> tuple[int, str]:
 
     with fake_npu.group_hccl_config(dist.group.WORLD, {v.HCCL_BUFFER_SIZE_KEY: 300}):
         buffer = fake.Buffer(dist.group.WORLD)
-    x, ids, w = _batch(rank)
+    x, ids, w = batch(rank)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, 4)
     with restored_environ({v.DEEPEP_HCCL_BUFFSIZE: "512"}):  # the ops' check passes (512 >= 213), the group is 300
         try:
@@ -334,7 +312,7 @@ def test_the_fake_allocates_the_groups_window(moe_rank_pools):
 def test_a_group_sharing_its_window_by_name_is_refused():
     """torch_npu's hccl_config["hccl_buffer_name"]: communicators with the same name share one buffer, so other
     groups' collectives overwrite DeepEP-Ascend's flags, magic and halves."""
-    backend = _a3({HCCL: "1024"})
+    backend = on_a3({HCCL: "1024"})
     with pytest.raises(md.InvalidSpecError) as info:
         backend.check_window(SMALL, 2, {"hccl_buffer_name": "shared"}, {})
     assert info.value.parameter == "process_group"
@@ -357,10 +335,10 @@ def test_window_variables_must_be_plain_decimal_mb(raw, name):
     refusal): the plugin believed 1024 MB."""
     env = {name: raw} if name == HCCL else {HCCL: "2048", name: raw}
     with pytest.raises(md.InvalidSpecError) as info:
-        _a3(env).check_window(SMALL, 2, {}, {})
+        on_a3(env).check_window(SMALL, 2, {}, {})
     assert info.value.parameter == name
 
 
 @pytest.mark.parametrize("raw", ["1024", " 1024", "+1024", "1024\n", "01024"])
 def test_window_values_every_reader_reads_alike_are_taken(raw):
-    assert _a3({HCCL: raw}).check_window(SMALL, 2, {}, {}).mb == 1024
+    assert on_a3({HCCL: raw}).check_window(SMALL, 2, {}, {}).mb == 1024

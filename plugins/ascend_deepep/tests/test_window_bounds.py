@@ -18,23 +18,9 @@ from moe_dispatch_ascend_deepep import vendor as v
 from moe_dispatch_ascend_deepep.backend import AscendDeepEPBackend
 from moe_dispatch_ascend_deepep_testing import FAKE, ascend_backend
 from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as fake
+from moe_dispatch_ascend_deepep_testing.support import LAYERED, MiB, make_spec, on_a2, on_a3
 
-MiB = 1 << 20
 HCCL, DEEPEP = "HCCL_BUFFSIZE", "DEEPEP_HCCL_BUFFSIZE"
-LAYERED = {"HCCL_INTRA_PCIE_ENABLE": "1", "HCCL_INTRA_ROCE_ENABLE": "0"}
-
-
-def _spec(mode: str = "normal", tokens: int = 64, experts: int = 128, top_k: int = 8, hidden: int = 7168
-          ) -> md.DispatchSpec:
-    return md.DispatchSpec(hidden, experts, top_k, num_max_dispatch_tokens_per_rank=tokens, mode=mode)
-
-
-def _a2(env: dict[str, str] | None = None) -> AscendDeepEPBackend:
-    return ascend_backend(FAKE, env={**LAYERED} if env is None else env, soc="A2")
-
-
-def _a3(env: dict[str, str]) -> AscendDeepEPBackend:
-    return ascend_backend(FAKE, env=env, soc="A3")
 
 
 # -- A2 beyond 8 ranks, normal mode: the notify op's and the combine's offsets ----------------------------------
@@ -45,11 +31,11 @@ def test_the_a2_internode_group_window_is_at_most_4495_mb():
     dispatch/combine's 0..804 MB, so 4496..5299 MB are refused too (below the combine's own bound)."""
     for window in ("4496", "5299"):
         with pytest.raises(md.InvalidSpecError) as info:
-            _a2({**LAYERED, HCCL: window}).check_window(_spec(), 16, {}, {})
+            on_a2({**LAYERED, HCCL: window}).check_window(make_spec(), 16, {}, {})
         assert info.value.parameter == HCCL and info.value.allowed == "1219..4495"
-    _a2({**LAYERED, HCCL: "4495"}).check_window(_spec(), 16, {}, {})
+    on_a2({**LAYERED, HCCL: "4495"}).check_window(make_spec(), 16, {}, {})
     with pytest.raises(md.InvalidSpecError) as info:  # the group's own hccl_buffer_size
-        _a2({**LAYERED, HCCL: "2048"}).check_window(_spec(), 16, {"hccl_buffer_size": 4496}, {})
+        on_a2({**LAYERED, HCCL: "2048"}).check_window(make_spec(), 16, {"hccl_buffer_size": 4496}, {})
     assert info.value.parameter == "hccl_buffer_size"
 
 
@@ -57,7 +43,7 @@ def test_the_a2_internode_combine_ipc_size_wraps_from_5300_mb():
     """MoeDistributeCombineA2 keeps IPC_DATA_SIZE = winSize − 1204 MiB in a uint32: from 5300 MB it wraps.
     The notify op's uint32 offset wraps earlier, from 4496 MB, which is the bound."""
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2({**LAYERED, HCCL: "5400"}).check_window(_spec(), 16, {}, {})
+        on_a2({**LAYERED, HCCL: "5400"}).check_window(make_spec(), 16, {}, {})
     assert info.value.parameter == v.HCCL_BUFFSIZE and info.value.allowed == "1219..4495"
     assert v.A2_INTERNODE_COMBINE_MAX_WINDOW_MB == 5299 > v.A2_INTERNODE_MAX_WINDOW_MB
 
@@ -75,15 +61,15 @@ def test_the_a2_layered_low_latency_group_window_is_at_most_4896_mb():
     """moe_distribute_dispatch_v2_layered.h ``uint32_t totalSize_ = winSize``; combine_v2_layered.h
     ``uint32_t IPC_DATA_SIZE = winSize − 804 MB`` and ``dstRankId·ipcSliceSize + 4 MB`` in uint32: the IPC area
     and its offset fit below 4 GiB up to 4896 MB; beyond, they wrap."""
-    ll = _spec("low_latency")
+    ll = make_spec("low_latency")
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2({**LAYERED, HCCL: "4897"}).check_window(ll, 16, {}, {})
+        on_a2({**LAYERED, HCCL: "4897"}).check_window(ll, 16, {}, {})
     assert info.value.parameter == HCCL and info.value.allowed.endswith("..4896")
-    _a2({**LAYERED, HCCL: "4896"}).check_window(ll, 16, {}, {})
+    on_a2({**LAYERED, HCCL: "4896"}).check_window(ll, 16, {}, {})
     with pytest.raises(md.InvalidSpecError) as info:  # a group option is not even capped at 65535
-        _a2({**LAYERED, HCCL: "2048"}).check_window(ll, 16, {"hccl_buffer_size": 100000}, {})
+        on_a2({**LAYERED, HCCL: "2048"}).check_window(ll, 16, {"hccl_buffer_size": 100000}, {})
     assert info.value.parameter == "hccl_buffer_size"
-    _a3({**LAYERED, HCCL: "6000"}).check_window(ll, 16, {}, {})  # the layered kernels are A2's
+    on_a3({**LAYERED, HCCL: "6000"}).check_window(ll, 16, {}, {})  # the layered kernels are A2's
 
 
 def test_the_fake_layered_ipc_size_wraps_above_4896_mb():
@@ -95,13 +81,13 @@ def test_the_fake_layered_ipc_size_wraps_above_4896_mb():
 def test_the_a2_multi_server_low_latency_halves_are_uint32():
     """ops2 moe_distribute_dispatch_v2.h ``uint32_t totalSize_ = winSize / 2``, moe_distribute_combine_v2.h
     ``uint32_t halfWinSize_ = winSize / 2`` (A2 beyond 8 ranks, not layered): from 8192 MB they wrap."""
-    ll = _spec("low_latency")
+    ll = make_spec("low_latency")
     with pytest.raises(md.InvalidSpecError) as info:
-        _a2({HCCL: "8192"}).check_window(ll, 16, {}, {})
+        on_a2({HCCL: "8192"}).check_window(ll, 16, {}, {})
     assert info.value.parameter == HCCL and info.value.allowed.endswith("..8191")
-    _a2({HCCL: "8191"}).check_window(ll, 16, {}, {})
-    _a3({HCCL: "8192"}).check_window(ll, 16, {}, {})
-    _a2({HCCL: "8192"}).check_window(_spec("low_latency", experts=64), 8, {}, {})  # one node: uint64 offsets
+    on_a2({HCCL: "8191"}).check_window(ll, 16, {}, {})
+    on_a3({HCCL: "8192"}).check_window(ll, 16, {}, {})
+    on_a2({HCCL: "8192"}).check_window(make_spec("low_latency", experts=64), 8, {}, {})  # one node: uint64 offsets
 
 
 def test_the_fake_a2_multi_server_low_latency_halves_wrap():
@@ -117,13 +103,13 @@ def test_the_normal_ops_window_is_capped_where_the_half_offset_wraps():
     """cam_moe_dispatch_normal.h ``uint32_t winDataSizeOffset = dataState·(totalWinSize/2) + min(realMaxBs, 8192)
     ·k·ceil512(2H)``; ops2 halves ``totalWinSize − 4·2 MB``. T=8192, k=8, H=7168: c = 896 MiB, so the A3 op's
     window must stay below (4096 − 896)·2 = 6400 MB, A2's (one node) below 6408 MB."""
-    spec = _spec(tokens=8192, experts=16)
+    spec = make_spec(tokens=8192, experts=16)
     with pytest.raises(md.InvalidSpecError) as info:
-        _a3({HCCL: "6400"}).check_window(spec, 2, {}, {})
+        on_a3({HCCL: "6400"}).check_window(spec, 2, {}, {})
     assert info.value.parameter == HCCL and info.value.allowed == "3860..6399"
-    _a3({HCCL: "6399"}).check_window(spec, 2, {}, {})
+    on_a3({HCCL: "6399"}).check_window(spec, 2, {}, {})
     with pytest.raises(md.InvalidSpecError) as info:  # DEEPEP_HCCL_BUFFSIZE is the window the kernel halves
-        _a3({HCCL: "8000", DEEPEP: "6400"}).check_window(spec, 2, {}, {})
+        on_a3({HCCL: "8000", DEEPEP: "6400"}).check_window(spec, 2, {}, {})
     assert info.value.parameter == DEEPEP and info.value.allowed == "3860..6399"
     with pytest.raises(md.InvalidSpecError) as info:
         ascend_backend(FAKE, env={HCCL: "6408"}, soc="A2").check_window(spec, 2, {}, {})
@@ -151,8 +137,8 @@ def _largest_tokens(top_k: int, hidden: int, chips: tuple[str, ...], ceiling_chi
 
 def test_a_spec_no_ops_window_fits_is_refused_with_the_largest_tokens():
     """T=8192, k=16, H=7168 needs 7508 MB on A3 but the offset wraps from 4608 MB: no window works."""
-    spec = _spec(tokens=8192, experts=16, top_k=16)
-    cases = [(_a3({}), _largest_tokens(16, 7168, ("A3",), "A3")),
+    spec = make_spec(tokens=8192, experts=16, top_k=16)
+    cases = [(on_a3({}), _largest_tokens(16, 7168, ("A3",), "A3")),
              (ascend_backend(FAKE, env={}, soc="A2"), _largest_tokens(16, 7168, ("A3", "A2"), "A2")),
              (AscendDeepEPBackend(env={}), _largest_tokens(16, 7168, ("A3", "A2"), "A3"))]  # planning, no chip
     assert [t for _, t in cases] == [6008, 5547, 5541]

@@ -14,16 +14,11 @@ from moe_dispatch_ascend_deepep_testing.fakes import torch_npu as fake_npu
 from moe_dispatch_ascend_fuseep import FuseEPBackend
 from moe_dispatch_ascend_fuseep import vendor as v
 from moe_dispatch_ascend_fuseep_testing import FAKE, FAKE_NO_FUSE_MODE, fuseep_backend
+from moe_dispatch_ascend_fuseep_testing.support import LOCAL, H, I, K, T, fused_dispatcher
 from moe_dispatch_testing import random_expert_weights
 
-H, I, LOCAL, K, T = 1024, 512, 2, 2, 8
 A2 = 220  # torch_npu.npu.get_soc_version() of an Ascend910B1 (Atlas A2)
 SPEC = md.DispatchSpec(1024, 4, 2, num_max_dispatch_tokens_per_rank=8, mode="low_latency")
-
-
-def _dispatcher(fuse_mode: int) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, LOCAL * 2, K, num_max_dispatch_tokens_per_rank=T, mode="low_latency")
-    return md.create_dispatcher(fuseep_backend(FAKE), spec, env={}, options={"fuse_mode": fuse_mode})
 
 
 # -- the chip and the vendor build ----------------------------------------------------------------------------
@@ -33,7 +28,7 @@ def on_a2(rank: int, world: int) -> str:
     with fake_npu.soc_version(A2):
         reason = fuseep_backend(FAKE).probe()
         try:
-            d = _dispatcher(1)
+            d = fused_dispatcher(1)
         except md.BackendUnavailableError as exc:
             return f"refused: {exc.parameter}={exc.value}; probe: {reason}"
         weights = random_expert_weights(LOCAL * world, H, I, generator=torch.Generator().manual_seed(0))
@@ -80,7 +75,7 @@ def sglang_window(rank: int, world: int) -> str:
     with fake_npu.group_hccl_config(dist.group.WORLD, {v.HCCL_BUFFER_SIZE_KEY: 2048}), \
             restored_environ({v.DEEPEP_HCCL_BUFFSIZE: "2048", v.HCCL_BUFFSIZE: "400"}):
         try:
-            _dispatcher(1)
+            fused_dispatcher(1)
         except md.MoEDispatchError as exc:
             return f"{type(exc).__name__} {exc.parameter}"
     return "created"
@@ -110,7 +105,7 @@ def test_fuseep_refuses_a_group_sharing_its_window_by_name():
 
 def mixed_fuse_modes(rank: int, world: int) -> str:
     try:
-        _dispatcher(1 if rank == 0 else 2)
+        fused_dispatcher(1 if rank == 0 else 2)
     except md.ConfigMismatchError as exc:
         return f"ConfigMismatchError {exc.parameter}"
     return "created"

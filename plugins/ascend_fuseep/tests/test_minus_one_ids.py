@@ -11,24 +11,17 @@ import moe_dispatch as md
 from moe_dispatch.backend import quantize_weights_w8a8
 from moe_dispatch_ascend_fuseep import process_fuseep_weights
 from moe_dispatch_ascend_fuseep.backend import fill_minus_one
-from moe_dispatch_ascend_fuseep_testing import FAKE, fuseep_backend
 from moe_dispatch_ascend_fuseep_testing.fakes import deep_ep as fake
+from moe_dispatch_ascend_fuseep_testing.support import LOCAL, H, I, K, T, fused_dispatcher
 from moe_dispatch_testing import random_expert_weights, reference_moe, relative_error
-
-H, I, LOCAL, K, T = 1024, 512, 2, 2, 8
 
 
 def _weights(experts: int) -> md.ExpertWeights:
     return quantize_weights_w8a8(random_expert_weights(experts, H, I, generator=torch.Generator().manual_seed(0)))
 
 
-def _dispatcher(fuse_mode: int) -> md.Dispatcher:
-    spec = md.DispatchSpec(H, LOCAL * 2, K, num_max_dispatch_tokens_per_rank=T, mode="low_latency")
-    return md.create_dispatcher(fuseep_backend(FAKE), spec, env={}, options={"fuse_mode": fuse_mode})
-
-
 def minus_one(rank: int, world: int, fuse_mode: int) -> float:
-    d = _dispatcher(fuse_mode)
+    d = fused_dispatcher(fuse_mode)
     weights = _weights(LOCAL * world)
     layer = d.process_weights(weights.slice(rank * LOCAL, LOCAL))
     g = torch.Generator().manual_seed(rank)

@@ -7,7 +7,6 @@ Past 8 ranks the fakes cannot run normal mode (a CPU pool of 16 ranks is too slo
 checked on the functions that decide them (``buffers.check_serves``), with the fake Buffer executing what they call.
 """
 
-import importlib
 import os
 
 import pytest
@@ -18,45 +17,16 @@ from moe_dispatch.backend import restored_environ
 from moe_dispatch_cuda_deepep import buffers, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep_testing import EMULATOR, selfcheck
-
-H = 2048
-
-
-def _fake(name=EMULATOR):
-    return importlib.import_module(name)
-
-
-def _group():
-    return torch.distributed.group.WORLD
-
-
-def _ll_spec(world, tokens=8, experts_per_rank=4):
-    return md.DispatchSpec(H, experts_per_rank * world, 2, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
-                           output_dtype="bf16")
-
-
-def _normal_spec(world):
-    return md.DispatchSpec(H, 4 * world, 2, output_dtype="bf16")
-
-
-def _round(d, scale=1.0):
-    x = torch.randn(4, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    ids, w = torch.tensor([[0, d.spec.num_experts - 1]] * 4), torch.ones(4, 2)
-    out = d.dispatch(x, ids, w)
-    return d.combine((out.hidden_states.float() * scale).to(torch.bfloat16), out)
-
-
-def _outcome(fn):
-    try:
-        return fn()
-    except Exception as exc:  # the type and the parameter are what the tests compare
-        return type(exc).__name__, getattr(exc, "parameter", None), str(exc)[:300]
-
-
-def _short(outcome):
-    """A step's outcome: its value (a string), or (exception type, parameter)."""
-    return outcome if isinstance(outcome, str) else outcome[:2]
-
+from moe_dispatch_cuda_deepep_testing.support import (
+    H,
+    dispatch_and_combine,
+    fake_module,
+    ll_spec,
+    normal_spec,
+    outcome_of,
+    short_outcome,
+    world_group,
+)
 
 # -- one Buffer per process -----------------------------------------------------------------------------------
 
@@ -95,22 +65,22 @@ def test_layers_share_the_process_buffer(moe_rank_pools):
 
 
 def _one_nvshmem_buffer(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
-    ll, normal = _ll_spec(world), _normal_spec(world)
+    ll, normal = ll_spec(world), normal_spec(world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     nvl, _ = backend.nvl_rdma_bytes(normal, world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        mine = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=4)
+        mine = fake.Buffer(world_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=4)
         md.create_dispatcher(backend, normal, env={}, options={"buffer": mine, "buffer_num_qps_per_rank": 4})
         low = md.create_dispatcher(backend, ll, env={})  # no options: the process's NVSHMEM Buffer
         other_backend = md.create_dispatcher(DeepEPBackend(EMULATOR), ll, env={})
         same = low.backend_dispatcher.buffer is mine and other_backend.backend_dispatcher.buffer is mine
         inits = fake.NVSHMEM.live_inits
-        second = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
-        refused = _outcome(lambda: md.create_dispatcher(backend, ll, env={}, options={
+        second = fake.Buffer(world_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
+        refused = outcome_of(lambda: md.create_dispatcher(backend, ll, env={}, options={
             "buffer": second, "buffer_num_qps_per_rank": 4}) and ("created", None, ""))
-    _round(low)
+    dispatch_and_combine(low, copy=True)
     return same, inits, refused[:2], "one" in refused[2]
 
 
@@ -125,14 +95,14 @@ def test_one_nvshmem_buffer_per_process(moe_rank_pools):
 
 def _rewrapped(rank, world):
     backend = DeepEPBackend(EMULATOR)
-    ll, normal = _ll_spec(world), _normal_spec(world)
+    ll, normal = ll_spec(world), normal_spec(world)
     nvl, _ = backend.nvl_rdma_bytes(normal, world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         low = md.create_dispatcher(backend, ll, env={}, options={"buffer_bytes": (nvl, rdma)})
         normal_d = md.create_dispatcher(backend, normal, env={}, options={"buffer": low.backend_dispatcher.buffer})
     for d in (low, normal_d, low):
-        _round(d)
+        dispatch_and_combine(d, copy=True)
     return normal_d.backend_dispatcher.shared is low.backend_dispatcher.shared
 
 
@@ -144,22 +114,22 @@ def test_a_buffer_handed_back_keeps_one_wrapper_and_one_clean_state(moe_rank_poo
 
 
 def _buffer_of_another_group(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     other = torch.distributed.new_group(list(range(world)))  # the same size, another group
-    spec = _ll_spec(world)
+    spec = ll_spec(world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     options = {"buffer_num_qps_per_rank": 4}
     try:
         with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-            mine = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
-            adopted = _outcome(lambda: md.create_dispatcher(backend, spec, other, env={},
-                                                            options={**options, "buffer": mine}) and "created")
-            own = md.create_dispatcher(backend, spec, env={}, options={**options, "buffer": mine})
-            rewrapped = _outcome(lambda: md.create_dispatcher(backend, spec, other, env={},
+            mine = fake.Buffer(world_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
+            adopted = outcome_of(lambda: md.create_dispatcher(backend, spec, other, env={},
                                                               options={**options, "buffer": mine}) and "created")
-        _round(own)
-        return _short(adopted), _short(rewrapped)
+            own = md.create_dispatcher(backend, spec, env={}, options={**options, "buffer": mine})
+            rewrapped = outcome_of(lambda: md.create_dispatcher(backend, spec, other, env={},
+                                                                options={**options, "buffer": mine}) and "created")
+        dispatch_and_combine(own, copy=True)
+        return short_outcome(adopted), short_outcome(rewrapped)
     finally:
         backend.close()
 
@@ -175,7 +145,7 @@ def _disagree(rank, world):
     backend = DeepEPBackend(EMULATOR)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        return _outcome(lambda: md.create_dispatcher(backend, _ll_spec(world), env={}, options={
+        return outcome_of(lambda: md.create_dispatcher(backend, ll_spec(world), env={}, options={
             "buffer_bytes": rdma + 128 * rank}) and "created")[:2]
 
 
@@ -207,7 +177,7 @@ def test_what_a_shared_buffer_must_hold_past_8_ranks():
     assert "num_rc_per_pe" in str(info.value)
     buffers.check_serves(buffers.BufferRequest(need.num_nvl_bytes, need.num_rdma_bytes, True, 24), 16, need, normal,
                          parameter="options.buffer")
-    fake = _fake()
+    fake = fake_module()
     fields = vendor.ConfigFields(20, 6, 288, 12, 128)
     with pytest.raises(RuntimeError, match="num_rdma_bytes < std::numeric_limits<int>::max"):
         fake.internode_dispatch_checks(16, 24, fields, 7168 * 2, 0, 8, num_rdma_bytes=2**31)
@@ -216,22 +186,22 @@ def test_what_a_shared_buffer_must_hold_past_8_ranks():
 
 
 def _adopted_qps(rank, world, option):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        mine = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=1)  # 1 QP, 4 local experts
+        mine = fake.Buffer(world_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=1)  # 1 QP, 4 local experts
     options = {"buffer": mine} if option is None else {"buffer": mine, "buffer_num_qps_per_rank": option}
 
     def create_and_run():
         with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             os.environ.pop(vendor.NVSHMEM_IBGDA_NUM_RC_PER_PE, None)  # what DeepEP wrote for it is gone
-            d = md.create_dispatcher(backend, _ll_spec(world), env={}, options=options)
-        _round(d)
+            d = md.create_dispatcher(backend, ll_spec(world), env={}, options=options)
+        dispatch_and_combine(d, copy=True)
         return "ran"
 
     try:
-        return _outcome(create_and_run)[:2]
+        return outcome_of(create_and_run)[:2]
     finally:
         backend.close()
 
@@ -274,16 +244,16 @@ def test_one_buffer_serves_both_modes_past_8_ranks():
 
 
 def _close(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        low = md.create_dispatcher(backend, _ll_spec(world), env={})
-        normal = md.create_dispatcher(backend, _normal_spec(world), env={})
+        low = md.create_dispatcher(backend, ll_spec(world), env={})
+        normal = md.create_dispatcher(backend, normal_spec(world), env={})
     made = [low.backend_dispatcher.buffer, normal.backend_dispatcher.buffer]
     explicit = [b.explicitly_destroy for b in made]
-    _round(low), _round(normal)
+    dispatch_and_combine(low, copy=True), dispatch_and_combine(normal, copy=True)
     backend.close()
-    after = _outcome(lambda: _round(low))[:2]
+    after = outcome_of(lambda: dispatch_and_combine(low, copy=True))[:2]
     return explicit, [b.runtime is None for b in made], fake.NVSHMEM.live, after, list(fake.DESTRUCTOR_TEARDOWNS)
 
 

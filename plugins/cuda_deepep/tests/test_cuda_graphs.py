@@ -15,44 +15,15 @@ from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep_testing import EMULATOR
 from moe_dispatch_cuda_deepep_testing.fakes import _native
-
-H = 2048
-
-
-def _fake(name=EMULATOR):
-    return importlib.import_module(name)
-
-
-def _group():
-    return torch.distributed.group.WORLD
-
-
-def _ll_spec(world, tokens=8, experts_per_rank=4):
-    return md.DispatchSpec(H, experts_per_rank * world, 2, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
-                           output_dtype="bf16")
-
-
-def _batch(d, n=4):
-    x = torch.randn(n, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    return x, torch.tensor([[0, d.spec.num_experts - 1]] * n), torch.ones(n, 2)
-
-
-def _round(d):
-    x, ids, w = _batch(d)
-    out = d.dispatch(x, ids, w)
-    return d.combine(out.hidden_states, out)
-
-
-def _outcome(fn):
-    try:
-        return fn()
-    except Exception as exc:  # the type and the parameter are what the tests compare
-        return type(exc).__name__, getattr(exc, "parameter", None), str(exc)[:300]
-
-
-def _short(outcome):
-    """A step's outcome: its value (a string), or (exception type, parameter)."""
-    return outcome if isinstance(outcome, str) else outcome[:2]
+from moe_dispatch_cuda_deepep_testing.support import (
+    H,
+    dispatch_and_combine,
+    fake_module,
+    ll_spec,
+    outcome_of,
+    short_outcome,
+    world_group,
+)
 
 
 def _refused(fn):
@@ -67,10 +38,10 @@ def _refused(fn):
 
 
 def _replays(rank, world, pair):
-    fake = _fake()
+    fake = fake_module()
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        buf = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
+        buf = fake.Buffer(world_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
     x, w, ids = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2), torch.tensor([[0, 1]] * 2)
     graph = fake.CUDAGraph()
     try:
@@ -78,7 +49,7 @@ def _replays(rank, world, pair):
             recv, _, handle, _, _ = buf.low_latency_dispatch(x, ids, 8, 4 * world, use_fp8=False)
             if pair:
                 buf.low_latency_combine(recv, ids, w, handle)
-        return [_short(_outcome(lambda: graph.replay() or "replayed")) for _ in range(3)]
+        return [short_outcome(outcome_of(lambda: graph.replay() or "replayed")) for _ in range(3)]
     finally:
         _native.reset_context()
 
@@ -93,25 +64,26 @@ def test_a_replayed_kernel_keeps_the_half_it_was_captured_with(moe_rank_pools):
 
 
 def _graph_of_one_layer(rank, world, two_expert_counts):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
-    small, large = _ll_spec(world), _ll_spec(world, experts_per_rank=8)
+    small, large = ll_spec(world), ll_spec(world, experts_per_rank=8)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         layer_a = md.create_dispatcher(backend, large, env={})  # the captured one
         layer_b = md.create_dispatcher(backend, small if two_expert_counts else large, env={})
     for d in (layer_b, layer_a):
-        _round(d)  # warm-up, eagerly: the Buffer is in layer A's state when A is captured
+        dispatch_and_combine(d)  # warm-up, eagerly: the Buffer is in layer A's state when A is captured
     graph = fake.CUDAGraph()
 
     def capture():
         with graph.capture():
-            _round(layer_a)
+            dispatch_and_combine(layer_a)
 
     try:
-        captured = _outcome(capture)
+        captured = outcome_of(capture)
         if captured is not None:
             return captured[:2]
-        _round(layer_b)  # eagerly between two replays (another batch size, another model on the process's Buffer)
+        # eagerly between two replays (another batch size, another model on the process's Buffer)
+        dispatch_and_combine(layer_b)
         graph.replay()
         graph.replay()
         return "replayed"
@@ -133,28 +105,28 @@ def test_capture_on_a_buffer_of_two_expert_counts_is_refused(moe_rank_pools):
 
 def _capture(d, graph):
     with graph.capture():
-        _round(d)
+        dispatch_and_combine(d)
     return "captured"
 
 
 def _capture_after_adopting_a_dirty_buffer(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        mine = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
+        mine = fake.Buffer(world_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=4)
     mine.emulate_internode_normal_kernels()  # the engine used it for internode normal mode before handing it in
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer": mine,
-                                                                             "buffer_num_qps_per_rank": 4})
+        d = md.create_dispatcher(backend, ll_spec(world), env={}, options={"buffer": mine,
+                                                                            "buffer_num_qps_per_rank": 4})
     first, second = fake.CUDAGraph(), fake.CUDAGraph()
     try:
-        steps = [_outcome(lambda: _capture(d, first)),
-                 _outcome(lambda: _round(d) is not None and "eager"),  # before any replay
-                 _outcome(lambda: first.replay() or "replayed"),
-                 _outcome(lambda: _capture(d, second)),
-                 _outcome(lambda: second.replay() or "replayed")]
-        return [_short(o) for o in steps], first.kernels, second.kernels
+        steps = [outcome_of(lambda: _capture(d, first)),
+                 outcome_of(lambda: dispatch_and_combine(d) is not None and "eager"),  # before any replay
+                 outcome_of(lambda: first.replay() or "replayed"),
+                 outcome_of(lambda: _capture(d, second)),
+                 outcome_of(lambda: second.replay() or "replayed")]
+        return [short_outcome(o) for o in steps], first.kernels, second.kernels
     finally:
         _native.reset_context()
         backend.close()
@@ -170,22 +142,22 @@ def test_an_adopted_buffer_is_cleaned_at_creation_not_in_a_graph(moe_rank_pools)
 
 
 def _capture_with_a_normal_dispatch_pending(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
+        d = md.create_dispatcher(backend, ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     shared = d.backend_dispatcher.shared
     graph, again = fake.CUDAGraph(), fake.CUDAGraph()
     try:
-        _round(d)
+        dispatch_and_combine(d)
         shared.internode = True  # as past 8 ranks: a normal-mode dispatch wrote the RDMA region ...
         shared.buffer.emulate_internode_normal_kernels()
         shared.after_normal_dispatch()  # ... and its combine never ran (an aborted step)
-        steps = [_outcome(lambda: _capture(d, graph)),
-                 _outcome(lambda: _round(d) is not None and "eager"),
-                 _outcome(lambda: _capture(d, again)),
-                 _outcome(lambda: again.replay() or "replayed")]
-        return [_short(o) for o in steps], graph.kernels, again.kernels
+        steps = [outcome_of(lambda: _capture(d, graph)),
+                 outcome_of(lambda: dispatch_and_combine(d) is not None and "eager"),
+                 outcome_of(lambda: _capture(d, again)),
+                 outcome_of(lambda: again.replay() or "replayed")]
+        return [short_outcome(o) for o in steps], graph.kernels, again.kernels
     finally:
         _native.reset_context()
         backend.close()
@@ -208,7 +180,7 @@ def _layer(rank: int, world: int):  # noqa: ANN202
     fake = importlib.import_module(EMULATOR)
     backend = DeepEPBackend(EMULATOR)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
+        d = md.create_dispatcher(backend, ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     return fake, backend, d, (x, torch.tensor([[0, d.spec.num_experts - 1]] * 4), torch.ones(4, 2))
 
@@ -343,19 +315,19 @@ def test_a_capture_after_an_aborted_capture_is_refused(moe_rank_pools):
 def _close_after_capture(rank, world):
     import warnings
 
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        d = md.create_dispatcher(backend, _ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
+        d = md.create_dispatcher(backend, ll_spec(world), env={}, options={"buffer_num_qps_per_rank": 4})
     graph = fake.CUDAGraph()
     try:
         with graph.capture():
-            _round(d)
+            dispatch_and_combine(d)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             backend.close()
-        replayed = _outcome(lambda: graph.replay() or "replayed")
-        return [str(w.message)[:40] for w in caught if w.category is RuntimeWarning], _short(replayed)
+        replayed = outcome_of(lambda: graph.replay() or "replayed")
+        return [str(w.message)[:40] for w in caught if w.category is RuntimeWarning], short_outcome(replayed)
     finally:
         _native.reset_context()
         backend.close()

@@ -52,6 +52,7 @@ from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm_sm100 as emu100
 from moe_dispatch_cuda_deepep_testing.fakes import deep_gemm_v1 as emu_v1
 from moe_dispatch_cuda_deepep_testing.fakes.deep_gemm_v1_kernels import run_contiguous
 from moe_dispatch_cuda_deepep_testing.selfcheck import run_layer
+from moe_dispatch_cuda_deepep_testing.support import fake_module
 from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
 from moe_dispatch_testing.routing import random_expert_weights
 
@@ -477,10 +478,6 @@ def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_poo
 # -- the masked capacity ----------------------------------------------------------------------------------------
 
 
-def _fake(name=DEEPEP_EMULATOR):
-    return importlib.import_module(name)
-
-
 def _expert_weights(experts=E, hidden=256, inter=I):
     return random_expert_weights(experts, hidden, inter, generator=torch.Generator().manual_seed(0))
 
@@ -510,7 +507,7 @@ def test_masked_capacity_is_a_multiple_of_every_block_m():
     backend.check_spec(md.DispatchSpec(7168, 16, 8, num_max_dispatch_tokens_per_rank=128, mode="low_latency",
                                        runner="deep_gemm"), 2)
     # The fake: expert 0's last tile spills NaN into expert 1's rows, as the TMA store does.
-    fake = _fake(SM90)
+    fake = fake_module(SM90)
     a, sa = _masked_rows(8)
     b, sb = quantize_block_fp8(torch.randn(E, 128, 256, generator=torch.Generator().manual_seed(2)))
     d = torch.zeros(E, 8, 128, dtype=torch.bfloat16)
@@ -543,7 +540,7 @@ def test_bf16_rows_need_16_byte_strides():
         DeepGemmExperts("bf16", LL, SM100).process_weights(_expert_weights(2, 256, 100))
     assert info.value.parameter == "intermediate_size"
     DeepGemmExperts("bf16", LL, SM100).process_weights(_expert_weights(2, 256, 96))
-    fake = _fake(SM100)
+    fake = fake_module(SM100)
     a = torch.zeros(2, 128, 100, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="CUDA driver"):
         fake.m_grouped_bf16_gemm_nt_masked(a, torch.zeros(2, 256, 100, dtype=torch.bfloat16),
@@ -574,7 +571,7 @@ def test_the_vendors_layout_functions_are_used_when_installed():
     stub = types.SimpleNamespace(get_tma_aligned_size=lambda mn, size: 1000 + mn)
     assert vendor.dg_tma_aligned_size(stub, 5, 4) == 1005
     assert vendor.dg_tma_aligned_size(None, 5, 4) == 8
-    fake = _fake(SM100)
+    fake = fake_module(SM100)
     sf = torch.exp2(torch.randint(-5, 5, (3, 130, 8)).float())
     packed = vendor.dg_packed_ue8m0_mn_major(fake, sf)
     assert packed.dtype == torch.int32 and packed.stride(-1) == 132 and packed.stride(-2) == 1
@@ -603,7 +600,7 @@ def test_sm100_fp32_scales_are_packed_by_the_runner():
     """DeepGEMM 2.0.0 builds of 2025-07-18 .. 07-29 and 08-02 .. 08-04 assert ``mn % 4 == 0 and num_groups == 1`` when
     they cast non-contiguous (MN-major) fp32 scales to UE8M0, as DeepEP's LL layout has them: on SM100 the runner packs
     fp32 activation scales itself, with DeepGEMM's helper on contiguous scales."""
-    module = _fake(DEEP_GEMM_EMULATOR).emulate((10, 0), "2.0.0", before_f85ec64=True)
+    module = fake_module(DEEP_GEMM_EMULATOR).emulate((10, 0), "2.0.0", before_f85ec64=True)
     experts = DeepGemmExperts("block_fp8", LL, module)
     weights = random_expert_weights(4, 256, 128, generator=torch.Generator().manual_seed(0))
     layer = experts.process_weights(weights)
@@ -619,7 +616,7 @@ def test_sm100_fp32_scales_are_packed_by_the_runner():
 
 
 def _sm100_masked(garbage_past_counts):
-    module = _fake(DEEP_GEMM_EMULATOR).emulate((10, 0), "2.6.1")
+    module = fake_module(DEEP_GEMM_EMULATOR).emulate((10, 0), "2.6.1")
     experts = DeepGemmExperts("block_fp8", LL, module)
     layer = experts.process_weights(random_expert_weights(4, 256, 128, generator=torch.Generator().manual_seed(0)))
     capacity = experts.masked_capacity_multiple
@@ -650,7 +647,7 @@ def test_sm100_fp32_scales_are_refused_under_capture():
     context is lost) where earlier versions pack garbage exponents: fp32 activation scales on SM100 are refused under
     capture, naming ``hidden_states_scale`` (dispatch must send packed UE8M0)."""
     experts, layer, q, data, scale, counts = _sm100_masked(False)
-    graph = _fake().CUDAGraph()
+    graph = fake_module().CUDAGraph()
     try:
         with pytest.raises(md.InvalidInputError) as info:
             with graph.capture():
@@ -666,7 +663,7 @@ def test_sm100_fp32_scales_are_refused_under_capture():
 def test_the_fake_sm100_cast_asserts_mn_major_fp32_scales():
     """On the CUDA path ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` asserts MN-major fp32 input: K-major
     non-contiguous scales are refused."""
-    fake = _fake(SM100)
+    fake = fake_module(SM100)
     a = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
     sfa = torch.ones(128, 4)[:, :2]  # non-contiguous, K-major (stride(-1) == 1)
     b, sb = quantize_block_fp8(torch.randn(1, 128, 256, generator=torch.Generator().manual_seed(3)), ue8m0=True)
@@ -683,12 +680,12 @@ def test_the_contiguous_block_takes_its_first_rows_group():
     sa = torch.ones(256, 2)
     leading_padding = torch.cat([-torch.ones(28), torch.ones(100), torch.zeros(128)]).to(torch.int32)
     with pytest.raises(RuntimeError, match="first row"):
-        _fake(SM90).m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16),
-                                                     leading_padding)
+        fake_module(SM90).m_grouped_fp8_gemm_nt_contiguous(
+            (a, sa), (b, sb), torch.empty(256, 128, dtype=torch.bfloat16), leading_padding)
     ids = torch.cat([torch.ones(100), -torch.ones(28), torch.zeros(128)]).to(torch.int32)
     b1, sb1 = quantize_block_fp8(torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(4)), ue8m0=True)
     d = torch.empty(256, 128, dtype=torch.bfloat16)
-    _fake(SM100).m_grouped_fp8_gemm_nt_contiguous((a, torch.ones(256, 2)), (b1, sb1), d, ids)
+    fake_module(SM100).m_grouped_fp8_gemm_nt_contiguous((a, torch.ones(256, 2)), (b1, sb1), d, ids)
     assert torch.isnan(d[100:128]).all() and not torch.isnan(d[:100]).any()
 
 
@@ -697,14 +694,14 @@ def test_masked_m_past_m_is_the_fakes_refusal():
     a, sa = _masked_rows(128)
     b, sb = quantize_block_fp8(torch.randn(E, 128, 256, generator=torch.Generator().manual_seed(2)))
     with pytest.raises(RuntimeError, match=r"^\(fake\)"):
-        _fake(SM90).m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), torch.empty(E, 128, 128, dtype=torch.bfloat16),
-                                                 torch.tensor([129, 0, 0, 0], dtype=torch.int32), 8)
+        fake_module(SM90).m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), torch.empty(E, 128, 128, dtype=torch.bfloat16),
+                                                       torch.tensor([129, 0, 0, 0], dtype=torch.int32), 8)
 
 
 def test_emulated_versions_differ_as_deep_gemm_did():
     """The 4th parameter was ``m_indices`` up to 2.2.0 and is ``grouped_layout`` from 2.3.0; ``set_mk_alignment_…``
     arrived in 2.4.2."""
-    emulate = _fake(SM90).emulate
+    emulate = fake_module(SM90).emulate
     old, mid, new = emulate((9, 0), "2.2.0"), emulate((9, 0), "2.3.0"), emulate((9, 0), "2.4.2")
     assert list(inspect.signature(getattr(old, vendor.DG_FP8_CONTIGUOUS)).parameters)[3] == "m_indices"
     assert list(inspect.signature(getattr(mid, vendor.DG_FP8_CONTIGUOUS)).parameters)[3] == "grouped_layout"
@@ -713,7 +710,7 @@ def test_emulated_versions_differ_as_deep_gemm_did():
 
 def test_the_fake_converts_arguments_as_pybind():
     """Bool arguments take None (pybind's convert pass); ``expected_m_for_psum_layout`` is an optional int."""
-    fake = _fake(SM90)
+    fake = fake_module(SM90)
     a = torch.zeros(128, 256, dtype=torch.bfloat16)
     b = torch.zeros(1, 128, 256, dtype=torch.bfloat16)
     d, ids = torch.empty(128, 128, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.int32)
@@ -725,7 +722,7 @@ def test_the_fake_converts_arguments_as_pybind():
 def test_the_fake_layout_helpers_take_their_versions_arguments():
     """Before 2.6.1 ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` is bound without ``py::arg`` (``(arg0, /)``), and
     ``set_mk_alignment_for_contiguous_layout`` always is: keywords fail as pybind fails."""
-    fakes = _fake(DEEP_GEMM_EMULATOR)
+    fakes = fake_module(DEEP_GEMM_EMULATOR)
     sf = torch.ones(128, 4)
     for version in ("2.3.0", "2.5.0"):
         module = fakes.emulate((10, 0), version)
@@ -741,7 +738,7 @@ def test_before_2_6_1_the_cuda_cast_packs_garbage_exponents():
     """Before 2.6.1 the CUDA cast ORs each value's bits shifted into place (``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 <<
     1``): a non-power of two brings its mantissa into the lower bytes; 2.6.1 device-asserts powers of two instead. Only
     the PyTorch fallback truncates."""
-    fakes = _fake(DEEP_GEMM_EMULATOR)
+    fakes = fake_module(DEEP_GEMM_EMULATOR)
     def packed_bytes(sf, version):
         word = int(vendor.dg_packed_ue8m0_mn_major(fakes.emulate((10, 0), version), sf).reshape(-1)[0])
         return list((word & 0xFFFFFFFF).to_bytes(4, "little"))

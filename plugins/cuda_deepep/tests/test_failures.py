@@ -15,37 +15,24 @@ import torch
 import moe_dispatch as md
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep_testing import EMULATOR
+from moe_dispatch_cuda_deepep_testing.support import routed_inputs, routed_spec
 from moe_dispatch_testing import combine_unless_stalled, dispatch_with_a_bad_id, on_a_fresh_pool, outcome
-from moe_dispatch_testing.routing import random_routing
 
-H, TOKENS, TOP_K, PER_RANK = 2048, 8, 3, 4
 TIMEOUT_S = 2.0
 #: How long rank 1 stays away: past rank 0's timeout (it returns to the pool idle, which rank 0 cannot tell apart).
 STALL_S = TIMEOUT_S + 1
 
 
-def _spec(world: int, mode: str, dtype: str) -> md.DispatchSpec:
-    return md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
-                           output_dtype=dtype)
-
-
-def _inputs(rank: int, num_experts: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
-    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
-    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
-    return x, ids, w, other_ids
-
-
 def _bad_input_on_rank_1(rank: int, world: int, mode: str):
-    d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S * 15)
-    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), routed_spec(world, mode, "bf16"), env={},
+                             timeout_s=TIMEOUT_S * 15)
+    x, ids, w, _ = routed_inputs(rank, d.spec.num_experts)
     return dispatch_with_a_bad_id(d, x, ids, w, bad=rank == 1)
 
 
 def _stalls_before_combine(rank: int, world: int, mode: str):
-    d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S)
-    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), routed_spec(world, mode, "bf16"), env={}, timeout_s=TIMEOUT_S)
+    x, ids, w, _ = routed_inputs(rank, d.spec.num_experts)
     return combine_unless_stalled(d, x, ids, w, stall_s=STALL_S if rank == 1 else None)  # rank 1 never combines
 
 
@@ -74,8 +61,8 @@ def test_a_rank_that_never_combines_is_named_after_the_dispatchers_timeout(mode)
 
 def _one_rank_never_closes(rank: int, world: int):
     backend = DeepEPBackend(EMULATOR)
-    d = md.create_dispatcher(backend, _spec(world, "normal", "bf16"), env={})
-    x, ids, w, _ = _inputs(rank, d.spec.num_experts)
+    d = md.create_dispatcher(backend, routed_spec(world, "normal", "bf16"), env={})
+    x, ids, w, _ = routed_inputs(rank, d.spec.num_experts)
     out = d.dispatch(x, ids, w)
     d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16), out)
     if rank == 1:

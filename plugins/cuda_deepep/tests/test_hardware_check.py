@@ -19,12 +19,9 @@ from moe_dispatch_cuda_deepep_testing import (
     EMULATOR_V1_TOPK9,
     hardware,
 )
+from moe_dispatch_cuda_deepep_testing.support import fake_module
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hardware_check.py"
-
-
-def _fake(name=EMULATOR):
-    return importlib.import_module(name)
 
 
 def _run_script(rank, world):
@@ -77,12 +74,12 @@ def test_hardware_signatures_follow_the_installed_release():
     """Each DeepEP build is compared with its own release's records (``vendor.deep_ep_signatures``): 1.2.1's constructor
     has no ``enable_shrink``, main's has."""
     for name in (EMULATOR_V1_TOPK9, EMULATOR_NVFP4, EMULATOR):
-        rows = hardware.signature_rows(_fake(name), hardware.signature_records(_fake(name)), "signature")
+        rows = hardware.signature_rows(fake_module(name), hardware.signature_records(fake_module(name)), "signature")
         assert all(r.ok for r in rows), [r for r in rows if not r.ok]
 
 
 def _late_121(version, use_fabric=True):
-    base = _fake(EMULATOR)
+    base = fake_module(EMULATOR)
 
     class Buffer(base.Buffer):
         if use_fabric:
@@ -109,7 +106,7 @@ def test_late_1_2_1_builds_have_use_fabric():
 def test_size_rows_of_deepep_1_0_use_its_tables():
     """DeepEP 1.0 (ebfe47e) returns ``Config(num_sms, 6, 256, 6, 128)`` for any R <= 8 and ``(16, 288, 20, 128)`` for
     EP16 dispatch: the size rows compare it with 1.0's tables, not 1.2.1's."""
-    base = _fake(EMULATOR)
+    base = fake_module(EMULATOR)
     v10 = {8: ((6, 256, 6, 128), (6, 256, 6, 128)), 16: ((16, 288, 20, 128), (2, 288, 28, 128))}
 
     class Buffer(base.Buffer):
@@ -131,7 +128,7 @@ def test_size_rows_of_deepep_1_0_use_its_tables():
 def test_deep_gemm_signature_rows_follow_the_build():
     """DeepGEMM 2.0.0 before f85ec64 has only ``fp8_m_grouped_gemm_nt_masked`` and no BF16 grouped GEMMs; 2.3–2.5 bind
     the packed-UE8M0 helper without ``py::arg``: the signature rows follow the build found."""
-    fakes = _fake(DEEP_GEMM_EMULATOR)
+    fakes = fake_module(DEEP_GEMM_EMULATOR)
     for module in (fakes.emulate((9, 0), "2.0.0", before_f85ec64=True), fakes.emulate((9, 0), "2.0.0"),
                    fakes.emulate((10, 0), "2.3.0"), fakes.emulate((10, 0), "2.5.0"), fakes.emulate((10, 0), "2.6.1")):
         rows = hardware.signature_rows(module, hardware.signature_records(module), "signature")

@@ -6,7 +6,6 @@ Past 8 ranks the fakes cannot run normal mode (a CPU pool of 16 ranks is too slo
 checked on the functions that decide them, with the fake Buffer executing what they call.
 """
 
-import importlib
 import sys
 import types
 
@@ -21,34 +20,8 @@ from moe_dispatch_cuda_deepep import buffers, vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep_testing import EMULATOR, FAKES
 from moe_dispatch_cuda_deepep_testing.fakes import _native
+from moe_dispatch_cuda_deepep_testing.support import H, fake_module, ll_spec, normal_spec, outcome_of, world_group
 from moe_dispatch_testing.signatures import differences
-
-H = 2048
-
-
-def _fake(name=EMULATOR):
-    return importlib.import_module(name)
-
-
-def _group():
-    return torch.distributed.group.WORLD
-
-
-def _ll_spec(world, tokens=8, experts_per_rank=4):
-    return md.DispatchSpec(H, experts_per_rank * world, 2, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
-                           output_dtype="bf16")
-
-
-def _normal_spec(world):
-    return md.DispatchSpec(H, 4 * world, 2, output_dtype="bf16")
-
-
-def _outcome(fn):
-    try:
-        return fn()
-    except Exception as exc:  # the type and the parameter are what the tests compare
-        return type(exc).__name__, getattr(exc, "parameter", None), str(exc)[:300]
-
 
 # -- EP sizes, experts, top-k ---------------------------------------------------------------------------------
 
@@ -95,12 +68,12 @@ def test_low_latency_needs_two_experts_and_few_warp_groups():
 
 
 def _pcie(rank, world):
-    fake = _fake()
+    fake = fake_module()
     saved = fake.EMULATED_DEVICE_NAME
     fake.EMULATED_DEVICE_NAME = "NVIDIA A100-PCIE-40GB"
     try:
         with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-            return _outcome(lambda: fake.Buffer(_group(), 1 << 20) and "made")[:1]
+            return outcome_of(lambda: fake.Buffer(world_group(), 1 << 20) and "made")[:1]
     finally:
         fake.EMULATED_DEVICE_NAME = saved
 
@@ -110,14 +83,14 @@ def test_pcie_gpus_pair_only(moe_rank_pools):
     (``check_nvlink_connections``): the fake asserts it on 4 ranks, and ``check_spec`` refuses such a group, naming
     ``world_size``."""
     assert moe_rank_pools.get(4).map(_pcie) == [("AssertionError",)] * 4
-    fake = _fake()
+    fake = fake_module()
     saved = fake.EMULATED_DEVICE_NAME
     fake.EMULATED_DEVICE_NAME = "NVIDIA A100-PCIE-40GB"
     try:
         with pytest.raises(md.InvalidSpecError) as info:
-            DeepEPBackend(EMULATOR).check_spec(_ll_spec(4), 4)
+            DeepEPBackend(EMULATOR).check_spec(ll_spec(4), 4)
         assert info.value.parameter == "world_size"
-        DeepEPBackend(EMULATOR).check_spec(_ll_spec(2), 2)
+        DeepEPBackend(EMULATOR).check_spec(ll_spec(2), 2)
     finally:
         fake.EMULATED_DEVICE_NAME = saved
 
@@ -126,7 +99,7 @@ def test_pcie_gpus_pair_only(moe_rank_pools):
 
 
 def _intranode_hidden_8192(rank, world):
-    fake = _fake()
+    fake = fake_module()
     cfg = fake.Buffer.get_dispatch_config(world)
     try:
         with restored_environ(names=vendor.NVSHMEM_WRITTEN):
@@ -169,7 +142,7 @@ def test_internode_normal_qps_cover_the_configs_sms():
     assert request.num_sms == 32 and vendor.internode_qps_ok(request.num_qps_per_rank, 32)
     assert not vendor.internode_qps_ok(24, 32) and vendor.internode_qps_ok(16, 32)
     with pytest.raises(RuntimeError, match="num_rc_per_pe"):  # the fake's internode checks say the same
-        _fake().internode_dispatch_checks(16, 24, fields, 7168 * 2, 0, 8)
+        fake_module().internode_dispatch_checks(16, 24, fields, 7168 * 2, 0, 8)
 
 
 def test_user_configs_must_be_readable():
@@ -178,7 +151,7 @@ def test_user_configs_must_be_readable():
     and both directions need the SMs of the tuned ``Buffer.num_sms``."""
     spec = md.DispatchSpec(H, 8, 2, output_dtype="fp8")
     with pytest.raises(md.InvalidSpecError) as info:
-        DeepEPBackend(EMULATOR).check_options(spec, 2, {"dispatch_config": _fake().Config(24, 6, 256, 6, 128)})
+        DeepEPBackend(EMULATOR).check_options(spec, 2, {"dispatch_config": fake_module().Config(24, 6, 256, 6, 128)})
     assert info.value.parameter == "options.dispatch_config" and "ConfigFields" in info.value.allowed
     with pytest.raises(md.InvalidSpecError, match="num_sms"):  # the other one is tuned: Buffer.num_sms = 20
         DeepEPBackend(EMULATOR).check_options(spec, 2, {"dispatch_config": vendor.ConfigFields(24, 6, 256, 6,
@@ -207,15 +180,15 @@ def test_config_num_sms_bounds():
     for sms, world in ((0, 8), (2, 16), (58, 16), (vendor.H100_NUM_SMS + 2, 8)):
         fields = vendor.ConfigFields(sms, 6, 288, 12, 128)
         with pytest.raises(md.InvalidSpecError) as info:
-            backend.check_options(_normal_spec(world), world, {"dispatch_config": fields, "combine_config": fields})
+            backend.check_options(normal_spec(world), world, {"dispatch_config": fields, "combine_config": fields})
         assert info.value.parameter == "options.dispatch_config" and "num_sms" in str(info.value), (sms, world)
     ok = vendor.ConfigFields(56, 6, 288, 12, 128)
-    backend.check_options(_normal_spec(16), 16, {"dispatch_config": ok, "combine_config": ok})
-    fake = _fake()
+    backend.check_options(normal_spec(16), 16, {"dispatch_config": ok, "combine_config": ok})
+    fake = fake_module()
     try:
         fake.Buffer.set_num_sms(0)
         with pytest.raises(md.InvalidSpecError) as info:
-            DeepEPBackend(EMULATOR).buffer_size(_normal_spec(8), 8)
+            DeepEPBackend(EMULATOR).buffer_size(normal_spec(8), 8)
         assert info.value.parameter == "deep_ep.Buffer.num_sms"
     finally:
         fake.Buffer.set_num_sms(vendor.DEFAULT_NUM_SMS)
@@ -229,12 +202,12 @@ def test_buffer_bytes_pairs_are_checked_per_mode():
     on an LL Buffer of 1, 3, 5, 6 or 7 ranks make its destructor throw (``intranode::barrier`` has no kernel for them:
     ``std::terminate``). Both are refused, naming ``options.buffer_bytes``; the pairs DeepEP takes pass."""
     backend = DeepEPBackend(EMULATOR)
-    for spec, world, pair in ((_ll_spec(6), 6, (1 << 20, 1 << 30)), (_normal_spec(8), 8, (1 << 28, 1 << 20))):
+    for spec, world, pair in ((ll_spec(6), 6, (1 << 20, 1 << 30)), (normal_spec(8), 8, (1 << 28, 1 << 20))):
         with pytest.raises(md.InvalidSpecError) as info:
             backend.check_options(spec, world, {"buffer_bytes": pair})
         assert info.value.parameter == "options.buffer_bytes", info.value
-    backend.check_options(_ll_spec(8), 8, {"buffer_bytes": (1 << 20, 1 << 30)})  # normal-mode bytes for later
-    backend.check_options(_normal_spec(8), 8, {"buffer_bytes": (1 << 28, 0)})
+    backend.check_options(ll_spec(8), 8, {"buffer_bytes": (1 << 20, 1 << 30)})  # normal-mode bytes for later
+    backend.check_options(normal_spec(8), 8, {"buffer_bytes": (1 << 28, 0)})
 
 
 def test_constructor_byte_limits_are_typed():
@@ -242,7 +215,7 @@ def test_constructor_byte_limits_are_typed():
     < INT_MAX`` (csrc/legacy/buffer.hpp Buffer::Buffer): a reservation breaking them is a ``CapacityError`` naming
     ``options.buffer_bytes`` before anything is created."""
     backend = DeepEPBackend(EMULATOR)
-    ll = _ll_spec(8)
+    ll = ll_spec(8)
     need = backend.buffer_request(ll, 8)
     for reserve in ((2**31, need.num_rdma_bytes), 16 * vendor.INT_MAX):
         with pytest.raises(md.CapacityError) as info:
@@ -260,7 +233,7 @@ def test_constructor_byte_limits_are_typed():
 def _deep_ep_before_ue8m0(monkeypatch, v10):
     """DeepEP 1.0 (ebfe47e) or 1.1.0 before 21efbe9 (9ec0612): ``low_latency_dispatch`` without round_scale/use_ue8m0
     (and, on 1.0, without use_fp8)."""
-    base = _fake()
+    base = fake_module()
 
     class Buffer(base.Buffer):
         if v10:

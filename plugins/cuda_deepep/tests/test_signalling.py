@@ -7,7 +7,6 @@ Past 8 ranks the fakes cannot run normal mode: the fake Buffer's ``emulate_inter
 those kernels write, and ``SharedBuffer.after_normal`` is called as a combine there calls it.
 """
 
-import importlib
 
 import torch
 
@@ -17,58 +16,26 @@ from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep_testing import EMULATOR
 from moe_dispatch_cuda_deepep_testing.fakes import _native
-
-H = 2048
-
-
-def _fake(name=EMULATOR):
-    return importlib.import_module(name)
-
-
-def _group():
-    return torch.distributed.group.WORLD
-
-
-def _ll_spec(world, tokens=8, experts_per_rank=4):
-    return md.DispatchSpec(H, experts_per_rank * world, 2, num_max_dispatch_tokens_per_rank=tokens, mode="low_latency",
-                           output_dtype="bf16")
-
-
-def _normal_spec(world):
-    return md.DispatchSpec(H, 4 * world, 2, output_dtype="bf16")
-
-
-def _batch(d, n=4):
-    x = torch.randn(n, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    return x, torch.tensor([[0, d.spec.num_experts - 1]] * n), torch.ones(n, 2)
-
-
-def _round(d):
-    x, ids, w = _batch(d)
-    out = d.dispatch(x, ids, w)
-    return d.combine(out.hidden_states, out)
-
-
-def _outcome(fn):
-    try:
-        return fn()
-    except Exception as exc:  # the type and the parameter are what the tests compare
-        return type(exc).__name__, getattr(exc, "parameter", None), str(exc)[:300]
-
-
-def _short(outcome):
-    """A step's outcome: its value (a string), or (exception type, parameter)."""
-    return outcome if isinstance(outcome, str) else outcome[:2]
-
+from moe_dispatch_cuda_deepep_testing.support import (
+    H,
+    batch,
+    dispatch_and_combine,
+    fake_module,
+    ll_spec,
+    normal_spec,
+    outcome_of,
+    short_outcome,
+    world_group,
+)
 
 # -- where the counts sit -------------------------------------------------------------------------------------
 
 
 def _fake_signalling(rank, world):
-    fake = _fake()
+    fake = fake_module()
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 256)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        buf = fake.Buffer(_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=256)
+        buf = fake.Buffer(world_group(), 0, rdma, low_latency_mode=True, num_qps_per_rank=256)
     x, w = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2)
     ids = torch.tensor([[0, 1]] * 2)
 
@@ -87,10 +54,10 @@ def _fake_signalling(rank, world):
         buf.clean_low_latency_buffer(8, H, 256)
         buf.clean_low_latency_buffer(8, H, 128)
         dispatch(256)  # E' on half 0: its counts [0, 1024) written; DeepEP's buffer index now 1
-        smaller_on_half_1 = _outcome(lambda: dispatch(128) and "clean")  # E's half 1 = [512, 1024): E''s counts
+        smaller_on_half_1 = outcome_of(lambda: dispatch(128) and "clean")  # E's half 1 = [512, 1024): E''s counts
     finally:
         _native.reset_context()
-    return after_a_round, _short(smaller_on_half_1), "stale" in str(smaller_on_half_1)
+    return after_a_round, short_outcome(smaller_on_half_1), "stale" in str(smaller_on_half_1)
 
 
 def test_the_fake_signalling_follows_deepeps_layout(moe_rank_pools):
@@ -120,7 +87,7 @@ def test_signalling_halves_and_the_docs():
 
 
 def _normal_then_low_latency(rank, world, clean_first=False):
-    fake = _fake()
+    fake = fake_module()
     spec_n = md.DispatchSpec(H, 4 * world, 2, output_dtype="bf16")
     spec_l = md.DispatchSpec(H, 4 * world, 2, num_max_dispatch_tokens_per_rank=8, mode="low_latency",
                              output_dtype="bf16")
@@ -154,12 +121,12 @@ def test_low_latency_after_intranode_normal_mode_on_a_shared_buffer_runs(moe_ran
 
 
 def _what_dirties(rank, world):
-    fake = _fake()
+    fake = fake_module()
     cfg = fake.Buffer.get_dispatch_config(world)
     nvl = cfg.get_nvl_buffer_size_hint(2 * H, world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 40 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        buf = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=40)
+        buf = fake.Buffer(world_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=40)
     x, w = torch.zeros(2, H, dtype=torch.bfloat16), torch.ones(2, 2)
     ids = torch.tensor([[0, 1]] * 2)
 
@@ -172,30 +139,30 @@ def _what_dirties(rank, world):
     _, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                          num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w, config=cfg)
     try:
-        intranode_normal = _outcome(lambda: ll(8, 4 * world) or "clean")
-        other_t = _outcome(lambda: ll(4, 4 * world) or "clean")  # same E, another T: the counts did not move
+        intranode_normal = outcome_of(lambda: ll(8, 4 * world) or "clean")
+        other_t = outcome_of(lambda: ll(4, 4 * world) or "clean")  # same E, another T: the counts did not move
         # A larger E whose counts lie where E = 4R's kernels wrote data (from 2·align_up(16R, 128); round three).
-        larger_e = _outcome(lambda: ll(8, 40 * world) or "clean")
+        larger_e = outcome_of(lambda: ll(8, 40 * world) or "clean")
     finally:
         _native.reset_context()
     return intranode_normal, other_t, "stale" in larger_e[2]
 
 
 def _adapter_cleans(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
-    ll, normal = _ll_spec(world), _normal_spec(world)
+    ll, normal = ll_spec(world), normal_spec(world)
     nvl, _ = backend.nvl_rdma_bytes(normal, world)
     rdma = vendor.ported_low_latency_rdma_size_hint(8, H, world, 4 * world)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        mine = fake.Buffer(_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=4)
+        mine = fake.Buffer(world_group(), nvl, rdma, low_latency_mode=True, num_qps_per_rank=4)
         options = {"buffer": mine, "buffer_num_qps_per_rank": 4}
         low = md.create_dispatcher(backend, ll, env={}, options=options)
         normal_d = md.create_dispatcher(backend, normal, env={}, options=options)
-    _round(low)  # an adopted Buffer's history is unknown: one clean first
+    dispatch_and_combine(low)  # an adopted Buffer's history is unknown: one clean first
     first = sum(c.method == "clean_low_latency_buffer" for c in mine.calls)
     for d in (normal_d, low, normal_d, low):
-        _round(d)
+        dispatch_and_combine(d)
     backend.close()
     return first, sum(c.method == "clean_low_latency_buffer" for c in mine.calls) - first
 
@@ -212,14 +179,14 @@ def test_only_internode_normal_mode_and_another_expert_count_dirty_the_signallin
 
 
 def _internode_normal_between_replays(rank, world):
-    fake = _fake()
+    fake = fake_module()
     backend = DeepEPBackend(EMULATOR)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
-        low = md.create_dispatcher(backend, _ll_spec(world), env={})
-    _round(low)
+        low = md.create_dispatcher(backend, ll_spec(world), env={})
+    dispatch_and_combine(low)
     graph = fake.CUDAGraph()
     with graph.capture():
-        _round(low)
+        dispatch_and_combine(low)
     shared = low.backend_dispatcher.shared
     shared.internode = True  # as on a group past 8 ranks, whose normal-mode kernels write the RDMA region
     shared.buffer.emulate_internode_normal_kernels()
@@ -238,19 +205,19 @@ def test_internode_normal_mode_cleans_eagerly_for_replays(moe_rank_pools):
 
 def _two_expert_counts_after_internode_normal(rank, world):
     backend = DeepEPBackend(EMULATOR)
-    large, small = _ll_spec(world, experts_per_rank=40), _ll_spec(world, experts_per_rank=32)
+    large, small = ll_spec(world, experts_per_rank=40), ll_spec(world, experts_per_rank=32)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         a = md.create_dispatcher(backend, large, env={})
         b = md.create_dispatcher(backend, small, env={})
     try:
-        _round(a)
-        b.dispatch(*_batch(b))  # a dispatch whose combine never ran (an aborted step): DeepEP's buffer index is 1
+        dispatch_and_combine(a)
+        b.dispatch(*batch(b))  # a dispatch whose combine never ran (an aborted step): DeepEP's buffer index is 1
         shared = a.backend_dispatcher.shared
         shared.internode = True  # as past 8 ranks, where normal-mode kernels write the RDMA region
         shared.buffer.emulate_internode_normal_kernels()
         shared.after_normal()  # the end of a normal-mode combine on the Buffer
-        outcome = _outcome(lambda: _round(b) is not None and "clean")
-        return _short(outcome), "stale" in str(outcome)
+        outcome = outcome_of(lambda: dispatch_and_combine(b) is not None and "clean")
+        return short_outcome(outcome), "stale" in str(outcome)
     finally:
         _native.reset_context()
         backend.close()

@@ -24,16 +24,10 @@ from moe_dispatch_cuda_deepep_testing import (
     EMULATOR_V1_TOPK9,
 )
 from moe_dispatch_cuda_deepep_testing.fakes import _native
+from moe_dispatch_cuda_deepep_testing.support import PER_RANK, H, fake_module, routed_inputs, routed_spec
 from moe_dispatch_testing import ScaledLayer, routing_reuse
-from moe_dispatch_testing.routing import random_routing
 
-H = 2048
 LL, NORMAL = md.Mode.LOW_LATENCY, md.Mode.NORMAL
-TOKENS, TOP_K, PER_RANK = 8, 3, 4
-
-
-def _fake(name=EMULATOR):
-    return importlib.import_module(name)
 
 
 def _round_trip(rank, world, vendor_module, mode, dtype="fp8", options=None, tokens=8, top_k=2, env=None):
@@ -99,22 +93,9 @@ def test_topk_index_dtype_follows_deep_ep_topk_idx_t(moe_rank_pools):
             assert seen["shape"] == (8, H)
 
 
-def _spec(world: int, mode: str, dtype: str) -> md.DispatchSpec:
-    return md.DispatchSpec(H, PER_RANK * world, TOP_K, num_max_dispatch_tokens_per_rank=TOKENS, mode=mode,
-                           output_dtype=dtype)
-
-
-def _inputs(rank: int, num_experts: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(TOKENS, H, generator=g).to(torch.bfloat16)
-    ids, w = random_routing(TOKENS, num_experts, TOP_K, generator=g, drop_prob=0.1)
-    other_ids, _ = random_routing(TOKENS, num_experts, TOP_K, generator=g)
-    return x, ids, w, other_ids
-
-
 def _combine_after_the_router_buffers_change(rank: int, world: int, mode: str, dtype: str):
-    d = md.create_dispatcher(DeepEPBackend(EMULATOR), _spec(world, mode, dtype), env={})
-    x, ids, w, other_ids = _inputs(rank, d.spec.num_experts)
+    d = md.create_dispatcher(DeepEPBackend(EMULATOR), routed_spec(world, mode, dtype), env={})
+    x, ids, w, other_ids = routed_inputs(rank, d.spec.num_experts)
     layer = ScaledLayer.for_rank(H, d.spec.num_experts, rank, PER_RANK)
     return tuple(routing_reuse(d, layer, x, ids, w, other_ids))
 
@@ -368,7 +349,7 @@ def test_hybrid_ep_positional_order_and_return_tuple(moe_rank_pools):
 
 
 def _hybrid_scale(rank, world, gs):
-    fake = _fake(EMULATOR_NVFP4)
+    fake = fake_module(EMULATOR_NVFP4)
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(8, H, 1, 2),
                           low_latency_mode=True, num_qps_per_rank=2)
@@ -396,17 +377,17 @@ def test_the_fake_fp8_cast_multiplies_as_the_kernel_does():
     with ``round_scale`` the exponent by bits (``fast_log2_ceil``)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 128, generator=g) * 3).to(torch.bfloat16)
-    data, inv = _fake()._quantize_fp8(x, False)
+    data, inv = fake_module()._quantize_fp8(x, False)
     amax = x.float().abs().amax(1, keepdim=True).clamp(min=1e-4)
     want = (x.float() * (torch.tensor(448.0) / amax)).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(inv, (amax * torch.tensor(1 / 448.0, dtype=torch.float32)).squeeze(1).unsqueeze(1))
-    _, rounded = _fake()._quantize_fp8(torch.full((1, 128), 2.0**30).to(torch.bfloat16), True)
+    _, rounded = fake_module()._quantize_fp8(torch.full((1, 128), 2.0**30).to(torch.bfloat16), True)
     assert rounded.item() == 2.0**22  # 2^fast_log2_ceil(2^30 · (1/448f))
 
 
 def _ll_receive(rank, world, hook=False):
-    fake = _fake()
+    fake = fake_module()
     with restored_environ(names=vendor.NVSHMEM_WRITTEN):
         buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(16, H, 1, 2),
                           low_latency_mode=True, num_qps_per_rank=2)
@@ -431,7 +412,7 @@ def test_receive_rows_are_garbage_past_the_count_in_any_order_and_no_hook(moe_ra
 
 
 def _trap_then_call(rank, world):
-    fake = _fake()
+    fake = fake_module()
     try:
         with restored_environ(names=vendor.NVSHMEM_WRITTEN):
             buf = fake.Buffer(torch.distributed.group.WORLD, 0, vendor.ported_low_latency_rdma_size_hint(8, H, 1, 8),
@@ -466,7 +447,7 @@ def test_the_fake_bool_caster_converts_as_pybind():
 
 
 def _finalize_under_a_live_buffer(rank, world):
-    fake = _fake()
+    fake = fake_module()
     size = vendor.ported_low_latency_rdma_size_hint(8, H, world, 8)
     try:
         with restored_environ(names=vendor.NVSHMEM_WRITTEN):
@@ -490,7 +471,7 @@ def test_the_fake_models_one_nvshmem_per_process(moe_rank_pools):
     memory; a second LL Buffer past 8 ranks fails the team split's assert."""
     errors = moe_rank_pools.get(2).map(_finalize_under_a_live_buffer)
     assert all(e and "finalize" in e for e in errors), errors
-    fake = _fake()
+    fake = fake_module()
     state = fake.NvshmemState()
     state.init(3, 16, team_split_stride=8)
     with pytest.raises(RuntimeError, match="cpu_rdma_team == NVSHMEM_TEAM_INVALID"):
@@ -501,11 +482,11 @@ def test_the_fake_nvshmem_refuses_another_pe_numbering():
     """DeepEP asserts the PE NVSHMEM reports (``nvshmem_rank == nvshmem::init(...)``): a normal-mode Buffer past 8 ranks
     (PE ``rdma_rank`` of the nodes) then an LL Buffer (PE ``rank``) fail it on every rank but the first of each node;
     the same numbering twice is allowed and counted (hardware settles it)."""
-    state = _fake().NvshmemState()
+    state = fake_module().NvshmemState()
     state.init(*vendor.nvshmem_pe(13, 16, False), 0)
     with pytest.raises(RuntimeError, match=r"nvshmem_rank == nvshmem::init"):
         state.init(*vendor.nvshmem_pe(13, 16, True), 8)
-    again = _fake().NvshmemState()
+    again = fake_module().NvshmemState()
     again.init(0, 2, 0)
     again.init(0, 2, 0)  # the same numbering: allowed and counted (hardware settles it)
     assert again.live_inits == 2

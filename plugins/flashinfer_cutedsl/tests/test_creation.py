@@ -21,11 +21,9 @@ from moe_dispatch_flashinfer_cutedsl_testing import (
     FAKE_0_7_1,
     FAKE_0_7_2,
 )
-from moe_dispatch_flashinfer_cutedsl_testing.support import OneRank, fake, raw_moe_alltoall
+from moe_dispatch_flashinfer_cutedsl_testing.support import E, H, OneRank, fake, raw_moe_alltoall
 
 pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
-
-H, E = 256, 8
 
 
 # -- agreed before anything is allocated -------------------------------------------------------------

@@ -25,6 +25,8 @@ from moe_dispatch_flashinfer_cutedsl_testing import (
     FAKE_0_7_2,
 )
 from moe_dispatch_flashinfer_cutedsl_testing.support import (
+    E,
+    H,
     fake,
     metainfo_word,
     raw_moe_alltoall,
@@ -35,8 +37,6 @@ from moe_dispatch_flashinfer_cutedsl_testing.support import (
 from moe_dispatch_testing import ScaledLayer, random_routing, relative_error, routing_reuse
 
 pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
-
-H, E = 256, 8
 
 
 # -- -1 ids ------------------------------------------------------------------------------------------

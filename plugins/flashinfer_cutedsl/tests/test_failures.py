@@ -16,7 +16,7 @@ import moe_dispatch.backend as mdb
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl_testing import FAKE_0_6_15, FAKE_0_6_17, FAKE_0_7_2
-from moe_dispatch_flashinfer_cutedsl_testing.support import fake
+from moe_dispatch_flashinfer_cutedsl_testing.support import E, H, fake
 from moe_dispatch_testing import (
     combine_unless_stalled,
     dispatch_with_a_bad_id,
@@ -28,7 +28,6 @@ from moe_dispatch_testing import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
 
-H, E = 256, 8
 TOKENS, TOP_K, PER_RANK = 8, 3, 4
 TIMEOUT_S = 2.0
 

@@ -26,6 +26,8 @@ from moe_dispatch_flashinfer_cutedsl_testing import (
 from moe_dispatch_flashinfer_cutedsl_testing.fakes import mnnvl
 from moe_dispatch_flashinfer_cutedsl_testing.support import (
     MNNVL_COLLECTIVES,
+    E,
+    H,
     fake,
     mnnvl_collectives,
     one_rank,
@@ -35,8 +37,6 @@ from moe_dispatch_flashinfer_cutedsl_testing.support import (
 from moe_dispatch_testing import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
-
-H, E = 256, 8
 
 
 # -- the communicator ------------------------------------------------------------------------------

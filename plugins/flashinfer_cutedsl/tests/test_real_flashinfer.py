@@ -31,6 +31,8 @@ from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend  # noqa
 from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import GroupCommBackend, LocalCommBackend  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl_testing import REAL_PYTHON_ON_FAKE_KERNELS, fake_for  # noqa: E402
 from moe_dispatch_flashinfer_cutedsl_testing.support import (  # noqa: E402
+    E,
+    H,
     Recording,
     flashinfer_sizes,
     mnnvl_collectives,
@@ -42,7 +44,6 @@ from moe_dispatch_testing.signatures import compare, differences, signature_from
 pytestmark = [pytest.mark.vendor_code,
               pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")]
 REAL = REAL_PYTHON_ON_FAKE_KERNELS
-H, E = 256, 8
 
 
 def _real():  # noqa: ANN202

@@ -12,9 +12,7 @@ import pytest
 from moe_dispatch_flashinfer_cutedsl import vendor
 from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import LocalCommBackend
 from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR, FAKE_0_7_0, FAKE_0_7_1, FAKE_0_7_2, FAKES, fake_for
-from moe_dispatch_flashinfer_cutedsl_testing.support import fake, one_rank, raw_moe_alltoall
-
-H, E = 256, 8
+from moe_dispatch_flashinfer_cutedsl_testing.support import E, H, fake, one_rank, raw_moe_alltoall
 
 
 def test_detect_knows_which_versions_have_each_api():

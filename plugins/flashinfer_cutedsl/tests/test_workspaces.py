@@ -14,6 +14,8 @@ from moe_dispatch_flashinfer_cutedsl.backend import FlashInferA2ABackend
 from moe_dispatch_flashinfer_cutedsl.mnnvl_comm import LocalCommBackend
 from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR, FAKE_0_6_13, FAKE_0_7_2, FAKES
 from moe_dispatch_flashinfer_cutedsl_testing.support import (
+    E,
+    H,
     OneRank,
     fake,
     flashinfer_sizes,
@@ -26,7 +28,6 @@ from moe_dispatch_testing import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
 
-H, E = 256, 8
 ALL_FAKES = [name for name, _ in FAKES]
 
 

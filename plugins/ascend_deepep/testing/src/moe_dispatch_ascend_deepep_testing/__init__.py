@@ -4,7 +4,7 @@ The adapter takes its vendor modules by name, so the fakes are named here:
 ``AscendDeepEPBackend(FAKE, torch_npu_module=TORCH_NPU_FAKE)`` (``ascend_backend()``), ``NpuExperts(scheme,
 TORCH_NPU_FAKE)``. ``fakes`` holds them (they import vendor facts from ``moe_dispatch_ascend_deepep.vendor``,
 never an adapter module); ``hardware`` is what ``scripts/hardware_check.py`` runs; ``layers.run_layer`` is a
-whole layer through a torch_npu runner on every rank.
+whole layer through a torch_npu runner on every rank; ``support`` is what the tests share.
 """
 
 from __future__ import annotations

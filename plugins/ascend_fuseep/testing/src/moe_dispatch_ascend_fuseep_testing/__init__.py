@@ -2,7 +2,8 @@
 of the hardware check (``hardware.fuseep_rows``, run by ascend_deepep's ``scripts/hardware_check.py``).
 
 The fakes (``fakes``) build on moe-dispatch-ascend-deepep-testing's and read the op's facts from
-``moe_dispatch_ascend_fuseep.vendor``; ``fuseep_backend()`` is the adapter on one, with the fake torch_npu beside it.
+``moe_dispatch_ascend_fuseep.vendor``; ``fuseep_backend()`` is the adapter on one, with the fake torch_npu beside it;
+``support`` is what the tests share.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """moe-dispatch-cuda-deepep-testing: the CPU fakes of DeepEP and DeepGEMM (``fakes``, one module per version range
-where they behave differently) and the checks the tests and ``scripts/`` share (``selfcheck``: on every rank;
-``hardware``: the one-GPU check). Pass a fake's module path where the plugin takes a vendor module::
+where they behave differently), the checks the tests and ``scripts/`` share (``selfcheck``: on every rank;
+``hardware``: the one-GPU check) and the helpers the tests share (``support``). Pass a fake's module path where the
+plugin takes a vendor module::
 
     DeepEPBackend(EMULATOR), DeepEPV2Backend(EMULATOR), DeepGemmExperts("block_fp8", mode, DEEP_GEMM_EMULATOR)
 

@@ -641,13 +641,7 @@ class Buffer:
             raise RuntimeError(f"(fake) {op}: {int(entries.max())} (token, expert) entries for one rank from one "
                                f"server in an IPC slice of {slice_entries}: the kernel writes into the next slice")
         a2_internode_combine_rdma(R, h)
-        if x.shape[0] != state.rows:
-            raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
-                               "dispatch returned")
-        weights = torch.ones(topk_idx.shape) if topk_weights_ori is None else topk_weights_ori.float()
-        rows, tok, slot = self._return(x, state)
-        out = torch.zeros(state.tokens, x.shape[1]).index_add_(0, tok, rows * weights[tok, slot].unsqueeze(1))
-        return out.to(x.dtype), None, EventOverlap()
+        return self._weighted_return(x, state, topk_idx, topk_weights_ori)
 
     def _intranode_dispatch(self, x: Any, handle: Any, num_tokens_per_rank: Any, is_token_in_rank: Any,
                             num_tokens_per_expert: Any, topk_idx: Any, topk_weights: Any, config: Any, quant: str,
@@ -758,13 +752,7 @@ class Buffer:
                   "realMaxBs is invalid, only support 0 or value greater than or equal to the BS of all ranks."
                   f"but got realMaxBs={self.real_max_bs}, bs={bs} (real_max_bs is the LAST normal dispatch's)")
         self._check_window_extent(op)
-        if x.shape[0] != state.rows:
-            raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
-                               "dispatch returned")
-        weights = torch.ones(topk_idx.shape) if topk_weights_ori is None else topk_weights_ori.float()
-        rows, tok, slot = self._return(x, state)
-        out = torch.zeros(state.tokens, x.shape[1]).index_add_(0, tok, rows * weights[tok, slot].unsqueeze(1))
-        return out.to(x.dtype), None, EventOverlap()
+        return self._weighted_return(x, state, topk_idx, topk_weights_ori)
 
     # -- the exchange between ranks -----------------------------------------------------------------
 
@@ -797,6 +785,18 @@ class Buffer:
         recv_scale = from_bytes(got[group, dw:payload], torch.float32).squeeze(1) if scale is not None else None
         state = _Exchange(group, recv, send, tok, slot, n, group.numel())
         return recv_data, recv_scale, torch.bincount(le, minlength=local), state
+
+    def _weighted_return(self, x: torch.Tensor, state: _Exchange, topk_idx: torch.Tensor,
+                         topk_weights_ori: Optional[torch.Tensor]) -> Tuple[torch.Tensor, None, EventOverlap]:
+        """Both normal combines' last step: the rows dispatch returned (``x``) back to their senders, each token the
+        sum of its rows weighted by the sender's own top-k weights (ones where dispatch had none)."""
+        if x.shape[0] != state.rows:
+            raise RuntimeError(f"(fake) combine got {x.shape[0]} rows; the kernel reads the {state.rows} rows "
+                               "dispatch returned")
+        weights = torch.ones(topk_idx.shape) if topk_weights_ori is None else topk_weights_ori.float()
+        rows, tok, slot = self._return(x, state)
+        out = torch.zeros(state.tokens, x.shape[1]).index_add_(0, tok, rows * weights[tok, slot].unsqueeze(1))
+        return out.to(x.dtype), None, EventOverlap()
 
     def _return(self, x: torch.Tensor, state: _Exchange) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each dispatched row back to its sender: fp32 rows and their (token, slot)."""
