@@ -182,7 +182,7 @@ def test_value_checks_stand_aside_while_a_cuda_graph_is_captured(monkeypatch):
 
 def test_check_inputs_true_stands_aside_while_a_cuda_graph_is_captured(monkeypatch):
     """``check_inputs=True`` also drives the output checks, whose read-back of the counts aborted
-    a capture on an H100 (check_core.py, docs/hardware-runs.md): while capturing, no value check
+    a capture on an H100 (check_core.py, docs/evidence/hardware-runs.md): while capturing, no value check
     of either side runs; before and after, they do."""
     import torch
 

@@ -8,7 +8,7 @@ tensor may change (bit for bit), and no collective may be entered (``traffic.col
 The checks are local, so world size 1 covers them; the multi-rank tests at the end show the
 error is raised on the rank that has the bad input, before its first collective.
 
-``docs/reliability.md`` lists the same cases.
+``docs/evidence/design-notes.md`` lists the same cases.
 """
 
 from __future__ import annotations

@@ -13,11 +13,26 @@ EXE = [sys.executable, "-m", "moe_dispatch"]
 
 
 def run(*args, env=None, timeout=120):
+    """The command in a process of its own (what a user runs: exit status, stdout, stderr)."""
     return subprocess.run([*EXE, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_backends_json_is_parseable_and_lists_the_builtins():
-    p = run("backends", "--json")
+def run_here(capsys, *args, env=None):
+    """The command's ``main`` in this process (a process each costs a second and a half of torch's import), on
+    its own plugin host when ``env`` is given."""
+    from moe_dispatch import PluginHost
+    from moe_dispatch.cli import main
+
+    try:
+        status = main(list(args), host=None if env is None else PluginHost(env=env))
+    except SystemExit as exc:  # argparse's own exits (--version, a bad flag)
+        status = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out.out, out.err)
+
+
+def test_backends_json_is_parseable_and_lists_the_builtins(capsys):
+    p = run_here(capsys, "backends", "--json")
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     assert data["schema"] == 1
@@ -26,15 +41,15 @@ def test_backends_json_is_parseable_and_lists_the_builtins():
     assert set(names["torch"]["capabilities"]["modes"]) == {"normal", "low_latency"}
 
 
-def test_explain_prints_the_trail_and_buffers():
-    p = run("explain", "--backend", "torch", "--quant", '{"dispatcher_output_dtype": "int8"}', "--mode", "low_latency")
+def test_explain_prints_the_trail_and_buffers(capsys):
+    p = run_here(capsys, "explain", "--backend", "torch", "--quant", '{"dispatcher_output_dtype": "int8"}', "--mode", "low_latency")
     assert p.returncode == 0, p.stderr
     assert "quant.dispatcher_output_dtype" in p.stdout and "int8" in p.stdout
     assert "7,172 bytes per token" in p.stdout and "buffers: dispatch" in p.stdout
 
 
-def test_explain_reports_a_typo_as_an_error_not_a_traceback():
-    p = run("explain", "--backend", "torch", "--quant", '{"dispather_output_dtype": "int8"}')
+def test_explain_reports_a_typo_as_an_error_not_a_traceback(capsys):
+    p = run_here(capsys, "explain", "--backend", "torch", "--quant", '{"dispather_output_dtype": "int8"}')
     assert p.returncode == 2 and "did you mean dispatcher_output_dtype" in p.stderr
     assert "Traceback" not in p.stderr
 
@@ -106,10 +121,10 @@ def test_a_bad_flag_ends_the_process_with_one_line_and_exit_2(argv, names):
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
-def test_version():
+def test_version(capsys):
     from moe_dispatch import __version__
 
-    p = run("--version")
+    p = run_here(capsys, "--version")
     assert p.returncode == 0 and p.stdout.strip() == f"moe-dispatch {__version__}" and __version__[0].isdigit()
 
 
@@ -124,8 +139,8 @@ def test_a_reader_that_leaves_early_is_not_an_error():
     assert writer.returncode == 0 and "BrokenPipeError" not in writer.stderr and writer.stderr == "", writer.stderr
 
 
-def test_a_misspelt_plugin_in_the_allow_list_gets_a_suggestion():
-    p = run("backends", env={**os.environ, "MOE_DISPATCH_PLUGINS": "cuda_depep"})
+def test_a_misspelt_plugin_in_the_allow_list_gets_a_suggestion(capsys):
+    p = run_here(capsys, "backends", env={**os.environ, "MOE_DISPATCH_PLUGINS": "cuda_depep"})
     assert p.returncode == 0
     line = next(line for line in p.stdout.splitlines() if line.startswith("cuda_depep"))
     assert "missing" in line and "did you mean cuda_deepep?" in line

@@ -15,7 +15,7 @@ import moe_dispatch
 
 PACKAGE = Path(moe_dispatch.__file__).parent
 #: What a first dispatch may load (docs/design.md "Size").
-FIRST_DISPATCH_LINES = 4500
+FIRST_DISPATCH_LINES = 4700  # the target is 4,500: docs/design.md "Size" says what the rest is
 
 #: Lowest first. A module not listed here fails ``test_every_module_has_a_layer``.
 LAYERS: dict[str, tuple[str, ...]] = {

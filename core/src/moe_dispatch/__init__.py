@@ -10,9 +10,8 @@ What an engine imports. One layer's forward over the expert-parallel group::
         │
     combine(expert_rows, out)           ──► bf16 [T, H]: the weighted sum of each token's experts
 
-``Dispatcher.forward`` runs the three; ``dispatch_start``/``combine_start`` split each call in two
-(``Pending``) for micro-batch overlap. Backend authors import ``moe_dispatch.backend``; buffer
-planning is ``moe_dispatch.planning``.
+``Dispatcher.forward`` runs the three; ``dispatch_start``/``combine_start`` split each call in two (``Pending``) for
+micro-batch overlap. Backend authors import ``moe_dispatch.backend``; buffer planning is ``moe_dispatch.planning``.
 """
 
 from ._torch_import import import_torch
@@ -47,8 +46,7 @@ if TYPE_CHECKING:
     from ._dispatcher import Dispatcher, run_experts
     from ._registry import PluginHost, available_backends
 
-# What creation and the plugin host need loads with the first use of these names (``__getattr__``): importing the
-# contract costs an engine little, and a first dispatch loads the rest.
+# Creation and the plugin host load with the first use of these names: importing the contract costs an engine little.
 _LAZY = {"create_dispatcher": "_create", "Dispatcher": "_dispatcher", "run_experts": "_dispatcher",
          "PluginHost": "_registry", "available_backends": "_registry"}
 
@@ -56,46 +54,18 @@ _LAZY = {"create_dispatcher": "_create", "Dispatcher": "_dispatcher", "run_exper
 def __getattr__(name: str) -> Any:
     if name == "__version__":  # the installed distribution's version (``moe-dispatch --version``)
         from ._loading import core_version
-
         return core_version()
     if name in _LAZY:
         import importlib
-
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
+        value = globals()[name] = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "BackendUnavailableError",
-    "CallOrderError",
-    "CapacityError",
-    "CollectiveTimeoutError",
-    "CommunicationError",
-    "ConfigMismatchError",
-    "DispatchDtype",
-    "DispatchOutput",
-    "DispatchSpec",
-    "Dispatcher",
-    "DtypeFallbackWarning",
-    "ExpertKernel",
-    "ExpertWeights",
-    "InvalidInputError",
-    "InvalidSpecError",
-    "Layout",
-    "MoEDispatchError",
-    "Mode",
-    "PeerFailedError",
-    "Pending",
-    "PluginError",
-    "PluginHost",
-    "QuantHints",
-    "Resolution",
-    "TorchExperts",
-    "UnsupportedDtypeError",
-    "add_cli_args",
-    "available_backends",
-    "create_dispatcher",
-    "run_experts",
+    "BackendUnavailableError", "CallOrderError", "CapacityError", "CollectiveTimeoutError", "CommunicationError",
+    "ConfigMismatchError", "DispatchDtype", "DispatchOutput", "DispatchSpec", "Dispatcher", "DtypeFallbackWarning",
+    "ExpertKernel", "ExpertWeights", "InvalidInputError", "InvalidSpecError", "Layout", "MoEDispatchError", "Mode",
+    "PeerFailedError", "Pending", "PluginError", "PluginHost", "QuantHints", "Resolution", "TorchExperts",
+    "UnsupportedDtypeError", "add_cli_args", "available_backends", "create_dispatcher", "run_experts",
 ]

@@ -1,18 +1,13 @@
-"""Expert-aligned PACKED rows (``DispatchSpec.expert_alignment``) for backends that write dense rows.
-
-A backend that declares ``Capabilities.expert_alignment`` for a mode writes the aligned layout
-itself (DeepEP V2: ``expert_alignment`` + ``do_zero_padding``). For any other, the ``Dispatcher``
-moves the backend's dense rows into it after dispatch and back before combine::
+"""Expert-aligned PACKED rows (``DispatchSpec.expert_alignment``) for backends that write dense rows: a backend that
+declares ``Capabilities.expert_alignment`` for a mode writes the aligned layout itself (DeepEP V2); for any other, the
+``Dispatcher`` moves the dense rows into it after dispatch and back before combine::
 
     backend dispatch ─► dense [rows, H] ─► align_rows: copy into zeros [aligned_capacity, H] ─► engine
     engine's expert rows [aligned_capacity, H] ─► dense_rows: gather the valid rows ─► backend combine
 
-The copy is what DeepGEMM's runner did before its contiguous GEMM (rows·(H + scale) bytes
-written, rows·H·2 gathered back), moved to one place and recorded (``AlignmentPlan.note``). The
-aligned rows are exactly the segments (one host read of the counts, as normal mode's vendors make
-anyway): a bound known without the counts, ``rows + (alignment - 1)·E_local``, would have the
-expert kernel compute up to ``(alignment - 1)·E_local`` padding rows (DeepGEMM's contiguous GEMM
-runs every block, padding included). MASKED layouts (low latency, CUDA graphs) are never copied.
+The aligned rows are exactly the segments (one host read of the counts, as normal mode makes anyway): a bound known
+without the counts would have the expert kernel compute up to ``(alignment - 1)·E_local`` padding rows. MASKED
+layouts (low latency, CUDA graphs) are never copied.
 """
 
 from __future__ import annotations

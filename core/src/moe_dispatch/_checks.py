@@ -1,12 +1,8 @@
-"""The checks on what dispatch and combine are given and what a backend returns: typed errors naming
-the parameter, the value and what is allowed, before any data is touched or collective entered.
-
-Each check is written once, as a ``Rule``: a test expression and the error it raises. A ``Rules``
-compiles every test of a call into one expression (the hot path: about half a microsecond, reading
-only metadata); only when that fails, or raises, does it run the tests one by one to raise the first
-failing rule's error. The value checks (``check_inputs``: ids in range, no expert twice in a token,
-finite values) read the data, so by default they run on host memory only: on an accelerator they
-would sync the device every call (no overlap, no CUDA-graph capture).
+"""The checks on what dispatch and combine are given and what a backend returns: typed errors naming the parameter,
+the value and what is allowed, before any data is touched or collective entered. Each check is written once, as a
+``Rule``; ``Rules`` compiles every test of a call into one expression (the hot path: about half a microsecond,
+metadata only), and runs them one by one only when that fails, for the first failing rule's error. The value checks
+(``check_inputs``) read the data, so by default only on host memory: on an accelerator they would sync every call.
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ _BF16, _F32 = torch.bfloat16, torch.float32
 
 class Rule(NamedTuple):
     """One check: ``test`` (a Python expression over a call's names) is true for a good input; else
-    ``error(message, parameter=..., value=eval(value), allowed=eval(f-string allowed))``. A test may bind a
-    name with ``:=`` for the tests after it (a call reads each tensor attribute once)."""
+    ``error(message, parameter=..., value=eval(value), allowed=eval(f-string allowed))``. A test may bind a name with
+    ``:=`` for the tests after it (a call reads each tensor attribute once)."""
 
     parameter: str
     test: str
@@ -39,9 +35,9 @@ class Rule(NamedTuple):
 
 
 class Rules:
-    """The rules of one call (``args``: its argument names), compiled once against ``constants``: the hot path
-    is every fast test in one expression (``all``; when it is false or raises, ``diagnose``); the diagnosis finds the first rule whose chain (it and every rule before
-    it) fails, so a test may use what an earlier one bound."""
+    """The rules of one call (``args``: its argument names), compiled once against ``constants``: ``all`` is every
+    fast test in one expression (the hot path); ``diagnose`` finds the first rule whose chain (it and every rule
+    before it) fails, so a test may use what an earlier one bound."""
 
     def __init__(self, args: str, rules: list[Rule], constants: dict[str, Any]) -> None:
         self.rules = rules
@@ -125,8 +121,8 @@ def not_an_output(value: object) -> str:
 
 
 class InputChecks:
-    """The input checks of one dispatcher. ``device``: the process group's device type (None: any);
-    ``owner``: the backend dispatcher whose outputs combine takes (``handle.owner``)."""
+    """The input checks of one dispatcher. ``device``: the process group's device type (None: any); ``owner``: the
+    backend dispatcher whose outputs combine takes (``handle.owner``)."""
 
     def __init__(self, spec: DispatchSpec, device: torch.device | None, owner: object) -> None:
         self.spec = spec
@@ -142,9 +138,9 @@ class InputChecks:
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  check_values: bool | None = True) -> bool:
-        """Raise a typed error for a bad dispatch input; with ``check_values`` (None: on host memory) the value
-        checks too. Returns whether they ran: the output checks read the counts under the same rule."""
-        try:  # Rules.check, inlined: this is most of the core's per-call cost
+        """Raise a typed error for a bad dispatch input; with ``check_values`` (None: on host memory) the value checks
+        too. Returns whether they ran: the output checks read the counts under the same rule."""
+        try:  # inlined, not a Rules method: this is most of the core's per-call cost
             ok = self._dispatch_ok(hidden_states, topk_ids, topk_weights)
         except Exception:  # noqa: BLE001
             ok = False
@@ -166,8 +162,8 @@ class InputChecks:
 
 
 def runs_value_checks(check_inputs: bool | None, hidden_states: torch.Tensor) -> bool:
-    """Whether a call reads values: None (the default) where the data is host memory; True everywhere but
-    inside a CUDA-graph capture (a sync would abort it, and replays bring new values); False nowhere."""
+    """Whether a call reads values: None (the default) where the data is host memory; True everywhere but inside a
+    CUDA-graph capture (a sync would abort it, and replays bring new values); False nowhere."""
     if check_inputs is None:
         return hidden_states.is_cpu
     return bool(check_inputs) and not capturing(hidden_states)
@@ -186,7 +182,7 @@ def _duplicates(ids: torch.Tensor) -> torch.Tensor:
 def check_dispatch_values(spec: DispatchSpec, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> None:
     """The value checks on inputs whose metadata passed: every flag reduced to one boolean (one device sync on an
-    accelerator); only a failure looks for the first bad element. They stand aside during a CUDA-graph capture."""
+    accelerator); only a failure looks for the first bad element. None during a CUDA-graph capture."""
     if not hidden_states.is_cpu and capturing(hidden_states):
         return
     e, ids = spec.num_experts, topk_ids
@@ -249,10 +245,10 @@ _OUTPUT_RULES = [
 
 
 class OutputChecks:
-    """The checks on one dispatcher's backend outputs, so a plugin's bug is a ``PluginError`` naming the backend
-    at the call that produced it. ``alignment``: of the backend's PACKED rows; ``worst_case``: its low-latency
-    PACKED rows may run past the segments (``Capabilities.worst_case_rows``). With the value checks, the counts are
-    checked to fit the rows (one device sync)."""
+    """The checks on one dispatcher's backend outputs, so a plugin's bug is a ``PluginError`` naming the backend at
+    the call that produced it. ``alignment``: of the backend's PACKED rows; ``worst_case``: its low-latency PACKED
+    rows may run past the segments (``Capabilities.worst_case_rows``). With the value checks, the counts are checked
+    to fit the rows (one device sync)."""
 
     def __init__(self, backend: str, spec: DispatchSpec, world_size: int, alignment: int = 1, *,
                  worst_case: bool = False) -> None:

@@ -1,28 +1,20 @@
-"""Reference quantize / dequantize for every wire dtype, and their byte encoding.
+"""Reference quantize / dequantize for every wire dtype, and their byte encoding: what the vendor kernels produce,
+so a plugin can compare its kernel's output against these bit for bit.
 
-Each codec follows what the vendor kernels produce, so a plugin can compare its kernel's
-output against these bit for bit:
+- FP8: e4m3 per token per 128 channels, as DeepEP's low-latency dispatch (deepseek-ai/DeepEP@dd758ca
+  ``csrc/kernels/legacy/utils.cuh`` ``calculate_fp8_scales``): block amax floored at 1e-4, scale ``amax·(1/448)``
+  (a product with the fp32 constant), values times ``448/amax``; with UE8M0 the scale rounded up to a power of two
+  and the values divided by it (exact).
+- INT8: symmetric per token, scale amax/127, round half to even (torch_npu ``npu_dynamic_quant``).
+- NVFP4: FlashInfer's (``flashinfer/fp4_quantization.py``, ``tests/utils_fp4.py`` at fb28d72): block scale
+  ``gs·amax/6`` cast to e4m3, values scaled by ``gs/scale``, clamped to ±6, rounded to the e2m1 grid; two values
+  per byte, element 2i in the low nibble.
 
-- FP8: e4m3 per token per 128 channels, as DeepEP's low-latency dispatch kernel does it
-  (deepseek-ai/DeepEP@dd758ca ``csrc/kernels/legacy/utils.cuh`` ``calculate_fp8_scales``): the
-  block amax is floored at 1e-4, the stored scale is ``amax·(1/448)`` (a product with the fp32
-  constant, not a division) and the values are multiplied by ``448/amax``; with UE8M0 the scale
-  is rounded up to a power of two and the values divided by it (exact).
-- INT8: symmetric per token, scale amax/127, round half to even (torch_npu
-  ``npu_dynamic_quant`` semantics).
-- NVFP4: FlashInfer's definition (``flashinfer/fp4_quantization.py`` and the reference in
-  ``tests/utils_fp4.py`` at fb28d72): block scale ``gs·amax/6`` cast to e4m3, values scaled by
-  ``gs/scale``, clamped to ±6 and rounded to the e2m1 grid; two values per byte, element
-  2i in the low nibble.
-
-Every step is one IEEE operation on tensors, so a codec gives the same bits on every device: a
-division by a Python number is not (CUDA computes ``t / c`` as ``t·(1/c)``, the CPU divides), so
-divisions here divide by a tensor, and constants enter as 0-dim tensors made on the device (a
-``torch.tensor`` copied from the host would sync and break CUDA-graph capture). Checked on an
-H100: ``benchmarks/gpu/check_core.py``, docs/hardware-runs.md.
-
-On the wire a token is one row of bytes: the data, then the scales (fp32 little-endian; one
-exponent byte for UE8M0).
+Every step is one IEEE operation on tensors, so a codec gives the same bits on every device: divisions divide by a
+tensor (CUDA computes ``t / c`` for a Python number as ``t·(1/c)``), and constants are 0-dim tensors made on the
+device (a host copy would sync and break CUDA-graph capture); checked on an H100 by ``benchmarks/gpu/check_core.py``
+(docs/evidence/hardware-runs.md). On the wire a token is one row of bytes: the data, then the scales (fp32
+little-endian; one byte for UE8M0).
 """
 
 from __future__ import annotations
@@ -48,17 +40,17 @@ E2M1_MAX = 6.0
 
 @dataclass(frozen=True)
 class Quantized:
-    """Activations in a wire dtype. ``scale`` is None for BF16; for NVFP4 it holds the
-    e4m3 block scales and the global scale lives on the codec."""
+    """Activations in a wire dtype. ``scale`` is None for BF16; for NVFP4 it holds the e4m3 block scales (the
+    global scale lives on the codec)."""
 
     data: torch.Tensor
     scale: torch.Tensor | None
 
 
 class Codec:
-    """Quantizes ``[..., H]`` activations to one wire format and back. A subclass names its format
-    in ``WIRE_DTYPE`` (``make_codec`` picks it by that; ``formats.WIRE_DTYPES`` declares the rest);
-    one whose format has a global scale takes it as its second argument."""
+    """Quantizes ``[..., H]`` activations to one wire format and back. A subclass names its format in
+    ``WIRE_DTYPE`` (``make_codec`` picks it by that; ``WIRE_DTYPES`` declares the rest); one whose format has a
+    global scale takes it as its second argument."""
 
     WIRE_DTYPE: ClassVar[DispatchDtype]
 
@@ -77,15 +69,15 @@ class Codec:
         raise NotImplementedError
 
     def data_dtype(self) -> torch.dtype:
-        """The tensor dtype of the quantized data (``formats.WireDtype.element``)."""
+        """The tensor dtype of the quantized data (``WireDtype.element``)."""
         return self.wire.format.element
 
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...] | None:
         return None
 
     def encode(self, x: torch.Tensor, trailer: torch.Tensor | None = None) -> torch.Tensor:
-        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8, followed by
-        ``trailer``'s bytes when given (routing metadata: one copy instead of two)."""
+        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8, followed by ``trailer``'s bytes
+        when given (routing metadata: one copy instead of two)."""
         return self.to_bytes(self.quantize(x), trailer)
 
     def to_bytes(self, q: Quantized, trailer: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,9 +91,7 @@ class Codec:
     def from_bytes(self, rows: torch.Tensor) -> Quantized:
         data_bytes = self.wire.data_bytes
         data = from_bytes(rows[..., :data_bytes], self.data_dtype())
-        if self.wire.scale_bytes == 0:
-            return Quantized(data, None)
-        return Quantized(data, self._scale_from_bytes(rows[..., data_bytes:]))
+        return Quantized(data, self._scale_from_bytes(rows[..., data_bytes:]) if self.wire.scale_bytes else None)
 
     def _scale_to_bytes(self, scale: torch.Tensor) -> torch.Tensor:
         return as_bytes(scale)
@@ -122,8 +112,8 @@ class BF16Codec(Codec):
 
 class FP8Codec(Codec):
     """e4m3 data ``[..., H]`` and fp32 scales ``[..., H/128]`` (powers of two with UE8M0)."""
-    WIRE_DTYPE = DispatchDtype.FP8
 
+    WIRE_DTYPE = DispatchDtype.FP8
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         blocks = x.float().unflatten(-1, (-1, FP8_BLOCK))
@@ -152,59 +142,43 @@ class FP8Codec(Codec):
         if not self.wire.ue8m0:
             return super()._scale_to_bytes(scale)
         # UE8M0: the biased exponent of a power-of-two scale, one byte per 128 channels.
-        exponent = torch.frexp(scale).exponent - 1 + 127
-        return exponent.clamp(0, 254).to(torch.uint8)
+        return (torch.frexp(scale).exponent - 1 + 127).clamp(0, 254).to(torch.uint8)
 
     def _scale_from_bytes(self, raw: torch.Tensor) -> torch.Tensor:
-        if self.wire.ue8m0:
-            return ue8m0_value(raw)
-        return from_bytes(raw, torch.float32)
+        return ue8m0_value(raw) if self.wire.ue8m0 else from_bytes(raw, torch.float32)
 
 
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= each positive fp32 value, exactly: the mantissa rounded up
-    into the exponent bits, as DeepGEMM's ``ceil_to_ue8m0`` and DeepEP's ``fast_log2_ceil`` do.
-    ``exp2(ceil(log2(x)))`` is not exact: just above a power of two it can return the power
-    below (the next float after 2^16 gives 2^16), which makes a block's largest value clip."""
+    """The smallest power of two >= each positive fp32 value, exactly: the mantissa rounded up into the exponent
+    bits, as DeepGEMM's ``ceil_to_ue8m0`` and DeepEP's ``fast_log2_ceil`` do (``exp2(ceil(log2(x)))`` can return the
+    power below just above a power of two, which makes a block's largest value clip)."""
     bits = x.float().contiguous().view(torch.int32)
     return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
-def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two fp32 scales ``[..., G]`` → int32 ``[..., ceil(G/4)]``, four biased exponent
-    bytes per word, group ``4i`` in the low byte (DeepGEMM's SM100 scale format, which DeepEP's
-    low-latency dispatch emits with ``use_ue8m0``). Missing groups in the last word are zero."""
-    exponent = (torch.frexp(scale.float()).exponent - 1 + 127).clamp(0, 254).to(torch.uint8)
-    pad = -exponent.shape[-1] % 4
-    if pad:
-        exponent = torch.nn.functional.pad(exponent, (0, pad))
-    return from_bytes(exponent, torch.int32)
-
-
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of ``pack_ue8m0``: int32 ``[..., ceil(G/4)]`` → fp32 ``[..., G]``. Works on
-    column-major (MN-major) views too."""
-    if packed.dtype != torch.int32 or packed.shape[-1] != -(-groups // 4):
-        raise InvalidInputError(f"packed UE8M0 scales for {groups} groups need {-(-groups // 4)} int32 words per row",
-                                parameter="hidden_states_scale", value=packed,
-                                allowed=f"int32 [..., {-(-groups // 4)}]")
+    """The inverse of ``pack_ue8m0``: int32 ``[..., ceil(G/4)]`` → fp32 ``[..., G]``. Works on column-major
+    (MN-major) views too."""
+    words = -(-groups // 4)
+    if packed.dtype != torch.int32 or packed.shape[-1] != words:
+        raise InvalidInputError(f"packed UE8M0 scales for {groups} groups need {words} int32 words per row",
+                                parameter="hidden_states_scale", value=packed, allowed=f"int32 [..., {words}]")
     return ue8m0_value(as_bytes(packed)[..., :groups])
 
 
 def ue8m0_value(exponent: torch.Tensor) -> torch.Tensor:
-    """UE8M0 bytes (biased exponents, uint8) → fp32 powers of two, built from the bits so the value
-    is exact on every device (``exp2`` need not be): byte e is 2^(e-127); 0 is 2^-127, a
-    subnormal; 255 is NaN, as in the OCP E8M0 format."""
+    """UE8M0 bytes (biased exponents, uint8) → fp32 powers of two, built from the bits so the value is exact on
+    every device (``exp2`` need not be): byte e is 2^(e-127); 0 is 2^-127, a subnormal; 255 is NaN, as in the OCP
+    E8M0 format."""
     e = exponent.to(torch.int32)
-    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
-    value = bits.view(torch.float32)
+    value = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23).view(torch.float32)
     return torch.where(e == 255, torch.full_like(value, float("nan")), value)
 
 
 class INT8Codec(Codec):
     """int8 data ``[..., H]`` and one fp32 scale per token ``[...]``."""
-    WIRE_DTYPE = DispatchDtype.INT8
 
+    WIRE_DTYPE = DispatchDtype.INT8
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         xf = x.float()
@@ -228,10 +202,10 @@ class INT8Codec(Codec):
 
 
 class NVFP4Codec(Codec):
-    """Packed e2m1 ``[..., H/2]`` uint8 and e4m3 block scales ``[..., H/16]`` (linear layout),
-    with one fp32 global scale for the whole dispatcher."""
-    WIRE_DTYPE = DispatchDtype.NVFP4
+    """Packed e2m1 ``[..., H/2]`` uint8 and e4m3 block scales ``[..., H/16]`` (linear layout), with one fp32 global
+    scale for the whole dispatcher."""
 
+    WIRE_DTYPE = DispatchDtype.NVFP4
 
     def __init__(self, wire: WireFormat, global_scale: float) -> None:
         super().__init__(wire)
@@ -242,20 +216,17 @@ class NVFP4Codec(Codec):
         gs = torch.full((), self.global_scale, dtype=torch.float32, device=x.device)
         blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
         amax = blocks.abs().amax(dim=-1, keepdim=True)
-        # FlashInfer's order of operations, for bit-equal results: sf = gs·(amax·(1/6)), then
-        # the quantizing multiplier 1/(sf·(1/gs)). Clamp before the e4m3 cast: a too-large
-        # global scale must not produce NaN scales.
+        # FlashInfer's order of operations, for bit-equal results: sf = gs·(amax·(1/6)), then the quantizing
+        # multiplier 1/(sf·(1/gs)). Clamp before the e4m3 cast: a too-large global scale must not give NaN scales.
         scale = (gs * (amax * _reciprocal(torch.tensor(E2M1_MAX)))).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
         inv = _reciprocal(scale.float() * _reciprocal(gs))
-        scaled = (blocks * inv).clamp(-E2M1_MAX, E2M1_MAX)
-        codes = _e2m1_codes(scaled).flatten(-2)
+        codes = _e2m1_codes((blocks * inv).clamp(-E2M1_MAX, E2M1_MAX)).flatten(-2)
         packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
         return Quantized(packed, scale.squeeze(-1))
 
     def dequantize(self, q: Quantized) -> torch.Tensor:
         assert q.scale is not None
-        values = e2m1_unpack(q.data)
-        blocks = values.unflatten(-1, (-1, NVFP4_BLOCK))
+        blocks = e2m1_unpack(q.data).unflatten(-1, (-1, NVFP4_BLOCK))
         return (blocks * (q.scale.float().unsqueeze(-1) / self.global_scale)).flatten(-2)
 
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
@@ -272,9 +243,8 @@ def _reciprocal(x: torch.Tensor) -> torch.Tensor:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The last dim of ``t`` reinterpreted as uint8 (empty tensors included)."""
-    width = t.shape[-1] * t.element_size()
     if t.numel() == 0:
-        return torch.empty(*t.shape[:-1], width, dtype=torch.uint8, device=t.device)
+        return torch.empty(*t.shape[:-1], t.shape[-1] * t.element_size(), dtype=torch.uint8, device=t.device)
     return _view(t, torch.uint8)
 
 
@@ -286,8 +256,8 @@ def from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.view(dtype)`` without a copy where the strides allow it (a column slice of wire
-    rows does: the payload of a received buffer is not copied out before use)."""
+    """``t.view(dtype)`` without a copy where the strides allow it (a column slice of wire rows does: a received
+    buffer's payload is not copied out before use)."""
     if t.dtype == dtype:
         return t
     if t.stride(-1) == 1:
@@ -301,31 +271,19 @@ def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     """Round to the e2m1 grid, ties to even (FlashInfer's ``cast_to_fp4``), as 4-bit codes."""
     a = scaled.abs()
-    magnitude = (
-        (a > 0.25).to(torch.int32)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
+    magnitude = ((a > 0.25).to(torch.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+                 + (a > 5.0))
     return magnitude | ((scaled < 0).to(torch.int32) << 3)
 
 
 def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., n]`` → fp32 ``[..., 2n]``, low nibble first. Decoded from the bits (sign,
-    2-bit exponent, 1-bit mantissa; exponent 0 is subnormal), with no table to copy to the device."""
+    """uint8 ``[..., n]`` → fp32 ``[..., 2n]``, low nibble first. Decoded from the bits (sign, 2-bit exponent, 1-bit
+    mantissa; exponent 0 is subnormal), with no table to copy to the device."""
     p = packed.to(torch.int32)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)
     exponent, mantissa = (codes >> 1) & 3, (codes & 1).to(torch.float32)
     magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.ldexp(1.0 + mantissa * 0.5, exponent - 1))
     return torch.where(codes >= 8, -magnitude, magnitude)
-
-
-def nvfp4_global_scale(amax: float) -> float:
-    """FlashInfer's convention for the activation global scale: 448·6/amax."""
-    return FP8_MAX * E2M1_MAX / max(float(amax), 1e-12)
 
 
 _CODECS: dict[DispatchDtype, type[Codec]] = {c.WIRE_DTYPE: c for c in (BF16Codec, FP8Codec, INT8Codec, NVFP4Codec)}
@@ -336,27 +294,17 @@ def make_codec(wire: WireFormat, global_scale: float | None = None) -> Codec:
     if not wire.format.global_scale:
         return codec(wire)
     if global_scale is None:
-        raise InvalidSpecError(
-            f"{wire.dtype.value} dispatch needs a global scale",
-            parameter="quant.input_global_scale",
-            value=None,
-            allowed="a positive finite float (FlashInfer's convention: 448*6/amax of the activations)",
-        )
+        raise InvalidSpecError(f"{wire.dtype.value} dispatch needs a global scale",
+                               parameter="quant.input_global_scale", value=None,
+                               allowed="a positive finite float (FlashInfer's convention: 448*6/amax of the "
+                                       "activations)")
     return codec(wire, global_scale)  # type: ignore[call-arg]
-
-
-_TORCH_DTYPE_OF = {d: w.element for d, w in WIRE_DTYPES.items()}
-
-
-def torch_dtype_of(dtype: DispatchDtype) -> torch.dtype:
-    """The tensor dtype of dispatched activations in ``dtype``."""
-    return _TORCH_DTYPE_OF[dtype]
 
 
 def dispatch_dtype_of(tensor: torch.Tensor, parameter: str = "hidden_states") -> DispatchDtype:
     """Which wire dtype a dispatched activation tensor is in, from its tensor dtype."""
-    for dtype, tdtype in _TORCH_DTYPE_OF.items():
-        if tensor.dtype == tdtype:
+    for dtype, w in WIRE_DTYPES.items():
+        if tensor.dtype == w.element:
             return dtype
     raise InvalidInputError("is not a dispatched activation dtype", parameter=parameter, value=tensor,
                             allowed="bfloat16, float8_e4m3fn, int8, uint8 (packed NVFP4)")

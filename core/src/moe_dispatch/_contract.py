@@ -1,8 +1,6 @@
-"""What a backend is: ``Backend`` (capabilities as data, checks, sizes, ``create``), the ``BackendDispatcher``
-protocols it creates, and the data they get (``DispatchContext``) and declare (``Capabilities``, ``Limits``,
-``BufferSize``, ``RunnerInfo``). The core's ``Dispatcher`` calls a backend dispatcher directly: no plugin-manager
-call on the hot path. The conformance kit reads the capabilities to pick its tests.
-"""
+"""What a backend is: ``Backend`` (capabilities as data, checks, sizes, ``create``), the ``BackendDispatcher`` protocols
+it creates, and the data they get (``DispatchContext``) and declare (``Capabilities``, ``Limits``, ``BufferSize``,
+``RunnerInfo``). The ``Dispatcher`` calls a backend dispatcher directly: no plugin-manager call on the hot path."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import torch
 
 from ._errors import CapacityError, InvalidSpecError
 from ._output import DispatchOutput
-from ._spec import DispatchSpec
+from ._spec import DispatchSpec, plain
 from ._wire import DispatchDtype, Mode
 
 if TYPE_CHECKING:
@@ -50,9 +48,8 @@ class Limits:
     :param min_hidden: / :param max_hidden: inclusive bounds on the hidden size.
     :param max_top_k: the most experts per token.
     :param max_buffer_bytes: the most bytes one buffer may take.
-    :param world_sizes: the EP sizes this mode runs on (None: any the backend supports). Vendors
-        differ per mode: DeepEP's normal mode needs a tuned config per EP size while its
-        low-latency mode runs on any.
+    :param world_sizes: the EP sizes this mode runs on (None: any the backend supports); vendors differ per mode
+        (DeepEP's normal mode needs a tuned config per EP size, its low-latency mode runs on any).
     """
 
     max_tokens_per_rank: int | None = None
@@ -65,37 +62,34 @@ class Limits:
     world_sizes: frozenset[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: sorted(v) if isinstance(v := getattr(self, f.name), frozenset) else v for f in fields(self)}
+        return plain(self)
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """A backend's declared abilities.
 
-    :param dtypes: per mode, the wire dtypes accepted as they are. A mode that is absent is
-        not supported.
+    :param dtypes: per mode, the wire dtypes accepted as they are. A mode that is absent is not supported.
     :param fallbacks: per (mode, dtype), the dtype sent instead and why.
     :param rejections: per dtype, why it is rejected (the message users see).
     :param default_dtype: the backend's default wire dtype (resolution step 6).
     :param combine_dtype: what combine sends back.
     :param fused_forward: the backend replaces dispatch → experts → combine with one call.
     :param cuda_graph_modes: modes whose dispatch and combine make no host sync.
-    :param split_phase: modes whose ``dispatch_start``/``combine_start`` return while the data is
-        still on its way (``SplitPhaseBackendDispatcher``), so an engine overlaps them with other
-        work; in the other modes the core runs the call to the end at start (``Pending.overlapped``
-        is False).
-    :param expert_alignment: modes whose PACKED rows the backend writes at the spec's
-        ``expert_alignment`` itself (gaps zeroed); in the others the core copies them there.
-    :param worst_case_rows: modes (low latency only) whose PACKED rows are the backend's worst
-        case, the same count every call, the rows past the experts' segments unspecified
-        (``DispatchOutput``, "Worst-case rows"); such a mode writes its own alignment (it is in
-        ``expert_alignment``: the core's copy reads exact rows). Elsewhere the core holds PACKED
-        rows to the segments' end.
+    :param split_phase: modes whose ``dispatch_start``/``combine_start`` return while the data is still on its way
+        (``SplitPhaseBackendDispatcher``), so an engine overlaps them with other work; in the other modes the core
+        runs the call to the end at start (``Pending.overlapped`` is False).
+    :param expert_alignment: modes whose PACKED rows the backend writes at the spec's ``expert_alignment`` itself
+        (gaps zeroed); in the others the core copies them there.
+    :param worst_case_rows: modes (low latency only) whose PACKED rows are the backend's worst case, the same count
+        every call, the rows past the experts' segments unspecified (``DispatchOutput``, "Worst-case rows"); such a
+        mode writes its own alignment (it is in ``expert_alignment``: the core's copy reads exact rows). Elsewhere
+        the core holds PACKED rows to the segments' end.
     :param devices: device types it runs on (``"cpu"``, ``"cuda"``, ``"npu"``).
     :param limits: per mode, shape limits.
     :param fp8_ue8m0: FP8 with power-of-two (UE8M0) scales is supported.
-    :param world_sizes: the EP sizes it supports in every mode (None: any); a mode narrows it
-        with ``Limits.world_sizes``.
+    :param world_sizes: the EP sizes it supports in every mode (None: any); a mode narrows it with
+        ``Limits.world_sizes``.
     """
 
     dtypes: Mapping[Mode, frozenset[DispatchDtype]]
@@ -137,38 +131,25 @@ class Capabilities:
         fallback = self.fallbacks.get((mode, dtype))
         if fallback is not None:
             return DtypeDecision("fallback", fallback.to, fallback.reason)
-        reason = self.rejections.get(dtype) or f"{dtype.value} is not supported in {mode.value} mode"
-        return DtypeDecision("reject", dtype, reason)
+        return DtypeDecision("reject", dtype,
+                             self.rejections.get(dtype) or f"{dtype.value} is not supported in {mode.value} mode")
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as plain values (``dtypes`` as ``modes``, ``fallbacks`` as a list): ``backends --json``."""
         return {
             "modes": {m.value: sorted(d.value for d in self.dtypes[m]) for m in self.modes},
-            "fallbacks": [
-                {"mode": m.value, "from": d.value, "to": f.to.value, "reason": f.reason}
-                for (m, d), f in sorted(self.fallbacks.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value))
-            ],
-            "rejections": {d.value: r for d, r in sorted(self.rejections.items(), key=lambda kv: kv[0].value)},
-            "default_dtype": None if self.default_dtype is None else self.default_dtype.value,
-            "combine_dtype": self.combine_dtype.value,
-            "fused_forward": self.fused_forward,
-            "cuda_graph_modes": sorted(m.value for m in self.cuda_graph_modes),
-            "split_phase": sorted(m.value for m in self.split_phase),
-            "expert_alignment": sorted(m.value for m in self.expert_alignment),
-            "worst_case_rows": sorted(m.value for m in self.worst_case_rows),
-            "devices": sorted(self.devices),
-            "limits": {m.value: lim.to_dict() for m, lim in sorted(self.limits.items(), key=lambda kv: kv[0].value)},
-            "fp8_ue8m0": self.fp8_ue8m0,
-            "world_sizes": None if self.world_sizes is None else sorted(self.world_sizes),
+            "fallbacks": [{"mode": m.value, "from": d.value, "to": f.to.value, "reason": f.reason}
+                          for (m, d), f in sorted(self.fallbacks.items(), key=lambda kv: (kv[0][0].value,
+                                                                                          kv[0][1].value))],
+            **{f.name: plain(getattr(self, f.name)) for f in fields(self)[2:]},
         }
 
 
 @dataclass(frozen=True)
 class EnvRequirement:
-    """An environment variable a backend reads when it creates its dispatcher and that must be
-    at least ``minimum`` for a spec (Ascend: ``HCCL_BUFFSIZE`` in MB, the HCCL window).
-
-    A backend states these by implementing ``env_requirements(spec, world_size)``; the planner
-    compares them with the ``env`` it was given.
+    """An environment variable a backend reads when it creates its dispatcher and that must be at least ``minimum``
+    for a spec (Ascend: ``HCCL_BUFFSIZE`` in MB, the HCCL window), stated by ``Backend.env_requirements``; the
+    planner compares it with the ``env`` it was given.
 
     :param default: the value the vendor uses when the variable is unset (None: no default).
     """
@@ -180,15 +161,14 @@ class EnvRequirement:
     reason: str = ""
 
 
-
 @dataclass(frozen=True)
 class BufferSize:
-    """Bytes a dispatcher needs, dispatch and combine accounted separately (combine is BF16
-    even when dispatch is FP8, so one cannot stand in for the other).
+    """Bytes a dispatcher needs, dispatch and combine accounted separately (combine is BF16 even when dispatch is
+    FP8, so one cannot stand in for the other).
 
-    :param allocated_bytes: what the backend really allocates, when that is not the sum:
-        a vendor buffer shared by dispatch and combine (DeepEP) takes the larger of the two,
-        plus whatever its layout adds. Must cover each of them.
+    :param allocated_bytes: what the backend really allocates, when that is not the sum: a vendor buffer shared by
+        dispatch and combine (DeepEP) takes the larger of the two, plus whatever its layout adds. Must cover each of
+        them.
     """
 
     dispatch_bytes: int
@@ -198,10 +178,8 @@ class BufferSize:
 
     def __post_init__(self) -> None:
         if self.allocated_bytes is not None and self.allocated_bytes < max(self.dispatch_bytes, self.combine_bytes):
-            raise ValueError(
-                f"allocated_bytes {self.allocated_bytes:,} is smaller than dispatch ({self.dispatch_bytes:,}) "
-                f"or combine ({self.combine_bytes:,})"
-            )
+            raise ValueError(f"allocated_bytes {self.allocated_bytes:,} is smaller than dispatch "
+                             f"({self.dispatch_bytes:,}) or combine ({self.combine_bytes:,})")
 
     @property
     def total_bytes(self) -> int:
@@ -210,24 +188,20 @@ class BufferSize:
 
     @property
     def largest_allocation(self) -> int:
-        """The biggest single buffer: the shared one, or the larger of dispatch and combine.
-        What a backend's ``max_buffer_bytes`` limits."""
-        return self.allocated_bytes if self.allocated_bytes is not None else max(self.dispatch_bytes, self.combine_bytes)
+        """The biggest single buffer (what a backend's ``max_buffer_bytes`` limits): the shared one, or the larger of
+        dispatch and combine."""
+        allocated = self.allocated_bytes
+        return allocated if allocated is not None else max(self.dispatch_bytes, self.combine_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "dispatch_bytes": self.dispatch_bytes,
-            "combine_bytes": self.combine_bytes,
-            "total_bytes": self.total_bytes,
-            "shared": self.allocated_bytes is not None,
-            "notes": list(self.notes),
-        }
+        return {"dispatch_bytes": self.dispatch_bytes, "combine_bytes": self.combine_bytes,
+                "total_bytes": self.total_bytes, "shared": self.allocated_bytes is not None, "notes": list(self.notes)}
 
 
 @dataclass(frozen=True)
 class DispatchContext:
-    """Everything ``Backend.create`` gets: the spec with its resolved dtype, the group
-    wrapped in a byte-counting ``Comm``, and the codec of the wire format."""
+    """Everything ``Backend.create`` gets: the spec with its resolved dtype, the group wrapped in a byte-counting
+    ``Comm``, and the codec of the wire format."""
 
     spec: DispatchSpec
     resolution: "Resolution"
@@ -259,61 +233,58 @@ class DispatchContext:
 
 @runtime_checkable
 class BackendDispatcher(Protocol):
-    """One spec on one group. Holds no state of a call: everything combine needs travels
-    in ``DispatchOutput.handle``."""
+    """One spec on one group. Holds no state of a call: everything combine needs travels in
+    ``DispatchOutput.handle``."""
 
-    def dispatch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> DispatchOutput: ...
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchOutput: ...
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor: ...
 
 
 @runtime_checkable
 class SplitPhaseBackendDispatcher(BackendDispatcher, Protocol):
-    """What the dispatcher of a backend with ``capabilities.split_phase`` adds: each call in two
-    halves. ``*_start`` checks nothing the core has checked, issues the collectives (or the
-    vendor's send kernels) and returns; the ``Pending``'s ``wait()`` receives and finishes. The
-    buffers a started call reads and writes stay its own until its ``wait()`` has returned, even
-    when the engine starts the other micro-batch's calls meanwhile or drops the ``Pending``."""
+    """What the dispatcher of a backend with ``capabilities.split_phase`` adds: each call in two halves. ``*_start``
+    checks nothing the core has checked, issues the collectives (or the vendor's send kernels) and returns; the
+    ``Pending``'s ``wait()`` receives and finishes. The buffers a started call reads and writes stay its own until
+    its ``wait()`` has returned, even when the engine starts the other micro-batch's calls meanwhile or drops the
+    ``Pending``."""
 
-    def dispatch_start(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> "Pending[DispatchOutput]": ...
+    def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> "Pending[DispatchOutput]": ...
 
-    def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> "Pending[torch.Tensor]": ...
+    def combine_start(self, expert_output: torch.Tensor,
+                      dispatch_output: DispatchOutput) -> "Pending[torch.Tensor]": ...
 
 
 @runtime_checkable
 class FusedBackendDispatcher(BackendDispatcher, Protocol):
-    """What the dispatcher of a backend with ``capabilities.fused_forward`` adds: dispatch, the
-    experts and combine in one call. ``Dispatcher.forward`` runs the core's input checks first
-    and announces a failure to the peers."""
+    """What the dispatcher of a backend with ``capabilities.fused_forward`` adds: dispatch, the experts and combine
+    in one call. ``Dispatcher.forward`` runs the core's input checks first and announces a failure to the peers."""
 
     def process_weights(self, weights: Any) -> Any:
-        """The layer object ``fused_forward`` reads, built once at load time from this rank's
-        experts (``ExpertWeights``): the vendor's layouts, or a typed error for a quantization
-        scheme the fused op cannot take."""
+        """The layer object ``fused_forward`` reads, built once at load time from this rank's experts
+        (``ExpertWeights``): the vendor's layouts, or a typed error for a quantization scheme the fused op cannot
+        take."""
         ...
 
-    def fused_forward(
-        self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def fused_forward(self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
         """bf16 ``[T, H]``: the weighted sum of this rank's tokens' expert outputs."""
         ...
 
 
 class Backend:
-    """Base class of dispatch backends. Subclasses set ``name`` and ``capabilities`` and
-    implement ``buffer_size`` and ``create``; the rest has table-driven defaults."""
+    """Base class of dispatch backends. Subclasses set ``name`` and ``capabilities`` and implement ``buffer_size``
+    and ``create``; the rest has table-driven defaults."""
 
     name: str = ""
     capabilities: Capabilities
     description: str = ""
     #: What to install or configure when ``probe()`` says the backend cannot run here.
     install_hint: str = ""
-    #: How this backend's buffers sized for a BF16 wire relate to what an engine (sglang) allocates
-    #: for it; ``moe-dispatch plan`` prints it under its BF16 column ("": no engine counterpart).
+    #: How this backend's buffers sized for a BF16 wire relate to what an engine (sglang) allocates for it;
+    #: ``moe-dispatch plan`` prints it under its BF16 column ("": no engine counterpart).
     engine_sizing: str = ""
 
     def probe(self) -> str | None:
@@ -357,23 +328,20 @@ class Backend:
                                    parameter="top_k", value=spec.top_k, allowed=f"1..{lim.max_top_k}")
 
     def buffer_size(self, spec: DispatchSpec, world_size: int) -> BufferSize:
-        """Bytes needed for ``spec`` (its ``output_dtype`` already resolved) on
-        ``world_size`` ranks, dispatch and combine separately."""
+        """Bytes needed for ``spec`` (its ``output_dtype`` already resolved) on ``world_size`` ranks, dispatch and
+        combine separately."""
         raise NotImplementedError
 
     def env_requirements(self, spec: DispatchSpec, world_size: int) -> tuple["EnvRequirement", ...]:
-        """Environment variables the vendor library reads that must be large enough for
-        ``spec`` (e.g. ``HCCL_BUFFSIZE``): what ``moe-dispatch plan`` and ``plan_buffers``
-        check. None by default."""
+        """Environment variables the vendor library reads that must be large enough for ``spec`` (e.g.
+        ``HCCL_BUFFSIZE``): what ``moe-dispatch plan`` and ``plan_buffers`` check. None by default."""
         return ()
 
     def agreement(self, ctx: DispatchContext) -> Mapping[str, Any]:
-        """What else every rank must agree on before ``create`` runs: the options and
-        environment that decide a collective vendor call in ``create`` (a buffer's size, a
-        shared buffer's mode). Compared field by field with the core's own fingerprint; a
-        difference is a ``ConfigMismatchError`` on every rank instead of a hang inside the
-        vendor's constructor. Values must be plain (numbers, strings, tuples, None). None by
-        default."""
+        """What else every rank must agree on before ``create`` runs: the options and environment that decide a
+        collective vendor call in ``create`` (a buffer's size, a shared buffer's mode). Compared field by field with
+        the core's own fingerprint; a difference is a ``ConfigMismatchError`` on every rank instead of a hang inside
+        the vendor's constructor. Values must be plain (numbers, strings, tuples, None). None by default."""
         return {}
 
     def create(self, ctx: DispatchContext) -> BackendDispatcher:
@@ -386,17 +354,17 @@ class Backend:
 
 @dataclass(frozen=True)
 class RunnerInfo:
-    """An expert-kernel family, the wire dtype it needs (resolution step 5), and the
-    combinations it works in, checked when a dispatcher is created for ``spec.runner``.
+    """An expert-kernel family, the wire dtype it needs (resolution step 5), and the combinations it works in,
+    checked when a dispatcher is created for ``spec.runner``.
 
     :param needs: the dtype it asks for when no earlier step decided (None: any).
     :param reason: why, as the resolution trail shows it.
-    :param accepts: every dtype its kernels can consume (None: any), e.g. BF16 and NVFP4
-        for a kernel that quantizes BF16 itself but also takes NVFP4 rows.
-    :param backends: the dispatch backends and modes whose output it consumes (None: any),
-        e.g. ``{"cuda_deepep": frozenset({Mode.LOW_LATENCY})}``.
-    :param probe: None when its kernels can run here, else why not (``moe-dispatch backends``
-        shows it); cheap, and must not raise.
+    :param accepts: every dtype its kernels can consume (None: any), e.g. BF16 and NVFP4 for a kernel that quantizes
+        BF16 itself but also takes NVFP4 rows.
+    :param backends: the dispatch backends and modes whose output it consumes (None: any), e.g.
+        ``{"cuda_deepep": frozenset({Mode.LOW_LATENCY})}``.
+    :param probe: None when its kernels can run here, else why not (``moe-dispatch backends`` shows it); cheap, and
+        must not raise.
     """
 
     name: str
@@ -411,12 +379,9 @@ class RunnerInfo:
             why_not = self.probe() if self.probe is not None else None
         except Exception as exc:  # noqa: BLE001 - a probe that raises is a reason, not a crash
             why_not = f"probe raised {type(exc).__name__}: {exc}"
-        return {
-            "name": self.name,
-            "needs": None if self.needs is None else self.needs.value,
-            "accepts": None if self.accepts is None else sorted(d.value for d in self.accepts),
-            "backends": None if self.backends is None else {
-                b: sorted(m.value for m in modes) for b, modes in sorted(self.backends.items())},
-            "available": None if self.probe is None else why_not is None,  # None: the runner has no probe
-            "reason": why_not,
-        }
+        return {"name": self.name, "needs": plain(self.needs),
+                "accepts": None if self.accepts is None else sorted(d.value for d in self.accepts),
+                "backends": None if self.backends is None else {
+                    b: sorted(m.value for m in modes) for b, modes in sorted(self.backends.items())},
+                "available": None if self.probe is None else why_not is None,  # None: the runner has no probe
+                "reason": why_not}

@@ -30,41 +30,31 @@ if TYPE_CHECKING:
 _MAX_IN_FLIGHT = 64
 
 
-def create_dispatcher(
-    backend: str | Backend,
-    spec: DispatchSpec,
-    group: "dist.ProcessGroup | None" = None,
-    *,
-    strict: bool = False,
-    env: Mapping[str, str] | None = None,
-    check_inputs: bool | None = None,
-    host: PluginHost | None = None,
-    options: Mapping[str, Any] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    in_flight: int = DEFAULT_IN_FLIGHT,
-) -> Dispatcher:
-    """Resolve the wire dtype, check the spec against the backend, plan the buffers, agree
-    with the other ranks and build the dispatcher: everything that can fail does so here,
-    before the first forward, and on every rank of the group.
+def create_dispatcher(backend: str | Backend, spec: DispatchSpec, group: "dist.ProcessGroup | None" = None, *,
+                      strict: bool = False, env: Mapping[str, str] | None = None, check_inputs: bool | None = None,
+                      host: PluginHost | None = None, options: Mapping[str, Any] | None = None,
+                      timeout_s: float = DEFAULT_TIMEOUT_S, in_flight: int = DEFAULT_IN_FLIGHT) -> Dispatcher:
+    """Resolve the wire dtype, check the spec against the backend, plan the buffers, agree with the other ranks and
+    build the dispatcher: everything that can fail does so here, before the first forward, and on every rank.
 
-    Works in one process (no torch.distributed: world size 1), under ``torchrun`` after
-    ``dist.init_process_group()`` (``group=None`` is the default group), and on any group.
-    Every rank of the group must call it (it is a collective).
+    Works in one process (no torch.distributed: world size 1), under ``torchrun`` after ``dist.init_process_group()``
+    (``group=None`` is the default group), and on any group. Every rank of the group must call it (it is a collective).
 
+    :param backend: a registered backend's name, or a ``Backend``.
     :param strict: a dtype fallback raises instead of warning.
     :param env: environment for the resolution (``os.environ`` when None); never written.
-    :param check_inputs: run the value checks (ids in range, no duplicate ids, finite
-        values) on every dispatch; they read the data (a device sync on an accelerator).
-        None (the default): on host memory only, so an accelerator's hot path makes no host
-        sync; True: everywhere; False: nowhere. The shape, dtype, device and capacity checks
+    :param check_inputs: run the value checks (ids in range, no duplicate ids, finite values) on every dispatch; they
+        read the data (a device sync on an accelerator). None (the default): on host memory only, so an accelerator's
+        hot path makes no host sync; True: everywhere; False: nowhere. The shape, dtype, device and capacity checks
         always run.
-    :param in_flight: how many dispatches the engine keeps in flight at once (two-batch overlap:
-        2, the default, as DeepEP double-buffers its low-latency mode). Backends that reuse their
-        buffers plan that many sets at creation (the reference backends' low-latency slots); more
-        in flight still works, each extra one at the cost of one more set.
-    :param timeout_s: how long a rank waits for the others in one collective (gloo) before
-        ``CollectiveTimeoutError`` names the ranks that never arrived. NCCL and HCCL use
-        the process group's own timeout.
+    :param host: the plugin host to take the backend from (``PluginHost.default()`` when None).
+    :param options: backend-specific options (``DispatchContext.options``).
+    :param in_flight: how many dispatches the engine keeps in flight at once (two-batch overlap: 2, the default, as
+        DeepEP double-buffers its low-latency mode). Backends that reuse their buffers plan that many sets at creation
+        (the reference backends' low-latency slots); more in flight still works, each extra one at the cost of one more
+        set.
+    :param timeout_s: how long a rank waits for the others in one collective (gloo) before ``CollectiveTimeoutError``
+        names the ranks that never arrived. NCCL and HCCL use the process group's own timeout.
     """
     comm = Comm(group, timeout_s=_timeout_or_default(timeout_s))  # a bad one is refused below, with the peers told
     try:
@@ -106,16 +96,15 @@ def _memory_bytes(device: torch.device) -> int | None:
 
 
 def _check_fits_memory(ctx: DispatchContext) -> None:
-    """Buffers larger than the device's whole memory cannot be allocated: say so at creation, not
-    with an allocator error at the first dispatch (a low-latency capacity of 2**25 tokens)."""
-    total = _memory_bytes(ctx.device)
-    need = ctx.buffer_size.total_bytes
+    """Buffers larger than the device's whole memory cannot be allocated: say so at creation, not with an allocator
+    error at the first dispatch (a low-latency capacity of 2**25 tokens)."""
+    total, need = _memory_bytes(ctx.device), ctx.buffer_size.total_bytes
     if total is not None and need > total:
-        raise CapacityError(
-            f"the buffers this spec needs ({need:,} bytes on {ctx.world_size} ranks) exceed the device's whole memory "
-            f"({total:,} bytes on {ctx.device.type})", parameter="num_max_dispatch_tokens_per_rank",
-            value=ctx.spec.num_max_dispatch_tokens_per_rank, allowed="a capacity whose buffers fit the device",
-        )
+        raise CapacityError(f"the buffers this spec needs ({need:,} bytes on {ctx.world_size} ranks) exceed the "
+                            f"device's whole memory ({total:,} bytes on {ctx.device.type})",
+                            parameter="num_max_dispatch_tokens_per_rank",
+                            value=ctx.spec.num_max_dispatch_tokens_per_rank,
+                            allowed="a capacity whose buffers fit the device")
 
 
 def _timeout_or_default(timeout_s: object) -> float:
@@ -140,10 +129,8 @@ def _check_arguments(spec: object, env: object, options: object, timeout_s: obje
                                    value=value, allowed="None or a dict (e.g. os.environ)")
 
 
-def _prepare(
-    chosen: Selection, spec: DispatchSpec, comm: Comm, *, strict: bool,
-    env: Mapping[str, str] | None, options: Mapping[str, Any] | None, in_flight: int = 2,
-) -> tuple[DispatchContext, Resolution]:
+def _prepare(chosen: Selection, spec: DispatchSpec, comm: Comm, *, strict: bool, env: Mapping[str, str] | None,
+             options: Mapping[str, Any] | None, in_flight: int = 2) -> tuple[DispatchContext, Resolution]:
     """Everything local (``prepare_layer``), then the context the backend creates from."""
     layer = prepare_layer(chosen.backend, spec, comm.world_size, runners=chosen.runners, env=env, strict=strict)
     ctx = DispatchContext(spec=layer.spec, resolution=layer.resolution, comm=comm,
@@ -154,27 +141,21 @@ def _prepare(
 
 
 def _fingerprint(chosen: Selection, ctx: DispatchContext, timeout_s: float) -> dict[str, Any]:
-    """What every rank of the group must agree on, compared field by field at creation: every field of the resolved
-    spec (``DispatchSpec.to_dict``: a field added to the spec is compared by construction), then what else decides
-    the collectives, then the backend's own ``agreement``."""
+    """What every rank must agree on, compared field by field at creation: every field of the resolved spec
+    (``DispatchSpec.to_dict``: a field added to the spec is compared by construction), then what else decides the
+    collectives, then the backend's own ``agreement``."""
     backend = chosen.backend
     spec = {f"{name}.{k}" if isinstance(value, dict) else name: v
             for name, value in ctx.spec.to_dict().items()
             for k, v in (value.items() if isinstance(value, dict) else [(None, value)])}
-    return {
-        **spec,
-        "backend": backend.name,
-        "backend version": chosen.label,
-        "core version": core_version(),
-        "world_size": ctx.world_size,
-        "buffer bytes": [ctx.buffer_size.dispatch_bytes, ctx.buffer_size.combine_bytes],
-        "timeout_s": timeout_s,
-        "in_flight": ctx.in_flight,  # backends may plan buffers per call in flight collectively (the reference's LL)
-        **{f"{backend.name}: {name}": value for name, value in backend.agreement(ctx).items()},
-    }
+    sizes = ctx.buffer_size
+    return {**spec, "backend": backend.name, "backend version": chosen.label, "core version": core_version(),
+            "world_size": ctx.world_size, "buffer bytes": [sizes.dispatch_bytes, sizes.combine_bytes],
+            "timeout_s": timeout_s,
+            "in_flight": ctx.in_flight,  # backends may plan buffers per call in flight (the reference's LL)
+            **{f"{backend.name}: {name}": value for name, value in backend.agreement(ctx).items()}}
 
 
 def _agreement():  # type: ignore[no-untyped-def]
     from ._distributed import agreement  # with peers only
-
     return agreement

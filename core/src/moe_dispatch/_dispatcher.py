@@ -1,5 +1,4 @@
-"""``create_dispatcher`` and the ``Dispatcher`` engines call on the hot path.
-"""
+"""The ``Dispatcher``: what an engine calls on the hot path (``create_dispatcher`` makes one)."""
 
 from __future__ import annotations
 
@@ -10,20 +9,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from ._checks import InputChecks, OutputChecks, not_an_output, runs_value_checks
-from ._contract import (
-    Backend,
-    BackendDispatcher,
-    BufferSize,
-    FusedBackendDispatcher,
-    SplitPhaseBackendDispatcher,
-)
+from ._contract import Backend, BackendDispatcher, BufferSize, FusedBackendDispatcher, SplitPhaseBackendDispatcher
 from ._distributed.comm import Comm, Traffic
-from ._errors import (
-    CapacityError,
-    CommunicationError,
-    InvalidInputError,
-    PluginError,
-)
+from ._errors import CapacityError, CommunicationError, InvalidInputError, PluginError
 from ._output import DispatchOutput
 from ._pending import Pending
 from ._resolution import Resolution
@@ -34,8 +22,8 @@ if TYPE_CHECKING:
     from ._experts import ExpertKernel
 
 
-# A DispatchOutput is frozen for the engine; the core sets these two fields through their slots
-# (half the cost of object.__setattr__ on the hot path).
+# A DispatchOutput is frozen for the engine; the core sets these two fields through their slots (half the cost of
+# object.__setattr__ on the hot path).
 _set_call = DispatchOutput.call.__set__  # type: ignore[attr-defined]
 _set_combined = DispatchOutput.combined.__set__  # type: ignore[attr-defined]
 
@@ -45,8 +33,8 @@ DEFAULT_IN_FLIGHT = 2
 
 @dataclass(frozen=True)
 class AlignmentPlan:
-    """How a dispatcher delivers ``spec.expert_alignment``: ``native`` (the backend writes it), by a
-    core copy, or not at all (1: dense rows)."""
+    """How a dispatcher delivers ``spec.expert_alignment``: ``native`` (the backend writes it), by a core copy, or
+    not at all (1: dense rows)."""
 
     alignment: int
     native: bool
@@ -80,25 +68,11 @@ class Dispatcher:
     group cannot finish.
     """
 
-    def __init__(
-        self,
-        backend: Backend,
-        spec: DispatchSpec,
-        resolution: Resolution,
-        impl: BackendDispatcher,
-        comm: Comm,
-        buffer_size: BufferSize,
-        *,
-        check_inputs: bool | None = None,
-    ) -> None:
-        self.backend = backend
-        self.spec = spec
-        self.resolution = resolution
-        self.buffer_size = buffer_size
+    def __init__(self, backend: Backend, spec: DispatchSpec, resolution: Resolution, impl: BackendDispatcher,
+                 comm: Comm, buffer_size: BufferSize, *, check_inputs: bool | None = None) -> None:
+        self.backend, self.spec, self.resolution, self.buffer_size = backend, spec, resolution, buffer_size
         self.check_inputs = check_inputs
-        self._impl = impl
-        self._comm = comm
-        self._device = comm.device
+        self._impl, self._comm, self._device = impl, comm, comm.device
         self._checks = InputChecks(spec, self._device, impl)
         #: How ``spec.expert_alignment`` is delivered: by the backend, or by a core copy.
         self.alignment: AlignmentPlan = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode,
@@ -107,14 +81,14 @@ class Dispatcher:
         self._outputs = OutputChecks(backend.name, spec, comm.world_size,
                                      1 if self._copy_alignment else spec.expert_alignment,
                                      worst_case=spec.mode in backend.capabilities.worst_case_rows)
-        # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol
-        # check reads attributes, too slow for every forward.
-        self._fused: bool | None = isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward else None
+        # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol check reads
+        # attributes, too slow for every forward.
+        self._fused: bool | None = (isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward
+                                    else None)
         # None: no split phase in this mode (the core runs each call at its start); else whether impl has the halves.
         self._split: bool | None = (isinstance(impl, SplitPhaseBackendDispatcher)
                                     if spec.mode in backend.capabilities.split_phase else None)
-        self._dispatches = 0
-        self._forwards = 0
+        self._dispatches = self._forwards = 0
         self._broken: str | None = None  # why this dispatcher can make no more calls
         # The hot path's per-call steps chosen once (a Python call level costs 50-100 ns): calls are numbered only
         # with peers, and the aligned copy only where the core makes it.
@@ -157,24 +131,23 @@ class Dispatcher:
         """The id its ranks agreed on at creation; ``CallOrderError`` names dispatchers by it."""
         return self._comm.uid
 
-    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchOutput:
         """Quantize to the wire dtype and send each token to the ranks of its experts.
 
         :param hidden_states: bf16 ``[T, H]`` with T <= ``num_max_dispatch_tokens_per_rank``.
         :param topk_ids: int32/int64 ``[T, top_k]`` global expert ids, -1 for none.
         :param topk_weights: fp32 ``[T, top_k]``, on the device of ``hidden_states``.
-        :raises InvalidInputError: a wrong type, shape, dtype or device (always checked), or, with
-            ``check_inputs`` on, an expert id outside ``-1, 0..E-1``, an expert listed twice in one
-            token, or NaN/Inf in ``topk_weights`` or ``hidden_states``.
-        :raises CapacityError: T > ``num_max_dispatch_tokens_per_rank`` (raise
-            ``--num-max-dispatch-tokens-per-rank``).
-        :raises PeerFailedError: / :raises CollectiveTimeoutError: another rank failed, died or
-            stalled while this one waited for it (docs/reliability.md).
+        :raises InvalidInputError: a wrong type, shape, dtype or device (always checked), or, with ``check_inputs``
+            on, an expert id outside ``-1, 0..E-1``, an expert listed twice in one token, or NaN/Inf in
+            ``topk_weights`` or ``hidden_states``.
+        :raises CapacityError: T > ``num_max_dispatch_tokens_per_rank`` (raise ``--num-max-dispatch-tokens-per-rank``).
+        :raises PeerFailedError: / :raises CollectiveTimeoutError: another rank failed, died or stalled while this one
+            waited for it (docs/reliability.md).
 
         The checks run before any collective and modify nothing; an error is also posted to the peers, which stop
-        waiting for this rank. The metadata checks always run (about 0.5 µs); the value checks read the data (one
-        device sync on an accelerator), by default (``check_inputs=None``) on host memory only, and never while a
-        CUDA graph is captured (check inputs before a replay).
+        waiting for this rank. The metadata checks always run (about 0.5 µs); the value checks as ``check_inputs``
+        says (``create_dispatcher``), never while a CUDA graph is captured (check inputs before a replay).
         """
         if self._broken is not None:
             self._usable("dispatch")
@@ -190,12 +163,10 @@ class Dispatcher:
         return out
 
     def _received_aligned(self, out: object, check_values: bool) -> DispatchOutput:
-        """The backend's output checked and moved to the aligned layout (``_received`` where the core does that;
-        elsewhere ``_received`` is the output check alone)."""
+        """``_received`` where the core aligns: the backend's output checked and moved to the aligned layout."""
         checked = self._outputs.dispatch(out, check_values)
         if checked.layout is Layout.PACKED:
             from ._alignment import align_rows
-
             return align_rows(checked, self.spec.expert_alignment)
         return checked
 
@@ -204,7 +175,6 @@ class Dispatcher:
         """What the backend's combine takes: its own output, and the expert rows in its order."""
         if self._copy_alignment:
             from ._alignment import dense_rows, is_core_aligned
-
             if is_core_aligned(dispatch_output):
                 return dense_rows(expert_output, dispatch_output)
         return expert_output, dispatch_output
@@ -212,9 +182,9 @@ class Dispatcher:
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         """Send the unweighted expert rows back, apply the top-k weights, sum: bf16 ``[T, H]``.
 
-        :raises InvalidInputError: ``expert_output`` that is not bf16 ``[..., H]`` with one row per
-            dispatched row on the dispatch output's device, or a ``dispatch_output`` this
-            dispatcher did not return, or one already combined.
+        :raises InvalidInputError: ``expert_output`` that is not bf16 ``[..., H]`` with one row per dispatched row on
+            the dispatch output's device, or a ``dispatch_output`` this dispatcher did not return, or one already
+            combined.
         """
         if self._broken is not None:
             self._usable("combine")
@@ -230,26 +200,23 @@ class Dispatcher:
         _set_combined(dispatch_output, True)
         return result
 
-    # -- split phase ------------------------------------------------------------------------
-
     @property
     def split_phase(self) -> bool:
         """Whether ``dispatch_start``/``combine_start`` return while the data is on its way (the backend's
-        ``split_phase`` names this mode). When False they still work, running each call whole at start; either way a
-        call's ``Pending.overlapped`` says whether it overlapped."""
+        ``split_phase`` names this mode). When False they still work, running each call whole at start; either way
+        a call's ``Pending.overlapped`` says whether it overlapped."""
         return self._split is not None
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
-        """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and compute
-        something else in between (the other micro-batch, shared experts).
+        """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and compute something
+        else in between (the other micro-batch, shared experts).
 
         The input checks and their errors are ``dispatch``'s, raised here before anything is sent; what fails later
-        (a peer, the backend's work after the start) is raised by ``wait()``. Every rank starts the same calls in
-        the same order and makes a given call in the same form (started or blocking); waits may come in any order.
-        On an accelerator ``wait()`` orders the current stream after the exchange; on gloo it blocks. The inputs
-        are the call's until ``wait()`` returns (a vendor's stream or the reference backends' thread may still read
-        them): do not write into them before then.
+        (a peer, the backend's work after the start) is raised by ``wait()``. Every rank starts the same calls in the
+        same order and makes a given call in the same form (started or blocking); waits may come in any order. The
+        inputs are the call's until ``wait()`` returns (a vendor's stream or the reference backends' thread may still
+        read them): do not write into them before then.
         """
         if self._split is None:
             return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), _start_mark(hidden_states))
@@ -258,9 +225,8 @@ class Dispatcher:
         try:
             self._dispatches = number = self._dispatches + 1
             self._comm.begin("dispatch", number)
-            started = _pending_from(self.backend.name, "dispatch_start",
-                                    self._in_call(self._split_impl().dispatch_start)(hidden_states, topk_ids,
-                                                                                                  topk_weights))
+            started = _pending_from(self.backend.name, "dispatch_start", self._in_call(
+                self._split_impl().dispatch_start)(hidden_states, topk_ids, topk_weights))
         except BaseException as exc:
             self._dispatch_failed(exc)
         return Pending(functools.partial(self._receive_dispatch, started, number, values),
@@ -268,8 +234,8 @@ class Dispatcher:
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
         """``combine`` in two halves: this rank's rows are on their way when it returns; ``wait()`` gives the bf16
-        ``[T, H]``. Checked as ``combine``; the output counts as combined from here on, and ``expert_output`` is the
-        call's until ``wait()``."""
+        ``[T, H]``. Checked as ``combine``; the output counts as combined from here on, and ``expert_output`` is
+        the call's until ``wait()``."""
         if self._split is None:
             return Pending.completed(self.combine(expert_output, dispatch_output), _start_mark(expert_output))
         self._usable("combine")
@@ -303,8 +269,8 @@ class Dispatcher:
             raise
 
     def _received_failed(self) -> None:
-        """A call failed after its collectives ran (at ``wait()``): with peers, whatever the error, this
-        dispatcher makes no more calls (its exchange is in an unknown state)."""
+        """A call failed after its collectives ran (at ``wait()``): with peers, whatever the error, this dispatcher
+        makes no more calls (its exchange is in an unknown state)."""
         if self.world_size > 1 and self._broken is None:
             self._broken = f"a started call failed at wait() on rank {self.rank}"
 
@@ -312,10 +278,8 @@ class Dispatcher:
         if not self._split:
             raise PluginError(f"backend {self.backend.name!r} declares capabilities.split_phase for "
                               f"{self.spec.mode.value} mode, but its dispatcher {type(self._impl).__name__} has no "
-                              "dispatch_start/combine_start (moe_dispatch.SplitPhaseBackendDispatcher)")
+                              "dispatch_start/combine_start (moe_dispatch.backend.SplitPhaseBackendDispatcher)")
         return self._impl  # type: ignore[return-value]
-
-    # -- shared by the calls ----------------------------------------------------------------
 
     def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
         """The input checks; whether the value checks ran (the output checks read the counts then)."""
@@ -326,10 +290,7 @@ class Dispatcher:
             raise
 
     def _values(self, hidden_states: torch.Tensor) -> bool:
-        """Whether this call runs the value checks (on inputs whose metadata passed): ``check_inputs``,
-        or by default (None) where the data is host memory: on an accelerator they would sync the
-        device every call. Never while a CUDA graph is captured: the sync would abort the capture
-        (the output checks' read-back of the counts did, on an H100, before this)."""
+        """Whether this call runs the value checks (``runs_value_checks`` under ``check_inputs``)."""
         return runs_value_checks(self.check_inputs, hidden_states)
 
     def _dispatch_failed(self, exc: BaseException) -> NoReturn:
@@ -342,38 +303,31 @@ class Dispatcher:
     def _check_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
         try:
             self._checks.combine(expert_output, dispatch_output)
-            if dispatch_output.combined:
-                self._refuse_combined(dispatch_output)
+            if dispatch_output.combined:  # its buffers may already hold a later dispatch's rows
+                raise InvalidInputError(
+                    f"dispatch #{dispatch_output.call} was already combined (or its combine started); its buffers may "
+                    "now hold a later dispatch's rows (an output is valid until its combine)",
+                    parameter="dispatch_output", value=f"dispatch #{dispatch_output.call}",
+                    allowed="an output not yet combined")
         except BaseException as exc:
             self._failed("combine", exc, before=(
                 "combine", dispatch_output.call if isinstance(dispatch_output, DispatchOutput) else None))
             raise
 
-    @staticmethod
-    def _refuse_combined(dispatch_output: DispatchOutput) -> NoReturn:
-        """Its buffers may already hold a later dispatch's rows."""
-        raise InvalidInputError(
-            f"dispatch #{dispatch_output.call} was already combined (or its combine started); its buffers "
-            "may now hold a later dispatch's rows (an output is valid until its combine)",
-            parameter="dispatch_output", value=f"dispatch #{dispatch_output.call}",
-            allowed="an output not yet combined")
-
     def _usable(self, operation: str) -> None:
         if self._broken is not None:
-            raise CommunicationError(
-                f"this dispatcher cannot {operation}: {self._broken}; the process group must be rebuilt (a collective "
-                "its ranks started may never finish) and the dispatcher created again"
-            )
+            raise CommunicationError(f"this dispatcher cannot {operation}: {self._broken}; the process group must be "
+                                     "rebuilt (a collective its ranks started may never finish) and the dispatcher "
+                                     "created again")
 
     def _failed(self, operation: str, exc: BaseException, *, before: tuple[str, int | None] | None = None,
                 call: tuple[str, int | None] | None = None) -> None:
-        """A call failed on this rank: tell the peers. Refused inputs leave the dispatcher as it was on this rank:
-        the core's checks (``before``: the phase and number of the call they refused, before its collectives) and an
+        """A call failed on this rank: tell the peers. Refused inputs leave the dispatcher as it was: the core's
+        checks (``before``: the phase and number of the call they refused, before its collectives) and an
         ``InvalidInputError`` from the backend, which the contract puts before its collectives too (or from the
         expert kernel, between them: ``call``): only the peers waiting in that very call stop (``Watch.refused``),
-        and this rank's next calls are told apart from it. Any other failure once the call had begun, on a group
-        with peers, breaks the dispatcher (the peers have left the call, and the group may hold an unfinished
-        collective): every peer stops waiting for this rank, from then on."""
+        and this rank's next calls are told apart from it. Any other failure once the call had begun, with peers,
+        breaks the dispatcher (the peers have left the call, and the group may hold an unfinished collective)."""
         if self.world_size == 1:
             return  # no one to tell
         if before is None and not isinstance(exc, InvalidInputError):
@@ -392,16 +346,15 @@ class Dispatcher:
         return self._fused is not None
 
     def process_weights(self, weights: Any) -> Any:
-        """The ``layer`` ``forward`` takes, built once at load time from this rank's experts: the
-        fused op's layout on a fused backend; otherwise ``weights`` as they are (the expert kernel's
-        own ``process_weights`` builds its layout)."""
+        """The ``layer`` ``forward`` takes, built once at load time from this rank's experts: the fused op's layout
+        on a fused backend; otherwise ``weights`` as they are (the expert kernel builds its own)."""
         return self._fused_impl().process_weights(weights) if self.fused else weights
 
     def forward(self, experts: "ExpertKernel | None", layer: Any, hidden_states: torch.Tensor,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """One MoE layer over the group: dispatch → ``experts`` → combine, or the backend's fused
-        op (``experts`` unused); bf16 ``[T, H]`` out. The input checks run either way, and a failure
-        on this rank (the expert kernel's included) is announced to the peers, which stop waiting."""
+        """One MoE layer over the group: dispatch → ``experts`` → combine, or the backend's fused op (``experts``
+        unused); bf16 ``[T, H]`` out. The input checks run either way, and a failure on this rank (the expert
+        kernel's included) is announced to the peers, which stop waiting."""
         if self.fused:
             self._usable("forward")
             try:
@@ -434,14 +387,12 @@ class Dispatcher:
         if not self._fused:
             raise PluginError(f"backend {self.backend.name!r} declares capabilities.fused_forward, but its dispatcher "
                               f"{type(self._impl).__name__} has no fused_forward/process_weights "
-                              "(moe_dispatch.FusedBackendDispatcher)")
+                              "(moe_dispatch.backend.FusedBackendDispatcher)")
         return self._impl  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        return (
-            f"<Dispatcher {self.backend.name} {self.spec.mode.value} {self.output_dtype.value} "
-            f"rank {self.rank}/{self.world_size}>"
-        )
+        return (f"<Dispatcher {self.backend.name} {self.spec.mode.value} {self.output_dtype.value} "
+                f"rank {self.rank}/{self.world_size}>")
 
 
 def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> torch.Tensor:
@@ -475,11 +426,10 @@ def _out_of_memory(exc: BaseException, buffers: BufferSize) -> CapacityError | N
     if not (isinstance(exc, torch.OutOfMemoryError)
             or (isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))):
         return None
-    return CapacityError(
-        f"the device ran out of memory in dispatch ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
-        f"the planned buffers are {buffers.total_bytes:,} bytes", parameter="num_max_dispatch_tokens_per_rank",
-        value=None, allowed="a smaller capacity or batch, or more free device memory",
-    )
+    return CapacityError(f"the device ran out of memory in dispatch ({type(exc).__name__}: "
+                         f"{text.splitlines()[0] if text else ''}); the planned buffers are {buffers.total_bytes:,} "
+                         "bytes", parameter="num_max_dispatch_tokens_per_rank", value=None,
+                         allowed="a smaller capacity or batch, or more free device memory")
 
 
 def _start_mark(t: torch.Tensor) -> Any:
@@ -487,5 +437,4 @@ def _start_mark(t: torch.Tensor) -> Any:
     if not t.is_cuda:
         return None
     from ._streams import start_mark
-
     return start_mark(t)

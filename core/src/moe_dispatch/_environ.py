@@ -1,36 +1,20 @@
-"""Scoped changes to the process environment for vendor calls that read or write it.
+"""Scoped changes to the process environment for vendor calls that read or write it: some vendor libraries read
+part of their configuration with ``getenv`` at the call (DeepEP-Ascend's ``DEEP_NORMAL_MODE_USE_INT8_QUANT``), and
+some constructors write it (DeepEP's V1 ``Buffer`` sets ``NVSHMEM_*``). ``restored_environ`` runs such a call with the
+variables it needs and puts them back afterwards:
 
-Some vendor libraries take part of their configuration from the process environment at the
-call (DeepEP-Ascend's ``DEEP_NORMAL_MODE_USE_INT8_QUANT``, ``MOE_EXPERT_TOKEN_NUMS_TYPE``; the
-C++ calls ``getenv``), and some constructors write it (DeepEP's V1 ``Buffer`` sets ``NVSHMEM_*``
-before NVSHMEM starts). ``restored_environ`` runs such a call with the variables it needs and
-puts them back afterwards:
-
-- **Only the named variables are touched**: the keys of ``values`` and the ``names`` the block
-  may write. Each is restored to the value it had when the block began (unset if it was unset);
-  no other variable is read, written or deleted, so a variable another thread sets or deletes
-  meanwhile stays as that thread left it.
-- **Blocks that agree share; blocks that disagree wait.** Two blocks that set the same variables
-  to the same values (two dispatchers of one kind, one per thread) run at once: neither changes
-  what the other's vendor call reads. A block that wants another value for a variable a block on
-  another thread holds, or that names a variable the vendor may write (``names``: what it writes
-  is unknown), waits until those blocks end; so each vendor call sees its own values from start to
-  end. Blocks nest on one thread: an inner block may set another value; leaving it puts back the
-  outer block's.
-- **Other threads can still see the values while a block runs.** ``os.environ`` is the
-  process's one environment (POSIX has no per-thread environment), and the vendor reads the
-  process environment (``getenv``) during the call, so the value has to be there, for every
-  thread, for as long as the call runs. The blocks are ordered against each other; they cannot
-  hide their values from code that reads ``os.environ`` directly.
-- A block lasts as long as its vendor call, and some vendor calls are collectives. Blocks of one
-  kind share, so threads of one rank that dispatch at once on separate groups with dispatchers of
-  one kind do not wait for each other. Two threads whose blocks disagree (an INT8 and a BF16
-  dispatcher of a backend that sets the wire dtype in the environment; two DeepEP V1 ``Buffer``
-  constructions) run one after the other, and if the ranks order them differently, rank 0 holding
-  thread A's collective while rank 1 holds thread B's, they wait for each other until the
-  collective's timeout (docs/reliability.md): such threads must reach those calls in the same
-  order on every rank.
-- Never a ``KeyError``: a named variable already gone is simply left unset.
+- Only the named variables are touched (the keys of ``values`` and the ``names`` the block may write), each restored
+  to its value when the block began (unset if it was unset); a variable another thread sets meanwhile stays as that
+  thread left it. A named variable already gone is left unset (never a ``KeyError``).
+- Blocks that agree share; blocks that disagree wait. Blocks that set the same variables to the same values run at
+  once; a block that wants another value for a variable a block on another thread holds, or that names a variable
+  the vendor may write, waits until those blocks end, so each vendor call sees its own values throughout. Blocks nest
+  on one thread: leaving an inner block puts back the outer block's value.
+- Other threads still see the values while a block runs: ``os.environ`` is the process's one environment and the
+  vendor reads it during the call. The blocks are ordered against each other only.
+- A block lasts as long as its vendor call, and some vendor calls are collectives: threads whose blocks disagree (two
+  DeepEP V1 ``Buffer`` constructions) run one after the other, so if the ranks order them differently they wait for
+  each other until the collective's timeout; such threads must reach those calls in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -133,17 +117,16 @@ def _put(name: str, value: str | None) -> None:
 
 @contextmanager
 def restored_environ(values: Mapping[str, str | None] | None = None, *, names: Iterable[str] = ()) -> Iterator[None]:
-    """Set ``values`` for the duration of the block (a value of None unsets the variable), then
-    restore every variable named in ``values`` or ``names`` to its value from before the block.
+    """Set ``values`` for the duration of the block (a value of None unsets the variable), then restore every variable
+    named in ``values`` or ``names`` to its value from before the block.
 
     :param values: the variables the vendor reads during the block.
-    :param names: variables the block may write without setting them here (a vendor constructor's
-        writes, e.g. ``vendor.NVSHMEM_WRITTEN`` for DeepEP's V1 ``Buffer``): restored too.
+    :param names: variables the block may write without setting them here (a vendor constructor's writes, e.g.
+        ``vendor.NVSHMEM_WRITTEN`` for DeepEP's V1 ``Buffer``): restored too.
     :raises InvalidSpecError: a name or value ``os.environ`` cannot hold.
 
-    Nothing else in the environment is read or changed. Blocks on other threads that set the same
-    values run at the same time; a block that disagrees with one running on another thread waits
-    for it (see the module docstring).
+    Nothing else in the environment is read or changed; a block that disagrees with one running on another thread
+    waits for it (see the module docstring).
     """
     wanted, touched = _checked(values, names)
     plan = {name: wanted.get(name, _WRITES) for name in touched}

@@ -1,43 +1,29 @@
-"""Typed errors. Every message names the parameter, the value seen and what is allowed.
-"""
+"""Typed errors. Every message names the parameter, the value seen and what is allowed."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 class MoEDispatchError(Exception):
     """Base class of every error this library raises on purpose.
 
-    ``parameter``, ``value`` and ``allowed`` are kept as attributes so an engine can
-    turn them into its own flag names; ``str()`` reads as one sentence. Pickled (to another
-    process), a tensor ``value`` becomes its description.
+    ``parameter``, ``value`` and ``allowed`` are kept as attributes so an engine can turn them into its own flag
+    names; ``str()`` reads as one sentence. Pickled (to another process), a tensor ``value`` becomes its description.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        parameter: str | None = None,
-        value: Any = None,
-        allowed: str | None = None,
-    ) -> None:
-        self.parameter = parameter
-        self.value = value
-        self.allowed = allowed
-        parts = []
-        if parameter is not None:
-            parts.append(f"{parameter}={_short(value)}: {message}")
-        else:
-            parts.append(message)
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None,
+                 allowed: str | None = None) -> None:
+        self.parameter, self.value, self.allowed = parameter, value, allowed
+        parts = [message if parameter is None else f"{parameter}={_short(value)}: {message}"]
         if allowed:
             parts.append(f"allowed: {allowed}")
         super().__init__("; ".join(parts))
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        # Keep parameter/value/allowed when an error crosses a process boundary; a tensor value travels as its
-        # description (its shape, dtype and device, as str() shows it), not its data: a refused batch's activations
-        # would otherwise be pickled to every rank that reports the error.
+        # Keep the attributes across processes; a tensor value travels as its description, not its data (a refused
+        # batch's activations would otherwise be pickled to every rank that reports the error).
         state = dict(self.__dict__)
         if _is_tensor(state.get("value")):
             state["value"] = _short(state["value"])
@@ -52,11 +38,8 @@ def _restore(cls: type, args: tuple, state: dict) -> "MoEDispatchError":  # type
 
 
 def _is_tensor(value: Any) -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return False
-    return isinstance(value, torch.Tensor)
+    torch = sys.modules.get("torch")  # this module must not import torch (_torch_import uses it first)
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _short(value: Any) -> str:
@@ -71,8 +54,8 @@ class InvalidSpecError(MoEDispatchError, ValueError):
 
 
 class InvalidInputError(MoEDispatchError, ValueError):
-    """A tensor handed to dispatch, combine or the experts has the wrong shape, dtype,
-    device or values. Raised before any data is touched or any collective entered."""
+    """A tensor handed to dispatch, combine or the experts has the wrong shape, dtype, device or values. Raised
+    before any data is touched or any collective entered."""
 
 
 class UnsupportedDtypeError(MoEDispatchError):
@@ -80,8 +63,8 @@ class UnsupportedDtypeError(MoEDispatchError):
 
 
 class CapacityError(MoEDispatchError):
-    """A batch or a spec exceeds a capacity: ``num_max_dispatch_tokens_per_rank`` or a
-    backend limit (hidden sizes, top-k, buffer bytes)."""
+    """A batch or a spec exceeds a capacity: ``num_max_dispatch_tokens_per_rank`` or a backend limit (hidden sizes,
+    top-k, buffer bytes)."""
 
 
 class BackendUnavailableError(MoEDispatchError):
@@ -101,40 +84,33 @@ class CommunicationError(MoEDispatchError, RuntimeError):
 
 
 class PeerFailedError(CommunicationError):
-    """Another rank of the group raised (bad input on that rank, a bug, a vendor error)
-    while this one waited for it in a collective. ``rank`` is the failed rank, ``reason``
-    its error message. The process group is unusable afterwards: rebuild it."""
+    """Another rank of the group raised (bad input on that rank, a bug, a vendor error) while this one waited for it
+    in a collective. ``rank`` is the failed rank, ``reason`` its error message. The process group is unusable
+    afterwards: rebuild it."""
 
     def __init__(self, message: str, *, rank: int, reason: str, operation: str) -> None:
         super().__init__(message)
-        self.rank = rank
-        self.reason = reason
-        self.operation = operation
+        self.rank, self.reason, self.operation = rank, reason, operation
 
 
 class CallOrderError(CommunicationError):
-    """The ranks of a group reached different calls: another dispatcher, dispatch against
-    combine, or another call number of the same dispatcher. Raised on every rank at the first
-    exchange of the call, before any data moves. ``calls`` is each rank's call, in rank order,
-    as ``(dispatcher uid, phase, number)``, and ``refused`` how many calls each rank had refused
-    before it (ranks that refused a call alone differ there even at the same number). The
-    dispatcher is unusable afterwards (its ranks disagree on how many calls were made): create
-    it again."""
+    """The ranks of a group reached different calls: another dispatcher, dispatch against combine, or another call
+    number of the same dispatcher. Raised on every rank at the first exchange of the call, before any data moves.
+    ``calls`` is each rank's call, in rank order, as ``(dispatcher uid, phase, number)``, and ``refused`` how many
+    calls each rank had refused before it (ranks that refused a call alone differ there even at the same number).
+    The dispatcher is unusable afterwards (its ranks disagree on how many calls were made): create it again."""
 
     def __init__(self, message: str, *, calls: tuple[tuple[str, str, int], ...],
                  refused: tuple[int, ...] = ()) -> None:
         super().__init__(message)
-        self.calls = calls
-        self.refused = refused
+        self.calls, self.refused = calls, refused
 
 
 class CollectiveTimeoutError(CommunicationError):
-    """A collective did not complete within the dispatcher's ``timeout_s``. ``ranks`` are
-    the ranks that never arrived (stalled or dead) when that could be established, else
-    empty. The process group is unusable afterwards: rebuild it."""
+    """A collective did not complete within the dispatcher's ``timeout_s``. ``ranks`` are the ranks that never
+    arrived (stalled or dead) when that could be established, else empty. The process group is unusable afterwards:
+    rebuild it."""
 
     def __init__(self, message: str, *, ranks: tuple[int, ...], operation: str, timeout_s: float) -> None:
         super().__init__(message, parameter="timeout_s", value=timeout_s)
-        self.ranks = ranks
-        self.operation = operation
-        self.timeout_s = timeout_s
+        self.ranks, self.operation, self.timeout_s = ranks, operation, timeout_s

@@ -1,6 +1,5 @@
-"""Expert compute between dispatch and combine: the ``ExpertKernel`` protocol and the torch
-reference that accepts every wire dtype, both layouts and both group-list types.
-"""
+"""Expert compute between dispatch and combine: the ``ExpertKernel`` protocol and the torch reference that accepts
+every wire dtype, both layouts and both group-list types."""
 
 from __future__ import annotations
 
@@ -19,41 +18,30 @@ from ._wire import DispatchDtype, WireFormat, wire_dtype
 class ExpertKernel(Protocol):
     """Runs a layer's local experts on dispatched rows, without the routing weights.
 
-    ``needs_dispatch_dtype`` is the wire dtype its kernels must receive (None: any); an
-    engine passes it as ``QuantHints(dispatcher_output_dtype=...)`` so resolution picks it.
+    ``needs_dispatch_dtype`` is the wire dtype its kernels must receive (None: any); an engine passes it as
+    ``QuantHints(dispatcher_output_dtype=...)`` so resolution picks it.
 
-    A kernel that wants each expert's PACKED rows at aligned starts (DeepGEMM's contiguous
-    layout) has the engine pass ``DispatchSpec(expert_alignment=...)``, and takes the keyword
-    ``expert_alignment`` (given only when above 1: ``moe_dispatch.run_experts``); its output keeps
-    the input's rows, padding rows included (their values are ignored).
+    A kernel that wants each expert's PACKED rows at aligned starts (DeepGEMM's contiguous layout) has the engine pass
+    ``DispatchSpec(expert_alignment=...)``, and takes the keyword ``expert_alignment`` (given only when above 1:
+    ``moe_dispatch.run_experts``); its output keeps the input's rows, padding rows included (their values are ignored).
     """
 
     needs_dispatch_dtype: DispatchDtype | None
 
     def apply_without_routing_weights(
-        self,
-        layer: Any,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: torch.Tensor | None,
-        group_list_type: int,
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-        *,
-        global_scale: float | None = None,
+        self, layer: Any, hidden_states: torch.Tensor, hidden_states_scale: torch.Tensor | None,
+        group_list_type: int, group_list: torch.Tensor, output_dtype: torch.dtype, *, global_scale: float | None = None,
     ) -> torch.Tensor:
-        """gmm1 → SwiGLU → gmm2 per local expert; rows keep their positions (PACKED
-        ``[rows, H]`` or MASKED ``[E_local, capacity, H]``)."""
+        """gmm1 → SwiGLU → gmm2 per local expert; rows keep their positions (PACKED ``[rows, H]`` or MASKED
+        ``[E_local, capacity, H]``)."""
         ...
 
 
 @dataclass
 class ExpertWeights:
-    """A layer's local experts, in the attribute names engines use.
-
-    ``w13_weight`` ``[E_local, 2I, H]`` (gate rows, then up rows), ``w2_weight``
-    ``[E_local, H, I]``; bf16/fp32, or int8 with per-output-channel fp32 scales
-    ``w13_weight_scale`` ``[E_local, 2I]`` and ``w2_weight_scale`` ``[E_local, H]`` (W8A8).
-    """
+    """A layer's local experts, in the attribute names engines use: ``w13_weight`` ``[E_local, 2I, H]`` (gate rows,
+    then up rows), ``w2_weight`` ``[E_local, H, I]``; bf16/fp32, or int8 with per-output-channel fp32 scales
+    ``w13_weight_scale`` ``[E_local, 2I]`` and ``w2_weight_scale`` ``[E_local, H]`` (W8A8)."""
 
     w13_weight: torch.Tensor
     w2_weight: torch.Tensor
@@ -84,48 +72,28 @@ def dequantized_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return w13.float(), w2.float()
 
 
-def quantize_weights_w8a8(weights: ExpertWeights) -> ExpertWeights:
-    """Symmetric int8 per output channel (the W8A8 weight format)."""
-
-    def q(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = w.float().abs().amax(dim=-1).clamp_min(1e-10) / 127.0
-        return torch.round(w.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), scale
-
-    w13, s13 = q(weights.w13_weight)
-    w2, s2 = q(weights.w2_weight)
-    return ExpertWeights(w13, w2, s13, s2)
-
-
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 class TorchExperts:
-    """The reference expert kernel: dequantize, then fp32 gmm1 → SwiGLU → gmm2. Takes PACKED rows
-    at any ``expert_alignment``, with worst-case rows past the segments (padding rows come out zero)."""
+    """The reference expert kernel: dequantize, then fp32 gmm1 → SwiGLU → gmm2. Takes PACKED rows at any
+    ``expert_alignment``, with worst-case rows past the segments (padding rows come out zero)."""
 
     needs_dispatch_dtype: DispatchDtype | None = None
 
     def apply_without_routing_weights(
-        self,
-        layer: Any,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: torch.Tensor | None,
-        group_list_type: int,
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-        *,
-        global_scale: float | None = None,
+        self, layer: Any, hidden_states: torch.Tensor, hidden_states_scale: torch.Tensor | None,
+        group_list_type: int, group_list: torch.Tensor, output_dtype: torch.dtype, *, global_scale: float | None = None,
         expert_alignment: int = 1,
     ) -> torch.Tensor:
         w13, w2 = dequantized_weights(layer)
         experts, hidden = w13.shape[0], w13.shape[2]
         x = dequantize_rows(hidden_states, hidden_states_scale, hidden, global_scale)
         if group_list.shape != (experts,):
-            raise InvalidInputError(
-                "needs one entry per local expert", parameter="group_list", value=group_list, allowed=f"[{experts}]"
-            )
+            raise InvalidInputError("needs one entry per local expert", parameter="group_list", value=group_list,
+                                    allowed=f"[{experts}]")
         counts = group_counts(group_list.to(torch.int64), group_list_type, expert_alignment)
         if hidden_states.dim() == 3:  # MASKED [E_local, capacity, H]
             if hidden_states.shape[0] != experts:
@@ -136,15 +104,11 @@ class TorchExperts:
             return torch.where(valid.unsqueeze(-1), out, 0.0).to(output_dtype)
         starts = group_starts(counts, expert_alignment)
         span = int(align_up(counts, expert_alignment).sum())
-        negative = bool((counts < 0).any())
-        if negative or span > x.shape[0]:  # rows past the segments: padding (low latency's worst case)
+        if bool((counts < 0).any()) or span > x.shape[0]:  # rows past the segments: padding (low latency's worst case)
             layout = f" in segments aligned to {expert_alignment} rows" if expert_alignment > 1 else ""
-            raise InvalidInputError(
-                f"counts sum to {int(counts.sum())}{layout} ({span} rows) but there are {x.shape[0]} rows",
-                parameter="group_list",
-                value=group_list.tolist(),
-                allowed="per-expert counts >= 0 whose segments fit the rows",
-            )
+            raise InvalidInputError(f"counts sum to {int(counts.sum())}{layout} ({span} rows) but there are "
+                                    f"{x.shape[0]} rows", parameter="group_list", value=group_list.tolist(),
+                                    allowed="per-expert counts >= 0 whose segments fit the rows")
         out = torch.zeros(x.shape[0], hidden, dtype=output_dtype, device=x.device)
         for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
             if n:
@@ -153,21 +117,15 @@ class TorchExperts:
         return out
 
 
-def dequantize_rows(
-    hidden_states: torch.Tensor, scale: torch.Tensor | None, hidden: int, global_scale: float | None = None
-) -> torch.Tensor:
+def dequantize_rows(hidden_states: torch.Tensor, scale: torch.Tensor | None, hidden: int,
+                    global_scale: float | None = None) -> torch.Tensor:
     """Dispatched rows in any wire dtype back to fp32 ``[..., H]``."""
     from ._codecs import Quantized, dispatch_dtype_of, make_codec  # the codecs load with the first dispatch
-
     dtype = dispatch_dtype_of(hidden_states)
     if wire_dtype(dtype).scaled and scale is None:
-        raise InvalidInputError(
-            f"{dtype.value} rows need their scales", parameter="hidden_states_scale", value=None, allowed="a tensor"
-        )
+        raise InvalidInputError(f"{dtype.value} rows need their scales", parameter="hidden_states_scale", value=None,
+                                allowed="a tensor")
     if wire_dtype(dtype).global_scale and global_scale is None:
         raise InvalidInputError(f"{dtype.value} rows need the dispatcher's global scale", parameter="global_scale",
                                 value=None, allowed="DispatchOutput.global_scale")
-    codec = make_codec(WireFormat(dtype, hidden), global_scale)
-    return codec.dequantize(Quantized(hidden_states, scale))
-
-
+    return make_codec(WireFormat(dtype, hidden), global_scale).dequantize(Quantized(hidden_states, scale))

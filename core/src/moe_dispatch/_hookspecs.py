@@ -1,25 +1,13 @@
-"""The hooks a backend plugin implements, documented in the style of pytest's ``hookspec.py``.
-
-A plugin is a module named by an entry point in the ``moe_dispatch.backends`` group. It
-declares the core API it was written for and implements any of the hooks below::
-
-    import moe_dispatch as md
+"""The hooks a backend plugin implements, in the style of pytest's ``hookspec.py``. A plugin is a module named by an
+entry point in the ``moe_dispatch.backends`` group; it declares the core API it was written for and implements any of
+the hooks, with ``hookimpl`` from ``moe_dispatch.backend`` (never from pluggy)::
 
     MOE_DISPATCH_API = 1
 
-    @md.hookimpl
+    @mdb.hookimpl
     def moe_dispatch_register_backends(register):
         register(MyBackend())
-
-Plugins import ``hookimpl`` from ``moe_dispatch``, never from pluggy.
-
-A subcommand a plugin adds to ``moe-dispatch`` (``moe_dispatch_register_commands``).
-
-The core never names a plugin's tools: a plugin that has something to say on the command line
-(a hardware check, a vendor-specific report) registers a ``Command``; ``moe-dispatch`` adds it
-beside the built-in subcommands and ``moe-dispatch backends`` lists where it came from.
 """
-
 
 from __future__ import annotations
 
@@ -35,19 +23,16 @@ from ._errors import PluginError
 if TYPE_CHECKING:
     from ._contract import Backend, RunnerInfo
 
-
 PROJECT = "moe_dispatch"
-
-#: The core API version. A plugin states the one it was written for in its module-level
-#: ``MOE_DISPATCH_API``; the host refuses a plugin whose version it does not support.
+#: The core API version. A plugin states the one it was written for in its module-level ``MOE_DISPATCH_API``; the
+#: host refuses a plugin whose version it does not support.
 API_VERSION = 1
 SUPPORTED_API_VERSIONS = frozenset({1})
 
 F = TypeVar("F", bound=Callable[..., Any])
 hookspec = pluggy.HookspecMarker(PROJECT)
-_hookimpl = pluggy.HookimplMarker(PROJECT)
 #: Mark a plugin's hook implementations. Typed so decorated functions keep their signature.
-hookimpl = cast(Callable[[F], F], _hookimpl)
+hookimpl = cast(Callable[[F], F], pluggy.HookimplMarker(PROJECT))
 
 
 class RegisterBackend(Protocol):
@@ -62,20 +47,15 @@ class RegisterCommand(Protocol):
     def __call__(self, command: "Command") -> None: ...
 
 
-# -- registration -------------------------------------------------------------------------
-
-
 @hookspec
 def moe_dispatch_register_backends(register: RegisterBackend) -> None:
     """Register the dispatch backends this plugin provides.
 
-    Called once per plugin when the plugin host loads, before any dispatcher is created.
-    Registration must be cheap and must not touch the hardware: import vendor libraries
-    lazily, in ``Backend.probe`` and ``Backend.create``.
+    Called once per plugin when the plugin host loads, before any dispatcher is created. Registration must be cheap
+    and must not touch the hardware: import vendor libraries lazily, in ``Backend.probe`` and ``Backend.create``.
 
-    :param register: call ``register(backend)`` once per ``Backend`` instance. A name
-        registered by two distributions is an error that names both.
-    :returns: nothing; results go through ``register``.
+    :param register: call ``register(backend)`` once per ``Backend`` instance. A name registered by two
+        distributions is an error that names both.
     """
 
 
@@ -83,28 +63,22 @@ def moe_dispatch_register_backends(register: RegisterBackend) -> None:
 def moe_dispatch_register_runners(register: RegisterRunner) -> None:
     """Register expert-kernel families (runners) and the wire dtype each needs.
 
-    Resolution step 5 reads these: a spec whose ``runner`` names a family that needs BF16
-    (because its kernels quantize internally) gets BF16 unless an earlier step decided.
+    Resolution step 5 reads these: a spec whose ``runner`` names a family that needs BF16 (because its kernels
+    quantize internally) gets BF16 unless an earlier step decided.
 
     :param register: call ``register(RunnerInfo(name, needs, reason))`` per family.
-    :returns: nothing; results go through ``register``.
     """
 
 
 @hookspec
 def moe_dispatch_register_commands(register: RegisterCommand) -> None:
-    """Register subcommands of ``moe-dispatch`` (a hardware check, a vendor report).
+    """Register subcommands of ``moe-dispatch`` (a hardware check, a vendor report), added beside the built-in ones.
+    Build the parser cheaply; import vendor libraries in ``Command.run``.
 
-    The command line adds each beside its built-in subcommands, so the core never names a
-    plugin's tools. Build the parser cheaply; import vendor libraries in ``Command.run``.
-
-    :param register: call ``register(Command(name, help, add_arguments, run))`` per
-        subcommand. A built-in's name is refused; a name registered by two distributions is
-        left out and shown as a conflict by ``moe-dispatch backends``.
-    :returns: nothing; results go through ``register``.
+    :param register: call ``register(Command(name, help, add_arguments, run))`` per subcommand. A built-in's name is
+        refused; a name registered by two distributions is left out and shown as a conflict by
+        ``moe-dispatch backends``.
     """
-
-
 
 
 #: The built-in subcommands and names kept for them; a plugin may not take one.
@@ -116,12 +90,12 @@ _NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 class Command:
     """One ``moe-dispatch <name>`` subcommand.
 
-    :param name: lower-case words joined by ``-``; best prefixed with the plugin's own name
-        (``cuda-deepep-check``), since two distributions registering one name both lose it.
+    :param name: lower-case words joined by ``-``; best prefixed with the plugin's own name (``cuda-deepep-check``),
+        since two distributions registering one name both lose it.
     :param help: the one line ``moe-dispatch --help`` shows.
     :param add_arguments: adds the subcommand's options to its ``argparse`` parser.
-    :param run: runs it with the parsed options and returns the exit status; a
-        ``MoEDispatchError`` it raises is printed as one line with exit status 2.
+    :param run: runs it with the parsed options and returns the exit status; a ``MoEDispatchError`` it raises is
+        printed as one line with exit status 2.
     """
 
     name: str

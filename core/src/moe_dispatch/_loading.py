@@ -1,17 +1,5 @@
-"""Loading plugins one at a time, and probing them with deadlines.
-
-``load_plugin`` imports one plugin module (on a daemon thread, within ``import_timeout_s``), checks the API
-version it declares and the names of its hooks, and runs its registration hooks into lists of its own: nothing
-reaches the host unless the plugin loaded whole. A failure to import, an unsupported API, a hook that does not
-exist, or anything raised while registering (even ``SystemExit``) comes back as a record with its error.
-``Prober`` runs ``probe()`` on a daemon thread within a deadline, so a probe that hangs (a driver that never
-answers, a vendor import stuck on a lock) costs one deadline and leaves its backend unavailable instead of stalling
-an engine's start-up. Neither may change ``MOE_DISPATCH_*`` variables (put back, and a failure).
-
-Environment (read by the host, once; never written): ``MOE_DISPATCH_PLUGINS``, a comma-separated allow-list of
-entry-point or distribution names (empty: no external plugin; unset: all; the built-ins always load);
-``MOE_DISPATCH_TRACE_PLUGINS=1`` traces every hook call and probe to stderr.
-"""
+"""Loading plugins one at a time (``load_plugin``), and probing their backends within deadlines (``Prober``), for the
+plugin host (``_registry``). A plugin or probe that changes ``MOE_DISPATCH_*`` variables has them put back and fails."""
 
 from __future__ import annotations
 
@@ -35,9 +23,8 @@ from ._contract import Backend, Capabilities, RunnerInfo
 from ._errors import PluginError
 from ._hookspecs import Command
 
-#: Seconds one ``probe()`` may take before its backend is reported unavailable. Generous: a
-#: cold CUDA or NPU driver initialisation, or importing a large vendor library, on a loaded
-#: machine takes seconds; a probe that takes longer than this is stuck, not slow.
+#: Seconds one ``probe()`` may take before its backend is reported unavailable. Generous: a cold CUDA or NPU driver
+#: initialisation, or importing a large vendor library, on a loaded machine takes seconds; longer is stuck, not slow.
 DEFAULT_PROBE_TIMEOUT_S = 30.0
 
 
@@ -63,8 +50,8 @@ def own_environ() -> dict[str, str]:
 
 
 def undo_environ_changes(before: dict[str, str]) -> list[str]:
-    """Put this library's variables back as in ``before``; the names that had changed. A plugin
-    that sets ``MOE_DISPATCH_OUTPUT_DTYPE`` would otherwise change every other backend's choice."""
+    """Put this library's variables back as in ``before``; the names that had changed. A plugin that sets
+    ``MOE_DISPATCH_OUTPUT_DTYPE`` would otherwise change every other backend's choice."""
     now = own_environ()
     changed = sorted(k for k in {*before, *now} if before.get(k) != now.get(k))
     for key in changed:
@@ -102,9 +89,10 @@ def check_probe_timeout(value: object, parameter: str = "probe_timeout_s") -> fl
 
 
 class Prober:
-    """Runs probes within deadlines, each on a daemon thread. A probe still running past its deadline is kept (by
-    ``id(backend)``), so asking again waits for the same call instead of starting another thread on a probe that
-    hangs; ``trace`` gets a line when it answers late, which tells how far to raise the deadline."""
+    """Runs probes within deadlines, each on a daemon thread, so a probe that hangs (a driver that never answers, a
+    vendor import stuck on a lock) costs one deadline instead of stalling an engine's start-up. A probe still
+    running past its deadline is kept (by ``id(backend)``), so asking again waits for the same call instead of
+    starting another thread; ``trace`` gets a line when it answers late, which tells how far to raise the deadline."""
 
     def __init__(self, trace: Callable[[str], None]) -> None:
         self._trace = trace
@@ -191,10 +179,8 @@ class LoadedPlugin:
 
 def builtin_sources(modules: Iterable[str]) -> list[PluginSource]:
     version = core_version()
-    return [
-        PluginSource(PluginRecord(m, m, "moe-dispatch", version, builtin=True), lambda m=m: importlib.import_module(m))
-        for m in modules
-    ]
+    return [PluginSource(PluginRecord(m, m, "moe-dispatch", version, builtin=True),
+                         lambda m=m: importlib.import_module(m)) for m in modules]
 
 
 def module_sources(modules: Iterable[ModuleType]) -> list[PluginSource]:
@@ -202,14 +188,12 @@ def module_sources(modules: Iterable[ModuleType]) -> list[PluginSource]:
 
 
 def parse_allow_list(raw: str | None) -> set[str] | None:
-    if raw is None:
-        return None
-    return {part.strip() for part in raw.split(",") if part.strip()}
+    return None if raw is None else {part.strip() for part in raw.split(",") if part.strip()}
 
 
 def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[PluginSource], list[str], list[str]]:
-    """The ``moe_dispatch.backends`` entry points the allow-list admits, the allow-list's names
-    that matched none, and every name it could have matched (plugins and their distributions)."""
+    """The ``moe_dispatch.backends`` entry points the allow-list admits, the allow-list's names that matched none, and
+    every name it could have matched (plugins and their distributions)."""
     sources: list[PluginSource] = []
     seen: set[str] = set()
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -231,11 +215,11 @@ DEFAULT_IMPORT_TIMEOUT_S = 60.0
 def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
                 reserved_backends: frozenset[str] = frozenset(),
                 import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S) -> LoadedPlugin:
-    """Import, check and run the hooks of one plugin; on any failure nothing of it stays in
-    ``pm`` and the record carries the error. ``reserved_backends`` are the built-ins' names,
-    which no other plugin may register. The import runs on a daemon thread within
-    ``import_timeout_s`` (``math.inf``: on the calling thread); one that does not finish is a
-    failure, and its thread is left blocked (a thread cannot be stopped)."""
+    """Import one plugin, check its API version and hook names, and run its registration hooks into lists of its
+    own: nothing reaches the host unless it loaded whole, and any failure (even ``SystemExit``) comes back as a
+    record with its error. ``reserved_backends`` are the built-ins' names, which no other plugin may register. The
+    import runs on a daemon thread within ``import_timeout_s`` (``math.inf``: on the calling thread); one that does
+    not finish is a failure, and its thread is left blocked (a thread cannot be stopped)."""
     record = source.record
     started = time.perf_counter()
     found = _Registrations(record, reserved_backends)
@@ -317,8 +301,7 @@ class _Registrations:
         if name in self.reserved and not self.record.builtin:
             raise PluginError(
                 "this backend name belongs to a moe-dispatch built-in; register it under a name of your own",
-                parameter="backend", value=name, allowed=f"any name but {', '.join(sorted(self.reserved))}",
-            )
+                parameter="backend", value=name, allowed=f"any name but {', '.join(sorted(self.reserved))}")
         self.backends.append(backend)
 
     def moe_dispatch_register_runners(self, runner: RunnerInfo) -> None:

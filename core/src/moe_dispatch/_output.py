@@ -1,5 +1,5 @@
-"""``DispatchOutput``: what dispatch hands to the experts, the same for every backend.
-"""
+"""``DispatchOutput``: what dispatch hands to the experts, the same for every backend; and the group-list and row
+helpers backends build it with."""
 
 from __future__ import annotations
 
@@ -15,35 +15,34 @@ from ._wire import DispatchDtype, Layout
 class DispatchOutput:
     """Rows per (token, local expert), grouped by local expert, not weighted: the same for every backend.
 
-    :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]`` in the wire dtype's
-        tensor dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
-    :param hidden_states_scale: FP8 fp32 ``[..., H/128]``, or with ``fp8_ue8m0_scales`` those as powers of two or
-        int32 ``[..., ceil(H/512)]`` of four exponent bytes (``pack_ue8m0``: DeepEP's SM100 form), possibly
-        column-major; INT8 fp32 ``[...]`` per row; NVFP4 e4m3 ``[..., H/16]``, linear; None for BF16.
-    :param topk_ids: / :param topk_weights: the routing dispatch was given. The engine may overwrite those tensors
-        once dispatch (or a started dispatch's ``wait()``) returns; a backend that reads them at combine keeps its
-        own copy in ``handle`` (``kept_routing``).
-    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end, ``start_e + count_e``
-        (type 0). MASKED: expert e's first counts[e] rows are valid.
+    :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]`` in the wire dtype's tensor
+        dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
+    :param hidden_states_scale: FP8 fp32 ``[..., H/128]``, or with ``fp8_ue8m0_scales`` those as powers of two or int32
+        ``[..., ceil(H/512)]`` of four exponent bytes (``pack_ue8m0``: DeepEP's SM100 form), possibly column-major; INT8
+        fp32 ``[...]`` per row; NVFP4 e4m3 ``[..., H/16]``, linear; None for BF16.
+    :param topk_ids: / :param topk_weights: the routing dispatch was given. The engine may overwrite those tensors once
+        dispatch (or a started dispatch's ``wait()``) returns; a backend that reads them at combine keeps its own copy
+        in ``handle`` (``kept_routing``).
+    :param group_list: int64 ``[E_local]``: per-expert counts (type 1) or each expert's end, ``start_e + count_e`` (type
+        0). MASKED: expert e's first counts[e] rows are valid.
     :param global_scale: NVFP4's (dequant = e2m1 · block_scale / global_scale).
-    :param handle: what combine needs, backend-private: a call's state lives here, never on the dispatcher, so
-        several dispatches may be in flight.
-    :param call: / :param combined: set by the ``Dispatcher`` (the call's number, checked against the peers at
-        combine; a second combine is refused). Backends leave them.
+    :param handle: what combine needs, backend-private: a call's state lives here, never on the dispatcher, so several
+        dispatches may be in flight.
+    :param call: / :param combined: set by the ``Dispatcher`` (the call's number, checked against the peers at combine;
+        a second combine is refused). Backends leave them.
     :param expert_alignment: PACKED only: expert e's rows are ``[start_e, start_e + count_e)`` with
-        ``start_{e+1} = align(start_e + count_e, expert_alignment)``; the gaps are zero (data and scales), the
-        expert output keeps the same rows and combine ignores the gaps. 1: dense. (DeepEP V2 with
-        ``do_zero_padding``; DeepGEMM's contiguous layout, whose ``grouped_layout`` is the type-0 group list.)
+        ``start_{e+1} = align(start_e + count_e, expert_alignment)``; the gaps are zero (data and scales), the expert
+        output keeps the same rows and combine ignores the gaps. 1: dense. (DeepEP V2 with ``do_zero_padding``;
+        DeepGEMM's contiguous layout, whose ``grouped_layout`` is the type-0 group list.)
 
-    **Worst-case rows.** In low-latency mode a backend that declares ``Capabilities.worst_case_rows`` (no host
-    sync, so the counts stay on the device) returns its worst-case PACKED row count, the same every call (as CUDA
-    graphs need); the rows after the last expert's aligned end are unspecified, NaN included. Kernels driven by
-    the group list never read them (``row_experts`` marks them -1), nor does combine. Elsewhere PACKED rows end
-    where the last segment ends.
+    **Worst-case rows.** In low-latency mode a backend that declares ``Capabilities.worst_case_rows`` (no host sync, so
+    the counts stay on the device) returns its worst-case PACKED row count, the same every call (as CUDA graphs need);
+    the rows after the last expert's aligned end are unspecified, NaN included. Kernels driven by the group list never
+    read them (``row_experts`` marks them -1), nor does combine. Elsewhere PACKED rows end where the last segment ends.
 
-    **Lifetime.** The tensors may live in buffers the backend reuses for a later dispatch: they are valid until
-    this output's combine and read-only (a backend may rely on what it wrote, e.g. zero MASKED padding). Copy
-    them to keep or change them. Each output in flight keeps its own buffers until its combine, or until dropped.
+    **Lifetime.** The tensors may live in buffers the backend reuses for a later dispatch: they are valid until this
+    output's combine and read-only (a backend may rely on what it wrote, e.g. zero MASKED padding). Copy them to keep or
+    change them. Each output in flight keeps its own buffers until its combine, or until dropped.
     """
 
     hidden_states: torch.Tensor
@@ -62,11 +61,9 @@ class DispatchOutput:
 
     @property
     def num_rows(self) -> int:
-        """Row capacity of ``hidden_states`` (PACKED: every row, the worst case's unspecified rows
-        included in low-latency mode)."""
-        if self.layout is Layout.PACKED:
-            return int(self.hidden_states.shape[0])
-        return int(self.hidden_states.shape[0] * self.hidden_states.shape[1])
+        """Row capacity of ``hidden_states`` (PACKED: every row, in low-latency mode the worst case's included)."""
+        shape = self.hidden_states.shape
+        return int(shape[0]) if self.layout is Layout.PACKED else int(shape[0] * shape[1])
 
     def expert_counts(self) -> torch.Tensor:
         """Per-expert valid row counts, whichever group_list type is in use."""
@@ -74,8 +71,8 @@ class DispatchOutput:
 
 
 def group_counts(group_list: torch.Tensor, group_list_type: int, expert_alignment: int = 1) -> torch.Tensor:
-    """Per-group counts from a group list of either type: type 0 holds each group's end, and a
-    group starts at the previous end rounded up to ``expert_alignment``."""
+    """Per-group counts from a group list of either type: type 0 holds each group's end, and a group starts at the
+    previous end rounded up to ``expert_alignment``."""
     if group_list_type == 1:
         return group_list
     starts = torch.cat([group_list.new_zeros(1), group_list[:-1]])  # the previous group's end
@@ -85,22 +82,9 @@ def group_counts(group_list: torch.Tensor, group_list_type: int, expert_alignmen
 
 
 def group_starts(counts: torch.Tensor, expert_alignment: int = 1) -> torch.Tensor:
-    """Each group's first row from the counts: the exclusive prefix sum of the counts, each
-    rounded up to ``expert_alignment``."""
+    """Each group's first row: the exclusive prefix sum of the counts, each rounded up to ``expert_alignment``."""
     aligned = align_up(counts, expert_alignment)
     return torch.cumsum(aligned, 0) - aligned
-
-
-def row_experts(counts: torch.Tensor, expert_alignment: int, rows: int) -> torch.Tensor:
-    """int64 ``[rows]``: the local expert each PACKED row belongs to, -1 for padding rows (device ops
-    only, no host sync). A zero-count expert shares its start with the next one: the last expert
-    starting at or before a row owns it."""
-    counts = counts.to(torch.int64)
-    starts = group_starts(counts, expert_alignment)
-    index = torch.arange(rows, device=counts.device)
-    expert = (torch.searchsorted(starts, index, right=True) - 1).clamp(min=0)
-    return torch.where(index < starts[expert] + counts[expert], expert, -1) if counts.numel() else index.new_full(
-        (rows,), -1)
 
 
 def align_up(rows: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -109,25 +93,14 @@ def align_up(rows: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def rows_by_expert(local_ids: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows per (token, local expert), grouped by expert: from received rows' local top-k
-    ids ``[N, k]`` (-1 for experts elsewhere), the flat slot ``n·k + j`` of each output row
-    (expert-major, row order within an expert) and the per-expert counts.
-    ``row_slot // k`` is each output row's received row."""
+    """From received rows' local top-k ids ``[N, k]`` (-1 for experts elsewhere): the flat slot ``n·k + j`` of each
+    output row (expert-major, row order within an expert; ``row_slot // k`` is its received row) and the per-expert
+    counts."""
     flat = local_ids.reshape(-1)
     slots = (flat >= 0).nonzero().squeeze(1)
     experts = flat[slots].to(torch.int64)
     order = torch.sort(experts, stable=True).indices
     return slots[order], torch.bincount(experts, minlength=num_local_experts)
-
-
-def sum_weighted_rows(expert_rows: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor,
-                      num_tokens: int) -> torch.Tensor:
-    """fp32 ``[num_tokens, H]``: each expert row times its routing weight, added into its
-    received token in row order. For vendors whose combine only adds (DeepEP normal mode,
-    FlashInfer's MoE all-to-all): the weights are applied, and a token's local experts
-    summed, before the vendor call."""
-    out = torch.zeros(num_tokens, expert_rows.shape[-1], dtype=torch.float32, device=expert_rows.device)
-    return out.index_add_(0, row_token, expert_rows.float() * row_weight.unsqueeze(1))
 
 
 def group_list_from_counts(counts: torch.Tensor, group_list_type: int, expert_alignment: int = 1) -> torch.Tensor:
@@ -136,12 +109,3 @@ def group_list_from_counts(counts: torch.Tensor, group_list_type: int, expert_al
     if group_list_type == 1:
         return counts
     return group_starts(counts, expert_alignment) + counts if expert_alignment > 1 else torch.cumsum(counts, 0)
-
-
-def kept_routing(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
-    """``t``, made from the caller's routing tensor ``caller`` (a cast, ``contiguous()``), as memory
-    of the backend's own: a copy when it still is the caller's memory. For a backend whose vendor
-    reads the routing again at combine: combine must use the routing given to its dispatch, and an
-    engine may overwrite its router output buffers once dispatch has returned (CUDA-graph engines
-    reuse them every step)."""
-    return t.clone() if t.data_ptr() == caller.data_ptr() else t

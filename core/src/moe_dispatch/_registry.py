@@ -1,14 +1,9 @@
 """The plugin host: the backends, runners and commands the plugins registered, and lookup.
 
-Plugins load one at a time (``loading.load_plugin``); a plugin that failed is recorded with its
-error and left out, and asking for one of its backends by name raises with the original error.
-The built-ins load first and their backend names are theirs alone.
-
-Probes run with a deadline (``probe_timeout_s``, default ``DEFAULT_PROBE_TIMEOUT_S``): a
-``probe()`` that hangs (a driver that never answers, a vendor import stuck on a lock) makes
-its backend unavailable, "probe did not answer within X s", instead of stalling the engine's
-start-up. A probe that raises makes its backend unavailable with the error. A ``create()``
-that raises is a ``BackendUnavailableError`` naming the backend (``Selection.create``).
+Plugins load one at a time (``_loading.load_plugin``); a plugin that failed is recorded with its error and left out,
+and asking for one of its backends by name raises with the original error. The built-ins load first and their
+backend names are theirs alone. A ``probe()`` that hangs past its deadline or raises leaves its backend
+unavailable; a ``create()`` that raises is a ``BackendUnavailableError`` naming the backend (``Selection.create``).
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import contextlib
 import difflib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
 
@@ -50,10 +45,9 @@ from ._reference import BUILTIN_PLUGINS
 class BackendInfo:
     """What ``moe-dispatch backends`` shows for one backend (stable JSON via ``to_dict``).
 
-    :param status: ``available`` (runs here), ``unavailable`` (``probe()`` gave ``reason``,
-        raised (``error`` has the traceback) or did not answer within the deadline;
-        ``install_hint`` says what to install), ``broken`` (its plugin failed to load;
-        ``error`` has the traceback) or ``conflict`` (two distributions register the name).
+    :param status: ``available`` (runs here), ``unavailable`` (``probe()`` gave ``reason``, raised (``error`` has the
+        traceback) or did not answer within the deadline; ``install_hint`` says what to install), ``broken`` (its plugin
+        failed to load; ``error`` has the traceback) or ``conflict`` (two distributions register the name).
     """
 
     name: str
@@ -71,48 +65,35 @@ class BackendInfo:
         return self.status == "available"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "status": self.status,
-            "available": self.available,
-            "reason": self.reason,
-            "install_hint": self.install_hint or None,
-            "description": self.description,
-            "capabilities": self.capabilities,
-            "error": self.error,
-        }
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "available": self.available,
+                "install_hint": self.install_hint or None}
 
 
 class PluginHost:
-    """Loads built-in and entry-point plugins into one pluggy manager and keeps what they
-    registered. Each host is independent; ``default_host()`` is the process's shared one.
+    """Loads built-in and entry-point plugins into one pluggy manager and keeps what they registered. Each host is
+    independent; ``PluginHost.default()`` is the process's shared one.
 
-    :param probe_timeout_s: seconds each ``probe()`` may take (``DEFAULT_PROBE_TIMEOUT_S``);
-        one that takes longer leaves its backend unavailable for the life of this host.
-    :param import_timeout_s: seconds each external plugin's import may take
-        (``DEFAULT_IMPORT_TIMEOUT_S``); one that takes longer is recorded as failed.
-        ``math.inf`` imports on the calling thread.
-        ``math.inf`` calls ``probe()`` on the calling thread without a deadline, for a vendor
-        library that must be initialised on the main thread.
+    :param env: read once for ``MOE_DISPATCH_PLUGINS`` (a comma-separated allow-list of entry-point or distribution
+        names; empty: no external plugin; unset: all; the built-ins always load) and ``MOE_DISPATCH_TRACE_PLUGINS=1``
+        (trace every hook call and probe to stderr); ``os.environ`` when None, never written.
+    :param extra_plugins: / :param trace: plugin modules to load besides the entry points; where to trace instead.
+    :param probe_timeout_s: seconds each ``probe()`` may take (``DEFAULT_PROBE_TIMEOUT_S``); one that takes longer
+        leaves its backend unavailable for the life of this host. ``math.inf`` calls ``probe()`` on the calling
+        thread without a deadline, for a vendor library that must be initialised on the main thread.
+    :param import_timeout_s: seconds each external plugin's import may take (``DEFAULT_IMPORT_TIMEOUT_S``); one that
+        takes longer is recorded as failed. ``math.inf`` imports on the calling thread.
     """
 
-    def __init__(
-        self,
-        *,
-        env: Mapping[str, str] | None = None,
-        load_entry_points: bool = True,
-        extra_plugins: Iterable[ModuleType] = (),
-        trace: TextIO | None = None,
-        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
-        import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, *, env: Mapping[str, str] | None = None, load_entry_points: bool = True,
+                 extra_plugins: Iterable[ModuleType] = (), trace: TextIO | None = None,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S) -> None:
         self.probe_timeout_s = check_probe_timeout(probe_timeout_s)
         import_timeout_s = check_probe_timeout(import_timeout_s, parameter="import_timeout_s")
         env = os.environ if env is None else env
         allow = parse_allow_list(env.get(ENV_PLUGINS))
-        self._trace_to = trace if trace is not None else (sys.stderr if env.get(ENV_TRACE, "") not in ("", "0") else None)
+        self._trace_to = trace if trace is not None else (
+            sys.stderr if env.get(ENV_TRACE, "") not in ("", "0") else None)
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginRecord] = []
@@ -138,11 +119,9 @@ class PluginHost:
 
     @staticmethod
     def default() -> "PluginHost":
-        """The process's shared host, made on first use from ``os.environ``: what ``create_dispatcher``
-        and ``available_backends`` use when given no host."""
+        """The process's shared host, made on first use from ``os.environ``: what ``create_dispatcher`` and
+        ``available_backends`` use when given no host."""
         return default_host()
-
-    # -- registration -------------------------------------------------------------------------
 
     def _commit(self, loaded: LoadedPlugin) -> None:
         """Keep what one plugin registered; it loaded whole or not at all (``load_plugin``)."""
@@ -154,8 +133,6 @@ class PluginHost:
             self._runners[runner.name] = (runner, record)
         for command in loaded.commands:
             _claim(self._commands, self.command_conflicts, command.name, command, record)
-
-    # -- queries ------------------------------------------------------------------------------
 
     def failures(self) -> list[PluginRecord]:
         return [p for p in self.plugins if not p.ok]
@@ -171,17 +148,16 @@ class PluginHost:
         return {name: (command, record.label()) for name, (command, record) in sorted(self._commands.items())}
 
     def select(self, backend: "str | Backend", *, must_run_here: bool = True) -> "Selection":
-        """Everything creating a dispatcher needs from the host, asked once: the backend (looked
-        up when given by name), the runners, its distribution's label, and (``must_run_here``)
-        its probe, which raises ``BackendUnavailableError`` with the reason and install hint."""
+        """Everything creating a dispatcher needs from the host, asked once: the backend (looked up when given by
+        name), the runners, its distribution's label, and (``must_run_here``) its probe, which raises
+        ``BackendUnavailableError`` with the reason and install hint."""
         backend_obj = self.get_backend(backend) if isinstance(backend, str) else backend
         if must_run_here:
             reason = self.probe(backend_obj)
             if reason is not None:
                 hint = f"; {backend_obj.install_hint}" if backend_obj.install_hint else ""
-                raise BackendUnavailableError(
-                    f"cannot run here: {reason}{hint}", parameter="backend", value=backend_obj.name
-                )
+                raise BackendUnavailableError(f"cannot run here: {reason}{hint}", parameter="backend",
+                                              value=backend_obj.name)
         return Selection(backend_obj, self.runners(), self.label(backend_obj), self._trace)
 
     def get_backend(self, name: str) -> Backend:
@@ -190,28 +166,19 @@ class PluginHost:
         if entry is not None:
             return entry[0]
         if name in self._conflicts:
-            owners = self._owners(name)
-            raise PluginError(
-                f"two distributions register this backend name: {owners}; uninstall one, or limit "
-                f"{ENV_PLUGINS} to one of them",
-                parameter="backend",
-                value=name,
-            )
+            raise PluginError(f"two distributions register this backend name: {self._owners(name)}; uninstall one, "
+                              f"or limit {ENV_PLUGINS} to one of them", parameter="backend", value=name)
         for failed in self.failures():
             if failed.name == name or failed.module.split(":")[0].endswith(name):
-                raise BackendUnavailableError(
-                    f"the plugin {failed.label()} that provides it failed to load:\n{failed.error}",
-                    parameter="backend",
-                    value=name,
-                ) from failed.exception
+                raise BackendUnavailableError(f"the plugin {failed.label()} that provides it failed to load:\n"
+                                              f"{failed.error}", parameter="backend", value=name) from failed.exception
         known = self.backend_names()
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         broken = [p.name for p in self.failures()]
         extra = f"; plugins that failed to load: {', '.join(broken)}" if broken else ""
-        raise BackendUnavailableError(
-            f"unknown backend{hint}{extra}", parameter="backend", value=name, allowed=", ".join(known) or "none"
-        )
+        raise BackendUnavailableError(f"unknown backend{hint}{extra}", parameter="backend", value=name,
+                                      allowed=", ".join(known) or "none")
 
     def _owners(self, name: str) -> str:
         return " and ".join(sorted(p.label() for p in self._conflicts[name]))
@@ -221,12 +188,9 @@ class PluginHost:
         return self.probe_result(backend, timeout_s=timeout_s).reason
 
     def probe_result(self, backend: Backend, *, timeout_s: float | None = None) -> ProbeResult:
-        """``backend.probe()`` within ``timeout_s`` (None: this host's ``probe_timeout_s``).
-
-        Cached for the registered backends, a timeout included, so a probe that hangs costs
-        one deadline per host, not one per call; another object with the same name (e.g. one
-        driving an emulator) is probed on its own. An exception becomes the reason.
-        """
+        """``backend.probe()`` within ``timeout_s`` (None: this host's ``probe_timeout_s``); an exception becomes the
+        reason. Cached for the registered backends, a timeout included, so a probe that hangs costs one deadline per
+        host; another object with the same name is probed on its own."""
         registered = self._backends.get(backend.name)
         is_registered = registered is not None and registered[0] is backend
         if is_registered and backend.name in self._probes:
@@ -248,8 +212,7 @@ class PluginHost:
 
     def info(self, name: str, *, probe_timeout_s: float | None = None) -> BackendInfo:
         if name in self._conflicts:
-            owners = self._owners(name)
-            return BackendInfo(name, None, None, "conflict", f"registered by both {owners}", None)
+            return BackendInfo(name, None, None, "conflict", f"registered by both {self._owners(name)}", None)
         backend, record = self._backends[name]
         probed = self.probe_result(backend, timeout_s=probe_timeout_s)
         reason = probed.reason
@@ -265,31 +228,19 @@ class PluginHost:
 
     def allow_list_suggestion(self, name: str) -> str | None:
         """The installed plugin or distribution name nearest to an unmatched ``MOE_DISPATCH_PLUGINS`` entry."""
-        import difflib
-
         near = difflib.get_close_matches(name, self._installed_names, n=1)
         return near[0] if near else None
 
     def available_backends(self, *, probe_timeout_s: float | None = None) -> list[BackendInfo]:
-        """Every registered backend, then every plugin that failed to load (as broken).
-
-        Probes run one after another, each within ``probe_timeout_s`` (None: the host's), so
-        this returns within (number of backends) × the deadline whatever the plugins do.
-        """
+        """Every registered backend, then every plugin that failed to load (as broken). Probes run one after another,
+        each within ``probe_timeout_s`` (None: the host's): this returns within (number of backends) × the deadline
+        whatever the plugins do."""
         infos = [self.info(name, probe_timeout_s=probe_timeout_s) for name in self.backend_names()]
         for failed in self.failures():
             last = (failed.error or "").strip().splitlines()[-1:] or ["unknown error"]
-            infos.append(
-                BackendInfo(
-                    name=failed.name,
-                    distribution=failed.distribution,
-                    version=failed.version,
-                    status="broken",
-                    reason=f"plugin failed to load: {last[0]}",
-                    capabilities=None,
-                    error=failed.error,
-                )
-            )
+            infos.append(BackendInfo(name=failed.name, distribution=failed.distribution, version=failed.version,
+                                     status="broken", reason=f"plugin failed to load: {last[0]}", capabilities=None,
+                                     error=failed.error))
         return infos
 
     def _trace(self, message: str) -> None:
@@ -307,18 +258,15 @@ class Selection:
     trace: Callable[[str], None] = lambda message: None
 
     def create(self, ctx: DispatchContext) -> BackendDispatcher:
-        """``backend.create(ctx)``. A typed error from it passes through as it is; any other
-        exception (a vendor library failing to initialise, a bug in the plugin) becomes a
-        ``BackendUnavailableError`` naming the backend and its distribution, chained to the
-        original, so the engine can report it and choose another backend."""
+        """``backend.create(ctx)``, its untyped exceptions (a vendor library failing to initialise, a plugin bug) as
+        ``typed_errors`` makes them, so the engine can report one and choose another backend."""
         with self.typed_errors("create()"):
             return self.backend.create(ctx)
 
     @contextlib.contextmanager
     def typed_errors(self, where: str) -> Iterator[None]:
-        """Inside: an untyped exception from the backend's code becomes ``BackendUnavailableError``
-        naming the backend, its distribution and ``where``, chained to the original (what
-        ``create_dispatcher`` reports to the peers and the engine)."""
+        """Inside: an untyped exception from the backend's code becomes ``BackendUnavailableError`` naming the
+        backend, its distribution and ``where``, chained to the original; a typed error passes as it is."""
         try:
             yield
         except MoEDispatchError:
@@ -326,11 +274,8 @@ class Selection:
         except Exception as exc:
             name = self.backend.name
             self.trace(f"{where} {name} ({self.label}) FAILED: {type(exc).__name__}: {exc}")
-            raise BackendUnavailableError(
-                f"backend {name!r} from {self.label} failed in {where}: {type(exc).__name__}: {exc}",
-                parameter="backend",
-                value=name,
-            ) from exc
+            raise BackendUnavailableError(f"backend {name!r} from {self.label} failed in {where}: "
+                                          f"{type(exc).__name__}: {exc}", parameter="backend", value=name) from exc
 
 
 def _claim(owned: dict[str, tuple[Any, PluginRecord]], conflicts: dict[str, list[PluginRecord]], name: str,
@@ -359,11 +304,6 @@ def default_host() -> PluginHost:
 
 
 def available_backends(*, probe_timeout_s: float | None = None) -> list[BackendInfo]:
-    """Every backend the default host knows, with availability and the reason; each probe
-    not yet cached gets ``probe_timeout_s`` (None: ``DEFAULT_PROBE_TIMEOUT_S``)."""
+    """Every backend the default host knows, with availability and the reason; each probe not yet cached gets
+    ``probe_timeout_s`` (None: ``DEFAULT_PROBE_TIMEOUT_S``)."""
     return default_host().available_backends(probe_timeout_s=probe_timeout_s)
-
-
-def get_backend(name: str) -> Backend:
-    """The backend registered as ``name`` in the default host."""
-    return default_host().get_backend(name)

@@ -1,21 +1,14 @@
-"""Choosing the wire dtype, with a recorded reason for every step (``Resolution``).
+"""Choosing the wire dtype, with a recorded reason for every step (``Resolution``), and the one preparation of a layer
+that ``create_dispatcher``, ``plan_buffers`` and ``moe-dispatch explain`` share, so they never disagree about what a
+spec needs or whether it is refused::
 
-Order (first match wins): explicit > ``MOE_DISPATCH_OUTPUT_DTYPE`` > deprecated
-``SGLANG_DEEPEP_BF16_DISPATCH`` > quant hints > runner > backend default > FP8; then the
-backend validates. A pure function of its arguments: the only outside state it reads is
-the ``env`` mapping it is given, and it writes none.
+    DispatchSpec ─► Backend.check_spec ─► resolve_dtype (the trail) ─► UE8M0 support ─► Backend.buffer_size
+                 ─► max_buffer_bytes (create_dispatcher and explain: refused; plan_buffers: a misfit)
 
-One preparation of a layer, shared by every entry point that checks or sizes one
-(``create_dispatcher``, ``plan_buffers``, ``moe-dispatch explain``), so that they can never
-disagree about what a spec needs or whether it is refused::
-
-    DispatchSpec ─► Backend.check_spec ─► resolve_dtype (the trail) ─► UE8M0 support
-                 ─► Backend.buffer_size ─► max_buffer_bytes
-                    (create_dispatcher and explain: refused; plan_buffers: reported as a misfit)
-
-Local and pure: no process group, no allocation, no plugin call but the backend's own checks.
+The order (first match wins): explicit > ``MOE_DISPATCH_OUTPUT_DTYPE`` > deprecated ``SGLANG_DEEPEP_BF16_DISPATCH``
+> quant hints > runner > backend default > FP8; then the backend validates. Pure: it reads only the ``env`` given
+and calls no plugin but the backend's own checks.
 """
-
 
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ from ._trail import DtypeFallbackWarning, Resolution, Step
 from ._wire import DispatchDtype, wire_dtype
 
 if TYPE_CHECKING:
-    from ._contract import Backend, RunnerInfo
-
+    from ._contract import RunnerInfo
 
 ENV_OUTPUT_DTYPE = "MOE_DISPATCH_OUTPUT_DTYPE"
 ENV_SGLANG_BF16 = "SGLANG_DEEPEP_BF16_DISPATCH"
@@ -41,16 +33,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def resolve_dtype(
-    spec: DispatchSpec,
-    backend: "Backend",
-    *,
-    runners: "Mapping[str, RunnerInfo]",
-    env: Mapping[str, str] | None = None,
-    strict: bool = False,
-) -> Resolution:
-    """Choose the wire dtype for ``spec`` on ``backend``. The public entry, which also takes a
-    backend's name and the registry's runners, is ``moe_dispatch.resolve_output_dtype``.
+def resolve_dtype(spec: DispatchSpec, backend: Backend, *, runners: "Mapping[str, RunnerInfo]",
+                  env: Mapping[str, str] | None = None, strict: bool = False) -> Resolution:
+    """Choose the wire dtype for ``spec`` on ``backend`` (the public entry, which also takes a backend's name, is
+    ``moe_dispatch.planning.resolve_output_dtype``).
 
     :param runners: the known expert-kernel families, by name (a ``PluginHost``'s ``runners()``).
     :param env: the environment to read (``os.environ`` when None); never written.
@@ -67,23 +53,15 @@ def resolve_dtype(
         steps.append(Step(f"validate:{backend.name}", chosen.value, "accepted", True))
         final = chosen
     elif decision.kind == "fallback":
-        fallback_reason = decision.reason
-        final = decision.dtype
-        steps.append(
-            Step(f"validate:{backend.name}", final.value, f"fallback from {chosen.value}: {decision.reason}", True)
-        )
+        fallback_reason, final = decision.reason, decision.dtype
+        steps.append(Step(f"validate:{backend.name}", final.value, f"fallback from {chosen.value}: {decision.reason}",
+                          True))
         if strict:
             raise UnsupportedDtypeError(
                 f"backend {backend.name!r} would fall back to {final.value} ({decision.reason}) and strict=True",
-                parameter="output_dtype",
-                value=chosen.value,
-                allowed=_accepted(backend, spec),
-            )
-        warnings.warn(
-            f"moe-dispatch: backend {backend.name!r} sends {final.value} instead of {chosen.value}: {decision.reason}",
-            DtypeFallbackWarning,
-            stacklevel=4,
-        )
+                parameter="output_dtype", value=chosen.value, allowed=_accepted(backend, spec))
+        warnings.warn(f"moe-dispatch: backend {backend.name!r} sends {final.value} instead of {chosen.value}: "
+                      f"{decision.reason}", DtypeFallbackWarning, stacklevel=4)
     else:
         raise UnsupportedDtypeError(f"backend {backend.name!r} rejects it: {decision.reason}", parameter="output_dtype",
                                     value=chosen.value, allowed=_accepted(backend, spec))
@@ -93,17 +71,14 @@ def resolve_dtype(
     return Resolution(final, chosen, backend.name, tuple(steps), fallback_reason)
 
 
-def _check_runner(spec: DispatchSpec, backend: "Backend", dtype: DispatchDtype, info: "RunnerInfo",
+def _check_runner(spec: DispatchSpec, backend: Backend, dtype: DispatchDtype, info: "RunnerInfo",
                   steps: list[Step]) -> None:
     """The runner's declared combinations: the backends and modes it consumes, and the dtypes."""
     if info.backends is not None and spec.mode not in info.backends.get(backend.name, frozenset()):
-        combos = ", ".join(f"{b} ({'/'.join(sorted(m.value for m in modes))})" for b, modes in sorted(info.backends.items()))
-        raise InvalidSpecError(
-            f"runner {info.name!r} does not run behind backend {backend.name!r} in {spec.mode.value} mode",
-            parameter="runner",
-            value=info.name,
-            allowed=combos,
-        )
+        combos = ", ".join(f"{b} ({'/'.join(sorted(m.value for m in modes))})"
+                           for b, modes in sorted(info.backends.items()))
+        raise InvalidSpecError(f"runner {info.name!r} does not run behind backend {backend.name!r} in "
+                               f"{spec.mode.value} mode", parameter="runner", value=info.name, allowed=combos)
     if info.accepts is not None and dtype not in info.accepts:
         raise InvalidSpecError(f"runner {info.name!r} cannot consume {dtype.value} rows", parameter="output_dtype",
                                value=dtype.value, allowed=", ".join(sorted(d.value for d in info.accepts)))
@@ -111,13 +86,8 @@ def _check_runner(spec: DispatchSpec, backend: "Backend", dtype: DispatchDtype, 
                                                            f"({spec.mode.value})"))
 
 
-def _choose(
-    spec: DispatchSpec,
-    backend: "Backend",
-    env: Mapping[str, str],
-    runners: "Mapping[str, RunnerInfo]",
-    steps: list[Step],
-) -> DispatchDtype:
+def _choose(spec: DispatchSpec, backend: Backend, env: Mapping[str, str], runners: "Mapping[str, RunnerInfo]",
+            steps: list[Step]) -> DispatchDtype:
     if spec.output_dtype is not None:
         steps.append(Step("explicit (spec.output_dtype)", spec.output_dtype.value, "set by the caller", True))
         return spec.output_dtype
@@ -142,9 +112,8 @@ def _choose(
             steps.append(Step(f"env {ENV_SGLANG_BF16}", "bf16", f"deprecated; use {ENV_OUTPUT_DTYPE}=bf16", True))
             return DispatchDtype.BF16
         if text not in _FALSE:
-            raise InvalidSpecError(
-                "is not a boolean", parameter=ENV_SGLANG_BF16, value=legacy, allowed="1/0, true/false"
-            )
+            raise InvalidSpecError("is not a boolean", parameter=ENV_SGLANG_BF16, value=legacy,
+                                   allowed="1/0, true/false")
         steps.append(Step(f"env {ENV_SGLANG_BF16}", "off", "set but false (deprecated)"))
     else:
         steps.append(Step(f"env {ENV_SGLANG_BF16}", "-", "not set"))
@@ -186,11 +155,10 @@ def _lookup_runner(name: str, runners: "Mapping[str, RunnerInfo]") -> "RunnerInf
     return info
 
 
-def _accepted(backend: "Backend", spec: DispatchSpec) -> str:
+def _accepted(backend: Backend, spec: DispatchSpec) -> str:
     caps = backend.capabilities
-    accepted = sorted(d.value for d in caps.dtypes.get(spec.mode, ()))
+    text = ", ".join(sorted(d.value for d in caps.dtypes.get(spec.mode, ()))) or "none"
     fallbacks = [f"{d.value}→{f.to.value}" for (m, d), f in caps.fallbacks.items() if m is spec.mode]
-    text = ", ".join(accepted) or "none"
     if fallbacks:
         text += " (fallbacks: " + ", ".join(fallbacks) + ")"
     return f"{text} in {spec.mode.value} mode"
@@ -204,14 +172,10 @@ def _check_usable(spec: DispatchSpec, dtype: DispatchDtype) -> None:
                                value=None, allowed="a positive finite float (FlashInfer's convention: 448*6/amax)")
 
 
-
-
-
-
 @dataclass(frozen=True)
 class PreparedLayer:
-    """A spec checked against a backend at a world size: its wire dtype with the trail, and its
-    buffers. ``spec`` carries the resolved dtype."""
+    """A spec checked against a backend at a world size: its wire dtype with the trail, and its buffers. ``spec``
+    carries the resolved dtype."""
 
     backend: Backend
     spec: DispatchSpec
@@ -229,33 +193,23 @@ class PreparedLayer:
         limit, need = self.buffer_limit, self.buffer_size.largest_allocation
         if limit is None or need <= limit:
             return None
-        return CapacityError(
-            f"backend {self.backend.name!r} needs {need:,} buffer bytes, more than its limit of {limit:,}; "
-            "lower --num-max-dispatch-tokens-per-rank",
-            parameter="num_max_dispatch_tokens_per_rank",
-            value=self.spec.num_max_dispatch_tokens_per_rank,
-        )
+        return CapacityError(f"backend {self.backend.name!r} needs {need:,} buffer bytes, more than its limit of "
+                             f"{limit:,}; lower --num-max-dispatch-tokens-per-rank",
+                             parameter="num_max_dispatch_tokens_per_rank",
+                             value=self.spec.num_max_dispatch_tokens_per_rank)
 
 
-def prepare_layer(
-    backend: Backend,
-    spec: DispatchSpec,
-    world_size: int,
-    *,
-    runners: "Mapping[str, RunnerInfo]",
-    env: Mapping[str, str] | None = None,
-    strict: bool = False,
-    enforce_limit: bool = True,
-    parameter: str = "spec",
-) -> PreparedLayer:
+def prepare_layer(backend: Backend, spec: DispatchSpec, world_size: int, *, runners: "Mapping[str, RunnerInfo]",
+                  env: Mapping[str, str] | None = None, strict: bool = False, enforce_limit: bool = True,
+                  parameter: str = "spec") -> PreparedLayer:
     """Check ``spec`` on ``backend`` at ``world_size``, resolve its wire dtype, size its buffers.
 
     :param runners: the known expert-kernel families (``PluginHost.runners()``).
-    :param enforce_limit: raise when the buffers pass ``max_buffer_bytes`` (a planner reports
-        it instead: ``PreparedLayer.over_limit``).
+    :param enforce_limit: raise when the buffers pass ``max_buffer_bytes`` (a planner reports it instead:
+        ``PreparedLayer.over_limit``).
     :param parameter: the name a non-``DispatchSpec`` is reported under.
-    :raises InvalidSpecError: / :raises UnsupportedDtypeError: / :raises CapacityError: what
-        ``create_dispatcher`` raises for this spec, before any collective.
+    :raises InvalidSpecError: / :raises UnsupportedDtypeError: / :raises CapacityError: what ``create_dispatcher``
+        raises for this spec, before any collective.
     """
     if not isinstance(spec, DispatchSpec):
         raise InvalidSpecError("must be a DispatchSpec", parameter=parameter, value=spec,
@@ -271,5 +225,3 @@ def prepare_layer(
     if error is not None:
         raise error
     return layer
-
-

@@ -1,17 +1,11 @@
-"""Block-scale layouts of NVFP4 activations: linear per row, and the 128×4 swizzled layout
-FP4 tensor-core GEMMs read.
+"""Block-scale layouts of NVFP4 activations: linear per row, as they cross the wire, and the 128×4 swizzled layout
+FP4 tensor-core GEMMs read, made after dispatch (``swizzle_128x4``; ``unswizzle_128x4`` for vendors that hand scales
+over swizzled).
 
-Scales cross the wire linear, one row per token: the swizzle interleaves 128 rows, so a
-token's scales are only contiguous before it. A kernel that wants the swizzled layout gets it
-after dispatch (``swizzle_128x4``); ``unswizzle_128x4`` is the inverse, for vendors that hand
-scales over already swizzled.
-
-The layout (FlashInfer ``fp4_quantization.py`` ``SfLayout.layout_128x4`` / ``block_scale_interleave``,
-v0.3; vLLM ``_swizzle_blockscale``): pad rows to a multiple of 128 and scale columns to a
-multiple of 4 with zeros, then store the scale of (row m, column k) at tile
-``(m // 128, k // 4)``, position ``(m % 32, (m % 128) // 32, k % 4)`` within the tile, tiles in
-row-major order. The result is returned as ``[..., round_up(M, 128), round_up(K, 4)]`` holding
-that storage order.
+The layout (FlashInfer ``fp4_quantization.py`` ``SfLayout.layout_128x4`` / ``block_scale_interleave``, v0.3; vLLM
+``_swizzle_blockscale``): pad rows to a multiple of 128 and scale columns to a multiple of 4 with zeros, then store the
+scale of (row m, column k) at tile ``(m // 128, k // 4)``, position ``(m % 32, (m % 128) // 32, k % 4)`` within the
+tile, tiles in row-major order, returned as ``[..., round_up(M, 128), round_up(K, 4)]``.
 """
 
 from __future__ import annotations
@@ -33,11 +27,8 @@ def swizzled_shape(rows: int, columns: int) -> tuple[int, int]:
 
 
 def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
-    """Linear ``[..., M, K]`` block scales → the 128×4 layout ``[..., round_up(M,128), round_up(K,4)]``.
-
-    Works on any one-byte dtype (float8_e4m3fn, uint8) and on leading batch dims (one
-    swizzled block per expert of a MASKED layout).
-    """
+    """Linear ``[..., M, K]`` block scales → the 128×4 layout ``[..., round_up(M,128), round_up(K,4)]``, for any
+    one-byte dtype (float8_e4m3fn, uint8), one swizzled block per leading index (per expert of a MASKED layout)."""
     if scales.dim() < 2 or scales.element_size() != 1:
         raise InvalidInputError("block scales must be one byte each, at least [M, K]", parameter="scales", value=scales,
                                 allowed="float8_e4m3fn or uint8 [..., M, K]")
@@ -70,8 +61,8 @@ def unswizzle_128x4(swizzled: torch.Tensor, rows: int, columns: int) -> torch.Te
 
 def to_mma_view(linear: torch.Tensor) -> torch.Tensor:
     """Linear ``[E, M, K]`` scales → swizzled per E, viewed as the CuTe-DSL MMA layout
-    ``(32, 4, ceil(M/128), 4, ceil(K/4), E)`` (FlashInfer ``convert_sf_to_mma_layout``; also
-    what DeepEP's hybrid-ep low-latency NVFP4 dispatch returns). A view: no copy after the swizzle."""
+    ``(32, 4, ceil(M/128), 4, ceil(K/4), E)`` (FlashInfer ``convert_sf_to_mma_layout``; what DeepEP's hybrid-ep
+    low-latency NVFP4 dispatch returns). A view: no copy after the swizzle."""
     e, m, k = linear.shape
     mp, kp = swizzled_shape(m, k)
     return swizzle_128x4(linear).view(e, mp // ROW_TILE, kp // COL_TILE, 32, 4, COL_TILE).permute(3, 4, 1, 5, 2, 0)

@@ -1,23 +1,8 @@
-"""Vendor signatures as recorded facts, compared with a fake's or the real vendor's callable.
-
-A plugin records, in its ``vendor.py``, the signature of every vendor callable its adapter
-calls, as the text of the vendor's ``def`` with a citation. A fake of that callable must have
-the same parameters (names, order, kinds, defaults), so a keyword the vendor does not take, or a
-positional argument in the wrong place, fails in the fake as it would in the vendor. The same
-record is compared with the real callable where the vendor is installed (``inspect``), or with
-the vendor's source file read by AST without importing it (a package that cannot be imported
-on this machine).
-
-Defaults are compared as Python literals where they are literals (numbers, strings, bytes,
-tuples, ``None``/``True``/``False``, negative numbers). A recorded default the vendor writes as an
-expression (``ActivationType.Swiglu.value``) is evaluated in the namespace of the module that
-defines the callable compared with it (the vendor's own, or a fake's that defines the same
-names), and compared by its source text when that fails or when both sides are read from source;
-``inspect`` values that are not literals compare by their ``repr``. Annotations are ignored:
-pybind and Python wrappers disagree on them without disagreeing on the call.
-
-This module imports nothing but the standard library: a plugin's ``vendor.py`` records its
-signatures with it at import, and hardware scripts compare them on machines without pytest.
+"""Vendor signatures as recorded facts: a plugin records, in its ``vendor.py``, the signature of every vendor
+callable its adapter calls, as the text of the vendor's ``def`` with a citation. A fake of that callable must have the
+same parameters (names, order, kinds, defaults), and the real callable is compared with the same record where the
+vendor is installed (``moe_dispatch_testing.signatures``). Standard library only: ``vendor.py`` records its
+signatures at import, and hardware scripts compare them on machines without pytest.
 """
 
 from __future__ import annotations
@@ -28,7 +13,6 @@ from typing import Any
 
 #: The parameter has no default.
 REQUIRED = "<required>"
-
 
 
 @dataclass(frozen=True)
@@ -68,11 +52,8 @@ def _params_from_ast(args: ast.arguments) -> tuple[Param, ...]:
 
 def _parse(text: str) -> tuple[Param, ...]:
     """``"(self, x, y=None, *, z=1)"`` (or a whole ``def`` line) → its parameters."""
-    body = text.strip().rstrip(":")
-    if body.startswith("async "):
-        body = body[len("async "):]
+    body = text.strip().rstrip(":").removeprefix("async ")
     if body.startswith("def "):
-        body = body[len("def "):]
         body = body[body.index("("):]
     if "->" in body:  # a return annotation
         body = body[: body.rindex("->")].rstrip()
@@ -84,8 +65,8 @@ def _parse(text: str) -> tuple[Param, ...]:
 
 @dataclass(frozen=True)
 class VendorSignature:
-    """A vendor callable's recorded signature: its qualified name, the parameter list as the
-    vendor's ``def`` writes it (annotations allowed), and where it was read."""
+    """A vendor callable's recorded signature: its qualified name, the parameter list as the vendor's ``def`` writes
+    it (annotations allowed, ignored), and where it was read."""
 
     qualname: str
     text: str

@@ -1,8 +1,5 @@
-"""Typed hints a layer's quantization method gives the dispatcher (instead of a dict).
-
-``DispatchSpec``: everything about one MoE layer's dispatch, fixed at creation.
-"""
-
+"""``DispatchSpec``: everything about one MoE layer's dispatch, fixed at creation; ``QuantHints``: what the layer's
+quantization method tells the dispatcher (typed, instead of a dict)."""
 
 from __future__ import annotations
 
@@ -19,15 +16,18 @@ import torch
 from ._errors import InvalidSpecError
 from ._wire import DispatchDtype, Mode, WireFormat, wire_dtype
 
+_FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+#: The largest ``expert_alignment``: every local expert may add alignment - 1 padding rows per call.
+MAX_EXPERT_ALIGNMENT = 1024
+
 
 def check_global_scale(global_scale: object, parameter: str = "quant.input_global_scale") -> float:
-    """NVFP4's global scale must be one positive finite number: a Python or numpy number, or
-    a 0-dim or 1-element tensor (as sglang passes it; read once, here, at creation)."""
+    """NVFP4's global scale as one positive finite float: a Python or numpy number, or a 0-dim or 1-element tensor
+    (as sglang passes it; read once, here, at creation)."""
     allowed = "a positive finite float, or a 1-element tensor (FlashInfer's convention: 448*6/amax)"
     value = global_scale
     if isinstance(value, torch.Tensor) or (
-        not isinstance(value, type) and hasattr(value, "item") and hasattr(value, "shape")
-    ):  # a tensor or a numpy array
+            not isinstance(value, type) and hasattr(value, "item") and hasattr(value, "shape")):  # or numpy array
         size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
         if size != 1:
             raise InvalidSpecError("NVFP4 needs one scalar global scale for the whole dispatch", parameter=parameter,
@@ -39,9 +39,8 @@ def check_global_scale(global_scale: object, parameter: str = "quant.input_globa
         except (TypeError, ValueError):
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidSpecError(
-            f"must be a number, not {type(value).__name__}", parameter=parameter, value=value, allowed=allowed
-        )
+        raise InvalidSpecError(f"must be a number, not {type(value).__name__}", parameter=parameter, value=value,
+                               allowed=allowed)
     try:
         scale = float(value)
     except OverflowError:
@@ -55,19 +54,30 @@ def check_global_scale(global_scale: object, parameter: str = "quant.input_globa
     return scale
 
 
-_FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+def plain(value: Any) -> Any:
+    """JSON-ready: a dataclass as a dict of its fields (a new field is included by construction), enums by value,
+    sets sorted, mappings sorted by key."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in sorted((plain(k), v) for k, v in value.items())}
+    return value
 
 
 @dataclass(frozen=True)
 class QuantHints:
     """What the quantization method of a layer tells the dispatcher.
 
-    :param dispatcher_output_dtype: the wire dtype the layer's expert kernel needs
-        (e.g. INT8 for W8A8, BF16 for W4A16); None lets later steps decide.
-    :param input_global_scale: NVFP4 activation global scale (FlashInfer: 448·6/amax).
-        Its presence asks for NVFP4 dispatch.
-    :param fp8_ue8m0_scales: FP8 scales rounded to powers of two and sent as one exponent
-        byte (DeepGEMM on Blackwell wants UE8M0).
+    :param dispatcher_output_dtype: the wire dtype the layer's expert kernel needs (e.g. INT8 for W8A8, BF16 for
+        W4A16); None lets later steps decide.
+    :param input_global_scale: NVFP4 activation global scale (FlashInfer: 448·6/amax). Its presence asks for NVFP4
+        dispatch.
+    :param fp8_ue8m0_scales: FP8 scales rounded to powers of two and sent as one exponent byte (DeepGEMM on
+        Blackwell wants UE8M0).
     """
 
     dispatcher_output_dtype: DispatchDtype | None = None
@@ -78,44 +88,27 @@ class QuantHints:
         object.__setattr__(self, "dispatcher_output_dtype",
                            DispatchDtype.parse(self.dispatcher_output_dtype, "quant.dispatcher_output_dtype"))
         if self.input_global_scale is not None:
-            object.__setattr__(
-                self, "input_global_scale", check_global_scale(self.input_global_scale, "quant.input_global_scale")
-            )
+            object.__setattr__(self, "input_global_scale",
+                               check_global_scale(self.input_global_scale, "quant.input_global_scale"))
         if not isinstance(self.fp8_ue8m0_scales, bool):
-            raise InvalidSpecError(
-                "must be a bool", parameter="quant.fp8_ue8m0_scales", value=self.fp8_ue8m0_scales, allowed="True, False"
-            )
+            raise InvalidSpecError("must be a bool", parameter="quant.fp8_ue8m0_scales", value=self.fp8_ue8m0_scales,
+                                   allowed="True, False")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "QuantHints":
-        """Build from the dict an engine's quant method used to hand over; an unknown key
-        is an error with the nearest known key suggested."""
+        """Build from the dict an engine's quant method used to hand over; an unknown key is an error with the nearest
+        known key suggested."""
         known = [f.name for f in fields(cls)]
         for key in data:
             if key not in known:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f"did you mean {close[0]}?" if close else "no similar key"
-                raise InvalidSpecError(
-                    f"unknown quant hint ({hint})", parameter="quant", value=key, allowed=", ".join(known)
-                )
+                raise InvalidSpecError(f"unknown quant hint ({hint})", parameter="quant", value=key,
+                                       allowed=", ".join(known))
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
-
-
-
-#: The largest ``expert_alignment``: every local expert may add alignment - 1 padding rows per call.
-MAX_EXPERT_ALIGNMENT = 1024
-
-
-def _plain(value: Any) -> Any:
-    """A dataclass as a dict of its fields, by ``dataclasses.fields`` (a new field is included by construction);
-    enums by value."""
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return value.value if isinstance(value, enum.Enum) else value
+        return plain(self)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -131,19 +124,18 @@ class DispatchSpec:
     :param hidden_size: H, the activation width.
     :param num_experts: E, routed experts over the whole EP group.
     :param top_k: experts per token.
-    :param num_max_dispatch_tokens_per_rank: T, the most tokens one rank may dispatch in
-        one call; low-latency mode sizes its fixed exchanges from it.
+    :param num_max_dispatch_tokens_per_rank: T, the most tokens one rank may dispatch in one call; low-latency mode
+        sizes its fixed exchanges from it.
     :param mode: ``"normal"`` or ``"low_latency"``.
     :param output_dtype: the wire dtype, or ``"auto"`` to let resolution decide.
     :param quant: hints from the layer's quantization method.
-    :param runner: the expert-kernel family that consumes the output (``"torch"``,
-        ``"deep_gemm"``, ``"flashinfer_cutedsl"``, ``"npu_w8a8"``, ...).
+    :param runner: the expert-kernel family that consumes the output (``"torch"``, ``"deep_gemm"``,
+        ``"flashinfer_cutedsl"``, ``"npu_w8a8"``, ...).
     :param group_list_type: 0 = cumulative offsets (each expert's end), 1 = per-expert counts.
-    :param expert_alignment: PACKED rows with each local expert's rows starting at a multiple of
-        this many rows, the gaps zero-filled (DeepGEMM's contiguous layout wants its
-        ``get_mk_alignment_for_contiguous_layout()``, 128): 1 = dense. A backend that cannot write
-        that layout itself has the core copy its rows into it (``Dispatcher.alignment`` says
-        which); MASKED outputs ignore it.
+    :param expert_alignment: PACKED rows with each local expert's rows starting at a multiple of this many rows, the
+        gaps zero-filled (DeepGEMM's contiguous layout wants its ``get_mk_alignment_for_contiguous_layout()``, 128):
+        1 = dense. A backend that cannot write that layout itself has the core copy its rows into it
+        (``Dispatcher.alignment`` says which); MASKED outputs ignore it.
     """
 
     hidden_size: int
@@ -158,10 +150,8 @@ class DispatchSpec:
     expert_alignment: int = 1
 
     def __post_init__(self) -> None:
-        _positive_int("hidden_size", self.hidden_size)
-        _positive_int("num_experts", self.num_experts)
-        _positive_int("top_k", self.top_k)
-        _positive_int("num_max_dispatch_tokens_per_rank", self.num_max_dispatch_tokens_per_rank)
+        for name in ("hidden_size", "num_experts", "top_k", "num_max_dispatch_tokens_per_rank"):
+            _positive_int(name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise InvalidSpecError("top_k cannot exceed the number of experts", parameter="top_k", value=self.top_k,
                                    allowed=f"1..num_experts ({self.num_experts})")
@@ -170,27 +160,21 @@ class DispatchSpec:
         if isinstance(self.quant, Mapping):
             object.__setattr__(self, "quant", QuantHints.from_dict(self.quant))
         elif not isinstance(self.quant, QuantHints):
-            raise InvalidSpecError(
-                "must be QuantHints or a dict of its fields", parameter="quant", value=self.quant, allowed="QuantHints"
-            )
+            raise InvalidSpecError("must be QuantHints or a dict of its fields", parameter="quant", value=self.quant,
+                                   allowed="QuantHints")
         if self.runner is not None and (not isinstance(self.runner, str) or not self.runner):
-            raise InvalidSpecError(
-                "must be a non-empty str or None",
-                parameter="runner",
-                value=self.runner,
-                allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', 'npu_w8a8'",
-            )
+            raise InvalidSpecError("must be a non-empty str or None", parameter="runner", value=self.runner,
+                                   allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', "
+                                           "'npu_w8a8'")
         if isinstance(self.group_list_type, bool) or self.group_list_type not in (0, 1):
             raise InvalidSpecError("unknown group_list_type", parameter="group_list_type", value=self.group_list_type,
                                    allowed="0 (cumulative offsets), 1 (per-expert counts)")
         if (isinstance(self.expert_alignment, bool) or not isinstance(self.expert_alignment, int)
                 or not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT):
-            raise InvalidSpecError(
-                "must be the row multiple each local expert's rows start at",
-                parameter="expert_alignment",
-                value=self.expert_alignment,
-                allowed=f"an int in 1..{MAX_EXPERT_ALIGNMENT} (1: dense; DeepGEMM's contiguous layout: 128)",
-            )
+            raise InvalidSpecError("must be the row multiple each local expert's rows start at",
+                                   parameter="expert_alignment", value=self.expert_alignment,
+                                   allowed=f"an int in 1..{MAX_EXPERT_ALIGNMENT} (1: dense; DeepGEMM's contiguous "
+                                           "layout: 128)")
 
     def with_dtype(self, dtype: DispatchDtype) -> "DispatchSpec":
         """The same spec with a concrete wire dtype (what backends size buffers for)."""
@@ -199,11 +183,10 @@ class DispatchSpec:
     def wire_format(self, dtype: DispatchDtype | None = None) -> WireFormat:
         dtype = dtype or self.output_dtype
         if dtype is None:
-            raise InvalidSpecError(
-                "the wire dtype is not resolved yet", parameter="output_dtype", value="auto", allowed="a concrete dtype"
-            )
-        ue8m0 = self.quant.fp8_ue8m0_scales and wire_dtype(dtype).ue8m0_scale_bytes > 0
-        return WireFormat(dtype, self.hidden_size, ue8m0=ue8m0)
+            raise InvalidSpecError("the wire dtype is not resolved yet", parameter="output_dtype", value="auto",
+                                   allowed="a concrete dtype")
+        return WireFormat(dtype, self.hidden_size,
+                          ue8m0=self.quant.fp8_ue8m0_scales and wire_dtype(dtype).ue8m0_scale_bytes > 0)
 
     def local_experts(self, world_size: int) -> int:
         """Experts per rank; E must divide evenly."""
@@ -213,24 +196,16 @@ class DispatchSpec:
         return self.num_experts // world_size
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, in declaration order, as plain values (enums by value; ``output_dtype`` None as "auto"): what
+        """Every field, in declaration order, as plain values (``output_dtype`` None as "auto"): what
         ``explain --json`` prints and, resolved, what every rank must agree on at creation."""
-        return {**_plain(self), "output_dtype": "auto" if self.output_dtype is None else self.output_dtype.value}
+        return {**plain(self), "output_dtype": "auto" if self.output_dtype is None else self.output_dtype.value}
 
     @classmethod
-    def from_args(
-        cls,
-        args: argparse.Namespace,
-        *,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        quant: QuantHints | Mapping[str, Any] | None = None,
-        runner: str | None = None,
-        expert_alignment: int = 1,
-    ) -> "DispatchSpec":
-        """Build from the flags ``add_cli_args`` added; the model's shape comes from the
-        model config, the per-layer hints from its quant method, the alignment from its expert kernel."""
+    def from_args(cls, args: argparse.Namespace, *, hidden_size: int, num_experts: int, top_k: int,
+                  quant: QuantHints | Mapping[str, Any] | None = None, runner: str | None = None,
+                  expert_alignment: int = 1) -> "DispatchSpec":
+        """Build from the flags ``add_cli_args`` added; the model's shape comes from the model config, the per-layer
+        hints from its quant method, the alignment from its expert kernel."""
         return cls(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k,
                    num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank, mode=args.dispatch_mode,
                    output_dtype=args.dispatch_output_dtype, quant=quant if quant is not None else QuantHints(),
@@ -247,7 +222,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--num-max-dispatch-tokens-per-rank", type=int, default=128,
                        help="the most tokens one rank dispatches in one call (low-latency capacity)")
     group.add_argument("--dispatch-runner", default=None, help="expert-kernel family consuming the output")
-    group.add_argument(
-        "--dispatch-strict", action="store_true", help="make any dtype fallback an error instead of a warning"
-    )
+    group.add_argument("--dispatch-strict", action="store_true",
+                       help="make any dtype fallback an error instead of a warning")
     return parser

@@ -1,16 +1,8 @@
-"""Handing a call's tensors from the CUDA stream it started on to the stream its ``wait()`` runs on.
-
-An engine may start a call on one stream and wait for it on another (``Pending``'s promise:
-``wait()`` orders the stream current at the wait after the exchange). Two things then need doing
-on the waiting stream: wait for what the call's start queued on its stream (a backend's copies
-and casts, a vendor's wait for its comm stream), and ``record_stream`` every tensor read or handed
-out there, so the caching allocator does not reuse their memory on the stream they were made on
-while the waiting one still reads them.
-
-``start_mark`` is taken where the start half ends: an event on the start's stream after everything
-the call queued there and nothing after it (waiting for the whole stream at ``wait()`` time would
-also wait for the other micro-batch's work queued since). ``hand_over`` does both things with it.
-Off CUDA (gloo, the fakes) there are no streams and every function here is a no-op::
+"""Handing a call's tensors from the CUDA stream it started on to the stream its ``wait()`` runs on (``Pending``'s
+promise). The waiting stream must wait for what the call's start queued on its stream, and ``record_stream`` every
+tensor read or handed out there, so the caching allocator does not reuse their memory meanwhile. ``start_mark`` is an
+event where the start half ends (waiting for the whole stream would also wait for the other micro-batch's work);
+``hand_over`` does both with it. Off CUDA every function here is a no-op::
 
     start on S: the vendor's calls ── start_mark(S) ──▶ (S goes on: the other micro-batch)
     wait on W:  hand_over: W waits for the mark ── outputs read on W ── recorded on W

@@ -1,13 +1,8 @@
-"""Import torch where an installed device backend cannot load.
-
-torch imports every installed device-backend extension when it is first imported
-(``torch.backends`` entry points) and raises if one fails. torch-npu installed without the
-Ascend runtime (CANN) is exactly that: ``pip install "moe-dispatch[ascend]"`` on a machine
-without an NPU would make ``import torch`` — and so ``moe-dispatch backends`` — fail. When
-torch is not imported yet, torch-npu is installed and no CANN environment is set, the import
-runs with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` in a scoped block (restored right after); the
-ascend plugins import torch-npu themselves when they probe, and say why it is unusable.
-This module must not import torch at module level.
+"""Import torch where an installed device backend cannot load: torch imports every installed device-backend
+extension and raises if one fails, as torch-npu does without the Ascend runtime (CANN). When torch is not imported
+yet, torch-npu is installed and no CANN environment is set, the import runs with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
+(restored right after); the ascend plugins import torch-npu when they probe, and say why it is unusable. This module
+must not import torch at module level.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ def import_torch() -> None:
         importlib.import_module("torch")  # the caller's (or torch's default) behaviour stands
         return
     from ._environ import restored_environ
-
     with restored_environ({AUTOLOAD: "0"}):
         importlib.import_module("torch")
 

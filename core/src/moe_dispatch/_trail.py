@@ -1,10 +1,10 @@
 """The record of a wire-dtype choice (``Resolution``): every source consulted and what became of it.
-Contract data: ``Dispatcher.resolution`` shows it, ``DispatchContext.resolution`` carries it to a backend;
-``_resolution.resolve_dtype`` writes it."""
+``Dispatcher.resolution`` shows it, ``DispatchContext.resolution`` carries it to a backend; ``_resolution`` writes
+it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ._wire import DispatchDtype
 
@@ -23,8 +23,7 @@ class Step:
     decided: bool = False
 
     def __str__(self) -> str:
-        mark = "→" if self.decided else " "
-        return f"{mark} {self.source:<34} {self.value:<8} {self.note}"
+        return f"{'→' if self.decided else ' '} {self.source:<34} {self.value:<8} {self.note}"
 
 
 @dataclass(frozen=True)
@@ -54,15 +53,5 @@ class Resolution:
         return "\n".join([head, *(f"  {s}" for s in self.steps)])
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "dtype": self.dtype.value,
-            "requested": self.requested.value,
-            "backend": self.backend,
-            "fallback_reason": self.fallback_reason,
-            "steps": [
-                {"source": s.source, "value": s.value, "note": s.note, "decided": s.decided} for s in self.steps
-            ],
-        }
-
-
-
+        return {"dtype": self.dtype.value, "requested": self.requested.value, "backend": self.backend,
+                "fallback_reason": self.fallback_reason, "steps": [asdict(s) for s in self.steps]}

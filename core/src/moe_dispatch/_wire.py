@@ -1,16 +1,9 @@
-"""The wire dtypes, dispatch modes and output layouts.
+"""The wire dtypes, dispatch modes and output layouts, and exactly what one token costs on the wire.
 
-One declaration per wire dtype: everything about a dtype that the core's tables, checks and
-codecs need, in one place. A new wire format is one ``DispatchDtype`` member, one ``WIRE_DTYPES``
-entry here and one ``Codec`` subclass (``codecs.py``, registered by its ``dtype``); every other
-module reads these fields instead of naming the dtype.
-
-The numbers per token at hidden size H (``WireFormat`` computes them from the fields):
-BF16 = 2H; FP8 = H + 4·H/128 (UE8M0 scales: H + H/128); INT8 = H + 4; NVFP4 = H/2 + H/16.
-
-Exactly what one token costs on the wire for each dispatch dtype.
+One declaration per wire dtype (``WIRE_DTYPES``): everything the core's tables, checks and codecs need to know about
+it. A new wire format is one ``DispatchDtype`` member, one ``WIRE_DTYPES`` entry and one ``Codec`` subclass
+(``_codecs.py``, registered by its ``WIRE_DTYPE``); every other module reads these fields instead of naming the dtype.
 """
-
 
 from __future__ import annotations
 
@@ -49,8 +42,8 @@ class DispatchDtype(str, enum.Enum):
 
 
 class Mode(str, enum.Enum):
-    """Normal mode sizes exchanges from the batch (one host sync); low-latency mode uses
-    fixed capacity slots, needs no host sync and can be captured in a CUDA graph."""
+    """Normal mode sizes exchanges from the batch (one host sync); low-latency mode uses fixed capacity slots, needs
+    no host sync and can be captured in a CUDA graph."""
 
     NORMAL = "normal"
     LOW_LATENCY = "low_latency"
@@ -63,18 +56,17 @@ class Mode(str, enum.Enum):
         for member in cls:
             if member.value == text:
                 return member
-        raise InvalidSpecError(
-            "unknown dispatch mode", parameter=parameter, value=value, allowed="normal, low_latency"
-        )
+        raise InvalidSpecError("unknown dispatch mode", parameter=parameter, value=value,
+                               allowed="normal, low_latency")
 
     def __str__(self) -> str:
         return self.value
 
 
 class Layout(str, enum.Enum):
-    """PACKED: ``[rows, H]``, rows per (token, local expert) grouped by expert.
-    MASKED: ``[E_local, capacity * world_size, H]``; expert ``e`` has ``group_list``-many
-    valid rows at the front, the rest is padding."""
+    """PACKED: ``[rows, H]``, rows per (token, local expert) grouped by expert. MASKED:
+    ``[E_local, capacity * world_size, H]``; expert ``e`` has ``group_list``-many valid rows at the front, the rest
+    is padding."""
 
     PACKED = "packed"
     MASKED = "masked"
@@ -83,25 +75,20 @@ class Layout(str, enum.Enum):
         return self.value
 
 
-
-
-
-
 @dataclass(frozen=True)
 class WireDtype:
     """What one wire dtype is.
 
     :param element: the tensor dtype of dispatched rows (NVFP4: two e2m1 values per uint8).
-    :param bits: bits per hidden value on the wire (a row has ``H·bits/8`` bytes, and as many
-        columns as bytes for packed formats: ``row_columns``).
-    :param scale_group: hidden values per scale, which the hidden size must be a multiple of
-        (0: one scale per token, or none).
+    :param bits: bits per hidden value on the wire (a row has ``H·bits/8`` bytes, and as many columns as bytes for
+        packed formats: ``row_columns``).
+    :param scale_group: hidden values per scale, which the hidden size must be a multiple of (0: one scale per
+        token, or none).
     :param scale_bytes: bytes per scale (0: no scales).
-    :param ue8m0_scale_bytes: bytes per scale when the scales are UE8M0 powers of two (0: this
-        dtype has no UE8M0 form).
+    :param ue8m0_scale_bytes: bytes per scale when the scales are UE8M0 powers of two (0: no UE8M0 form).
     :param global_scale: a per-dispatcher global scale is part of the format (NVFP4's).
-    :param tolerance: the relative L2 error a whole MoE layer may show against the dense fp32
-        reference with this dtype on the wire (the conformance kit's bound).
+    :param tolerance: the relative L2 error a whole MoE layer may show against the dense fp32 reference with this
+        dtype on the wire (the conformance kit's bound).
     """
 
     dtype: DispatchDtype
@@ -130,24 +117,19 @@ class WireDtype:
         return hidden if self.bits >= 8 else self.data_bytes(hidden)
 
 
-WIRE_DTYPES: dict[DispatchDtype, WireDtype] = {
-    w.dtype: w
-    for w in (
-        WireDtype(DispatchDtype.BF16, torch.bfloat16, 16, 0, 0, 0, False, 0.01),
-        # per 128-channel group, fp32 scales (DeepEP / DeepGEMM per-token-group quantization)
-        WireDtype(DispatchDtype.FP8, torch.float8_e4m3fn, 8, 128, 4, 1, False, 0.06),
-        # one fp32 scale per token
-        WireDtype(DispatchDtype.INT8, torch.int8, 8, 0, 4, 0, False, 0.03),
-        # e2m1 pairs, an e4m3 scale per 16 values, and the dispatcher's global scale (FlashInfer)
-        WireDtype(DispatchDtype.NVFP4, torch.uint8, 4, 16, 1, 0, True, 0.20),
-    )
-}
+WIRE_DTYPES: dict[DispatchDtype, WireDtype] = {w.dtype: w for w in (
+    WireDtype(DispatchDtype.BF16, torch.bfloat16, 16, 0, 0, 0, False, 0.01),
+    # per 128-channel group, fp32 scales (DeepEP / DeepGEMM per-token-group quantization)
+    WireDtype(DispatchDtype.FP8, torch.float8_e4m3fn, 8, 128, 4, 1, False, 0.06),
+    # one fp32 scale per token
+    WireDtype(DispatchDtype.INT8, torch.int8, 8, 0, 4, 0, False, 0.03),
+    # e2m1 pairs, an e4m3 scale per 16 values, and the dispatcher's global scale (FlashInfer)
+    WireDtype(DispatchDtype.NVFP4, torch.uint8, 4, 16, 1, 0, True, 0.20),
+)}
 
 
 def wire_dtype(dtype: DispatchDtype) -> WireDtype:
     return WIRE_DTYPES[dtype]
-
-
 
 
 FP8_BLOCK = wire_dtype(DispatchDtype.FP8).scale_group  # channels per fp32 scale (DeepEP / DeepGEMM)
@@ -156,11 +138,9 @@ NVFP4_BLOCK = wire_dtype(DispatchDtype.NVFP4).scale_group  # elements per e4m3 b
 
 @dataclass(frozen=True)
 class WireFormat:
-    """Bytes per token for ``dtype`` at hidden size ``hidden``.
-
-    BF16 = 2H; FP8 = H + 4·H/128 (UE8M0 scales: H + H/128); INT8 = H + 4;
-    NVFP4 = H/2 + H/16. The NVFP4 global scale is a per-dispatcher constant from the
-    quant hints, known to every rank, so it does not travel per token.
+    """Bytes per token for ``dtype`` at hidden size ``hidden``: BF16 = 2H; FP8 = H + 4·H/128 (UE8M0 scales:
+    H + H/128); INT8 = H + 4; NVFP4 = H/2 + H/16. The NVFP4 global scale is a per-dispatcher constant from the quant
+    hints, known to every rank, so it does not travel per token.
     """
 
     dtype: DispatchDtype
@@ -172,13 +152,10 @@ class WireFormat:
             raise InvalidSpecError("must be a positive int", parameter="hidden_size", value=self.hidden)
         block = self.block
         if block and self.hidden % block:
-            raise InvalidSpecError(
-                f"{self.dtype.value} dispatch needs the hidden size to be a multiple of {block}",
-                parameter="hidden_size",
-                value=self.hidden,
-                allowed=f"multiples of {block}, or " + "/".join(d.value for d, w in WIRE_DTYPES.items()
-                                                                if not w.scale_group) + " dispatch",
-            )
+            unblocked = "/".join(d.value for d, w in WIRE_DTYPES.items() if not w.scale_group)
+            raise InvalidSpecError(f"{self.dtype.value} dispatch needs the hidden size to be a multiple of {block}",
+                                   parameter="hidden_size", value=self.hidden,
+                                   allowed=f"multiples of {block}, or {unblocked} dispatch")
         if self.ue8m0 and not self.format.ue8m0_scale_bytes:
             raise InvalidSpecError(
                 f"UE8M0 scales do not exist for {self.dtype.value}", parameter="fp8_ue8m0_scales", value=True,
@@ -186,7 +163,7 @@ class WireFormat:
 
     @property
     def format(self) -> WireDtype:
-        """Everything dtype-specific (``formats.WIRE_DTYPES``)."""
+        """Everything dtype-specific (``WIRE_DTYPES``)."""
         return wire_dtype(self.dtype)
 
     @property

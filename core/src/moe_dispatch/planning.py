@@ -1,15 +1,10 @@
 """Buffer planning: size every layer's buffers once, before the first forward.
 
-An engine calls ``plan_buffers`` with every MoE layer's spec. Each spec's wire dtype is
-resolved as ``create_dispatcher`` resolves it, each layer is sized with the backend's
-``buffer_size``, and the plan keeps the maxima over layers, dispatch and combine apart (combine
-stays BF16 when dispatch is FP8, so one cannot stand in for the other), with the layer that
-drove each. Nothing is allocated and nothing is probed: a backend that cannot run on this
-machine is still plannable, since ``buffer_size`` is plain Python.
-
-Compared with sglang (``DeepEPBuffer.get_deepep_buffer``: a singleton sized by the first caller,
-``params_bytes`` fixed to 2), each layer also carries what the same backend asks for when the
-wire is BF16, so the saving of a narrower wire dtype is visible, including when it is nil.
+An engine calls ``plan_buffers`` with every MoE layer's spec: each is resolved as ``create_dispatcher`` resolves it
+and sized with the backend's ``buffer_size``, and the plan keeps the maxima over layers, dispatch and combine apart
+(combine stays BF16 when dispatch is FP8), with the layer that drove each. Nothing is allocated or probed: a backend
+that cannot run here is still plannable. Each layer also carries what the same backend asks for a BF16 wire (sglang
+sizes for ``params_bytes`` fixed to 2), so the saving of a narrower wire dtype is visible, nil included.
 """
 
 from __future__ import annotations
@@ -34,9 +29,9 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Misfit:
-    """A limit a planned buffer does not fit: what to change (``parameter``, now ``value``, to
-    something in ``allowed``), what is needed against what there is, and the layer needing the most.
-    ``summary`` is the short form a table shows (``needs HCCL_BUFFSIZE >= 452 MB, have 200``)."""
+    """A limit a planned buffer does not fit: what to change (``parameter``, now ``value``, to something in
+    ``allowed``), what is needed against what there is, and the layer needing the most. ``summary`` is the short form a
+    table shows (``needs HCCL_BUFFSIZE >= 452 MB, have 200``)."""
 
     parameter: str
     value: Any
@@ -52,15 +47,13 @@ class Misfit:
         return CapacityError(self.message, parameter=self.parameter, value=self.value, allowed=self.allowed)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"parameter": self.parameter, "value": self.value, "allowed": self.allowed, "needed": self.needed,
-                "limit": self.limit, "unit": self.unit, "layer": self.layer, "message": self.message,
-                "summary": self.summary}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
 class LayerBuffers:
-    """One layer on one backend: its resolved spec, its sizes, and the same backend's sizes for
-    a BF16 wire (what sglang's fixed ``params_bytes = 2`` asks of that backend).
+    """One layer on one backend: its resolved spec, its sizes, and the same backend's sizes for a BF16 wire (what
+    sglang's fixed ``params_bytes = 2`` asks of that backend).
 
     :param index: position in the specs given to ``plan_buffers``.
     :param name: the mapping key, or ``"layer <index>"``.
@@ -79,8 +72,7 @@ class LayerBuffers:
 
     @property
     def largest_allocation(self) -> int:
-        """The biggest single buffer: the shared one when the backend shares (``allocated_bytes``),
-        else the larger of dispatch and combine."""
+        """The biggest single buffer (``BufferSize.largest_allocation``)."""
         return self.size.largest_allocation
 
     @property
@@ -117,19 +109,18 @@ class Peak:
     name: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "layer": self.layer, "name": self.name}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
 class BufferPlan:
-    """Every layer's buffers on one backend and EP size, and what one allocation for all of
-    them needs.
+    """Every layer's buffers on one backend and EP size, and what one allocation for all of them needs.
 
-    :param dispatch: / :param combine: the largest dispatch and combine sizes over layers,
-        each with the layer that drove it (they may be different layers).
+    :param dispatch: / :param combine: the largest dispatch and combine sizes over layers, each with the layer that
+        drove it (they may be different layers).
     :param allocated: the largest ``BufferSize.total_bytes`` over layers.
-    :param misfits: limits the plan does not fit, one per limit (the layer needing the most);
-        ``plan_buffers`` never raises for them, ``check()`` does.
+    :param misfits: limits the plan does not fit, one per limit (the layer needing the most); ``plan_buffers`` never
+        raises for them, ``check()`` does.
     """
 
     backend: str
@@ -148,9 +139,8 @@ class BufferPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes to allocate once for every layer: a shared buffer is as large as the largest
-        layer's; separate buffers need the dispatch peak plus the combine peak, which may come
-        from different layers."""
+        """Bytes to allocate once for every layer: a shared buffer is as large as the largest layer's; separate buffers
+        need the dispatch peak plus the combine peak, which may come from different layers."""
         if self.shared:
             return self.allocated.bytes
         return self.dispatch.bytes + self.combine.bytes
@@ -194,26 +184,18 @@ class BufferPlan:
         }
 
 
-def plan_buffers(
-    backend: str | Backend,
-    specs: Sequence[DispatchSpec] | Mapping[str, DispatchSpec],
-    world_size: int,
-    *,
-    env: Mapping[str, str] | None = None,
-    host: PluginHost | None = None,
-    strict: bool = False,
-) -> BufferPlan:
+def plan_buffers(backend: str | Backend, specs: Sequence[DispatchSpec] | Mapping[str, DispatchSpec], world_size: int,
+                 *, env: Mapping[str, str] | None = None, host: PluginHost | None = None,
+                 strict: bool = False) -> BufferPlan:
     """Size every layer's buffers on ``backend`` for an EP group of ``world_size`` ranks.
 
-    Call once before the first forward, with every MoE layer's spec (a mapping keeps the
-    layer names in the plan). Raises what ``create_dispatcher`` raises for a spec it would
-    refuse (a rejected dtype, a limit in ``check_spec``); reports, without raising, buffers
-    over the backend's ``max_buffer_bytes`` and environment values below a backend's
+    Call once before the first forward, with every MoE layer's spec (a mapping keeps the layer names in the plan).
+    Raises what ``create_dispatcher`` raises for a spec it would refuse (a rejected dtype, a limit in ``check_spec``);
+    reports, without raising, buffers over the backend's ``max_buffer_bytes`` and environment values below a backend's
     ``env_requirements`` (``BufferPlan.misfits``; ``BufferPlan.check()`` raises).
 
-    :param env: the environment the dispatchers will be created in (``os.environ`` when
-        None): read for the wire dtype (``MOE_DISPATCH_OUTPUT_DTYPE``) and the backends'
-        requirements (``HCCL_BUFFSIZE``); never written.
+    :param env: the environment the dispatchers will be created in (``os.environ`` when None): read for the wire dtype
+        (``MOE_DISPATCH_OUTPUT_DTYPE``) and the backends' requirements (``HCCL_BUFFSIZE``); never written.
     :param strict: a dtype fallback raises, as in ``create_dispatcher``.
     """
     host = host or default_host()
@@ -285,8 +267,7 @@ def _misfits(backend: Backend, layers: Sequence[LayerBuffers], world_size: int,
                 f"needs {req.variable} >= {req.minimum} {req.unit}, {where}, for {layer.name}{why}; export "
                 f"{req.variable}={req.minimum} before the process group starts, or lower "
                 f"--num-max-dispatch-tokens-per-rank",
-                f"needs {req.variable} >= {req.minimum} {req.unit}, {where}",
-            ))
+                f"needs {req.variable} >= {req.minimum} {req.unit}, {where}"))
     return tuple(worst.values())
 
 
@@ -330,23 +311,16 @@ def _human(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
-def resolve_output_dtype(
-    spec: DispatchSpec,
-    backend: "str | Backend",
-    *,
-    env: Mapping[str, str] | None = None,
-    strict: bool = False,
-    runners: "Mapping[str, RunnerInfo] | None" = None,
-    host: "PluginHost | None" = None,
-) -> Resolution:
-    """Choose the wire dtype for ``spec`` on ``backend`` (a name or a ``Backend``), with the
-    reason for every step (``moe_dispatch.resolution`` has the order).
+def resolve_output_dtype(spec: DispatchSpec, backend: str | Backend, *, env: Mapping[str, str] | None = None,
+                         strict: bool = False, runners: Mapping[str, RunnerInfo] | None = None,
+                         host: PluginHost | None = None) -> Resolution:
+    """Choose the wire dtype for ``spec`` on ``backend`` (a name or a ``Backend``), with the reason for every step
+    (in the order ``moe_dispatch._resolution`` documents).
 
     :param env: the environment to read (``os.environ`` when None); never written.
     :param strict: a fallback raises ``UnsupportedDtypeError`` instead of warning.
     :param runners: the known expert-kernel families; ``host``'s when None.
-    :param host: where a backend name and the runners are looked up (the process's default
-        ``PluginHost`` when None).
+    :param host: where a backend name and the runners are looked up (the process's default ``PluginHost`` when None).
     :raises UnsupportedDtypeError: the backend rejects the dtype, or falls back under strict.
     :raises InvalidSpecError: a bad env value, unknown runner, or a dtype the spec cannot use.
     """

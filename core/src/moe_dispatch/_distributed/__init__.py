@@ -1,4 +1,5 @@
-"""Process groups: the byte-counting ``Comm`` wrapper and the local rank spawner."""
+"""Process groups: the byte-counting ``Comm`` wrapper, the ``Watch`` that waits without hanging when a peer fails,
+and the agreement on a dispatcher's configuration."""
 
 from .comm import Comm, Traffic
 

@@ -1,9 +1,8 @@
 """Ranks agree on a dispatcher's configuration before its first collective.
 
-DeepEP hangs when ranks disagree on ``num_max_dispatch_tokens_per_rank``; any exchange
-does when ranks disagree on hidden size, top-k or the wire dtype. At creation every rank
-gathers every rank's fingerprint (a flat dict of the fields that must match) and compares:
-a mismatch is a ``ConfigMismatchError`` on every rank naming the field and each rank's
+DeepEP hangs when ranks disagree on ``num_max_dispatch_tokens_per_rank``; any exchange does when ranks disagree on
+hidden size, top-k or the wire dtype. At creation every rank gathers every rank's fingerprint (a flat dict of the fields
+that must match) and compares: a mismatch is a ``ConfigMismatchError`` on every rank naming the field and each rank's
 value, instead of a hang or corrupt tokens later.
 """
 
@@ -38,8 +37,7 @@ def agree(comm: Comm, fields: Mapping[str, Any], stage: str, *, failure: BaseExc
     if len(raw) > _BYTES:
         raise ConfigMismatchError(
             f"the {stage} fingerprint is {len(raw)} bytes, more than the {_BYTES} the agreement carries",
-            parameter="fingerprint", value=sorted(mine), allowed=f"<= {_BYTES} bytes of JSON",
-        )
+            parameter="fingerprint", value=sorted(mine), allowed=f"<= {_BYTES} bytes of JSON")
     if comm.world_size == 1:  # nothing to compare with
         return "" if failure is not None else mine[_UID]
     slot = torch.zeros(_BYTES, dtype=torch.uint8)
@@ -73,5 +71,4 @@ def _compare(everyone: list[dict[str, Any]], stage: str) -> None:
             raise ConfigMismatchError(
                 f"ranks disagree on {key} ({per_rank}); every rank of the group must create this dispatcher "
                 f"with the same {stage}",
-                parameter=key, value=values, allowed="the same value on every rank",
-            )
+                parameter=key, value=values, allowed="the same value on every rank")

@@ -1,10 +1,8 @@
-"""The process-group calls the reference backends make, with the bytes counted at each.
-
-Every tensor crosses as raw bytes (uint8 rows), so the same code runs on gloo, NCCL and
-HCCL whatever the wire dtype (gloo has no float8). Bytes are counted per category at the
-call: ``payload`` (activations and their scales), ``metadata`` (routing: ids, weights,
-counts) and ``combine`` (the BF16 rows sent back). A rank counts what it sends, including
-the share it sends to itself, so totals compare directly with ``WireFormat`` × pairs.
+"""The process-group calls the reference backends make, with the bytes counted at each: ``payload`` (activations
+and their scales), ``metadata`` (routing: ids, weights, counts), ``combine`` (the BF16 rows sent back) and ``check``
+(the call check). Every tensor crosses as raw bytes (uint8 rows), so the same code runs on gloo, NCCL and HCCL
+whatever the wire dtype. A rank counts what it sends, its share to itself included, so totals compare directly with
+``WireFormat`` × pairs.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._codecs import as_bytes, from_bytes
-from .._errors import CallOrderError, CommunicationError, InvalidInputError, InvalidSpecError
+from .._errors import CommunicationError, InvalidInputError, InvalidSpecError
 
 if TYPE_CHECKING:
     from .watch import CallId, Watch
@@ -30,6 +28,8 @@ if TYPE_CHECKING:
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0  # beyond a year a deadline is a typo, and timedelta overflows near 1e14 s
 #: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
 DEFAULT_TIMEOUT_S = 300.0
+
+
 def check_timeout(value: object) -> float:
     """``value`` as a collective deadline in seconds, or an ``InvalidSpecError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -45,16 +45,8 @@ def check_timeout(value: object) -> float:
     return seconds
 
 
-
-#: The Watch of the dispatcher call running on this thread (``Comm.calling``): a ``Comm`` a vendor library, or a fake
-#: of one, makes for the same ranks waits with it (its timeout, its peers' failure notices) instead of its own.
+#: The Watch of the dispatcher call running on this thread (``Comm.calling``).
 _CALLING: ContextVar[Watch | None] = ContextVar("moe_dispatch_calling", default=None)
-
-#: The calls a dispatcher makes, as they travel in the call check (``Comm.begin``).
-PHASES = ("dispatch", "combine", "forward")
-_CALL_ROW = 4  # int64 words per peer in the call check: count, dispatcher tag, attempt, number
-#: The attempt word: the phase's index in PHASES in its low bits, the calls the rank refused before (the epoch) above.
-_PHASE_BITS = 8
 
 
 @dataclass
@@ -69,8 +61,7 @@ class Traffic:
     collectives: int = 0
 
     def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
+        self.restore(Traffic())
 
     def restore(self, saved: "Traffic") -> None:
         """Back to the counts of ``saved`` (a ``copy``), in place: the started calls' ``Comm`` counts into this object
@@ -79,7 +70,7 @@ class Traffic:
             setattr(self, f.name, getattr(saved, f.name))
 
     def copy(self) -> "Traffic":
-        return Traffic(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return Traffic(**self.to_dict())
 
     def __sub__(self, other: "Traffic") -> "Traffic":
         return Traffic(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
@@ -89,16 +80,16 @@ class Traffic:
 
 
 Section = tuple[str, int]  # (category, bytes per row)
-
+_COUNTERS = {"payload": "payload_bytes", "metadata": "metadata_bytes", "combine": "combine_bytes",
+             "check": "check_bytes"}
 # Device types by process-group backend; devices are built on use ("npu" exists once torch_npu is imported).
 _DEVICE_TYPES = {"local": "cpu", "gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective as this rank called it: bytes to and from each peer, in rank order.
-    What ``moe-dispatch bench`` replays as bare ``all_to_all_single`` calls (the transport
-    floor)."""
+    """One collective as this rank called it: bytes to and from each peer, in rank order. What
+    ``moe-dispatch bench`` replays as bare ``all_to_all_single`` calls (the transport floor)."""
 
     name: str
     send_bytes: tuple[int, ...]
@@ -112,25 +103,18 @@ class CollectiveRecord:
 
 
 class Comm:
-    """A process group (or none, for one process) with counted, byte-level collectives.
+    """A process group (or none, for one process) with counted, byte-level collectives (``DispatchContext.comm``). Every
+    call takes uint8 rows ``[N, W]`` and ``sections``: ``(category, bytes per row)`` pairs that split each row's W
+    columns into the traffic categories. With world size 1 the calls return their input.
 
-    Backends get one as ``DispatchContext.comm``. Every call takes uint8 rows ``[N, W]`` and
-    ``sections``: ``(category, bytes per row)`` pairs that split each row's W columns into
-    ``"payload"`` (activations and their scales), ``"metadata"`` (routing) and ``"combine"``
-    (rows sent back), so ``Dispatcher.traffic`` can report each. With world size 1 the calls
-    return their input.
-
-    A ``Comm`` not bound to a dispatcher (one a backend or a fake of a vendor makes itself) waits,
-    inside a dispatcher's call on the same ranks, with that dispatcher's ``Watch``: the core sets it
-    around every backend call on gloo (``calling``), so a rank that fails is heard there too.
+    A ``Comm`` not bound to a dispatcher (one a backend or a fake of a vendor makes itself) waits, inside a dispatcher's
+    call on the same ranks, with that dispatcher's ``Watch`` (``calling``), so a rank that fails is heard there too.
     """
 
     def __init__(self, group: "dist.ProcessGroup | None" = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         timeout_s = check_timeout(timeout_s)
         if dist.is_available() and dist.is_initialized():
-            self.group = group
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
+            self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
             if self.rank < 0:
                 raise InvalidSpecError(f"this process (global rank {dist.get_rank()}) is not a member of the group",
                                        parameter="group", value=group,
@@ -140,22 +124,18 @@ class Comm:
                                    parameter="group", value=group,
                                    allowed="None (one process) or a group of an initialized torch.distributed")
         else:
-            self.group = None
-            self.rank = 0
-            self.world_size = 1
+            self.group, self.rank, self.world_size = None, 0, 1
         self.traffic = Traffic()
         self._seq = 0  # collectives entered: the same number names the same call on every rank
         self._numbering = ""  # what prefixes those numbers: "" here, "started-" on the started calls' group
         self._counting = threading.Lock()  # the traffic is counted from the receiver thread too (for_started_calls)
         self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
-        self._tag = 0
         self._call: CallId | None = None  # begun, not yet checked with the peers
         on_gloo = self.world_size > 1 and self.backend_name == "gloo"
         self.timeout_s = float(timeout_s)
         self._watch: Watch | None = None  # peers' failures and deadlines: only where there are peers
         if self.world_size > 1:
             from .watch import Watch
-
             self._watch = Watch(self.rank, self.world_size, self.timeout_s, poll=on_gloo)
         self._checks_every_call = on_gloo  # fixed for the group: not asked of torch.distributed per collective
         #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
@@ -164,14 +144,13 @@ class Comm:
     def bind(self, uid: str) -> None:
         """Name this dispatcher's calls and failure notices by the ``uid`` its ranks agreed on."""
         self.uid = uid
-        self._tag = int(uid[:15], 16) if uid else 0
         if self._watch is not None:
             self._watch.bind(uid)
 
     @property
     def watch(self) -> Watch | None:
-        """This dispatcher's ``Watch`` (None alone: no peers); for a ``Comm`` bound to none, the calling
-        dispatcher's (``calling``)."""
+        """This dispatcher's ``Watch`` (None alone: no peers); for a ``Comm`` bound to none, the calling dispatcher's
+        (``calling``)."""
         return self._caller() or self._watch
 
     def _caller(self) -> Watch | None:
@@ -205,37 +184,32 @@ class Comm:
 
     @property
     def checks_calls_everywhere(self) -> bool:
-        """Whether every call is checked against the peers' (``begin``): on gloo, whose tensors are
-        host memory, the check reads no device. NCCL and HCCL check only the calls that read the
-        counts on the host anyway (normal-mode dispatch), so low-latency mode stays sync-free."""
+        """Whether every call is checked against the peers' (``begin``): on gloo (host memory). NCCL and HCCL check
+        only the calls that read the counts on the host anyway (normal-mode dispatch): low latency stays sync-free."""
         return self._checks_every_call
 
     def begin(self, phase: str, number: int) -> None:
-        """The collectives that follow belong to call ``number`` of ``phase`` of this dispatcher.
-        The first of them (the counts exchange, or a 32-byte-per-peer exchange of its own) first
-        checks that every rank is at the same call; otherwise ``CallOrderError`` on every rank
-        before any data moves (gloo aborts the process on mismatched sizes; NCCL pairs the wrong
-        buffers)."""
+        """The collectives that follow belong to call ``number`` of ``phase`` of this dispatcher. The first of them (the
+        counts exchange, or a 32-byte-per-peer exchange of its own) checks that every rank is at the same call
+        (``Watch.check_call``); otherwise ``CallOrderError`` on every rank before any data moves (gloo aborts the
+        process on mismatched sizes; NCCL pairs the wrong buffers)."""
         if self.world_size > 1:
             from .watch import CallId
-
             self._call = call = CallId(self.watch.epoch, phase, number)
             self.watch.enter(call)
 
     def for_started_calls(self, group: "dist.ProcessGroup") -> "Comm":
-        """This dispatcher's collectives on ``group``, the started calls' own group of the same ranks
-        (``reference/receiver.py``): the same uid, ``Watch`` and traffic counts, numbered apart from the calls on
-        this group, with a call check of their own (``take_call``). Only the receiver thread uses it. It records
-        nothing (``recording`` is for the bench's blocking calls), and its counts land in ``traffic`` when its
-        collectives start, on that thread: a copy taken while a started call runs may hold part of it."""
+        """This dispatcher's collectives on ``group``, the started calls' own group of the same ranks, for the
+        receiver thread (``_reference/receiver.py``): the same uid, ``Watch`` and traffic counts, numbered apart,
+        with a call check of their own (``take_call``), recording nothing."""
         started = copy.copy(self)
         started.group, started._seq, started._numbering = group, 0, "started-"
         started._call, started.records = None, None
         return started
 
     def take_call(self) -> CallId | None:
-        """The call check ``begin`` left for this call's first collective, taken away to go with the call to the
-        started calls' group (``resume_call`` there)."""
+        """The call check ``begin`` left for this call's first collective, taken to go with the call to the started
+        calls' group (``resume_call`` there)."""
         call, self._call = self._call, None
         return call
 
@@ -255,8 +229,8 @@ class Comm:
 
     @property
     def process_group(self) -> "dist.ProcessGroup | None":
-        """The group to hand a vendor library (which wants an explicit one): the WORLD group
-        when the default group is in use, None without torch.distributed."""
+        """The group to hand a vendor library (which wants an explicit one): the WORLD group when the default group
+        is in use, None without torch.distributed."""
         if self.group is None and dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return self.group
@@ -269,8 +243,8 @@ class Comm:
 
     @property
     def device(self) -> torch.device | None:
-        """The device type this group's tensors live on (cpu for gloo and one process,
-        cuda for NCCL, npu for HCCL); None for a backend the core does not know."""
+        """The device type this group's tensors live on (cpu for gloo and one process, cuda for NCCL, npu for HCCL);
+        None for a backend the core does not know."""
         kind = _DEVICE_TYPES.get(self.backend_name)
         return torch.device(kind) if kind else None
 
@@ -279,47 +253,25 @@ class Comm:
             t = self.traffic
             t.collectives += 1
             for category, width in sections:
-                nbytes = rows * width
-                if category == "payload":
-                    t.payload_bytes += nbytes
-                elif category == "metadata":
-                    t.metadata_bytes += nbytes
-                elif category == "combine":
-                    t.combine_bytes += nbytes
-                elif category == "check":
-                    t.check_bytes += nbytes
-                else:
+                counter = _COUNTERS.get(category)
+                if counter is None:
                     raise InvalidInputError("unknown traffic category", parameter="sections", value=category,
                                             allowed="payload, metadata, combine, check")
+                setattr(t, counter, getattr(t, counter) + rows * width)
 
-    def all_to_all(
-        self,
-        send: torch.Tensor,
-        send_counts: list[int] | None,
-        recv_counts: list[int] | None,
-        sections: Sequence[Section],
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Rows of ``send`` (uint8 ``[N, W]``) go to ranks in ``send_counts`` slices; the
-        received rows come back rank by rank. None counts split evenly (fixed-size). ``out``:
-        where to receive (a backend's reused buffer), exactly the received shape; with world
-        size 1 the rows stay where they are and ``send`` is returned."""
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
+                   sections: Sequence[Section], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``send`` go to ranks in ``send_counts`` slices (None: evenly); the received rows come back rank by
+        rank, into ``out`` when given (exactly the received shape). With world size 1 ``send`` is returned."""
         return self.all_to_all_start(send, send_counts, recv_counts, sections, out).wait()
 
-    def all_to_all_start(
-        self,
-        send: torch.Tensor,
-        send_counts: list[int] | None,
-        recv_counts: list[int] | None,
-        sections: Sequence[Section],
-        out: torch.Tensor | None = None,
-    ) -> "Transfer":
-        """``all_to_all`` started: the rows are on their way when it returns; ``wait()`` on the
-        ``Transfer`` hands back the received rows (split phase). ``send`` and ``out`` must stay
-        untouched until then. Collectives are numbered when they start, so every rank must
-        start the same ones in the same order; waits may come in any order."""
+    def all_to_all_start(self, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
+                         sections: Sequence[Section], out: torch.Tensor | None = None) -> "Transfer":
+        """``all_to_all`` started: ``wait()`` on the ``Transfer`` hands back the received rows; ``send`` and ``out``
+        must stay untouched until then. Every rank must start the same collectives in the same order (they are
+        numbered when they start); waits may come in any order."""
         if self._call is not None and self.checks_calls_everywhere:
-            self._check_call(None)  # before the first collective of a call, whose sizes may differ
+            self._watch.check_call(self, None)  # type: ignore[union-attr]  # before the call's first collective
         send = send.contiguous()  # no-op for the backends' own buffers; collectives need dense memory
         self._count(send.shape[0], sections)
         if self.records is not None:
@@ -328,22 +280,20 @@ class Comm:
             return Transfer(send)
         rows = sum(recv_counts) if recv_counts is not None else send.shape[0]
         out = _receive_into(out, send, (rows, *send.shape[1:]))
-        return self._start(
-            "all_to_all", out,
-            lambda: dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True),
-        )
+        return self._start("all_to_all", out, lambda: dist.all_to_all_single(out, send, recv_counts, send_counts,
+                                                                              group=self.group, async_op=True))
 
-    def all_gather(self, send: torch.Tensor, sections: Sequence[Section], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as
-        what every destination receives from this rank: ``world_size`` copies. ``out`` as for
-        ``all_to_all``."""
+    def all_gather(self, send: torch.Tensor, sections: Sequence[Section],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``send`` (same shape everywhere), stacked rank by rank. Counted as what every destination
+        receives from this rank: ``world_size`` copies. ``out`` as for ``all_to_all``."""
         return self.all_gather_start(send, sections, out).wait()
 
     def all_gather_start(self, send: torch.Tensor, sections: Sequence[Section],
                          out: torch.Tensor | None = None) -> "Transfer":
         """``all_gather`` started (as ``all_to_all_start``)."""
         if self._call is not None and self.checks_calls_everywhere:
-            self._check_call(None)
+            self._watch.check_call(self, None)  # type: ignore[union-attr]
         send = send.contiguous()
         self._count(send.shape[0] * self.world_size, sections)
         if self.records is not None:
@@ -355,8 +305,8 @@ class Comm:
         return self._start("all_gather", out, lambda: _gather(out, send, self.group))
 
     def gather_uncounted(self, send: torch.Tensor, operation: str) -> torch.Tensor:
-        """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the
-        configuration agreement at creation)."""
+        """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the configuration agreement
+        at creation)."""
         if self.world_size == 1:
             return send.unsqueeze(0)
         device = self.device or torch.device("cpu")
@@ -368,9 +318,8 @@ class Comm:
         return out.view(self.world_size, *send.shape).cpu()
 
     def gather_object(self, obj: Any, operation: str) -> list[Any]:
-        """Every rank's picklable ``obj`` in rank order, outside the traffic counts, with the same
-        failure handling as the data collectives: a vendor's start-up exchanges (FlashInfer's MNNVL
-        handles) and the emulators' stand-ins for device stores. Two gathers: sizes, then bytes."""
+        """Every rank's picklable ``obj`` in rank order, outside the traffic counts, with the same failure handling
+        as the data collectives (a vendor's start-up exchanges, e.g. FlashInfer's MNNVL handles)."""
         if self.world_size == 1:
             return [obj]
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -382,86 +331,44 @@ class Comm:
         return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
     def barrier(self, operation: str = "barrier") -> None:
-        """Every rank arrives here before any leaves, with the same failure handling as the
-        data collectives (a peer that failed or died is named, not waited for)."""
+        """Every rank arrives here before any leaves, with the same failure handling as the data collectives (a peer
+        that failed or died is named, not waited for)."""
         if self.world_size > 1:
             self.gather_uncounted(torch.zeros(1, dtype=torch.uint8), operation)
 
     def announce_failure(self, operation: str, error: BaseException) -> None:
-        """Tell the other ranks this one raised and makes no more calls (of this dispatcher), so they stop waiting
-        for it."""
+        """Tell the other ranks this one raised and makes no more calls of this dispatcher: they stop waiting."""
         if self._watch is not None:
             self.watch.announce(operation, error)
 
     def announce_refusal(self, operation: str, error: BaseException, phase: str, number: int | None) -> None:
-        """Tell the other ranks this one refused call ``number`` of ``phase`` before its collectives and goes on:
-        the ranks waiting in that call stop; the calls this rank makes next are told apart from it (the epoch)."""
+        """Tell the other ranks this one refused call ``number`` of ``phase`` before its collectives and goes on (the
+        ranks waiting in that call stop; its next calls are a new epoch)."""
         if self._watch is not None:
             from .watch import CallId
-
             self.watch.refused(operation, error, CallId(self.watch.epoch, phase, number))
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets.
-        Carries the call check when one is due (``begin``): the same 32 bytes per peer."""
+        """int64 ``[world]``: how many rows this rank sends to each rank → how many it gets. Carries the call check
+        when one is due (``begin``): the same 32 bytes per peer."""
         if self._call is None:
             raw = as_bytes(counts.to(torch.int64).unsqueeze(1))  # one 8-byte row per rank
-            got = self.all_to_all(raw, None, None, [("metadata", 8)])
-            return from_bytes(got, torch.int64).squeeze(1)
-        return self._check_call(counts.to(torch.int64))
+            return from_bytes(self.all_to_all(raw, None, None, [("metadata", 8)]), torch.int64).squeeze(1)
+        return self._watch.check_call(self, counts.to(torch.int64))  # type: ignore[union-attr]
 
-    def _check_call(self, counts: torch.Tensor | None) -> torch.Tensor:
-        """One all-to-all of (count, dispatcher, attempt, number) per peer; every rank compares the
-        calls it received with its own and raises ``CallOrderError`` on any difference (each rank
-        sees every rank's call, so all raise together). The attempt word holds the phase and the calls
-        the rank refused before this one: a call one rank makes again after refusing it alone is
-        another attempt than its peers' (who met the refusal) and never pairs with theirs. Returns the
-        received counts."""
-        assert self._call is not None
-        call, self._call = self._call, None
-        attempt = PHASES.index(call.phase) | call.epoch << _PHASE_BITS
-        rows = torch.tensor([[0, self._tag, attempt, call.number]], dtype=torch.int64).repeat(self.world_size, 1)
-        if counts is not None:
-            rows[:, 0] = counts.to(rows.device)
-        device = counts.device if counts is not None else self.device or torch.device("cpu")
-        if device.type != "cpu":
-            device = torch.device(device.type, getattr(torch, device.type).current_device())
-        sections = [("check", 8 * _CALL_ROW)] if counts is None else [("metadata", 8), ("check", 8 * (_CALL_ROW - 1))]
-        got = from_bytes(self.all_to_all(as_bytes(rows.to(device)), None, None, sections),
-                         torch.int64).view(self.world_size, _CALL_ROW)
-        calls = [tuple(row) for row in got[:, 1:].tolist()]  # gloo: host memory; NCCL: where counts sync anyway
-        if any(c != (self._tag, attempt, call.number) for c in calls):
-            mask = (1 << _PHASE_BITS) - 1
-            named = tuple((f"{tag:015x}", PHASES[a & mask] if (a & mask) < len(PHASES) else f"phase {a & mask}",
-                           int(n)) for tag, a, n in calls)
-            refused = tuple(a >> _PHASE_BITS for _, a, _ in calls)
-            per_rank = "; ".join(f"rank {r}: dispatcher {u} {ph} #{n}" + (f" after {e} refused call(s)" if e else "")
-                                 for r, ((u, ph, n), e) in enumerate(zip(named, refused)))
-            raise CallOrderError(
-                f"the ranks reached different calls ({per_rank}); every rank must call the same dispatchers, "
-                f"dispatch and combine, in the same order, and a call refused on some ranks only is not made again "
-                f"(docs/reliability.md); nothing was exchanged, and this dispatcher must be created again",
-                calls=named, refused=refused,
-            )
-        return got[:, 0]
-
-    def _record(
-        self, name: str, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
-        sections: Sequence[Section],
-    ) -> None:
+    def _record(self, name: str, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
+                sections: Sequence[Section]) -> None:
         width = send.shape[1] if send.dim() > 1 else 1
         even = [send.shape[0] // self.world_size] * self.world_size
         assert self.records is not None
         self.records.append(CollectiveRecord(
-            name,
-            tuple(c * width for c in (send_counts if send_counts is not None else even)),
+            name, tuple(c * width for c in (send_counts if send_counts is not None else even)),
             tuple(c * width for c in (recv_counts if recv_counts is not None else even)),
-            tuple(category for category, _ in sections),
-        ))
+            tuple(category for category, _ in sections)))
 
     def _collective_number(self) -> int | str:
-        """The next collective's number, the same on every rank: names its markers in the Watch's store. A vendor's
-        collectives under a dispatcher's Watch are numbered on it, apart from the dispatcher's own."""
+        """The next collective's number, the same on every rank (it names its markers in the Watch's store); a
+        vendor's collectives under a dispatcher's Watch are numbered apart."""
         caller = self._caller()
         if caller is not None:
             caller.emulated += 1
@@ -477,26 +384,20 @@ class Comm:
         try:
             work = start()
         except (RuntimeError, dist.DistError) as exc:
-            raise CommunicationError(
-                f"{name} could not start on rank {self.rank} of {self.world_size}: another rank probably failed, "
-                f"stalled or disagreed on the call ({exc})"
-            ) from exc
+            raise CommunicationError(f"{name} could not start on rank {self.rank} of {self.world_size}: another rank "
+                                     f"probably failed, stalled or disagreed on the call ({exc})") from exc
         return Transfer(out, work, self.watch, name, number, self.watch.call, bool(self._numbering))
 
 
 class Transfer:
-    """A collective in flight (``Comm.all_to_all_start``): ``wait()`` returns its received rows, under
-    the dispatcher's ``Watch`` (a peer that failed or stalled is named, not waited for forever)."""
+    """A collective in flight (``Comm.all_to_all_start``): ``wait()`` returns its received rows, under the
+    dispatcher's ``Watch`` (a peer that failed or stalled is named, not waited for forever)."""
 
     __slots__ = ("out", "_work", "_watch", "_name", "_number", "_call", "_started")
 
     def __init__(self, out, work=None, watch: "Watch | None" = None, name: str = "",  # type: ignore[no-untyped-def]
                  number: int | str = 0, call: CallId | None = None, started: bool = False) -> None:
-        self.out = out
-        self._work = work
-        self._watch = watch
-        self._name = name
-        self._number = number
+        self.out, self._work, self._watch, self._name, self._number = out, work, watch, name, number
         self._call = call  # the call it belongs to, when it started: a peer's refusal of that call ends the wait
         self._started = started  # on the started calls' group (Comm.for_started_calls)
 
@@ -509,20 +410,21 @@ class Transfer:
 
     def wait(self):  # type: ignore[no-untyped-def]
         if self._work is not None:
-            self._watch.wait(self._work, self._name, self._number, self._call, self._started)  # type: ignore[union-attr]
+            self._watch.wait(  # type: ignore[union-attr]
+                self._work, self._name, self._number, self._call, self._started)
             self._work = None  # only once it has completed
         return self.out
 
 
 def _receive_into(out: torch.Tensor | None, send: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The receive buffer: a new one, or the caller's, checked to be exactly what arrives (a
-    short buffer would leave rows unwritten; a long one would hand back rows of an earlier call)."""
+    """The receive buffer: a new one, or the caller's, checked to be exactly what arrives (a short buffer would leave
+    rows unwritten; a long one would hand back rows of an earlier call)."""
     if out is None:
         return send.new_empty(shape)
     if tuple(out.shape) != shape or out.dtype != send.dtype or out.device != send.device or not out.is_contiguous():
-        raise InvalidInputError(
-            "the receive buffer does not match what arrives", parameter="out",
-            value=f"{tuple(out.shape)} {out.dtype} {out.device}", allowed=f"contiguous {shape} {send.dtype} {send.device}")
+        raise InvalidInputError("the receive buffer does not match what arrives", parameter="out",
+                                value=f"{tuple(out.shape)} {out.dtype} {out.device}",
+                                allowed=f"contiguous {shape} {send.dtype} {send.device}")
     return out
 
 

@@ -1,22 +1,19 @@
-"""Waiting for a collective without hanging when another rank fails, stalls or dies.
+"""What a dispatcher's ranks need of each other beyond the data: the call check (every rank at the same call), and
+waiting for a collective without hanging when another rank fails, stalls or dies. Loaded only with peers.
 
-On gloo (CPU) a rank waits in short slices. Between slices it looks in the process
-group's store for a failure notice that a peer posts when it raises (bad input on that
-rank, a bug): the error reaches every rank within a slice instead of after a timeout.
-A notice says whether the peer is done with the dispatcher (it broke, or was never made:
-no call named) or refused one call's inputs and goes on (the ``CallId`` it names): a refusal stops only
-the ranks waiting in that very call, so ranks that all refused a call, each in its own time,
-can fix it and go on, and a call started before the refusal still completes.
-Past ``timeout_s`` the waiting ranks each leave a marker in the store; the ranks without
-one are the ones that never arrived, and the error names them. A rank that died closes its
-connections: gloo fails the collective at once, and the same markers name the dead rank.
+On gloo (CPU) a rank waits in short slices. Between slices it looks in the process group's store for a failure
+notice that a peer posts when it raises (bad input on that rank, a bug): the error reaches every rank within a slice
+instead of after a timeout. A notice says whether the peer is done with the dispatcher (it broke, or was never made:
+no call named) or refused one call's inputs and goes on (the ``CallId`` it names): a refusal stops only the ranks
+waiting in that very call, so ranks that all refused a call, each in its own time, can fix it and go on, and a call
+started before the refusal still completes. Past ``timeout_s`` the waiting ranks each leave a marker in the store;
+the ranks without one never arrived, and the error names them. A rank that died closes its connections: gloo fails
+the collective at once, and the same markers name the dead rank.
 
-NCCL and HCCL ``wait()`` only orders streams (no host sync, CUDA-graph safe); their own
-watchdogs enforce the process group's timeout, so nothing is polled there.
-
-Keys live under ``moe_dispatch/<uid>/``, the uid agreed by all ranks when the dispatcher
-was created. After an error the group has a collective that will never finish, so the
-process group must be rebuilt (torch.distributed cannot cancel a gloo operation).
+NCCL and HCCL ``wait()`` only orders streams (no host sync, CUDA-graph safe); their own watchdogs enforce the
+process group's timeout, so nothing is polled there. Keys live under ``moe_dispatch/<uid>/``, the uid agreed by all
+ranks at creation. After an error the group has a collective that will never finish, so the process group must be
+rebuilt (torch.distributed cannot cancel a gloo operation).
 """
 
 from __future__ import annotations
@@ -26,15 +23,23 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from .._codecs import as_bytes, from_bytes
 from .._errors import CallOrderError, CollectiveTimeoutError, CommunicationError, PeerFailedError
 
 _SLICE = datetime.timedelta(milliseconds=50)
 #: A wait this long looks for a peer making the same call in the other form (``Watch._check_form``): a store write
 #: and a read a slice from then on, so not for the many waits a busy machine makes a few slices long.
 _FORM_AFTER_S = 1.0
+#: The calls a dispatcher makes, as they travel in the call check (``Comm.begin``).
+PHASES = ("dispatch", "combine", "forward")
+_CALL_ROW = 4  # int64 words per peer in the call check: count, dispatcher tag, attempt, number
+#: The attempt word: the phase's index in PHASES in its low bits, the calls the rank refused before (the epoch) above.
+_PHASE_BITS = 8
 
 
 def _default_store():  # type: ignore[no-untyped-def]
@@ -47,11 +52,10 @@ def _default_store():  # type: ignore[no-untyped-def]
 
 @dataclass(frozen=True, slots=True)
 class CallId:
-    """Which call of a dispatcher a collective belongs to, the same on every rank that makes it:
-    ``phase`` and ``number`` as ``Comm.begin`` numbers them (``number`` None: a refused combine of
-    something that was no dispatch output), and ``epoch``, the calls this rank had refused before
-    it. A refused call takes no number (its inputs never left the rank), so a call made again after
-    its refusal has the same number: the epoch tells the two attempts apart."""
+    """Which call of a dispatcher a collective belongs to, the same on every rank that makes it: ``phase`` and
+    ``number`` as ``Comm.begin`` numbers them (``number`` None: a refused combine of something that was no dispatch
+    output), and ``epoch``, the calls this rank had refused before it. A refused call takes no number (its inputs
+    never left the rank), so a call made again after its refusal has the same number: the epoch tells them apart."""
 
     epoch: int
     phase: str
@@ -59,7 +63,7 @@ class CallId:
 
 
 class Watch:
-    """Deadline and peer-failure notices for one dispatcher's collectives."""
+    """The call check, deadline and peer-failure notices for one dispatcher's collectives."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, poll: bool) -> None:
         self.rank = rank
@@ -68,6 +72,7 @@ class Watch:
         self.poll = poll
         self.store = _default_store() if poll else None
         self.uid = ""  # the dispatcher's, agreed at creation (``bind``)
+        self.tag = 0  # the uid as the call check carries it
         #: Calls this rank refused so far (``refused``): part of every later call's ``CallId``.
         self.epoch = 0
         # The call this thread is in (``enter``): the caller's, or the receiver thread's started call.
@@ -75,13 +80,47 @@ class Watch:
         # Notices read so far (``_notice``), from the caller's thread and the receiver thread alike.
         self._heard: list[dict] = []  # type: ignore[type-arg]
         self._reading = threading.Lock()
-        #: Collectives a vendor's emulator ran under this Watch (``emulation.WatchedComm``), numbered apart from the
+        #: Collectives a vendor's Comm (or a fake's) ran under this Watch (``Comm.calling``), numbered apart from the
         #: dispatcher's own so that the markers naming absent ranks never mix the two.
         self.emulated = 0
 
     def bind(self, uid: str) -> None:
-        """Start posting and reading notices under the dispatcher's agreed ``uid``."""
+        """Start posting and reading notices, and checking calls, under the dispatcher's agreed ``uid``."""
         self.uid = uid
+        self.tag = int(uid[:15], 16) if uid else 0
+
+    def check_call(self, comm: Any, counts: torch.Tensor | None) -> torch.Tensor:  # comm: the Comm that began it
+        """The call check ``comm.begin`` left for this call's first collective: one all-to-all of (count, dispatcher,
+        attempt, number) per peer; every rank compares every rank's call with its own and raises ``CallOrderError`` on
+        any difference, so all raise together. The attempt word holds the phase and the calls the rank refused before: a
+        call one rank makes again after refusing it alone never pairs with its peers'. Returns the received counts."""
+        assert comm._call is not None
+        call, comm._call = comm._call, None
+        world, tag = comm.world_size, self.tag
+        attempt = PHASES.index(call.phase) | call.epoch << _PHASE_BITS
+        rows = torch.tensor([[0, tag, attempt, call.number]], dtype=torch.int64).repeat(world, 1)
+        if counts is not None:
+            rows[:, 0] = counts.to(rows.device)
+        device = counts.device if counts is not None else comm.device or torch.device("cpu")
+        if device.type != "cpu":
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        sections = [("check", 8 * _CALL_ROW)] if counts is None else [("metadata", 8), ("check", 8 * (_CALL_ROW - 1))]
+        got = from_bytes(comm.all_to_all(as_bytes(rows.to(device)), None, None, sections),
+                         torch.int64).view(world, _CALL_ROW)
+        calls = [tuple(row) for row in got[:, 1:].tolist()]  # gloo: host memory; NCCL: where counts sync anyway
+        if any(c != (tag, attempt, call.number) for c in calls):
+            mask = (1 << _PHASE_BITS) - 1
+            named = tuple((f"{t:015x}", PHASES[a & mask] if (a & mask) < len(PHASES) else f"phase {a & mask}",
+                           int(n)) for t, a, n in calls)
+            refused = tuple(a >> _PHASE_BITS for _, a, _ in calls)
+            per_rank = "; ".join(f"rank {r}: dispatcher {u} {ph} #{n}" + (f" after {e} refused call(s)" if e else "")
+                                 for r, ((u, ph, n), e) in enumerate(zip(named, refused)))
+            raise CallOrderError(
+                f"the ranks reached different calls ({per_rank}); every rank must call the same dispatchers, "
+                f"dispatch and combine, in the same order, and a call refused on some ranks only is not made again "
+                f"(docs/reliability.md); nothing was exchanged, and this dispatcher must be created again",
+                calls=named, refused=refused)
+        return got[:, 0]
 
     @property
     def prefix(self) -> str | None:
@@ -124,7 +163,7 @@ class Watch:
              started: bool = False) -> None:
         """Wait for ``work``, collective ``seq`` of ``call`` (None: outside any call, e.g. at creation: then only a
         peer that is done with the dispatcher stops the wait), on the started calls' group if ``started``
-        (``reference/receiver.py``): a peer that makes the same call in the other form waits on the other group,
+        (``_reference/receiver.py``): a peer that makes the same call in the other form waits on the other group,
         and after a second both say so in the store and raise ``CallOrderError`` (instead of a timeout)."""
         if not self.poll:
             work.wait()
@@ -150,14 +189,13 @@ class Watch:
                 form = self._check_form(call, started, form)
             if time.monotonic() >= deadline:
                 missing = self._absent(f"waiting/{seq}")
-                who = (f"rank(s) {list(missing)} never arrived (stalled, dead, or making fewer calls than this rank: every "
-                       "rank must make the same calls, e.g. the same number of forwards)") if missing else \
+                who = (f"rank(s) {list(missing)} never arrived (stalled, dead, or making fewer calls than this rank: "
+                       "every rank must make the same calls, e.g. the same number of forwards)") if missing else \
                     "the ranks that did not arrive could not be determined"
                 raise CollectiveTimeoutError(
                     f"{operation} (collective #{seq}) on rank {self.rank} of {self.world_size} did not complete "
                     f"within {self.timeout_s:g} s: {who}; the process group must be rebuilt",
-                    ranks=missing, operation=operation, timeout_s=self.timeout_s,
-                )
+                    ranks=missing, operation=operation, timeout_s=self.timeout_s)
 
     def _check_form(self, call: CallId, started: bool, key: str | None) -> str:
         """Count this rank in its form of ``call`` (once per wait: ``key``), and raise ``CallOrderError`` if a peer
@@ -177,8 +215,7 @@ class Watch:
                 f"{call.phase} #{call.number} is a {mine} call on rank {self.rank} and a {other} call on "
                 f"{elsewhere} other rank(s): every rank makes a given call in the same form, started "
                 "(dispatch_start/combine_start) or blocking (docs/engine-guide.md); this dispatcher must be created "
-                "again", calls=tuple((self.uid[:15], call.phase, call.number) for _ in range(self.world_size)),
-            )
+                "again", calls=tuple((self.uid[:15], call.phase, call.number) for _ in range(self.world_size)))
         return base
 
     def _notice(self, call: CallId | None) -> dict | None:  # type: ignore[type-arg]
@@ -212,8 +249,7 @@ class Watch:
         return PeerFailedError(
             f"rank {notice['rank']} failed in {notice['operation']} while rank {self.rank} waited in {operation}: "
             f"{notice['reason']}; the process group must be rebuilt",
-            rank=int(notice["rank"]), reason=str(notice["reason"]), operation=operation,
-        )
+            rank=int(notice["rank"]), reason=str(notice["reason"]), operation=operation)
 
     def _broken(self, operation: str, seq: int | str, exc: BaseException, call: CallId | None) -> CommunicationError:
         notice = self._notice(call)
@@ -224,8 +260,7 @@ class Watch:
             return PeerFailedError(
                 f"rank {gone[0]} left {operation} (collective #{seq}) without a word: its process died or "
                 f"destroyed the process group ({exc}); the process group must be rebuilt",
-                rank=gone[0], reason="no answer: the process died or left the process group", operation=operation,
-            )
+                rank=gone[0], reason="no answer: the process died or left the process group", operation=operation)
         return CommunicationError(
             f"{operation} failed on rank {self.rank} of {self.world_size}: another rank probably failed, stalled or "
             f"disagreed on the call ({exc})"

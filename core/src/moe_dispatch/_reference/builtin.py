@@ -1,5 +1,4 @@
-"""The ``torch`` and ``allgather`` reference backends, registered like any plugin.
-"""
+"""The ``torch`` and ``allgather`` reference backends, registered like any plugin."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
-"""The exchange both reference backends run on ``torch.distributed``.
-
-Normal mode: exchange per-rank counts (the one host sync), then one all-to-all of wire
-rows, one per (token, destination rank) pair: the quantized payload followed by routing
-metadata (per-slot local expert ids and weights). The receiver expands them into rows per
-(token, local expert), grouped by expert (PACKED). ``send_to_all_ranks`` turns the sparse
-selection into the all-gather the ``allgather`` backend does.
-
-Low-latency mode: every rank all-gathers ``capacity`` fixed slots (no host sync, so the
-call is capturable in a CUDA graph on NCCL), and scatters its local (token, expert) pairs
-into the MASKED layout ``[E_local, capacity·world, H]``. A fixed-size exchange cannot know
-which slots are empty without a host sync, so both backends move the same bytes here.
-
-Split phase, both modes: a call's start does everything up to the payload's collective and
-starts it (``Comm.all_to_all_start``/``all_gather_start``); its receive lays out what arrived, or
-adds what comes back. The blocking calls are ``start(comm)()`` on the caller's thread. With peers
-on host memory ``dispatch_start``/``combine_start`` hand both halves to the group's receiver
-thread, on the started calls' own group (``receiver.py``), and return at once (on a group of every
-rank; on a subgroup the start runs on the caller's thread and the receive at ``wait()``).
-
-Combine, both modes: the destination weights each row (fp32) and sums a token's local
-rows in ascending expert order; the BF16 partial goes back with the reverse exchange and
-the source sums ranks in ascending order in fp32. The order is fixed, so results are
-bit-identical run to run (CPU ``index_add_`` adds in index order; on CUDA set
-``torch.use_deterministic_algorithms(True)`` for the same guarantee).
+"""The exchange both reference backends run on ``torch.distributed``: normal mode sends one wire row per (token,
+destination rank) pair (the payload, then the token's expert ids and weights) after the counts exchange (its one host
+sync) and expands them into PACKED rows; low-latency mode all-gathers ``capacity`` fixed slots into the MASKED layout
+(no host sync). Combine adds in a fixed order, so results are bit-identical run to run (docs/design.md).
 """
 
 from __future__ import annotations
@@ -42,21 +21,20 @@ from .._errors import CommunicationError
 from .._output import DispatchOutput, group_list_from_counts, rows_by_expert
 from .._pending import Pending
 from .._wire import Layout, Mode
+from .slots import Lease, Slot, SlotPool
 
 if TYPE_CHECKING:
     from .receiver import Receiver
-from .slots import Lease, Slot, SlotPool
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class TokenTerms:
-    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (times
-    ``weight[e]``; nothing where ``valid[e]`` is False) into token ``token[e]``. Entries are
-    token-major, in the fixed order within a token; ``blocks`` are ``(t0, t1, e0, e1)``: tokens
-    ``t0..t1`` own entries ``e0..e1``, each block cache-sized. Low-latency mode's blocks follow from
-    the spec alone (every slot has k entries), so its combine reads nothing on the host."""
+    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (times ``weight[e]``; nothing
+    where ``valid[e]`` is False) into token ``token[e]``. Entries are token-major, in the fixed order within a token;
+    ``blocks`` are ``(t0, t1, e0, e1)``: tokens ``t0..t1`` own entries ``e0..e1``, each block cache-sized. Low-latency
+    mode's blocks follow from the spec alone (every slot has k entries): its combine reads nothing on the host."""
 
     rows: torch.Tensor  # [entries] int64
     token: torch.Tensor  # [entries] int64
@@ -91,17 +69,10 @@ class ReferenceDispatcher:
 
     def __init__(self, ctx: DispatchContext, *, send_to_all_ranks: bool) -> None:
         spec = ctx.spec
-        self.comm = ctx.comm
-        self.codec = ctx.codec
-        self.rank = ctx.rank
-        self.world = ctx.world_size
-        self.local_experts = ctx.local_experts
-        self.top_k = spec.top_k
-        self.hidden = spec.hidden_size
-        self.capacity = spec.num_max_dispatch_tokens_per_rank
-        self.group_list_type = spec.group_list_type
-        self.dtype = ctx.dtype
-        self.global_scale = spec.quant.input_global_scale
+        self.comm, self.codec, self.rank, self.world = ctx.comm, ctx.codec, ctx.rank, ctx.world_size
+        self.local_experts, self.top_k, self.hidden = ctx.local_experts, spec.top_k, spec.hidden_size
+        self.capacity, self.group_list_type = spec.num_max_dispatch_tokens_per_rank, spec.group_list_type
+        self.dtype, self.global_scale = ctx.dtype, spec.quant.input_global_scale
         self.send_to_all_ranks = send_to_all_ranks
         self.payload_width = ctx.codec.wire.bytes_per_token
         self.meta_width = 8 * spec.top_k  # k int32 expert ids + k fp32 weights
@@ -112,17 +83,14 @@ class ReferenceDispatcher:
         #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
         self.failed_in_background: BaseException | None = None
         #: With peers on host memory (gloo), on a group of every rank, started calls run on the group's receiver
-        #: thread, on the started calls' group: made here, where every rank is (a collective of all of them; the
-        #: first dispatcher of the group makes it). On a subgroup the start runs on the caller's thread and the
-        #: receive at ``wait()``: ``dist.new_group``'s names for a group made by its members alone count the groups
-        #: each process has, which differ between ranks once subgroups have come and gone (ranks then wait for
-        #: each other's group forever: core/tests/test_nothing_lost.py, subgroups of a 4-rank pool).
+        #: thread, on the started calls' group, made here where every rank is. Not on a subgroup: ``dist.new_group``
+        #: names a group made by its members alone by the groups each process has, which differ between ranks once
+        #: subgroups have come and gone (the ranks would wait for each other's group forever).
         self._receiver: "Receiver | None" = None
         self._started_comm: Comm | None = None
         if (self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu"
                 and self.world == dist.get_world_size()):
             from .receiver import receiver_for  # the receiver thread: host memory with peers only
-
             self._receiver = receiver_for(self.comm.process_group, self.comm.watch.timeout_s)
             assert self._receiver.group is not None
             self._started_comm = self.comm.for_started_calls(self._receiver.group)
@@ -130,29 +98,25 @@ class ReferenceDispatcher:
             self._reserve(ctx.in_flight, ctx.device)
 
     def _reserve(self, slots: int, device: torch.device) -> None:
-        """Low-latency mode: ``slots`` slots sized at creation (every buffer of a dispatch follows from the
-        capacity), so that a capacity the memory cannot hold fails here, not at the first dispatch. Combine's
-        buffers (the partial sums sent back and the cache-sized blocks: ``world·capacity`` rows, not the
-        ``E_local`` times larger MASKED rows) are sized at the first combine. A dispatch of an empty batch per
-        slot, each holding its slot until all are sized: the same code and buffers as a real call, and a
-        collective like the rest of creation (every rank does it)."""
+        """Low-latency mode: ``slots`` slots sized at creation (a dispatch's buffers follow from the capacity), so
+        that a capacity the memory cannot hold fails here, not at the first dispatch; combine's smaller ones are
+        sized at the first combine. A dispatch of an empty batch per slot, each holding its slot until all are
+        sized: the same code and buffers as a real call, and a collective like the rest of creation."""
         H, k = self.hidden, self.top_k
         empty = (torch.empty(0, H, dtype=torch.bfloat16, device=device),
-                 torch.empty(0, k, dtype=torch.int64, device=device), torch.empty(0, k, dtype=torch.float32, device=device))
+                 torch.empty(0, k, dtype=torch.int64, device=device),
+                 torch.empty(0, k, dtype=torch.float32, device=device))
         before = self.comm.traffic.copy()
         for out in [finish() for finish in [self._start_masked(*empty, self.comm) for _ in range(slots)]]:
             out.handle.lease.release()
         self.comm.traffic.restore(before)  # the planning is not the engine's traffic
 
-    # -- dispatch ---------------------------------------------------------------------------
-
-    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchOutput:
         return self._start_dispatch(hidden_states, topk_ids, topk_weights, self.comm)()
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> Pending[DispatchOutput]:
-        """Split phase: with peers on host memory the whole call runs on the receiver thread (``_started``);
-        otherwise the payload's collective is started here and the rows are laid out at ``wait()``."""
         return self._started(functools.partial(self._start_dispatch, hidden_states, topk_ids, topk_weights),
                              hidden_states)
 
@@ -164,16 +128,13 @@ class ReferenceDispatcher:
         return self._start_packed(x, topk_ids, topk_weights, comm)
 
     def _started(self, start: Callable[[Comm], Callable[[], T]], like: torch.Tensor) -> Pending[T]:
-        """A started call's ``Pending``. With peers on host memory both halves run on the group's receiver thread
-        (``receiver.py``), the start on the started calls' group with the call check the core asked for, and the
-        caller returns at once. Otherwise the start runs here and the receive at ``wait()``, on an accelerator
-        after the start's end on its stream, whichever stream the wait runs on (``streams``)."""
+        """A started call's ``Pending``: with peers on host memory both halves run on the group's receiver thread,
+        and the caller returns at once; otherwise the start runs here and the receive at ``wait()``."""
         receiver = self._receiver
         if receiver is None:
             if not like.is_cuda:
                 return Pending(start(self.comm))
             from .._streams import handed_over, start_mark
-
             return Pending(handed_over(start(self.comm), start_mark(like)))
         self._check_background()  # refused here, before the call is queued
         begun = receiver.submit(functools.partial(self._in_background, "start", self._begin, start,
@@ -183,7 +144,7 @@ class ReferenceDispatcher:
     def _begin(self, start: Callable[[Comm], Callable[[], T]], call: tuple[int, int] | None,
                receiver: Receiver) -> "Future[T]":
         """On the receiver thread: the call's start (its collectives), then its receive queued ahead of the starts
-        queued meanwhile (``Receiver.submit_receive``: it issues no collective, so its place orders nothing)."""
+        queued meanwhile (``Receiver.submit_receive``)."""
         comm = self._started_comm
         assert comm is not None
         comm.resume_call(call)
@@ -191,9 +152,8 @@ class ReferenceDispatcher:
         return receiver.submit_receive(functools.partial(self._in_background, "receive", finish))
 
     def _in_background(self, stage: str, job: Callable[..., T], *args: object) -> T:
-        """On the receiver thread: a failure there is kept (the first one: a later call it refuses fails too) and
-        told to the peers, so that the next call refuses to start even when the engine dropped this call's
-        ``Pending`` and never sees the error."""
+        """On the receiver thread: the first failure there is kept and told to the peers, so that the next call
+        refuses to start even when the engine dropped this call's ``Pending`` and never sees the error."""
         try:
             return job(*args)
         except BaseException as exc:
@@ -210,13 +170,13 @@ class ReferenceDispatcher:
                                      f"{exc}); the process group must be rebuilt") from exc
 
     def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One wire row per token: the payload, then its global top-k ids (int32) and fp32
-        weights. Built once per token; a pair's row is then a single gather."""
+        """One wire row per token: the payload, then its global top-k ids (int32) and fp32 weights. Built once per
+        token; a pair's row is then a single gather."""
         meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], dim=1)
         return self.codec.encode(x, meta)
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
-        """Views into received wire rows (no copy): payload, global ids, weights."""
+        """Views into received wire rows: payload, global ids, weights."""
         pw, k = self.payload_width, self.top_k
         q = self.codec.from_bytes(rows[:, :pw])
         ids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
@@ -240,7 +200,6 @@ class ReferenceDispatcher:
         rows = self._token_rows(x, topk_ids, topk_weights)
         send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), rows.shape[1]),
                                                                          rows.dtype, rows.device))
-
         recv_counts = comm.exchange_counts(send_counts_t).tolist()  # the host sync
         send_counts = send_counts_t.tolist()
         transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
@@ -256,7 +215,6 @@ class ReferenceDispatcher:
         T = topk_ids.shape[0]
         recv = transfer.wait()
         q, gids, rweights = self._split_rows(recv)
-
         # Expand to rows per (token, local expert), grouped by expert, token order within.
         local = gids.to(torch.int64) - self.rank * El
         local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
@@ -265,17 +223,11 @@ class ReferenceDispatcher:
         hidden = _select_rows(q.data, row_token, slot.take, "rows")
         scale = None if q.scale is None else _select_rows(q.scale, row_token, slot.take, "row_scales")
         handle = NormalHandle(
-            owner=self,
-            pair_token=pair_token,
-            send_counts=send_counts,
-            recv_counts=recv_counts,
-            num_tokens=T,
-            num_received=recv.shape[0],
+            owner=self, pair_token=pair_token, send_counts=send_counts, recv_counts=recv_counts, num_tokens=T,
+            num_received=recv.shape[0], lease=lease,
             terms=_token_major(row_token, recv.shape[0], self.hidden, _chunk_bytes(recv.device),
                                rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
-            returns=_token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device)),
-            lease=lease,
-        )
+            returns=_token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device)))
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                               group_list_from_counts(counts, self.group_list_type), self.group_list_type, Layout.PACKED,
                               self.dtype, handle, self.global_scale)
@@ -302,7 +254,6 @@ class ReferenceDispatcher:
         R, El, k, C, slot = self.world, self.local_experts, self.top_k, self.capacity, lease.slot
         device = topk_ids.device
         q, gids, gweights = self._split_rows(transfer.wait())
-
         first = self.rank * El
         local = gids.reshape(-1).to(torch.int64) - first
         valid = (local >= 0) & (local < El)
@@ -324,24 +275,16 @@ class ReferenceDispatcher:
                                                            slot, "row_scales")
         row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=device)
         row_of_entry[order] = torch.where(entry_valid, entry_row, 0)
-        handle = MaskedHandle(
-            owner=self,
-            num_tokens=topk_ids.shape[0],
-            terms=_slots_by_expert(key.view(R * C, k), El, row_of_entry.view(R * C, k), gweights.to(torch.float32),
-                                   self.hidden),
-            lease=lease,
-        )
+        handle = MaskedHandle(owner=self, num_tokens=topk_ids.shape[0], lease=lease, terms=_slots_by_expert(
+            key.view(R * C, k), El, row_of_entry.view(R * C, k), gweights.to(torch.float32), self.hidden))
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                               group_list_from_counts(counts_ext[:El], self.group_list_type), self.group_list_type,
                               Layout.MASKED, self.dtype, handle, self.global_scale)
-
-    # -- combine ----------------------------------------------------------------------------
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         return self._start_combine(expert_output, dispatch_output, self.comm)()
 
     def combine_start(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> Pending[torch.Tensor]:
-        """Split phase: this rank's partial sums computed and sent, what comes back added (``_started``)."""
         return self._started(functools.partial(self._start_combine, expert_output, dispatch_output), expert_output)
 
     def _start_combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
@@ -367,10 +310,9 @@ class ReferenceDispatcher:
         H, slot = self.hidden, h.lease.slot
         send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
         _sum_terms(send, y, h.terms, slot)
-        transfer = comm.all_to_all_start(
-            as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
-            out=None if self.world == 1 else slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device),
-        )
+        transfer = comm.all_to_all_start(as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
+                                         out=None if self.world == 1 else
+                                         slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device))
         self.slots.keep_until_done(h.lease, transfer)
         return functools.partial(self._returned, h, transfer, h.returns, y.device)
 
@@ -392,9 +334,8 @@ class ReferenceDispatcher:
 
 def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk: int,
                  weight: torch.Tensor | None = None) -> TokenTerms:
-    """The rows in token-major order, keeping their order within a token (rows come expert-major
-    to the experts, and pairs rank-major from the sender). One host read (the per-token counts),
-    in normal mode, which reads its counts on the host anyway."""
+    """The rows in token-major order, keeping their order within a token (rows come expert-major to the experts, and
+    pairs rank-major from the sender). One host read (the per-token counts), in normal mode only."""
     order = torch.sort(token_of_row, stable=True).indices
     counts = torch.bincount(token_of_row, minlength=num_tokens).tolist()
     return TokenTerms(order, token_of_row[order], None if weight is None else weight[order], None,
@@ -403,8 +344,8 @@ def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk
 
 def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor, weight: torch.Tensor,
                      hidden: int) -> TokenTerms:
-    """Low-latency: each gathered slot's k entries (``key``: local expert, ``experts`` for none)
-    sorted by local expert within the slot; entries for no local expert stay, marked invalid."""
+    """Low-latency: each gathered slot's k entries (``key``: local expert, ``experts`` for none) sorted by local
+    expert within the slot; entries for no local expert stay, marked invalid."""
     slots, k = key.shape
     by_expert = torch.sort(key, dim=1, stable=True).indices
     token = torch.arange(slots, device=key.device).repeat_interleave(k)
@@ -415,13 +356,12 @@ def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor
 
 @functools.lru_cache(maxsize=64)
 def _even_blocks(tokens: int, per_token: int, hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
-    """``_blocks`` for tokens with ``per_token`` entries each (low-latency mode: from the spec)."""
     return _blocks([per_token] * tokens, hidden, chunk)
 
 
 def _blocks(counts: list[int], hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Consecutive tokens grouped while their accumulator and their entries' fp32 rows stay within
-    ``chunk`` bytes each (at least one token per block)."""
+    """Consecutive tokens grouped while their accumulator and their entries' fp32 rows stay within ``chunk`` bytes
+    each (at least one token per block)."""
     row = 4 * max(hidden, 1)
     blocks, t0, e0, tokens, entries = [], 0, 0, 0, 0
     for t, n in enumerate(counts):
@@ -434,12 +374,11 @@ def _blocks(counts: list[int], hidden: int, chunk: int) -> tuple[tuple[int, int,
     return tuple(blocks)
 
 
-#: On the CPU, fp32 temporaries of this size come from the allocator's heap and stay in cache; one
-#: temporary the size of all rows would be fresh pages (page faults) on every call.
+#: On the CPU, fp32 temporaries of this size come from the allocator's heap and stay in cache; one the size of all
+#: rows would be fresh pages (page faults) on every call.
 _CPU_CHUNK_BYTES = 4 << 20
-#: On an accelerator every block costs a handful of kernel launches and there is no cache to fit:
-#: blocks only bound the temporaries. On an H100 at 4096 tokens × top-8 × H=7168, 4 MiB blocks
-#: made combine 29-38 ms, all launches (docs/hardware-runs.md).
+#: On an accelerator a block costs a handful of kernel launches and there is no cache to fit: blocks only bound the
+#: temporaries (on an H100, 4 MiB blocks made combine 29-38 ms of launches: docs/evidence/hardware-runs.md).
 _DEVICE_CHUNK_BYTES = 256 << 20
 
 
@@ -448,11 +387,10 @@ def _chunk_bytes(device: torch.device) -> int:
 
 
 def _sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slot) -> None:
-    """``out[t] = bf16(0 + fp32(src[r1])·w1 + fp32(src[r2])·w2 + ...)`` over token t's entries in
-    their order, a cache-sized block of tokens at a time: the block's fp32 accumulator stays in
-    cache and each token's BF16 sum is written once (no zeroed full-size fp32 tensor, no separate
-    cast). The same fp32 operations in the same order as adding every row into a zeroed fp32
-    tensor with ``index_add_`` and casting it, so the bits are those."""
+    """``out[t] = bf16(0 + fp32(src[r1])·w1 + fp32(src[r2])·w2 + ...)`` over token t's entries in their order, a
+    cache-sized block of tokens at a time: the block's fp32 accumulator stays in cache and each token's BF16 sum is
+    written once. The same fp32 operations in the same order as ``index_add_`` of every row into a zeroed fp32
+    tensor, cast: the same bits."""
     H = out.shape[1]
     most_tokens = max((t1 - t0 for t0, t1, _, _ in terms.blocks), default=0)
     most_entries = max((e1 - e0 for _, _, e0, e1 in terms.blocks), default=0)
@@ -472,20 +410,17 @@ def _sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Sl
         out[t0:t1].copy_(acc)
 
 
-def _select_rows(src: torch.Tensor, index: torch.Tensor, take, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """``src[index]`` written into the slot's buffer ``name``."""
+def _select_rows(src: torch.Tensor, index: torch.Tensor, take,  # type: ignore[no-untyped-def]
+                 name: str) -> torch.Tensor:
     raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_select(out=)
     out = take(name, (index.numel(), *raw.shape[1:]), raw.dtype, raw.device)
     return torch.index_select(raw, 0, index, out=out).view(src.dtype)
 
 
-def _scatter_rows(
-    src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int, rows_per_expert: int,
-    slot: Slot, name: str,
-) -> torch.Tensor:
-    """Rows ``src[src_index]`` written at ``dest_row`` of a ``[experts, rows_per_expert, ...]`` slot
-    buffer ``name`` that is zero elsewhere (only the rows its previous call wrote are zeroed again);
-    entries of other ranks all land on one extra trash row that is cut off."""
+def _scatter_rows(src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int,
+                  rows_per_expert: int, slot: Slot, name: str) -> torch.Tensor:
+    """Rows ``src[src_index]`` written at ``dest_row`` of a ``[experts, rows_per_expert, ...]`` slot buffer ``name``
+    that is zero elsewhere (``Slot.scattered``); entries of other ranks all land on one extra trash row, cut off."""
     raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_copy_
     tail = raw.shape[1:]
     buf = slot.scattered(name, (trash + 1, *tail), raw.dtype, raw.device, dest_row)

@@ -1,23 +1,6 @@
-"""The reference backends' buffers: kept per dispatcher and reused, never allocated per call.
-
-A dispatch writes its send rows, received rows, expanded expert rows and combine accumulators
-into one *slot*: a set of named byte buffers that belongs to that dispatch until its combine
-(or until its output is dropped without one). The next dispatch takes a free slot, so an
-engine that alternates dispatch and combine, or keeps two micro-batches in flight, runs on
-two slots in the steady state and allocates nothing large per call: a bare all-to-all into a
-fresh 52 MB buffer took 179 ms on this machine's CPU, into a reused one 74 ms (issue 16).
-
-- A buffer grows to the largest size a call has needed (normal mode's sizes follow the
-  routing) and never shrinks; low-latency mode's sizes are fixed by the spec, so its
-  ``in_flight`` slots are sized at creation (``ReferenceDispatcher._reserve``).
-- A slot is free again when its dispatch's combine has returned, or when its output's handle
-  is garbage-collected (an engine that drops an output, or a combine that raised). A dispatch with every slot taken
-  makes one more slot: more dispatches in flight cost memory, never wrong data.
-- What dispatch returns lives in its slot: valid until its combine (the contract's lifetime
-  rule, ``DispatchOutput``); the core refuses a second combine of one output.
-- A started call (split phase) has collectives writing into its slot: the pool keeps its lease
-  until they are done, so an engine that drops a ``Pending`` without waiting costs a slot
-  for a while, never a buffer shared with a transfer still in flight.
+"""The reference backends' buffers, kept per dispatcher in *slots* and reused, never allocated per call: a slot is a
+dispatch's own until its combine returns or its output's handle is collected (or, for a started call, until its
+collectives are done); a dispatch with every slot held makes one more (docs/design.md).
 """
 
 from __future__ import annotations
@@ -57,8 +40,8 @@ class Slot:
         return self.holder
 
     def release(self, hold: int) -> None:
-        """Hold ``hold`` has ended (its combine finished, or its output was collected); a later
-        hold's end is not this one's."""
+        """Hold ``hold`` has ended (its combine finished, or its output was collected); a later hold's end is not
+        this one's."""
         if self.holder == hold:
             self.holder = 0
 
@@ -70,19 +53,14 @@ class Slot:
         nbytes = count * dtype.itemsize
         raw = self.buffers.get(name)
         if raw is None or raw.numel() < nbytes or raw.device != device:
-            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-            self.buffers[name] = raw
+            raw = self.buffers[name] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         return raw[:nbytes].view(dtype).view(shape)
-
-    def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.take(name, shape, dtype, device).zero_()
 
     def scattered(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                   rows: torch.Tensor) -> torch.Tensor:
-        """A ``shape`` buffer that is zero except where this call will write (``rows`` of dim 0):
-        only the rows the previous call through ``name`` wrote are zeroed again, not the whole
-        buffer (MASKED layout: most rows are padding, which must read as zero, never as an earlier
-        call's data). The caller writes ``rows`` next."""
+        """A ``shape`` buffer that is zero except where this call will write next (``rows`` of dim 0): only the rows
+        the previous call through ``name`` wrote are zeroed again (MASKED padding must read as zero, never as an
+        earlier call's data)."""
         raw = self.buffers.get(name)
         previous = self.written.get(name)
         buf = self.take(name, shape, dtype, device)
@@ -93,15 +71,11 @@ class Slot:
         self.written[name] = (rows, (shape, dtype))
         return buf
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers.values())
-
 
 @dataclass(eq=False)
 class Lease:
-    """One dispatch's hold on a slot: kept in its handle; ends at ``release`` (combine) or when
-    the handle, and with it the lease, is collected."""
+    """One dispatch's hold on a slot: kept in its handle; ends at ``release`` (combine) or when the handle, and with
+    it the lease, is collected."""
 
     slot: Slot
     hold: int
@@ -126,8 +100,7 @@ class SlotPool:
         self._lock = threading.Lock()
 
     def keep_until_done(self, lease: Lease, transfer: _InFlight) -> None:
-        """Hold ``lease`` at least until ``transfer`` is done, whatever happens to its call's
-        ``Pending`` or output (``Comm.all_to_all_start``'s ``Transfer``)."""
+        """Hold ``lease`` at least until ``transfer`` is done, whatever happens to its call's ``Pending`` or output."""
         with self._lock:
             self._in_flight.append((lease, transfer))
 
@@ -143,8 +116,3 @@ class SlotPool:
             lease = Lease(slot, slot.hold())
         weakref.finalize(lease, slot.release, lease.hold)
         return lease
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by every slot: what the reuse costs in memory."""
-        return sum(s.nbytes for s in self.slots)

@@ -1,6 +1,5 @@
-"""What the commands check before any rank starts: ``create_dispatcher``'s own preparation of a
-spec, so that ``explain`` shows, and ``demo``/``bench`` refuse in one line, exactly what a
-dispatcher would refuse."""
+"""What the commands check before any rank starts: ``create_dispatcher``'s own preparation of a spec, so that
+``explain`` shows, and ``demo``/``bench`` refuse in one line, exactly what a dispatcher would refuse."""
 
 from __future__ import annotations
 
@@ -17,12 +16,11 @@ if TYPE_CHECKING:
 
 def explain(spec: "DispatchSpec", backend: "str | Backend", world_size: int, *, strict: bool = False,
             host: PluginHost | None = None, env: "Mapping[str, str] | None" = None) -> "PreparedLayer":
-    """What ``moe-dispatch explain`` shows: ``create_dispatcher``'s own preparation of ``spec``
-    (``prepare_layer``), so it refuses exactly what ``create_dispatcher`` refuses, with the
-    same typed error; the dtype fallback is on the trail instead of a warning."""
+    """What ``moe-dispatch explain`` shows: ``create_dispatcher``'s own preparation of ``spec`` (``prepare_layer``), so
+    it refuses exactly what ``create_dispatcher`` refuses, with the same typed error; a dtype fallback is on the trail
+    instead of a warning."""
     from .._resolution import prepare_layer
     from .._trail import DtypeFallbackWarning
-
     chosen = (host or default_host()).select(backend, must_run_here=False)  # explain works for any backend
     with warnings.catch_warnings():  # the trail shows the fallback
         warnings.simplefilter("ignore", DtypeFallbackWarning)

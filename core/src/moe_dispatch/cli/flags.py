@@ -1,6 +1,5 @@
-"""The spellings every subcommand accepts for dtypes, modes and counts: one rule, argparse's
-one-line error otherwise. Dtypes and modes go through ``DispatchDtype.parse``/``Mode.parse``
-(any case; ``low-latency`` or ``low_latency``), so the command line takes what the API takes."""
+"""The spellings every subcommand accepts for dtypes, modes and counts, argparse's one-line error otherwise. Dtypes
+and modes go through ``DispatchDtype.parse``/``Mode.parse`` (any case; ``low-latency`` or ``low_latency``)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ def backends_report(host: "PluginHost") -> dict[str, object]:
     """The ``backends --json`` document (schema in docs/cli.md)."""
     from .. import _hookspecs as hookspecs
     from .._loading import core_version
-
     return {
         "schema": BACKENDS_JSON_SCHEMA,
         "core": {"version": core_version(), "api_version": hookspecs.API_VERSION},
@@ -44,7 +43,7 @@ def backends_report(host: "PluginHost") -> dict[str, object]:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    host = default_host()
+    host = args.plugin_host
     if args.json:
         print(json.dumps(backends_report(host), indent=2, sort_keys=True))
         return 0
@@ -86,21 +85,15 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     from .._spec import DispatchSpec
-
-    host = default_host()
+    host = args.plugin_host
     preset = get_preset(args.preset)
     quant = QuantHints.from_dict(_json_object(args.quant, "--quant")) if args.quant else QuantHints()
     spec = DispatchSpec(  # an explicit 0 is refused by the spec, never replaced by the preset's value
         hidden_size=preset.hidden_size if args.hidden is None else args.hidden,
         num_experts=preset.num_experts if args.experts is None else args.experts,
-        top_k=preset.top_k if args.top_k is None else args.top_k,
-        num_max_dispatch_tokens_per_rank=args.tokens,
-        mode=args.mode,
-        output_dtype=args.dtype,
-        quant=quant,
-        runner=args.runner,
-        expert_alignment=args.expert_alignment,
-    )
+        top_k=preset.top_k if args.top_k is None else args.top_k, num_max_dispatch_tokens_per_rank=args.tokens,
+        mode=args.mode, output_dtype=args.dtype, quant=quant, runner=args.runner,
+        expert_alignment=args.expert_alignment)
     layer = explain(spec, args.backend, args.world_size, strict=args.strict, host=host)
     backend, resolution, buffers = layer.backend, layer.resolution, layer.buffer_size
     wire = layer.spec.wire_format()
@@ -143,7 +136,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
     """``text`` parsed as a JSON object, or an ``InvalidSpecError`` naming ``flag`` (one line, exit 2)."""
     from .._errors import InvalidSpecError
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -166,7 +158,6 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     """The built-in subcommands, then those the plugins of ``host`` (the default one) register."""
     from .._loading import core_version
-
     parser = _Parser(prog="moe-dispatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"moe-dispatch {core_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,7 +172,8 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
                    help=f"wire dtype asked for: auto, {flags.DTYPES} (default auto: the resolution decides)")
     p.add_argument("--quant", default=None, help='quant hints as JSON, e.g. \'{"dispatcher_output_dtype": "int8"}\'')
     p.add_argument("--mode", default="normal", type=flags.mode, help=f"{flags.MODES} (default normal)")
-    p.add_argument("--runner", default=None, help="the expert runner the dtype must suit (moe-dispatch backends lists them)")
+    p.add_argument("--runner", default=None,
+                   help="the expert runner the dtype must suit (moe-dispatch backends lists them)")
     p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS),
                    help="model shape (default deepseek-v3); --hidden/--experts/--top-k override its fields")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
@@ -196,7 +188,6 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_explain)
 
     from .plan import add_plan_command
-
     add_plan_command(sub)
     for name, (command, label) in (host or default_host()).commands().items():
         p = sub.add_parser(name, help=f"{command.help} [{label}]")
@@ -206,7 +197,10 @@ def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, host: PluginHost | None = None) -> int:
+    """The command line on ``host`` (the process's default one when None)."""
+    host = host or default_host()
     args = build_parser(host).parse_args(argv)
+    args.plugin_host = host  # every subcommand asks this host
     try:
         return int(args.func(args))
     except MoEDispatchError as exc:
@@ -221,7 +215,6 @@ def _quiet_stdout() -> None:
     """After a broken pipe, point stdout at /dev/null so the interpreter's final flush does not raise again
     (the recipe in Python's signal documentation)."""
     import os
-
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):  # no real file descriptor (captured output)

@@ -1,6 +1,6 @@
-"""``moe-dispatch plan``: buffer sizes over a grid of models, backends, EP sizes, modes and wire
-dtypes, beside what the same backend asks for a BF16 wire (sglang's fixed ``params_bytes = 2``)
-and whether each fits the backend's limits and the environment."""
+"""``moe-dispatch plan``: buffer sizes over a grid of models, backends, EP sizes, modes and wire dtypes, beside what the
+same backend asks for a BF16 wire (sglang's fixed ``params_bytes = 2``) and whether each fits the backend's limits and
+the environment."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from .._registry import PluginHost, default_host
 from .._spec import DispatchSpec, QuantHints
 from .._wire import DispatchDtype, Mode
 from ..planning import BufferPlan, plan_buffers
+from ..planning import _human as human_bytes
 from . import flags
 from .presets import model_shapes
 
 #: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
 PLAN_JSON_SCHEMA = 1
-#: One model on one node and on eight: a screenful per backend (the whole grid was 391 lines, issue 17).
-#: More with --preset/--ep.
+#: One model on one node and on eight: a screenful per backend (the whole grid is hundreds of lines); more with
+#: --preset/--ep.
 DEFAULT_PRESETS = ("deepseek-v3",)
 DEFAULT_EP_SIZES = (8, 64)
 #: An NVFP4 row needs a global scale to resolve; its value does not change any size.
@@ -94,21 +95,12 @@ class PlanRow:
         }
 
 
-def plan_grid(
-    models: Sequence[ModelShape],
-    backends: Sequence[Backend],
-    world_sizes: Sequence[int],
-    *,
-    modes: Sequence[Mode] | None = None,
-    dtypes: Sequence[DispatchDtype | None] | None = None,
-    tokens: int = 128,
-    env: Mapping[str, str] | None = None,
-    host: PluginHost | None = None,
-) -> list[PlanRow]:
-    """Plan one layer per grid point. ``modes`` None: each backend's modes; ``dtypes`` None:
-    each mode's accepted dtypes. A combination named explicitly that the backend refuses (a
-    mode it lacks, a rejected dtype, an EP size it does not support) becomes a row with the
-    error; a fallback becomes a row with the dtype actually sent."""
+def plan_grid(models: Sequence[ModelShape], backends: Sequence[Backend], world_sizes: Sequence[int], *,
+              modes: Sequence[Mode] | None = None, dtypes: Sequence[DispatchDtype | None] | None = None,
+              tokens: int = 128, env: Mapping[str, str] | None = None, host: PluginHost | None = None) -> list[PlanRow]:
+    """Plan one layer per grid point. ``modes`` None: each backend's modes; ``dtypes`` None: each mode's accepted
+    dtypes. A combination named explicitly that the backend refuses (a mode it lacks, a rejected dtype, an EP size it
+    does not support) becomes a row with the error; a fallback becomes a row with the dtype actually sent."""
     host = host or default_host()
     env = os.environ if env is None else env
     rows: list[PlanRow] = []
@@ -140,11 +132,7 @@ def _plan_row(model: ModelShape, backend: Backend, ep: int, mode: Mode, dtype: D
 
 
 def _human(n: int | None) -> str:
-    if n is None:
-        return "-"
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
+    return "-" if n is None else human_bytes(n)
 
 
 def _dtype_cell(row: PlanRow) -> str:
@@ -176,8 +164,7 @@ def format_plan_table(rows: Sequence[PlanRow]) -> str:
             r.model.name, r.backend, str(r.world_size), r.mode.value, _dtype_cell(r),
             _human(p.dispatch.bytes if p else None), _human(p.combine.bytes if p else None),
             _human(p.total_bytes if p else None), _human(p.bf16_total_bytes if p else None),
-            f"{100 * p.saving_fraction:.1f}%" if p else "-", _fits_cell(r),
-        ))
+            f"{100 * p.saving_fraction:.1f}%" if p else "-", _fits_cell(r)))
     widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(head[:-1])]
     right = {2, 5, 6, 7, 8, 9}  # numbers
 
@@ -244,7 +231,7 @@ def run_plan_command(args: argparse.Namespace, *, host: PluginHost | None = None
                      env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
     """What ``moe-dispatch plan`` runs. ``env`` is the environment planned for (``os.environ``
     when None), overlaid with ``--env``; never written."""
-    host = host or default_host()
+    host = host or getattr(args, "plugin_host", None) or default_host()
     out = out or sys.stdout
     models = _models(args)
     backends = [host.get_backend(name) for name in args.backend] if args.backend else [

@@ -19,8 +19,8 @@ class ModelPreset:
     source: str = ""
 
     def scaled(self, factor: int) -> "ModelPreset":
-        """Hidden, experts and intermediate divided by ``factor`` (hidden kept a multiple
-        of 128, experts of 8, top-k capped by the experts)."""
+        """Hidden, experts and intermediate divided by ``factor`` (hidden kept a multiple of 128, experts of 8, top-k
+        capped by the experts)."""
         hidden = max(128, (self.hidden_size // factor) // 128 * 128)
         experts = max(8, self.num_experts // factor // 8 * 8)
         return ModelPreset(f"{self.name} /{factor}", hidden, experts, min(self.top_k, experts),
@@ -41,9 +41,8 @@ def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise InvalidSpecError(
-            "unknown model preset", parameter="preset", value=name, allowed=", ".join(PRESETS)
-        ) from None
+        raise InvalidSpecError("unknown model preset", parameter="preset", value=name,
+                               allowed=", ".join(PRESETS)) from None
 
 
 def model_shapes(presets: "list[str] | None", default: "list[str]", hidden: int | None, experts: int | None,
