@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -62,7 +63,8 @@ def test_demo_runs_on_local_ranks():
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
                     reason="torchrun is not installed")
-def test_demo_under_torchrun_uses_env_rendezvous():
+def test_demo_under_torchrun_uses_env_rendezvous_and_only_rank_0_reports():
+    """(Across two nodes, the same launcher and rendezvous: tests/test_multinode.py's kit check.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,7 +76,10 @@ def test_demo_under_torchrun_uses_env_rendezvous():
         capture_output=True, text=True, timeout=180, env=env,
     )
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "all cases within tolerance: True" in p.stdout
+    assert "all cases within tolerance: True" in p.stdout and p.stdout.count("all cases within tolerance") == 1
+    assert "2 ranks" in p.stdout
+    rows = [line for line in p.stdout.splitlines() if re.match(r"fp8\s+(normal|low_latency)\s", line)]
+    assert len(rows) == 2 and all(row.endswith("yes") for row in rows), p.stdout
 
 
 # -- one line and exit 2 for every bad flag -------------------------------------------------------------

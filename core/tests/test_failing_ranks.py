@@ -23,7 +23,7 @@ from moe_dispatch_testing.local import RankPool
 from moe_dispatch_testing import outcome
 
 SPEC = dict(hidden_size=128, num_experts=12, top_k=2, num_max_dispatch_tokens_per_rank=16)
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 
 
 def _inputs(rank: int, tokens: int = 8):

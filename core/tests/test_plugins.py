@@ -4,12 +4,12 @@ Fixture plugins are real distributions: a module plus a ``.dist-info`` with META
 ``entry_points.txt`` on ``sys.path``, found by ``importlib.metadata`` like any installed one.
 """
 
+import contextlib
 import importlib
 import io
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -158,10 +158,18 @@ Renamed.install_hint = "pip install frobnicator-runtime"
 
 
 def _cli(site, *args, env_extra=None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **(env_extra or {})}
-    env.pop("MOE_DISPATCH_PLUGINS", None)
-    return subprocess.run([sys.executable, "-m", "moe_dispatch", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    """``moe-dispatch *args`` with ``site`` installed, in this process (its ``main`` on a host of its own, as a
+    fresh process builds one from its environment): exit status, stdout, stderr."""
+    from moe_dispatch.cli import main
+
+    env = {k: v for k, v in {**os.environ, **(env_extra or {})}.items() if k != "MOE_DISPATCH_PLUGINS"}
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(list(args), host=PluginHost(env=env))
+        except SystemExit as exc:  # argparse's own exits (--help, a bad flag)
+            status = exc.code
+    return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
 
 
 def test_backends_command_survives_a_broken_plugin_and_says_what_to_install(site):
