@@ -132,3 +132,31 @@ class StartsShareOneReceive(TorchBackend):
 
         inner.dispatch_start = dispatch_start
         return inner
+
+
+class ReadsCountsOnHost(TorchBackend):
+    """Declares CUDA-graph support for low-latency mode, as the torch backend does, but reads its counts on the host
+    there (to check them against its slots)."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        real = inner.dispatch
+
+        def dispatch(x, ids, w):
+            out = real(x, ids, w)
+            if max(out.expert_counts().tolist(), default=0) > out.hidden_states.shape[-2]:
+                raise RuntimeError("more rows than slots")
+            return out
+
+        inner.dispatch = dispatch
+        return inner
+
+
+class StartsRunWhole(TorchBackend):
+    """Declares split phase in both modes, as the torch backend does, but its starts run each call to its end."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        inner.dispatch_start = lambda x, ids, w: md.Pending.completed(inner.dispatch(x, ids, w))
+        inner.combine_start = lambda y, out: md.Pending.completed(inner.combine(y, out))
+        return inner

@@ -127,3 +127,32 @@ def test_packed_rows_past_the_segments_are_a_plugin_error_in_normal_mode_and_the
     short = dataclasses.replace(out, hidden_states=out.hidden_states[:-1])
     with pytest.raises(md.PluginError, match="group_list"):
         OutputChecks("worst", low_latency, 1, worst_case=True).dispatch(short, check_values=True)
+
+
+@pytest.mark.parametrize("mode,masked", [("low_latency", frozenset()), ("normal", frozenset(md.Mode))],
+                         ids=["masked where packed is declared", "packed where masked is declared"])
+def test_an_output_in_another_layout_than_declared_is_a_plugin_error(mode, masked):
+    backend = _Buggy()
+    backend.capabilities = dataclasses.replace(TorchBackend.capabilities, masked_modes=masked)
+    with pytest.raises(md.PluginError, match="backend 'buggy' broke the contract: .*Capabilities.masked_modes") as info:
+        _run(backend, mode)
+    assert info.value.parameter == "layout"
+
+
+def test_masked_rows_are_never_aligned_and_explain_says_so(capsys):
+    """The torch backend's low-latency rows are MASKED: ``expert_alignment`` does not apply to them, so neither the
+    dispatcher nor ``explain`` may say that the core copies them."""
+    from moe_dispatch.cli import main
+
+    spec = md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=8, mode="low_latency", output_dtype="bf16",
+                           expert_alignment=128)
+    d = md.create_dispatcher("torch", spec, env={})
+    assert (d.alignment.alignment, d.alignment.copies) == (1, False)
+    assert "MASKED rows" in d.alignment.note and "does not apply" in d.alignment.note
+    out = d.dispatch(torch.randn(5, H).to(torch.bfloat16), *random_routing(5, E, K))
+    assert out.layout is md.Layout.MASKED and out.expert_alignment == 1
+    assert main(["explain", "--backend", "torch", "--mode", "low_latency", "--expert-alignment", "128"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("expert rows:"))
+    assert "MASKED rows" in line and "copies" not in line
+    packed = md.create_dispatcher("torch", dataclasses.replace(spec, mode=md.Mode.NORMAL), env={})
+    assert packed.alignment.copies and "copies" in packed.alignment.note  # PACKED rows still get the core's copy

@@ -246,7 +246,7 @@ CASES = [
          invalid_spec, "runner", "'no-such-runner'", "torch"),
     Case("create group without torch.distributed", call(md.create_dispatcher, "torch", spec(H, E, K), object(),
                                                         env={}),
-         invalid_spec, "group", "<object object", "None (one process)"),
+         invalid_spec, "group", "<object object", "None or a dist.ProcessGroup"),
     Case("check_spec experts not divisible by ranks", call(lambda: md.PluginHost.default().get_backend("torch").check_spec(spec(H, E, K), 3)),
          invalid_spec, "num_experts", "=8", "a multiple of the world size (3)"),
     # Dispatcher.dispatch: metadata (always checked)

@@ -99,6 +99,16 @@ def test_demo_under_torchrun_uses_env_rendezvous_and_only_rank_0_reports():
     (["bench", "--hidden", "500", "--experts", "8", "--top-k", "2", "--dtype", "fp8", "--only", "cases"], "hidden_size"),
     (["demo", "--world-size", "3"], "num_experts"),
     (["explain"], "--backend"),
+    (["demo", "--scale", "0"], "--scale"),
+    (["demo", "--scale", "-2"], "--scale"),
+    (["bench", "--plot", "/nonexistent/dir/x.png", "--only", "overhead"], "--plot"),
+    (["bench", "--plot", "x.txt", "--only", "overhead"], "--plot"),
+    (["demo", "--launcher", "torchrun"], "--launcher"),
+    # buffers past the machine's memory: what create_dispatcher refuses, refused before any rank starts
+    (["explain", "--backend", "torch", "--tokens", "100000000"], "num_max_dispatch_tokens_per_rank"),
+    (["demo", "--tokens", "100000000"], "num_max_dispatch_tokens_per_rank"),
+    (["bench", "--tokens", "100000000", "--only", "cases", "--dtype", "bf16", "--mode", "normal"],
+     "num_max_dispatch_tokens_per_rank"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(argv, names, capsys):
     """In process (the command's ``main``; a process each cost 36 s of the suite); the process itself: below."""

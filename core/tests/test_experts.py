@@ -47,10 +47,30 @@ def test_experts_reject_inconsistent_group_lists():
     out = experts.apply_without_routing_weights(weights, rows, None, 1, torch.tensor([1, 1]), torch.bfloat16)
     assert out.shape == (5, H) and bool(out[2:].eq(0).all()) and bool(out[:2].ne(0).any())
     with pytest.raises(md.InvalidInputError) as info:
-        experts.apply_without_routing_weights(weights, rows, None, 1, torch.tensor([5]), torch.bfloat16)
+        experts.apply_without_routing_weights(weights, rows, None, 1, torch.tensor([[2, 3]]), torch.bfloat16)
     assert info.value.parameter == "group_list"
     with pytest.raises(md.InvalidInputError, match="scales"):
         experts.apply_without_routing_weights(weights, rows.to(torch.int8), None, 1, torch.tensor([2, 3]), torch.bfloat16)
     with pytest.raises(md.InvalidInputError) as info:
         experts.apply_without_routing_weights(weights, rows.float(), None, 1, torch.tensor([2, 3]), torch.bfloat16)
     assert info.value.parameter == "hidden_states"
+
+
+def test_weights_not_sliced_to_the_rank_are_named_with_the_slice_to_take():
+    """All 8 experts handed to a rank whose dispatch output has 4 local experts: the layer is at fault, not the group
+    list, and the error says how to slice it."""
+    local = 4
+    spec = md.DispatchSpec(H, local, K, num_max_dispatch_tokens_per_rank=T, output_dtype="bf16")
+    d = md.create_dispatcher("torch", spec, env={})  # one rank: its 4 experts are the group list's 4 entries
+    x = torch.randn(T, H).to(torch.bfloat16)
+    out = d.dispatch(x, *random_routing(T, local, K))
+    whole = random_expert_weights(2 * local, H, I, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(md.InvalidInputError) as info:
+        md.run_experts(md.TorchExperts(), whole, out)
+    assert (info.value.parameter, info.value.value, info.value.allowed) == ("layer.w13_weight", 8, "4 (E_local)")
+    assert "ExpertWeights.slice(rank * 4, 4)" in str(info.value)
+    half = md.ExpertWeights(whole.slice(0, local).w13_weight, whole.w2_weight)  # one of the two left whole
+    with pytest.raises(md.InvalidInputError) as info:
+        md.run_experts(md.TorchExperts(), half, out)
+    assert info.value.parameter == "layer.w2_weight"
+    assert md.run_experts(md.TorchExperts(), whole.slice(0, local), out).shape == (out.hidden_states.shape[0], H)

@@ -285,3 +285,49 @@ def test_the_ranks_take_the_environment_of_the_process_that_made_the_pool(monkey
     on_a_fresh_pool(_environment_seen)  # the fork server exists before the variable does
     monkeypatch.setenv("MOE_DISPATCH_TEST_MARK", "set after the server started")
     assert on_a_fresh_pool(_environment_seen) == [("set after the server started", "lo")] * 2
+
+
+# -- a call that breaks off between its collectives ------------------------------------------------------------------
+
+
+def _breaks_off_after_the_call_check(rank: int, world: int, ranks_that_break: tuple[int, ...]):
+    """``broken``'s dispatch raises on ``ranks_that_break`` after its first collective (the call check with the
+    counts), before the payload's; then ``other``, a dispatcher of the same group, makes the group's next call."""
+    from moe_dispatch_testing.outcomes import Outcome
+
+    broken, other = (md.create_dispatcher("torch", md.DispatchSpec(**SPEC), env={}, timeout_s=TIMEOUT_S)
+                     for _ in range(2))
+    if rank in ranks_that_break:
+        comm, started = broken.backend_dispatcher.comm, []
+        real = comm.all_to_all_start
+
+        def second_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+            started.append(1)
+            if len(started) == 2:
+                raise RuntimeError("bug between the collectives")
+            return real(*args, **kwargs)
+
+        comm.all_to_all_start = second_fails
+    x, ids, w = _inputs(rank)
+    try:
+        first = outcome(lambda: broken.dispatch(x, ids, w))
+    except RuntimeError as exc:
+        first = Outcome(type(exc).__name__, {}, 0.0, str(exc))
+    return first.error, outcome(lambda: other.dispatch(x, ids, w)).error
+
+
+def test_a_rank_that_breaks_off_between_a_calls_collectives_starts_no_other_on_the_group():
+    """Rank 1 leaves a dispatch after its call check; rank 0, waiting in the payload's collective, hears of it and
+    stops. Before, rank 1's next call on the group (another dispatcher's) paired its 32-byte call check with the
+    payload rank 0 had sent: gloo aborted rank 1. Now neither rank starts another collective on the group."""
+    from moe_dispatch_testing import on_a_fresh_pool
+
+    outcomes = on_a_fresh_pool(_breaks_off_after_the_call_check, (1,))
+    assert outcomes == [("PeerFailedError", "CommunicationError"), ("RuntimeError", "CommunicationError")], outcomes
+
+
+def test_ranks_that_all_break_off_at_the_same_point_keep_the_group():
+    """Every rank fails after the same collectives (as a vendor's check on sizes the ranks gathered does): nothing
+    is left unfinished, so the group's other dispatchers go on."""
+    with RankPool(2) as pool:
+        assert pool.map(_breaks_off_after_the_call_check, (0, 1)) == [("RuntimeError", None)] * 2

@@ -20,6 +20,8 @@ MUTANTS = {
     "NoisyCombine": "test_same_inputs_same_bits and 2-normal",
     "TableDisagrees": "test_dtype_validation_table and normal-int8",
     "StartsShareOneReceive": "test_two_micro_batches_overlap and 2-normal",
+    "ReadsCountsOnHost": "test_no_host_sync_in_cuda_graph_modes and 2-low_latency",
+    "StartsRunWhole": "test_split_phase_as_declared and normal",
 }
 
 

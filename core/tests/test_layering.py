@@ -21,15 +21,15 @@ FIRST_DISPATCH_LINES = 4700  # the target is 4,500: docs/design.md "Size" says w
 LAYERS: dict[str, tuple[str, ...]] = {
     # the contract a backend is written against, and the data it carries
     "contract": ("_errors", "_torch_import", "_environ", "_signatures", "_wire", "_spec", "_output", "_streams",
-                 "_pending", "_trail", "_codecs", "_scale_layouts", "_contract", "_hookspecs", "_distributed",
-                 "_distributed.comm", "_distributed.watch", "_distributed.agreement"),
+                 "_pending", "_trail", "_codecs", "_scale_layouts", "_contract", "_hookspecs",
+                 "_distributed", "_distributed.comm", "_distributed.watch", "_distributed.agreement"),
     # the policies: the wire dtype, the input and output checks, the reference experts, the core's aligned copy
     "policy": ("_resolution", "_checks", "_experts", "_alignment"),
     # where backends and runners come from (the built-ins registered like any plugin)
     "registry": ("_loading", "_registry", "_reference", "_reference.builtin", "_reference.exchange",
                  "_reference.receiver", "_reference.slots"),
     # what an engine calls, and the toolbox a plugin imports
-    "runtime": ("_dispatcher", "_create", "planning", "backend", ""),
+    "runtime": ("_dispatcher", "_shared_group", "_create", "planning", "backend", ""),
     # the command line: loaded by the console script only
     "wings": ("__main__", "cli", "cli.main", "cli.plan", "cli.presets", "cli.flags", "cli.explain"),
 }
@@ -127,7 +127,8 @@ def test_a_first_dispatch_loads_what_it_uses():
         "torch.ones(2, 2))\nd.combine(torch.zeros(4, 128, dtype=torch.bfloat16), out)")
     assert lines <= FIRST_DISPATCH_LINES, lines
     unused = {f"moe_dispatch.{m}" for m in ("_distributed.watch", "_distributed.agreement", "_reference.receiver",
-                                            "_streams", "_alignment", "_environ", "backend", "planning")}
+                                            "_streams", "_alignment", "_environ", "_shared_group",
+                                            "backend", "planning")}
     assert sorted(loaded & unused) == []
     assert "moe_dispatch._reference.exchange" in loaded
 

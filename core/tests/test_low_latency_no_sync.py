@@ -7,13 +7,15 @@ of those: the same code on CUDA would stall the stream and could not be captured
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 import moe_dispatch as md
 from moe_dispatch.backend import nvfp4_global_scale
-from moe_dispatch_testing.routing import random_routing
 from moe_dispatch_testing.host_reads import RecordedOps
+from moe_dispatch_testing.routing import random_routing
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in md.DispatchDtype])
@@ -62,3 +64,35 @@ def test_low_latency_moves_exactly_the_capacity(dtype):
     assert d.traffic.payload_bytes == C * spec.wire_format().bytes_per_token
     assert d.traffic.metadata_bytes == C * 8 * k
     assert d.traffic.collectives == 1  # one all-gather, no count exchange
+
+
+def _as_if_in(module: str, fn):
+    """``fn`` as if it were defined in ``module``: its frames name that module."""
+    return types.FunctionType(fn.__code__, {"__name__": module}, fn.__name__)
+
+
+def _kernel(t):
+    return t.tolist()
+
+
+def _call(t, kernel):
+    kernel(t)
+    return t.tolist()
+
+
+def test_the_detector_sees_tolist_and_leaves_the_vendors_calls_out():
+    """``tolist()`` reaches no aten op on CPU and is seen all the same; with ``packages``, a read inside a call into
+    another package (a vendor library, or its fake) is left out, the same read in the code under test is kept, with
+    where it was made; ``leave_out`` drops a module's reads."""
+    vendor, adapter = _as_if_in("some_vendor", _kernel), _as_if_in("my_backend.dispatcher", _call)
+    t = torch.arange(4)
+    with RecordedOps() as everything:
+        adapter(t, vendor)
+    assert [r.op for r in everything.reads] == ["tolist", "tolist"]
+    with RecordedOps(packages={"my_backend"}) as mine:
+        adapter(t, vendor)
+    assert [r.op for r in mine.reads] == ["tolist"]
+    assert mine.reads[0].where.startswith("my_backend.dispatcher:") and mine.reads[0].where.endswith(" in _call")
+    with RecordedOps(packages={"my_backend"}, leave_out={"my_backend.dispatcher"}) as none:
+        adapter(t, vendor)
+    assert none.reads == []

@@ -256,12 +256,13 @@ def test_plan_shows_fallbacks_rejections_and_hccl_fit(host):
     assert "n/a: output_dtype='nvfp4'" in nvfp4_line
 
 
-def test_a_mode_the_backend_lacks_is_a_row_that_says_so(host):
+def test_a_mode_the_backend_lacks_is_a_row_that_says_so_and_the_plan_fails(host):
+    """A grid whose rows cannot be created is not a plan that fits: exit 1, as for a row that does not fit."""
     pytest.importorskip("moe_dispatch_flashinfer_cutedsl")
     rc, text = plan_cli(host, "--preset", "qwen3-30b-a3b", "--backend", "flashinfer_a2a", "--mode", "low_latency",
                         "--ep", "8", "--json")
     (row,) = json.loads(text)["rows"]
-    assert rc == 0 and row["requested_dtype"] == "auto" and row["error"].startswith("mode='low_latency'")
+    assert rc == 1 and row["requested_dtype"] == "auto" and row["error"].startswith("mode='low_latency'")
 
 
 @pytest.mark.parametrize("argv", [["--mode", "sideways"], ["--dtype", "fp16"]])
@@ -276,6 +277,8 @@ def test_plan_refuses_an_unknown_dtype_or_mode_when_it_parses_its_flags(host, ar
     (["--hidden", "0"], md.InvalidSpecError, "--hidden"),
     (["--ep", "0"], md.InvalidSpecError, "--ep"),
     (["--env", "HCCL_BUFFSIZE"], md.InvalidSpecError, "--env"),
+    (["--env", "HCCL_BUFFSIZE=abc"], md.InvalidSpecError, "--env"),
+    (["--env", "HCCL_BUFFSIZE=-5"], md.InvalidSpecError, "--env"),
     (["--preset", "gpt-5"], md.InvalidSpecError, "preset"),
     (["--backend", "no_such_backend"], md.BackendUnavailableError, "backend"),
 ])
@@ -290,7 +293,7 @@ def test_default_grid_covers_every_backend_quickly(host):
     rc, text = plan_cli(host, "--json")
     elapsed = time.perf_counter() - started
     rows = json.loads(text)["rows"]
-    assert rc == (1 if any(r["fits"] is False for r in rows) else 0) and elapsed < 3.0
+    assert rc == (1 if any(r["fits"] is False or r["error"] for r in rows) else 0) and elapsed < 3.0
     assert {r["backend"] for r in rows} == set(host.backend_names())
     assert {r["model"] for r in rows} == {"deepseek-v3"} and {r["ep"] for r in rows} == {8, 64}
     assert len(text.splitlines()) and len(plan_cli(host)[1].splitlines()) < 100  # a screenful or two, not 391 lines
@@ -326,3 +329,14 @@ def test_one_rule_for_a_preset_and_explicit_sizes(host):
     rc, text = plan_cli(host, "--hidden", "1024", "--experts", "32", "--top-k", "2", "--backend", "torch", "--ep", "8",
                         "--mode", "normal", "--dtype", "bf16", "--json")
     assert [r["model"] for r in json.loads(text)["rows"]] == ["H1024/E32/k2"]
+
+
+def test_buffers_past_the_machines_memory_do_not_fit(host):
+    """What create_dispatcher refuses on this machine (buffers larger than the device's whole memory) is a row that
+    does not fit, not "fits: yes"."""
+    rc, text = plan_cli(host, "--backend", "torch", "--tokens", "100000000", "--ep", "8", "--mode", "normal",
+                        "--dtype", "bf16", "--json")
+    (row,) = json.loads(text)["rows"]
+    assert rc == 1 and row["fits"] is False
+    assert [m["parameter"] for m in row["misfits"]] == ["num_max_dispatch_tokens_per_rank"]
+    assert row["misfits"][0]["needed"] > row["misfits"][0]["limit"]

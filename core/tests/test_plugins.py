@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import textwrap
+import warnings
 
 import pytest
 
@@ -203,7 +204,7 @@ def test_backends_json_is_the_documented_schema(site):
                             "reason": None}
     assert set(doc["core"]) == {"version", "api_version"}
     keys = {"name", "distribution", "version", "status", "available", "reason", "install_hint", "description",
-            "capabilities", "error"}
+            "capabilities", "error", "environ_changes"}
     by_name = {b["name"]: b for b in doc["backends"]}
     assert all(set(b) == keys for b in doc["backends"])
     assert by_name["fx_broken_json"]["status"] == "broken" and "ModuleNotFoundError" in by_name["fx_broken_json"]["error"]
@@ -212,6 +213,7 @@ def test_backends_json_is_the_documented_schema(site):
     assert by_name["torch"]["status"] == "available" and by_name["torch"]["capabilities"]["modes"]["normal"]
     plugins = {p["name"]: p for p in doc["plugins"]}
     assert plugins["fx_broken_json"]["ok"] is False and plugins["fx_missing_json"]["distribution"] == "fx-missing-json"
+    assert all(p["environ_changes"] == [] for p in doc["plugins"])
 
 
 def test_trace_variable_traces_the_command(site):
@@ -405,3 +407,92 @@ def test_the_import_deadline_is_checked(value):
     with pytest.raises(md.PluginError) as info:
         PluginHost(load_entry_points=False, import_timeout_s=value)
     assert info.value.parameter == "import_timeout_s"
+
+
+WRITES_AT_IMPORT = '''
+import os
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
+
+MOE_DISPATCH_API = 1
+os.environ["{variable}"] = "1"
+
+class Reads(TorchBackend):
+    name = "{name}"
+    vendor_environment = ("FX_VENDOR_READS_THIS",)
+
+@mdb.hookimpl
+def moe_dispatch_register_backends(register):
+    register(Reads())
+'''
+
+WRITES_IN_PROBE = '''
+import os
+import moe_dispatch.backend as mdb
+from moe_dispatch._reference.builtin import TorchBackend
+
+MOE_DISPATCH_API = 1
+
+class Probes(TorchBackend):
+    name = "{name}"
+
+    def probe(self):
+        os.environ["{variable}"] = "1"
+        return None
+
+@mdb.hookimpl
+def moe_dispatch_register_backends(register):
+    register(Probes())
+'''
+
+
+@pytest.mark.parametrize("variable, steers", [("FX_HARMLESS_SETTING", False), ("SGLANG_DEEPEP_FX", True),
+                                              ("FX_VENDOR_READS_THIS", True)])
+def test_a_plugin_that_changes_the_environment_at_import_is_reported_or_left_out(site, monkeypatch, variable,
+                                                                                  steers):
+    """A change to a variable that steers dispatch (sglang's, or one any backend's vendor reads, whichever plugin
+    loaded first) is put back and leaves the plugin out; any other is kept, warned about and listed."""
+    monkeypatch.delenv(variable, raising=False)
+    module = f"fx_env_writer_{variable.lower()}"  # a module imports once per process
+    make_dist(site, "fx-env-writer", module, WRITES_AT_IMPORT.format(variable=variable, name="fx-env"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        host = PluginHost(env={})
+    record = next(p for p in host.plugins if p.name == module)
+    if steers:
+        assert not record.ok and variable in record.error and variable not in os.environ
+        assert "fx-env" not in host.backend_names()
+    else:
+        assert record.ok and record.environ_changes == (variable,) and os.environ[variable] == "1"
+        assert any(variable in str(w.message) and w.category is RuntimeWarning for w in seen)
+        from moe_dispatch.cli import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["backends"], host=host)
+            main(["backends", "--json"], host=host)
+        text, doc = out.getvalue().split("\n{", 1)
+        assert f"plugin fx-env-writer 1.0: {variable}" in text
+        assert next(p for p in json.loads("{" + doc)["plugins"] if p["name"] == module)["environ_changes"] == [variable]
+    monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.mark.parametrize("variable, steers", [("FX_PROBE_SETTING", False), ("DEEP_NORMAL_MODE_USE_INT8_QUANT", True)])
+def test_a_probe_that_changes_the_environment_is_reported_or_makes_its_backend_unavailable(site, monkeypatch,
+                                                                                           variable, steers):
+    """The mission's first lesson: a write to a variable another backend's vendor reads (ascend_deepep's
+    ``DEEP_NORMAL_MODE_USE_INT8_QUANT``) would steer that backend unseen."""
+    pytest.importorskip("moe_dispatch_ascend_deepep")  # it declares that variable as read by its vendor
+    monkeypatch.delenv(variable, raising=False)
+    make_dist(site, "fx-env-probe", f"fx_env_probe_{variable.lower()}",
+              WRITES_IN_PROBE.format(variable=variable, name="fx-probe"))
+    host = PluginHost(env={})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        info = host.info("fx-probe")
+    if steers:
+        assert info.status == "unavailable" and variable in info.reason and variable not in os.environ
+    else:
+        assert info.status == "available" and info.environ_changes == (variable,)
+        assert any(variable in str(w.message) for w in seen)
+    monkeypatch.delenv(variable, raising=False)

@@ -151,6 +151,33 @@ def test_cli_args_round_trip_into_a_spec():
     assert args.moe_a2a_backend == "torch"
 
 
+def test_the_engine_flags_reach_create_dispatcher_strict_included():
+    """``--moe-a2a-backend`` and ``--dispatch-strict`` are create_dispatcher's (add_cli_args says how): a fallback
+    warns without the flag and is an error with it."""
+    import argparse
+    import warnings
+
+    from moe_dispatch._reference.builtin import TorchBackend
+
+    class FallsBackFromInt8(TorchBackend):
+        capabilities = mdb.Capabilities(dtypes={M.NORMAL: frozenset({D.BF16, D.FP8})},
+                                        fallbacks={(M.NORMAL, D.INT8): mdb.Fallback(D.FP8, "no INT8 kernel")})
+
+    parser = md.add_cli_args(argparse.ArgumentParser())
+    for argv, strict in (([], False), (["--dispatch-strict"], True)):
+        args = parser.parse_args(["--dispatch-output-dtype", "int8", *argv])
+        spec = md.DispatchSpec.from_args(args, hidden_size=128, num_experts=4, top_k=2)
+        backend = FallsBackFromInt8() if args.moe_a2a_backend == "torch" else args.moe_a2a_backend
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if strict:
+                with pytest.raises(md.UnsupportedDtypeError):
+                    md.create_dispatcher(backend, spec, env={}, strict=args.dispatch_strict)
+            else:
+                assert md.create_dispatcher(backend, spec, env={}, strict=args.dispatch_strict).output_dtype is D.FP8
+        assert strict or any(issubclass(w.category, md.DtypeFallbackWarning) for w in seen)
+
+
 class _PerModeWorlds(mdb.Backend):
     """Normal mode on tuned EP sizes only, low latency on any (DeepEP's rule)."""
 

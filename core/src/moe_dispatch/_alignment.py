@@ -37,8 +37,7 @@ def align_rows(out: DispatchOutput, alignment: int) -> DispatchOutput:
     list rebuilt for the aligned layout. One host read: the aligned row count."""
     counts = out.expert_counts().to(torch.int64)
     rows, device = out.hidden_states.shape[0], out.hidden_states.device
-    experts = counts.shape[0]
-    expert = torch.repeat_interleave(torch.arange(experts, device=device), counts, output_size=rows)
+    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts, output_size=rows)
     first = torch.cumsum(counts, 0) - counts  # each expert's first dense row
     dest = group_starts(counts, alignment)[expert] + torch.arange(rows, device=device) - first[expert]
     capacity = int(align_up(counts, alignment).sum())
@@ -62,8 +61,7 @@ def is_core_aligned(out: DispatchOutput) -> bool:
 def _scattered(t: torch.Tensor, dest: torch.Tensor, capacity: int) -> torch.Tensor:
     """Zeros of ``capacity`` rows with ``t``'s rows at ``dest`` (one-byte dtypes moved as bytes: the CPU has no
     float8 index_put). Scales in any layout (DeepEP's TMA column-major ones) come out row-major."""
-    shape = (capacity, *t.shape[1:])
-    target = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    target = torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
     if t.element_size() == 1:
         target.view(torch.uint8)[dest] = t.contiguous().view(torch.uint8)
     else:

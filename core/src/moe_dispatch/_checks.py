@@ -1,9 +1,7 @@
 """The checks on what dispatch and combine are given and what a backend returns: typed errors naming the parameter,
 the value and what is allowed, before any data is touched or collective entered. Each check is written once, as a
-``Rule``; ``Rules`` compiles every test of a call into one expression (the hot path: about half a microsecond,
-metadata only), and runs them one by one only when that fails, for the first failing rule's error. The value checks
-(``check_inputs``) read the data, so by default only on host memory: on an accelerator they would sync every call.
-"""
+``Rule`` (``Rules``: the hot path, about half a microsecond, metadata only). The value checks (``check_inputs``)
+read the data, so by default only on host memory: on an accelerator they would sync every call."""
 
 from __future__ import annotations
 
@@ -217,47 +215,47 @@ def _described(value: object) -> str:
     return type(value).__name__ if value is not None else "None"
 
 
-def _broken(what: str) -> str:
-    return "backend {BACKEND!r} broke the contract: " + what
+def _broken(parameter: str, test: str, what: str, allowed: str, value: str) -> Rule:
+    return Rule(parameter, test, "backend {BACKEND!r} broke the contract: " + what, allowed, value, PluginError)
 
 
 _OUTPUT_RULES = [
-    Rule("dispatch()", "type(out) is DispatchOutput", _broken("its result"), "a moe_dispatch.DispatchOutput",
-         "type(out).__name__", PluginError),
-    Rule("hidden_states", "out.hidden_states.dtype is ELEMENT and out.hidden_states.shape[-1] == COLUMNS",
-         _broken("dispatch() returned these rows"), "a {ELEMENT} tensor [..., {COLUMNS}]",
-         "described(out.hidden_states)", PluginError),
-    Rule("layout", "(out.layout is PACKED and out.hidden_states.dim() == 2) "
-         "or (out.layout is MASKED and out.hidden_states.dim() == 3)",
-         _broken("dispatch() returned {out.layout!r} rows"),
-         "PACKED [rows, cols] or MASKED [local experts, capacity, cols]", "described(out.hidden_states)", PluginError),
-    Rule("group_list", "out.group_list.shape == GROUPS and not out.group_list.is_floating_point() "
-         "and out.group_list_type in (0, 1)", _broken("dispatch() returned this group_list"),
-         "an integer tensor [{GROUPS[0]}] (one entry per local expert), type 0 or 1", "described(out.group_list)",
-         PluginError),
-    Rule("hidden_states", "out.layout is PACKED or out.hidden_states.shape[0] == GROUPS[0]",
-         _broken("dispatch() returned these MASKED rows"), "[{GROUPS[0]}, capacity, {COLUMNS}]",
-         "described(out.hidden_states)", PluginError),
-    Rule("expert_alignment", "out.layout is MASKED or out.expert_alignment == ALIGNMENT",
-         _broken("dispatch() returned PACKED rows at another alignment"),
-         "{ALIGNMENT} (what this dispatcher asks of the backend)", "out.expert_alignment", PluginError),
+    _broken("dispatch()", "type(out) is DispatchOutput", "its result", "a moe_dispatch.DispatchOutput",
+            "type(out).__name__"),
+    _broken("hidden_states", "out.hidden_states.dtype is ELEMENT and out.hidden_states.shape[-1] == COLUMNS",
+            "dispatch() returned these rows", "a {ELEMENT} tensor [..., {COLUMNS}]", "described(out.hidden_states)"),
+    _broken("layout", "out.layout is LAYOUT", "dispatch() returned {out.layout} rows in {MODE} mode, where its "
+            "capabilities declare {LAYOUT} (Capabilities.masked_modes)", "{LAYOUT}", "out.layout"),
+    _broken("layout", "(out.layout is PACKED and out.hidden_states.dim() == 2) "
+            "or (out.layout is MASKED and out.hidden_states.dim() == 3)", "dispatch() returned {out.layout!r} rows",
+            "PACKED [rows, cols] or MASKED [local experts, capacity, cols]", "described(out.hidden_states)"),
+    _broken("group_list", "out.group_list.shape == GROUPS and not out.group_list.is_floating_point() "
+            "and out.group_list_type in (0, 1)", "dispatch() returned this group_list",
+            "an integer tensor [{GROUPS[0]}] (one entry per local expert), type 0 or 1", "described(out.group_list)"),
+    _broken("hidden_states", "out.layout is PACKED or out.hidden_states.shape[0] == GROUPS[0]",
+            "dispatch() returned these MASKED rows", "[{GROUPS[0]}, capacity, {COLUMNS}]",
+            "described(out.hidden_states)"),
+    _broken("expert_alignment", "out.layout is MASKED or out.expert_alignment == ALIGNMENT",
+            "dispatch() returned PACKED rows at another alignment",
+            "{ALIGNMENT} (what this dispatcher asks of the backend)", "out.expert_alignment"),
 ]
 
 
 class OutputChecks:
     """The checks on one dispatcher's backend outputs, so a plugin's bug is a ``PluginError`` naming the backend at
     the call that produced it. ``alignment``: of the backend's PACKED rows; ``worst_case``: its low-latency PACKED
-    rows may run past the segments (``Capabilities.worst_case_rows``). With the value checks, the counts are checked
-    to fit the rows (one device sync)."""
+    rows may run past the segments (``Capabilities.worst_case_rows``); ``masked``: it declares MASKED rows
+    (``masked_modes``). With the value checks, the counts are checked to fit the rows (one device sync)."""
 
     def __init__(self, backend: str, spec: DispatchSpec, world_size: int, alignment: int = 1, *,
-                 worst_case: bool = False) -> None:
+                 worst_case: bool = False, masked: bool = False) -> None:
         self.backend, self.hidden, self.worst_case = backend, spec.hidden_size, worst_case
         dtype = wire_dtype(spec.output_dtype)  # type: ignore[arg-type]  # resolved by now
         self._rules = Rules("out", _OUTPUT_RULES, {
             "BACKEND": backend, "ELEMENT": dtype.element, "COLUMNS": dtype.row_columns(spec.hidden_size),
             "GROUPS": (spec.num_experts // world_size,), "ALIGNMENT": alignment, "PACKED": Layout.PACKED,
-            "MASKED": Layout.MASKED, "DispatchOutput": DispatchOutput, "described": _described})
+            "MASKED": Layout.MASKED, "LAYOUT": Layout.MASKED if masked else Layout.PACKED, "MODE": spec.mode.value,
+            "DispatchOutput": DispatchOutput, "described": _described})
         self._ok = self._rules.all
 
     def dispatch(self, out: object, check_values: bool) -> DispatchOutput:

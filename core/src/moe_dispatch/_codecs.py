@@ -29,8 +29,7 @@ from ._spec import check_global_scale
 from ._wire import FP8_BLOCK, NVFP4_BLOCK, WIRE_DTYPES, DispatchDtype, WireFormat
 
 FP8_MAX = 448.0
-#: DeepEP's ``kFinfoAmaxInvE4M3 = 1 / 448.0f`` (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/utils.cuh): torch
-#: rounds a Python number to the tensor's fp32 before multiplying, so this is that float.
+#: DeepEP's ``kFinfoAmaxInvE4M3 = 1 / 448.0f`` once torch has rounded this Python number to the tensor's fp32.
 FP8_MAX_INV = 1.0 / 448.0
 FP8_AMAX_FLOOR = 1e-4
 INT8_MAX = 127.0
@@ -40,17 +39,15 @@ E2M1_MAX = 6.0
 
 @dataclass(frozen=True)
 class Quantized:
-    """Activations in a wire dtype. ``scale`` is None for BF16; for NVFP4 it holds the e4m3 block scales (the
-    global scale lives on the codec)."""
+    """Activations in a wire dtype. ``scale`` is None for BF16; NVFP4's are e4m3 block scales (global: the codec's)."""
 
     data: torch.Tensor
     scale: torch.Tensor | None
 
 
 class Codec:
-    """Quantizes ``[..., H]`` activations to one wire format and back. A subclass names its format in
-    ``WIRE_DTYPE`` (``make_codec`` picks it by that; ``WIRE_DTYPES`` declares the rest); one whose format has a
-    global scale takes it as its second argument."""
+    """Quantizes ``[..., H]`` activations to one wire format and back. A subclass names its format in ``WIRE_DTYPE``
+    (``make_codec`` picks it by that; ``WIRE_DTYPES`` declares the rest); a global scale, if any, comes second."""
 
     WIRE_DTYPE: ClassVar[DispatchDtype]
 
@@ -157,8 +154,7 @@ def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of ``pack_ue8m0``: int32 ``[..., ceil(G/4)]`` → fp32 ``[..., G]``. Works on column-major
-    (MN-major) views too."""
+    """Inverse of ``pack_ue8m0``: int32 ``[..., ceil(G/4)]`` → fp32 ``[..., G]``; column-major (MN-major) views too."""
     words = -(-groups // 4)
     if packed.dtype != torch.int32 or packed.shape[-1] != words:
         raise InvalidInputError(f"packed UE8M0 scales for {groups} groups need {words} int32 words per row",
@@ -168,8 +164,7 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
 
 def ue8m0_value(exponent: torch.Tensor) -> torch.Tensor:
     """UE8M0 bytes (biased exponents, uint8) → fp32 powers of two, built from the bits so the value is exact on
-    every device (``exp2`` need not be): byte e is 2^(e-127); 0 is 2^-127, a subnormal; 255 is NaN, as in the OCP
-    E8M0 format."""
+    every device (``exp2`` need not be): byte e is 2^(e-127); 0 is 2^-127, a subnormal; 255 is NaN (OCP E8M0)."""
     e = exponent.to(torch.int32)
     value = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23).view(torch.float32)
     return torch.where(e == 255, torch.full_like(value, float("nan")), value)
@@ -202,15 +197,13 @@ class INT8Codec(Codec):
 
 
 class NVFP4Codec(Codec):
-    """Packed e2m1 ``[..., H/2]`` uint8 and e4m3 block scales ``[..., H/16]`` (linear layout), with one fp32 global
-    scale for the whole dispatcher."""
+    """Packed e2m1 ``[..., H/2]`` uint8, e4m3 block scales ``[..., H/16]`` (linear), one fp32 global scale per dispatcher."""
 
     WIRE_DTYPE = DispatchDtype.NVFP4
 
     def __init__(self, wire: WireFormat, global_scale: float) -> None:
         super().__init__(wire)
-        check_global_scale(global_scale)
-        self.global_scale = float(global_scale)
+        self.global_scale = check_global_scale(global_scale)
 
     def quantize(self, x: torch.Tensor) -> Quantized:
         gs = torch.full((), self.global_scale, dtype=torch.float32, device=x.device)

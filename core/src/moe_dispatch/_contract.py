@@ -81,6 +81,8 @@ class Capabilities:
         runs the call to the end at start (``Pending.overlapped`` is False).
     :param expert_alignment: modes whose PACKED rows the backend writes at the spec's ``expert_alignment`` itself
         (gaps zeroed); in the others the core copies them there.
+    :param masked_modes: modes whose dispatch returns MASKED rows; PACKED elsewhere. ``expert_alignment`` does not
+        apply to MASKED rows; the core refuses an output in the other layout (``PluginError`` naming ``layout``).
     :param worst_case_rows: modes (low latency only) whose PACKED rows are the backend's worst case, the same count
         every call, the rows past the experts' segments unspecified (``DispatchOutput``, "Worst-case rows"); such a
         mode writes its own alignment (it is in ``expert_alignment``: the core's copy reads exact rows). Elsewhere
@@ -101,6 +103,7 @@ class Capabilities:
     cuda_graph_modes: frozenset[Mode] = frozenset()
     split_phase: frozenset[Mode] = frozenset()
     expert_alignment: frozenset[Mode] = frozenset()
+    masked_modes: frozenset[Mode] = frozenset()
     worst_case_rows: frozenset[Mode] = frozenset()
     devices: frozenset[str] = frozenset({"cpu"})
     limits: Mapping[Mode, Limits] = field(default_factory=dict)
@@ -139,8 +142,7 @@ class Capabilities:
         return {
             "modes": {m.value: sorted(d.value for d in self.dtypes[m]) for m in self.modes},
             "fallbacks": [{"mode": m.value, "from": d.value, "to": f.to.value, "reason": f.reason}
-                          for (m, d), f in sorted(self.fallbacks.items(), key=lambda kv: (kv[0][0].value,
-                                                                                          kv[0][1].value))],
+                          for (m, d), f in sorted(self.fallbacks.items())],  # str enums: sorted by value
             **{f.name: plain(getattr(self, f.name)) for f in fields(self)[2:]},
         }
 
@@ -188,10 +190,8 @@ class BufferSize:
 
     @property
     def largest_allocation(self) -> int:
-        """The biggest single buffer (what a backend's ``max_buffer_bytes`` limits): the shared one, or the larger of
-        dispatch and combine."""
-        allocated = self.allocated_bytes
-        return allocated if allocated is not None else max(self.dispatch_bytes, self.combine_bytes)
+        """The biggest single buffer (what ``max_buffer_bytes`` limits): the shared one, or dispatch's or combine's."""
+        return max(self.dispatch_bytes, self.combine_bytes) if self.allocated_bytes is None else self.allocated_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {"dispatch_bytes": self.dispatch_bytes, "combine_bytes": self.combine_bytes,
@@ -233,8 +233,7 @@ class DispatchContext:
 
 @runtime_checkable
 class BackendDispatcher(Protocol):
-    """One spec on one group. Holds no state of a call: everything combine needs travels in
-    ``DispatchOutput.handle``."""
+    """One spec on one group. Holds no state of a call: all that combine needs travels in ``DispatchOutput.handle``."""
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> DispatchOutput: ...
@@ -246,9 +245,8 @@ class BackendDispatcher(Protocol):
 class SplitPhaseBackendDispatcher(BackendDispatcher, Protocol):
     """What the dispatcher of a backend with ``capabilities.split_phase`` adds: each call in two halves. ``*_start``
     checks nothing the core has checked, issues the collectives (or the vendor's send kernels) and returns; the
-    ``Pending``'s ``wait()`` receives and finishes. The buffers a started call reads and writes stay its own until
-    its ``wait()`` has returned, even when the engine starts the other micro-batch's calls meanwhile or drops the
-    ``Pending``."""
+    ``Pending``'s ``wait()`` receives and finishes. A started call's buffers stay its own until its ``wait()`` has
+    returned, even when the engine starts the other micro-batch's calls meanwhile or drops the ``Pending``."""
 
     def dispatch_start(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> "Pending[DispatchOutput]": ...
@@ -263,9 +261,8 @@ class FusedBackendDispatcher(BackendDispatcher, Protocol):
     in one call. ``Dispatcher.forward`` runs the core's input checks first and announces a failure to the peers."""
 
     def process_weights(self, weights: Any) -> Any:
-        """The layer object ``fused_forward`` reads, built once at load time from this rank's experts
-        (``ExpertWeights``): the vendor's layouts, or a typed error for a quantization scheme the fused op cannot
-        take."""
+        """The layer object ``fused_forward`` reads, built once at load time from this rank's ``ExpertWeights``: the
+        vendor's layouts, or a typed error for a quantization scheme the fused op cannot take."""
         ...
 
     def fused_forward(self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
@@ -286,6 +283,9 @@ class Backend:
     #: How this backend's buffers sized for a BF16 wire relate to what an engine (sglang) allocates for it;
     #: ``moe-dispatch plan`` prints it under its BF16 column ("": no engine counterpart).
     engine_sizing: str = ""
+    #: The environment variables the vendor library reads (its ``vendor.py`` lists them): a plugin that changes one
+    #: of them at import or in ``probe()`` steers this backend unseen, so the host leaves that plugin out.
+    vendor_environment: tuple[str, ...] = ()
 
     def probe(self) -> str | None:
         """None if the backend can run on this machine, else why not."""
@@ -328,8 +328,7 @@ class Backend:
                                    parameter="top_k", value=spec.top_k, allowed=f"1..{lim.max_top_k}")
 
     def buffer_size(self, spec: DispatchSpec, world_size: int) -> BufferSize:
-        """Bytes needed for ``spec`` (its ``output_dtype`` already resolved) on ``world_size`` ranks, dispatch and
-        combine separately."""
+        """Bytes for ``spec`` (its ``output_dtype`` resolved) on ``world_size`` ranks, dispatch and combine apart."""
         raise NotImplementedError
 
     def env_requirements(self, spec: DispatchSpec, world_size: int) -> tuple["EnvRequirement", ...]:

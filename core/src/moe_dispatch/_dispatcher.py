@@ -11,7 +11,7 @@ import torch
 from ._checks import InputChecks, OutputChecks, not_an_output, runs_value_checks
 from ._contract import Backend, BackendDispatcher, BufferSize, FusedBackendDispatcher, SplitPhaseBackendDispatcher
 from ._distributed.comm import Comm, Traffic
-from ._errors import CapacityError, CommunicationError, InvalidInputError, PluginError
+from ._errors import CallOrderError, CapacityError, CommunicationError, InvalidInputError, PluginError
 from ._output import DispatchOutput
 from ._pending import Pending
 from ._resolution import Resolution
@@ -34,7 +34,7 @@ DEFAULT_IN_FLIGHT = 2
 @dataclass(frozen=True)
 class AlignmentPlan:
     """How a dispatcher delivers ``spec.expert_alignment``: ``native`` (the backend writes it), by a core copy, or
-    not at all (1: dense rows)."""
+    not at all (1: dense rows, or MASKED rows, to which it does not apply)."""
 
     alignment: int
     native: bool
@@ -46,13 +46,17 @@ class AlignmentPlan:
         return self.alignment > 1 and not self.native
 
 
-def plan_alignment(backend: str, native_modes: frozenset[Mode], mode: Mode, alignment: int) -> AlignmentPlan:
+def plan_alignment(backend: Backend, mode: Mode, alignment: int) -> AlignmentPlan:
+    capabilities, name = backend.capabilities, backend.name
+    if mode in capabilities.masked_modes:
+        return AlignmentPlan(1, True, f"backend {name!r} returns MASKED rows in {mode.value} mode: expert_alignment "
+                                      "does not apply")
     if alignment == 1:
         return AlignmentPlan(1, True, "dense PACKED rows (expert_alignment 1)")
-    if mode in native_modes:
-        return AlignmentPlan(alignment, True, f"backend {backend!r} writes each expert's rows at a multiple of "
+    if mode in capabilities.expert_alignment:
+        return AlignmentPlan(alignment, True, f"backend {name!r} writes each expert's rows at a multiple of "
                                               f"{alignment}, the gaps zeroed")
-    return AlignmentPlan(alignment, False, f"backend {backend!r} writes dense rows in {mode.value} mode: the core "
+    return AlignmentPlan(alignment, False, f"backend {name!r} writes dense rows in {mode.value} mode: the core "
                                            f"copies PACKED rows to starts at multiples of {alignment} after dispatch "
                                            "and gathers the expert rows back before combine (one copy each way)")
 
@@ -72,15 +76,15 @@ class Dispatcher:
                  comm: Comm, buffer_size: BufferSize, *, check_inputs: bool | None = None) -> None:
         self.backend, self.spec, self.resolution, self.buffer_size = backend, spec, resolution, buffer_size
         self.check_inputs = check_inputs
-        self._impl, self._comm, self._device = impl, comm, comm.device
-        self._checks = InputChecks(spec, self._device, impl)
+        self._impl, self._comm = impl, comm
+        self._checks = InputChecks(spec, comm.device, impl)
         #: How ``spec.expert_alignment`` is delivered: by the backend, or by a core copy.
-        self.alignment: AlignmentPlan = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode,
-                                                       spec.expert_alignment)
+        self.alignment: AlignmentPlan = plan_alignment(backend, spec.mode, spec.expert_alignment)
         self._copy_alignment = self.alignment.copies
         self._outputs = OutputChecks(backend.name, spec, comm.world_size,
                                      1 if self._copy_alignment else spec.expert_alignment,
-                                     worst_case=spec.mode in backend.capabilities.worst_case_rows)
+                                     worst_case=spec.mode in backend.capabilities.worst_case_rows,
+                                     masked=spec.mode in backend.capabilities.masked_modes)
         # None: unfused; else whether impl has the fused calls. Decided once: a runtime Protocol check reads
         # attributes, too slow for every forward.
         self._fused: bool | None = (isinstance(impl, FusedBackendDispatcher) if backend.capabilities.fused_forward
@@ -212,11 +216,10 @@ class Dispatcher:
         """``dispatch`` in two halves: start now, ``wait()`` for the ``DispatchOutput`` later, and compute something
         else in between (the other micro-batch, shared experts).
 
-        The input checks and their errors are ``dispatch``'s, raised here before anything is sent; what fails later
-        (a peer, the backend's work after the start) is raised by ``wait()``. Every rank starts the same calls in the
-        same order and makes a given call in the same form (started or blocking); waits may come in any order. The
-        inputs are the call's until ``wait()`` returns (a vendor's stream or the reference backends' thread may still
-        read them): do not write into them before then.
+        The input checks and their errors are ``dispatch``'s, raised here before anything is sent; what fails later (a
+        peer, the backend's work after the start) is raised by ``wait()``. Every rank makes a given call in the same
+        form (started or blocking); waits may come in any order. The inputs are the call's until ``wait()`` returns (a
+        vendor's stream or the reference backends' thread may still read them): do not write into them before then.
         """
         if self._split is None:
             return Pending.completed(self.dispatch(hidden_states, topk_ids, topk_weights), _start_mark(hidden_states))
@@ -281,12 +284,13 @@ class Dispatcher:
                               "dispatch_start/combine_start (moe_dispatch.backend.SplitPhaseBackendDispatcher)")
         return self._impl  # type: ignore[return-value]
 
-    def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> bool:
-        """The input checks; whether the value checks ran (the output checks read the counts then)."""
+    def _check_dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        phase: str = "dispatch") -> bool:
+        """The input checks of ``phase``; whether the value checks ran (the output checks read the counts then)."""
         try:
             return self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
         except BaseException as exc:
-            self._failed("dispatch", exc, before=("dispatch", self._dispatches + 1))
+            self._failed(phase, exc, before=(phase, (self._forwards if phase == "forward" else self._dispatches) + 1))
             raise
 
     def _values(self, hidden_states: torch.Tensor) -> bool:
@@ -333,7 +337,11 @@ class Dispatcher:
         if before is None and not isinstance(exc, InvalidInputError):
             self._broken = f"{operation} failed on rank {self.rank}: {type(exc).__name__}: {exc}"
         if self._broken is not None:
-            self._comm.announce_failure(operation, exc)
+            # The call check's mismatch and the checks of a returned output leave no collective unfinished.
+            if isinstance(exc, (CallOrderError, PluginError)):
+                self._comm.announce_failure(operation, exc)
+            else:
+                self._comm.abandon(operation, exc, self._comm.begun_at)
             return
         if before is None and call is None:
             begun = self._comm.watch.call  # the call whose backend refused its inputs
@@ -357,11 +365,7 @@ class Dispatcher:
         kernel's included) is announced to the peers, which stop waiting."""
         if self.fused:
             self._usable("forward")
-            try:
-                self._checks.dispatch(hidden_states, topk_ids, topk_weights, self.check_inputs)
-            except BaseException as exc:
-                self._failed("forward", exc, before=("forward", self._forwards + 1))
-                raise
+            self._check_dispatch(hidden_states, topk_ids, topk_weights, "forward")
             try:
                 self._forwards += 1
                 self._comm.begin("forward", self._forwards)
@@ -396,9 +400,8 @@ class Dispatcher:
 
 
 def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> torch.Tensor:
-    """``experts`` on a dispatch output's rows, bf16 out: what ``Dispatcher.forward`` runs between its calls.
-    ``expert_alignment`` is passed only when the rows are aligned (a kernel that never asks for it needs no such
-    keyword)."""
+    """``experts`` on a dispatch output's rows, bf16 out: what ``Dispatcher.forward`` runs between its calls
+    (``expert_alignment`` is passed only when the rows are aligned: ``ExpertKernel``)."""
     if not isinstance(out, DispatchOutput):
         raise InvalidInputError(not_an_output(out), parameter="out", value=type(out).__name__,
                                 allowed="the DispatchOutput a dispatch returned")

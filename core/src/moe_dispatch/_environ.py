@@ -70,9 +70,7 @@ class _Held:
 
     def leave(self, plan: Mapping[str, Any], joined: list[_Layer], me: int) -> None:
         for name, layer in zip(plan, joined):
-            layer.holders[me] -= 1
-            if not layer.holders[me]:
-                del layer.holders[me]
+            layer.holders -= Counter([me])  # drops ``me`` at zero
             stack = self.layers[name]
             while stack and not stack[-1].holders:  # layers all of whose blocks have ended, top first
                 _put(name, stack.pop().at_start)
@@ -118,15 +116,13 @@ def _put(name: str, value: str | None) -> None:
 @contextmanager
 def restored_environ(values: Mapping[str, str | None] | None = None, *, names: Iterable[str] = ()) -> Iterator[None]:
     """Set ``values`` for the duration of the block (a value of None unsets the variable), then restore every variable
-    named in ``values`` or ``names`` to its value from before the block.
+    named in ``values`` or ``names`` to its value from before the block. Nothing else in the environment is read or
+    changed; a block that disagrees with one running on another thread waits for it (see the module docstring).
 
     :param values: the variables the vendor reads during the block.
     :param names: variables the block may write without setting them here (a vendor constructor's writes, e.g.
         ``vendor.NVSHMEM_WRITTEN`` for DeepEP's V1 ``Buffer``): restored too.
     :raises InvalidSpecError: a name or value ``os.environ`` cannot hold.
-
-    Nothing else in the environment is read or changed; a block that disagrees with one running on another thread
-    waits for it (see the module docstring).
     """
     wanted, touched = _checked(values, names)
     plan = {name: wanted.get(name, _WRITES) for name in touched}

@@ -16,10 +16,8 @@ class MoEDispatchError(Exception):
     def __init__(self, message: str, *, parameter: str | None = None, value: Any = None,
                  allowed: str | None = None) -> None:
         self.parameter, self.value, self.allowed = parameter, value, allowed
-        parts = [message if parameter is None else f"{parameter}={_short(value)}: {message}"]
-        if allowed:
-            parts.append(f"allowed: {allowed}")
-        super().__init__("; ".join(parts))
+        text = message if parameter is None else f"{parameter}={_short(value)}: {message}"
+        super().__init__(f"{text}; allowed: {allowed}" if allowed else text)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         # Keep the attributes across processes; a tensor value travels as its description, not its data (a refused
@@ -63,8 +61,7 @@ class UnsupportedDtypeError(MoEDispatchError):
 
 
 class CapacityError(MoEDispatchError):
-    """A batch or a spec exceeds a capacity: ``num_max_dispatch_tokens_per_rank`` or a backend limit (hidden sizes,
-    top-k, buffer bytes)."""
+    """A batch or a spec exceeds ``num_max_dispatch_tokens_per_rank`` or a backend limit (hidden size, top-k, bytes)."""
 
 
 class BackendUnavailableError(MoEDispatchError):
@@ -85,8 +82,7 @@ class CommunicationError(MoEDispatchError, RuntimeError):
 
 class PeerFailedError(CommunicationError):
     """Another rank of the group raised (bad input on that rank, a bug, a vendor error) while this one waited for it
-    in a collective. ``rank`` is the failed rank, ``reason`` its error message. The process group is unusable
-    afterwards: rebuild it."""
+    in a collective. ``rank`` is the failed rank, ``reason`` its error. The process group is unusable: rebuild it."""
 
     def __init__(self, message: str, *, rank: int, reason: str, operation: str) -> None:
         super().__init__(message)
@@ -108,8 +104,7 @@ class CallOrderError(CommunicationError):
 
 class CollectiveTimeoutError(CommunicationError):
     """A collective did not complete within the dispatcher's ``timeout_s``. ``ranks`` are the ranks that never
-    arrived (stalled or dead) when that could be established, else empty. The process group is unusable afterwards:
-    rebuild it."""
+    arrived (stalled or dead) when that could be established, else empty. The process group is unusable: rebuild it."""
 
     def __init__(self, message: str, *, ranks: tuple[int, ...], operation: str, timeout_s: float) -> None:
         super().__init__(message, parameter="timeout_s", value=timeout_s)

@@ -54,12 +54,9 @@ class ExpertWeights:
 
     def slice(self, first: int, count: int) -> "ExpertWeights":
         """The experts ``first .. first+count-1`` (a rank's share of a global layer)."""
-
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[first : first + count]
-
-        return ExpertWeights(self.w13_weight[first : first + count], self.w2_weight[first : first + count],
-                             cut(self.w13_weight_scale), cut(self.w2_weight_scale))
+        rows = slice(first, first + count)
+        scales = [None if t is None else t[rows] for t in (self.w13_weight_scale, self.w2_weight_scale)]
+        return ExpertWeights(self.w13_weight[rows], self.w2_weight[rows], *scales)
 
 
 def dequantized_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,12 +85,18 @@ class TorchExperts:
         group_list_type: int, group_list: torch.Tensor, output_dtype: torch.dtype, *, global_scale: float | None = None,
         expert_alignment: int = 1,
     ) -> torch.Tensor:
+        if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1:
+            raise InvalidInputError("needs one entry per local expert", parameter="group_list", value=group_list,
+                                    allowed="[E_local]")
+        for name in ("w13_weight", "w2_weight"):  # a layer not sliced to this rank holds all E experts
+            if (held := int(getattr(layer, name).shape[0])) != (local := group_list.shape[0]):
+                raise InvalidInputError(f"holds {held} experts, but the dispatch output has {local} local experts "
+                                        f"(one group-list entry each); give each rank its own experts: "
+                                        f"ExpertWeights.slice(rank * {local}, {local})", parameter=f"layer.{name}",
+                                        value=held, allowed=f"{local} (E_local)")
         w13, w2 = dequantized_weights(layer)
         experts, hidden = w13.shape[0], w13.shape[2]
         x = dequantize_rows(hidden_states, hidden_states_scale, hidden, global_scale)
-        if group_list.shape != (experts,):
-            raise InvalidInputError("needs one entry per local expert", parameter="group_list", value=group_list,
-                                    allowed=f"[{experts}]")
         counts = group_counts(group_list.to(torch.int64), group_list_type, expert_alignment)
         if hidden_states.dim() == 3:  # MASKED [E_local, capacity, H]
             if hidden_states.shape[0] != experts:
@@ -112,8 +115,7 @@ class TorchExperts:
         out = torch.zeros(x.shape[0], hidden, dtype=output_dtype, device=x.device)
         for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
             if n:
-                rows = x[start : start + n]
-                out[start : start + n] = (swiglu(rows @ w13[e].t()) @ w2[e].t()).to(output_dtype)
+                out[start : start + n] = (swiglu(x[start : start + n] @ w13[e].t()) @ w2[e].t()).to(output_dtype)
         return out
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import pluggy
 
@@ -34,17 +34,10 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 #: Mark a plugin's hook implementations. Typed so decorated functions keep their signature.
 hookimpl = cast(Callable[[F], F], pluggy.HookimplMarker(PROJECT))
 
-
-class RegisterBackend(Protocol):
-    def __call__(self, backend: "Backend") -> None: ...
-
-
-class RegisterRunner(Protocol):
-    def __call__(self, runner: "RunnerInfo") -> None: ...
-
-
-class RegisterCommand(Protocol):
-    def __call__(self, command: "Command") -> None: ...
+#: The ``register`` callback each hook gets.
+RegisterBackend = Callable[["Backend"], None]
+RegisterRunner = Callable[["RunnerInfo"], None]
+RegisterCommand = Callable[["Command"], None]
 
 
 @hookspec

@@ -3,6 +3,7 @@ plugin host (``_registry``). A plugin or probe that changes ``MOE_DISPATCH_*`` v
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import math
@@ -14,7 +15,7 @@ from concurrent.futures import Future, TimeoutError
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 
@@ -31,53 +32,62 @@ DEFAULT_PROBE_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class ProbeResult:
     """One ``probe()`` answer: ``reason`` is None when the backend runs here; ``error`` the traceback when it
-    raised; ``timed_out`` when it did not answer within the deadline (its thread is left to finish: a thread
-    cannot be stopped; a registered backend keeps the timeout as its answer for the host's life)."""
+    raised; ``timed_out`` when it did not answer within the deadline (``Prober``)."""
 
     reason: str | None
     seconds: float
     error: str | None = None
     timed_out: bool = False
+    #: The variables ``probe()`` changed and left changed (none of them steers dispatch): reported.
+    environ_changes: tuple[str, ...] = ()
 
 
-#: Variables a plugin may not change: they steer every backend's resolution and the host.
-OWN_VARIABLES = "MOE_DISPATCH_"
+#: Prefixes of the variables that steer every backend (this library's, and the sglang ones the resolution reads): a
+#: plugin may not change them; nor the variables a registered backend's vendor reads (``Backend.vendor_environment``).
+STEERING_PREFIXES = ("MOE_DISPATCH_", "SGLANG_DEEPEP_")
 
 
-def own_environ() -> dict[str, str]:
-    """This library's variables as they are now (``MOE_DISPATCH_*``)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(OWN_VARIABLES)}
+def environ_changes(before: Mapping[str, str]) -> dict[str, str | None]:
+    """The variables set, changed or unset since ``before``, each with its value then (None: unset)."""
+    now = os.environ
+    return {k: before.get(k) for k in sorted({*before, *now}) if before.get(k) != now.get(k)}
 
 
-def undo_environ_changes(before: dict[str, str]) -> list[str]:
-    """Put this library's variables back as in ``before``; the names that had changed. A plugin that sets
-    ``MOE_DISPATCH_OUTPUT_DTYPE`` would otherwise change every other backend's choice."""
-    now = own_environ()
-    changed = sorted(k for k in {*before, *now} if before.get(k) != now.get(k))
-    for key in changed:
-        if key in before:
-            os.environ[key] = before[key]
+def put_back(changes: Mapping[str, str | None]) -> None:
+    """Each variable of ``changes`` back to its value before."""
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            os.environ.pop(key, None)
-    return changed
+            os.environ[name] = value
 
 
-def call_probe(backend: Backend, started: float) -> ProbeResult:
-    before = own_environ()
+def steering(names: Iterable[str], vendor: frozenset[str] = frozenset()) -> list[str]:
+    """The names among ``names`` that steer dispatch: ``STEERING_PREFIXES``, or one a backend's vendor reads."""
+    return [n for n in names if n.startswith(STEERING_PREFIXES) or n in vendor]
+
+
+def call_probe(backend: Backend, started: float, vendor: frozenset[str] = frozenset()) -> ProbeResult:
+    """``backend.probe()``, its answer checked; a change to a steering variable (``steering``, with ``vendor``: the
+    variables the registered backends' vendors read) is put back and makes the backend unavailable, any other
+    change is kept and reported (``ProbeResult.environ_changes``)."""
+    before = dict(os.environ)
     try:
         reason = backend.probe()
     except Exception as exc:  # a probe that raises is a reason, not a crash
         error = "".join(traceback.format_exception(exc)).rstrip()
-        undo_environ_changes(before)
+        put_back(environ_changes(before))
         return ProbeResult(f"probe() raised {type(exc).__name__}: {exc}", time.perf_counter() - started, error)
-    changed = undo_environ_changes(before)
-    if changed:
-        return ProbeResult(f"probe() changed the environment ({', '.join(changed)}; put back): a plugin must not set "
-                           "moe-dispatch's variables", time.perf_counter() - started)
+    changes = environ_changes(before)
+    if steered := steering(changes, vendor):
+        put_back(changes)
+        return ProbeResult(f"probe() changed the environment ({', '.join(steered)}; put back): these variables steer "
+                           "dispatch (moe-dispatch's, sglang's, or read by a backend's vendor), a plugin must not set "
+                           "them", time.perf_counter() - started)
     if reason is not None and not isinstance(reason, str):
         return ProbeResult(f"probe() returned {type(reason).__name__}, not None or a reason (str)",
                            time.perf_counter() - started)
-    return ProbeResult(reason, time.perf_counter() - started)
+    return ProbeResult(reason, time.perf_counter() - started, environ_changes=tuple(changes))
 
 
 def check_probe_timeout(value: object, parameter: str = "probe_timeout_s") -> float:
@@ -97,16 +107,18 @@ class Prober:
     def __init__(self, trace: Callable[[str], None]) -> None:
         self._trace = trace
         self._running: dict[int, tuple[Backend, Future[ProbeResult], float]] = {}
+        #: The variables the registered backends' vendors read (set by the host once every plugin has loaded).
+        self.vendor: frozenset[str] = frozenset()
 
     def run(self, backend: Backend, deadline: float) -> ProbeResult:
         """``backend.probe()`` within ``deadline`` seconds (``math.inf``: on this thread)."""
         if math.isinf(deadline):
-            return call_probe(backend, time.perf_counter())
+            return call_probe(backend, time.perf_counter(), self.vendor)
         entry = self._running.pop(id(backend), None)
         if entry is None or entry[0] is not backend:
             entry = (backend, Future(), time.perf_counter())
-            threading.Thread(target=lambda b, f, t: f.set_result(call_probe(b, t)), args=entry, daemon=True,
-                             name=f"moe-dispatch-probe-{backend.name}").start()
+            threading.Thread(target=lambda b, f, t: f.set_result(call_probe(b, t, self.vendor)), args=entry,
+                             daemon=True, name=f"moe-dispatch-probe-{backend.name}").start()
         try:
             return entry[1].result(deadline)
         except TimeoutError:
@@ -145,6 +157,8 @@ class PluginRecord:
     builtin: bool = False
     error: str | None = None
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+    #: The variables the plugin's import and hooks changed and left changed: reported (none of them steers).
+    environ_changes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -155,8 +169,7 @@ class PluginRecord:
         return f"{dist} {self.version}" if self.version else dist
 
     def failed(self, exc: BaseException) -> "PluginRecord":
-        error = "".join(traceback.format_exception(exc)).rstrip()
-        return PluginRecord(self.name, self.module, self.distribution, self.version, self.builtin, error, exc)
+        return dataclasses.replace(self, error="".join(traceback.format_exception(exc)).rstrip(), exception=exc)
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,8 @@ class LoadedPlugin:
     backends: tuple[Backend, ...] = ()
     runners: tuple[RunnerInfo, ...] = ()
     commands: tuple[Command, ...] = ()
+    #: The variables it changed and left changed, with their values before (put back if a backend's vendor reads one).
+    environ: Mapping[str, str | None] = field(default_factory=dict)
 
 
 def builtin_sources(modules: Iterable[str]) -> list[PluginSource]:
@@ -204,8 +219,7 @@ def entry_point_sources(allow: set[str] | None, trace: Trace) -> tuple[list[Plug
             trace(f"skip {ep.name} ({dist}): not in {ENV_PLUGINS}")
             continue
         sources.append(PluginSource(PluginRecord(ep.name, ep.value, dist, version), ep.load))
-    unmatched = sorted((allow or set()) - seen)
-    return sources, unmatched, sorted(seen - {""})
+    return sources, sorted((allow or set()) - seen), sorted(seen - {""})
 
 
 #: Seconds one plugin's import may take before it is recorded as failed (``import_timeout_s``).
@@ -217,14 +231,13 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
                 import_timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S) -> LoadedPlugin:
     """Import one plugin, check its API version and hook names, and run its registration hooks into lists of its
     own: nothing reaches the host unless it loaded whole, and any failure (even ``SystemExit``) comes back as a
-    record with its error. ``reserved_backends`` are the built-ins' names, which no other plugin may register. The
-    import runs on a daemon thread within ``import_timeout_s`` (``math.inf``: on the calling thread); one that does
-    not finish is a failure, and its thread is left blocked (a thread cannot be stopped)."""
+    record with its error. ``reserved_backends`` are the built-ins' names, which no other plugin may register. An
+    import that does not finish within ``import_timeout_s`` (on a daemon thread; ``math.inf``: on this one) fails."""
     record = source.record
     started = time.perf_counter()
     found = _Registrations(record, reserved_backends)
     module = None
-    before = own_environ()
+    before = dict(os.environ)
     try:
         module = _import_within(source, import_timeout_s)
         _check_api(record, module)
@@ -235,11 +248,11 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
                 if impl.plugin is module:
                     trace(f"call {record.name}.{hook_name}(register)")
                     impl.function(register=getattr(found, hook_name))
-        changed = undo_environ_changes(before)
-        if changed:
-            raise PluginError("the plugin changed moe-dispatch's environment variables while loading (put back); "
-                              "they steer every backend, so a plugin must not set them", parameter="os.environ",
-                              value=changed, allowed="no change to MOE_DISPATCH_* variables")
+        changes = environ_changes(before)
+        if steered := steering(changes):
+            raise PluginError("the plugin changed variables that steer every backend while loading (put back); a "
+                              "plugin must not set them", parameter="os.environ", value=steered,
+                              allowed=f"no change to {', '.join(p + '*' for p in STEERING_PREFIXES)} variables")
         for backend in found.backends:
             if not isinstance(backend.capabilities, Capabilities):  # a property that raises fails the plugin here
                 raise PluginError(f"backend {backend.name!r} has capabilities that are not a Capabilities",
@@ -248,7 +261,7 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
     except BaseException as exc:  # one bad plugin must not stop the others, not even with SystemExit
         if isinstance(exc, KeyboardInterrupt):
             raise
-        undo_environ_changes(before)
+        put_back(environ_changes(before))  # a plugin that did not load leaves nothing behind
         if module is not None and pm.is_registered(module):
             pm.unregister(module)
         trace(f"plugin {record.label()} FAILED: {type(exc).__name__}: {exc}")
@@ -256,7 +269,10 @@ def load_plugin(pm: pluggy.PluginManager, source: PluginSource, trace: Trace, *,
     elapsed = (time.perf_counter() - started) * 1e3
     trace(f"plugin {record.label()} loaded in {elapsed:.1f} ms: backends {[b.name for b in found.backends]}, "
           f"runners {[r.name for r in found.runners]}, commands {[c.name for c in found.commands]}")
-    return LoadedPlugin(record, tuple(found.backends), tuple(found.runners), tuple(found.commands))
+    if changes:
+        trace(f"plugin {record.label()} changed the environment: {', '.join(changes)}")
+    return LoadedPlugin(dataclasses.replace(record, environ_changes=tuple(changes)), tuple(found.backends),
+                        tuple(found.runners), tuple(found.commands), changes)
 
 
 def _import_within(source: PluginSource, timeout_s: float) -> Any:

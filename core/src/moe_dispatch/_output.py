@@ -59,12 +59,6 @@ class DispatchOutput:
     combined: bool = False
     expert_alignment: int = 1
 
-    @property
-    def num_rows(self) -> int:
-        """Row capacity of ``hidden_states`` (PACKED: every row, in low-latency mode the worst case's included)."""
-        shape = self.hidden_states.shape
-        return int(shape[0]) if self.layout is Layout.PACKED else int(shape[0] * shape[1])
-
     def expert_counts(self) -> torch.Tensor:
         """Per-expert valid row counts, whichever group_list type is in use."""
         return group_counts(self.group_list, self.group_list_type, self.expert_alignment)

@@ -2,9 +2,8 @@
 
 Plugins load one at a time (``_loading.load_plugin``); a plugin that failed is recorded with its error and left out,
 and asking for one of its backends by name raises with the original error. The built-ins load first and their
-backend names are theirs alone. A ``probe()`` that hangs past its deadline or raises leaves its backend
-unavailable; a ``create()`` that raises is a ``BackendUnavailableError`` naming the backend (``Selection.create``).
-"""
+backend names are theirs alone. A ``probe()`` that raises or passes its deadline leaves its backend unavailable;
+a ``create()`` that raises is a ``BackendUnavailableError`` naming the backend (``Selection.create``)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import contextlib
 import difflib
 import os
 import sys
+import warnings
 from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
@@ -37,6 +37,8 @@ from ._loading import (
     load_plugin,
     module_sources,
     parse_allow_list,
+    put_back,
+    steering,
 )
 from ._reference import BUILTIN_PLUGINS
 
@@ -59,6 +61,8 @@ class BackendInfo:
     install_hint: str = ""
     description: str = ""
     error: str | None = None
+    #: The variables its ``probe()`` changed and left changed (reported; none of them steers dispatch).
+    environ_changes: tuple[str, ...] = ()
 
     @property
     def available(self) -> bool:
@@ -66,7 +70,7 @@ class BackendInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "available": self.available,
-                "install_hint": self.install_hint or None}
+                "install_hint": self.install_hint or None, "environ_changes": list(self.environ_changes)}
 
 
 class PluginHost:
@@ -113,14 +117,29 @@ class PluginHost:
         if load_entry_points:
             found, self.allow_list_unmatched, self._installed_names = entry_point_sources(allow, self._trace)
             sources += found
-        for source in sources:
-            self._commit(load_plugin(self.pm, source, self._trace, reserved_backends=reserved,
-                                     import_timeout_s=import_timeout_s))
+        loaded = [load_plugin(self.pm, source, self._trace, reserved_backends=reserved,
+                              import_timeout_s=import_timeout_s) for source in sources]
+        # Only now is every backend's vendor known: a plugin that changed a variable one of them reads is left out
+        # (its change put back), whichever loaded first; what other changes remain is reported.
+        backends = [*(b for b, _ in self._backends.values()), *(b for plugin in loaded for b in plugin.backends)]
+        vendor = self._prober.vendor = frozenset(n for backend in backends for n in _vendor_environment(backend))
+        for i in reversed(range(len(loaded))):
+            if steered := steering(loaded[i].environ, vendor):
+                put_back({name: loaded[i].environ[name] for name in steered})
+                self.pm.unregister(name=loaded[i].record.name)
+                loaded[i] = LoadedPlugin(loaded[i].record.failed(PluginError(
+                    "the plugin changed variables a backend's vendor reads while loading (put back): they would "
+                    "steer that backend unseen", parameter="os.environ", value=steered,
+                    allowed="no change to a variable listed in any Backend.vendor_environment")))
+        for plugin in loaded:
+            self._commit(plugin)
+            if plugin.record.ok and plugin.record.environ_changes:
+                warnings.warn(f"moe-dispatch: plugin {plugin.record.label()} changed the environment while loading: "
+                              f"{', '.join(plugin.record.environ_changes)}", RuntimeWarning, stacklevel=2)
 
     @staticmethod
     def default() -> "PluginHost":
-        """The process's shared host, made on first use from ``os.environ``: what ``create_dispatcher`` and
-        ``available_backends`` use when given no host."""
+        """The process's shared host (``default_host``): what ``create_dispatcher`` and ``available_backends`` use."""
         return default_host()
 
     def _commit(self, loaded: LoadedPlugin) -> None:
@@ -152,12 +171,10 @@ class PluginHost:
         name), the runners, its distribution's label, and (``must_run_here``) its probe, which raises
         ``BackendUnavailableError`` with the reason and install hint."""
         backend_obj = self.get_backend(backend) if isinstance(backend, str) else backend
-        if must_run_here:
-            reason = self.probe(backend_obj)
-            if reason is not None:
-                hint = f"; {backend_obj.install_hint}" if backend_obj.install_hint else ""
-                raise BackendUnavailableError(f"cannot run here: {reason}{hint}", parameter="backend",
-                                              value=backend_obj.name)
+        if must_run_here and (reason := self.probe(backend_obj)) is not None:
+            hint = f"; {backend_obj.install_hint}" if backend_obj.install_hint else ""
+            raise BackendUnavailableError(f"cannot run here: {reason}{hint}", parameter="backend",
+                                          value=backend_obj.name)
         return Selection(backend_obj, self.runners(), self.label(backend_obj), self._trace)
 
     def get_backend(self, name: str) -> Backend:
@@ -201,6 +218,9 @@ class PluginHost:
         self._trace(f"probe {backend.name}: {detail} ({result.seconds * 1e3:.1f} ms)")
         if is_registered:
             self._probes[backend.name] = result
+        if result.environ_changes:
+            warnings.warn(f"moe-dispatch: backend {backend.name!r}'s probe() changed the environment: "
+                          f"{', '.join(result.environ_changes)}", RuntimeWarning, stacklevel=2)
         return result
 
     def label(self, backend: Backend) -> str:
@@ -224,7 +244,7 @@ class PluginHost:
         return BackendInfo(name=name, distribution=record.distribution, version=record.version,
                            status="available" if reason is None else "unavailable", reason=reason,
                            capabilities=capabilities, install_hint=backend.install_hint if reason is not None else "",
-                           description=backend.description, error=probed.error)
+                           description=backend.description, error=probed.error, environ_changes=probed.environ_changes)
 
     def allow_list_suggestion(self, name: str) -> str | None:
         """The installed plugin or distribution name nearest to an unmatched ``MOE_DISPATCH_PLUGINS`` entry."""
@@ -233,8 +253,7 @@ class PluginHost:
 
     def available_backends(self, *, probe_timeout_s: float | None = None) -> list[BackendInfo]:
         """Every registered backend, then every plugin that failed to load (as broken). Probes run one after another,
-        each within ``probe_timeout_s`` (None: the host's): this returns within (number of backends) × the deadline
-        whatever the plugins do."""
+        each within ``probe_timeout_s`` (None: the host's): at most backends × deadline, whatever the plugins do."""
         infos = [self.info(name, probe_timeout_s=probe_timeout_s) for name in self.backend_names()]
         for failed in self.failures():
             last = (failed.error or "").strip().splitlines()[-1:] or ["unknown error"]
@@ -246,6 +265,11 @@ class PluginHost:
     def _trace(self, message: str) -> None:
         if self._trace_to is not None:
             print(f"moe-dispatch trace: {message}", file=self._trace_to, flush=True)
+
+
+def _vendor_environment(backend: Backend) -> tuple[str, ...]:
+    names = getattr(backend, "vendor_environment", ())
+    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, (tuple, list, frozenset, set)) else ()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
+import torch
+
 from ._contract import Backend, BufferSize
 from ._errors import CapacityError, InvalidSpecError, UnsupportedDtypeError
 from ._spec import DispatchSpec
@@ -35,15 +37,8 @@ _FALSE = {"", "0", "false", "no", "off"}
 
 def resolve_dtype(spec: DispatchSpec, backend: Backend, *, runners: "Mapping[str, RunnerInfo]",
                   env: Mapping[str, str] | None = None, strict: bool = False) -> Resolution:
-    """Choose the wire dtype for ``spec`` on ``backend`` (the public entry, which also takes a backend's name, is
-    ``moe_dispatch.planning.resolve_output_dtype``).
-
-    :param runners: the known expert-kernel families, by name (a ``PluginHost``'s ``runners()``).
-    :param env: the environment to read (``os.environ`` when None); never written.
-    :param strict: a fallback raises ``UnsupportedDtypeError`` instead of warning.
-    :raises UnsupportedDtypeError: the backend rejects the dtype, or falls back under strict.
-    :raises InvalidSpecError: a bad env value, unknown runner, or a dtype the spec cannot use.
-    """
+    """Choose the wire dtype for ``spec`` on ``backend`` among ``runners`` (a ``PluginHost``'s ``runners()``): the
+    public entry, which also takes a backend's name, and its parameters are ``planning.resolve_output_dtype``'s."""
     env = os.environ if env is None else env
     steps: list[Step] = []
     chosen = _choose(spec, backend, env, runners, steps)
@@ -174,14 +169,15 @@ def _check_usable(spec: DispatchSpec, dtype: DispatchDtype) -> None:
 
 @dataclass(frozen=True)
 class PreparedLayer:
-    """A spec checked against a backend at a world size: its wire dtype with the trail, and its buffers. ``spec``
-    carries the resolved dtype."""
+    """A spec checked against a backend at a world size: its wire dtype (in ``spec``), the trail, and its buffers."""
 
     backend: Backend
     spec: DispatchSpec
     resolution: Resolution
     buffer_size: BufferSize
     world_size: int
+    #: The device the buffers go on, when known: they must fit its whole memory.
+    device: torch.device | None = None
 
     @property
     def buffer_limit(self) -> int | None:
@@ -198,15 +194,41 @@ class PreparedLayer:
                              parameter="num_max_dispatch_tokens_per_rank",
                              value=self.spec.num_max_dispatch_tokens_per_rank)
 
+    def over_memory(self) -> CapacityError | None:
+        """Buffers larger than the device's whole memory cannot be allocated: the error ``create_dispatcher`` raises,
+        instead of an allocator error at the first dispatch (a low-latency capacity of 2**25 tokens)."""
+        total = None if self.device is None else memory_bytes(self.device)
+        need = self.buffer_size.total_bytes
+        if total is None or need <= total:
+            return None
+        return CapacityError(f"the buffers this spec needs ({need:,} bytes on {self.world_size} ranks) exceed the "
+                             f"device's whole memory ({total:,} bytes on {self.device.type})",  # type: ignore[union-attr]
+                             parameter="num_max_dispatch_tokens_per_rank",
+                             value=self.spec.num_max_dispatch_tokens_per_rank,
+                             allowed="a capacity whose buffers fit the device")
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory, where it can be read cheaply (None: unknown)."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[1])
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None
+
 
 def prepare_layer(backend: Backend, spec: DispatchSpec, world_size: int, *, runners: "Mapping[str, RunnerInfo]",
                   env: Mapping[str, str] | None = None, strict: bool = False, enforce_limit: bool = True,
-                  parameter: str = "spec") -> PreparedLayer:
+                  parameter: str = "spec", device: torch.device | None = None) -> PreparedLayer:
     """Check ``spec`` on ``backend`` at ``world_size``, resolve its wire dtype, size its buffers.
 
     :param runners: the known expert-kernel families (``PluginHost.runners()``).
-    :param enforce_limit: raise when the buffers pass ``max_buffer_bytes`` (a planner reports it instead:
-        ``PreparedLayer.over_limit``).
+    :param enforce_limit: raise when the buffers pass ``max_buffer_bytes`` or the memory of ``device`` (a planner
+        reports it instead: ``PreparedLayer.over_limit``, ``over_memory``).
+    :param device: where the buffers go (None: not checked against a memory).
     :param parameter: the name a non-``DispatchSpec`` is reported under.
     :raises InvalidSpecError: / :raises UnsupportedDtypeError: / :raises CapacityError: what ``create_dispatcher``
         raises for this spec, before any collective.
@@ -220,8 +242,8 @@ def prepare_layer(backend: Backend, spec: DispatchSpec, world_size: int, *, runn
     if resolved.wire_format().ue8m0 and not backend.capabilities.fp8_ue8m0:
         raise InvalidSpecError(f"backend {backend.name!r} cannot send FP8 with UE8M0 (power-of-two) scales",
                                parameter="quant.fp8_ue8m0_scales", value=True, allowed="False for this backend")
-    layer = PreparedLayer(backend, resolved, resolution, backend.buffer_size(resolved, world_size), world_size)
-    error = layer.over_limit() if enforce_limit else None
+    layer = PreparedLayer(backend, resolved, resolution, backend.buffer_size(resolved, world_size), world_size, device)
+    error = (layer.over_limit() or layer.over_memory()) if enforce_limit else None
     if error is not None:
         raise error
     return layer

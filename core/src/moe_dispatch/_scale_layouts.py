@@ -34,9 +34,8 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
                                 allowed="float8_e4m3fn or uint8 [..., M, K]")
     *lead, m, k = scales.shape
     mp, kp = swizzled_shape(m, k)
-    raw = scales.view(torch.uint8)
     padded = torch.zeros(*lead, mp, kp, dtype=torch.uint8, device=scales.device)
-    padded[..., :m, :k] = raw
+    padded[..., :m, :k] = scales.view(torch.uint8)
     tiles = padded.reshape(*lead, mp // ROW_TILE, 4, 32, kp // COL_TILE, COL_TILE)
     n = len(lead)
     # (m_tile, inner_m, outer, k_tile, inner_k) → (m_tile, k_tile, outer, inner_m, inner_k)

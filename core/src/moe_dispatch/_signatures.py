@@ -57,8 +57,7 @@ def _parse(text: str) -> tuple[Param, ...]:
         body = body[body.index("("):]
     if "->" in body:  # a return annotation
         body = body[: body.rindex("->")].rstrip()
-    tree = ast.parse(f"def _f{body}: pass")
-    fn = tree.body[0]
+    fn = ast.parse(f"def _f{body}: pass").body[0]
     assert isinstance(fn, ast.FunctionDef)
     return _params_from_ast(fn.args)
 

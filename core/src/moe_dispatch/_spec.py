@@ -8,6 +8,8 @@ import dataclasses
 import difflib
 import enum
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -22,25 +24,23 @@ MAX_EXPERT_ALIGNMENT = 1024
 
 
 def check_global_scale(global_scale: object, parameter: str = "quant.input_global_scale") -> float:
-    """NVFP4's global scale as one positive finite float: a Python or numpy number, or a 0-dim or 1-element tensor
-    (as sglang passes it; read once, here, at creation)."""
-    allowed = "a positive finite float, or a 1-element tensor (FlashInfer's convention: 448*6/amax)"
+    """NVFP4's global scale as one positive finite float: a Python or numpy real number, or a 1-element floating-point
+    tensor or numpy array on the CPU, read once, here, at creation (a tensor on a device is the engine's to read, with
+    ``float(t)``, where a sync is safe)."""
+    allowed = "a positive finite float (448*6/amax), or a 1-element floating-point tensor on the CPU"
     value = global_scale
-    if isinstance(value, torch.Tensor) or (
-            not isinstance(value, type) and hasattr(value, "item") and hasattr(value, "shape")):  # or numpy array
-        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
-        if size != 1:
-            raise InvalidSpecError("NVFP4 needs one scalar global scale for the whole dispatch", parameter=parameter,
-                                   value=value, allowed=allowed)
+    if getattr(getattr(value, "dtype", None), "kind", "") == "f" and getattr(value, "size", 0) == 1:
+        value = value.item()  # a numpy float scalar or array of one element
+    if isinstance(value, torch.Tensor):
+        why = (f"is on {value.device}, not the CPU" if value.device.type != "cpu" else
+               "NVFP4 needs one scalar global scale for the whole dispatch" if value.numel() != 1 else
+               f"must be a floating-point tensor, not {value.dtype}" if not value.is_floating_point() else "")
+        if why:
+            raise InvalidSpecError(why, parameter=parameter, value=global_scale, allowed=allowed)
         value = value.item()
-    elif hasattr(value, "item") and not isinstance(value, (str, bytes, type)):  # a numpy scalar
-        try:
-            value = value.item()
-        except (TypeError, ValueError):
-            pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidSpecError(f"must be a number, not {type(value).__name__}", parameter=parameter, value=value,
-                               allowed=allowed)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidSpecError(f"must be a number, not {type(value).__name__}", parameter=parameter,
+                               value=global_scale, allowed=allowed)
     try:
         scale = float(value)
     except OverflowError:
@@ -54,9 +54,18 @@ def check_global_scale(global_scale: object, parameter: str = "quant.input_globa
     return scale
 
 
+def as_int(name: str, value: object, allowed: str, what: str = "must be an int") -> int:
+    """An int or what ``operator.index`` takes (numpy integers), as an int; never a bool, a float or a tensor."""
+    if not isinstance(value, (bool, torch.Tensor)):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - any other kind is refused below
+            pass
+    raise InvalidSpecError(f"{what}, not {type(value).__name__}", parameter=name, value=value, allowed=allowed)
+
+
 def plain(value: Any) -> Any:
-    """JSON-ready: a dataclass as a dict of its fields (a new field is included by construction), enums by value,
-    sets sorted, mappings sorted by key."""
+    """JSON-ready: a dataclass as a dict of all its fields, enums by value, sets sorted, mappings sorted by key."""
     if dataclasses.is_dataclass(value):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
@@ -88,16 +97,14 @@ class QuantHints:
         object.__setattr__(self, "dispatcher_output_dtype",
                            DispatchDtype.parse(self.dispatcher_output_dtype, "quant.dispatcher_output_dtype"))
         if self.input_global_scale is not None:
-            object.__setattr__(self, "input_global_scale",
-                               check_global_scale(self.input_global_scale, "quant.input_global_scale"))
+            object.__setattr__(self, "input_global_scale", check_global_scale(self.input_global_scale))
         if not isinstance(self.fp8_ue8m0_scales, bool):
             raise InvalidSpecError("must be a bool", parameter="quant.fp8_ue8m0_scales", value=self.fp8_ue8m0_scales,
                                    allowed="True, False")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "QuantHints":
-        """Build from the dict an engine's quant method used to hand over; an unknown key is an error with the nearest
-        known key suggested."""
+        """Build from the dict an engine's quant method used to hand over; an unknown key's error names the nearest."""
         known = [f.name for f in fields(cls)]
         for key in data:
             if key not in known:
@@ -112,9 +119,9 @@ class QuantHints:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if (number := as_int(name, value, "1, 2, 3, ...", "must be a positive int")) <= 0:
         raise InvalidSpecError("must be a positive int", parameter=name, value=value, allowed="1, 2, 3, ...")
-    return value
+    return number
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,7 @@ class DispatchSpec:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "num_max_dispatch_tokens_per_rank"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         if self.top_k > self.num_experts:
             raise InvalidSpecError("top_k cannot exceed the number of experts", parameter="top_k", value=self.top_k,
                                    allowed=f"1..num_experts ({self.num_experts})")
@@ -166,15 +173,16 @@ class DispatchSpec:
             raise InvalidSpecError("must be a non-empty str or None", parameter="runner", value=self.runner,
                                    allowed="None, or an expert-kernel family name such as 'torch', 'deep_gemm', "
                                            "'npu_w8a8'")
-        if isinstance(self.group_list_type, bool) or self.group_list_type not in (0, 1):
+        kinds = "0 (cumulative offsets), 1 (per-expert counts)"
+        object.__setattr__(self, "group_list_type", as_int("group_list_type", self.group_list_type, kinds))
+        if self.group_list_type not in (0, 1):
             raise InvalidSpecError("unknown group_list_type", parameter="group_list_type", value=self.group_list_type,
-                                   allowed="0 (cumulative offsets), 1 (per-expert counts)")
-        if (isinstance(self.expert_alignment, bool) or not isinstance(self.expert_alignment, int)
-                or not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT):
+                                   allowed=kinds)
+        rows = f"an int in 1..{MAX_EXPERT_ALIGNMENT} (1: dense; DeepGEMM's contiguous layout: 128)"
+        object.__setattr__(self, "expert_alignment", as_int("expert_alignment", self.expert_alignment, rows))
+        if not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT:
             raise InvalidSpecError("must be the row multiple each local expert's rows start at",
-                                   parameter="expert_alignment", value=self.expert_alignment,
-                                   allowed=f"an int in 1..{MAX_EXPERT_ALIGNMENT} (1: dense; DeepGEMM's contiguous "
-                                           "layout: 128)")
+                                   parameter="expert_alignment", value=self.expert_alignment, allowed=rows)
 
     def with_dtype(self, dtype: DispatchDtype) -> "DispatchSpec":
         """The same spec with a concrete wire dtype (what backends size buffers for)."""
@@ -213,7 +221,8 @@ class DispatchSpec:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags for expert-parallel dispatch to ``parser``."""
+    """Add the engine flags for expert-parallel dispatch to ``parser``. ``DispatchSpec.from_args`` reads the spec's;
+    the other two are ``create_dispatcher(args.moe_a2a_backend, spec, strict=args.dispatch_strict)``'s."""
     group = parser.add_argument_group("MoE dispatch (moe-dispatch)")
     group.add_argument("--moe-a2a-backend", default="torch", help="dispatch backend name (see `moe-dispatch backends`)")
     group.add_argument("--dispatch-output-dtype", default="auto", choices=["auto", *(d.value for d in DispatchDtype)],

@@ -22,9 +22,8 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StartMark:
-    """Where a call's start half ended: its stream, an event recorded there at that point, and whether that stream
-    was being captured into a CUDA graph then (a captured event can only be waited inside the same capture, an eager
-    one only outside any)."""
+    """Where a call's start half ended: its stream, an event recorded there then, and whether that stream was being
+    captured into a CUDA graph (a captured event can only be waited inside the same capture, an eager one outside)."""
 
     stream: Any  # torch.cuda.Stream
     event: Any  # torch.cuda.Event
@@ -38,9 +37,7 @@ def start_mark(t: torch.Tensor) -> StartMark | None:
     if not t.is_cuda:
         return None
     stream = torch.cuda.current_stream(t.device)
-    event = torch.cuda.Event()
-    event.record(stream)
-    return StartMark(stream, event, torch.cuda.is_current_stream_capturing())
+    return StartMark(stream, stream.record_event(), torch.cuda.is_current_stream_capturing())
 
 
 def hand_over(mark: StartMark | None, tensors: Iterable[torch.Tensor | None] = ()) -> None:
@@ -82,9 +79,8 @@ def handed_over(finish: Callable[[], T], mark: StartMark | None) -> Callable[[],
 
 
 def keep_on_current(tensors: Iterable[torch.Tensor | None]) -> None:
-    """Record tensors made earlier (a dispatch's handle) on the current stream, which is about to read them (a
-    combine on another stream than its dispatch): their memory is then not reused before that read. A no-op on the
-    stream they were made on, and off CUDA."""
+    """Record tensors made earlier (a dispatch's handle) on the current stream, about to read them (a combine on
+    another stream than its dispatch), so their memory is not reused first. A no-op on their own stream and off CUDA."""
     current = None
     for t in tensors:
         if t is not None and t.is_cuda:

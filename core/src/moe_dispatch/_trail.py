@@ -1,6 +1,5 @@
-"""The record of a wire-dtype choice (``Resolution``): every source consulted and what became of it.
-``Dispatcher.resolution`` shows it, ``DispatchContext.resolution`` carries it to a backend; ``_resolution`` writes
-it."""
+"""The record of a wire-dtype choice (``Resolution``, written by ``_resolution``): every source consulted and what
+became of it. ``Dispatcher.resolution`` shows it, ``DispatchContext.resolution`` carries it to a backend."""
 
 from __future__ import annotations
 

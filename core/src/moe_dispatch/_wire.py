@@ -15,7 +15,12 @@ import torch
 from ._errors import InvalidSpecError
 
 
-class DispatchDtype(str, enum.Enum):
+class _ValueEnum(str, enum.Enum):
+    def __str__(self) -> str:
+        return self.value
+
+
+class DispatchDtype(_ValueEnum):
     """What the activations are when they cross the wire to the experts."""
 
     BF16 = "bf16"
@@ -31,17 +36,13 @@ class DispatchDtype(str, enum.Enum):
         text = str(value).strip().lower()
         if text == "auto":
             return None
-        for member in cls:
-            if member.value == text:
-                return member
+        if text in {m.value for m in cls}:
+            return cls(text)
         raise InvalidSpecError("unknown dispatch dtype", parameter=parameter, value=value,
                                allowed="auto, " + ", ".join(m.value for m in cls))
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Mode(str, enum.Enum):
+class Mode(_ValueEnum):
     """Normal mode sizes exchanges from the batch (one host sync); low-latency mode uses fixed capacity slots, needs
     no host sync and can be captured in a CUDA graph."""
 
@@ -53,26 +54,19 @@ class Mode(str, enum.Enum):
         if isinstance(value, Mode):
             return value
         text = str(value).strip().lower().replace("-", "_")
-        for member in cls:
-            if member.value == text:
-                return member
+        if text in {m.value for m in cls}:
+            return cls(text)
         raise InvalidSpecError("unknown dispatch mode", parameter=parameter, value=value,
                                allowed="normal, low_latency")
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Layout(str, enum.Enum):
+class Layout(_ValueEnum):
     """PACKED: ``[rows, H]``, rows per (token, local expert) grouped by expert. MASKED:
     ``[E_local, capacity * world_size, H]``; expert ``e`` has ``group_list``-many valid rows at the front, the rest
     is padding."""
 
     PACKED = "packed"
     MASKED = "masked"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -140,8 +134,7 @@ NVFP4_BLOCK = wire_dtype(DispatchDtype.NVFP4).scale_group  # elements per e4m3 b
 class WireFormat:
     """Bytes per token for ``dtype`` at hidden size ``hidden``: BF16 = 2H; FP8 = H + 4·H/128 (UE8M0 scales:
     H + H/128); INT8 = H + 4; NVFP4 = H/2 + H/16. The NVFP4 global scale is a per-dispatcher constant from the quant
-    hints, known to every rank, so it does not travel per token.
-    """
+    hints, known to every rank, so it does not travel per token."""
 
     dtype: DispatchDtype
     hidden: int

@@ -61,8 +61,7 @@ from ._wire import WireFormat, wire_dtype
 
 def row_experts(counts: torch.Tensor, expert_alignment: int, rows: int) -> torch.Tensor:
     """int64 ``[rows]``: the local expert each PACKED row belongs to, -1 for padding rows (device ops only, no host
-    sync). A zero-count expert shares its start with the next one: the last expert starting at or before a row owns
-    it."""
+    sync). A zero-count expert shares its start with the next: the last expert starting at or before a row owns it."""
     counts = counts.to(torch.int64)
     starts = group_starts(counts, expert_alignment)
     index = torch.arange(rows, device=counts.device)
@@ -91,10 +90,7 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     group ``4i`` in the low byte (DeepGEMM's SM100 scale format, which DeepEP's low-latency dispatch emits with
     ``use_ue8m0``; ``unpack_ue8m0`` is the inverse). Missing groups in the last word are zero."""
     exponent = (torch.frexp(scale.float()).exponent - 1 + 127).clamp(0, 254).to(torch.uint8)
-    pad = -exponent.shape[-1] % 4
-    if pad:
-        exponent = torch.nn.functional.pad(exponent, (0, pad))
-    return from_bytes(exponent, torch.int32)
+    return from_bytes(torch.nn.functional.pad(exponent, (0, -exponent.shape[-1] % 4)), torch.int32)
 
 
 def nvfp4_global_scale(amax: float) -> float:
@@ -109,8 +105,7 @@ def quantize_weights_w8a8(weights: ExpertWeights) -> ExpertWeights:
         scale = w.float().abs().amax(dim=-1).clamp_min(1e-10) / 127.0
         return torch.round(w.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), scale
 
-    w13, s13 = q(weights.w13_weight)
-    w2, s2 = q(weights.w2_weight)
+    (w13, s13), (w2, s2) = q(weights.w13_weight), q(weights.w2_weight)
     return ExpertWeights(w13, w2, s13, s2)
 
 

@@ -15,10 +15,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+
 from ._contract import Backend, BufferSize, EnvRequirement, RunnerInfo
 from ._errors import CapacityError, InvalidSpecError
 from ._registry import PluginHost, default_host
-from ._resolution import PreparedLayer, prepare_layer, resolve_dtype
+from ._resolution import PreparedLayer, memory_bytes, prepare_layer, resolve_dtype
 from ._spec import DispatchSpec
 from ._trail import DtypeFallbackWarning, Resolution
 from ._wire import DispatchDtype
@@ -141,9 +143,7 @@ class BufferPlan:
     def total_bytes(self) -> int:
         """Bytes to allocate once for every layer: a shared buffer is as large as the largest layer's; separate buffers
         need the dispatch peak plus the combine peak, which may come from different layers."""
-        if self.shared:
-            return self.allocated.bytes
-        return self.dispatch.bytes + self.combine.bytes
+        return self.allocated.bytes if self.shared else self.dispatch.bytes + self.combine.bytes
 
     @property
     def bf16_total_bytes(self) -> int:
@@ -247,20 +247,27 @@ def _misfits(backend: Backend, layers: Sequence[LayerBuffers], world_size: int,
         if key not in worst or misfit.needed > worst[key].needed:
             worst[key] = misfit
 
+    device = device_here(backend)
+    memory = None if device is None else memory_bytes(device)
     for layer in layers:
         mode = layer.spec.mode
         limit = backend.capabilities.limits_for(mode).max_buffer_bytes
         need = layer.largest_allocation
         if limit is not None and need > limit:
             keep(("max_buffer_bytes", mode.value), _over_limit(backend, layer, world_size, need, limit))
+        if memory is not None and layer.size.total_bytes > memory:  # what create_dispatcher refuses on this machine
+            total, t = layer.size.total_bytes, layer.spec.num_max_dispatch_tokens_per_rank
+            keep(("memory", ""), Misfit(
+                "num_max_dispatch_tokens_per_rank", t, "a capacity whose buffers fit the device", total, memory,
+                "bytes", layer.name, f"{layer.name} needs {total:,} buffer bytes, more than the {device.type} "  # type: ignore[union-attr]
+                f"memory of this machine ({memory:,}); lower --num-max-dispatch-tokens-per-rank",
+                f"needs {_human(total)} of {device.type} memory, have {_human(memory)}"))  # type: ignore[union-attr]
         for req in backend.env_requirements(layer.spec, world_size):
             have = _env_int(env, req)
             if have is not None and have >= req.minimum:
                 continue
-            if have is None:
-                where = "unset, no default"
-            else:
-                where = f"have {have}" + ("" if req.variable in env else " (the default)")
+            where = "unset, no default" if have is None else (
+                f"have {have}" + ("" if req.variable in env else " (the default)"))
             why = f" ({req.reason})" if req.reason else ""
             keep(("env", req.variable), Misfit(
                 req.variable, have, f">= {req.minimum}", req.minimum, have or 0, req.unit, layer.name,
@@ -300,11 +307,19 @@ def _env_int(env: Mapping[str, str], req: EnvRequirement) -> int | None:
     raw = env.get(req.variable)
     if raw is None:
         return req.default
-    try:
-        return int(raw)
-    except ValueError:
+    if not (raw.strip().isascii() and raw.strip().isdigit()):
         raise InvalidSpecError(f"is not a whole number of {req.unit}", parameter=req.variable, value=raw,
-                               allowed=f"an integer >= {req.minimum}") from None
+                               allowed=f"an integer >= {req.minimum}")
+    return int(raw)
+
+
+def device_here(backend: Backend) -> torch.device | None:
+    """The device ``backend`` would run on in this process, for a check made without a process group (explain,
+    plan): CUDA where it supports it and one is here, else the CPU where it supports that (None: neither)."""
+    devices = backend.capabilities.devices
+    if "cuda" in devices and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu") if "cpu" in devices else None
 
 
 def _human(n: int) -> str:

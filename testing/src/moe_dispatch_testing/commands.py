@@ -22,7 +22,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=flags.positive_int, default=4, help="local ranks (default 4)")
     p.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS),
                    help="model shape (default qwen3-30b-a3b), scaled down for a CPU (--scale)")
-    p.add_argument("--scale", type=int, default=None, help="divide the preset's sizes by this (default per preset)")
+    p.add_argument("--scale", type=flags.positive_int, default=None,
+                   help="divide the preset's sizes by this (default per preset; 1: full size)")
     p.add_argument("--tokens", type=flags.positive_int, default=64, help="tokens per rank (default 64)")
     p.add_argument("--backend", default="torch", help="the backend to run (default torch)")
     p.add_argument("--dtype", action="append", type=flags.dtype,
@@ -45,10 +46,26 @@ def _demo(args: argparse.Namespace) -> int:
     dtypes = [md.DispatchDtype.parse(d) for d in args.dtype] if args.dtype else None
     modes = [md.Mode.parse(m) for m in args.mode] if args.mode else None
     if args.launcher == "torchrun":
+        _require_torchrun()
         return run_torchrun(preset, args.tokens, args.backend, dtypes, modes)
     results = run_demo(preset, world_size=args.world_size, tokens_per_rank=args.tokens, dtypes=dtypes, modes=modes,
                        backend=args.backend)
     return 0 if all(r.ok for r in results) else 1
+
+
+#: What torchrun sets for every worker (env:// rendezvous).
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _require_torchrun() -> None:
+    import os
+
+    missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise md.InvalidSpecError(f"this process is not a torchrun worker ({', '.join(missing)} not set)",
+                                  parameter="--launcher", value="torchrun",
+                                  allowed="torchrun: torchrun --nproc-per-node N -m moe_dispatch demo --launcher torchrun;"
+                                          " or --launcher local")
 
 
 @hookimpl

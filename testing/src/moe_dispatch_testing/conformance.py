@@ -502,8 +502,8 @@ class BackendConformance:
     def test_two_micro_batches_overlap(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
         """Two micro-batches in split phase, interleaved as an engine's two-batch overlap runs
         them (``dispatch_start`` both, ``wait`` one, its experts, ``combine_start``, the other, the
-        combines received in reverse), give the bits of blocking calls; ``Pending.overlapped``
-        matches ``Dispatcher.split_phase``; a combine started twice is refused.
+        combines received in reverse), give the bits of blocking calls; a combine started twice is
+        refused.
 
         Troubleshooting: a backend that declares ``capabilities.split_phase`` implements
         ``dispatch_start``/``combine_start`` (``SplitPhaseBackendDispatcher``) and keeps each
@@ -518,6 +518,62 @@ class BackendConformance:
         case = self._case(world_size, m, self._accepted(m)[0],
                           standard_routings(world_size, self._shape(m).tokens_per_rank)[1], seed=13)
         _run_on_ranks(moe_rank_pools, world_size, ranks.check_overlap, case)
+
+    @pytest.mark.parametrize("mode", _MODES)
+    def test_split_phase_as_declared(self, moe_rank_pools: Any, mode: str) -> None:
+        """``Dispatcher.split_phase`` says what ``capabilities.split_phase`` declares for the mode. In a
+        declared mode, on more than one rank, ``dispatch_start`` and ``combine_start`` return while the
+        data is on its way (``Pending.overlapped`` True); in another mode the core runs each call to its
+        end at the start (False). Either way the started calls give the blocking calls' counts and bits.
+
+        Troubleshooting: a mode in ``split_phase`` needs a dispatcher with ``dispatch_start``/
+        ``combine_start`` (``SplitPhaseBackendDispatcher``) that start the exchange and return, leaving
+        the receive to ``wait()``. ``Pending(finish, overlapped=False)`` is for a call the vendor cannot
+        split in some state (CUDA-graph capture); a backend that runs calls whole in the kit's setting
+        (local gloo ranks, no capture) leaves the mode out of ``split_phase``, or overrides this test
+        with ``xfail(reason=...)`` saying why.
+        """
+        m = Mode.parse(mode)
+        self._require_mode(m)
+        self._require_runnable()
+        multi = [w for w in self.world_sizes if w > 1 and self._runs_on(m, w)]
+        if not multi:
+            pytest.skip(f"none of {type(self).__name__}.world_sizes {self.world_sizes} above 1 runs {m.value} mode")
+        world = 2 if 2 in multi else min(multi)
+        case = self._case(world, m, self._accepted(m)[0], standard_routings(world, self._shape(m).tokens_per_rank)[1],
+                          seed=17)
+        _run_on_ranks(moe_rank_pools, world, ranks.check_split_phase, case)
+
+    @pytest.mark.parametrize("mode", _MODES)
+    @pytest.mark.parametrize("world_size", WORLD_SIZES)
+    def test_no_host_sync_in_cuda_graph_modes(self, moe_rank_pools: Any, world_size: int, mode: str) -> None:
+        """In a mode of ``capabilities.cuda_graph_modes``, a dispatch and a combine (after a first pair,
+        as an engine warms up before it captures) read no tensor data on the host, in every accepted
+        dtype (on one world size) and, where the backend writes them, expert-aligned rows: no
+        ``.item()``, ``.tolist()``, ``bool(t)``, ``nonzero`` or the like
+        (``moe_dispatch_testing.host_reads``), which on an accelerator stall the stream and cannot be
+        captured in a CUDA graph. The core's value checks are off (``check_inputs=False``: they read the
+        data by design); the vendor library's own calls (on CPU, its fake) and the call check that gloo
+        alone makes are left out.
+
+        Troubleshooting: each read is named with where it was made. Keep counts on the device and take
+        shapes from the capacity (MASKED ``[E_local, capacity·world, H]``, or ``worst_case_rows``), never
+        from the counts; a mode whose calls need the counts on the host stays out of
+        ``cuda_graph_modes``.
+        """
+        m = Mode.parse(mode)
+        self._require_mode(m)
+        if m not in self.capabilities.cuda_graph_modes:
+            pytest.skip(f"capabilities.cuda_graph_modes does not name {m.value} mode")
+        self._require_world(world_size, m)
+        self._require_runnable()
+        routings = standard_routings(world_size, self._shape(m).tokens_per_rank)
+        # every dtype on one world size, the first elsewhere: the dtypes' code and the world sizes' barely mix
+        dtypes = self._accepted(m) if world_size == self._world_for(m) else self._accepted(m)[:1]
+        cases = [self._case(world_size, m, d, routings[1], seed=30 + i) for i, d in enumerate(dtypes)]
+        if m in self.capabilities.expert_alignment:
+            cases.append(replace(cases[0], routing=routings[0], expert_alignment=ALIGNMENT))
+        _run_on_ranks(moe_rank_pools, world_size, ranks.check_no_host_sync, cases)
 
     @pytest.mark.parametrize("mode", _MODES)
     @pytest.mark.parametrize("world_size", WORLD_SIZES)

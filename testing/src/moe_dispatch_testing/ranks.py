@@ -30,10 +30,14 @@ from moe_dispatch_testing.routing import random_expert_weights
 
 from .cases import Case, GlobalBatch, Routing
 from .experts import ScaledIdentityExperts, ScaledLayer, expert_factor
+from .host_reads import RecordedOps
 
 #: Per-token relative error allowed between combine and the fp32 sum of the same
 #: dequantized rows: the BF16 rounding of partial sums, nothing else.
 COMBINE_RTOL = 1e-2
+#: The call check gloo alone makes in every call (``Comm.checks_calls_everywhere``): NCCL and HCCL make none in
+#: low-latency calls, so its read of the peers' call ids is no accelerator's hot path.
+GLOO_CALL_CHECK = "moe_dispatch._distributed.watch"
 
 
 def _expected_counts(ids: torch.Tensor, rank: int, local_experts: int) -> torch.Tensor:
@@ -248,8 +252,7 @@ def check_overlap(rank: int, world_size: int, case: Case) -> list[str]:
     """Two micro-batches interleaved in split phase as an engine's two-batch overlap runs them
     (start both dispatches; receive the first, compute, start its combine; receive the second,
     compute, start its combine; receive the combines in the other order) give the bits each gives
-    in blocking calls. ``Pending.overlapped`` says what ``Dispatcher.split_phase`` declares; a
-    second ``wait()`` returns the same result; a combine started twice is refused."""
+    in blocking calls; a second ``wait()`` returns the same result; a combine started twice is refused."""
     smaller = Routing("smaller batches", tuple(t // 2 for t in case.routing.tokens), drop=case.routing.drop,
                       skew=case.routing.skew)
     batches = [case.inputs(), replace(case, seed=case.seed + 1, routing=smaller).inputs()]
@@ -267,8 +270,6 @@ def check_overlap(rank: int, world_size: int, case: Case) -> list[str]:
     got = [c.wait() for c in reversed(combines)][::-1]
     problems = [f"{label} micro-batch {i} in split phase differs from blocking calls"
                 for i, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
-    if any(p.overlapped is not d.split_phase for p in (*started, *combines)):
-        problems.append(f"{label} Pending.overlapped disagrees with Dispatcher.split_phase ({d.split_phase})")
     if started[0].wait() is not outs[0] or combines[0].wait() is not got[0]:
         problems.append(f"{label} a second wait() gave another result")
     try:
@@ -279,6 +280,67 @@ def check_overlap(rank: int, world_size: int, case: Case) -> list[str]:
             problems.append(f"{label} a second combine_start names {exc.parameter!r}")
     if not torch.equal(_combine_scaled(d, layer, d.dispatch(*xs[0])), alone[0]):
         problems.append(f"{label} blocking calls after split-phase ones gave other bits")
+    return problems
+
+
+def check_split_phase(rank: int, world_size: int, case: Case) -> list[str]:
+    """``Dispatcher.split_phase`` is what ``capabilities.split_phase`` declares for the mode; ``dispatch_start`` and
+    ``combine_start`` return with the data on its way (``Pending.overlapped``) exactly when it is declared, and
+    give the blocking calls' counts and bits."""
+    batch = case.inputs()
+    d = case.target.create(case.spec(batch))
+    declared = case.mode in d.backend.capabilities.split_phase
+    layer, x = _scaled_layer(case, rank), batch.local(rank)
+    label = f"[{case.label()}, rank {rank}]"
+    blocking_out = d.dispatch(*x)
+    blocking_counts = blocking_out.expert_counts().clone()
+    blocking = _combine_scaled(d, layer, blocking_out)
+    dispatching = d.dispatch_start(*x)
+    out = dispatching.wait()
+    combining = d.combine_start(_scaled_rows(layer, out), out)
+    result = combining.wait()
+    named = "names" if declared else "does not name"
+    problems = []
+    if d.split_phase is not declared:
+        problems.append(f"{label} Dispatcher.split_phase is {d.split_phase}; capabilities.split_phase {named} the mode")
+    for call, pending in (("dispatch_start", dispatching), ("combine_start", combining)):
+        if pending.overlapped is not declared:
+            problems.append(f"{label} {call} returned Pending.overlapped={pending.overlapped}: "
+                            + ("it ran the call to its end at the start, in a mode capabilities.split_phase names"
+                               if declared else "overlapped, in a mode capabilities.split_phase does not name"))
+    if not torch.equal(out.expert_counts(), blocking_counts):
+        problems.append(f"{label} dispatch_start received other per-expert counts than dispatch")
+    if not torch.equal(result, blocking):
+        problems.append(f"{label} the started calls' combine differs from the blocking calls'")
+    return problems
+
+
+def _packages(d: Any) -> set[str]:
+    """The top-level packages of the code under test: the core's and the backend's."""
+    return {"moe_dispatch", *(type(o).__module__.partition(".")[0] for o in (d.backend, d.backend_dispatcher))}
+
+
+def check_no_host_sync(rank: int, world_size: int, cases: list[Case]) -> list[str]:
+    """A dispatch and a combine after a first pair (an engine warms up before it captures) read no tensor data on
+    the host in the backend's or the core's code, with the value checks off (they read the data by design). The
+    kit's own work (inputs, experts, checks) runs outside the recording; the vendor's calls (on CPU, a fake standing
+    for its kernels) and gloo's call check (``GLOO_CALL_CHECK``) are left out."""
+    problems = []
+    for case in cases:
+        batch = case.inputs()
+        d = case.target.create(case.spec(batch), check_inputs=False)
+        layer, x = _scaled_layer(case, rank), batch.local(rank)
+        _combine_scaled(d, layer, d.dispatch(*x))
+        seen = RecordedOps(_packages(d), leave_out=[GLOO_CALL_CHECK] if d.comm.checks_calls_everywhere else [])
+        with seen:
+            out = d.dispatch(*x)
+        rows = _scaled_rows(layer, out)
+        with seen:
+            d.combine(rows, out)
+        label = f"[{case.label()}, rank {rank}]"
+        if not seen.ops:
+            problems.append(f"{label} no aten op was recorded on the calling thread: nothing of the calls was seen")
+        problems += [f"{label} {r.op} reads data on the host at {r.where}" for r in dict.fromkeys(seen.reads)]
     return problems
 
 
@@ -504,6 +566,8 @@ __all__ = [
     "check_forward",
     "check_in_flight",
     "check_lifetime",
+    "check_no_host_sync",
     "check_repeatable",
+    "check_split_phase",
     "measure_traffic",
 ]

@@ -3,8 +3,7 @@
 DeepEP hangs when ranks disagree on ``num_max_dispatch_tokens_per_rank``; any exchange does when ranks disagree on
 hidden size, top-k or the wire dtype. At creation every rank gathers every rank's fingerprint (a flat dict of the fields
 that must match) and compares: a mismatch is a ``ConfigMismatchError`` on every rank naming the field and each rank's
-value, instead of a hang or corrupt tokens later.
-"""
+value, instead of a hang or corrupt tokens later."""
 
 from __future__ import annotations
 
@@ -23,14 +22,11 @@ _FAILED = "_failed"  # a rank that could not prepare sends its error instead of 
 
 
 def agree(comm: Comm, fields: Mapping[str, Any], stage: str, *, failure: BaseException | None = None) -> str:
-    """Gather ``fields`` from every rank and compare them; return the dispatcher's uid.
-
-    A rank that failed while preparing passes ``failure`` instead: the others raise
-    ``PeerFailedError`` naming it, and it returns so that its caller raises its own error.
-    """
-    mine = {str(k): _plain(v) for k, v in fields.items()}
-    if failure is not None:
-        mine = {_FAILED: f"{type(failure).__name__}: {failure}"}
+    """Gather ``fields`` from every rank and compare them; return the dispatcher's uid. A rank that failed while
+    preparing passes ``failure`` instead: the others raise ``PeerFailedError`` naming it, and it returns ("") so that
+    its caller raises its own error."""
+    mine = ({_FAILED: f"{type(failure).__name__}: {failure}"} if failure is not None
+            else {str(k): _plain(v) for k, v in fields.items()})
     if comm.rank == 0:
         mine[_UID] = uuid.uuid4().hex  # also when rank 0 failed: the others read the uid of rank 0
     raw = json.dumps(mine).encode()  # insertion order: the first differing field named is the most basic
@@ -40,6 +36,8 @@ def agree(comm: Comm, fields: Mapping[str, Any], stage: str, *, failure: BaseExc
             parameter="fingerprint", value=sorted(mine), allowed=f"<= {_BYTES} bytes of JSON")
     if comm.world_size == 1:  # nothing to compare with
         return "" if failure is not None else mine[_UID]
+    if comm.checks_calls_everywhere:  # gloo: the call check first, as every call's first collective
+        check_creation(comm, 0)
     slot = torch.zeros(_BYTES, dtype=torch.uint8)
     slot[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     gathered = comm.gather_uncounted(slot, f"agreement on the {stage}")
@@ -55,6 +53,17 @@ def agree(comm: Comm, fields: Mapping[str, Any], stage: str, *, failure: BaseExc
     return str(everyone[0][_UID])
 
 
+def check_creation(comm: Comm, step: int) -> None:
+    """The call check for ``step`` of a creation on gloo: a creation that meets another call on a peer (threads that
+    create and call on one group in different orders on different ranks, or a peer whose creation failed and that
+    went on) raises ``CallOrderError`` there and here, before a collective of another size (gloo would abort the
+    process). Not the engine's traffic."""
+    comm.begin("create", step)
+    counted = comm.traffic.copy()
+    comm.watch.check_call(comm, None)  # type: ignore[union-attr]
+    comm.traffic.restore(counted)
+
+
 def _plain(value: Any) -> Any:
     """JSON-safe and comparable: enums by value, everything else by repr."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -63,8 +72,7 @@ def _plain(value: Any) -> Any:
 
 
 def _compare(everyone: list[dict[str, Any]], stage: str) -> None:
-    keys = [k for k in dict.fromkeys(k for d in everyone for k in d) if k != _UID]
-    for key in keys:
+    for key in [k for k in dict.fromkeys(k for d in everyone for k in d) if k != _UID]:
         values = [d.get(key) for d in everyone]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))

@@ -2,8 +2,7 @@
 and their scales), ``metadata`` (routing: ids, weights, counts), ``combine`` (the BF16 rows sent back) and ``check``
 (the call check). Every tensor crosses as raw bytes (uint8 rows), so the same code runs on gloo, NCCL and HCCL
 whatever the wire dtype. A rank counts what it sends, its share to itself included, so totals compare directly with
-``WireFormat`` × pairs.
-"""
+``WireFormat`` × pairs."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from .._codecs import as_bytes, from_bytes
 from .._errors import CommunicationError, InvalidInputError, InvalidSpecError
 
 if TYPE_CHECKING:
-    from .watch import CallId, Watch
+    from .watch import CallId, GroupGuard, Watch
 
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0  # beyond a year a deadline is a typo, and timedelta overflows near 1e14 s
 #: Seconds a rank waits for its peers in one collective before ``CollectiveTimeoutError``.
@@ -60,12 +59,8 @@ class Traffic:
     check_bytes: int = 0
     collectives: int = 0
 
-    def reset(self) -> None:
-        self.restore(Traffic())
-
     def restore(self, saved: "Traffic") -> None:
-        """Back to the counts of ``saved`` (a ``copy``), in place: the started calls' ``Comm`` counts into this object
-        too (``Comm.for_started_calls``)."""
+        """Back to the counts of ``saved``, in place: the started calls' ``Comm`` counts into this object too."""
         for f in fields(self):
             setattr(self, f.name, getattr(saved, f.name))
 
@@ -105,14 +100,11 @@ class CollectiveRecord:
 class Comm:
     """A process group (or none, for one process) with counted, byte-level collectives (``DispatchContext.comm``). Every
     call takes uint8 rows ``[N, W]`` and ``sections``: ``(category, bytes per row)`` pairs that split each row's W
-    columns into the traffic categories. With world size 1 the calls return their input.
-
-    A ``Comm`` not bound to a dispatcher (one a backend or a fake of a vendor makes itself) waits, inside a dispatcher's
-    call on the same ranks, with that dispatcher's ``Watch`` (``calling``), so a rank that fails is heard there too.
-    """
+    columns into the traffic categories. With world size 1 the calls return their input. A ``Comm`` a backend makes
+    itself waits with the calling dispatcher's ``Watch`` (``calling``)."""
 
     def __init__(self, group: "dist.ProcessGroup | None" = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        timeout_s = check_timeout(timeout_s)
+        self.timeout_s = check_timeout(timeout_s)
         if dist.is_available() and dist.is_initialized():
             self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
             if self.rank < 0:
@@ -131,13 +123,17 @@ class Comm:
         self._counting = threading.Lock()  # the traffic is counted from the receiver thread too (for_started_calls)
         self.uid = ""  # the dispatcher's uid, agreed at creation (``bind``)
         self._call: CallId | None = None  # begun, not yet checked with the peers
-        on_gloo = self.world_size > 1 and self.backend_name == "gloo"
-        self.timeout_s = float(timeout_s)
+        self.begun_at = 0  # ``started`` when the call began (``begin``)
+        #: Whether every call is checked against the peers' (``begin``): on gloo (host memory). NCCL and HCCL check
+        #: only the calls that read the counts on the host anyway (normal-mode dispatch): low latency stays sync-free.
+        self.checks_calls_everywhere = self.world_size > 1 and self.backend_name == "gloo"
         self._watch: Watch | None = None  # peers' failures and deadlines: only where there are peers
+        #: What the dispatchers of this group share in this process (one thread's call at a time); None alone.
+        self.guard: GroupGuard | None = None
         if self.world_size > 1:
-            from .watch import Watch
-            self._watch = Watch(self.rank, self.world_size, self.timeout_s, poll=on_gloo)
-        self._checks_every_call = on_gloo  # fixed for the group: not asked of torch.distributed per collective
+            from .watch import Watch, guard_of
+            self.guard = guard_of(self.process_group, self.rank)
+            self._watch = Watch(self.rank, self.world_size, self.timeout_s, self.checks_calls_everywhere, self.guard)
         #: When a list, every collective appends its ``CollectiveRecord`` (see ``recording``).
         self.records: list[CollectiveRecord] | None = None
 
@@ -149,16 +145,13 @@ class Comm:
 
     @property
     def watch(self) -> Watch | None:
-        """This dispatcher's ``Watch`` (None alone: no peers); for a ``Comm`` bound to none, the calling dispatcher's
-        (``calling``)."""
+        """This dispatcher's ``Watch`` (None alone); for a ``Comm`` bound to none, the caller's (``calling``)."""
         return self._caller() or self._watch
 
     def _caller(self) -> Watch | None:
-        if self.uid:
-            return None
-        caller = _CALLING.get()
-        return caller if caller is not None and caller.rank == self.rank and caller.world_size == self.world_size \
-            else None
+        caller = None if self.uid else _CALLING.get()
+        same = caller is not None and caller.rank == self.rank and caller.world_size == self.world_size
+        return caller if same else None
 
     @contextmanager
     def calling(self) -> Iterator[None]:
@@ -183,10 +176,9 @@ class Comm:
         return run
 
     @property
-    def checks_calls_everywhere(self) -> bool:
-        """Whether every call is checked against the peers' (``begin``): on gloo (host memory). NCCL and HCCL check
-        only the calls that read the counts on the host anyway (normal-mode dispatch): low latency stays sync-free."""
-        return self._checks_every_call
+    def started(self) -> int:
+        """Collectives started so far under this ``Comm``'s ``Watch`` (a vendor's too, inside ``calling``)."""
+        return self._seq + (self._watch.emulated if self._watch is not None else 0)
 
     def begin(self, phase: str, number: int) -> None:
         """The collectives that follow belong to call ``number`` of ``phase`` of this dispatcher. The first of them (the
@@ -197,6 +189,7 @@ class Comm:
             from .watch import CallId
             self._call = call = CallId(self.watch.epoch, phase, number)
             self.watch.enter(call)
+            self.begun_at = self.started
 
     def for_started_calls(self, group: "dist.ProcessGroup") -> "Comm":
         """This dispatcher's collectives on ``group``, the started calls' own group of the same ranks, for the
@@ -305,8 +298,7 @@ class Comm:
         return self._start("all_gather", out, lambda: _gather(out, send, self.group))
 
     def gather_uncounted(self, send: torch.Tensor, operation: str) -> torch.Tensor:
-        """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the configuration agreement
-        at creation)."""
+        """Every rank's uint8 ``send`` stacked rank by rank, outside the traffic counts (the creation's agreement)."""
         if self.world_size == 1:
             return send.unsqueeze(0)
         device = self.device or torch.device("cpu")
@@ -314,7 +306,7 @@ class Comm:
             device = torch.device(device.type, getattr(torch, device.type).current_device())
         send = send.to(device).contiguous()
         out = send.new_empty((self.world_size * send.shape[0], *send.shape[1:]))
-        self._run(operation, lambda: _gather(out, send, self.group))
+        self._start(operation, None, lambda: _gather(out, send, self.group)).wait()
         return out.view(self.world_size, *send.shape).cpu()
 
     def gather_object(self, obj: Any, operation: str) -> list[Any]:
@@ -325,9 +317,7 @@ class Comm:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = self.gather_uncounted(torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8), operation)
         lengths = [int(n) for n in sizes.view(torch.int64).reshape(-1)]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8)
-        padded[: data.numel()] = data
-        rows = self.gather_uncounted(padded, operation)
+        rows = self.gather_uncounted(torch.cat([data, data.new_zeros(max(lengths) - data.numel())]), operation)
         return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
     def barrier(self, operation: str = "barrier") -> None:
@@ -340,6 +330,11 @@ class Comm:
         """Tell the other ranks this one raised and makes no more calls of this dispatcher: they stop waiting."""
         if self._watch is not None:
             self.watch.announce(operation, error)
+
+    def abandon(self, operation: str, error: BaseException, begun_at: int) -> None:
+        """``announce_failure`` of a call broken off; ``begun_at``: ``started`` when it began (``Watch.broke_off``)."""
+        if self._watch is not None:
+            self.watch.broke_off(operation, error, begun_at, self.started)
 
     def announce_refusal(self, operation: str, error: BaseException, phase: str, number: int | None) -> None:
         """Tell the other ranks this one refused call ``number`` of ``phase`` before its collectives and goes on (the
@@ -376,10 +371,9 @@ class Comm:
         self._seq += 1
         return f"{self._numbering}{self._seq}" if self._numbering else self._seq
 
-    def _run(self, name: str, start) -> None:  # type: ignore[no-untyped-def]
-        self._start(name, None, start).wait()
-
     def _start(self, name: str, out: torch.Tensor | None, start) -> "Transfer":  # type: ignore[no-untyped-def]
+        if self.guard is not None:  # with peers: none after one left unfinished (it would pair with it)
+            self.guard.check(name)
         number = self._collective_number()
         try:
             work = start()

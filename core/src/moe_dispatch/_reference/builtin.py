@@ -16,6 +16,7 @@ _CAPABILITIES = Capabilities(
     default_dtype=None,  # → the library default, FP8
     cuda_graph_modes=frozenset({Mode.LOW_LATENCY}),
     split_phase=frozenset({Mode.NORMAL, Mode.LOW_LATENCY}),  # async collectives (exchange.py)
+    masked_modes=frozenset({Mode.LOW_LATENCY}),  # the all-gathered capacity slots, as they are (exchange.py)
     devices=frozenset({"cpu", "cuda", "npu"}),
     fp8_ue8m0=True,
 )

@@ -1,8 +1,7 @@
 """The exchange both reference backends run on ``torch.distributed``: normal mode sends one wire row per (token,
 destination rank) pair (the payload, then the token's expert ids and weights) after the counts exchange (its one host
 sync) and expands them into PACKED rows; low-latency mode all-gathers ``capacity`` fixed slots into the MASKED layout
-(no host sync). Combine adds in a fixed order, so results are bit-identical run to run (docs/design.md).
-"""
+(no host sync). Combine adds in a fixed order, so results are bit-identical run to run (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class ReferenceDispatcher:
         self.dtype, self.global_scale = ctx.dtype, spec.quant.input_global_scale
         self.send_to_all_ranks = send_to_all_ranks
         self.payload_width = ctx.codec.wire.bytes_per_token
-        self.meta_width = 8 * spec.top_k  # k int32 expert ids + k fp32 weights
-        self.sections = (("payload", self.payload_width), ("metadata", self.meta_width))
+        self.sections = (("payload", self.payload_width), ("metadata", 8 * spec.top_k))  # k int32 ids, k fp32 weights
         self.low_latency = spec.mode is Mode.LOW_LATENCY
         #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
         self.slots = SlotPool()
@@ -91,7 +89,7 @@ class ReferenceDispatcher:
         if (self.world > 1 and self.comm.device is not None and self.comm.device.type == "cpu"
                 and self.world == dist.get_world_size()):
             from .receiver import receiver_for  # the receiver thread: host memory with peers only
-            self._receiver = receiver_for(self.comm.process_group, self.comm.watch.timeout_s)
+            self._receiver = receiver_for(self.comm)
             assert self._receiver.group is not None
             self._started_comm = self.comm.for_started_calls(self._receiver.group)
         if self.low_latency:
@@ -102,10 +100,9 @@ class ReferenceDispatcher:
         that a capacity the memory cannot hold fails here, not at the first dispatch; combine's smaller ones are
         sized at the first combine. A dispatch of an empty batch per slot, each holding its slot until all are
         sized: the same code and buffers as a real call, and a collective like the rest of creation."""
-        H, k = self.hidden, self.top_k
-        empty = (torch.empty(0, H, dtype=torch.bfloat16, device=device),
-                 torch.empty(0, k, dtype=torch.int64, device=device),
-                 torch.empty(0, k, dtype=torch.float32, device=device))
+        empty = (torch.empty(0, self.hidden, dtype=torch.bfloat16, device=device),
+                 torch.empty(0, self.top_k, dtype=torch.int64, device=device),
+                 torch.empty(0, self.top_k, dtype=torch.float32, device=device))
         before = self.comm.traffic.copy()
         for out in [finish() for finish in [self._start_masked(*empty, self.comm) for _ in range(slots)]]:
             out.handle.lease.release()
@@ -154,13 +151,14 @@ class ReferenceDispatcher:
     def _in_background(self, stage: str, job: Callable[..., T], *args: object) -> T:
         """On the receiver thread: the first failure there is kept and told to the peers, so that the next call
         refuses to start even when the engine dropped this call's ``Pending`` and never sees the error."""
+        begun_at = self._started_comm.started  # type: ignore[union-attr]
         try:
             return job(*args)
         except BaseException as exc:
             if self.failed_in_background is None:
                 self.failed_in_background = exc
             if not isinstance(exc, CommunicationError):  # a peer's failure or a timeout: the peers know already
-                self.comm.announce_failure(stage, exc)
+                self._started_comm.abandon(stage, exc, begun_at)  # type: ignore[union-attr]
             raise
 
     def _check_background(self) -> None:
@@ -178,15 +176,12 @@ class ReferenceDispatcher:
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
         """Views into received wire rows: payload, global ids, weights."""
         pw, k = self.payload_width, self.top_k
-        q = self.codec.from_bytes(rows[:, :pw])
-        ids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
-        weights = from_bytes(rows[:, pw + 4 * k :], torch.float32)
-        return q, ids, weights
+        return (self.codec.from_bytes(rows[:, :pw]), from_bytes(rows[:, pw : pw + 4 * k], torch.int32),
+                from_bytes(rows[:, pw + 4 * k :], torch.float32))
 
     def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       comm: Comm) -> Callable[[], DispatchOutput]:
-        R, El = self.world, self.local_experts
-        T = x.shape[0]
+        R, El, T = self.world, self.local_experts, x.shape[0]
         if self.send_to_all_ranks:
             in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
         else:
@@ -211,8 +206,7 @@ class ReferenceDispatcher:
 
     def _finish_packed(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        pair_token: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> DispatchOutput:
-        El, k, slot = self.local_experts, self.top_k, lease.slot
-        T = topk_ids.shape[0]
+        El, k, slot, T = self.local_experts, self.top_k, lease.slot, topk_ids.shape[0]
         recv = transfer.wait()
         q, gids, rweights = self._split_rows(recv)
         # Expand to rows per (token, local expert), grouped by expert, token order within.
@@ -234,8 +228,7 @@ class ReferenceDispatcher:
 
     def _start_masked(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       comm: Comm) -> Callable[[], DispatchOutput]:
-        R, k, C = self.world, self.top_k, self.capacity
-        T = x.shape[0]
+        R, k, C, T = self.world, self.top_k, self.capacity, x.shape[0]
         lease = self.slots.acquire()
         slot = lease.slot
         rows = self._token_rows(x, topk_ids, topk_weights)
@@ -254,12 +247,9 @@ class ReferenceDispatcher:
         R, El, k, C, slot = self.world, self.local_experts, self.top_k, self.capacity, lease.slot
         device = topk_ids.device
         q, gids, gweights = self._split_rows(transfer.wait())
-        first = self.rank * El
-        local = gids.reshape(-1).to(torch.int64) - first
-        valid = (local >= 0) & (local < El)
-        key = torch.where(valid, local, El)
-        ones = torch.ones_like(key)
-        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=device).scatter_add_(0, key, ones)
+        local = gids.reshape(-1).to(torch.int64) - self.rank * El
+        key = torch.where((local >= 0) & (local < El), local, El)
+        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
         order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
         sorted_key = key[order]
         start = torch.cumsum(counts_ext, 0) - counts_ext
@@ -317,7 +307,7 @@ class ReferenceDispatcher:
         return functools.partial(self._returned, h, transfer, h.returns, y.device)
 
     def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle, comm: Comm) -> Callable[[], torch.Tensor]:
-        R, C, H, slot = self.world, self.capacity, self.hidden, h.lease.slot
+        R, C, H, T, slot = self.world, self.capacity, self.hidden, h.num_tokens, h.lease.slot
         send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
         _sum_terms(send, y.reshape(-1, H), h.terms, slot)
         transfer = comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
@@ -325,7 +315,6 @@ class ReferenceDispatcher:
                                          slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
         self.slots.keep_until_done(h.lease, transfer)
         # Token c's partials come back from every rank at rows r·C + c, added in rank order.
-        T = h.num_tokens
         rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
         token = torch.arange(T, device=y.device).repeat_interleave(R)
         returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H, _chunk_bytes(y.device)))

@@ -1,22 +1,25 @@
 """The thread that runs the reference backends' started calls on host memory (gloo), one per process group: each
 call's start (its collectives, on the started calls' own gloo group of the same ranks) in program order, and its
 receive ahead of the starts still queued, while the caller computes; ``wait()`` collects the result or the error on
-the caller's thread. The rules this imposes on engines are in docs/reliability.md.
-"""
+the caller's thread. The rules this imposes on engines are in docs/reliability.md."""
 
 from __future__ import annotations
 
 import atexit
-import collections
 import datetime
+import itertools
+import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .._errors import CommunicationError
+
+if TYPE_CHECKING:
+    from .._distributed.comm import Comm
 
 T = TypeVar("T")
 
@@ -27,7 +30,9 @@ class Receiver:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._jobs = _Jobs()
+        #: (0 for a receive, 1 for a start; the order submitted; the job and its future): the receives first.
+        self._jobs: "queue.PriorityQueue[tuple[int, int, tuple[Callable[[], object], Future]]]" = queue.PriorityQueue()
+        self._order = itertools.count()
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()  # two callers' first jobs must not start two threads
         #: The started calls' own process group (``receiver_for``), made by the first dispatcher of the group.
@@ -45,33 +50,13 @@ class Receiver:
 
     def _submit(self, fn: Callable[[], T], *, receive: bool) -> "Future[T]":
         future: Future[T] = Future()
-        self._jobs.put((_in_callers_modes(fn), future), receive=receive)  # type: ignore[arg-type]
+        self._jobs.put((0 if receive else 1, next(self._order), (_in_callers_modes(fn), future)))
         if self._thread is None:
             with self._starting:
                 if self._thread is None:
                     self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=self._name, daemon=True)
                     self._thread.start()
         return future
-
-
-class _Jobs:
-    """Two FIFO queues, receives served first."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Condition(threading.Lock())
-        self._receives: "collections.deque[tuple[Callable[[], object], Future]]" = collections.deque()
-        self._starts: "collections.deque[tuple[Callable[[], object], Future]]" = collections.deque()
-
-    def put(self, job: "tuple[Callable[[], object], Future]", *, receive: bool) -> None:
-        with self._ready:
-            (self._receives if receive else self._starts).append(job)
-            self._ready.notify()
-
-    def get(self) -> "tuple[Callable[[], object], Future]":
-        with self._ready:
-            while not (self._receives or self._starts):
-                self._ready.wait()
-            return (self._receives or self._starts).popleft()
 
 
 def _in_callers_modes(fn: Callable[[], T]) -> Callable[[], T]:
@@ -100,20 +85,24 @@ def _forget_groups() -> None:
 atexit.register(_forget_groups)
 
 
-def receiver_for(group: "dist.ProcessGroup", timeout_s: float) -> Receiver:
-    """The receiver of ``group``'s started calls in this process, shared by every dispatcher of ``group`` (one thread
-    and one set of gloo connections per group, not per layer: two groups' starts queued in different orders on two
-    ranks would wait for each other), with its ``group`` made: a gloo group of the same ranks on which only that
-    thread issues collectives. Only for a ``group`` of every rank, made by its first dispatcher at creation with
-    ``dist.new_group``, whose rule it keeps: the first dispatcher of each group in the same order on every rank, not
-    from several threads at once. A peer that never comes ends it in a ``CommunicationError``."""
+def receiver_for(comm: Comm) -> Receiver:
+    """The receiver of the started calls of ``comm``'s group in this process, shared by every dispatcher of the group
+    (one thread and one set of gloo connections per group, not per layer: two groups' starts queued in different
+    orders on two ranks would wait for each other), with its ``group`` made by the group's first dispatcher: a gloo
+    group of the same ranks on which only that thread issues collectives (``dist.new_group``'s rules: a group of every
+    rank, made in the same order on every rank). A peer that never comes ends it in a ``CommunicationError``."""
+    group = comm.process_group
     with _BY_GROUP_LOCK:
         receiver = _BY_GROUP.get(group)
         if receiver is None:
             receiver = _BY_GROUP[group] = Receiver(f"moe-dispatch receiver {len(_BY_GROUP)}")
     with receiver._making:
         if receiver.group is None:
-            receiver.group = _started_group(group, timeout_s)
+            # dist.new_group waits for the peers in the store, deaf to the Watch: meet them first in a collective the
+            # Watch waits on, so that a peer that failed or died in its create is named at once, not timed out.
+            from .._distributed.agreement import check_creation
+            check_creation(comm, 1)
+            receiver.group = _started_group(group, comm.timeout_s)
     return receiver
 
 
@@ -123,19 +112,18 @@ def _started_group(group: "dist.ProcessGroup", timeout_s: float) -> "dist.Proces
     # bounds the creation's wait for the peers.
     collectives = datetime.timedelta(seconds=2 * timeout_s)
     try:
-        made = dist.new_group(ranks, backend="gloo", timeout=collectives)  # every rank: named by torch's group count
+        return dist.new_group(ranks, backend="gloo", timeout=collectives)  # every rank: named by torch's group count
     except (RuntimeError, ValueError) as exc:
         raise CommunicationError(
             f"the started calls' gloo group beside ranks {ranks} could not be made ({type(exc).__name__}: {exc}): a "
             "peer failed or is not creating its dispatcher at this point; as for dist.new_group, every rank must "
             "create the first dispatcher of a group at the same point, not from several threads at once") from exc
-    return made
 
 
-def _serve(jobs: _Jobs) -> None:
+def _serve(jobs: "queue.PriorityQueue[tuple[int, int, tuple[Callable[[], object], Future]]]") -> None:
     """The thread, holding only the queue: a job's function, and with it its dispatcher and buffers, goes once run."""
     while True:
-        fn, future = jobs.get()
+        _, _, (fn, future) = jobs.get()
         if future.set_running_or_notify_cancel():
             try:
                 future.set_result(fn())

@@ -1,10 +1,10 @@
 """The reference backends' buffers, kept per dispatcher in *slots* and reused, never allocated per call: a slot is a
 dispatch's own until its combine returns or its output's handle is collected (or, for a started call, until its
-collectives are done); a dispatch with every slot held makes one more (docs/design.md).
-"""
+collectives are done); a dispatch with every slot held makes one more (docs/design.md)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -40,17 +40,13 @@ class Slot:
         return self.holder
 
     def release(self, hold: int) -> None:
-        """Hold ``hold`` has ended (its combine finished, or its output was collected); a later hold's end is not
-        this one's."""
+        """Hold ``hold`` ended (its combine returned, or its output was collected): free unless a later hold has it."""
         if self.holder == hold:
             self.holder = 0
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A ``shape``/``dtype`` view of the slot's buffer ``name`` (contents undefined)."""
-        count = 1
-        for n in shape:
-            count *= n
-        nbytes = count * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         raw = self.buffers.get(name)
         if raw is None or raw.numel() < nbytes or raw.device != device:
             raw = self.buffers[name] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)

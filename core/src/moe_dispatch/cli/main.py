@@ -8,10 +8,12 @@ import json
 import sys
 from typing import NoReturn, Sequence
 
+from .. import _hookspecs as hookspecs
 from .._dispatcher import plan_alignment
-from .._errors import MoEDispatchError
+from .._errors import InvalidSpecError, MoEDispatchError
+from .._loading import core_version
 from .._registry import PluginHost, default_host
-from .._spec import QuantHints
+from .._spec import DispatchSpec, QuantHints
 from . import flags
 from .explain import explain
 from .flags import positive_int
@@ -23,15 +25,13 @@ BACKENDS_JSON_SCHEMA = 1
 
 def backends_report(host: "PluginHost") -> dict[str, object]:
     """The ``backends --json`` document (schema in docs/cli.md)."""
-    from .. import _hookspecs as hookspecs
-    from .._loading import core_version
     return {
         "schema": BACKENDS_JSON_SCHEMA,
         "core": {"version": core_version(), "api_version": hookspecs.API_VERSION},
         "backends": [i.to_dict() for i in host.available_backends()],
         "plugins": [
             {"name": p.name, "module": p.module, "distribution": p.distribution, "version": p.version,
-             "builtin": p.builtin, "ok": p.ok, "error": p.error}
+             "builtin": p.builtin, "ok": p.ok, "error": p.error, "environ_changes": list(p.environ_changes)}
             for p in host.plugins
         ],
         "allow_list_unmatched": host.allow_list_unmatched,
@@ -65,6 +65,12 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         print(f"{name:<20} {'-':<{w}} {'missing':<12} named in MOE_DISPATCH_PLUGINS but not installed{hint}")
     if any(i.status == "broken" for i in infos):
         print("\nbroken plugins are skipped; `moe-dispatch backends --json` has their tracebacks")
+    changed = [(f"plugin {p.label()}", p.environ_changes) for p in host.plugins if p.environ_changes] + [
+        (f"backend {i.name} (probe)", i.environ_changes) for i in infos if i.environ_changes]
+    if changed:
+        print("\nthe environment, changed by plugins (kept: none steers dispatch):")
+        for who, names in changed:
+            print(f"  {who}: {', '.join(names)}")
     print(f"\n{'runner':<20} {'needs':<6} {'takes':<24} {'runs here':<10} behind")
     for name, runner in sorted(host.runners().items()):
         r = runner.to_dict()
@@ -84,7 +90,6 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .._spec import DispatchSpec
     host = args.plugin_host
     preset = get_preset(args.preset)
     quant = QuantHints.from_dict(_json_object(args.quant, "--quant")) if args.quant else QuantHints()
@@ -98,7 +103,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     backend, resolution, buffers = layer.backend, layer.resolution, layer.buffer_size
     wire = layer.spec.wire_format()
     reason = host.probe(backend)
-    alignment = plan_alignment(backend.name, backend.capabilities.expert_alignment, spec.mode, spec.expert_alignment)
+    alignment = plan_alignment(backend, spec.mode, spec.expert_alignment)
     if args.json:
         print(json.dumps({
             "spec": spec.to_dict(),
@@ -135,7 +140,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
     """``text`` parsed as a JSON object, or an ``InvalidSpecError`` naming ``flag`` (one line, exit 2)."""
-    from .._errors import InvalidSpecError
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -148,8 +152,7 @@ def _json_object(text: str, flag: str) -> dict:  # type: ignore[type-arg]
 
 
 class _Parser(argparse.ArgumentParser):
-    """A bad flag is one line on stderr and exit 2 (argparse prints its whole usage block first); ``-h`` shows
-    the usage."""
+    """A bad flag is one line on stderr and exit 2 (argparse prints its whole usage block first); ``-h`` shows it."""
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
@@ -157,7 +160,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(host: PluginHost | None = None) -> argparse.ArgumentParser:
     """The built-in subcommands, then those the plugins of ``host`` (the default one) register."""
-    from .._loading import core_version
     parser = _Parser(prog="moe-dispatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"moe-dispatch {core_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,6 +1,5 @@
 """``moe-dispatch plan``: buffer sizes over a grid of models, backends, EP sizes, modes and wire dtypes, beside what the
-same backend asks for a BF16 wire (sglang's fixed ``params_bytes = 2``) and whether each fits the backend's limits and
-the environment."""
+same backend asks for a BF16 wire (sglang's ``params_bytes = 2``), and whether each fits its limits and environment."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from .presets import model_shapes
 
 #: Version of ``moe-dispatch plan --json``; bumped only for an incompatible change.
 PLAN_JSON_SCHEMA = 1
-#: One model on one node and on eight: a screenful per backend (the whole grid is hundreds of lines); more with
-#: --preset/--ep.
+#: One model on one node and on eight: a screenful per backend (the whole grid is hundreds of lines); --preset/--ep.
 DEFAULT_PRESETS = ("deepseek-v3",)
 DEFAULT_EP_SIZES = (8, 64)
 #: An NVFP4 row needs a global scale to resolve; its value does not change any size.
@@ -62,10 +60,6 @@ class PlanRow:
     error: str | None = None
     #: What the BF16 column means for this backend (``Backend.engine_sizing``).
     sizing: str = _NO_SGLANG
-
-    @property
-    def dtype(self) -> DispatchDtype | None:
-        return self.plan.layers[0].dtype if self.plan else self.requested
 
     def to_dict(self) -> dict[str, Any]:
         plan = self.plan
@@ -119,6 +113,7 @@ def plan_grid(models: Sequence[ModelShape], backends: Sequence[Backend], world_s
 
 def _plan_row(model: ModelShape, backend: Backend, ep: int, mode: Mode, dtype: DispatchDtype | None, tokens: int,
               env: Mapping[str, str], host: PluginHost) -> PlanRow:
+    sizing = backend.engine_sizing or _NO_SGLANG
     try:
         nvfp4 = dtype is DispatchDtype.NVFP4
         quant = QuantHints(input_global_scale=_PLACEHOLDER_GLOBAL_SCALE) if nvfp4 else QuantHints()
@@ -126,9 +121,8 @@ def _plan_row(model: ModelShape, backend: Backend, ep: int, mode: Mode, dtype: D
                             quant=quant)
         plan = plan_buffers(backend, {model.name: spec}, ep, env=env, host=host)
     except MoEDispatchError as exc:  # what create_dispatcher would refuse: a row that says why
-        return PlanRow(model, backend.name, ep, mode, dtype, tokens, error=str(exc).splitlines()[0],
-                       sizing=backend.engine_sizing or _NO_SGLANG)
-    return PlanRow(model, backend.name, ep, mode, dtype, tokens, plan=plan, sizing=backend.engine_sizing or _NO_SGLANG)
+        return PlanRow(model, backend.name, ep, mode, dtype, tokens, error=str(exc).splitlines()[0], sizing=sizing)
+    return PlanRow(model, backend.name, ep, mode, dtype, tokens, plan=plan, sizing=sizing)
 
 
 def _human(n: int | None) -> str:
@@ -229,10 +223,8 @@ def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_plan_command(args: argparse.Namespace, *, host: PluginHost | None = None,
                      env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
-    """What ``moe-dispatch plan`` runs. ``env`` is the environment planned for (``os.environ``
-    when None), overlaid with ``--env``; never written."""
+    """What ``moe-dispatch plan`` runs, for ``env`` (None: ``os.environ``; never written) overlaid with ``--env``."""
     host = host or getattr(args, "plugin_host", None) or default_host()
-    out = out or sys.stdout
     models = _models(args)
     backends = [host.get_backend(name) for name in args.backend] if args.backend else [
         host.get_backend(name) for name in host.backend_names() if _registered(host, name)]
@@ -247,13 +239,13 @@ def run_plan_command(args: argparse.Namespace, *, host: PluginHost | None = None
     _check_env_names(args.env or (), backends, models, eps, modes or list(Mode), args.tokens)
     rows = plan_grid(models, backends, eps, modes=modes, dtypes=dtypes, tokens=args.tokens,
                      env=_overlay(os.environ if env is None else env, args.env or ()), host=host)
-    if args.json:
-        print(json.dumps(plan_report(rows), indent=2), file=out)
-    else:
-        print(format_plan_table(rows), file=out)
+    print(json.dumps(plan_report(rows), indent=2) if args.json else format_plan_table(rows), file=out)  # None: stdout
     misfits = sum(1 for r in rows if r.plan is not None and not r.plan.fits)
-    if misfits:  # a script (or CI) planning a deployment must not read "no" as success
-        print(f"moe-dispatch plan: {misfits} of {len(rows)} rows do not fit (the fits column)", file=sys.stderr)
+    invalid = sum(1 for r in rows if r.plan is None)
+    if misfits or invalid:  # a script (or CI) planning a deployment must not read "no" as success
+        what = [f"{n} {why}" for n, why in ((misfits, "do not fit (the fits column)"),
+                                           (invalid, "cannot be created (the error column)")) if n]
+        print(f"moe-dispatch plan: of {len(rows)} rows, {' and '.join(what)}", file=sys.stderr)
         return 1
     return 0
 
@@ -304,9 +296,9 @@ def _overlay(env: Mapping[str, str], assignments: Sequence[str]) -> Mapping[str,
     merged = dict(env)
     for item in assignments:
         name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise InvalidSpecError("must be NAME=VALUE", parameter="--env", value=item,
-                                   allowed="e.g. HCCL_BUFFSIZE=1536")
+        if not sep or not name or not (value.isascii() and value.isdigit()):  # whole numbers all (EnvRequirement)
+            raise InvalidSpecError("must be NAME=VALUE with a whole number >= 0 in the variable's unit",
+                                   parameter="--env", value=item, allowed="e.g. HCCL_BUFFSIZE=1536")
         merged[name] = value
     return merged
 

@@ -19,8 +19,7 @@ class ModelPreset:
     source: str = ""
 
     def scaled(self, factor: int) -> "ModelPreset":
-        """Hidden, experts and intermediate divided by ``factor`` (hidden kept a multiple of 128, experts of 8, top-k
-        capped by the experts)."""
+        """Hidden, experts and intermediate over ``factor`` (hidden a multiple of 128, experts of 8, top-k capped)."""
         hidden = max(128, (self.hidden_size // factor) // 128 * 128)
         experts = max(8, self.num_experts // factor // 8 * 8)
         return ModelPreset(f"{self.name} /{factor}", hidden, experts, min(self.top_k, experts),
@@ -47,10 +46,9 @@ def get_preset(name: str) -> ModelPreset:
 
 def model_shapes(presets: "list[str] | None", default: "list[str]", hidden: int | None, experts: int | None,
                  top_k: int | None) -> list[tuple[str, int, int, int]]:
-    """The one rule every subcommand follows: ``(name, hidden, experts, top_k)`` of each ``--preset``
-    (or of ``default``), with ``--hidden``/``--experts``/``--top-k`` overriding those fields of each;
-    all three given without a ``--preset`` is one custom shape, ``H/E/k``. Overrides are checked as sizes
-    (>= 1) here; the shapes once per distinct size."""
+    """The one rule every subcommand follows: ``(name, hidden, experts, top_k)`` of each ``--preset`` (or of
+    ``default``), with ``--hidden``/``--experts``/``--top-k`` overriding those fields of each; all three given without
+    a ``--preset`` is one custom shape, ``H/E/k``. Overrides are checked (>= 1) here; each distinct shape once."""
     overrides = {"--hidden": hidden, "--experts": experts, "--top-k": top_k}
     for flag, value in overrides.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

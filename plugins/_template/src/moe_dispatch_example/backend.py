@@ -16,6 +16,8 @@ CAPABILITIES = mdb.Capabilities(
     fallbacks={(md.Mode.NORMAL, I8): mdb.Fallback(F8, "the example sends 8-bit activations as FP8")},
     rejections={F4: "the example has no NVFP4 path"},
     default_dtype=F8,
+    # The layout dispatch returns per mode: PACKED [rows, H] unless the mode is listed here (MASKED).
+    masked_modes=frozenset(),
     devices=frozenset({"cpu", "cuda"}),
     limits={md.Mode.NORMAL: mdb.Limits(max_tokens_per_rank=4096, max_top_k=16)},
 )

@@ -39,6 +39,7 @@ def capabilities(emulated: bool) -> mdb.Capabilities:
         fallbacks={(N, F8): mdb.Fallback(I8, no_fp8), (LL, F8): mdb.Fallback(I8, no_fp8)},
         rejections={F4: "Atlas A2/A3 have no FP4 dispatch (MXFP4 is A5-only and not NVFP4)"},
         default_dtype=B,
+        masked_modes=frozenset(),  # both modes PACKED: low latency hands over the counted prefix (dispatcher.py)
         devices=frozenset({"cpu"} if emulated else {"npu"}),
         # The ops' tiling needs at least 2 ranks; normal mode runs only on get_dispatch_config's sizes.
         world_sizes=frozenset(range(v.MIN_EP_WORLD_SIZE, v.MAX_EP_WORLD_SIZE_LL + 1)),
@@ -152,6 +153,7 @@ class AscendDeepEPBackend(mdb.Backend):
                      "is DeepEP-Ascend's documented minimum, BF16 rows both ways whatever the dtype.")
     description = "DeepEP-Ascend Buffer: normal and low-latency modes, BF16 or per-token INT8, HCCL window"
     install_hint = v.INSTALL_HINT
+    vendor_environment = v.READ_ENVIRONMENT
 
     def __init__(self, vendor_module: str = v.REAL, env: Mapping[str, str] | None = None,
                  soc: str | None = None, torch_npu_module: str | None = None) -> None:

@@ -144,6 +144,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "KN@f425bdf deep_ep.cpp"),
 )
 
+#: Every variable DeepEP-Ascend, torch_npu or HCCL reads (``Backend.vendor_environment``: another plugin may not set one).
+READ_ENVIRONMENT = tuple(e.name for e in ENV_VARS)
+
 STRATEGY_DEFAULT = "default"
 # KN@f425bdf python/deep_ep/deep_ep/ep_strategy.py StrategyMap.strategy_map
 STRATEGIES = ("default", "alltoall", "ops")
@@ -1057,6 +1060,7 @@ def detect(module_name: str = REAL) -> VendorInfo:
 
 
 __all__ = [
+    "READ_ENVIRONMENT",
     "A2_INTERNODE_COMBINE_MAX_WINDOW_MB", "A2_INTERNODE_COMBINE_ROWS", "A2_INTERNODE_MAX_WINDOW_MB",
     "A2_INTERNODE_NORMAL_RANKS", "A2_LAYERED_MAX_WINDOW_MB", "A2_LL_MULTI_SERVER_MAX_WINDOW_MB",
     "HCCL_BUFFER_NAME_KEY", "HCCL_BUFFER_SIZE_KEY", "HCCL_OP_EXPANSION_KEY", "OP_EXPANSION_ENV",

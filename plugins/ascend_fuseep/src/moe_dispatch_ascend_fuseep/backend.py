@@ -31,6 +31,7 @@ def capabilities(emulated: bool) -> mdb.Capabilities:
                     F4: "FuseEP's fused op is W8A8 INT8 dynamic only"},
         default_dtype=I8,
         fused_forward=True,
+        masked_modes=frozenset(),  # the unfused path is ascend_deepep's: PACKED
         devices=frozenset({"cpu"} if emulated else {"npu"}),
         world_sizes=frozenset(range(deepep_vendor.MIN_EP_WORLD_SIZE, deepep_vendor.MAX_EP_WORLD_SIZE_LL + 1)),
         limits={LL: mdb.Limits(max_tokens_per_rank=MAX_TOKENS, hidden_multiple=deepep_vendor.HIDDEN_MULTIPLE,

@@ -57,6 +57,7 @@ def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRele
         fp8_ue8m0=True,
         cuda_graph_modes=frozenset({LL}),
         split_phase=frozenset({N, LL}),  # LL: return_recv_hook; normal: async_finish (dispatcher.py)
+        masked_modes=frozenset({LL}),  # low_latency_dispatch's [E_local, R*T, H] as it is (dispatcher.py)
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
             N: mdb.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES,
@@ -97,6 +98,7 @@ class DeepEPBackend(mdb.Backend):
     as the adapter's own are). Every rank must pass the same (``agreement``).
     """
 
+    vendor_environment = vendor.READ_ENVIRONMENT
     name = "cuda_deepep"
     engine_sizing = ("normal: sglang's sizing (NVL/RDMA hints of both configs with hidden_bytes = 2H); the buffer is "
                      "shared with combine, which is BF16, so FP8 saves only where the dispatch config's hint is the "

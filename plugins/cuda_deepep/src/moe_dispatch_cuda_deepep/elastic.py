@@ -90,6 +90,7 @@ def capabilities(emulated: bool) -> mdb.Capabilities:
         split_phase=frozenset({N, L}),  # async_with_compute_stream: wait() orders the current stream after DeepEP's
         cuda_graph_modes=frozenset({L}),  # do_cpu_sync=False: no host wait, fixed shapes (not yet run on hardware)
         worst_case_rows=frozenset({L}),  # do_cpu_sync=False: DeepEP's worst-case rows (buffer.hpp:1065-1071)
+        masked_modes=frozenset(),  # V2 has no MASKED output: PACKED in both modes
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={N: limits, L: limits},
     )
@@ -161,6 +162,7 @@ class ElasticHandle:
 
 
 class DeepEPV2Backend(mdb.Backend):
+    vendor_environment = vendor.READ_ENVIRONMENT
     name = NAME
     description = ("DeepEP 2.x's V2 ElasticBuffer (NCCL device API): rows per (token, expert), the host waiting for "
                    "the counts in normal mode and not in low-latency mode (worst-case rows), one buffer per group; "

@@ -1580,3 +1580,8 @@ def elastic_buffer_size_hint(module: Any, group: Any, num_max_tokens_per_rank: i
         return int(elastic.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch))
     size = group.size() if group is not None else 1
     return ported_elastic_buffer_sizes(size, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).total
+
+
+#: Every variable DeepEP (and NVSHMEM under the V1 Buffer) reads at run time (``Backend.vendor_environment``: another
+#: plugin may not set one).
+READ_ENVIRONMENT = (*NVSHMEM_WRITTEN, EP_DISABLE_GIN, EP_AVOID_RECORD_STREAM)

@@ -90,6 +90,7 @@ def capabilities(info: VendorInfo) -> mdb.Capabilities:
         fallbacks={(N, I8): mdb.Fallback(F8, "CUDA MoE kernels take FP8, not INT8; FP8 sends the same bytes per element")},
         # The kernels behind it (CuTe-DSL, TRT-LLM MoE) quantize BF16 themselves.
         default_dtype=B,
+        masked_modes=frozenset(),  # PACKED: the received rows gathered by expert (alltoall.py)
         devices=frozenset({"cpu"} if info.fake else {"cuda"}),
         limits={N: mdb.Limits(hidden_multiple=128, max_top_k=info.a2a_profile().max_top_k)},
     )
@@ -104,6 +105,7 @@ class FlashInferA2ABackend(mdb.Backend):
     """FlashInfer's ``MoeAlltoAll`` (TRT-LLM's MNNVL all-to-all), normal mode, any wire dtype
     but INT8. ``in_flight``: workspaces per dispatcher (default 2)."""
 
+    vendor_environment = vendor.READ_ENVIRONMENT
     name = "flashinfer_a2a"
     engine_sizing = ("sglang's sizing per workspace: sglang (token_dispatcher/flashinfer.py @008b79d) sizes the dispatch "
                      "payload as max(quantized, BF16), i.e. for BF16, since a layer without a global scale sends BF16; "

@@ -192,6 +192,8 @@ ONE_BLOCK_PER_TOKEN_UNTIL: Version = (0, 6, 14)
 #: (and the warps per block of the WarpPolicy above).
 ENV_DISPATCH_BLOCK_SIZE = "TLLM_MOE_A2A_DISPATCH_BLOCK_SIZE"
 ENV_COMBINE_BLOCK_SIZE = "TLLM_MOE_A2A_COMBINE_BLOCK_SIZE"
+#: Every variable FlashInfer's all-to-all reads (``Backend.vendor_environment``: another plugin may not set one).
+READ_ENVIRONMENT = (ENV_ONE_BLOCK_PER_TOKEN, ENV_DISPATCH_BLOCK_SIZE, ENV_COMBINE_BLOCK_SIZE)
 DEFAULT_BLOCK_SIZE = 256
 WARP_SIZE = 32
 #: NVFP4 "4over6" scale search in fp4_quantize, read on every call, on when exactly "1"
@@ -905,6 +907,7 @@ def sm100_reason() -> str | None:
 
 
 __all__ = [
+    "READ_ENVIRONMENT",
     "A2AProfile", "FlashInferAPI", "INSTALL_HINT", "MnnvlReservation", "REAL", "RoutingLimits",
     "SIGNATURES", "SignatureRule", "VendorInfo", "Version", "a2a_phase", "aux_data_size", "combine_reduction_pairs",
     "cpp_stoi", "cutedsl_routing_limits", "default_workspace_bytes_per_token", "detect", "dispatch_vector_width",

@@ -19,8 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", type=flags.dtype,
                    help="wire dtype (repeatable; default every dtype the backend accepts)")
     p.add_argument("--mode", action="append", type=flags.mode, help=f"{flags.MODES} (repeatable; default both)")
-    p.add_argument("--world-size", type=int, action="append", help="local ranks (repeatable; default 4)")
-    p.add_argument("--tokens", type=int, action="append", help="tokens per rank (repeatable; default 128 and 512)")
+    p.add_argument("--world-size", type=flags.positive_int, action="append", help="local ranks (repeatable; default 4)")
+    p.add_argument("--tokens", type=flags.positive_int, action="append",
+                   help="tokens per rank (repeatable; default 128 and 512)")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS),
                    help="model shape (repeatable; default deepseek-v3); --hidden/--experts/--top-k override its "
                         "fields, all three without --preset are a custom shape")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 
 from moe_dispatch import InvalidSpecError
@@ -79,7 +80,14 @@ _DTYPE_COLORS = {"bf16": "tab:blue", "fp8": "tab:orange", "int8": "tab:green", "
 
 
 def require_matplotlib(path: str):  # type: ignore[no-untyped-def]
-    """``matplotlib.pyplot`` (Agg), or the one-line error naming ``--plot``: checked before any case runs."""
+    """``matplotlib.pyplot`` (Agg), or the one-line error naming ``--plot``: checked before any case runs, with the
+    path (a ``.png`` in a folder that exists and can be written)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path.lower().endswith(".png"):
+        raise InvalidSpecError("the plot is written as PNG", parameter="--plot", value=path, allowed="a path ending in .png")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise InvalidSpecError("the plot's folder does not exist or cannot be written", parameter="--plot", value=path,
+                               allowed="a .png path in an existing, writable folder")
     try:
         import matplotlib
 
@@ -87,8 +95,8 @@ def require_matplotlib(path: str):  # type: ignore[no-untyped-def]
         import matplotlib.pyplot as plt
     except ImportError:
         raise InvalidSpecError(
-            "--plot needs matplotlib, which is not installed", parameter="plot", value=path,
-            allowed='a run after `pip install "moe-dispatch[bench]"` (or matplotlib)',
+            "--plot needs matplotlib, which is not installed", parameter="--plot", value=path,
+            allowed='a run after `pip install "moe-dispatch-testing[plot]"` (or matplotlib)',
         ) from None
     return plt
 
