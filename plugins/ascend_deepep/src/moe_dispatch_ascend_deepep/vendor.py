@@ -144,7 +144,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "KN@f425bdf deep_ep.cpp"),
 )
 
-#: Every variable DeepEP-Ascend, torch_npu or HCCL reads (``Backend.vendor_environment``: another plugin may not set one).
+#: The variables another plugin may not set (``Backend.vendor_environment``): DeepEP-Ascend's reads and the HCCL ones
+#: above (not ``ASCEND_CUSTOM_OPP_PATH``/``LD_LIBRARY_PATH``, which ``import deep_ep`` writes, in this backend's probe).
 READ_ENVIRONMENT = tuple(e.name for e in ENV_VARS)
 
 STRATEGY_DEFAULT = "default"

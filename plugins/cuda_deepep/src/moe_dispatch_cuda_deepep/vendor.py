@@ -1582,6 +1582,18 @@ def elastic_buffer_size_hint(module: Any, group: Any, num_max_tokens_per_rank: i
     return ported_elastic_buffer_sizes(size, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).total
 
 
-#: Every variable DeepEP (and NVSHMEM under the V1 Buffer) reads at run time (``Backend.vendor_environment``: another
-#: plugin may not set one).
-READ_ENVIRONMENT = (*NVSHMEM_WRITTEN, EP_DISABLE_GIN, EP_AVOID_RECORD_STREAM)
+#: Read by DeepEP@dd758ca and left as set, each changing what a dispatcher does: ``import deep_ep`` skips its NCCL
+#: version check (deep_ep/__init__.py:51, run at import: :83); "0" builds a communicator of its own instead of reusing
+#: torch's (deep_ep/utils/comm.py:62); GIN across NICs (deep_ep/buffers/elastic.py:279); the RDMA service level handed
+#: to the ElasticBuffer (elastic.py:323-324).
+EP_SUPPRESS_NCCL_CHECK = "EP_SUPPRESS_NCCL_CHECK"
+EP_REUSE_NCCL_COMM = "EP_REUSE_NCCL_COMM"
+NCCL_GIN_CROSS_NIC = "NCCL_GIN_CROSS_NIC"
+EP_OVERRIDE_RDMA_SL = "EP_OVERRIDE_RDMA_SL"
+#: The variables another plugin may not set (``Backend.vendor_environment``): those DeepEP reads and that change what
+#: V1 (NVSHMEM's, written by the Buffer from its arguments) or V2 does. Not listed: ``EP_NUM_TOPK_IDX_BITS`` and
+#: ``EP_JIT_CACHE_DIR``, which ``import deep_ep`` itself sets to its build's values when unset
+#: (deep_ep/__init__.py:11-16), inside this backend's own probe; JIT, debug and hybrid-mode variables
+#: (csrc/jit/compiler.hpp, deep_ep/utils/envs.py), which change neither results nor sizes within 8 ranks.
+READ_ENVIRONMENT = (*NVSHMEM_WRITTEN, EP_DISABLE_GIN, EP_AVOID_RECORD_STREAM, EP_SUPPRESS_NCCL_CHECK,
+                    EP_REUSE_NCCL_COMM, NCCL_GIN_CROSS_NIC, EP_OVERRIDE_RDMA_SL)

@@ -192,8 +192,6 @@ ONE_BLOCK_PER_TOKEN_UNTIL: Version = (0, 6, 14)
 #: (and the warps per block of the WarpPolicy above).
 ENV_DISPATCH_BLOCK_SIZE = "TLLM_MOE_A2A_DISPATCH_BLOCK_SIZE"
 ENV_COMBINE_BLOCK_SIZE = "TLLM_MOE_A2A_COMBINE_BLOCK_SIZE"
-#: Every variable FlashInfer's all-to-all reads (``Backend.vendor_environment``: another plugin may not set one).
-READ_ENVIRONMENT = (ENV_ONE_BLOCK_PER_TOKEN, ENV_DISPATCH_BLOCK_SIZE, ENV_COMBINE_BLOCK_SIZE)
 DEFAULT_BLOCK_SIZE = 256
 WARP_SIZE = 32
 #: NVFP4 "4over6" scale search in fp4_quantize, read on every call, on when exactly "1"
@@ -213,6 +211,11 @@ ENV_DISABLE_FP4_FAST_MATH = ("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "TRTLLM_D
 FP4_FAST_MATH_ENV_RULES: tuple[tuple[Version, tuple[str, ...]], ...] = (
     ((0, 6, 0), ()), ((0, 6, 12), ("TRTLLM_DISABLE_FP4_QUANT_FAST_MATH",)), ((0, 6, 13), ENV_DISABLE_FP4_FAST_MATH))
 FP4_FAST_MATH_ENV_SINCE: Version = (0, 6, 12)
+#: The variables another plugin may not set (``Backend.vendor_environment``): those FlashInfer reads that change the
+#: all-to-all (above) or the CuTe-DSL runner's quantized activations (fp4_quantize: the 4over6 search and the fast-math
+#: reciprocals). FlashInfer's Python side reads none (flashinfer-python==0.7.2.post1 flashinfer/comm/).
+READ_ENVIRONMENT = (ENV_ONE_BLOCK_PER_TOKEN, ENV_DISPATCH_BLOCK_SIZE, ENV_COMBINE_BLOCK_SIZE, ENV_NVFP4_4OVER6,
+                    *ENV_NVFP4_4OVER6_KNOBS, *ENV_DISABLE_FP4_FAST_MATH)
 #: How FlashInfer reads a boolean variable: exactly "1" (envUtils.cpp getBoolEnv; Python
 #: nvfp4_quantization_utils.env_flag_enabled).
 ENV_TRUE = "1"
