@@ -1,0 +1,37 @@
+"""Every sglang name the adapter uses, imported once, with where it is in sglang 0.5.23 (``sglang/srt/``)."""
+
+from __future__ import annotations
+
+from sglang.srt.environ import envs  # environ.py:1439 SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (default 128)
+from sglang.srt.eplb.expert_distribution import (  # :373; the recorder's on_deepep_dispatch_low_latency(masked_m): :184
+    get_global_expert_distribution_recorder,
+)
+from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher  # :327: dispatch, combine (abstract)
+from sglang.srt.layers.moe.token_dispatcher.deepep import (
+    DeepEPLLCombineInput,  # :161 (hidden_states [E_local, R*T, H] unweighted, topk_ids, topk_weights)
+    DeepEPLLDispatchOutput,  # :130 (hidden_states, hidden_states_scale, topk_ids, topk_weights, masked_m, expected_m)
+    DeepEPPDispatchHooks,  # :110: run between dispatch_a and dispatch_b (register_deepep_dispatch_hook)
+)
+from sglang.srt.layers.moe.utils import (
+    DeepEPMode,  # :267
+    DispatcherOutputDtype,  # :297
+    get_deepep_output_dtype,  # :344: sglang's own choice of the wire dtype, from its flags and quant config
+)
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # :60, :84
+
+#: What the LL path hands the experts about the batch: DeepEP's estimate of a local expert's rows,
+#: (T * R * K + E) // E (layers/moe/token_dispatcher/deepep.py:768-771).
+
+
+def expected_m(tokens: int, world_size: int, top_k: int, num_experts: int) -> int:
+    return (tokens * world_size * top_k + num_experts) // num_experts
+
+
+def capacity() -> int:
+    """Tokens per rank a DeepEP LL buffer is sized for: sglang's own setting."""
+    return int(envs.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK.get())
+
+
+__all__ = ["BaseDispatcher", "DeepEPLLCombineInput", "DeepEPLLDispatchOutput", "DeepEPMode", "DeepEPPDispatchHooks",
+           "DispatcherOutputDtype", "HookRegistry", "HookType", "capacity", "expected_m", "get_deepep_output_dtype",
+           "get_global_expert_distribution_recorder"]

@@ -1,0 +1,86 @@
+"""moe-dispatch-sglang against sglang's own code on CPU: sglang's plugin loader installs the adapter, sglang builds its
+``DeepEPMoE`` from its server arguments at --tp 2 --ep 2 on gloo, and the layer's forward is compared with sglang's
+``moe_forward_native`` on the full experts. sglang 0.5.23 is installed by ``bash .ci/engines``; a plain pytest skips.
+
+Stand-ins for GPU-only code, labelled where they are: torchvision (``stand_ins/``: its wheel links libtorch_cuda,
+sglang's configs import it, the MoE path never calls it) and the runner's expert kernels (``sglang_ranks.experts``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed: `bash .ci/engines` runs these tests against sglang 0.5.23",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+HERE = Path(__file__).parent
+PATH = [str(HERE)] + ([] if importlib.util.find_spec("torchvision") else [str(HERE / "stand_ins")])
+sys.path[:0] = PATH
+os.environ["PYTHONPATH"] = os.pathsep.join([*PATH, os.environ.get("PYTHONPATH", "")])
+
+import sglang_ranks  # noqa: E402
+
+import moe_dispatch_sglang as mds  # noqa: E402
+
+pytestmark = pytest.mark.engine_code
+ON = {mds.BACKEND_VARIABLE: "torch", "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _on_two_ranks(tmp_path: Path, env: dict[str, str], micro_batches: int = 1, **server_args: Any) -> list[dict]:
+    mp.start_processes(sglang_ranks.forward, args=(_free_port(), tmp_path, env, server_args, micro_batches),
+                       nprocs=2, start_method="spawn")
+    return [torch.load(tmp_path / f"{rank}.pt") for rank in range(2)]
+
+
+def test_the_hook_target_and_formats_are_sglangs():
+    """Guard: fails when sglang moves what the adapter replaces or changes the LL format's fields."""
+    from sglang.srt.layers.moe.token_dispatcher import deepep
+
+    module, name = mds.HOOK_TARGET.rsplit(".", 1)
+    assert module == deepep.__name__ and isinstance(getattr(deepep, name), type)
+    assert deepep.DeepEPLLDispatchOutput._fields == ("hidden_states", "hidden_states_scale", "topk_ids",
+                                                     "topk_weights", "masked_m", "expected_m")
+    assert deepep.DeepEPLLCombineInput._fields == ("hidden_states", "topk_ids", "topk_weights")
+    from sglang.srt.batch_overlap import two_batch_overlap  # builds its inner dispatchers from this module binding
+
+    assert two_batch_overlap.DeepEPDispatcher is deepep.DeepEPDispatcher
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["blocking", "two-batch overlap"])
+def test_sglangs_deepep_layer_runs_on_moe_dispatch_as_its_native_forward(tmp_path, dtype, micro_batches):
+    results = _on_two_ranks(tmp_path, ON, micro_batches, deepep_mode="low_latency",
+                            deepep_dispatcher_output_dtype=dtype, enable_two_batch_overlap=micro_batches == 2)
+    for r in results:
+        assert "raised" not in r, r.get("traceback")
+        assert r["inners"] == ["MoEDispatchDeepEPDispatcher"] * micro_batches
+        assert r["wire"] == dtype
+        assert r["error"] < (1e-2 if dtype == "bf16" else 5e-2), r
+
+
+def test_without_the_setting_sglang_keeps_its_own_dispatcher(tmp_path):
+    """Off by default: sglang's DeepEPDispatcher stays, and asks for DeepEP (not installed here)."""
+    for r in _on_two_ranks(tmp_path, {}, deepep_mode="low_latency"):
+        assert r["raised"] == "ImportError" and "DeepEP is not available" in r["message"]
+
+
+def test_normal_mode_is_refused_at_start_up_naming_the_setting(tmp_path):
+    for r in _on_two_ranks(tmp_path, ON, deepep_mode="normal"):
+        assert (r["raised"], r["parameter"]) == ("InvalidSpecError", "--deepep-mode"), r
