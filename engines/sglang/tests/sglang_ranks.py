@@ -46,6 +46,7 @@ def experts(layer: Any) -> Any:
     """STAND-IN for sglang's GPU runner on the DeepEP LL format (deep_gemm's masked grouped GEMMs): each local expert's
     SiLU-gated MLP on its first masked_m rows, dequantized from the wire dtype, unweighted."""
     from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
+    from sglang.srt.utils.common import dispose_tensor
 
     def run_moe_core(out: Any) -> Any:
         rows = out.hidden_states.float()
@@ -56,6 +57,7 @@ def experts(layer: Any) -> Any:
             n = int(out.masked_m[e])
             gate, up = (rows[e, :n] @ layer.w13_weight[e].float().T).chunk(2, -1)
             y[e, :n] = (torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].float().T
+        dispose_tensor(out.hidden_states)  # as the real runner does after its first GEMM (moe_runner/deep_gemm.py:800)
         return DeepEPLLCombineInput(y.to(torch.bfloat16), out.topk_ids, out.topk_weights)
     return run_moe_core
 

@@ -81,6 +81,10 @@ def test_without_the_setting_sglang_keeps_its_own_dispatcher(tmp_path):
         assert r["raised"] == "ImportError" and "DeepEP is not available" in r["message"]
 
 
-def test_normal_mode_is_refused_at_start_up_naming_the_setting(tmp_path):
-    for r in _on_two_ranks(tmp_path, ON, deepep_mode="normal"):
-        assert (r["raised"], r["parameter"]) == ("InvalidSpecError", "--deepep-mode"), r
+@pytest.mark.parametrize(("setting", "parameter"), [({"deepep_mode": "normal"}, "--deepep-mode"),
+                                                    ({"deepep_mode": "low_latency",
+                                                      "deepep_dispatcher_output_dtype": "int8"},
+                                                     "--deepep-dispatcher-output-dtype")])
+def test_what_is_not_served_is_refused_when_the_layer_is_built_naming_the_setting(tmp_path, setting, parameter):
+    for r in _on_two_ranks(tmp_path, ON, **setting):
+        assert (r["raised"], r["parameter"]) == ("InvalidSpecError", parameter), r

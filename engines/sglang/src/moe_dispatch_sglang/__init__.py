@@ -14,7 +14,6 @@ the tokens travel through the named moe-dispatch backend. Checked against sglang
 
 from __future__ import annotations
 
-import logging
 import os
 
 #: The setting that switches the plugin on: a moe-dispatch backend's name (``moe-dispatch backends``).
@@ -22,8 +21,6 @@ BACKEND_VARIABLE = "MOE_DISPATCH_SGLANG_BACKEND"
 #: What the plugin replaces (sglang 0.5.23 layers/moe/token_dispatcher/deepep.py:983); sglang's hook registry
 #: re-points the names other modules imported (``MaybeTboDeepEPDispatcher``'s).
 HOOK_TARGET = "sglang.srt.layers.moe.token_dispatcher.deepep.DeepEPDispatcher"
-
-_log = logging.getLogger(__name__)
 
 __all__ = ["BACKEND_VARIABLE", "HOOK_TARGET", "register"]
 
@@ -36,6 +33,5 @@ def register() -> None:
     from ._dispatcher import MoEDispatchDeepEPDispatcher
     from ._sglang import HookRegistry, HookType
 
+    # Said at the first dispatcher, not here: sglang sets up its logging after loading its plugins.
     HookRegistry.register(HOOK_TARGET, MoEDispatchDeepEPDispatcher, HookType.REPLACE)
-    _log.info("moe-dispatch serves sglang's DeepEP MoE layers (--moe-a2a-backend deepep) on backend %r (%s)",
-              backend, BACKEND_VARIABLE)

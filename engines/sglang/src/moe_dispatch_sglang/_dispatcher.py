@@ -9,9 +9,12 @@ sglang calls, per MoE layer and micro-batch (two-batch overlap keeps one of thes
     combine_b()                              ->  .wait(): [T, H] bf16, weighted and summed
 
 The wire dtype is sglang's own choice (``get_deepep_output_dtype``: ``--deepep-dispatcher-output-dtype``, then the
-quant config), handed to the spec, so moe-dispatch's resolution trail explains it; the capacity is sglang's
-``SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK``. The dispatcher is made at the layer's first dispatch (every rank
-reaches it in the same forward), after the quant method has handed over its config.
+quant config), handed to the spec with ``strict=True`` (a backend's fallback would hand the runner another dtype), so
+moe-dispatch's resolution trail explains it; FP8 scales are powers of two where sglang's DeepGEMM runner reads them so;
+the capacity is sglang's ``SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK``. The spec is checked when the layer is
+built and when its quant config arrives; the dispatcher is made at the layer's first dispatch (sglang's warm-up
+forwards run on every rank before any CUDA-graph capture, idle ranks with zero tokens), one call in flight per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from . import _sglang as sg
 
 _log = logging.getLogger(__name__)
 
-#: sglang's dispatcher output dtypes moe-dispatch sends (MXFP4 and MXFP8 have no moe-dispatch wire format).
-_WIRE = {sg.DispatcherOutputDtype.BF16: "bf16", sg.DispatcherOutputDtype.FP8: "fp8",
-         sg.DispatcherOutputDtype.INT8: "int8", sg.DispatcherOutputDtype.NVFP4: "nvfp4"}
+#: sglang's dispatcher output dtypes served. Not: MXFP4, MXFP8 (no moe-dispatch wire format); NVFP4, whose consumer
+#: reads DeepEP's permuted [M, K/2, E] rows (layers/moe/flashinfer_cutedsl_moe.py:86-88); INT8, which DeepEP on a GPU
+#: sends as FP8 (deepep.py:519-529) and sglang's DeepGEMM runner reads with FP8's scale layout (deep_gemm.py:754).
+_WIRE = {sg.DispatcherOutputDtype.BF16: "bf16", sg.DispatcherOutputDtype.FP8: "fp8"}
+_announced = False  # the one start-up line per process (at the first dispatcher: sglang's logging is set up by then)
 
 
 class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
-    """Takes ``DeepEPDispatcher``'s place (the same constructor); refuses at construction what it cannot serve."""
+    """Takes ``DeepEPDispatcher``'s place (the same constructor); refuses when built what it cannot serve."""
 
     def __init__(self, group: "torch.distributed.ProcessGroup", router_topk: int, permute_fusion: bool = False,
                  num_experts: int | None = None, num_local_experts: int | None = None, hidden_size: int | None = None,
@@ -52,6 +57,7 @@ class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
         self.group, self.num_experts, self.router_topk = group, num_experts, router_topk
         self.hidden_size, self.num_local_experts = hidden_size, num_local_experts
         self.backend = os.environ.get(BACKEND_VARIABLE, "torch")
+        self._spec = self.spec()
         self._dispatcher: md.Dispatcher | None = None
         self._dispatching: tuple[md.Pending[md.DispatchOutput], torch.Tensor, torch.Tensor, int] | None = None
         self._output: md.DispatchOutput | None = None  # the dispatch whose rows the experts compute
@@ -65,26 +71,34 @@ class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
         if dtype not in _WIRE:
             raise md.InvalidSpecError("has no moe-dispatch wire format", parameter="--deepep-dispatcher-output-dtype",
                                       value=dtype.value, allowed=", ".join(sorted(_WIRE.values())))
-        scale = (self.quant_config or {}).get("input_global_scale")
         return md.DispatchSpec(self.hidden_size, self.num_experts, self.router_topk,
                                num_max_dispatch_tokens_per_rank=sg.capacity(), output_dtype=_WIRE[dtype],
-                               mode="low_latency", quant=md.QuantHints(input_global_scale=scale))
+                               mode="low_latency", quant=md.QuantHints(fp8_ue8m0_scales=sg.ue8m0_scales()))
 
     @property
     def dispatcher(self) -> md.Dispatcher:
+        global _announced
         if self._dispatcher is None:
-            self._dispatcher = md.create_dispatcher(self.backend, self.spec(), group=self.group)
-            _log.info("moe-dispatch layer dispatcher on backend %r: %s", self.backend, self._dispatcher.resolution)
+            self._dispatcher = md.create_dispatcher(self.backend, self._spec, group=self.group, strict=True,
+                                                    in_flight=1)
+            if not _announced:
+                _announced = True
+                _log.info("moe-dispatch serves sglang's DeepEP MoE layers (%s=%s): %s", BACKEND_VARIABLE,
+                          self.backend, self._dispatcher.resolution)
         return self._dispatcher
 
     def set_quant_config(self, quant_config: dict) -> None:
         super().set_quant_config(quant_config)
-        if self._dispatcher is not None and self.spec() != self._dispatcher.spec:
+        spec = self.spec()
+        if self._dispatcher is not None and spec != self._spec:
             raise md.InvalidSpecError("the quant config changed the dispatch after the layer's first dispatch",
                                       parameter="quant_config", value=quant_config,
                                       allowed="set before the first forward")
+        self._spec = spec
 
     def set_overlap_args(self, combine_overlap_args: Any, meta_overlap_args: dict) -> None:
+        if combine_overlap_args is None:  # shared experts overlapped outside SBO (models/deepseek_v2.py:1672-1684)
+            return super().set_overlap_args(combine_overlap_args, meta_overlap_args)
         raise md.InvalidSpecError("single-batch overlap signals DeepEP's combine kernel from inside; moe-dispatch "
                                   "has no such hook", parameter="--enable-single-batch-overlap", value=True,
                                   allowed="off (two-batch overlap works)")
@@ -109,8 +123,12 @@ class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
         self._output = out = started.wait()
         masked_m = out.expert_counts().to(torch.int32)
         sg.get_global_expert_distribution_recorder().on_deepep_dispatch_low_latency(masked_m)
-        return sg.DeepEPLLDispatchOutput(out.hidden_states, out.hidden_states_scale, ids, weights, masked_m,
-                                         expected_m)
+        # Views: sglang's DeepGEMM runner frees its input in place after the first GEMM (dispose_tensor: x.set_(),
+        # moe_runner/deep_gemm.py:800, 946), and combine checks the rows against the output it keeps.
+        return sg.DeepEPLLDispatchOutput(out.hidden_states.view(out.hidden_states.shape),
+                                         None if out.hidden_states_scale is None else
+                                         out.hidden_states_scale.view(out.hidden_states_scale.shape),
+                                         ids, weights, masked_m, expected_m)
 
     def combine(self, combine_input: Any) -> torch.Tensor:
         self.combine_a(combine_input)

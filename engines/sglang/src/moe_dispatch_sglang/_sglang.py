@@ -6,6 +6,7 @@ from sglang.srt.environ import envs  # environ.py:1439 SGLANG_DEEPEP_NUM_MAX_DIS
 from sglang.srt.eplb.expert_distribution import (  # :373; the recorder's on_deepep_dispatch_low_latency(masked_m): :184
     get_global_expert_distribution_recorder,
 )
+from sglang.srt.layers import deep_gemm_wrapper  # configurer.py:58 DEEPGEMM_SCALE_UE8M0: the runner's FP8 scales
 from sglang.srt.layers.moe.token_dispatcher.base import BaseDispatcher  # :327: dispatch, combine (abstract)
 from sglang.srt.layers.moe.token_dispatcher.deepep import (
     DeepEPLLCombineInput,  # :161 (hidden_states [E_local, R*T, H] unweighted, topk_ids, topk_weights)
@@ -27,6 +28,12 @@ def expected_m(tokens: int, world_size: int, top_k: int, num_experts: int) -> in
     return (tokens * world_size * top_k + num_experts) // num_experts
 
 
+def ue8m0_scales() -> bool:
+    """Whether sglang's DeepGEMM runner reads FP8 scales as powers of two (Blackwell): DeepEP then rounds them when
+    it quantizes (layers/moe/token_dispatcher/deepep.py:826-836), and so must the wire."""
+    return bool(deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0)
+
+
 def capacity() -> int:
     """Tokens per rank a DeepEP LL buffer is sized for: sglang's own setting."""
     return int(envs.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK.get())
@@ -34,4 +41,4 @@ def capacity() -> int:
 
 __all__ = ["BaseDispatcher", "DeepEPLLCombineInput", "DeepEPLLDispatchOutput", "DeepEPMode", "DeepEPPDispatchHooks",
            "DispatcherOutputDtype", "HookRegistry", "HookType", "capacity", "expected_m", "get_deepep_output_dtype",
-           "get_global_expert_distribution_recorder"]
+           "get_global_expert_distribution_recorder", "ue8m0_scales"]
