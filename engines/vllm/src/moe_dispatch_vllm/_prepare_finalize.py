@@ -1,0 +1,131 @@
+"""``MoEDispatchPrepareAndFinalize``: vLLM's prepare/finalize contract over a low-latency moe-dispatch dispatcher.
+
+vLLM's ``FusedMoEKernel`` calls, per MoE layer and micro-batch::
+
+    prepare(a1, topk_weights, topk_ids, ...)   ->  Dispatcher.dispatch: MASKED [E_local, capacity*world, H] rows, the
+                                                   counts as expert_num_tokens (vLLM's BatchedExperts format)
+    the batched experts                        ->  unweighted rows, TopKWeightAndReduceDelegate
+    finalize(output, fused_expert_output, ...) ->  Dispatcher.combine (weights applied, summed) into ``output``
+
+``finalize`` gets no handle, so the dispatch's output waits here, one per micro-batch (vLLM's DBO ubatch id).
+``prepare_async``/``finalize_async`` return (hook, receiver): the hook waits for the started call, so under DBO the
+other micro-batch computes while this one's tokens travel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import moe_dispatch as md
+
+from . import _vllm as vl
+
+
+def _wire(quant_config: Any) -> str:
+    """The wire dtype for the experts' ``quant_config``: BF16 rows for unquantized experts. (FP8 with 128-column
+    block scales matches vLLM's batched scale shape, [E, rows, H/128], but has not run through vLLM's experts yet.)"""
+    if quant_config.quant_dtype is None:
+        return "bf16"
+    raise md.InvalidSpecError("moe-dispatch sends BF16 to vLLM's batched experts", parameter="quant_config",
+                              value=f"{quant_config.quant_dtype} {quant_config.block_shape}",
+                              allowed="unquantized experts (FusedMoEQuantConfig with quant_dtype None)")
+
+
+class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
+    """vLLM's ``BatchedExperts`` prepare/finalize on ``dispatcher`` (low-latency mode: MASKED rows)."""
+
+    def __init__(self, dispatcher: md.Dispatcher) -> None:
+        super().__init__()
+        if dispatcher.spec.mode is not md.Mode.LOW_LATENCY:
+            raise md.InvalidSpecError("vLLM's batched experts read MASKED rows: a low-latency dispatcher",
+                                      parameter="spec.mode", value=dispatcher.spec.mode.value, allowed="low_latency")
+        self.dispatcher = dispatcher
+        self._outputs: dict[int, md.DispatchOutput] = {}  # the dispatch each micro-batch's finalize combines
+
+    @classmethod
+    def for_layer(cls, backend: str, moe: Any, quant_config: Any, group: Any = None,
+                  **create: Any) -> "MoEDispatchPrepareAndFinalize":
+        """A dispatcher made from vLLM's own layer config (``FusedMoEConfig``: sizes, ``max_num_tokens`` per rank)
+        and the experts' ``FusedMoEQuantConfig`` (the wire dtype); ``create``: more ``create_dispatcher`` arguments."""
+        spec = md.DispatchSpec(moe.hidden_dim, moe.num_experts, moe.experts_per_token,
+                               num_max_dispatch_tokens_per_rank=moe.max_num_tokens, output_dtype=_wire(quant_config),
+                               mode="low_latency")
+        return cls(md.create_dispatcher(backend, spec, group=group, strict=True, **create))
+
+    @property
+    def activation_format(self) -> Any:
+        return vl.mk.FusedMoEActivationFormat.BatchedExperts
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int64
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return self.dispatcher.spec.num_max_dispatch_tokens_per_rank
+
+    def num_dispatchers(self) -> int:
+        return self.dispatcher.world_size
+
+    def output_is_reduced(self) -> bool:
+        return True  # combine returns each token's sum over every rank's experts
+
+    def supports_async(self) -> bool:
+        return True
+
+    def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                expert_map: torch.Tensor | None, apply_router_weight_on_input: bool, quant_config: Any,
+                defer_input_quant: bool = False) -> Any:
+        hook, receiver = self.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                            apply_router_weight_on_input, quant_config, defer_input_quant)
+        hook()
+        return receiver()
+
+    def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                      expert_map: torch.Tensor | None, apply_router_weight_on_input: bool, quant_config: Any,
+                      defer_input_quant: bool = False) -> tuple[Callable[[], None], Callable[[], Any]]:
+        self._check(num_experts, apply_router_weight_on_input, quant_config, defer_input_quant)
+        started = self.dispatcher.dispatch_start(a1, topk_ids.to(torch.int64), topk_weights)
+        ubatch = vl.dbo_current_ubatch_id()
+
+        def hook() -> None:
+            self._outputs[ubatch] = started.wait()
+
+        def receiver() -> Any:
+            out = self._outputs[ubatch]
+            counts = vl.mk.ExpertTokensMetadata(expert_num_tokens=out.expert_counts().to(torch.int32),
+                                                expert_num_tokens_cpu=None)
+            return out.hidden_states, out.hidden_states_scale, counts, None, None
+        return hook, receiver
+
+    def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, apply_router_weight_on_input: bool, weight_and_reduce_impl: Any) -> None:
+        hook, receiver = self.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                                             apply_router_weight_on_input, weight_and_reduce_impl)
+        hook()
+        receiver()
+
+    def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, apply_router_weight_on_input: bool,
+                       weight_and_reduce_impl: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+        if not isinstance(weight_and_reduce_impl, vl.TopKWeightAndReduceDelegate):
+            raise md.InvalidInputError("moe-dispatch's combine applies the routing weights and sums: the experts "
+                                       "must leave both to finalize", parameter="weight_and_reduce_impl",
+                                       value=type(weight_and_reduce_impl).__name__,
+                                       allowed="TopKWeightAndReduceDelegate")
+        started = self.dispatcher.combine_start(fused_expert_output, self._outputs.pop(vl.dbo_current_ubatch_id()))
+        combined: list[torch.Tensor] = []
+        return (lambda: combined.append(started.wait())), (lambda: output.copy_(combined[0]))
+
+    def _check(self, num_experts: int, apply_router_weight_on_input: bool, quant_config: Any,
+               defer_input_quant: bool) -> None:
+        """What this prepare/finalize cannot do, refused before anything is sent."""
+        for parameter, value, allowed in (
+                ("num_experts", num_experts, self.dispatcher.spec.num_experts),
+                ("apply_router_weight_on_input", apply_router_weight_on_input, False),
+                ("defer_input_quant", defer_input_quant, False),
+                ("quant_config", _wire(quant_config), str(self.dispatcher.output_dtype))):
+            if value != allowed:
+                raise md.InvalidInputError("does not match the dispatcher (the weights are applied in combine; the "
+                                           "rows arrive in the wire dtype)", parameter=parameter, value=value,
+                                           allowed=allowed)

@@ -1,0 +1,15 @@
+"""Every vLLM name the adapter uses, imported once, with where it is in vLLM 0.33.0 (``vllm/``)."""
+
+from __future__ import annotations
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # :281 FusedMoEPrepareAndFinalizeModular
+from vllm.model_executor.layers.fused_moe.config import (  # :1274 FusedMoEConfig, :472 batched_scale_shape
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # the experts leave weights to finalize
+    TopKWeightAndReduceDelegate,
+)
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id  # :154: the micro-batch (DBO ubatch) of this thread
+
+__all__ = ["FusedMoEConfig", "FusedMoEQuantConfig", "TopKWeightAndReduceDelegate", "dbo_current_ubatch_id", "mk"]

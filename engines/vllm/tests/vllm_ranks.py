@@ -1,0 +1,114 @@
+"""What each rank of the vLLM tests runs (vLLM's own FusedMoEKernel and NaiveBatchedExperts on CPU), and the
+STAND-INS for the three run-time calls vLLM makes on a GPU, installed before vLLM is imported:
+``torch.accelerator.empty_cache`` (v1/worker/workspace.py:261), ``torch.accelerator.current_stream`` (for
+``is_capturing``, experts/fused_batched_moe.py:45) and ``torch.ops._C.silu_and_mul`` (activation.py:356; the same
+schema, in torch)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+H, I, E, K, CAPACITY = 128, 64, 8, 2, 8
+
+torch.accelerator.empty_cache = lambda: None
+torch.accelerator.current_stream = lambda *a, **k: types.SimpleNamespace(is_capturing=lambda: False)
+_LIB = torch.library.Library("_C", "DEF")
+_LIB.define("silu_and_mul(Tensor! result, Tensor input) -> ()")
+
+
+def _silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    half = x.shape[-1] // 2
+    out.copy_(torch.nn.functional.silu(x[..., :half]) * x[..., half:])
+
+
+_LIB.impl("silu_and_mul", _silu_and_mul, "CompositeExplicitAutograd")
+
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+)
+from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import NaiveBatchedExperts  # noqa: E402
+from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize  # noqa: E402
+from vllm.v1.worker.workspace import init_workspace_manager  # noqa: E402
+
+from moe_dispatch_vllm import MoEDispatchPrepareAndFinalize  # noqa: E402
+
+
+def _config(local_experts: int, world_size: int, rank: int) -> FusedMoEConfig:
+    parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=world_size, ep_size=world_size, tp_rank=0,
+                                      pcp_rank=0, dp_rank=rank, ep_rank=rank, sp_size=1, use_ep=world_size > 1,
+                                      all2all_backend="naive", enable_eplb=False)
+    return FusedMoEConfig(num_experts=E, experts_per_token=K, hidden_dim=H, intermediate_size=I,
+                          num_local_experts=local_experts, num_logical_experts=E, activation=MoEActivation.SILU,
+                          device="cpu", routing_method=list(RoutingMethodType)[0], moe_parallel_config=parallel,
+                          in_dtype=torch.bfloat16, max_num_tokens=CAPACITY)
+
+
+def forward(rank: int, world_size: int, overlapped: bool) -> dict[str, Any]:
+    """This rank's batch through vLLM's FusedMoEKernel on a moe-dispatch prepare/finalize (experts sliced to the
+    rank), against the same kernel on vLLM's own single-process BatchedPrepareAndFinalize with every expert."""
+    init_workspace_manager(torch.device("cpu"), num_ubatches=2)
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(CAPACITY - rank, H, generator=g).to(torch.bfloat16)
+    w, ids = torch.randn(x.shape[0], E, generator=g).softmax(-1).topk(K)
+    local = E // world_size
+    quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    pf = MoEDispatchPrepareAndFinalize.for_layer("torch", _config(local, world_size, rank), quant, env={})
+    kernel = mk.FusedMoEKernel(pf, NaiveBatchedExperts(_config(local, world_size, rank), quant,
+                                                       pf.max_num_tokens_per_rank(), pf.num_dispatchers()))
+    mine = slice(rank * local, (rank + 1) * local)
+    if not overlapped:
+        y = kernel.apply(x, w1[mine], w2[mine], w, ids, MoEActivation.SILU, E, None, False)
+    else:  # both micro-batches' tokens on their way before either is received, as DBO orders them
+        y = _two_micro_batches(pf, kernel, x, w1[mine], w2[mine], w, ids, quant)
+    oracle = mk.FusedMoEKernel(BatchedPrepareAndFinalize(CAPACITY, E, 1, 0),
+                               NaiveBatchedExperts(_config(E, 1, 0), quant, CAPACITY, 1))
+    reference = oracle.apply(x, w1, w2, w, ids, MoEActivation.SILU, E, None, False)
+    return {"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
+            "wire": str(pf.dispatcher.output_dtype)}
+
+
+def _two_micro_batches(pf: Any, kernel: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w: torch.Tensor,
+                       ids: torch.Tensor, quant: Any) -> torch.Tensor:
+    """DBO's order on one thread: prepare_async of both halves, then each half's received rows through the kernel's
+    own expert step (``FusedMoEKernelModularImpl._fused_experts``, as ``apply`` calls it) and finalize_async, the
+    ubatch id set as vLLM's DBO threads have it (``ubatching._THREAD_ID_TO_CONTEXT``)."""
+    from vllm.v1.worker import ubatching
+
+    halves = [slice(0, x.shape[0] // 2), slice(x.shape[0] // 2, x.shape[0])]
+    me = ubatching.threading.get_ident()
+
+    def as_ubatch(i: int) -> None:
+        ubatching._THREAD_ID_TO_CONTEXT[me] = i
+
+    started = []
+    for i, h in enumerate(halves):
+        as_ubatch(i)
+        started.append(pf.prepare_async(x[h], w[h], ids[h], E, None, False, quant))
+    finishing = []
+    for i, (h, (hook, receiver)) in enumerate(zip(halves, started)):
+        as_ubatch(i)
+        hook()
+        rows, scales, meta, _, _ = receiver()
+        fused = kernel.impl._fused_experts(
+            in_dtype=x.dtype, a1q=rows, a1q_scale=scales, w1=w1, w2=w2, topk_weights=w[h], topk_ids=ids[h],
+            activation=MoEActivation.SILU, global_num_experts=E, local_num_experts=w1.shape[0], expert_map=None,
+            apply_router_weight_on_input=False, expert_tokens_meta=meta, output_alias=None)
+        y = torch.empty(h.stop - h.start, H, dtype=x.dtype)
+        finishing.append((pf.finalize_async(y, fused, w[h], ids[h], False,
+                                            kernel.fused_experts.finalize_weight_and_reduce_impl()), y))
+    del ubatching._THREAD_ID_TO_CONTEXT[me]
+    for (hook, receiver), _ in finishing:
+        hook()
+        receiver()
+    return torch.cat([y for _, y in finishing])
