@@ -1,5 +1,5 @@
 """moe-dispatch-vllm against vLLM's own code on CPU: vLLM's ``FusedMoEKernel`` with its ``NaiveBatchedExperts`` on a
-moe-dispatch prepare/finalize at 1 and 2 ranks on gloo, against the same kernel on vLLM's own single-process
+moe-dispatch prepare/finalize at 1 and 2 ranks on gloo, blocking and on vLLM's own DBO micro-batch threads, against the same kernel on vLLM's own single-process
 ``BatchedPrepareAndFinalize``. vLLM 0.33.0 is installed by ``bash .ci/engines``; a plain pytest skips. Stand-ins for
 GPU-only calls are in ``vllm_ranks`` (labelled)."""
 
@@ -39,11 +39,11 @@ def test_the_prepare_finalize_contract_is_vllms():
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("overlapped", [False, True], ids=["blocking", "two micro-batches"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["blocking", "dual-batch overlap"])
 def test_vllms_kernel_on_moe_dispatch_agrees_with_its_own_batched_prepare_finalize(world_size, overlapped):
     for r in run_local(vllm_ranks.forward, world_size, overlapped):
         assert r["wire"] == "bf16"
-        assert r["error"] < 1e-2, r
+        assert r["error"] < 2e-2, r  # two layers of bf16 rounding: 8e-3 to 9e-3 measured
 
 
 def test_a_normal_mode_dispatcher_is_refused_naming_the_mode():

@@ -67,48 +67,56 @@ def forward(rank: int, world_size: int, overlapped: bool) -> dict[str, Any]:
     kernel = mk.FusedMoEKernel(pf, NaiveBatchedExperts(_config(local, world_size, rank), quant,
                                                        pf.max_num_tokens_per_rank(), pf.num_dispatchers()))
     mine = slice(rank * local, (rank + 1) * local)
+    layers = 2  # the same layer twice: the hand-over between layers is part of DBO
     if not overlapped:
-        y = kernel.apply(x, w1[mine], w2[mine], w, ids, MoEActivation.SILU, E, None, False)
-    else:  # both micro-batches' tokens on their way before either is received, as DBO orders them
-        y = _two_micro_batches(pf, kernel, x, w1[mine], w2[mine], w, ids, quant)
+        y = x
+        for _ in range(layers):
+            y = kernel.apply(y, w1[mine], w2[mine], w, ids, MoEActivation.SILU, E, None, False)
+    else:
+        y = _dual_batch_overlap(kernel, x, w1[mine], w2[mine], w, ids, layers)
     oracle = mk.FusedMoEKernel(BatchedPrepareAndFinalize(CAPACITY, E, 1, 0),
                                NaiveBatchedExperts(_config(E, 1, 0), quant, CAPACITY, 1))
-    reference = oracle.apply(x, w1, w2, w, ids, MoEActivation.SILU, E, None, False)
+    reference = x
+    for _ in range(layers):
+        reference = oracle.apply(reference, w1, w2, w, ids, MoEActivation.SILU, E, None, False)
     return {"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
             "wire": str(pf.dispatcher.output_dtype)}
 
 
-def _two_micro_batches(pf: Any, kernel: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w: torch.Tensor,
-                       ids: torch.Tensor, quant: Any) -> torch.Tensor:
-    """DBO's order on one thread: prepare_async of both halves, then each half's received rows through the kernel's
-    own expert step (``FusedMoEKernelModularImpl._fused_experts``, as ``apply`` calls it) and finalize_async, the
-    ubatch id set as vLLM's DBO threads have it (``ubatching._THREAD_ID_TO_CONTEXT``)."""
+def _dual_batch_overlap(kernel: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w: torch.Tensor,
+                        ids: torch.Tensor, layers: int) -> torch.Tensor:
+    """vLLM's DBO: two micro-batch threads in its own ``UBatchContext``s, each running ``layers`` layers of the kernel,
+    handing over at every prepare and finalize (``dbo_yield``, the hooks run by the other thread). STAND-IN:
+    ``ubatching.current_stream`` and the contexts' compute and comm streams are one object (CUDA streams)."""
+    import threading
+
     from vllm.v1.worker import ubatching
 
+    stream = object()
+    ubatching.current_stream = lambda: stream
+    barrier = threading.Barrier(3)
+    contexts = ubatching.make_ubatch_contexts(2, stream, stream, [None, None], barrier)
     halves = [slice(0, x.shape[0] // 2), slice(x.shape[0] // 2, x.shape[0])]
-    me = ubatching.threading.get_ident()
+    outs: list[Any] = [None, None]
 
-    def as_ubatch(i: int) -> None:
-        ubatching._THREAD_ID_TO_CONTEXT[me] = i
-
-    started = []
-    for i, h in enumerate(halves):
-        as_ubatch(i)
-        started.append(pf.prepare_async(x[h], w[h], ids[h], E, None, False, quant))
-    finishing = []
-    for i, (h, (hook, receiver)) in enumerate(zip(halves, started)):
-        as_ubatch(i)
-        hook()
-        rows, scales, meta, _, _ = receiver()
-        fused = kernel.impl._fused_experts(
-            in_dtype=x.dtype, a1q=rows, a1q_scale=scales, w1=w1, w2=w2, topk_weights=w[h], topk_ids=ids[h],
-            activation=MoEActivation.SILU, global_num_experts=E, local_num_experts=w1.shape[0], expert_map=None,
-            apply_router_weight_on_input=False, expert_tokens_meta=meta, output_alias=None)
-        y = torch.empty(h.stop - h.start, H, dtype=x.dtype)
-        finishing.append((pf.finalize_async(y, fused, w[h], ids[h], False,
-                                            kernel.fused_experts.finalize_weight_and_reduce_impl()), y))
-    del ubatching._THREAD_ID_TO_CONTEXT[me]
-    for (hook, receiver), _ in finishing:
-        hook()
-        receiver()
-    return torch.cat([y for _, y in finishing])
+    def micro_batch(i: int) -> None:
+        try:
+            with contexts[i]:
+                h = x[halves[i]]
+                for _ in range(layers):
+                    h = kernel.apply(h, w1, w2, w[halves[i]], ids[halves[i]], MoEActivation.SILU, E, None, False)
+                outs[i] = h
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the rank's thread
+            outs[i] = exc
+            contexts[i].cpu_signal_event.set()  # let the other micro-batch end
+    threads = [threading.Thread(target=micro_batch, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    contexts[0].cpu_wait_event.set()
+    for t in threads:
+        t.join(60)
+    for out in outs:
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"a micro-batch did not finish: {out!r}")
+    return torch.cat(outs)

@@ -2,13 +2,14 @@
 
 ::
 
-    prepare_finalize = MoEDispatchPrepareAndFinalize.for_layer("torch", moe_config, quant_config)
+    prepare_finalize = MoEDispatchPrepareAndFinalize.for_layer("torch", moe_config, quant_config,
+                                                               group=get_ep_group().device_group)
     kernel = FusedMoEKernel(prepare_finalize, NaiveBatchedExperts(moe_config, quant_config,
                             prepare_finalize.max_num_tokens_per_rank(), prepare_finalize.num_dispatchers()))
 
 ``MoEDispatchPrepareAndFinalize`` is a ``FusedMoEPrepareAndFinalizeModular`` in vLLM's ``BatchedExperts`` format,
-which is moe-dispatch's MASKED layout: any batched experts (vLLM's batched Triton or DeepGEMM experts, or
-``NaiveBatchedExperts``) run on any moe-dispatch backend, with ``prepare_async``/``finalize_async`` on the split phase
+which is moe-dispatch's MASKED layout: vLLM's batched experts on unquantized activations (``NaiveBatchedExperts``,
+``BatchedTritonExperts``) run on any moe-dispatch backend, with ``prepare_async``/``finalize_async`` on the split phase
 (dual-batch overlap). vLLM 0.33.0 chooses its prepare/finalize from a closed list (``maybe_make_prepare_finalize``),
 so an engine builds the kernel itself as above; vLLM PR #50556 would let a plugin register it by name.
 """

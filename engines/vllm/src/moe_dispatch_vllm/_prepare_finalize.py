@@ -48,7 +48,21 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
     def for_layer(cls, backend: str, moe: Any, quant_config: Any, group: Any = None,
                   **create: Any) -> "MoEDispatchPrepareAndFinalize":
         """A dispatcher made from vLLM's own layer config (``FusedMoEConfig``: sizes, ``max_num_tokens`` per rank)
-        and the experts' ``FusedMoEQuantConfig`` (the wire dtype); ``create``: more ``create_dispatcher`` arguments."""
+        and the experts' ``FusedMoEQuantConfig`` (the wire dtype), on ``group``: vLLM's EP group
+        (``get_ep_group().device_group``; None: the default group). ``create``: more ``create_dispatcher`` arguments.
+        The layer's experts must be the group rank's contiguous slice (vLLM's linear placement)."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        for parameter, value, allowed in (
+                ("moe_config.in_dtype", moe.in_dtype, torch.bfloat16),
+                ("moe_config.num_local_experts", moe.num_local_experts, moe.num_experts // world),
+                ("moe_config.moe_parallel_config.ep_rank", moe.moe_parallel_config.ep_rank, rank)):
+            if value != allowed:  # refused on the rank that has it, before the collective creation
+                raise md.InvalidSpecError(f"does not match the group ({world} ranks, this one {rank}): each rank "
+                                          "holds its contiguous slice of the experts, in bf16 activations",
+                                          parameter=parameter, value=value, allowed=allowed)
         spec = md.DispatchSpec(moe.hidden_dim, moe.num_experts, moe.experts_per_token,
                                num_max_dispatch_tokens_per_rank=moe.max_num_tokens, output_dtype=_wire(quant_config),
                                mode="low_latency")
@@ -113,6 +127,7 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
                                        "must leave both to finalize", parameter="weight_and_reduce_impl",
                                        value=type(weight_and_reduce_impl).__name__,
                                        allowed="TopKWeightAndReduceDelegate")
+        vl.dbo_maybe_run_recv_hook()  # the other micro-batch's pending receive, before this combine starts
         started = self.dispatcher.combine_start(fused_expert_output, self._outputs.pop(vl.dbo_current_ubatch_id()))
         combined: list[torch.Tensor] = []
         return (lambda: combined.append(started.wait())), (lambda: output.copy_(combined[0]))
