@@ -64,45 +64,58 @@ def experts(layer: Any) -> Any:
 
 def forward(rank: int, port: int, result: Path, env: dict[str, str], server_args: dict[str, Any],
             micro_batches: int = 1) -> None:
-    """sglang's DeepEPMoE, built by sglang, run on a batch of this rank's (as two micro-batches overlapped with
-    ``micro_batches=2``), against ``moe_forward_native`` on the full experts; saves what happened to ``result``."""
+    """Two of sglang's DeepEPMoE layers, built by sglang, on a batch of this rank's (as two micro-batches overlapped
+    with ``micro_batches=2``), against ``moe_forward_native`` on the full experts; saves what happened to ``result``."""
     try:
         start(rank, port, env, **server_args)
         from sglang.srt.layers.moe.ep_moe.layer import get_moe_impl_class
         from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
         from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-        layer = get_moe_impl_class(None)(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, layer_id=0,
-                                         params_dtype=torch.bfloat16)
         w13, w2 = weights()
         local = slice(rank * E // 2, (rank + 1) * E // 2)
-        layer.w13_weight.data.copy_(w13[local])
-        layer.w2_weight.data.copy_(w2[local])
-        layer.run_moe_core = experts(layer)
+        layers = []
+        for layer_id in range(2):  # the same experts in both: the reference applies them twice
+            layer = get_moe_impl_class(None)(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                                             layer_id=layer_id, params_dtype=torch.bfloat16)
+            layer.w13_weight.data.copy_(w13[local])
+            layer.w2_weight.data.copy_(w2[local])
+            layer.run_moe_core = experts(layer)
+            layers.append(layer)
         g = torch.Generator().manual_seed(1 + rank)
         x = torch.randn(6 + rank, H, generator=g).to(torch.bfloat16)
         logits = torch.randn(x.shape[0], E, generator=g)
         w, ids = logits.softmax(-1).topk(K)
         topk = StandardTopKOutput(w, ids.to(torch.int32), logits)
-        if micro_batches == 1:
-            y = layer.forward(x, topk)
-        else:  # sglang's two-batch-overlap order: both dispatches started, then each batch's experts and combine
-            d, half = layer.dispatcher, x.shape[0] // 2
-            parts = [slice(0, half), slice(half, None)]
-            for i, p in enumerate(parts):
-                d.dispatch_a(hidden_states=x[p], topk_output=StandardTopKOutput(w[p], topk.topk_ids[p], logits[p]),
-                             tbo_subbatch_index=i)
-            outs = [d.dispatch_b(tbo_subbatch_index=i) for i in range(2)]
-            for i, out in enumerate(outs):
-                d.combine_a(combine_input=layer.run_moe_core(out), tbo_subbatch_index=i)
-            y = torch.cat([d.combine_b(tbo_subbatch_index=i) for i in range(2)])
-        reference = moe_forward_native(types.SimpleNamespace(num_experts=E, w13_weight=w13, w2_weight=w2), x, topk,
-                                       layer.moe_runner_config)
-        inner = layer.dispatcher._inners[0]
+        y, reference = x, x
+        for layer in layers:
+            y = layer.forward(y, topk) if micro_batches == 1 else _two_batches(layer, y, topk)
+            reference = moe_forward_native(types.SimpleNamespace(num_experts=E, w13_weight=w13, w2_weight=w2),
+                                           reference, topk, layer.moe_runner_config)
+        inners = [inner for layer in layers for inner in layer.dispatcher._inners]
+        inner = inners[0]
         torch.save({"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
-                    "inners": [type(i).__name__ for i in layer.dispatcher._inners],
+                    "inners": [type(i).__name__ for i in layers[0].dispatcher._inners],
+                    "dispatchers": len({id(i.dispatcher) for i in inners}),
                     "wire": str(inner.dispatcher.output_dtype), "resolution": str(inner.dispatcher.resolution)},
                    result / f"{rank}.pt")
     except BaseException as exc:  # noqa: BLE001 - the test reads it
         torch.save({"raised": type(exc).__name__, "message": str(exc), "parameter": getattr(exc, "parameter", None),
                     "traceback": traceback.format_exc()}, result / f"{rank}.pt")
+
+
+def _two_batches(layer: Any, x: torch.Tensor, topk: Any) -> torch.Tensor:
+    """sglang's two-batch-overlap order on one layer: both dispatches started, then each batch's experts and
+    combine (``tbo_subbatch_index`` picks the micro-batch's inner dispatcher, as two_batch_overlap.py does)."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    d, half = layer.dispatcher, x.shape[0] // 2
+    parts = [slice(0, half), slice(half, None)]
+    for i, p in enumerate(parts):
+        d.dispatch_a(hidden_states=x[p], topk_output=StandardTopKOutput(topk.topk_weights[p], topk.topk_ids[p],
+                                                                         topk.router_logits[p]),
+                     tbo_subbatch_index=i)
+    outs = [d.dispatch_b(tbo_subbatch_index=i) for i in range(2)]
+    for i, out in enumerate(outs):
+        d.combine_a(combine_input=layer.run_moe_core(out), tbo_subbatch_index=i)
+    return torch.cat([d.combine_b(tbo_subbatch_index=i) for i in range(2)])

@@ -71,8 +71,11 @@ def test_sglangs_deepep_layer_runs_on_moe_dispatch_as_its_native_forward(tmp_pat
     for r in results:
         assert "raised" not in r, r.get("traceback")
         assert r["inners"] == ["MoEDispatchDeepEPDispatcher"] * micro_batches
+        assert r["dispatchers"] == 1  # every layer and micro-batch on one, as sglang's one DeepEP buffer
         assert r["wire"] == dtype
-        assert r["error"] < (1e-2 if dtype == "bf16" else 5e-2), r
+        # Two layers: bf16 rounding (8.4e-3 measured), or e4m3's own, about 4e-2 a layer (8.5e-2 measured); a wrong
+        # scale or row would be off by the order of the values.
+        assert r["error"] < (1.5e-2 if dtype == "bf16" else 0.12), r
 
 
 def test_without_the_setting_sglang_keeps_its_own_dispatcher(tmp_path):

@@ -12,9 +12,9 @@ The wire dtype is sglang's own choice (``get_deepep_output_dtype``: ``--deepep-d
 quant config), handed to the spec with ``strict=True`` (a backend's fallback would hand the runner another dtype), so
 moe-dispatch's resolution trail explains it; FP8 scales are powers of two where sglang's DeepGEMM runner reads them so;
 the capacity is sglang's ``SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK``. The spec is checked when the layer is
-built and when its quant config arrives; the dispatcher is made at the layer's first dispatch (sglang's warm-up
-forwards run on every rank before any CUDA-graph capture, idle ranks with zero tokens), one call in flight per
-micro-batch.
+built and when its quant config arrives; the dispatcher is made at the first dispatch (sglang's warm-up forwards run
+on every rank before any CUDA-graph capture, idle ranks with zero tokens) and shared by every layer and micro-batch
+with the same spec, logging once with its resolution trail (sglang's logging is set up by then).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ _log = logging.getLogger(__name__)
 #: reads DeepEP's permuted [M, K/2, E] rows (layers/moe/flashinfer_cutedsl_moe.py:86-88); INT8, which DeepEP on a GPU
 #: sends as FP8 (deepep.py:519-529) and sglang's DeepGEMM runner reads with FP8's scale layout (deep_gemm.py:754).
 _WIRE = {sg.DispatcherOutputDtype.BF16: "bf16", sg.DispatcherOutputDtype.FP8: "fp8"}
-_announced = False  # the one start-up line per process (at the first dispatcher: sglang's logging is set up by then)
 
 
 class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
@@ -77,14 +76,17 @@ class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
 
     @property
     def dispatcher(self) -> md.Dispatcher:
-        global _announced
         if self._dispatcher is None:
-            self._dispatcher = md.create_dispatcher(self.backend, self._spec, group=self.group, strict=True,
-                                                    in_flight=1)
-            if not _announced:
-                _announced = True
+            # One per spec and group in the process, as sglang's DeepEP buffer: a dispatcher keeps no call state, the
+            # layers run one after the other, and its two sets of buffers hold two-batch overlap's micro-batches.
+            shared = sg.shared_dispatchers()
+            key = (self.backend, self._spec, id(self.group))
+            if key not in shared:
+                shared[key] = md.create_dispatcher(self.backend, self._spec, group=self.group, strict=True,
+                                                   in_flight=2)
                 _log.info("moe-dispatch serves sglang's DeepEP MoE layers (%s=%s): %s", BACKEND_VARIABLE,
-                          self.backend, self._dispatcher.resolution)
+                          self.backend, shared[key].resolution)
+            self._dispatcher = shared[key]
         return self._dispatcher
 
     def set_quant_config(self, quant_config: dict) -> None:

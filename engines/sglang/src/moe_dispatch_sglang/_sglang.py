@@ -19,6 +19,7 @@ from sglang.srt.layers.moe.utils import (
     get_deepep_output_dtype,  # :344: sglang's own choice of the wire dtype, from its flags and quant config
 )
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # :60, :84
+from sglang.srt.runtime_context import get_resources  # :1297; .buffers: the process's named buffers (:648-651)
 
 #: What the LL path hands the experts about the batch: DeepEP's estimate of a local expert's rows,
 #: (T * R * K + E) // E (layers/moe/token_dispatcher/deepep.py:768-771).
@@ -34,6 +35,12 @@ def ue8m0_scales() -> bool:
     return bool(deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0)
 
 
+def shared_dispatchers() -> dict:
+    """The process's dispatchers, shared by every layer and micro-batch with the same spec, where sglang keeps its
+    own process-wide DeepEP buffer (``get_resources().buffers``, token_dispatcher/deepep.py:193-205)."""
+    return get_resources().buffers.setdefault("moe_dispatch", {})
+
+
 def capacity() -> int:
     """Tokens per rank a DeepEP LL buffer is sized for: sglang's own setting."""
     return int(envs.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK.get())
@@ -41,4 +48,5 @@ def capacity() -> int:
 
 __all__ = ["BaseDispatcher", "DeepEPLLCombineInput", "DeepEPLLDispatchOutput", "DeepEPMode", "DeepEPPDispatchHooks",
            "DispatcherOutputDtype", "HookRegistry", "HookType", "capacity", "expected_m", "get_deepep_output_dtype",
-           "get_global_expert_distribution_recorder", "ue8m0_scales"]
+           "get_global_expert_distribution_recorder", "shared_dispatchers",
+           "ue8m0_scales"]
