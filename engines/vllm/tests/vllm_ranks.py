@@ -66,6 +66,8 @@ def forward(rank: int, world_size: int, overlapped: bool) -> dict[str, Any]:
     pf = MoEDispatchPrepareAndFinalize.for_layer("torch", _config(local, world_size, rank), quant, env={})
     kernel = mk.FusedMoEKernel(pf, NaiveBatchedExperts(_config(local, world_size, rank), quant,
                                                        pf.max_num_tokens_per_rank(), pf.num_dispatchers()))
+    shared = MoEDispatchPrepareAndFinalize.for_layer("torch", _config(local, world_size, rank), quant,
+                                                     env={}).dispatcher is pf.dispatcher  # a second layer's
     mine = slice(rank * local, (rank + 1) * local)
     layers = 2  # the same layer twice: the hand-over between layers is part of DBO
     if not overlapped:
@@ -80,7 +82,7 @@ def forward(rank: int, world_size: int, overlapped: bool) -> dict[str, Any]:
     for _ in range(layers):
         reference = oracle.apply(reference, w1, w2, w, ids, MoEActivation.SILU, E, None, False)
     return {"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
-            "wire": str(pf.dispatcher.output_dtype)}
+            "wire": str(pf.dispatcher.output_dtype), "shared": shared}
 
 
 def _dual_batch_overlap(kernel: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w: torch.Tensor,

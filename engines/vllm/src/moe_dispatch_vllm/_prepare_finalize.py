@@ -14,6 +14,7 @@ other micro-batch computes while this one's tokens travel.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,11 @@ import torch
 import moe_dispatch as md
 
 from . import _vllm as vl
+
+
+#: The dispatchers ``for_layer`` made, per process group (gone with it).
+_SHARED: "weakref.WeakKeyDictionary[Any, dict[tuple[str, md.DispatchSpec, str], md.Dispatcher]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _wire(quant_config: Any) -> str:
@@ -66,7 +72,14 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
         spec = md.DispatchSpec(moe.hidden_dim, moe.num_experts, moe.experts_per_token,
                                num_max_dispatch_tokens_per_rank=moe.max_num_tokens, output_dtype=_wire(quant_config),
                                mode="low_latency")
-        return cls(md.create_dispatcher(backend, spec, group=group, strict=True, **create))
+        # One dispatcher per group, backend and spec, shared by the layers (as vLLM shares a DeepEP buffer through
+        # its all2all manager's handle cache): it keeps no call state and holds two micro-batches' buffers.
+        owner = group if group is not None else dist.group.WORLD  # None without torch.distributed: nothing shared
+        shared = {} if owner is None else _SHARED.setdefault(owner, {})
+        key = (backend, spec, repr(sorted(create.items())))
+        if key not in shared:
+            shared[key] = md.create_dispatcher(backend, spec, group=group, strict=True, **create)
+        return cls(shared[key])
 
     @property
     def activation_format(self) -> Any:
