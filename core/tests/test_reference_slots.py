@@ -83,6 +83,23 @@ def test_masked_padding_reads_zero_after_a_fuller_call_in_the_same_slot():
     d.combine(torch.ones(out.hidden_states.shape, dtype=torch.bfloat16), out)
 
 
+def test_the_rows_to_zero_again_stay_at_one_address_while_the_batch_keeps_its_size():
+    """A CUDA graph replays the index tensor it captured: the slot keeps its own copy of the rows a call wrote,
+    updated in place while the batch size stays (not the caller's tensor, freed after the warm-up), and the padding
+    still reads zero after each call of that size with another routing."""
+    d = _dispatcher("low_latency")
+    pool: SlotPool = d.backend_dispatcher.slots
+    kept = set()
+    for seed in range(4):
+        x, ids, w = _inputs(seed)
+        out = d.dispatch(x, ids, w)
+        rows, counts = out.hidden_states.view(torch.uint8), out.expert_counts().tolist()
+        assert all(int(rows[e, n:].count_nonzero()) == 0 for e, n in enumerate(counts)), seed
+        d.combine(torch.ones(out.hidden_states.shape, dtype=torch.bfloat16), out)
+        kept |= {written.data_ptr() for slot in pool.slots for written, _ in slot.written.values()}
+    assert len(kept) == len([1 for slot in pool.slots for _ in slot.written])  # one address per slot and buffer
+
+
 def test_low_latency_plans_in_flight_slots_at_creation_and_calls_use_them():
     for in_flight in (1, 2, 3):
         d = md.create_dispatcher("torch", md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T,

@@ -56,7 +56,9 @@ class Slot:
                   rows: torch.Tensor) -> torch.Tensor:
         """A ``shape`` buffer that is zero except where this call will write next (``rows`` of dim 0): only the rows
         the previous call through ``name`` wrote are zeroed again (MASKED padding must read as zero, never as an
-        earlier call's data)."""
+        earlier call's data). The rows are kept in the slot's own copy, updated in place while their count stays:
+        a CUDA graph captures its address, so each replay zeroes what the replay before wrote (not a freed tensor
+        of the warm-up's)."""
         raw = self.buffers.get(name)
         previous = self.written.get(name)
         buf = self.take(name, shape, dtype, device)
@@ -64,7 +66,10 @@ class Slot:
             buf.zero_()  # new memory, or laid out otherwise last time: every row
         else:
             buf.index_fill_(0, previous[0], 0)
-        self.written[name] = (rows, (shape, dtype))
+            if previous[0].shape == rows.shape:
+                previous[0].copy_(rows)
+                return buf
+        self.written[name] = (rows.clone(), (shape, dtype))
         return buf
 
 
