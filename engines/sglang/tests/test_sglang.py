@@ -21,17 +21,16 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed: `bash .ci/engines` runs these tests against sglang 0.5.23",
                 allow_module_level=True)
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.multiprocessing as mp
 
 HERE = Path(__file__).parent
 PATH = [str(HERE)] + ([] if importlib.util.find_spec("torchvision") else [str(HERE / "stand_ins")])
 sys.path[:0] = PATH
 os.environ["PYTHONPATH"] = os.pathsep.join([*PATH, os.environ.get("PYTHONPATH", "")])
 
-import sglang_ranks  # noqa: E402
-
-import moe_dispatch_sglang as mds  # noqa: E402
+import moe_dispatch_sglang as mds
+import sglang_ranks
 
 pytestmark = pytest.mark.engine_code
 ON = {mds.BACKEND_VARIABLE: "torch", "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16"}

@@ -20,10 +20,10 @@ HERE = str(Path(__file__).parent)
 sys.path.insert(0, HERE)
 os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
 
-import vllm_ranks  # noqa: E402
-from moe_dispatch_testing import run_local  # noqa: E402
+import vllm_ranks
 
-import moe_dispatch as md  # noqa: E402
+import moe_dispatch as md
+from moe_dispatch_testing import run_local
 
 pytestmark = pytest.mark.engine_code
 

@@ -26,19 +26,18 @@ def _silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
 
 _LIB.impl("silu_and_mul", _silu_and_mul, "CompositeExplicitAutograd")
 
-import vllm.model_executor.layers.fused_moe.modular_kernel as mk  # noqa: E402
-from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
-from vllm.model_executor.layers.fused_moe.config import (  # noqa: E402
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from moe_dispatch_vllm import MoEDispatchPrepareAndFinalize
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
     FUSED_MOE_UNQUANTIZED_CONFIG,
     FusedMoEConfig,
     FusedMoEParallelConfig,
     RoutingMethodType,
 )
-from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import NaiveBatchedExperts  # noqa: E402
-from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize  # noqa: E402
-from vllm.v1.worker.workspace import init_workspace_manager  # noqa: E402
-
-from moe_dispatch_vllm import MoEDispatchPrepareAndFinalize  # noqa: E402
+from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import NaiveBatchedExperts
+from vllm.model_executor.layers.fused_moe.prepare_finalize.batched import BatchedPrepareAndFinalize
+from vllm.v1.worker.workspace import init_workspace_manager
 
 
 def _config(local_experts: int, world_size: int, rank: int) -> FusedMoEConfig:

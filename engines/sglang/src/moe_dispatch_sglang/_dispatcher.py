@@ -41,7 +41,7 @@ _WIRE = {sg.DispatcherOutputDtype.BF16: "bf16", sg.DispatcherOutputDtype.FP8: "f
 class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
     """Takes ``DeepEPDispatcher``'s place (the same constructor); refuses when built what it cannot serve."""
 
-    def __init__(self, group: "torch.distributed.ProcessGroup", router_topk: int, permute_fusion: bool = False,
+    def __init__(self, group: torch.distributed.ProcessGroup, router_topk: int, permute_fusion: bool = False,
                  num_experts: int | None = None, num_local_experts: int | None = None, hidden_size: int | None = None,
                  params_dtype: torch.dtype | None = None, deepep_mode: Any = None, async_finish: bool = False,
                  return_recv_hook: bool = False, runner_backend: Any = None) -> None:
@@ -65,7 +65,7 @@ class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
         self.expert_mask_gpu = None  # read by MaybeTboDeepEPDispatcher (AITER's sink expert: not used here)
 
     def spec(self) -> md.DispatchSpec:
-        """The layer's spec from sglang's settings (its dtype choice, capacity, global scale)."""
+        """The layer's spec from sglang's settings (its dtype choice, capacity, FP8 scale form)."""
         dtype = sg.get_deepep_output_dtype(self)
         if dtype not in _WIRE:
             raise md.InvalidSpecError("has no moe-dispatch wire format", parameter="--deepep-dispatcher-output-dtype",

@@ -15,7 +15,8 @@ other micro-batch computes while this one's tokens travel.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,9 +24,8 @@ import moe_dispatch as md
 
 from . import _vllm as vl
 
-
 #: The dispatchers ``for_layer`` made, per process group (gone with it).
-_SHARED: "weakref.WeakKeyDictionary[Any, dict[tuple[str, md.DispatchSpec, str], md.Dispatcher]]" = \
+_SHARED: weakref.WeakKeyDictionary[Any, dict[tuple[str, md.DispatchSpec, str], md.Dispatcher]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -52,7 +52,7 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
 
     @classmethod
     def for_layer(cls, backend: str, moe: Any, quant_config: Any, group: Any = None,
-                  **create: Any) -> "MoEDispatchPrepareAndFinalize":
+                  **create: Any) -> MoEDispatchPrepareAndFinalize:
         """A dispatcher made from vLLM's own layer config (``FusedMoEConfig``: sizes, ``max_num_tokens`` per rank)
         and the experts' ``FusedMoEQuantConfig`` (the wire dtype), on ``group``: vLLM's EP group
         (``get_ep_group().device_group``; None: the default group). ``create``: more ``create_dispatcher`` arguments.

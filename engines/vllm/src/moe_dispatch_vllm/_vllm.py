@@ -10,6 +10,7 @@ from vllm.model_executor.layers.fused_moe.config import (  # :1274 FusedMoEConfi
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # the experts leave weights to finalize
     TopKWeightAndReduceDelegate,
 )
+
 # :154 the micro-batch (DBO ubatch) of this thread; :123 run the hook the other micro-batch left for this one (the
 # kernel does so before prepare only: modular_kernel.py:1278; a prepare/finalize does before its combine, as
 # prepare_finalize/deepep_ll.py:394 does)
