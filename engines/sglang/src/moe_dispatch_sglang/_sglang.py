@@ -21,11 +21,9 @@ from sglang.srt.layers.moe.utils import (
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # :60, :84
 from sglang.srt.runtime_context import get_resources  # :1297; .buffers: the process's named buffers (:648-651)
 
-#: What the LL path hands the experts about the batch: DeepEP's estimate of a local expert's rows,
-#: (T * R * K + E) // E (layers/moe/token_dispatcher/deepep.py:768-771).
-
-
 def expected_m(tokens: int, world_size: int, top_k: int, num_experts: int) -> int:
+    """What sglang's LL path tells the experts of a local expert's rows: (T * R * K + E) // E
+    (layers/moe/token_dispatcher/deepep.py:768-771)."""
     return (tokens * world_size * top_k + num_experts) // num_experts
 
 
