@@ -11,7 +11,7 @@ import itertools
 import queue
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from .._distributed.comm import Comm
 
 T = TypeVar("T")
+#: (0 for a receive, 1 for a start; the order submitted; the job and its future): the receives first.
+_Jobs: TypeAlias = "queue.PriorityQueue[tuple[int, int, tuple[Callable[[], object], Future]]]"
 
 
 class Receiver:
@@ -30,8 +32,7 @@ class Receiver:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        #: (0 for a receive, 1 for a start; the order submitted; the job and its future): the receives first.
-        self._jobs: "queue.PriorityQueue[tuple[int, int, tuple[Callable[[], object], Future]]]" = queue.PriorityQueue()
+        self._jobs: _Jobs = queue.PriorityQueue()
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()  # two callers' first jobs must not start two threads
@@ -120,7 +121,7 @@ def _started_group(group: "dist.ProcessGroup", timeout_s: float) -> "dist.Proces
             "create the first dispatcher of a group at the same point, not from several threads at once") from exc
 
 
-def _serve(jobs: "queue.PriorityQueue[tuple[int, int, tuple[Callable[[], object], Future]]]") -> None:
+def _serve(jobs: _Jobs) -> None:
     """The thread, holding only the queue: a job's function, and with it its dispatcher and buffers, goes once run."""
     while True:
         _, _, (fn, future) = jobs.get()
