@@ -9,7 +9,8 @@
 # DeepGEMM's first GEMM dies); deepep runs the vendor check without DeepGEMM (so that its crash cannot hide the DeepEP
 # rows), deepgemm the same check with it; bench comes last. build only builds and installs them and copies the wheels
 # to OUT_DIR; gdb (not in the default) runs the vendor check under cuda-gdb with DeepGEMM's JIT log on, for the
-# native stack of a crash in the vendor's code (2026-11-23: a segfault in DeepGEMM's contiguous GEMM). A second call
+# native stack of a crash in the vendor's code (2026-11-23: a segfault in DeepGEMM's contiguous GEMM); engines (not in
+# the default either) runs the engine adapters through sglang's and vLLM's GPU expert paths. A second call
 # while the machine is still warm keeps the wheels and the NCCL build of the first.
 #
 # VENDOR_SRC (default .hw-src) holds source trees of deepseek-ai/DeepEP (2.x, and DeepEP-v1: the last
@@ -176,6 +177,7 @@ debugger=$(command -v cuda-gdb || command -v gdb || echo gdb-not-found)
 step gdb "$out/gdb.txt" env ${nccl_env[@]+"${nccl_env[@]}"} PYTHONPATH="$dg_site:$site" DG_JIT_DEBUG=1 stdbuf -oL -eL \
   "$debugger" -q -batch -ex run -ex bt --args python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
 # 3. the bench tables at one rank, last: the vendor steps are what the builds were for.
+step engines "$out/engines.txt" python3 benchmarks/gpu/engine_adapters.py  # sglang, vLLM where the image has them
 step bench "$out/bench.txt" torchrun --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29518 \
   benchmarks/gpu/bench_torchrun.py --tokens 128 --tokens 4096 --iters 30 --warmup 5 --json "$out/bench.json"
 echo "== done after $(( SECONDS - start ))s" >>"$out/setup.log"

@@ -26,6 +26,23 @@ class DoubleWeight(TorchBackend):
         return inner
 
 
+class TokenMajorKeepsWeights(TorchBackend):
+    """Hands TOKEN_MAJOR rows the weights of experts elsewhere (DeepEP's are 0 there): a kernel that reads every
+    top-k entry counts them."""
+
+    def create(self, ctx):
+        inner = super().create(ctx)
+        real = inner.dispatch
+
+        def dispatch(x, ids, w):
+            out = real(x, ids, w)
+            if out.layout is not md.Layout.TOKEN_MAJOR:
+                return out
+            return dataclasses.replace(out, row_topk_weights=out.row_topk_weights + (out.row_topk_ids < 0) * 1.0)
+        inner.dispatch = dispatch
+        return inner
+
+
 class DropsLastRow(TorchBackend):
     """Loses the last (token, expert) row of every dispatch in normal mode."""
 

@@ -3,11 +3,12 @@
 import os
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 import moe_dispatch as md
+from moe_dispatch._checks import runs_value_checks
 from moe_dispatch_testing.routing import random_routing
 
 H, E, K, T = 256, 8, 2, 6
@@ -191,9 +192,9 @@ def test_check_inputs_true_stands_aside_while_a_cuda_graph_is_captured(monkeypat
     spec = md.DispatchSpec(128, 8, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
     d = md.create_dispatcher("torch", spec, env={}, check_inputs=True)
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
-    assert d._values(x)
+    assert runs_value_checks(d.check_inputs, x)
     monkeypatch.setattr(validation_module, "capturing", lambda t: True)
-    assert not d._values(x)
+    assert not runs_value_checks(d.check_inputs, x)
 
 
 _DTYPES = [torch.bfloat16, torch.float32, torch.int32, torch.int64]

@@ -92,3 +92,34 @@ def test_a_fused_backend_whose_dispatcher_has_no_fused_forward_is_a_plugin_error
         d.process_weights(None)
     with pytest.raises(md.PluginError, match="FusedBackendDispatcher"):
         d.forward(None, None, *_inputs(0))
+
+
+def _layer_in_both_layouts(rank: int, world: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = random_expert_weights(E, H, 64, generator=torch.Generator().manual_seed(0)).slice(rank * (E // world),
+                                                                                                E // world)
+    results = []
+    for layout in (None, "token_major"):
+        d = md.create_dispatcher("torch", md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=16,
+                                                          output_dtype=dtype, layout=layout), env={})
+        results.append(d.forward(md.TorchExperts(), weights, *_inputs(rank)))
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_token_major_rows_give_packed_rows_bits(dtype):
+    """Each received token once (``layout="token_major"``), its local experts weighted and added by ``run_experts``:
+    the same bits as PACKED rows weighted by combine, on every rank."""
+    with RankPool(2) as pool:
+        for packed, token_major in pool.map(_layer_in_both_layouts, dtype):
+            assert torch.equal(packed, token_major)
+
+
+def test_a_layout_the_backend_does_not_write_is_refused_naming_it():
+    for spec in (md.DispatchSpec(H, E, K, mode="low_latency", layout="packed"),
+                 md.DispatchSpec(H, E, K, layout="masked")):
+        with pytest.raises(md.InvalidSpecError) as info:
+            md.create_dispatcher("torch", spec, env={})
+        assert info.value.parameter == "layout"
+    with pytest.raises(md.InvalidSpecError, match="normal mode") as info:
+        md.DispatchSpec(H, E, K, mode="low_latency", layout="token_major")
+    assert info.value.parameter == "layout"

@@ -14,6 +14,7 @@ pytest_plugins = ["pytester"]
 MUTANTS = {
     "DoubleWeight": "test_dispatch_combine_conserves_tokens and 2-normal-fp8",
     "DropsLastRow": "test_dispatch_combine_conserves_tokens and 2-normal-bf16",
+    "TokenMajorKeepsWeights": "test_token_major_rows and 2",
     "SmallBuffer": "test_buffer_size_covers_the_traffic and 2-normal-fp8",
     "WritesEnvironment": "test_environment_is_untouched",
     "KeepsLastCall": "test_two_dispatches_in_flight and 2-low_latency",

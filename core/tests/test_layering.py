@@ -15,7 +15,7 @@ import moe_dispatch
 
 PACKAGE = Path(moe_dispatch.__file__).parent
 #: What a first dispatch may load (docs/design.md "Size").
-FIRST_DISPATCH_LINES = 4700  # the target is 4,500: docs/design.md "Size" says what the rest is
+FIRST_DISPATCH_LINES = 4750  # the target is 4,500: docs/design.md "Size" says what the rest is
 
 #: Lowest first. A module not listed here fails ``test_every_module_has_a_layer``.
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -26,7 +26,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the policies: the wire dtype, the input and output checks, the reference experts, the core's aligned copy
     "policy": ("_resolution", "_checks", "_experts", "_alignment"),
     # where backends and runners come from (the built-ins registered like any plugin)
-    "registry": ("_loading", "_registry", "_reference", "_reference.builtin", "_reference.exchange",
+    "registry": ("_loading", "_registry", "_listing", "_reference", "_reference.builtin", "_reference.exchange",
                  "_reference.receiver", "_reference.slots"),
     # what an engine calls, and the toolbox a plugin imports
     "runtime": ("_dispatcher", "_shared_group", "_create", "planning", "backend", ""),

@@ -75,6 +75,8 @@ WRONG: dict[type, dict[str, st.SearchStrategy]] = {
         "runner": st.one_of(st.just(""), st.integers(), st.floats(), st.booleans(), TENSORS, NUMPY, ANYTHING_ELSE),
         "group_list_type": st.one_of(NOT_AN_INT, st.integers().filter(lambda i: i not in (0, 1))),
         "expert_alignment": st.one_of(NOT_AN_INT, st.integers().filter(lambda i: not 1 <= i <= 1024)),
+        "layout": st.one_of(_not_named(md.Layout), st.integers(), st.floats(), TENSORS, ANYTHING_ELSE,
+                            OTHER_ENUMS.filter(lambda e: not isinstance(e, md.Layout))),
     },
     md.QuantHints: {
         "dispatcher_output_dtype": NOT_A_DTYPE,

@@ -13,12 +13,13 @@ import torch
 
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
+from moe_dispatch._checks import runs_value_checks
 from moe_dispatch._reference.builtin import TorchBackend
 from moe_dispatch._reference.exchange import ReferenceDispatcher
 from moe_dispatch._reference.receiver import Receiver
 from moe_dispatch._reference.slots import SlotPool
-from moe_dispatch_testing.routing import random_routing
 from moe_dispatch_testing import on_a_fresh_pool, outcome
+from moe_dispatch_testing.routing import random_routing
 
 H, E, K, T = 256, 8, 2, 16
 
@@ -105,8 +106,8 @@ def test_a_backend_that_runs_one_call_whole_says_so_through_the_core(monkeypatch
 def test_the_tensors_a_call_hands_out_are_its_outputs_own():
     """``streams.tensors_of``: what a wait() on another stream records there (the rows, scales, routing and
     group list of a DispatchOutput; a combined tensor), never the backend's handle; off CUDA no stream."""
-    from moe_dispatch.backend import hand_over, handed_over, keep_on_current, start_mark
     from moe_dispatch._streams import tensors_of
+    from moe_dispatch.backend import hand_over, handed_over, keep_on_current, start_mark
 
     d = md.create_dispatcher(TorchBackend(), _spec(), env={})
     out = d.dispatch(*_inputs(1))
@@ -349,11 +350,12 @@ def test_default_value_checks_run_on_host_memory_and_not_on_an_accelerator():
     with pytest.raises(md.InvalidInputError):  # host memory: checked
         d.dispatch(x, bad, w)
     device_rows = torch.empty(1, H, device="meta")
-    assert d._values(x) and not d._values(device_rows)  # an accelerator's tensors: no sync by default
+    # an accelerator's tensors: no sync by default
+    assert runs_value_checks(d.check_inputs, x) and not runs_value_checks(d.check_inputs, device_rows)
     d.check_inputs = True
-    assert d._values(device_rows)
+    assert runs_value_checks(d.check_inputs, device_rows)
     d.check_inputs = False
-    assert not d._values(x)
+    assert not runs_value_checks(d.check_inputs, x)
 
 
 def _dispatchers_collected_after_split_calls(rank: int, world: int):

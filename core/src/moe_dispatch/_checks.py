@@ -224,15 +224,20 @@ _OUTPUT_RULES = [
             "type(out).__name__"),
     _broken("hidden_states", "out.hidden_states.dtype is ELEMENT and out.hidden_states.shape[-1] == COLUMNS",
             "dispatch() returned these rows", "a {ELEMENT} tensor [..., {COLUMNS}]", "described(out.hidden_states)"),
-    _broken("layout", "out.layout is LAYOUT", "dispatch() returned {out.layout} rows in {MODE} mode, where its "
-            "capabilities declare {LAYOUT} (Capabilities.masked_modes)", "{LAYOUT}", "out.layout"),
-    _broken("layout", "(out.layout is PACKED and out.hidden_states.dim() == 2) "
-            "or (out.layout is MASKED and out.hidden_states.dim() == 3)", "dispatch() returned {out.layout!r} rows",
-            "PACKED [rows, cols] or MASKED [local experts, capacity, cols]", "described(out.hidden_states)"),
+    _broken("layout", "out.layout is LAYOUT", "dispatch() returned {out.layout} rows in {MODE} mode, where the "
+            "spec and its capabilities ask for {LAYOUT} (DispatchSpec.layout, Capabilities.masked_modes)", "{LAYOUT}",
+            "out.layout"),
+    _broken("layout", "out.hidden_states.dim() == (3 if out.layout is MASKED else 2)",
+            "dispatch() returned {out.layout!r} rows",
+            "MASKED [local experts, capacity, cols], otherwise [rows, cols]", "described(out.hidden_states)"),
+    _broken("row_topk_ids", "out.layout is not TOKEN_MAJOR or (out.row_topk_ids.shape == (len(out.hidden_states), "
+            "K) == out.row_topk_weights.shape and out.row_topk_ids.dtype is I64 and out.row_topk_weights.dtype is F32)",
+            "dispatch() returned TOKEN_MAJOR rows with this routing", "int64 ids and fp32 weights [rows, {K}]",
+            "(described(out.row_topk_ids), described(out.row_topk_weights))"),
     _broken("group_list", "out.group_list.shape == GROUPS and not out.group_list.is_floating_point() "
             "and out.group_list_type in (0, 1)", "dispatch() returned this group_list",
             "an integer tensor [{GROUPS[0]}] (one entry per local expert), type 0 or 1", "described(out.group_list)"),
-    _broken("hidden_states", "out.layout is PACKED or out.hidden_states.shape[0] == GROUPS[0]",
+    _broken("hidden_states", "out.layout is not MASKED or out.hidden_states.shape[0] == GROUPS[0]",
             "dispatch() returned these MASKED rows", "[{GROUPS[0]}, capacity, {COLUMNS}]",
             "described(out.hidden_states)"),
     _broken("expert_alignment", "out.layout is MASKED or out.expert_alignment == ALIGNMENT",
@@ -254,7 +259,8 @@ class OutputChecks:
         self._rules = Rules("out", _OUTPUT_RULES, {
             "BACKEND": backend, "ELEMENT": dtype.element, "COLUMNS": dtype.row_columns(spec.hidden_size),
             "GROUPS": (spec.num_experts // world_size,), "ALIGNMENT": alignment, "PACKED": Layout.PACKED,
-            "MASKED": Layout.MASKED, "LAYOUT": Layout.MASKED if masked else Layout.PACKED, "MODE": spec.mode.value,
+            "MASKED": Layout.MASKED, "TOKEN_MAJOR": Layout.TOKEN_MAJOR, "K": spec.top_k, "I64": torch.int64,
+            "F32": _F32, "LAYOUT": spec.layout or (Layout.MASKED if masked else Layout.PACKED), "MODE": spec.mode.value,
             "DispatchOutput": DispatchOutput, "described": _described})
         self._ok = self._rules.all
 
@@ -277,6 +283,9 @@ class OutputChecks:
         if masked:
             bad = counts.numel() > 0 and (lo < 0 or int(counts.max()) > per_expert)
             limit = f"0..{per_expert} rows per expert (the MASKED capacity)"
+        elif out.layout is Layout.TOKEN_MAJOR:
+            pairs = int((out.row_topk_ids >= 0).sum())  # type: ignore[operator]
+            bad, limit = lo < 0 or int(counts.sum()) != pairs, f"counts >= 0 adding up to the {pairs} local ids"
         elif out.expert_alignment > 1 or self.worst_case:
             bad = lo < 0 or int(align_up(counts, out.expert_alignment).sum()) > per_expert
             limit = (f"counts >= 0 whose segments, aligned to {out.expert_alignment} rows, fit the {per_expert} rows"

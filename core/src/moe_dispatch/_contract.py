@@ -12,7 +12,7 @@ import torch
 from ._errors import CapacityError, InvalidSpecError
 from ._output import DispatchOutput
 from ._spec import DispatchSpec, plain
-from ._wire import DispatchDtype, Mode
+from ._wire import DispatchDtype, Layout, Mode
 
 if TYPE_CHECKING:
     from ._codecs import Codec
@@ -83,6 +83,8 @@ class Capabilities:
         (gaps zeroed); in the others the core copies them there.
     :param masked_modes: modes whose dispatch returns MASKED rows; PACKED elsewhere. ``expert_alignment`` does not
         apply to MASKED rows; the core refuses an output in the other layout (``PluginError`` naming ``layout``).
+    :param token_major_modes: normal-mode only: modes whose dispatch returns TOKEN_MAJOR rows when the spec asks
+        (``DispatchSpec(layout="token_major")``) and whose combine then takes one weighted row per received row.
     :param worst_case_rows: modes (low latency only) whose PACKED rows are the backend's worst case, the same count
         every call, the rows past the experts' segments unspecified (``DispatchOutput``, "Worst-case rows"); such a
         mode writes its own alignment (it is in ``expert_alignment``: the core's copy reads exact rows). Elsewhere
@@ -104,6 +106,7 @@ class Capabilities:
     split_phase: frozenset[Mode] = frozenset()
     expert_alignment: frozenset[Mode] = frozenset()
     masked_modes: frozenset[Mode] = frozenset()
+    token_major_modes: frozenset[Mode] = frozenset()
     worst_case_rows: frozenset[Mode] = frozenset()
     devices: frozenset[str] = frozenset({"cpu"})
     limits: Mapping[Mode, Limits] = field(default_factory=dict)
@@ -116,6 +119,12 @@ class Capabilities:
 
     def limits_for(self, mode: Mode) -> Limits:
         return self.limits.get(mode, Limits())
+
+    def layouts_for(self, mode: Mode) -> tuple[Layout, ...]:
+        """The output layouts dispatch writes in ``mode``: its own (MASKED or PACKED) first, then TOKEN_MAJOR where
+        declared."""
+        own = Layout.MASKED if mode in self.masked_modes else Layout.PACKED
+        return (own, Layout.TOKEN_MAJOR) if mode in self.token_major_modes else (own,)
 
     def world_sizes_for(self, mode: Mode) -> frozenset[int] | None:
         """The EP sizes ``mode`` runs on: the backend's, narrowed by the mode's limits (None: any)."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from ._checks import InputChecks, OutputChecks, not_an_output, runs_value_checks
+from ._checks import InputChecks, OutputChecks, not_an_output
 from ._contract import Backend, BackendDispatcher, BufferSize, FusedBackendDispatcher, SplitPhaseBackendDispatcher
 from ._distributed.comm import Comm, Traffic
 from ._errors import CallOrderError, CapacityError, CommunicationError, InvalidInputError, PluginError
@@ -293,10 +293,6 @@ class Dispatcher:
             self._failed(phase, exc, before=(phase, (self._forwards if phase == "forward" else self._dispatches) + 1))
             raise
 
-    def _values(self, hidden_states: torch.Tensor) -> bool:
-        """Whether this call runs the value checks (``runs_value_checks`` under ``check_inputs``)."""
-        return runs_value_checks(self.check_inputs, hidden_states)
-
     def _dispatch_failed(self, exc: BaseException) -> NoReturn:
         oom = _out_of_memory(exc, self.buffer_size)
         self._failed("dispatch", oom or exc)
@@ -405,6 +401,9 @@ def run_experts(experts: "ExpertKernel", layer: Any, out: DispatchOutput) -> tor
     if not isinstance(out, DispatchOutput):
         raise InvalidInputError(not_an_output(out), parameter="out", value=type(out).__name__,
                                 allowed="the DispatchOutput a dispatch returned")
+    if out.layout is Layout.TOKEN_MAJOR:
+        from ._experts import token_major_experts
+        return token_major_experts(experts, layer, out)
     extra = {"expert_alignment": out.expert_alignment} if out.expert_alignment > 1 else {}
     return experts.apply_without_routing_weights(layer, out.hidden_states, out.hidden_states_scale,
                                                  out.group_list_type, out.group_list, torch.bfloat16,

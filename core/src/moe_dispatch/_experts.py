@@ -4,14 +4,17 @@ every wire dtype, both layouts and both group-list types."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from ._errors import InvalidInputError
-from ._output import align_up, group_counts, group_starts
+from ._output import align_up, group_counts, group_starts, rows_by_expert
 from ._wire import DispatchDtype, WireFormat, wire_dtype
+
+if TYPE_CHECKING:
+    from ._output import DispatchOutput
 
 
 @runtime_checkable
@@ -131,3 +134,20 @@ def dequantize_rows(hidden_states: torch.Tensor, scale: torch.Tensor | None, hid
         raise InvalidInputError(f"{dtype.value} rows need the dispatcher's global scale", parameter="global_scale",
                                 value=None, allowed="DispatchOutput.global_scale")
     return make_codec(WireFormat(dtype, hidden), global_scale).dequantize(Quantized(hidden_states, scale))
+
+
+def token_major_experts(experts: ExpertKernel, layer: Any, out: "DispatchOutput") -> torch.Tensor:
+    """TOKEN_MAJOR rows through a kernel of PACKED rows: one row per (row, local expert), the outputs weighted and
+    added per row in ascending expert order (the bits PACKED's combine adds)."""
+    ids, rows = out.row_topk_ids, out.hidden_states
+    assert ids is not None and out.row_topk_weights is not None
+    row_slot, counts = rows_by_expert(ids, len(out.group_list))
+    row = torch.div(row_slot, ids.shape[1], rounding_mode="floor")
+    raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # float8 has no index_select
+    scale = out.hidden_states_scale
+    y = experts.apply_without_routing_weights(
+        layer, raw.index_select(0, row).view(rows.dtype), None if scale is None else scale.index_select(0, row), 1,
+        counts, torch.bfloat16, global_scale=out.global_scale)
+    weighted = y.float() * out.row_topk_weights.reshape(-1).index_select(0, row_slot).unsqueeze(1)
+    return torch.zeros(len(rows), y.shape[1], device=y.device).index_add_(0, row, weighted).to(torch.bfloat16)
+

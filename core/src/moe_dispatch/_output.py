@@ -13,7 +13,8 @@ from ._wire import DispatchDtype, Layout
 
 @dataclass(frozen=True, slots=True)
 class DispatchOutput:
-    """Rows per (token, local expert), grouped by local expert, not weighted: the same for every backend.
+    """Rows per (token, local expert), grouped by local expert, not weighted: the same for every backend. Or, with
+    ``DispatchSpec(layout="token_major")``, each received token once (below).
 
     :param hidden_states: PACKED ``[rows, H]`` or MASKED ``[E_local, capacity·world, H]`` in the wire dtype's tensor
         dtype (bf16, float8_e4m3fn, int8, or uint8 packed NVFP4).
@@ -34,6 +35,12 @@ class DispatchOutput:
         ``start_{e+1} = align(start_e + count_e, expert_alignment)``; the gaps are zero (data and scales), the expert
         output keeps the same rows and combine ignores the gaps. 1: dense. (DeepEP V2 with ``do_zero_padding``;
         DeepGEMM's contiguous layout, whose ``grouped_layout`` is the type-0 group list.)
+
+    :param row_topk_ids: / :param row_topk_weights: TOKEN_MAJOR only (None otherwise): each received row's top-k as
+        int64 local expert ids (-1: an expert elsewhere, or none) and their fp32 weights (0 at -1, as DeepEP's),
+        ``[rows, top_k]``; the group list counts each local expert's (row, id) pairs. The expert output is then one
+        bf16 row per received row, its local experts' outputs weighted and summed (``run_experts`` does this);
+        combine adds the rows from the ranks.
 
     **Worst-case rows.** In low-latency mode a backend that declares ``Capabilities.worst_case_rows`` (no host sync, so
     the counts stay on the device) returns its worst-case PACKED row count, the same every call (as CUDA graphs need);
@@ -58,6 +65,8 @@ class DispatchOutput:
     call: int = 0
     combined: bool = False
     expert_alignment: int = 1
+    row_topk_ids: torch.Tensor | None = None
+    row_topk_weights: torch.Tensor | None = None
 
     def expert_counts(self) -> torch.Tensor:
         """Per-expert valid row counts, whichever group_list type is in use."""

@@ -12,9 +12,9 @@ import difflib
 import os
 import sys
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator, Mapping, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TextIO
 
 import pluggy
 
@@ -42,35 +42,8 @@ from ._loading import (
 )
 from ._reference import BUILTIN_PLUGINS
 
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What ``moe-dispatch backends`` shows for one backend (stable JSON via ``to_dict``).
-
-    :param status: ``available`` (runs here), ``unavailable`` (``probe()`` gave ``reason``, raised (``error`` has the
-        traceback) or did not answer within the deadline; ``install_hint`` says what to install), ``broken`` (its plugin
-        failed to load; ``error`` has the traceback) or ``conflict`` (two distributions register the name).
-    """
-
-    name: str
-    distribution: str | None
-    version: str | None
-    status: str
-    reason: str | None
-    capabilities: dict[str, Any] | None
-    install_hint: str = ""
-    description: str = ""
-    error: str | None = None
-    #: The variables its ``probe()`` changed and left changed (reported; none of them steers dispatch).
-    environ_changes: tuple[str, ...] = ()
-
-    @property
-    def available(self) -> bool:
-        return self.status == "available"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "available": self.available,
-                "install_hint": self.install_hint or None, "environ_changes": list(self.environ_changes)}
+if TYPE_CHECKING:
+    from ._listing import BackendInfo
 
 
 class PluginHost:
@@ -230,37 +203,20 @@ class PluginHost:
             return registered[1].label()
         return type(backend).__module__.split(".")[0]
 
-    def info(self, name: str, *, probe_timeout_s: float | None = None) -> BackendInfo:
-        if name in self._conflicts:
-            return BackendInfo(name, None, None, "conflict", f"registered by both {self._owners(name)}", None)
-        backend, record = self._backends[name]
-        probed = self.probe_result(backend, timeout_s=probe_timeout_s)
-        reason = probed.reason
-        try:
-            capabilities = backend.capabilities.to_dict()
-        except Exception as exc:  # checked at registration; a property may still fail later
-            return BackendInfo(name, record.distribution, record.version, "broken",
-                               f"capabilities raised {type(exc).__name__}: {exc}", None)
-        return BackendInfo(name=name, distribution=record.distribution, version=record.version,
-                           status="available" if reason is None else "unavailable", reason=reason,
-                           capabilities=capabilities, install_hint=backend.install_hint if reason is not None else "",
-                           description=backend.description, error=probed.error, environ_changes=probed.environ_changes)
+    def info(self, name: str, *, probe_timeout_s: float | None = None) -> "BackendInfo":
+        from ._listing import backend_info  # what ``moe-dispatch backends`` shows: not on creation's path
+        return backend_info(self, name, probe_timeout_s)
 
     def allow_list_suggestion(self, name: str) -> str | None:
         """The installed plugin or distribution name nearest to an unmatched ``MOE_DISPATCH_PLUGINS`` entry."""
         near = difflib.get_close_matches(name, self._installed_names, n=1)
         return near[0] if near else None
 
-    def available_backends(self, *, probe_timeout_s: float | None = None) -> list[BackendInfo]:
+    def available_backends(self, *, probe_timeout_s: float | None = None) -> list["BackendInfo"]:
         """Every registered backend, then every plugin that failed to load (as broken). Probes run one after another,
         each within ``probe_timeout_s`` (None: the host's): at most backends × deadline, whatever the plugins do."""
-        infos = [self.info(name, probe_timeout_s=probe_timeout_s) for name in self.backend_names()]
-        for failed in self.failures():
-            last = (failed.error or "").strip().splitlines()[-1:] or ["unknown error"]
-            infos.append(BackendInfo(name=failed.name, distribution=failed.distribution, version=failed.version,
-                                     status="broken", reason=f"plugin failed to load: {last[0]}", capabilities=None,
-                                     error=failed.error))
-        return infos
+        from ._listing import list_backends
+        return list_backends(self, probe_timeout_s)
 
     def _trace(self, message: str) -> None:
         if self._trace_to is not None:
@@ -327,7 +283,7 @@ def default_host() -> PluginHost:
     return _DEFAULT
 
 
-def available_backends(*, probe_timeout_s: float | None = None) -> list[BackendInfo]:
+def available_backends(*, probe_timeout_s: float | None = None) -> list["BackendInfo"]:
     """Every backend the default host knows, with availability and the reason; each probe not yet cached gets
     ``probe_timeout_s`` (None: ``DEFAULT_PROBE_TIMEOUT_S``)."""
     return default_host().available_backends(probe_timeout_s=probe_timeout_s)

@@ -237,6 +237,9 @@ def prepare_layer(backend: Backend, spec: DispatchSpec, world_size: int, *, runn
         raise InvalidSpecError("must be a DispatchSpec", parameter=parameter, value=spec,
                                allowed="moe_dispatch.DispatchSpec")
     backend.check_spec(spec, world_size)
+    if spec.layout is not None and spec.layout not in (layouts := backend.capabilities.layouts_for(spec.mode)):
+        raise InvalidSpecError(f"backend {backend.name!r} ({spec.mode.value}) does not write this layout",
+                               parameter="layout", value=spec.layout.value, allowed=", ".join(layouts))
     resolution = resolve_dtype(spec, backend, runners=runners, env=env, strict=strict)
     resolved = spec.with_dtype(resolution.dtype)
     if resolved.wire_format().ue8m0 and not backend.capabilities.fp8_ue8m0:

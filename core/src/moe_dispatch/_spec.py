@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from ._errors import InvalidSpecError
-from ._wire import DispatchDtype, Mode, WireFormat, wire_dtype
+from ._wire import DispatchDtype, Layout, Mode, WireFormat, wire_dtype
 
 _FP32_TINY, _FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 #: The largest ``expert_alignment``: every local expert may add alignment - 1 padding rows per call.
@@ -143,6 +143,9 @@ class DispatchSpec:
         gaps zero-filled (DeepGEMM's contiguous layout wants its ``get_mk_alignment_for_contiguous_layout()``, 128):
         1 = dense. A backend that cannot write that layout itself has the core copy its rows into it
         (``Dispatcher.alignment`` says which); MASKED outputs ignore it.
+    :param layout: the output layout the engine reads: None (the backend's for the mode, MASKED or PACKED), or one the
+        backend writes in the mode (``Capabilities.layouts_for``), e.g. ``"token_major"`` (each received token once:
+        DeepEP's normal layout, sglang's and vLLM's token-major formats).
     """
 
     hidden_size: int
@@ -155,6 +158,7 @@ class DispatchSpec:
     runner: str | None = None
     group_list_type: int = 1
     expert_alignment: int = 1
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "num_max_dispatch_tokens_per_rank"):
@@ -183,6 +187,11 @@ class DispatchSpec:
         if not 1 <= self.expert_alignment <= MAX_EXPERT_ALIGNMENT:
             raise InvalidSpecError("must be the row multiple each local expert's rows start at",
                                    parameter="expert_alignment", value=self.expert_alignment, allowed=rows)
+        object.__setattr__(self, "layout", Layout.parse(self.layout))
+        if self.layout is Layout.TOKEN_MAJOR and (self.mode is not Mode.NORMAL or self.expert_alignment > 1):
+            raise InvalidSpecError("token-major rows are normal mode's and dense (each received token once)",
+                                   parameter="layout", value=self.layout.value,
+                                   allowed="token_major with mode normal and expert_alignment 1")
 
     def with_dtype(self, dtype: DispatchDtype) -> "DispatchSpec":
         """The same spec with a concrete wire dtype (what backends size buffers for)."""

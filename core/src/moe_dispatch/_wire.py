@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,20 @@ from ._errors import InvalidSpecError
 class _ValueEnum(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def _named(cls, value: object, parameter: str, what: str, none: str = "") -> Any:
+        """``value`` as a member: a member, or its value in any case, ``-`` for ``_``; ``none`` (e.g. "auto") and
+        None give None where the field allows it."""
+        if isinstance(value, cls) or (none and value is None):
+            return value
+        text = str(value).strip().lower().replace("-", "_")
+        if none and text == none:
+            return None
+        if text in cls._value2member_map_:
+            return cls(text)
+        raise InvalidSpecError(f"unknown {what}", parameter=parameter, value=value,
+                               allowed=", ".join([none] * bool(none) + [m.value for m in cls]))
 
 
 class DispatchDtype(_ValueEnum):
@@ -31,15 +46,7 @@ class DispatchDtype(_ValueEnum):
     @classmethod
     def parse(cls, value: "str | DispatchDtype | None", parameter: str = "output_dtype") -> "DispatchDtype | None":
         """``"auto"`` (or None) gives None, meaning "let resolution decide"."""
-        if value is None or isinstance(value, DispatchDtype):
-            return value
-        text = str(value).strip().lower()
-        if text == "auto":
-            return None
-        if text in {m.value for m in cls}:
-            return cls(text)
-        raise InvalidSpecError("unknown dispatch dtype", parameter=parameter, value=value,
-                               allowed="auto, " + ", ".join(m.value for m in cls))
+        return cls._named(value, parameter, "dispatch dtype", none="auto")
 
 
 class Mode(_ValueEnum):
@@ -51,22 +58,24 @@ class Mode(_ValueEnum):
 
     @classmethod
     def parse(cls, value: "str | Mode", parameter: str = "mode") -> "Mode":
-        if isinstance(value, Mode):
-            return value
-        text = str(value).strip().lower().replace("-", "_")
-        if text in {m.value for m in cls}:
-            return cls(text)
-        raise InvalidSpecError("unknown dispatch mode", parameter=parameter, value=value,
-                               allowed="normal, low_latency")
+        return cls._named(value, parameter, "dispatch mode")
 
 
 class Layout(_ValueEnum):
     """PACKED: ``[rows, H]``, rows per (token, local expert) grouped by expert. MASKED:
     ``[E_local, capacity * world_size, H]``; expert ``e`` has ``group_list``-many valid rows at the front, the rest
-    is padding."""
+    is padding. TOKEN_MAJOR (normal mode, where a backend declares it; DeepEP's normal layout): ``[rows, H]``, each
+    received token once, with its local top-k (``DispatchOutput.row_topk_ids``); the expert output is one row per
+    received row, weighted and summed over its local experts."""
 
     PACKED = "packed"
     MASKED = "masked"
+    TOKEN_MAJOR = "token_major"
+
+    @classmethod
+    def parse(cls, value: "str | Layout | None", parameter: str = "layout") -> "Layout | None":
+        """None: the backend's layout for the mode."""
+        return None if value is None else cls._named(value, parameter, "output layout")
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,20 @@ from typing import Any
 
 import torch
 
-H, I, E, K = 128, 64, 8, 2
+H, I, E, K = 2048, 64, 8, 2  # 2048: a hidden size DeepEP's low-latency kernels are built for
 MODEL = Path(__file__).parent / "model"  # a config.json only: ServerArgs reads the architecture from it
+DEEP_GEMM = "TEST_STAND_IN_DEEP_GEMM"  # set: sglang runs as with DeepGEMM on a GPU (normal mode then sends FP8)
+DEEP_EP = "TEST_STAND_IN_DEEP_EP"  # set: DeepEP is its CPU fake (moe-dispatch-cuda-deepep-testing)
 
 
 def start(rank: int, port: int, env: dict[str, str], **server_args: Any) -> None:
     """sglang's start-up on this rank, in the order its scheduler takes it."""
     os.environ.update(env)
+    if env.get(DEEP_EP):  # STAND-IN: DeepEP's CPU fake where the cuda_deepep plugin imports deep_ep
+        import sys
+
+        from moe_dispatch_cuda_deepep_testing.fakes import deep_ep
+        sys.modules["deep_ep"] = deep_ep
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # before the arguments are parsed, as launch_server does
@@ -30,6 +37,10 @@ def start(rank: int, port: int, env: dict[str, str], **server_args: Any) -> None
                       **server_args)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
     initialize_moe_config()
+    if env.get(DEEP_GEMM):
+        from sglang.srt.layers import deep_gemm_wrapper
+
+        deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = True  # STAND-IN: DeepGEMM's JIT on, as on an SM90 GPU (configurer.py:55)
     init_distributed_environment(world_size=2, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                  local_rank=0, backend="gloo", moe_a2a_backend="deepep")
     initialize_model_parallel()
@@ -43,22 +54,33 @@ def weights() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def experts(layer: Any) -> Any:
-    """STAND-IN for sglang's GPU runner on the DeepEP LL format (deep_gemm's masked grouped GEMMs): each local expert's
-    SiLU-gated MLP on its first masked_m rows, dequantized from the wire dtype, unweighted."""
-    from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput
+    """STAND-IN for sglang's GPU runners (deep_gemm's grouped GEMMs): each local expert's SiLU-gated MLP, dequantized
+    from the wire dtype. Low latency: on each expert's first masked_m rows, unweighted. Normal: each received row's
+    local experts (ids >= 0), weighted and summed, as ep_scatter, the contiguous GEMMs and ep_gather give."""
+    from sglang.srt.layers.moe.token_dispatcher.deepep import DeepEPLLCombineInput, DeepEPNormalCombineInput
     from sglang.srt.utils.common import dispose_tensor
 
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = (rows @ layer.w13_weight[e].float().T).chunk(2, -1)
+        return (torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].float().T
+
     def run_moe_core(out: Any) -> Any:
-        rows = out.hidden_states.float()
-        if out.hidden_states_scale is not None:  # FP8: one fp32 scale per 128 columns
-            rows = (rows.unflatten(-1, (-1, 128)) * out.hidden_states_scale.unsqueeze(-1)).flatten(-2)
-        y = torch.zeros(*rows.shape[:2], H)
-        for e in range(rows.shape[0]):
-            n = int(out.masked_m[e])
-            gate, up = (rows[e, :n] @ layer.w13_weight[e].float().T).chunk(2, -1)
-            y[e, :n] = (torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].float().T
+        rows, scale = out.hidden_states.float(), out.hidden_states_scale
+        if scale is not None:  # FP8: one scale per 128 columns (fp32, or four UE8M0 exponents an int32)
+            scale = scale.view(torch.uint8).float().sub(127).exp2() if scale.dtype == torch.int32 else scale
+            rows = (rows.unflatten(-1, (-1, 128)) * scale[..., : rows.shape[-1] // 128].unsqueeze(-1)).flatten(-2)
+        if hasattr(out, "masked_m"):
+            y = torch.zeros(*rows.shape[:2], H)
+            for e in range(rows.shape[0]):
+                y[e, : int(out.masked_m[e])] = mlp(e, rows[e, : int(out.masked_m[e])])
+            combine_input = DeepEPLLCombineInput
+        else:
+            y = torch.zeros(rows.shape[0], H)
+            for n, j in (out.topk_ids >= 0).nonzero().tolist():
+                y[n] += out.topk_weights[n, j] * mlp(int(out.topk_ids[n, j]), rows[n])
+            combine_input = DeepEPNormalCombineInput
         dispose_tensor(out.hidden_states)  # as the real runner does after its first GEMM (moe_runner/deep_gemm.py:800)
-        return DeepEPLLCombineInput(y.to(torch.bfloat16), out.topk_ids, out.topk_weights)
+        return combine_input(y.to(torch.bfloat16), out.topk_ids, out.topk_weights)
     return run_moe_core
 
 
@@ -87,17 +109,24 @@ def forward(rank: int, port: int, result: Path, env: dict[str, str], server_args
         logits = torch.randn(x.shape[0], E, generator=g)
         w, ids = logits.softmax(-1).topk(K)
         topk = StandardTopKOutput(w, ids.to(torch.int32), logits)
-        y, reference = x, x
-        for layer in layers:
-            y = layer.forward(y, topk) if micro_batches == 1 else _two_batches(layer, y, topk)
-            reference = moe_forward_native(types.SimpleNamespace(num_experts=E, w13_weight=w13, w2_weight=w2),
-                                           reference, topk, layer.moe_runner_config)
+        from sglang.srt.runtime_context import get_forward
+
+        errors = []
+        for extend in [True, False] if server_args.get("deepep_mode") == "auto" else [False]:
+            y, reference = x, x
+            with get_forward().scoped(is_extend_in_batch=extend):  # a prefill (True) or decode batch; auto picks by it
+                for layer in layers:
+                    y = layer.forward(y, topk) if micro_batches == 1 else _two_batches(layer, y, topk)
+                    reference = moe_forward_native(types.SimpleNamespace(num_experts=E, w13_weight=w13,
+                                                                         w2_weight=w2),
+                                                   reference, topk, layer.moe_runner_config)
+            errors.append(((y.float() - reference.float()).norm() / reference.float().norm()).item())
         inners = [inner for layer in layers for inner in layer.dispatcher._inners]
-        inner = inners[0]
-        torch.save({"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
+        used = [d for inner in inners for d in inner._dispatchers.values()]
+        torch.save({"error": max(errors),
                     "inners": [type(i).__name__ for i in layers[0].dispatcher._inners],
-                    "dispatchers": len({id(i.dispatcher) for i in inners}),
-                    "wire": str(inner.dispatcher.output_dtype), "resolution": str(inner.dispatcher.resolution)},
+                    "dispatchers": len({id(d) for d in used}), "modes": sorted({d.spec.mode.value for d in used}),
+                    "wire": sorted({str(d.output_dtype) for d in used}), "resolution": str(used[0].resolution)},
                    result / f"{rank}.pt")
     except BaseException as exc:  # noqa: BLE001 - the test reads it
         torch.save({"raised": type(exc).__name__, "message": str(exc), "parameter": getattr(exc, "parameter", None),

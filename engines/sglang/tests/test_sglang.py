@@ -33,7 +33,10 @@ import moe_dispatch_sglang as mds
 import sglang_ranks
 
 pytestmark = pytest.mark.engine_code
-ON = {mds.BACKEND_VARIABLE: "torch", "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16"}
+OFF = {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "16", sglang_ranks.DEEP_GEMM: "1"}
+ON = {mds.BACKEND_VARIABLE: "torch", **OFF}
+#: The backends the layers run on: the reference, and the cuda_deepep plugin on DeepEP's CPU fake.
+BACKENDS = {"torch": ON, "cuda_deepep": {**ON, mds.BACKEND_VARIABLE: "cuda_deepep", sglang_ranks.DEEP_EP: "1"}}
 
 
 def _free_port() -> int:
@@ -57,21 +60,34 @@ def test_the_hook_target_and_formats_are_sglangs():
     assert deepep.DeepEPLLDispatchOutput._fields == ("hidden_states", "hidden_states_scale", "topk_ids",
                                                      "topk_weights", "masked_m", "expected_m")
     assert deepep.DeepEPLLCombineInput._fields == ("hidden_states", "topk_ids", "topk_weights")
+    assert deepep.DeepEPNormalDispatchOutput._fields == ("hidden_states", "hidden_states_scale", "topk_ids",
+                                                         "topk_weights", "num_recv_tokens_per_expert")
+    assert deepep.DeepEPNormalCombineInput._fields == ("hidden_states", "topk_ids", "topk_weights")
     from sglang.srt.batch_overlap import two_batch_overlap  # builds its inner dispatchers from this module binding
 
     assert two_batch_overlap.DeepEPDispatcher is deepep.DeepEPDispatcher
 
 
+MODES = {"low_latency": ["low_latency"], "normal": ["normal"], "auto": ["low_latency", "normal"]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("micro_batches", [1, 2], ids=["blocking", "two-batch overlap"])
-def test_sglangs_deepep_layer_runs_on_moe_dispatch_as_its_native_forward(tmp_path, dtype, micro_batches):
-    results = _on_two_ranks(tmp_path, ON, micro_batches, deepep_mode="low_latency",
+def test_sglangs_deepep_layer_runs_on_moe_dispatch_as_its_native_forward(tmp_path, mode, dtype, micro_batches,
+                                                                         backend):
+    """Low latency on MASKED rows, normal on TOKEN_MAJOR rows, auto on both (a prefill, then a decode batch)."""
+    if backend != "torch" and importlib.util.find_spec("moe_dispatch_cuda_deepep_testing") is None:
+        pytest.skip("moe-dispatch-cuda-deepep-testing is not installed (bash .ci/engines installs it)")
+    results = _on_two_ranks(tmp_path, BACKENDS[backend], micro_batches, deepep_mode=mode,
                             deepep_dispatcher_output_dtype=dtype, enable_two_batch_overlap=micro_batches == 2)
     for r in results:
         assert "raised" not in r, r.get("traceback")
         assert r["inners"] == ["MoEDispatchDeepEPDispatcher"] * micro_batches
-        assert r["dispatchers"] == 1  # every layer and micro-batch on one, as sglang's one DeepEP buffer
-        assert r["wire"] == dtype
+        # every layer and micro-batch on one per mode, as sglang's one DeepEP buffer
+        assert (r["modes"], r["dispatchers"]) == (MODES[mode], len(MODES[mode]))
+        assert r["wire"] == [dtype]
         # Two layers: bf16 rounding (8.4e-3 measured), or e4m3's own, about 4e-2 a layer (8.5e-2 measured); a wrong
         # scale or row would be off by the order of the values.
         assert r["error"] < (1.5e-2 if dtype == "bf16" else 0.12), r
@@ -79,14 +95,22 @@ def test_sglangs_deepep_layer_runs_on_moe_dispatch_as_its_native_forward(tmp_pat
 
 def test_without_the_setting_sglang_keeps_its_own_dispatcher(tmp_path):
     """Off by default: sglang's DeepEPDispatcher stays, and asks for DeepEP (not installed here)."""
-    for r in _on_two_ranks(tmp_path, {}, deepep_mode="low_latency"):
+    for r in _on_two_ranks(tmp_path, OFF, deepep_mode="low_latency"):
         assert r["raised"] == "ImportError" and "DeepEP is not available" in r["message"]
 
 
-@pytest.mark.parametrize(("setting", "parameter"), [({"deepep_mode": "normal"}, "--deepep-mode"),
-                                                    ({"deepep_mode": "low_latency",
-                                                      "deepep_dispatcher_output_dtype": "int8"},
-                                                     "--deepep-dispatcher-output-dtype")])
+def test_without_deep_gemm_normal_mode_sends_bf16_as_sglang_does(tmp_path):
+    """sglang quantizes normal mode's rows for its DeepGEMM runner only; the others read BF16."""
+    env = {k: v for k, v in ON.items() if k != sglang_ranks.DEEP_GEMM}
+    for r in _on_two_ranks(tmp_path, env, deepep_mode="normal", deepep_dispatcher_output_dtype="fp8"):
+        assert "raised" not in r, r.get("traceback")
+        assert r["wire"] == ["bf16"] and r["error"] < 1.5e-2, r
+
+
+@pytest.mark.parametrize(("setting", "parameter"), [
+    *[({"deepep_mode": mode, "deepep_dispatcher_output_dtype": "int8"}, "--deepep-dispatcher-output-dtype")
+      for mode in MODES],
+    ({"deepep_mode": "normal", "chunked_prefill_size": -1}, "--chunked-prefill-size")])
 def test_what_is_not_served_is_refused_when_the_layer_is_built_naming_the_setting(tmp_path, setting, parameter):
     for r in _on_two_ranks(tmp_path, ON, **setting):
         assert (r["raised"], r["parameter"]) == ("InvalidSpecError", parameter), r

@@ -1,8 +1,9 @@
 """What each rank of the vLLM tests runs (vLLM's own FusedMoEKernel and NaiveBatchedExperts on CPU), and the
-STAND-INS for the three run-time calls vLLM makes on a GPU, installed before vLLM is imported:
+STAND-INS for the run-time calls vLLM makes on a GPU, installed before vLLM is imported:
 ``torch.accelerator.empty_cache`` (v1/worker/workspace.py:261), ``torch.accelerator.current_stream`` (for
-``is_capturing``, experts/fused_batched_moe.py:45) and ``torch.ops._C.silu_and_mul`` (activation.py:356; the same
-schema, in torch)."""
+``is_capturing``, experts/fused_batched_moe.py:45), ``torch.ops._C.silu_and_mul`` (activation.py:356) and
+``torch.ops._moe_C.moe_sum`` (_custom_ops.py:2196, the Standard format's top-k sum), the same schemas, in torch; and
+``StandardExperts`` for vLLM's GPU experts of the Standard format."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-H, I, E, K, CAPACITY = 128, 64, 8, 2, 8
+H, I, E, K, CAPACITY = 2048, 64, 8, 2, 8  # 2048: a hidden size DeepEP's low-latency kernels are built for
 
 torch.accelerator.empty_cache = lambda: None
 torch.accelerator.current_stream = lambda *a, **k: types.SimpleNamespace(is_capturing=lambda: False)
@@ -25,6 +26,15 @@ def _silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
 
 
 _LIB.impl("silu_and_mul", _silu_and_mul, "CompositeExplicitAutograd")
+_MOE_LIB = torch.library.Library("_moe_C", "DEF")
+_MOE_LIB.define("moe_sum(Tensor input, Tensor! output, Tensor? topk_ids, Tensor? expert_map) -> ()")
+
+
+def _moe_sum(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None, expert_map: torch.Tensor | None) -> None:
+    out.copy_(x.sum(1))
+
+
+_MOE_LIB.impl("moe_sum", _moe_sum, "CompositeExplicitAutograd")
 
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from moe_dispatch_vllm import MoEDispatchPrepareAndFinalize
@@ -50,9 +60,53 @@ def _config(local_experts: int, world_size: int, rank: int) -> FusedMoEConfig:
                           in_dtype=torch.bfloat16, max_num_tokens=CAPACITY)
 
 
-def forward(rank: int, world_size: int, overlapped: bool) -> dict[str, Any]:
-    """This rank's batch through vLLM's FusedMoEKernel on a moe-dispatch prepare/finalize (experts sliced to the
-    rank), against the same kernel on vLLM's own single-process BatchedPrepareAndFinalize with every expert."""
+class StandardExperts(mk.FusedMoEExpertsModular):
+    """STAND-IN for vLLM's GPU experts of the Standard format (TritonExperts, DeepGemmExperts): each (row, k) entry's
+    expert, localized by ``expert_map`` (skipped where it gives -1), SiLU-gated, weighted and summed into ``output``
+    [M, H] (TopKWeightAndReduceNoOP, triton_moe.py:197, 641-651). ``reduces=False``: unweighted into [M, topk, H],
+    the weights and the sum left to finalize (TopKWeightAndReduceDelegate)."""
+
+    activation_format = staticmethod(lambda: mk.FusedMoEActivationFormat.Standard)
+    _supports_current_device = _supports_no_act_and_mul = staticmethod(lambda: True)
+    _supports_quant_scheme = _supports_activation = _supports_parallel_config = staticmethod(lambda *a: True)
+    reduces = True
+
+    def workspace_shapes(self, M: int, N: int, K: int, topk: int, *args: Any) -> tuple:
+        return (M, topk, max(N, K)), (M, topk, N // 2), (M, K) if self.reduces else (M, topk, K)
+
+    def finalize_weight_and_reduce_impl(self) -> Any:
+        from vllm.model_executor.layers.fused_moe import topk_weight_and_reduce as reduce
+        return reduce.TopKWeightAndReduceNoOP() if self.reduces else reduce.TopKWeightAndReduceDelegate()
+
+    def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+              expert_map: torch.Tensor | None, **kwargs: Any) -> None:
+        local = topk_ids if expert_map is None else expert_map[topk_ids]
+        out = torch.zeros(*output.shape, dtype=torch.float32)
+        for n, j in (local >= 0).nonzero().tolist():
+            gate, up = (hidden_states[n].float() @ w1[int(local[n, j])].float().T).chunk(2, -1)
+            y = (torch.nn.functional.silu(gate) * up) @ w2[int(local[n, j])].float().T
+            if self.reduces:
+                out[n] += topk_weights[n, j] * y
+            else:
+                out[n, j] = y
+        output.copy_(out)
+
+
+class DelegatingStandardExperts(StandardExperts):
+    reduces = False
+
+
+def forward(rank: int, world_size: int, overlapped: bool, mode: str = "low_latency", backend: str = "torch",
+            experts_reduce: bool = True) -> dict[str, Any]:
+    """This rank's batch through vLLM's FusedMoEKernel on a moe-dispatch ``backend``'s prepare/finalize (experts
+    sliced to the rank; ``mode`` normal: the Standard format, the experts reducing themselves or not), against the
+    same layer on vLLM's own single-process BatchedPrepareAndFinalize with every expert."""
+    if backend == "cuda_deepep":  # STAND-IN: DeepEP's CPU fake where the cuda_deepep plugin imports deep_ep
+        import sys
+
+        from moe_dispatch_cuda_deepep_testing.fakes import deep_ep
+        sys.modules["deep_ep"] = deep_ep
     init_workspace_manager(torch.device("cpu"), num_ubatches=2)
     g = torch.Generator().manual_seed(0)
     w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)
@@ -62,30 +116,37 @@ def forward(rank: int, world_size: int, overlapped: bool) -> dict[str, Any]:
     w, ids = torch.randn(x.shape[0], E, generator=g).softmax(-1).topk(K)
     local = E // world_size
     quant = FUSED_MOE_UNQUANTIZED_CONFIG
-    pf = MoEDispatchPrepareAndFinalize.for_layer("torch", _config(local, world_size, rank), quant, env={})
-    kernel = mk.FusedMoEKernel(pf, NaiveBatchedExperts(_config(local, world_size, rank), quant,
-                                                       pf.max_num_tokens_per_rank(), pf.num_dispatchers()))
-    shared = MoEDispatchPrepareAndFinalize.for_layer("torch", _config(local, world_size, rank), quant,
+    config = _config(local, world_size, rank)
+    pf = MoEDispatchPrepareAndFinalize.for_layer(backend, config, quant, mode=mode, env={})
+    standard = StandardExperts if experts_reduce else DelegatingStandardExperts
+    experts = (standard(config, quant) if mode == "normal" else
+               NaiveBatchedExperts(config, quant, pf.max_num_tokens_per_rank(), pf.num_dispatchers()))
+    kernel = mk.FusedMoEKernel(pf, experts)
+    shared = MoEDispatchPrepareAndFinalize.for_layer(backend, config, quant, mode=mode,
                                                      env={}).dispatcher is pf.dispatcher  # a second layer's
     mine = slice(rank * local, (rank + 1) * local)
+    expert_map = None  # the batched rows are per local expert already
+    if mode == "normal":  # global ids: localized by the map vLLM's FusedMoE layer builds under EP
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[mine] = torch.arange(local, dtype=torch.int32)
     layers = 2  # the same layer twice: the hand-over between layers is part of DBO
     if not overlapped:
         y = x
         for _ in range(layers):
-            y = kernel.apply(y, w1[mine], w2[mine], w, ids, MoEActivation.SILU, E, None, False)
+            y = kernel.apply(y, w1[mine], w2[mine], w, ids, MoEActivation.SILU, E, expert_map, False)
     else:
-        y = _dual_batch_overlap(kernel, x, w1[mine], w2[mine], w, ids, layers)
+        y = _dual_batch_overlap(kernel, x, w1[mine], w2[mine], w, ids, layers, expert_map)
     oracle = mk.FusedMoEKernel(BatchedPrepareAndFinalize(CAPACITY, E, 1, 0),
                                NaiveBatchedExperts(_config(E, 1, 0), quant, CAPACITY, 1))
     reference = x
     for _ in range(layers):
         reference = oracle.apply(reference, w1, w2, w, ids, MoEActivation.SILU, E, None, False)
     return {"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
-            "wire": str(pf.dispatcher.output_dtype), "shared": shared}
+            "wire": str(pf.dispatcher.output_dtype), "shared": shared, "format": pf.activation_format.name}
 
 
 def _dual_batch_overlap(kernel: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w: torch.Tensor,
-                        ids: torch.Tensor, layers: int) -> torch.Tensor:
+                        ids: torch.Tensor, layers: int, expert_map: torch.Tensor | None) -> torch.Tensor:
     """vLLM's DBO: two micro-batch threads in its own ``UBatchContext``s, each running ``layers`` layers of the kernel,
     handing over at every prepare and finalize (``dbo_yield``, the hooks run by the other thread). STAND-IN:
     ``ubatching.current_stream`` and the contexts' compute and comm streams are one object (CUDA streams)."""
@@ -105,7 +166,8 @@ def _dual_batch_overlap(kernel: Any, x: torch.Tensor, w1: torch.Tensor, w2: torc
             with contexts[i]:
                 h = x[halves[i]]
                 for _ in range(layers):
-                    h = kernel.apply(h, w1, w2, w[halves[i]], ids[halves[i]], MoEActivation.SILU, E, None, False)
+                    h = kernel.apply(h, w1, w2, w[halves[i]], ids[halves[i]], MoEActivation.SILU, E, expert_map,
+                                     False)
                 outs[i] = h
         except BaseException as exc:  # noqa: BLE001 - raised below, on the rank's thread
             outs[i] = exc

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from moe_dispatch import DispatchDtype, Dispatcher, DispatchSpec, ExpertWeights, Mode, QuantHints, create_dispatcher
+from moe_dispatch import DispatchDtype, Dispatcher, DispatchSpec, ExpertWeights, Layout, Mode, QuantHints, create_dispatcher
 from moe_dispatch.backend import Backend, Capabilities, nvfp4_global_scale
 from moe_dispatch_testing.routing import random_routing
 
@@ -101,6 +101,7 @@ class Case:
     seed: int = 0
     group_list_type: int = 1
     expert_alignment: int = 1
+    layout: Layout | None = None
 
     @property
     def world_size(self) -> int:
@@ -125,6 +126,7 @@ class Case:
             quant=quant,
             group_list_type=self.group_list_type,
             expert_alignment=self.expert_alignment,
+            layout=self.layout,
         )
         return replace(spec, **overrides) if overrides else spec
 

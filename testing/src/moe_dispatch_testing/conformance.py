@@ -32,6 +32,7 @@ from moe_dispatch import (
     DtypeFallbackWarning,
     ExpertWeights,
     InvalidSpecError,
+    Layout,
     Mode,
     PluginHost,
     QuantHints,
@@ -223,6 +224,8 @@ class BackendConformance:
             "worst_case_rows names a mode other than a declared low_latency (normal mode's rows are exact)")
         assert caps.worst_case_rows <= caps.expert_alignment, (
             "worst_case_rows needs the mode in expert_alignment: the core's aligned copy reads exact rows")
+        assert caps.token_major_modes <= {Mode.NORMAL} & set(caps.modes) - caps.masked_modes, (
+            "token_major_modes names a mode other than a declared normal mode with PACKED rows")
         if self.backend.probe() is not None:
             assert self.backend.install_hint, "probe() says the backend cannot run here, but install_hint is empty"
 
@@ -455,6 +458,28 @@ class BackendConformance:
         forward = replace(cases[0], routing=routings[1])
         errors = moe_rank_pools.get(world_size).map(ranks.check_forward, forward)
         assert max(errors) <= TOLERANCES[forward.dtype], f"relative error per rank {errors}"
+
+    @pytest.mark.parametrize("world_size", WORLD_SIZES)
+    def test_token_major_rows(self, moe_rank_pools: Any, world_size: int) -> None:
+        """With ``DispatchSpec(layout="token_major")`` in a mode of ``capabilities.token_major_modes``,
+        dispatch returns each received token once with its local top-k (``row_topk_ids``, -1 for
+        experts elsewhere, and ``row_topk_weights``, 0 there): each local expert's (row, id) pairs are the
+        tokens routed to it with their weights, the counts match, combine adds the rows the ranks
+        send back, and a whole layer matches the dense reference. Every accepted dtype.
+
+        Troubleshooting: the expert output is one row per received row, already weighted and
+        summed over its local experts (``run_experts`` does it); combine must not weight again.
+        """
+        modes = sorted(self.capabilities.token_major_modes)
+        if not modes:
+            pytest.skip(f"backend {self.backend_name!r} declares no token-major mode")
+        self._require_world(world_size, modes[0])
+        self._require_runnable()
+        routings = standard_routings(world_size, self._shape(modes[0]).tokens_per_rank)
+        for i, d in enumerate(self._accepted(modes[0])):
+            case = replace(self._case(world_size, modes[0], d, routings[i % len(routings)], seed=40 + i,
+                                      group_list_type=i % 2), layout=Layout.TOKEN_MAJOR)
+            _run_on_ranks(moe_rank_pools, world_size, ranks.check_token_major, case)
 
     @pytest.mark.parametrize("mode", _MODES)
     @pytest.mark.parametrize("world_size", WORLD_SIZES)

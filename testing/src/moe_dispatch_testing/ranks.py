@@ -25,7 +25,7 @@ from moe_dispatch import (
 )
 from moe_dispatch.backend import align_up, dequantize_rows, group_starts, make_codec, row_experts
 from moe_dispatch_testing import reference_moe
-from moe_dispatch_testing.accuracy import relative_error
+from moe_dispatch_testing.accuracy import TOLERANCES, relative_error
 from moe_dispatch_testing.routing import random_expert_weights
 
 from .cases import Case, GlobalBatch, Routing
@@ -208,6 +208,44 @@ def check_forward(rank: int, world_size: int, case: Case, intermediate: int = 12
     x, ids, w = batch.local(rank)
     out = dispatcher.forward(TorchExperts(), dispatcher.process_weights(local), x, ids, w)
     return relative_error(out, reference_moe(x, ids, w, weights))
+
+
+def check_token_major(rank: int, world_size: int, case: Case) -> list[str]:
+    """TOKEN_MAJOR rows: each local expert's (row, id) pairs are the tokens routed to it, with their weights (summed
+    per expert, checked against the global batch); a whole layer matches the dense reference."""
+    batch = case.inputs()
+    dispatcher = case.target.create(case.spec(batch))
+    out = dispatcher.dispatch(*batch.local(rank))
+    label, ids = f"[{case.label()}, token-major, rank {rank}]", out.row_topk_ids
+    if out.layout is not Layout.TOKEN_MAJOR or ids is None or out.row_topk_weights is None:
+        return [f"{label} dispatch returned {out.layout} rows without their local top-k"]
+    problems = []
+    if bool((out.row_topk_weights[ids < 0] != 0).any()):
+        problems.append(f"{label} weights of experts elsewhere (id -1) must be 0, as DeepEP's")
+    expected = _expected_counts(batch.topk_ids, rank, case.shape.local_experts)
+    if not torch.equal(out.expert_counts().cpu(), expected):
+        problems.append(f"{label} counts {out.expert_counts().tolist()}, expected {expected.tolist()}")
+    first = rank * case.shape.local_experts
+    deq = dequantize_rows(out.hidden_states, out.hidden_states_scale, case.shape.hidden_size, out.global_scale)
+    codec = make_codec(dispatcher.spec.wire_format(), dispatcher.spec.quant.input_global_scale)
+    source = codec.dequantize(codec.quantize(batch.x)).double()
+    for e in range(case.shape.local_experts):
+        here, there = (ids.cpu() == e), (batch.topk_ids == first + e)
+        rows, weights = deq.cpu().double()[here.any(dim=1)].sum(dim=0), out.row_topk_weights.cpu()[here].sum()
+        want = source[there.any(dim=1)].sum(dim=0)
+        if (rows - want).norm() > 1e-2 * max(want.norm().item(), 1e-12) or abs(weights - batch.topk_weights[there].sum()) > 1e-4:
+            problems.append(f"{label} local expert {e}'s rows or weights are not those of the tokens routed to it")
+    x, topk_ids, w = batch.local(rank)
+    want, layer = _combine_reference(case, x, topk_ids, w, codec), _scaled_layer(case, rank)
+    started = dispatcher.dispatch_start(x, topk_ids, w).wait()  # and in two halves, as micro-batches use it
+    for how, combined in (("", _combine_scaled(dispatcher, layer, out)),
+                          (" (started)", dispatcher.combine_start(_scaled_rows(layer, started), started).wait())):
+        if (combined.float() - want).norm() > COMBINE_RTOL * max(want.norm().item(), 1e-12):
+            problems.append(f"{label} combine{how} is not each token's weighted sum")
+    error = check_forward(rank, world_size, case)
+    if error > TOLERANCES[case.dtype]:
+        problems.append(f"{label} a whole layer is {error:.3g} from the dense reference, allowed {TOLERANCES[case.dtype]}")
+    return problems
 
 
 def check_repeatable(rank: int, world_size: int, case: Case) -> list[str]:

@@ -17,6 +17,7 @@ _CAPABILITIES = Capabilities(
     cuda_graph_modes=frozenset({Mode.LOW_LATENCY}),
     split_phase=frozenset({Mode.NORMAL, Mode.LOW_LATENCY}),  # async collectives (exchange.py)
     masked_modes=frozenset({Mode.LOW_LATENCY}),  # the all-gathered capacity slots, as they are (exchange.py)
+    token_major_modes=frozenset({Mode.NORMAL}),  # the received rows before they are expanded (exchange.py)
     devices=frozenset({"cpu", "cuda", "npu"}),
     fp8_ue8m0=True,
 )

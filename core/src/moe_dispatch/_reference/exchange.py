@@ -1,6 +1,6 @@
 """The exchange both reference backends run on ``torch.distributed``: normal mode sends one wire row per (token,
 destination rank) pair (the payload, then the token's expert ids and weights) after the counts exchange (its one host
-sync) and expands them into PACKED rows; low-latency mode all-gathers ``capacity`` fixed slots into the MASKED layout
+sync) and expands them into PACKED rows (or hands them over as they are: TOKEN_MAJOR); low-latency mode all-gathers ``capacity`` fixed slots into the MASKED layout
 (no host sync). Combine adds in a fixed order, so results are bit-identical run to run (docs/design.md)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class NormalHandle:
     recv_counts: list[int]
     num_tokens: int
     num_received: int
-    terms: "TokenTerms"  # each received token's expert rows and weights, in ascending expert order
+    terms: "TokenTerms | None"  # each received token's expert rows and weights, ascending expert (None: TOKEN_MAJOR)
     returns: "TokenTerms"  # each own token's returned rows, in ascending rank order
     lease: Lease  # the slot this dispatch's buffers live in, until its combine
 
@@ -75,7 +75,7 @@ class ReferenceDispatcher:
         self.send_to_all_ranks = send_to_all_ranks
         self.payload_width = ctx.codec.wire.bytes_per_token
         self.sections = (("payload", self.payload_width), ("metadata", 8 * spec.top_k))  # k int32 ids, k fp32 weights
-        self.low_latency = spec.mode is Mode.LOW_LATENCY
+        self.low_latency, self.token_major = spec.mode is Mode.LOW_LATENCY, spec.layout is Layout.TOKEN_MAJOR
         #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
         self.slots = SlotPool()
         #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
@@ -212,6 +212,17 @@ class ReferenceDispatcher:
         # Expand to rows per (token, local expert), grouped by expert, token order within.
         local = gids.to(torch.int64) - self.rank * El
         local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
+        returns = _token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device))
+        if self.token_major:  # the received rows as they are, made contiguous
+            counts = torch.bincount(local[local >= 0], minlength=El)
+            hidden = slot.take("rows", q.data.shape, q.data.dtype, q.data.device).copy_(q.data)
+            scale = None if q.scale is None else slot.take("row_scales", q.scale.shape, q.scale.dtype,
+                                                           q.scale.device).copy_(q.scale)
+            handle = NormalHandle(self, pair_token, send_counts, recv_counts, T, recv.shape[0], None, returns, lease)
+            return DispatchOutput(hidden, scale, topk_ids, topk_weights,
+                                  group_list_from_counts(counts, self.group_list_type), self.group_list_type,
+                                  Layout.TOKEN_MAJOR, self.dtype, handle, self.global_scale,
+                                  row_topk_ids=local, row_topk_weights=torch.where(local >= 0, rweights, 0.0))
         row_slot, counts = rows_by_expert(local, El)
         row_token = torch.div(row_slot, k, rounding_mode="floor")
         hidden = _select_rows(q.data, row_token, slot.take, "rows")
@@ -221,7 +232,7 @@ class ReferenceDispatcher:
             num_received=recv.shape[0], lease=lease,
             terms=_token_major(row_token, recv.shape[0], self.hidden, _chunk_bytes(recv.device),
                                rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
-            returns=_token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device)))
+            returns=returns)
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                               group_list_from_counts(counts, self.group_list_type), self.group_list_type, Layout.PACKED,
                               self.dtype, handle, self.global_scale)
@@ -298,8 +309,11 @@ class ReferenceDispatcher:
 
     def _start_combine_packed(self, y: torch.Tensor, h: NormalHandle, comm: Comm) -> Callable[[], torch.Tensor]:
         H, slot = self.hidden, h.lease.slot
-        send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
-        _sum_terms(send, y, h.terms, slot)
+        if h.terms is None:  # TOKEN_MAJOR: the engine has weighted and summed each row's local experts
+            send = y.contiguous()
+        else:
+            send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
+            _sum_terms(send, y, h.terms, slot)
         transfer = comm.all_to_all_start(as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
                                          out=None if self.world == 1 else
                                          slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device))

@@ -1,11 +1,14 @@
-"""``MoEDispatchPrepareAndFinalize``: vLLM's prepare/finalize contract over a low-latency moe-dispatch dispatcher.
+"""``MoEDispatchPrepareAndFinalize``: vLLM's prepare/finalize contract over a moe-dispatch dispatcher, in both of
+vLLM's activation formats.
 
 vLLM's ``FusedMoEKernel`` calls, per MoE layer and micro-batch::
 
-    prepare(a1, topk_weights, topk_ids, ...)   ->  Dispatcher.dispatch: MASKED [E_local, capacity*world, H] rows, the
-                                                   counts as expert_num_tokens (vLLM's BatchedExperts format)
-    the batched experts                        ->  unweighted rows, TopKWeightAndReduceDelegate
-    finalize(output, fused_expert_output, ...) ->  Dispatcher.combine (weights applied, summed) into ``output``
+    prepare(a1, topk_weights, topk_ids, ...)   ->  Dispatcher.dispatch, in the dispatcher's layout:
+        low latency, MASKED: [E_local, capacity*world, H] rows, the counts as expert_num_tokens (BatchedExperts)
+        normal, TOKEN_MAJOR: each received token once, its top-k as global ids (Standard, as DeepEP HT hands over)
+    the experts                                ->  unweighted rows, TopKWeightAndReduceDelegate
+    finalize(output, fused_expert_output, ...) ->  BatchedExperts: Dispatcher.combine (weights applied, summed);
+                                                   Standard: each row's top-k weighted and summed, then combine
 
 ``finalize`` gets no handle, so the dispatch's output waits here, one per micro-batch (vLLM's DBO ubatch id).
 ``prepare_async``/``finalize_async`` return (hook, receiver): the hook waits for the started call, so under DBO the
@@ -34,29 +37,35 @@ def _wire(quant_config: Any) -> str:
     block scales matches vLLM's batched scale shape, [E, rows, H/128], but has not run through vLLM's experts yet.)"""
     if quant_config.quant_dtype is None:
         return "bf16"
-    raise md.InvalidSpecError("moe-dispatch sends BF16 to vLLM's batched experts", parameter="quant_config",
+    raise md.InvalidSpecError("moe-dispatch sends BF16 to vLLM's experts", parameter="quant_config",
                               value=f"{quant_config.quant_dtype} {quant_config.block_shape}",
                               allowed="unquantized experts (FusedMoEQuantConfig with quant_dtype None)")
 
 
 class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
-    """vLLM's ``BatchedExperts`` prepare/finalize on ``dispatcher`` (low-latency mode: MASKED rows)."""
+    """vLLM's prepare/finalize on ``dispatcher``: ``BatchedExperts`` on MASKED rows (low latency), ``Standard`` on
+    TOKEN_MAJOR rows (normal mode with ``DispatchSpec(layout="token_major")``)."""
 
     def __init__(self, dispatcher: md.Dispatcher) -> None:
         super().__init__()
-        if dispatcher.spec.mode is not md.Mode.LOW_LATENCY:
-            raise md.InvalidSpecError("vLLM's batched experts read MASKED rows: a low-latency dispatcher",
-                                      parameter="spec.mode", value=dispatcher.spec.mode.value, allowed="low_latency")
-        self.dispatcher = dispatcher
+        spec = dispatcher.spec
+        layout = spec.layout or dispatcher.backend.capabilities.layouts_for(spec.mode)[0]
+        if layout not in (md.Layout.MASKED, md.Layout.TOKEN_MAJOR):
+            raise md.InvalidSpecError("vLLM's experts read MASKED rows (BatchedExperts) or each received token once "
+                                      "(Standard)", parameter="spec.layout", value=layout.value,
+                                      allowed="masked (low_latency), token_major (normal)")
+        self.dispatcher, self.standard = dispatcher, layout is md.Layout.TOKEN_MAJOR
         self._outputs: dict[int, md.DispatchOutput] = {}  # the dispatch each micro-batch's finalize combines
+        self._linear_maps: set[int] = set()  # the expert_maps checked to be the linear placement (by data_ptr)
 
     @classmethod
-    def for_layer(cls, backend: str, moe: Any, quant_config: Any, group: Any = None,
+    def for_layer(cls, backend: str, moe: Any, quant_config: Any, group: Any = None, *, mode: str = "low_latency",
                   **create: Any) -> MoEDispatchPrepareAndFinalize:
         """A dispatcher made from vLLM's own layer config (``FusedMoEConfig``: sizes, ``max_num_tokens`` per rank)
         and the experts' ``FusedMoEQuantConfig`` (the wire dtype), on ``group``: vLLM's EP group
-        (``get_ep_group().device_group``; None: the default group). ``create``: more ``create_dispatcher`` arguments.
-        The layer's experts must be the group rank's contiguous slice (vLLM's linear placement)."""
+        (``get_ep_group().device_group``; None: the default group). ``mode``: ``"low_latency"`` (BatchedExperts, as
+        DeepEP LL) or ``"normal"`` (Standard, as DeepEP HT). ``create``: more ``create_dispatcher`` arguments. The
+        layer's experts must be the group rank's contiguous slice (vLLM's linear placement)."""
         import torch.distributed as dist
 
         world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -69,9 +78,10 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
                 raise md.InvalidSpecError(f"does not match the group ({world} ranks, this one {rank}): each rank "
                                           "holds its contiguous slice of the experts, in bf16 activations",
                                           parameter=parameter, value=value, allowed=allowed)
+        normal = md.Mode.parse(mode) is md.Mode.NORMAL
         spec = md.DispatchSpec(moe.hidden_dim, moe.num_experts, moe.experts_per_token,
                                num_max_dispatch_tokens_per_rank=moe.max_num_tokens, output_dtype=_wire(quant_config),
-                               mode="low_latency")
+                               mode=mode, layout="token_major" if normal else "masked")
         # One dispatcher per group, backend and spec, shared by the layers (as vLLM shares a DeepEP buffer through
         # its all2all manager's handle cache): it keeps no call state and holds two micro-batches' buffers.
         owner = group if group is not None else dist.group.WORLD  # None without torch.distributed: nothing shared
@@ -83,13 +93,14 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
 
     @property
     def activation_format(self) -> Any:
-        return vl.mk.FusedMoEActivationFormat.BatchedExperts
+        formats = vl.mk.FusedMoEActivationFormat
+        return formats.Standard if self.standard else formats.BatchedExperts
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
 
     def max_num_tokens_per_rank(self) -> int | None:
-        return self.dispatcher.spec.num_max_dispatch_tokens_per_rank
+        return None if self.standard else self.dispatcher.spec.num_max_dispatch_tokens_per_rank
 
     def num_dispatchers(self) -> int:
         return self.dispatcher.world_size
@@ -111,7 +122,9 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                       expert_map: torch.Tensor | None, apply_router_weight_on_input: bool, quant_config: Any,
                       defer_input_quant: bool = False) -> tuple[Callable[[], None], Callable[[], Any]]:
-        self._check(num_experts, apply_router_weight_on_input, quant_config, defer_input_quant)
+        self._check(num_experts, apply_router_weight_on_input, quant_config, expert_map)
+        if apply_router_weight_on_input:  # top-1: the input scaled before dispatch, as vLLM's DeepEP HT and LL do
+            a1, topk_weights = (a1 * topk_weights.to(a1.dtype)).to(a1.dtype), torch.ones_like(topk_weights)
         started = self.dispatcher.dispatch_start(a1, topk_ids.to(torch.int64), topk_weights)
         ubatch = vl.dbo_current_ubatch_id()
 
@@ -120,10 +133,21 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
 
         def receiver() -> Any:
             out = self._outputs[ubatch]
-            counts = vl.mk.ExpertTokensMetadata(expert_num_tokens=out.expert_counts().to(torch.int32),
-                                                expert_num_tokens_cpu=None)
-            return out.hidden_states, out.hidden_states_scale, counts, None, None
+            counts = out.expert_counts().to(torch.int32)
+            if self.standard:  # normal mode has read the counts on the host already: vLLM's kernels may too
+                meta = vl.mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=counts.cpu())
+                return out.hidden_states, out.hidden_states_scale, meta, self._global_ids(out), out.row_topk_weights
+            meta = vl.mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=None)
+            return out.hidden_states, out.hidden_states_scale, meta, None, None
         return hook, receiver
+
+    def _global_ids(self, out: md.DispatchOutput) -> torch.Tensor:
+        """The received rows' top-k in vLLM's global expert space, which its experts localize with ``expert_map``; a
+        -1 (an expert elsewhere: weight 0) points at an expert of another rank, as vLLM's DeepEP HT prepare does
+        (prepare_finalize/deepep_ht.py:249-253)."""
+        local, ids = out.group_list.shape[0], out.row_topk_ids
+        offset = self.dispatcher.rank * local
+        return torch.where(ids == -1, self.dispatcher.spec.num_experts - 1 if offset == 0 else 0, ids + offset)
 
     def finalize(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, apply_router_weight_on_input: bool, weight_and_reduce_impl: Any) -> None:
@@ -135,7 +159,13 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
     def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, apply_router_weight_on_input: bool,
                        weight_and_reduce_impl: Any) -> tuple[Callable[[], None], Callable[[], None]]:
-        if not isinstance(weight_and_reduce_impl, vl.TopKWeightAndReduceDelegate):
+        if self.standard:  # each received row's top-k weighted and summed here, as DeepEP HT's finalize does (:386)
+            if isinstance(weight_and_reduce_impl, vl.TopKWeightAndReduceDelegate):
+                weight_and_reduce_impl = vl.TopKWeightAndReduceContiguous()
+            if fused_expert_output.numel():  # no rows reached this rank: nothing to weigh
+                fused_expert_output = weight_and_reduce_impl.apply(None, fused_expert_output, topk_weights, topk_ids,
+                                                                   apply_router_weight_on_input)
+        elif not isinstance(weight_and_reduce_impl, vl.TopKWeightAndReduceDelegate):
             raise md.InvalidInputError("moe-dispatch's combine applies the routing weights and sums: the experts "
                                        "must leave both to finalize", parameter="weight_and_reduce_impl",
                                        value=type(weight_and_reduce_impl).__name__,
@@ -146,14 +176,29 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
         return (lambda: combined.append(started.wait())), (lambda: output.copy_(combined[0]))
 
     def _check(self, num_experts: int, apply_router_weight_on_input: bool, quant_config: Any,
-               defer_input_quant: bool) -> None:
-        """What this prepare/finalize cannot do, refused before anything is sent."""
+               expert_map: torch.Tensor | None) -> None:
+        """What this prepare/finalize cannot do, refused before anything is sent. (``defer_input_quant`` needs
+        nothing: the rows arrive in BF16.)"""
+        spec = self.dispatcher.spec
         for parameter, value, allowed in (
-                ("num_experts", num_experts, self.dispatcher.spec.num_experts),
-                ("apply_router_weight_on_input", apply_router_weight_on_input, False),
-                ("defer_input_quant", defer_input_quant, False),
+                ("num_experts", num_experts, spec.num_experts),
+                ("apply_router_weight_on_input", apply_router_weight_on_input and spec.top_k > 1, False),
                 ("quant_config", _wire(quant_config), str(self.dispatcher.output_dtype))):
             if value != allowed:
-                raise md.InvalidInputError("does not match the dispatcher (the weights are applied in combine; the "
-                                           "rows arrive in the wire dtype)", parameter=parameter, value=value,
-                                           allowed=allowed)
+                raise md.InvalidInputError("does not match the dispatcher (the weights are applied in combine, or to "
+                                           "the input at top-1; the rows arrive in the wire dtype)",
+                                           parameter=parameter, value=value, allowed=allowed)
+        if expert_map is not None and expert_map.data_ptr() not in self._linear_maps:
+            self._check_linear(expert_map)
+
+    def _check_linear(self, expert_map: torch.Tensor) -> None:
+        """moe-dispatch sends expert e to rank e // E_local: vLLM's linear placement, not its round-robin one
+        (expert_map_manager.py:80-86). Read once per map (a device sync)."""
+        local, rank = self.dispatcher.spec.local_experts(self.dispatcher.world_size), self.dispatcher.rank
+        linear = torch.full_like(expert_map, -1)
+        linear[rank * local:(rank + 1) * local] = torch.arange(local, dtype=expert_map.dtype, device=expert_map.device)
+        if not torch.equal(expert_map, linear):
+            raise md.InvalidInputError("places the experts other than moe-dispatch sends them (rank r holds experts "
+                                       "r*E_local ..)", parameter="expert_map", value=expert_map.tolist(),
+                                       allowed="the linear placement (--expert-placement-strategy linear)")
+        self._linear_maps.add(expert_map.data_ptr())

@@ -7,8 +7,9 @@ from vllm.model_executor.layers.fused_moe.config import (  # :1274 FusedMoEConfi
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
-from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # the experts leave weights to finalize
-    TopKWeightAndReduceDelegate,
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # :78, :17
+    TopKWeightAndReduceContiguous,  # Standard format: [M, topk, H] rows weighted and summed (what DeepEP HT uses)
+    TopKWeightAndReduceDelegate,  # the experts leave weights and the sum to finalize
 )
 
 # :154 the micro-batch (DBO ubatch) of this thread; :123 run the hook the other micro-batch left for this one (the
@@ -16,4 +17,5 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (  # the
 # prepare_finalize/deepep_ll.py:394 does)
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_maybe_run_recv_hook
 
-__all__ = ["FusedMoEConfig", "FusedMoEQuantConfig", "TopKWeightAndReduceDelegate", "dbo_current_ubatch_id", "dbo_maybe_run_recv_hook", "mk"]
+__all__ = ["FusedMoEConfig", "FusedMoEQuantConfig", "TopKWeightAndReduceContiguous", "TopKWeightAndReduceDelegate",
+           "dbo_current_ubatch_id", "dbo_maybe_run_recv_hook", "mk"]

@@ -58,6 +58,7 @@ def capabilities(emulated: bool, nvfp4: bool = False, release: vendor.DeepEPRele
         cuda_graph_modes=frozenset({LL}),
         split_phase=frozenset({N, LL}),  # LL: return_recv_hook; normal: async_finish (dispatcher.py)
         masked_modes=frozenset({LL}),  # low_latency_dispatch's [E_local, R*T, H] as it is (dispatcher.py)
+        token_major_modes=frozenset({N}),  # dispatch's received tokens with their local top-k, as they are
         devices=frozenset({"cpu"} if emulated else {"cuda"}),
         limits={
             N: mdb.Limits(hidden_multiple=128, max_top_k=vendor.NORMAL_MAX_TOPK, max_buffer_bytes=MAX_BUFFER_BYTES,

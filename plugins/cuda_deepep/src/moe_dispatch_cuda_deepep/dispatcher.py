@@ -4,7 +4,9 @@ Normal mode. DeepEP returns one row per (token, destination rank) with local top
 for experts of other ranks), and its combine only adds. The adapter expands the rows to one
 per (token, local expert), grouped by expert (an ``index_select`` of rows·H wire bytes),
 and at combine weights each expert row and sums a token's rows in fp32 (rows·H
-multiply-adds) before the vendor's add-only combine sends one BF16 row per token back.
+multiply-adds) before the vendor's add-only combine sends one BF16 row per token back. With
+``DispatchSpec(layout="token_major")`` DeepEP's rows are handed over as they are (TOKEN_MAJOR) and
+combine takes the engine's weighted rows straight back.
 
 Low-latency mode. DeepEP's masked ``[E_local, R·T, H]`` receive layout is the contract's
 MASKED layout as it is (no copy; the FP8 scales stay column-major, which the contract
@@ -64,8 +66,8 @@ from .buffers import SharedBuffer
 class NormalHandle:
     owner: object
     vendor_handle: tuple
-    row_token: torch.Tensor  # [rows] received-token index of each expert row
-    row_weight: torch.Tensor  # [rows] fp32 weight of each expert row
+    row_token: torch.Tensor | None  # [rows] received-token index of each expert row (None: TOKEN_MAJOR rows)
+    row_weight: torch.Tensor | None  # [rows] fp32 weight of each expert row
     num_received: int
 
 
@@ -83,7 +85,8 @@ def _handle_tensors(h: object) -> list[torch.Tensor]:
     if isinstance(h, LowLatencyHandle):
         return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), h.topk_ids, h.topk_weights]
     if isinstance(h, NormalHandle):
-        return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), h.row_token, h.row_weight]
+        rows = [] if h.row_token is None else [h.row_token, h.row_weight]
+        return [*(t for t in h.vendor_handle if isinstance(t, torch.Tensor)), *rows]
     return []
 
 
@@ -101,6 +104,7 @@ class DeepEPDispatcher:
         self.dispatch_config, self.combine_config = dispatch_config, combine_config
         self.topk_idx_dtype = topk_idx_dtype
         self.low_latency = ctx.spec.mode is md.Mode.LOW_LATENCY
+        self.token_major = ctx.spec.layout is md.Layout.TOKEN_MAJOR
         self.ue8m0 = ctx.codec.wire.ue8m0
         self.x_global_scale: torch.Tensor | None = None
         if self.dtype is md.DispatchDtype.NVFP4:
@@ -203,7 +207,8 @@ class DeepEPDispatcher:
     def _combine_normal(self, expert_output: torch.Tensor, h: NormalHandle,
                         split: bool) -> Callable[[StartMark | None], torch.Tensor]:
         split = split and self._normal_splits()  # _settle checked the Buffer is open
-        partial = sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received).to(torch.bfloat16)
+        partial = (expert_output.contiguous() if h.row_token is None else  # TOKEN_MAJOR: weighted by the engine
+                   sum_weighted_rows(expert_output, h.row_token, h.row_weight, h.num_received).to(torch.bfloat16))
         combined, _, event = self.buffer.combine(partial, h.vendor_handle, config=self.combine_config,
                                                  **self._async_kwargs(split))
         self.shared.after_normal()
@@ -237,10 +242,11 @@ class DeepEPDispatcher:
         return capturing
 
     def _output(self, hidden: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor, layout: md.Layout,
-                topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> md.DispatchOutput:
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
+                **rows: torch.Tensor) -> md.DispatchOutput:
         group_list = group_list_from_counts(counts, self.spec.group_list_type)
         return md.DispatchOutput(hidden, scale, topk_ids, topk_weights, group_list, self.spec.group_list_type, layout,
-                                 self.dtype, handle, self.spec.quant.input_global_scale)
+                                 self.dtype, handle, self.spec.quant.input_global_scale, **rows)
 
     def _ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         return topk_ids.to(self.topk_idx_dtype).contiguous()
@@ -262,7 +268,7 @@ class DeepEPDispatcher:
         # work (another micro-batch's exchange).
         per_rank, per_rdma_rank, per_expert, in_rank, layout_done = self.buffer.get_dispatch_layout(
             ids, self.spec.num_experts, **self._async_kwargs(split))
-        recv_x, recv_ids, recv_weights, _, handle, event = self.buffer.dispatch(
+        recv_x, recv_ids, recv_weights, per_expert_list, handle, event = self.buffer.dispatch(
             vendor_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=ids,
             topk_weights=weights, config=self.dispatch_config, **self._async_kwargs(split, after=layout_done))
@@ -274,6 +280,14 @@ class DeepEPDispatcher:
             data, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             # Read below on the waiting stream, then freed: DeepEP recorded them on its comm and start streams only.
             hand_over(mark, (data, scale, recv_ids, recv_weights))
+            # TOKEN_MAJOR: DeepEP's own layout. Ids local, -1 elsewhere with weight 0 (csrc/kernels/legacy/
+            # intranode.cu:383-391, internode.cu:1178-1184); the counts list filled before the kernels
+            # (csrc/legacy/buffer.hpp:598, 1108); combine adds the rows without weights (deep_ep/buffers/legacy.py:416).
+            if self.token_major:
+                counts = torch.tensor(per_expert_list, dtype=torch.int64, device=recv_ids.device)
+                return self._output(data, scale, counts, md.Layout.TOKEN_MAJOR, topk_ids, topk_weights,
+                                    NormalHandle(self, handle, None, None, data.shape[0]),
+                                    row_topk_ids=recv_ids.long(), row_topk_weights=recv_weights.float())
             row_slot, counts = rows_by_expert(recv_ids.long(), self.local_experts)
             row_token = torch.div(row_slot, recv_ids.shape[1], rounding_mode="floor")
             handle_out = NormalHandle(self, handle, row_token, recv_weights.reshape(-1)[row_slot].float(),

@@ -22,6 +22,7 @@ class BenchCase:
     experts: int
     top_k: int
     model: str = "custom"
+    layout: str | None = None  # DispatchSpec.layout (benchmarks/token_major.py)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tokens_per_rank", "hidden", "experts", "top_k"):

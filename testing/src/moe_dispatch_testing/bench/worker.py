@@ -47,6 +47,7 @@ def case_spec(case: BenchCase, global_scale: float | None) -> DispatchSpec:
     return DispatchSpec(
         case.hidden, case.experts, case.top_k,
         num_max_dispatch_tokens_per_rank=case.tokens_per_rank, mode=case.mode, output_dtype=case.dtype, quant=quant,
+        layout=case.layout,
     )
 
 

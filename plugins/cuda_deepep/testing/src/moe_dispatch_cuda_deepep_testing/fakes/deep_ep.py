@@ -947,12 +947,13 @@ class Buffer:
                                     (("payload", payload), ("metadata", rows.shape[1] - payload)))
         self.calls.append(VendorCall("dispatch", x.dtype, x_scales is not None, rows.shape[0] * payload))
         at, width = 0, hidden * x.element_size()
-        recv_x = from_bytes(got[:, :width], x.dtype)
+        # Fresh contiguous tensors, as DeepEP allocates them (csrc/legacy/buffer.hpp:603-622)
+        recv_x = from_bytes(got[:, :width], x.dtype).contiguous()
         at = width
         recv_scales = None
         if x_scales is not None:
             sw = x_scales.size(1) * x_scales.element_size()
-            recv_scales = from_bytes(got[:, at : at + sw], x_scales.dtype)
+            recv_scales = from_bytes(got[:, at : at + sw], x_scales.dtype).contiguous()
             at += sw
         recv_src_idx = from_bytes(got[:, at : at + 4], torch.int32).squeeze(1).contiguous()
         at += 4
@@ -960,8 +961,8 @@ class Buffer:
         per_expert_list: list[int] = []
         if topk_idx is not None:
             ib = k * torch.empty((), dtype=self._TOPK_IDX_T).element_size()
-            recv_topk_idx = from_bytes(got[:, at : at + ib], self._TOPK_IDX_T)
-            recv_topk_weights = from_bytes(got[:, at + ib : at + ib + 4 * k], torch.float32)
+            recv_topk_idx = from_bytes(got[:, at : at + ib], self._TOPK_IDX_T).contiguous()
+            recv_topk_weights = from_bytes(got[:, at + ib : at + ib + 4 * k], torch.float32).contiguous()
             if num_worst_tokens == 0:
                 counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0].long(), minlength=local)
                 per_expert_list = [-(-int(c) // expert_alignment) * expert_alignment for c in counts]
@@ -1056,6 +1057,9 @@ class Buffer:
             wb = from_bytes(got[:, hidden * 2 + 4 :], torch.float32)
             combined_weights = torch.zeros(num_recv_tokens, k).index_add_(0, token, wb)
         (combined, combined_weights), event = _after_event(async_finish, (out.to(torch.bfloat16), combined_weights))
+        if event.event is not None:  # the kernel reads x on the comm stream until the wait (buffer.hpp:836-846)
+            event.event._checks.append(inputs_unchanged_check({"x": x, "topk_weights": topk_weights},
+                                                              "csrc/legacy/buffer.hpp:836-846"))
         return combined, combined_weights, event
 
     # -- low-latency mode -------------------------------------------------------------------------------------
