@@ -3,7 +3,9 @@
 ``moe_forward_native`` on the full experts. sglang 0.5.23 is installed by ``bash .ci/engines``; a plain pytest skips.
 
 Stand-ins for GPU-only code, labelled where they are: torchvision (``stand_ins/``: its wheel links libtorch_cuda,
-sglang's configs import it, the MoE path never calls it) and the runner's expert kernels (``sglang_ranks.experts``).
+sglang's configs import it, the MoE path never calls it), the runner's expert kernels (``sglang_ranks.experts``),
+DeepGEMM's JIT switched on as on an SM90 GPU (``sglang_ranks.DEEP_GEMM``: normal mode then sends FP8, its counts
+rounded to 128) and, for the cuda_deepep plugin, DeepEP's CPU fake as ``deep_ep`` (``sglang_ranks.DEEP_EP``).
 """
 
 from __future__ import annotations

@@ -62,6 +62,19 @@ def test_vllms_kernel_on_moe_dispatch_agrees_with_its_own_batched_prepare_finali
         assert r["error"] < 2e-2, r  # two layers of bf16 rounding: 8e-3 to 9e-3 measured
 
 
+@pytest.mark.parametrize("backend", ["torch", "cuda_deepep"])
+@pytest.mark.parametrize("mode", FORMATS)
+@pytest.mark.parametrize("overlapped", [False, True], ids=["blocking", "dual-batch overlap"])
+def test_block_fp8_experts_get_fp8_rows_with_their_scales(mode, overlapped, backend):
+    """Block-FP8 experts (128x128, DeepSeek's): FP8 on the wire, one fp32 scale per 128 columns, read by vLLM's
+    NaiveBatchedExperts (batched) and the Standard stand-in; against BF16 on the dequantized weights."""
+    if backend != "torch" and importlib.util.find_spec("moe_dispatch_cuda_deepep_testing") is None:
+        pytest.skip("moe-dispatch-cuda-deepep-testing is not installed (bash .ci/engines installs it)")
+    for r in run_local(vllm_ranks.forward, 2, overlapped, mode, backend, True, "fp8"):
+        assert r["wire"] == "fp8"
+        assert r["error"] < 0.12, r  # e4m3's rounding of the activations, about 4e-2 a layer
+
+
 def test_the_experts_may_leave_the_weighting_to_finalize():
     """Standard experts that return TopKWeightAndReduceDelegate: finalize weights and sums each row's top-k."""
     for r in run_local(vllm_ranks.forward, 2, False, "normal", "torch", False):

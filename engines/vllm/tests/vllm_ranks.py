@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-H, I, E, K, CAPACITY = 2048, 64, 8, 2, 8  # 2048: a hidden size DeepEP's low-latency kernels are built for
+H, I, E, K, CAPACITY = 2048, 128, 8, 2, 8  # 2048: a hidden size DeepEP's low-latency kernels are built for
 
 torch.accelerator.empty_cache = lambda: None
 torch.accelerator.current_stream = lambda *a, **k: types.SimpleNamespace(is_capturing=lambda: False)
@@ -41,6 +41,7 @@ from moe_dispatch_vllm import MoEDispatchPrepareAndFinalize
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FUSED_MOE_UNQUANTIZED_CONFIG,
+    fp8_w8a8_moe_quant_config,
     FusedMoEConfig,
     FusedMoEParallelConfig,
     RoutingMethodType,
@@ -58,6 +59,22 @@ def _config(local_experts: int, world_size: int, rank: int) -> FusedMoEConfig:
                           num_local_experts=local_experts, num_logical_experts=E, activation=MoEActivation.SILU,
                           device="cpu", routing_method=list(RoutingMethodType)[0], moe_parallel_config=parallel,
                           in_dtype=torch.bfloat16, max_num_tokens=CAPACITY)
+
+
+def block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, N, K]`` weights as e4m3 with one fp32 scale per 128x128 block ``[E, N/128, K/128]`` (DeepSeek's)."""
+    blocks = w.float().unflatten(1, (-1, 128)).unflatten(3, (-1, 128))
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    return (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).flatten(3, 4).flatten(1, 2), scale
+
+
+def _dequant(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 of a block-FP8 tensor (scales per 128 columns, and per 128 rows for weights), or of a BF16 one."""
+    if scale is None:
+        return t.float()
+    if t.dim() >= 2:  # weights [..., N, K], scales [..., N/128, K/128]; a row [K], scales [K/128]
+        scale = scale.repeat_interleave(128, -2)
+    return t.float() * scale.repeat_interleave(128, -1)
 
 
 class StandardExperts(mk.FusedMoEExpertsModular):
@@ -83,9 +100,12 @@ class StandardExperts(mk.FusedMoEExpertsModular):
               expert_map: torch.Tensor | None, **kwargs: Any) -> None:
         local = topk_ids if expert_map is None else expert_map[topk_ids]
         out = torch.zeros(*output.shape, dtype=torch.float32)
+        x, (s1, s2) = hidden_states, (self.quant_config.w1_scale, self.quant_config.w2_scale)
         for n, j in (local >= 0).nonzero().tolist():
-            gate, up = (hidden_states[n].float() @ w1[int(local[n, j])].float().T).chunk(2, -1)
-            y = (torch.nn.functional.silu(gate) * up) @ w2[int(local[n, j])].float().T
+            e, a_scale = int(local[n, j]), kwargs["a1q_scale"]
+            row = _dequant(x[n], None if a_scale is None else a_scale[n])
+            gate, up = (row @ _dequant(w1[e], None if s1 is None else s1[e]).T).chunk(2, -1)
+            y = (torch.nn.functional.silu(gate) * up) @ _dequant(w2[e], None if s2 is None else s2[e]).T
             if self.reduces:
                 out[n] += topk_weights[n, j] * y
             else:
@@ -98,10 +118,11 @@ class DelegatingStandardExperts(StandardExperts):
 
 
 def forward(rank: int, world_size: int, overlapped: bool, mode: str = "low_latency", backend: str = "torch",
-            experts_reduce: bool = True) -> dict[str, Any]:
+            experts_reduce: bool = True, dtype: str = "bf16") -> dict[str, Any]:
     """This rank's batch through vLLM's FusedMoEKernel on a moe-dispatch ``backend``'s prepare/finalize (experts
-    sliced to the rank; ``mode`` normal: the Standard format, the experts reducing themselves or not), against the
-    same layer on vLLM's own single-process BatchedPrepareAndFinalize with every expert."""
+    sliced to the rank; ``mode`` normal: the Standard format, the experts reducing themselves or not; ``dtype`` fp8:
+    block-FP8 experts), against the same layer, in BF16 on the dequantized weights, on vLLM's own single-process
+    BatchedPrepareAndFinalize with every expert."""
     if backend == "cuda_deepep":  # STAND-IN: DeepEP's CPU fake where the cuda_deepep plugin imports deep_ep
         import sys
 
@@ -115,7 +136,14 @@ def forward(rank: int, world_size: int, overlapped: bool, mode: str = "low_laten
     x = torch.randn(CAPACITY - rank, H, generator=g).to(torch.bfloat16)
     w, ids = torch.randn(x.shape[0], E, generator=g).softmax(-1).topk(K)
     local = E // world_size
+    mine = slice(rank * local, (rank + 1) * local)
     quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    if dtype == "fp8":
+        (w1, s1), (w2, s2) = block_fp8(w1), block_fp8(w2)
+        quant = fp8_w8a8_moe_quant_config(w1_scale=s1[mine], w2_scale=s2[mine], block_shape=[128, 128])
+        reference_weights = [_dequant(w, s).to(torch.bfloat16) for w, s in ((w1, s1), (w2, s2))]
+    else:
+        reference_weights = [w1, w2]
     config = _config(local, world_size, rank)
     pf = MoEDispatchPrepareAndFinalize.for_layer(backend, config, quant, mode=mode, env={})
     standard = StandardExperts if experts_reduce else DelegatingStandardExperts
@@ -124,7 +152,6 @@ def forward(rank: int, world_size: int, overlapped: bool, mode: str = "low_laten
     kernel = mk.FusedMoEKernel(pf, experts)
     shared = MoEDispatchPrepareAndFinalize.for_layer(backend, config, quant, mode=mode,
                                                      env={}).dispatcher is pf.dispatcher  # a second layer's
-    mine = slice(rank * local, (rank + 1) * local)
     expert_map = None  # the batched rows are per local expert already
     if mode == "normal":  # global ids: localized by the map vLLM's FusedMoE layer builds under EP
         expert_map = torch.full((E,), -1, dtype=torch.int32)
@@ -136,11 +163,12 @@ def forward(rank: int, world_size: int, overlapped: bool, mode: str = "low_laten
             y = kernel.apply(y, w1[mine], w2[mine], w, ids, MoEActivation.SILU, E, expert_map, False)
     else:
         y = _dual_batch_overlap(kernel, x, w1[mine], w2[mine], w, ids, layers, expert_map)
+    unquantized = FUSED_MOE_UNQUANTIZED_CONFIG
     oracle = mk.FusedMoEKernel(BatchedPrepareAndFinalize(CAPACITY, E, 1, 0),
-                               NaiveBatchedExperts(_config(E, 1, 0), quant, CAPACITY, 1))
+                               NaiveBatchedExperts(_config(E, 1, 0), unquantized, CAPACITY, 1))
     reference = x
     for _ in range(layers):
-        reference = oracle.apply(reference, w1, w2, w, ids, MoEActivation.SILU, E, None, False)
+        reference = oracle.apply(reference, *reference_weights, w, ids, MoEActivation.SILU, E, None, False)
     return {"error": ((y.float() - reference.float()).norm() / reference.float().norm()).item(),
             "wire": str(pf.dispatcher.output_dtype), "shared": shared, "format": pf.activation_format.name}
 

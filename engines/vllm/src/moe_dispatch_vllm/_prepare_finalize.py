@@ -33,13 +33,18 @@ _SHARED: weakref.WeakKeyDictionary[Any, dict[tuple[str, md.DispatchSpec, str], m
 
 
 def _wire(quant_config: Any) -> str:
-    """The wire dtype for the experts' ``quant_config``: BF16 rows for unquantized experts. (FP8 with 128-column
-    block scales matches vLLM's batched scale shape, [E, rows, H/128], but has not run through vLLM's experts yet.)"""
+    """The wire dtype for the experts' ``quant_config``: BF16 rows for unquantized experts; FP8 for block-FP8 ones
+    whose activations have one fp32 scale per 128 columns (DeepSeek's [128, 128] blocks), which are moe-dispatch's
+    FP8 rows and scales as they arrive ([rows, H/128]; batched: [E, rows, H/128]), quantized before the send as
+    vLLM's DeepEP prepare does for block quantization (prepare_finalize/deepep_ht.py:300-330)."""
     if quant_config.quant_dtype is None:
         return "bf16"
-    raise md.InvalidSpecError("moe-dispatch sends BF16 to vLLM's experts", parameter="quant_config",
-                              value=f"{quant_config.quant_dtype} {quant_config.block_shape}",
-                              allowed="unquantized experts (FusedMoEQuantConfig with quant_dtype None)")
+    block = quant_config.block_shape
+    if quant_config.quant_dtype == torch.float8_e4m3fn and block is not None and block[-1] == 128:
+        return "fp8"
+    raise md.InvalidSpecError("moe-dispatch sends BF16, or FP8 in 128-column groups, to vLLM's experts",
+                              parameter="quant_config", value=f"{quant_config.quant_dtype} {block}",
+                              allowed="unquantized experts, or block FP8 with 128-column activation groups")
 
 
 class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
@@ -122,7 +127,7 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                       expert_map: torch.Tensor | None, apply_router_weight_on_input: bool, quant_config: Any,
                       defer_input_quant: bool = False) -> tuple[Callable[[], None], Callable[[], Any]]:
-        self._check(num_experts, apply_router_weight_on_input, quant_config, expert_map)
+        self._check(num_experts, apply_router_weight_on_input, quant_config, defer_input_quant, expert_map)
         if apply_router_weight_on_input:  # top-1: the input scaled before dispatch, as vLLM's DeepEP HT and LL do
             a1, topk_weights = (a1 * topk_weights.to(a1.dtype)).to(a1.dtype), torch.ones_like(topk_weights)
         started = self.dispatcher.dispatch_start(a1, topk_ids.to(torch.int64), topk_weights)
@@ -176,14 +181,14 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
         return (lambda: combined.append(started.wait())), (lambda: output.copy_(combined[0]))
 
     def _check(self, num_experts: int, apply_router_weight_on_input: bool, quant_config: Any,
-               expert_map: torch.Tensor | None) -> None:
-        """What this prepare/finalize cannot do, refused before anything is sent. (``defer_input_quant`` needs
-        nothing: the rows arrive in BF16.)"""
-        spec = self.dispatcher.spec
+               defer_input_quant: bool, expert_map: torch.Tensor | None) -> None:
+        """What this prepare/finalize cannot do, refused before anything is sent."""
+        spec, wire = self.dispatcher.spec, str(self.dispatcher.output_dtype)
         for parameter, value, allowed in (
                 ("num_experts", num_experts, spec.num_experts),
                 ("apply_router_weight_on_input", apply_router_weight_on_input and spec.top_k > 1, False),
-                ("quant_config", _wire(quant_config), str(self.dispatcher.output_dtype))):
+                ("defer_input_quant", defer_input_quant and wire != "bf16", False),  # BF16 rows: nothing to defer
+                ("quant_config", _wire(quant_config), wire)):
             if value != allowed:
                 raise md.InvalidInputError("does not match the dispatcher (the weights are applied in combine, or to "
                                            "the input at top-1; the rows arrive in the wire dtype)",
