@@ -465,10 +465,13 @@ def test_dispatch_deep_gemm_combine_agrees_with_the_dense_reference(moe_rank_poo
     # low latency: DeepEP's worst-case rows, unwritten past the segments, no host sync in the aligned (PSUM) path
     ("block_fp8", SM90, "low_latency", True), ("bf16", SM100, "low_latency", True),
     ("block_fp8", SM90, "low_latency", False),
+    # v1: the worst case's tail is whole blocks of -1 indices, an illegal address before #113 (PyPI's 1.0.0)
+    ("block_fp8", V1, "low_latency", True), ("block_fp8", DEEP_GEMM_V1_PYPI_EMULATOR, "low_latency", True),
 ])
 def test_deep_gemm_behind_deepep_v2_agrees_with_the_dense_reference(moe_rank_pools, kind, kernel, mode, aligned):
     """DeepEP V2's expanded rows (PACKED; fp32 per-128 scales, or UE8M0 packed four per word for SM100) are what the
-    contiguous GEMMs take, exact in normal mode and DeepEP's worst case in low-latency mode."""
+    contiguous GEMMs take, exact in normal mode and DeepEP's worst case in low-latency mode; on every DeepGEMM v1
+    too, whose blocks of -1 indices the runner clamps as #113 does in the kernel."""
     results = moe_rank_pools.get(2).map(run_layer, kind, mode, kernel, DEEPEP_EMULATOR, 2048, 256, 2, 2, 128,
                                         v2=True, aligned=aligned)
     for r in results:

@@ -255,6 +255,22 @@ def test_a_network_without_gin_names_ep_disable_gin(moe_rank_pools):
         assert parameter == "EP_DISABLE_GIN" and "EP_DISABLE_GIN=1" in message
 
 
+def _two_nvlink_domains(rank, world):  # type: ignore[no-untyped-def]
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
+
+    deep_ep_elastic.EMULATED_NVLINK_DOMAIN = world // 2  # two nodes: with hybrid mode allowed, DeepEP's hybrid kernels
+    try:
+        return _round_trip(md.create_dispatcher(DeepEPV2Backend(vendor_module=EMULATOR), _spec(), env={}), rank)
+    finally:
+        deep_ep_elastic.EMULATED_NVLINK_DOMAIN = deep_ep_elastic.NVLINK_DOMAIN
+
+
+def test_a_group_over_two_nvlink_domains_runs_the_direct_kernels(moe_rank_pools):
+    """2 nodes x 2 GPUs: DeepEP would switch to its hybrid kernels, which the adapter does not drive; it passes
+    allow_hybrid_mode=False to the buffer and its size hint, so the direct kernels run over GIN."""
+    assert max(moe_rank_pools.get(4).map(_two_nvlink_domains)) < 1e-2
+
+
 def test_past_one_nvlink_domain_and_in_deterministic_mode_it_refuses_at_creation():
     backend = DeepEPV2Backend(vendor_module=EMULATOR)
     with pytest.raises(md.InvalidSpecError) as err:

@@ -428,6 +428,8 @@ class DeepGemmExperts:
         if psum:
             fn(lhs, rhs, d, groups, **{vendor.DG_USE_PSUM_LAYOUT: True})
         elif contiguous:
+            if self.info.generation == "v1":  # what #113 (0c88cd0) does in the kernel, for the v1 builds before it
+                groups = groups.clamp(min=0)
             fn(lhs, rhs, d, groups)
         else:
             fn(lhs, rhs, d, groups, expected_m)

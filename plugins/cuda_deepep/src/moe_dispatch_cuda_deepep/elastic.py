@@ -28,8 +28,9 @@ phase too: ``dispatch_start``/``combine_start`` pass ``async_with_compute_stream
 comm stream, after everything queued on the current one; in normal mode the dispatch start returns once the host has
 the counts, which takes every peer's notify and whatever DeepEP's comm stream had queued, another micro-batch's calls
 included; in low-latency mode at once) and ``wait()`` makes the current stream wait on DeepEP's event before anything
-reads the outputs. Not yet driven: cached handles (the no-sync path with a fresh handle needs none), and
-past one NVLink domain (8 ranks here) DeepEP's hybrid kernels, refused until a run has checked them.
+reads the outputs. Not driven: cached handles (the no-sync path with a fresh handle needs none), and DeepEP's hybrid
+kernels: the buffer is made with ``allow_hybrid_mode=False`` (a group over several NVLink domains, 2 nodes x 4 GPUs,
+runs the direct kernels over GIN); past 8 ranks, where no run here has checked them, it is refused.
 
 ``DispatchSpec.expert_alignment`` is DeepEP's own ``expert_alignment`` with ``do_zero_padding`` (DeepEP 2.1.0 on): the
 rows arrive in DeepGEMM's contiguous (PSUM) layout, and combine takes the expert rows in it (padding rows are never
@@ -132,8 +133,9 @@ class ElasticBuffers:
             shared = self._by_group[id(group)] = Shared()
         if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
             shared.buffer.destroy()
-        shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(
-            group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True)
+        shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(  # never the hybrid kernels (vendor.V2_ALLOW_HYBRID_MODE)
+            group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True,
+            **{vendor.V2_ALLOW_HYBRID_MODE: False})
         return shared
 
     def close(self) -> None:
@@ -192,8 +194,8 @@ class DeepEPV2Backend(mdb.Backend):
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
         if world_size > vendor.V2_DIRECT_MAX_RANKS:  # before the generic EP-size refusal: say why
             raise md.InvalidSpecError(
-                f"backend {self.name!r} drives DeepEP V2's direct kernels, within one NVLink domain; past it DeepEP "
-                "switches to hybrid kernels that no run here has checked", parameter="world_size",
+                f"backend {self.name!r} drives DeepEP V2's direct kernels (allow_hybrid_mode=False), checked on one "
+                "node's NVLink domain at most; past 8 ranks no run here has checked them", parameter="world_size",
                 value=world_size, allowed=f"1..{vendor.V2_DIRECT_MAX_RANKS}")
         super().check_spec(spec, world_size)
         local = spec.num_experts // world_size
@@ -211,7 +213,7 @@ class DeepEPV2Backend(mdb.Backend):
     def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> mdb.BufferSize:
         fp8 = spec.output_dtype is F8
         sizes = vendor.ported_elastic_buffer_sizes(world_size, spec.num_max_dispatch_tokens_per_rank,
-                                                   spec.hidden_size, spec.top_k, fp8)
+                                                   spec.hidden_size, spec.top_k, fp8, allow_hybrid_mode=False)
         return mdb.BufferSize(sizes.dispatch, sizes.combine, allocated_bytes=sizes.total,
                              notes=("one ElasticBuffer per process group, shared by every layer: the largest layer's "
                                     "size (plus DeepEP's ~14 MiB workspace per rank)",))
@@ -222,7 +224,8 @@ class DeepEPV2Backend(mdb.Backend):
         (DeepEP #726). ``create`` calls DeepEP only after a collective."""
         spec = ctx.spec
         return {"elastic num_bytes": vendor.ported_elastic_buffer_sizes(
-            ctx.world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, ctx.dtype is F8).total}
+            ctx.world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, ctx.dtype is F8,
+            allow_hybrid_mode=False).total}
 
     def create(self, ctx: mdb.DispatchContext) -> "ElasticDispatcher":
         module, why = _module(self.vendor_module)
@@ -285,7 +288,9 @@ class ElasticDispatcher:
     shared: Shared
     topk_idx_dtype: torch.dtype
     #: ``options["num_sms"]``: the SMs DeepEP's kernels take; 0, DeepEP's own pick (``get_theoretical_num_sms``, which
-    #: falls to 4 where ``nvidia-smi nvlink -s`` cannot be read).
+    #: falls to 4 where ``nvidia-smi nvlink -s`` cannot be read), resolved by every 2.x the adapter accepts
+    #: (deepseek-ai/DeepEP@b306af0 deep_ep/buffers/elastic.py:732-733; @dd758ca :926-930, combine reusing the
+    #: handle's at :1085-1088): 0 never reaches the kernels' ``num_sms > 0`` assert (csrc/elastic/buffer.hpp:728).
     num_sms: int = 0
     spec: md.DispatchSpec = field(init=False)
 

@@ -953,6 +953,10 @@ DG_TMA_ALIGNED_SIZE = "get_tma_aligned_size"
 DG_MN_MAJOR_TMA_ALIGNED = "get_mn_major_tma_aligned_tensor"
 DG_MN_MAJOR_PACKED_UE8M0 = "get_mn_major_tma_aligned_packed_ue8m0_tensor"
 # deepseek-ai/DeepGEMM@0c88cd0 deep_gemm/jit_kernels/m_grouped_gemm.py (v1; same names @b05ed2f = PyPI 1.0.0)
+#: Its scheduler takes a block's group from the block's first ``m_indices`` entry: -1 there (alignment padding, a
+#: worst case's tail) is an illegal address before #113 (@b05ed2f deep_gemm/include/deep_gemm/scheduler.cuh:64),
+#: ``max(0, ...)`` from it (@0c88cd0 scheduler.cuh:119). No Python name tells the builds apart, so the adapter
+#: clamps the indices on the host for every v1 (the rows it computes there are padding, never read).
 DG_V1_CONTIGUOUS = "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"
 DG_V1_MASKED = "m_grouped_gemm_fp8_fp8_bf16_nt_masked"
 DG_V1_ALIGNMENT = "get_m_alignment_for_contiguous_layout"
@@ -1465,8 +1469,9 @@ V2_INSTALL_HINT = ("DeepEP 2.x builds from source (https://github.com/deepseek-a
 #: (DeepEP #629/#630; README.md:343).
 V2_GIN_UNAVAILABLE = "NCCL GIN is unavailable"
 EP_DISABLE_GIN = "EP_DISABLE_GIN"
-#: The direct kernels run within one NVLink (NCCL LSA) domain, 8 GPUs on the H100/H200 nodes; past it DeepEP switches
-#: to its hybrid kernels (csrc/kernels/backend/nccl.cu:116-125), whose sizing and reduction nothing here has run.
+#: One NVLink (NCCL LSA) domain, 8 GPUs on the H100/H200 nodes: the most ranks the adapter takes. Past a domain DeepEP
+#: switches to its hybrid kernels unless told not to (``V2_ALLOW_HYBRID_MODE``: nccl.cu:116-125); nothing here has run
+#: the direct kernels on more than a node's ranks.
 V2_DIRECT_MAX_RANKS = 8
 #: The hybrid kernels' channel slack in the size formula: ``8 * 160`` (csrc/elastic/buffer.hpp:57-59).
 V2_HYBRID_CHANNEL_TOKENS = 1280
@@ -1571,15 +1576,24 @@ def ported_elastic_buffer_sizes(num_ranks: int, num_max_tokens_per_rank: int, hi
     return ElasticSizes(dispatch, combine)
 
 
+#: ``ElasticBuffer(..., allow_hybrid_mode=True)`` and ``get_buffer_size_hint(..., allow_hybrid_mode=True)``
+#: (deepseek-ai/DeepEP@dd758ca deep_ep/buffers/elastic.py:240, :384): with it, a group spanning more than one NVLink
+#: (LSA) domain runs the hybrid kernels (csrc/kernels/backend/nccl.cu:118-124), at 2 nodes x 4 GPUs as at 2 x 1. The
+#: adapter passes False to both: the direct kernels everywhere, over GIN across domains (nccl.cu:86-97).
+V2_ALLOW_HYBRID_MODE = "allow_hybrid_mode"
+
+
 def elastic_buffer_size_hint(module: Any, group: Any, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
                              use_fp8_dispatch: bool) -> int:
     """``ElasticBuffer.get_buffer_size_hint`` of the installed DeepEP (it needs the group's NCCL communicator: the
-    LSA team size enters the result, elastic.py:380-406), else the port's."""
+    LSA team size enters the result, elastic.py:380-406), else the port's; both without hybrid mode."""
     elastic = getattr(module, ELASTIC_BUFFER, None) if module is not None else None
     if elastic is not None:
-        return int(elastic.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch))
+        return int(elastic.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                                **{V2_ALLOW_HYBRID_MODE: False}))
     size = group.size() if group is not None else 1
-    return ported_elastic_buffer_sizes(size, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch).total
+    return ported_elastic_buffer_sizes(size, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
+                                       allow_hybrid_mode=False).total
 
 
 #: Read by DeepEP@dd758ca and left as set, each changing what a dispatcher does: ``import deep_ep`` skips its NCCL

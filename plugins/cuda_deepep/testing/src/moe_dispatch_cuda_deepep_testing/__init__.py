@@ -25,7 +25,7 @@ EMULATOR_V2_0 = f"{FAKES}.deep_ep_v2_0"
 DEEP_GEMM_EMULATOR = f"{FAKES}.deep_gemm"
 #: DeepGEMM 2.6.1 (@ 54e2261) on an SM100 device.
 DEEP_GEMM_EMULATOR_SM100 = f"{FAKES}.deep_gemm_sm100"
-#: DeepGEMM v1 (main @ 0c88cd0, the last v1).
+#: DeepGEMM v1 (main @ 0c88cd0: #113, -1 blocks skipped; v1 went on to 03d0be3).
 DEEP_GEMM_V1_EMULATOR = f"{FAKES}.deep_gemm_v1"
 #: DeepGEMM v1 as PyPI's deep_gemm 1.0.0 has it (@ b05ed2f, 2025-02-27).
 DEEP_GEMM_V1_PYPI_EMULATOR = f"{FAKES}.deep_gemm_v1_pypi"

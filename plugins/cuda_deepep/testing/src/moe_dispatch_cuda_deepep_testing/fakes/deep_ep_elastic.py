@@ -58,6 +58,8 @@ _COPY_EPILOGUE = "deep_ep/include/deep_ep/impls/dispatch_copy_epilogue.cuh"
 DEVICE_SMS = vendor.H100_NUM_SMS
 #: The emulated node's NVLink (NCCL LSA) domain: the direct kernels' reach.
 NVLINK_DOMAIN = vendor.V2_DIRECT_MAX_RANKS
+#: The NCCL LSA (NVLink) team the emulated machine gives a group: ranks in domains of this many (2 nodes x 4 GPUs: 4).
+EMULATED_NVLINK_DOMAIN = NVLINK_DOMAIN
 #: Whether the emulated network offers NCCL GIN; False emulates an NVLink-only node (DeepEP #629).
 EMULATED_NETWORK_HAS_GIN = True
 _NCCL_CU = "csrc/kernels/backend/nccl.cu"
@@ -92,9 +94,11 @@ class ElasticBuffer:
         if deterministic or not allow_multiple_reduction:
             raise NotImplementedError("the fake emulates deterministic=False, allow_multiple_reduction=True")
         self.rank_idx, self.num_ranks = group.rank(), group.size()
-        if self.num_ranks > NVLINK_DOMAIN:
-            raise NotImplementedError(f"the fake emulates one NVLink domain ({NVLINK_DOMAIN} ranks): past it DeepEP runs "
-                                      "its hybrid kernels (csrc/kernels/backend/nccl.cu:116-125), not emulated")
+        domain = min(EMULATED_NVLINK_DOMAIN, NVLINK_DOMAIN)
+        if self.num_ranks > (domain if allow_hybrid_mode else NVLINK_DOMAIN):
+            raise NotImplementedError(f"the fake emulates the direct kernels ({domain} ranks to an NVLink domain, at "
+                                      f"most {NVLINK_DOMAIN} ranks): past a domain with allow_hybrid_mode DeepEP runs "
+                                      "its hybrid kernels (csrc/kernels/backend/nccl.cu:118-124), not emulated")
         self.group = group
         # ncclDevCommCreate with GIN requirements when num_ranks > 1 and EP_DISABLE_GIN is 0 (nccl.cu:86-99).
         if self.num_ranks > 1 and os.environ.get(vendor.EP_DISABLE_GIN, "0") == "0" and not EMULATED_NETWORK_HAS_GIN:

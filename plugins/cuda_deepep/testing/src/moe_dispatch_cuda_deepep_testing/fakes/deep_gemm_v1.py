@@ -1,4 +1,4 @@
-"""A fake of DeepGEMM v1's ``deep_gemm`` (main @ 0c88cd0, the last v1 before the 2.x rewrite; the same
+"""A fake of DeepGEMM v1's ``deep_gemm`` (main @ 0c88cd0, #113; v1 went on to 03d0be3 before the 2.x rewrite; the same
 Python API as PyPI's deep_gemm 1.0.0 @ b05ed2f): SM90 only, FP8 with fp32 scales only, no BF16.
 
 ``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out, m_indices)`` and ``..._masked(lhs, rhs, out,
@@ -78,7 +78,7 @@ class Rules:
     odd_k_blocks_compile: bool
 
 
-#: main @ 0c88cd0 (the last v1).
+#: main @ 0c88cd0 (#113).
 RULES = Rules(True, vendor.DG_V1_MASKED_BLOCK_MS, True, True)
 
 
