@@ -216,7 +216,9 @@ class DeepEPV2Backend(mdb.Backend):
                                                    spec.hidden_size, spec.top_k, fp8, allow_hybrid_mode=False)
         return mdb.BufferSize(sizes.dispatch, sizes.combine, allocated_bytes=sizes.total,
                              notes=("one ElasticBuffer per process group, shared by every layer: the largest layer's "
-                                    "size (plus DeepEP's ~14 MiB workspace per rank)",))
+                                    "size (plus DeepEP's ~14 MiB workspace per rank)",
+                                    "planned for one NVLink domain: over several (2 nodes x 4 GPUs) DeepEP's own hint, "
+                                    "which creation allocates, adds send buffers (1.2-2.2x)"))
 
     def agreement(self, ctx: mdb.DispatchContext) -> dict[str, Any]:
         """The planned size, from the port: DeepEP's own hint wraps the group's NCCL communicator, which PyTorch
@@ -249,9 +251,11 @@ class DeepEPV2Backend(mdb.Backend):
             if vendor.V2_GIN_UNAVAILABLE not in str(exc):
                 raise
             raise md.BackendUnavailableError(
-                "DeepEP's ElasticBuffer found no NCCL GIN on this network (nccl.cu:86-99); on one NVLink domain set "
-                f"{vendor.EP_DISABLE_GIN}=1 before creating it (DeepEP #629/#630)", parameter=vendor.EP_DISABLE_GIN,
-                value=None, allowed="1 on NVLink-only nodes, or a network with GIN") from exc
+                "DeepEP's ElasticBuffer found no NCCL GIN with full connectivity on this network (nccl.cu:86-99; the "
+                "direct kernels need it across NVLink domains, which a multi-plane network may not give); on one "
+                f"NVLink domain set {vendor.EP_DISABLE_GIN}=1 before creating it (DeepEP #629/#630)",
+                parameter=vendor.EP_DISABLE_GIN, value=None,
+                allowed="1 on one NVLink-only node, or a network with full-connectivity GIN") from exc
         return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), num_sms)
 
     @staticmethod

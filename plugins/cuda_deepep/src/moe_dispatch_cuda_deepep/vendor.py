@@ -956,7 +956,8 @@ DG_MN_MAJOR_PACKED_UE8M0 = "get_mn_major_tma_aligned_packed_ue8m0_tensor"
 #: Its scheduler takes a block's group from the block's first ``m_indices`` entry: -1 there (alignment padding, a
 #: worst case's tail) is an illegal address before #113 (@b05ed2f deep_gemm/include/deep_gemm/scheduler.cuh:64),
 #: ``max(0, ...)`` from it (@0c88cd0 scheduler.cuh:119). No Python name tells the builds apart, so the adapter
-#: clamps the indices on the host for every v1 (the rows it computes there are padding, never read).
+#: clamps the indices on the host for every v1 (the rows it computes there are padding, never read). The builds
+#: with #113 then compute the padding blocks they would skip (8dfa329's is_computation_valid): speed, not results.
 DG_V1_CONTIGUOUS = "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"
 DG_V1_MASKED = "m_grouped_gemm_fp8_fp8_bf16_nt_masked"
 DG_V1_ALIGNMENT = "get_m_alignment_for_contiguous_layout"

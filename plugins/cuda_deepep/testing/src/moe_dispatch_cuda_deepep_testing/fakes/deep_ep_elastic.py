@@ -108,7 +108,8 @@ class ElasticBuffer:
             ep_assert(num_max_tokens_per_rank > 0 and hidden > 0, "num_max_tokens_per_rank > 0 and hidden > 0",
                       _BUFFER_HPP)
             num_bytes = vendor.ported_elastic_buffer_sizes(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk,
-                                                           use_fp8_dispatch).total
+                                                           use_fp8_dispatch, min(EMULATED_NVLINK_DOMAIN, self.num_ranks),
+                                                           allow_hybrid_mode, allow_multiple_reduction).total
         ep_assert(num_bytes > 0 and num_bytes % vendor.V2_BUFFER_ALIGNMENT == 0,
                   "num_buffer_bytes > 0 and num_buffer_bytes % symmetric::kNumAlignmentBytes == 0", _BUFFER_HPP)
         self.num_bytes = int(num_bytes)
@@ -128,9 +129,10 @@ class ElasticBuffer:
         ep_assert(num_max_tokens_per_rank > 0 and hidden > 0, "num_max_tokens_per_rank > 0 and hidden > 0",
                   _BUFFER_HPP)
         ep_assert(-(-hidden // 32) * 4 <= hidden, "ceil_div(hidden, 32) * 4 <= hidden", _BUFFER_HPP)
+        # The LSA team enters the result (elastic.py:380-406): the emulated machine's NVLink domain
         return vendor.ported_elastic_buffer_sizes(group.size(), num_max_tokens_per_rank, hidden, num_topk,
-                                                  use_fp8_dispatch, None, allow_hybrid_mode,
-                                                  allow_multiple_reduction).total
+                                                  use_fp8_dispatch, min(EMULATED_NVLINK_DOMAIN, group.size()),
+                                                  allow_hybrid_mode, allow_multiple_reduction).total
 
     def destroy(self) -> None:
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
