@@ -1,7 +1,8 @@
 """The exchange both reference backends run on ``torch.distributed``: normal mode sends one wire row per (token,
 destination rank) pair (the payload, then the token's expert ids and weights) after the counts exchange (its one host
-sync) and expands them into PACKED rows (or hands them over as they are: TOKEN_MAJOR); low-latency mode all-gathers ``capacity`` fixed slots into the MASKED layout
-(no host sync). Combine adds in a fixed order, so results are bit-identical run to run (docs/design.md)."""
+sync) and expands them into PACKED rows (or hands them over as they are: TOKEN_MAJOR); low-latency mode all-gathers
+``capacity`` fixed slots into the MASKED layout (no host sync). Combine adds in a fixed order, so results are
+bit-identical run to run (docs/design.md)."""
 
 from __future__ import annotations
 

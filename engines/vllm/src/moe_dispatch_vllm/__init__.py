@@ -10,7 +10,8 @@
 ``MoEDispatchPrepareAndFinalize`` is a ``FusedMoEPrepareAndFinalizeModular`` in vLLM's ``BatchedExperts`` format
 (moe-dispatch's MASKED layout, low latency) or, with ``for_layer(..., mode="normal")``, its ``Standard`` format
 (TOKEN_MAJOR rows, as DeepEP HT): vLLM's experts on unquantized activations run on any moe-dispatch backend that
-writes the layout, with ``prepare_async``/``finalize_async`` on the split phase (dual-batch overlap). vLLM 0.33.0 chooses its prepare/finalize from a closed list (``maybe_make_prepare_finalize``),
+writes the layout, with ``prepare_async``/``finalize_async`` on the split phase (dual-batch overlap); block-FP8
+experts get FP8 rows. vLLM 0.33.0 chooses its prepare/finalize from a closed list (``maybe_make_prepare_finalize``),
 so an engine builds the kernel itself as above; vLLM PR #50556 would let a plugin register it by name.
 """
 
