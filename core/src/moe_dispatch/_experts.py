@@ -143,7 +143,7 @@ def token_major_experts(experts: ExpertKernel, layer: Any, out: "DispatchOutput"
     assert ids is not None and out.row_topk_weights is not None
     row_slot, counts = rows_by_expert(ids, len(out.group_list))
     row = torch.div(row_slot, ids.shape[1], rounding_mode="floor")
-    raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # float8 has no index_select
+    raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # bytes: float8 index kernels vary by device
     scale = out.hidden_states_scale
     y = experts.apply_without_routing_weights(
         layer, raw.index_select(0, row).view(rows.dtype), None if scale is None else scale.index_select(0, row), 1,

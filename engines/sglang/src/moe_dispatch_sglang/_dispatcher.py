@@ -155,8 +155,8 @@ class MoEDispatchDeepEPDispatcher(sg.BaseDispatcher):
         sg.get_global_expert_distribution_recorder().on_deepep_dispatch_normal(
             per_expert, num_tokens_per_rank=in_rank.sum(0).to(torch.int32), num_tokens_per_rdma_rank=None,
             num_tokens_per_expert=torch.bincount(routed, minlength=self.num_experts).to(torch.int32))
-        scale = out.hidden_states_scale
-        if scale is not None and sg.ue8m0_scales() and scale.dtype != torch.int32:
+        scale, ue8m0 = out.hidden_states_scale, self._specs[sg.DeepEPMode.NORMAL].quant.fp8_ue8m0_scales
+        if scale is not None and ue8m0 and scale.dtype != torch.int32:
             scale = mdb.pack_ue8m0(scale)  # ep_scatter reads four UE8M0 exponents per int32 (ep_moe_kernels.py:1251)
         return sg.DeepEPNormalDispatchOutput(_view(out.hidden_states), _view(scale), out.row_topk_ids,
                                              out.row_topk_weights, per_expert)

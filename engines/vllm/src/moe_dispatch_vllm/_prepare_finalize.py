@@ -61,7 +61,7 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
                                       allowed="masked (low_latency), token_major (normal)")
         self.dispatcher, self.standard = dispatcher, layout is md.Layout.TOKEN_MAJOR
         self._outputs: dict[int, md.DispatchOutput] = {}  # the dispatch each micro-batch's finalize combines
-        self._linear_maps: set[int] = set()  # the expert_maps checked to be the linear placement (by data_ptr)
+        self._linear_map: torch.Tensor | None = None  # the layer's expert_map, once checked to be the linear one
 
     @classmethod
     def for_layer(cls, backend: str, moe: Any, quant_config: Any, group: Any = None, *, mode: str = "low_latency",
@@ -193,7 +193,7 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
                 raise md.InvalidInputError("does not match the dispatcher (the weights are applied in combine, or to "
                                            "the input at top-1; the rows arrive in the wire dtype)",
                                            parameter=parameter, value=value, allowed=allowed)
-        if expert_map is not None and expert_map.data_ptr() not in self._linear_maps:
+        if expert_map is not None and expert_map is not self._linear_map:
             self._check_linear(expert_map)
 
     def _check_linear(self, expert_map: torch.Tensor) -> None:
@@ -206,4 +206,4 @@ class MoEDispatchPrepareAndFinalize(vl.mk.FusedMoEPrepareAndFinalizeModular):
             raise md.InvalidInputError("places the experts other than moe-dispatch sends them (rank r holds experts "
                                        "r*E_local ..)", parameter="expert_map", value=expert_map.tolist(),
                                        allowed="the linear placement (--expert-placement-strategy linear)")
-        self._linear_maps.add(expert_map.data_ptr())
+        self._linear_map = expert_map
