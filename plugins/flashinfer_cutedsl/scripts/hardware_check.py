@@ -10,7 +10,8 @@ Checks, one table row each:
 - signatures: every recorded signature (``vendor.SIGNATURES``) against the installed callable
   (``inspect``), CuteDslMoEWrapper from its source (AST);
 - workspace size: FlashInfer's ``moe_a2a_get_workspace_size_per_rank`` (its JIT module's
-  ``moe_a2a_get_aux_data_size``) against the ported formula, at several shapes;
+  ``moe_a2a_get_aux_data_size``) against the ported formula, at several shapes; from 0.7.4 the one-sided
+  module's ``moe_a2a_get_workspace_layout`` and metainfo names against ``vendor.ep_workspace_layout``;
 - a2a ep=1: ``flashinfer_a2a`` through the real MoeAlltoAll at one rank (MNNVL memory: fabric or
   POSIX fd handles) against the same inputs through the fake of that version, and against the
   reference, at the ``--tokens`` shape and at T=17 top-3 (R·T·k odd: the receive-plane alignment
@@ -80,13 +81,19 @@ def check_signatures(s: Setup) -> list[Row]:
     if info.api is None or info.version is None:
         return [Row("signatures", "FAIL", info.describe())]
     module = importlib.import_module(s.module)
-    comm = module.comm
-    live: dict[str, Callable[..., Any]] = {
-        "MoeAlltoAll.__init__": info.api.MoeAlltoAll.__init__, "MoeAlltoAll.dispatch": info.api.MoeAlltoAll.dispatch,
-        "MoeAlltoAll.combine": info.api.MoeAlltoAll.combine,
-        "moe_a2a_get_workspace_size_per_rank": info.api.moe_a2a_get_workspace_size_per_rank,
-        "Mapping.__init__": info.api.Mapping.__init__, "MnnvlConfig": comm.mnnvl.MnnvlConfig.__init__,
-    }
+    api = info.api
+    live: dict[str, Callable[..., Any]] = {"MnnvlConfig": api.MnnvlConfig.__init__}
+    if info.a2a_profile().one_sided:
+        live.update({"create_communication": api.create_communication, "BootstrapConfig": api.BootstrapConfig.__init__,
+                     "MoEEpCommParams": api.MoEEpCommParams.__init__,
+                     "NVLinkOneSidedConfig": api.NVLinkOneSidedConfig.__init__})
+        live.update({f"NVLinkOneSidedAlltoAll.{m}": getattr(api.NVLinkOneSidedAlltoAll, m)
+                     for m in ("__init__", "dispatch", "combine")})
+    else:
+        live.update({"MoeAlltoAll.__init__": api.MoeAlltoAll.__init__, "MoeAlltoAll.dispatch": api.MoeAlltoAll.dispatch,
+                     "MoeAlltoAll.combine": api.MoeAlltoAll.combine,
+                     "moe_a2a_get_workspace_size_per_rank": api.moe_a2a_get_workspace_size_per_rank,
+                     "Mapping.__init__": api.Mapping.__init__})
     if info.api.fp4_quantize is not None:
         live["fp4_quantize"] = info.api.fp4_quantize
     problems, checked = [], 0
@@ -117,6 +124,8 @@ def check_signatures(s: Setup) -> list[Row]:
 def check_workspace_size(s: Setup) -> list[Row]:
     info = vendor.detect(s.module)
     assert info.api is not None and info.version is not None
+    if info.a2a_profile().one_sided:
+        return _check_ep_layout(info)
     rows = []
     for ep, t, disp, comb in ((1, 16, 2 * 2048 + 24, 2 * 2048), (8, 128, 2 * 7168 + 64, 2 * 7168),
                               (64, 1, 7168 // 2 + 448 + 64, 2 * 7168)):
@@ -128,6 +137,28 @@ def check_workspace_size(s: Setup) -> list[Row]:
         ported = vendor.ported_workspace_size_per_rank(ep, t, disp, comb, info.version)
         rows.append(Row(f"workspace size ep={ep} T={t}", "PASS" if real == ported else "FAIL",
                         f"FlashInfer {real:,} B, ported {ported:,} B (kMaxTopK {vendor.max_top_k(info.version)})"))
+    return rows
+
+
+def _check_ep_layout(info: vendor.VendorInfo) -> list[Row]:
+    """The one-sided module's metainfo names and ``moe_a2a_get_workspace_layout`` against the port."""
+    try:
+        module = info.api.get_nvlink_one_sided_alltoall_module()
+        names, _ = module.moe_a2a_get_metainfo_index_pairs()
+    except Exception as exc:  # noqa: BLE001 - the JIT build refusing the machine is FlashInfer's refusal
+        return [_failure("one-sided module", exc)]
+    fields = [str(n).removeprefix("MOE_A2A_").removesuffix("_INDEX") for n in names][:len(vendor.EP_METAINFO_NAMES)]
+    rows = [Row("one-sided metainfo names", "PASS" if tuple(fields) == vendor.EP_METAINFO_NAMES else "FAIL",
+                f"{len(fields)} fields" if tuple(fields) == vendor.EP_METAINFO_NAMES else f"FlashInfer {fields}")]
+    for ep, t, k, disp, comb in ((1, 16, 3, 16 * 4200, 16 * 4096), (8, 128, 8, 8 * 128 * 14400, 8 * 128 * 14336),
+                                 (64, 1, 22, 64 * 4000, 64 * 14336)):
+        metainfo = torch.zeros(len(vendor.EP_METAINFO_NAMES), dtype=torch.int64)
+        module.moe_a2a_get_workspace_layout(ep, t, k, disp, comb, 0, 0, False, metainfo)
+        ported = vendor.ep_workspace_layout(ep, t, k, disp, comb)
+        real = dict(zip(vendor.EP_METAINFO_NAMES, metainfo.tolist()))
+        wrong = [f"{n} {real[n]} vs {ported[n]}" for n in vendor.EP_METAINFO_NAMES if real[n] != ported[n]]
+        rows.append(Row(f"one-sided layout ep={ep} T={t} k={k}", "FAIL" if wrong else "PASS",
+                        "; ".join(wrong) or f"{real['WORKSPACE_SIZE']:,} B per rank, every field equal"))
     return rows
 
 

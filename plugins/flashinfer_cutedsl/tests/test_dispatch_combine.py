@@ -23,6 +23,7 @@ from moe_dispatch_flashinfer_cutedsl_testing import (
     FAKE_0_6_17,
     FAKE_0_7_0,
     FAKE_0_7_2,
+    FAKE_0_7_4,
 )
 from moe_dispatch_flashinfer_cutedsl_testing.support import (
     E,
@@ -61,9 +62,9 @@ def run_kernel_with_invalid_ids(rank: int, world: int, fake_module: str, experts
 
 
 def test_flashinfers_kernel_sends_minus_one_to_rank_0_or_out_of_bounds(moe_rank_pools):
-    one_per_rank = moe_rank_pools.get(2).map(run_kernel_with_invalid_ids, EMULATOR, 2)
+    one_per_rank = moe_rank_pools.get(2).map(run_kernel_with_invalid_ids, FAKE_0_7_2, 2)
     assert all("maps to target rank -1" in m for m in one_per_rank), one_per_rank
-    four_per_rank = moe_rank_pools.get(2).map(run_kernel_with_invalid_ids, EMULATOR, 8)
+    four_per_rank = moe_rank_pools.get(2).map(run_kernel_with_invalid_ids, FAKE_0_7_2, 8)
     assert four_per_rank == ["rows received per source: [4, 4]", "rows received per source: [0, 4]"]
 
 
@@ -94,14 +95,15 @@ def run_count_received(rank: int, world: int, fake_module: str) -> tuple[list[in
 
 
 def test_minus_one_ids_add_no_copies_to_rank_0(moe_rank_pools):
-    for got, expected in moe_rank_pools.get(2).map(run_count_received, EMULATOR):
+    for got, expected in moe_rank_pools.get(2).map(run_count_received, FAKE_0_7_2):
         assert got == expected
 
 
 # -- top-k, ranks, contiguity --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fake_module,top_k", [(FAKE_0_6_7, 3), (FAKE_0_6_7, 5), (FAKE_0_6_13, 7), (FAKE_0_7_2, 11)])
+@pytest.mark.parametrize("fake_module,top_k", [(FAKE_0_6_7, 3), (FAKE_0_6_7, 5), (FAKE_0_6_13, 7), (FAKE_0_7_2, 11),
+                                               (FAKE_0_7_4, 5), (FAKE_0_7_4, 9)])
 def test_top_k_between_the_kernels_values_is_padded(moe_rank_pools, fake_module, top_k):
     assert max(moe_rank_pools.get(2).map(run_layer, fake_module, top_k, 0.2, 16)) < 1e-2
 
@@ -113,8 +115,11 @@ def test_top_k_beyond_kmaxtopk_and_more_than_64_ranks_are_refused():
     assert info.value.parameter == "top_k" and info.value.allowed == "1..8"
     FlashInferA2ABackend(FAKE_0_6_13).check_spec(spec, 2)
     with pytest.raises(md.InvalidSpecError) as info:
-        FlashInferA2ABackend(EMULATOR).check_spec(md.DispatchSpec(H, 128, 2), 128)
-    assert info.value.parameter == "world_size"
+        FlashInferA2ABackend(FAKE_0_7_2).check_spec(md.DispatchSpec(H, 128, 2), 128)
+    assert info.value.parameter == "world_size" and info.value.allowed == "1..64"
+    with pytest.raises(md.InvalidSpecError) as info:  # NVLinkOneSidedAlltoAll: kMaxRanks 256
+        FlashInferA2ABackend(EMULATOR).check_spec(md.DispatchSpec(H, 512, 2), 512)
+    assert info.value.parameter == "world_size" and info.value.allowed == "1..256"
     FlashInferA2ABackend(EMULATOR).check_spec(md.DispatchSpec(H, 512, 2), 1)  # 512 experts on one rank
 
 

@@ -8,11 +8,12 @@ import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_dispatch.backend import restored_environ
 from moe_dispatch_flashinfer_cutedsl import vendor
-from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR, FAKE_0_6_13
+from moe_dispatch_flashinfer_cutedsl_testing import EMULATOR, FAKE_0_6_13, FAKE_0_7_2
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hardware_check.py"
 
@@ -37,11 +38,13 @@ def _rows(text: str, check: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(check)]
 
 
-def test_the_hardware_check_passes_on_the_fakes(moe_rank_pools):
-    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", EMULATOR, "--hidden",
+@pytest.mark.parametrize("fake_module,size_row", [(FAKE_0_7_2, "workspace size ep=8 T=128"),
+                                                  (EMULATOR, "one-sided layout ep=8 T=128 k=8")])
+def test_the_hardware_check_passes_on_the_fakes(moe_rank_pools, fake_module, size_row):
+    (code, text), = moe_rank_pools.get(1).map(run_script, ["--fake", "--fake-module", fake_module, "--hidden",
                                                          "256", "--tokens", "8"], {})
     assert code == 0, text
-    for check in ("signatures", "workspace size ep=8 T=128", "a2a ep=1 ", "a2a ep=1 T=17 top-3", "fp4_quantize",
+    for check in ("signatures", size_row, "a2a ep=1 ", "a2a ep=1 T=17 top-3", "fp4_quantize",
                   "fp4_quantize exact math", "cutedsl packed bf16", "cutedsl masked, -1 slots",
                   "cutedsl masked, no routed row", "cutedsl ep offset", "cutedsl nvfp4 rows", "cutedsl zero rows"):
         assert any(" PASS " in line for line in _rows(text, check)), (check, text)

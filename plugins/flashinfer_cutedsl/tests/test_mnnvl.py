@@ -59,7 +59,7 @@ def run_without_mnnvl_config(rank: int, world: int, fake_module: str) -> str:
 
 
 def test_without_mnnvl_config_flashinfer_allocates_over_a_one_rank_mpi_world(moe_rank_pools):
-    for message in moe_rank_pools.get(2).map(run_without_mnnvl_config, EMULATOR):
+    for message in moe_rank_pools.get(2).map(run_without_mnnvl_config, FAKE_0_7_2):
         assert "workspace first dim must equal ep_size (1 vs. 2)" in message
 
 

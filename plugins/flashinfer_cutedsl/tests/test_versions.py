@@ -19,12 +19,17 @@ def test_detect_knows_which_versions_have_each_api():
     for name, version in FAKES:
         info = vendor.detect(name)
         assert info.fake and info.version == version and info.a2a_reason() is None and info.cutedsl_reason() is None
-    api = vendor.detect(EMULATOR).api
+    api = vendor.detect(FAKE_0_7_2).api
     old = vendor.VendorInfo("flashinfer", api, "0.5.3", None, False)
     assert "MoeAlltoAll needs FlashInfer >= 0.6.0" in old.a2a_reason()
     assert "CuteDslMoEWrapper needs FlashInfer >= 0.6.4" in vendor.VendorInfo("flashinfer", api, "0.6.3", None,
                                                                                 False).cutedsl_reason()
-    assert "newer than 0.7.2" in vendor.VendorInfo("flashinfer", api, "0.8.0", None, False).describe()
+    assert "newer than 0.7.4" in vendor.VendorInfo("flashinfer", api, "0.8.0", None, False).describe()
+    one_sided = vendor.detect(EMULATOR).api  # 0.7.4: flashinfer.moe_ep, no MoeAlltoAll looked for
+    assert one_sided.MoeAlltoAll is None and one_sided.create_communication is not None
+    lacking = vendor.VendorInfo("flashinfer", vendor.FlashInferAPI(**{**vars(one_sided), "NVLinkOneSidedConfig": None}),
+                                "0.7.4", None, False)
+    assert "flashinfer.moe_ep lacks NVLinkOneSidedConfig" in lacking.a2a_reason()
     assert vendor.parse_version("0.7.2.post1") == (0, 7, 2) and vendor.parse_version("0.6.18rc7") == (0, 6, 18)
 
 
@@ -61,11 +66,11 @@ def test_each_version_module_is_one_declaration_and_pickles_by_its_names(fake_mo
             and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
     assert len(body) == 1, [ast.unparse(node) for node in body]  # release.export(...)
     assert module.__version__ == ".".join(map(str, version)) and module.VERSION == version
-    for name in ("MoeAlltoAll", "Mapping", "comm", "fp4_quantize", "CuteDslMoEWrapper", "MnnvlMemory",
-                 "TorchDistBackend", "get_moe_alltoall_module", "moe_a2a_get_workspace_size_per_rank", "KERNELS"):
+    a2a = ("NVLinkOneSidedAlltoAll", "create_communication", "get_nvlink_one_sided_alltoall_module") \
+        if version >= vendor.EP_SINCE else ("MoeAlltoAll", "get_moe_alltoall_module", "moe_a2a_get_workspace_size_per_rank")
+    for name in ("comm", "fp4_quantize", "CuteDslMoEWrapper", "MnnvlMemory", "TorchDistBackend", "KERNELS", *a2a):
         assert name in module.__all__ and hasattr(module, name), name
-    for name in ("MoeAlltoAll", "CuteDslMoEWrapper", "MnnvlMemory", "TorchDistBackend", "fp4_quantize",
-                 "get_moe_alltoall_module", "moe_a2a_get_workspace_size_per_rank"):
+    for name in ("CuteDslMoEWrapper", "MnnvlMemory", "TorchDistBackend", "fp4_quantize", *a2a):
         obj = getattr(module, name)
         assert obj.__module__ == fake_module and pickle.loads(pickle.dumps(obj)) is obj, name
     assert vendor.detect(fake_module).a2a_reason() is None

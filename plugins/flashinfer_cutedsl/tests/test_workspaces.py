@@ -28,7 +28,7 @@ from moe_dispatch_testing import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:MoeAlltoAll is deprecated:DeprecationWarning")
 
-ALL_FAKES = [name for name, _ in FAKES]
+A2A_FAKES = [name for name, version in FAKES if version < vendor.EP_SINCE]  # the MoeAlltoAll generation
 
 
 def _quiet() -> None:
@@ -38,7 +38,7 @@ def _quiet() -> None:
 # -- one workspace per cache key -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fake_module", ALL_FAKES)
+@pytest.mark.parametrize("fake_module", A2A_FAKES)
 def test_identical_moealltoall_instances_share_one_workspace_like_flashinfer(fake_module):
     mod = fake(fake_module)
     _quiet()
@@ -128,7 +128,7 @@ def test_no_flashinfer_sized_moealltoall_shares_a_dispatcher_workspace(fake_modu
 # -- the workspace size of each version ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fake_module", ALL_FAKES)
+@pytest.mark.parametrize("fake_module", A2A_FAKES)
 def test_ported_workspace_formula_equals_each_versions_size_function(fake_module):
     mod = fake(fake_module)
     for ep, t, disp, comb in ((8, 128, 2 * 7168 + 64, 2 * 7168), (2, 16, 96, 512), (64, 1, 4, 2), (3, 7, 33, 17)):
@@ -153,11 +153,27 @@ def test_workspace_size_follows_flashinfers_layout():
     # kMaxTopK 22 (v0.6.8+): 384 + 11264 = 11648 (aligned) + 11264 = 22912.
     assert vendor.aux_data_size(8, 128, (0, 7, 2)) == 22912
     spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, output_dtype="bf16")
-    size = FlashInferA2ABackend(EMULATOR).buffer_size(spec, 8)
+    size = FlashInferA2ABackend(FAKE_0_7_2).buffer_size(spec, 8)
     per_token = 2 * 7168 + 8 * 8  # bf16 row, int32 ids, fp32 weights
     assert size.dispatch_bytes == 22912 + 8 * 128 * per_token and size.combine_bytes == 8 * 128 * 2 * 7168
-    nvfp4 = FlashInferA2ABackend(EMULATOR).buffer_size(spec.with_dtype(md.DispatchDtype.NVFP4), 8)
+    nvfp4 = FlashInferA2ABackend(FAKE_0_7_2).buffer_size(spec.with_dtype(md.DispatchDtype.NVFP4), 8)
     assert nvfp4.dispatch_bytes == 22912 + 8 * 128 * (4032 + 64) and nvfp4.combine_bytes == size.combine_bytes
+
+
+def test_one_sided_workspace_follows_calculate_workspace_layout():
+    """0.7.4's calculateWorkspaceLayout (csrc/nvlink_one_sided_alltoall.cu:125-208) by hand at R 8, T 128, top-8,
+    bf16 H 7168: counters and flags to 160, the two top-k tables (4096 B each) from 256 and 4352 (128-aligned),
+    the dispatch region at 8448 holding 1024 rows x (14336 + 64) + 4 x 256 = 14,746,624 B, the combine flags,
+    the combine flags (32 B, to 14,755,104), the combine region 256-aligned at 14,755,328 holding 1024 x 14336 B."""
+    layout = vendor.ep_workspace_layout(8, 128, 8, vendor.ep_dispatch_bytes(1024, 14336, 8), 1024 * 14336)
+    assert (layout["TOPK_TARGET_RANKS_OFFSET"], layout["TOPK_TARGET_INDICES_OFFSET"]) == (256, 4352)
+    assert (layout["DISPATCH_PAYLOAD_OFFSET"], layout["DISPATCH_PAYLOAD_SIZE"]) == (8448, 14_746_624)
+    assert (layout["COMBINE_INPUT_OFFSET"], layout["WORKSPACE_SIZE"]) == (14_755_328, 29_435_392)
+    spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, output_dtype="bf16")
+    size = FlashInferA2ABackend(EMULATOR).buffer_size(spec, 8)
+    assert (size.dispatch_bytes, size.combine_bytes) == (14_755_328, 1024 * 14336)
+    fp8 = FlashInferA2ABackend(EMULATOR).buffer_size(spec.with_dtype(md.DispatchDtype.FP8), 8)
+    assert fp8.dispatch_bytes == 8448 + vendor.ep_dispatch_bytes(1024, 7168 + 4 * 56, 8) + 256  # DeepSeekFp8 rows
 
 
 @pytest.mark.parametrize("fake_module", [FAKE_0_6_13, FAKE_0_7_2])
@@ -178,11 +194,14 @@ def test_the_fake_all_to_all_refuses_a_small_workspace():
 # -- buffer_size and the in_flight pool -----------------------------------------------------------------
 
 
-def test_buffer_size_counts_the_in_flight_workspaces():
+@pytest.mark.parametrize("fake_module,extra", [(FAKE_0_7_2, 128 * 3), (EMULATOR, 3 * 256)])
+def test_buffer_size_counts_the_in_flight_workspaces(fake_module, extra):
+    """Three workspaces: each slot 128 B larger (MoeAlltoAll), or 8 extra bytes for each of R·T = 32 rows
+    (0.7.4: slots 1 and 2 add 256 and 512 B to the dispatch region)."""
     spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=16, output_dtype="bf16")
-    one = FlashInferA2ABackend(EMULATOR, in_flight=1).buffer_size(spec, 2)
-    three = FlashInferA2ABackend(EMULATOR, in_flight=3).buffer_size(spec, 2)
-    assert three.total_bytes == 3 * one.total_bytes + 128 * 3
+    one = FlashInferA2ABackend(fake_module, in_flight=1).buffer_size(spec, 2)
+    three = FlashInferA2ABackend(fake_module, in_flight=3).buffer_size(spec, 2)
+    assert three.total_bytes == 3 * one.total_bytes + extra
     with pytest.raises(md.InvalidSpecError) as info:
         md.create_dispatcher(FlashInferA2ABackend(EMULATOR), spec, env={}, options={"in_flight": 3})
     assert info.value.parameter == "options.in_flight"

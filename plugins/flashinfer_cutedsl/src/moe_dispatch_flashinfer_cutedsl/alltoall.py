@@ -1,4 +1,6 @@
-"""The adapter: FlashInfer's MoE all-to-all (``MoeAlltoAll``) converted to the contract.
+"""The adapter: FlashInfer's MoE all-to-all converted to the contract: ``MoeAlltoAll`` (0.6.0-0.7.2,
+``FlashInferA2ADispatcher``) and, from 0.7.4, the same TRT-LLM kernels as ``flashinfer.moe_ep``'s
+``NVLinkOneSidedAlltoAll`` (``OneSidedDispatcher``: only the calls differ).
 
 FlashInfer's dispatch delivers each token once per destination rank, into fixed
 ``[ep_size, T, ...]`` receive views per payload, and its combine only adds a token's copies.
@@ -34,6 +36,11 @@ back. FlashInfer resets an instance's state only when its combine returns: after
 raised, the instance stays out of the pool (a retry of that combine with the same handle may
 complete it), and one whose dispatch succeeded but whose output could not be built is kept out
 for good; a dispatch that finds no free workspace says which ones failed.
+
+``NVLinkOneSidedAlltoAll`` (0.7.4) takes the activation, its scales, the ids and the weights as
+named arguments, sends ids only where ``0 <= id < num_experts`` (so -1 needs no replacement and the
+kernel's top-k is padded with -1 and weight 0), places each payload plane on a cache line itself
+and needs only 16-byte aligned sources, and returns [R·T, ...] views of its workspace.
 """
 
 from __future__ import annotations
@@ -66,10 +73,11 @@ def payload_order(per_token: dict[str, tuple[int, int]]) -> list[str]:
     return sorted(per_token, key=lambda n: (-vendor.dispatch_vector_width(per_token[n][0]), -per_token[n][1]))
 
 
-def _aligned_source(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous at an address its rows can be loaded from with their vector width."""
+def _aligned_source(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """``t`` contiguous at an address its rows can be loaded from with ``width`` bytes at a time
+    (default: their vector width)."""
     t = t.contiguous()
-    width = vendor.dispatch_vector_width(t.shape[1] * t.element_size())
+    width = width or vendor.dispatch_vector_width(t.shape[1] * t.element_size())
     return t if t.data_ptr() % width == 0 else t.clone()
 
 
@@ -127,38 +135,50 @@ class FlashInferA2ADispatcher:
         q = self.codec.quantize(x)
         ids32 = topk_ids.to(torch.int32).contiguous()
         first = self.rank * self.local_experts
-        # The kernels require contiguous payloads (CHECK_INPUT) their vector loads can reach.
         named = {"weights": topk_weights.float(), "ids": ids32, "data": q.data}
         if q.scale is not None:
             named["scale"] = q.scale
-        named = {n: _aligned_source(t) for n, t in named.items()}
-        names = payload_order({n: (t.shape[1] * t.element_size(), t.element_size()) for n, t in named.items()})
         instance = self._acquire()
         try:
-            got = self.instances[instance].dispatch(
-                kernel_ids(ids32, first, self.kernel_top_k), [named[n] for n in names],
-                self.spec.num_max_dispatch_tokens_per_rank, invalid_token_expert_id=-1,
-                expert_id_payload_index=names.index("ids"))
+            recv = self._send(self.instances[instance], named, first)
         except BaseException as exc:
-            if vendor.a2a_phase(self.instances[instance]) == "idle":
-                self._release(instance)  # refused before FlashInfer changed its state
-            else:
+            if self._dispatched(self.instances[instance]):
                 self._fail(instance, "dispatch", exc)
+            else:
+                self._release(instance)  # refused before FlashInfer changed its state
             raise
         try:
-            return self._output(instance, names, got, topk_ids, topk_weights, first)
+            return self._output(instance, recv, topk_ids, topk_weights, first)
         except BaseException as exc:
             self._fail(instance, "building the dispatch output", exc)  # no handle reaches the caller
             raise
 
-    def _output(self, instance: int, names: list[str], got: list[torch.Tensor], topk_ids: torch.Tensor,
+    # -- the calls: MoeAlltoAll's (OneSidedDispatcher has NVLinkOneSidedAlltoAll's) --------------------
+
+    def _send(self, instance: Any, named: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor]:
+        """Dispatch ``named`` payloads; the received ``[R·T, ...]`` rows of each."""
+        # The kernels require contiguous payloads (CHECK_INPUT) their vector loads can reach.
+        named = {n: _aligned_source(t) for n, t in named.items()}
+        names = payload_order({n: (t.shape[1] * t.element_size(), t.element_size()) for n, t in named.items()})
+        got = instance.dispatch(kernel_ids(named["ids"], first, self.kernel_top_k), [named[n] for n in names],
+                                self.spec.num_max_dispatch_tokens_per_rank, invalid_token_expert_id=-1,
+                                expert_id_payload_index=names.index("ids"))
+        return {n: g.flatten(0, 1) for n, g in zip(names, got)}
+
+    def _dispatched(self, instance: Any) -> bool:
+        return vendor.a2a_phase(instance) != "idle"
+
+    def _return(self, instance: Any, partial: torch.Tensor) -> torch.Tensor:
+        return instance.combine(partial.view(self.world, self.spec.num_max_dispatch_tokens_per_rank, -1),
+                                self.spec.num_max_dispatch_tokens_per_rank)
+
+    def _output(self, instance: int, recv: dict[str, torch.Tensor], topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, first: int) -> md.DispatchOutput:
-        recv = {n: g.flatten(0, 1) for n, g in zip(names, got)}  # [R·T, ...] per payload
         ids = recv["ids"].long()
         local = torch.where((ids >= first) & (ids < first + self.local_experts), ids - first, -1)
         row_flat, counts = rows_by_expert(local, self.local_experts)
         row_slot = torch.div(row_flat, ids.shape[1], rounding_mode="floor")
-        scale = recv["scale"].index_select(0, row_slot) if "scale" in recv else None
+        scale = recv["scale"].index_select(0, row_slot) if recv.get("scale") is not None else None
         handle = A2AHandle(self, instance, self._rounds[instance], row_slot, recv["weights"].reshape(-1)[row_flat])
         return md.DispatchOutput(recv["data"].index_select(0, row_slot), scale, topk_ids, topk_weights,
                                  group_list_from_counts(counts, self.spec.group_list_type), self.spec.group_list_type,
@@ -175,9 +195,30 @@ class FlashInferA2ADispatcher:
         T = self.spec.num_max_dispatch_tokens_per_rank
         partial = sum_weighted_rows(expert_output, h.row_slot, h.row_weight, self.world * T)
         try:
-            out = self.instances[h.instance].combine(partial.to(torch.bfloat16).view(self.world, T, -1), T)
+            out = self._return(self.instances[h.instance], partial.to(torch.bfloat16))
         except BaseException as exc:
             self._fail(h.instance, "combine", exc)  # FlashInfer still holds it dispatched
             raise
         self._release(h.instance)
         return out
+
+
+class OneSidedDispatcher(FlashInferA2ADispatcher):
+    """``flashinfer.moe_ep``'s ``NVLinkOneSidedAlltoAll`` (FlashInfer 0.7.4+)."""
+
+    def _send(self, instance: Any, named: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor]:
+        k, pad = self.spec.top_k, self.kernel_top_k - self.spec.top_k
+        aligned = {n: _aligned_source(t, vendor.EP_PAYLOAD_ALIGNMENT) for n, t in named.items()}
+        got = instance.dispatch(
+            aligned["data"], _aligned_source(torch.nn.functional.pad(named["ids"], (0, pad), value=-1)),
+            _aligned_source(torch.nn.functional.pad(named["weights"], (0, pad))),
+            hidden_states_scale=aligned.get("scale"),
+            runtime_max_tokens_per_rank=self.spec.num_max_dispatch_tokens_per_rank)
+        return {"data": got.hidden_states, "scale": got.hidden_states_scale, "ids": got.topk_ids[:, :k],
+                "weights": got.topk_weights[:, :k]}
+
+    def _dispatched(self, instance: Any) -> bool:
+        return vendor.ep_round_open(instance)
+
+    def _return(self, instance: Any, partial: torch.Tensor) -> torch.Tensor:
+        return instance.combine(partial)

@@ -1,4 +1,14 @@
-"""The ``flashinfer_a2a`` backend: FlashInfer's MoE all-to-all as a dispatch backend.
+"""The ``flashinfer_a2a`` backend: FlashInfer's MoE all-to-all as a dispatch backend: ``MoeAlltoAll``
+(0.6.0-0.7.2) or, from 0.7.4 (which has no ``MoeAlltoAll``), ``flashinfer.moe_ep``'s ``NVLinkOneSidedAlltoAll``:
+the same TRT-LLM kernels, made by ``create_communication`` (``_one_sided_instances``).
+
+Workspaces from 0.7.4. ``NVLinkOneSidedAlltoAll._WORKSPACES`` keys a workspace by (rank, world, its layout), so
+each slot asks for its own layout with a few extra dispatch bytes per token (``vendor.ep_distinct_extra``);
+the slots are the first past every layout of this shape the ranks' caches hold (``_first_free_ep_slot``,
+compared on the fields no transport changes). The size is FlashInfer's ``moe_a2a_get_workspace_layout`` where its
+module runs, else the port (``vendor.ep_workspace_layout``); CFT counted writes and the Lamport transport
+(compute capability 10) add regions FlashInfer sizes itself. The MNNVL address-range refusals below apply to
+both; 0.7.4 chooses the handle type per allocation, so it has no process-wide FABRIC decision to agree on.
 
 Workspaces. ``MoeAlltoAll`` caches its MNNVL workspace at class level, keyed by (workspace size,
 ep rank, ep size, max tokens, ...): two instances built alike share ONE workspace, and a second
@@ -53,7 +63,7 @@ import os
 import re
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -62,7 +72,7 @@ import moe_dispatch.backend as mdb
 from moe_dispatch.backend import as_bytes, from_bytes
 
 from . import vendor
-from .alltoall import FlashInferA2ADispatcher
+from .alltoall import FlashInferA2ADispatcher, OneSidedDispatcher
 from .mnnvl_comm import comm_backend_for
 from .vendor import INSTALL_HINT, REAL, VendorInfo, detect
 
@@ -155,16 +165,43 @@ class FlashInferA2ABackend(mdb.Backend):
         It runs while the ranks plan and agree, before the core can tell the peers of an untyped
         error: a failure of it (its JIT module failing to build) is a typed error, chained."""
         try:
-            return vendor.workspace_size_per_rank(self.vendor(), world_size, spec.num_max_dispatch_tokens_per_rank,
-                                                  dispatch_bytes_per_token(spec), 2 * spec.hidden_size,
-                                                  planning=planning)
+            info, T = self.vendor(), spec.num_max_dispatch_tokens_per_rank
+            if info.a2a_profile().one_sided:
+                return self._ep_workspace_bytes(spec, world_size, 0, planning=planning)
+            return vendor.workspace_size_per_rank(info, world_size, T, dispatch_bytes_per_token(spec),
+                                                  2 * spec.hidden_size, planning=planning)
         except Exception as exc:
             raise md.BackendUnavailableError(
                 f"FlashInfer's moe_a2a_get_workspace_size_per_rank failed: {type(exc).__name__}: {exc}",
                 parameter="backend", value=self.name) from exc
 
+    def _ep_sizes(self, spec: md.DispatchSpec, world: int, slot: int) -> tuple[int, int, int]:
+        """(kernel top-k, dispatch capacity, combine capacity) of a one-sided workspace in ``slot``."""
+        T = spec.num_max_dispatch_tokens_per_rank
+        k = vendor.kernel_top_k(spec.top_k, self.vendor().a2a_profile().version) or spec.top_k
+        wire = vendor.ep_bytes_per_token(spec.wire_format().dtype.value, spec.hidden_size)
+        return k, vendor.ep_dispatch_bytes(world * T, wire, k, vendor.ep_distinct_extra(slot, world, T)), \
+            world * T * 2 * spec.hidden_size
+
+    def _ep_layout(self, spec: md.DispatchSpec, world: int, slot: int) -> dict[str, int]:
+        return vendor.ep_workspace_layout(world, spec.num_max_dispatch_tokens_per_rank, *self._ep_sizes(spec, world, slot))
+
+    def _ep_workspace_bytes(self, spec: md.DispatchSpec, world: int, slot: int, *, planning: bool) -> tuple[int, str]:
+        """One ``NVLinkOneSidedAlltoAll`` workspace of a dispatcher's ``slot`` (its extra bytes per token)."""
+        return vendor.ep_workspace_bytes(self.vendor(), world, spec.num_max_dispatch_tokens_per_rank,
+                                         *self._ep_sizes(spec, world, slot), planning=planning)
+
     def buffer_size(self, spec: md.DispatchSpec, world_size: int) -> mdb.BufferSize:
         total, source = self.workspace_bytes(spec, world_size, planning=True)
+        if self.vendor().a2a_profile().one_sided:
+            combine = self._ep_layout(spec, world_size, 0)["COMBINE_INPUT_SIZE"]
+            slots = [self._ep_workspace_bytes(spec, world_size, j, planning=True)[0] for j in range(self.in_flight)]
+            return mdb.BufferSize(
+                total - combine, combine,
+                notes=(f"one workspace = {total:,} B ({source}), x{self.in_flight} workspaces (in_flight), each with "
+                       "a few extra dispatch bytes per token (NVLinkOneSidedConfig.extra_payload_bytes_per_token) so "
+                       "that FlashInfer gives each its own workspace",),
+                allocated_bytes=sum(slots))
         combine = vendor.pad128(world_size * spec.num_max_dispatch_tokens_per_rank * 2 * spec.hidden_size)
         slots = range(FIRST_SLOT, FIRST_SLOT + self.in_flight)  # the least the distinct cache keys add
         return mdb.BufferSize(
@@ -208,19 +245,24 @@ class FlashInferA2ABackend(mdb.Backend):
         kernel_k = vendor.kernel_top_k(spec.top_k, info.a2a_profile().version)
         assert kernel_k is not None  # check_spec
         base = self._workspace(ctx)
-        slots, fabric = _gather_process_state(api, ctx.comm, rank, R, T, base, self.in_flight)
+        one_sided = info.a2a_profile().one_sided
+        slots, fabric = _gather_process_state(api, ctx.comm, rank, R, T, base, self.in_flight,
+                                              (lambda j: self._ep_layout(spec, R, j)) if one_sided else None)
         if len(set(fabric)) > 1:  # some ranks would skip FlashInfer's FABRIC AND-reduce, some make it
             vendor.forget_mnnvl_fabric_decision(api.MnnvlMemory)
         reserved = vendor.mnnvl_reservation(api.MnnvlMemory)
         if reserved is not None and reserved.orphaned:  # left by a failed allocation: ranks unknown
             vendor.retire_mnnvl_range(api.MnnvlMemory)
-        mapping = api.Mapping(world_size=R, rank=rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
-        config = api.MnnvlConfig(comm_backend=comm_backend_for(ctx.comm))
         try:
-            with _deprecation_ignored():
-                instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
-                                             workspace_size_per_rank=slot_size(base, j), mnnvl_config=config)
-                             for j in slots]
+            if one_sided:
+                instances = _one_sided_instances(api, ctx, kernel_k, slots)
+            else:
+                mapping = api.Mapping(world_size=R, rank=rank, gpus_per_node=R, tp_size=R, moe_ep_size=R)
+                config = api.MnnvlConfig(comm_backend=comm_backend_for(ctx.comm))
+                with _deprecation_ignored():
+                    instances = [api.MoeAlltoAll(mapping, T, kernel_k, spec.num_experts,
+                                                 workspace_size_per_rank=slot_size(base, j), mnnvl_config=config)
+                                 for j in slots]
         except BaseException:
             # An allocation that failed past its reservation may have mapped handles at the range's
             # current offset, which FlashInfer neither unmaps nor moves past: allocate elsewhere next.
@@ -232,7 +274,22 @@ class FlashInferA2ABackend(mdb.Backend):
         # No rank dispatches into a workspace before every rank has initialized it (FlashInfer
         # barriers itself from 0.7.1 only).
         ctx.comm.barrier("flashinfer_a2a: workspaces initialized")
-        return FlashInferA2ADispatcher(ctx, instances, kernel_k)
+        cls = OneSidedDispatcher if one_sided else FlashInferA2ADispatcher
+        return cls(ctx, instances, kernel_k)
+
+
+def _one_sided_instances(api: Any, ctx: mdb.DispatchContext, kernel_k: int, slots: list[int]) -> list[Any]:
+    """An ``NVLinkOneSidedAlltoAll`` per slot, each on a workspace of its own (the slot's extra bytes per
+    token), handle exchange over the dispatcher's group; transports (CFT, Lamport) as FlashInfer picks them."""
+    spec, R, T = ctx.spec, ctx.world_size, ctx.spec.num_max_dispatch_tokens_per_rank
+    fmt = vendor.EP_DISPATCH_FORMATS[spec.wire_format().dtype.value]
+    params = api.MoEEpCommParams(num_experts=spec.num_experts, top_k=kernel_k, max_tokens_per_rank=T,
+                                 hidden_size=spec.hidden_size, dtype=torch.bfloat16,
+                                 dispatch_format=None if fmt is None else getattr(api.QuantFormat, fmt))
+    bootstrap = api.BootstrapConfig(world_size=R, rank=ctx.rank)
+    comm = comm_backend_for(ctx.comm)
+    return [api.create_communication(bootstrap, params, api.NVLinkOneSidedConfig(
+        extra_payload_bytes_per_token=vendor.ep_distinct_extra(j, R, T), comm_backend=comm)) for j in slots]
 
 
 def _check_threading_policy(version: vendor.Version) -> None:
@@ -286,13 +343,26 @@ def _first_free_slot(cls: type, rank: int, world: int, tokens: int, base: int) -
     return max([FIRST_SLOT - 1, *used]) + 1
 
 
-def _gather_process_state(api: Any, comm: mdb.Comm, rank: int, world: int, tokens: int, base: int,
-                          count: int) -> tuple[list[int], list[int]]:
+def _first_free_ep_slot(cls: type, rank: int, world: int, layout_of: Callable[[int], dict[str, int]]) -> int:
+    """The first slot j >= FIRST_SLOT past every one whose workspace (``layout_of(j)``: compared on the fields
+    that do not depend on the transports FlashInfer adds regions for) this rank's
+    ``NVLinkOneSidedAlltoAll._WORKSPACES`` holds."""
+    fields = ("MAX_NUM_TOKENS", "TOP_K", "COMBINE_INPUT_SIZE", "DISPATCH_PAYLOAD_SIZE", "EPLB_STATS_NUM_EXPERTS")
+    held = {tuple(lay[f] for f in fields) for lay in vendor.ep_cached_layouts(cls, rank, world)}
+    used = [j for j in range(FIRST_SLOT, FIRST_SLOT + 4 * len(held) + 8)
+            if tuple(layout_of(j)[f] for f in fields) in held]
+    return max([FIRST_SLOT - 1, *used]) + 1
+
+
+def _gather_process_state(api: Any, comm: mdb.Comm, rank: int, world: int, tokens: int, base: int, count: int,
+                          layout_of: Callable[[int], dict[str, int]] | None = None) -> tuple[list[int], list[int]]:
     """One gather over the group of this process's FlashInfer state that ``create`` needs equal on
     every rank: ``count`` slot numbers no rank's cache holds (each rank's cache may hold other keys:
     from the largest first free slot over the ranks), and every rank's FABRIC decision
     (``vendor.mnnvl_fabric_decision``), by rank."""
-    mine = [_first_free_slot(api.MoeAlltoAll, rank, world, tokens, base), vendor.mnnvl_fabric_decision(api.MnnvlMemory)]
+    first = _first_free_slot(api.MoeAlltoAll, rank, world, tokens, base) if layout_of is None else \
+        _first_free_ep_slot(api.NVLinkOneSidedAlltoAll, rank, world, layout_of)
+    mine = [first, vendor.mnnvl_fabric_decision(api.MnnvlMemory)]
     everyone = comm.gather_uncounted(as_bytes(torch.tensor(mine, dtype=torch.int64)),
                                      "flashinfer_a2a workspace slots and FABRIC decisions")
     table = from_bytes(everyone.reshape(comm.world_size, -1), torch.int64).reshape(comm.world_size, len(mine))

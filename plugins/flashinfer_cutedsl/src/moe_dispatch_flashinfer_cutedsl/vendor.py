@@ -10,7 +10,7 @@ Citations: ``flashinfer-ai/flashinfer@<commit> <path> <symbol>`` for the git tag
 4230a48, v0.6.4 = f1e6fdc, v0.6.6 = 70b142b, v0.6.7 = 56ed540, v0.6.8 = b9372aa, v0.6.11 = 98f48f8,
 v0.6.12 = d768c14, v0.6.13 = 57ba7ee, v0.6.14 = 19f1a41, v0.6.15 = 8eccd0c, v0.6.16 = 8da13a2,
 v0.6.17 = a0a6b01, main = fb28d72) and ``flashinfer-python==X (wheel) <path>`` for releases that are only on the package
-index (0.6.18, 0.7.0, 0.7.1, 0.7.2.post1). ``csrc/...`` paths of a wheel are under
+index (0.6.18, 0.7.0, 0.7.1, 0.7.2.post1, 0.7.4; there is no 0.7.3). ``csrc/...`` paths of a wheel are under
 ``flashinfer/data/csrc``. ``moeAlltoAllKernels.*`` is short for
 ``csrc/nv_internal/tensorrt_llm/kernels/communicationKernels/moeAlltoAllKernels.*``.
 """
@@ -41,8 +41,14 @@ A2A_SINCE: Version = (0, 6, 0)
 #: ``CuteDslMoEWrapper`` first ships in v0.6.4 (flashinfer-ai/flashinfer@f1e6fdc
 #: flashinfer/fused_moe/cute_dsl/fused_moe.py; absent at v0.6.3).
 CUTEDSL_SINCE: Version = (0, 6, 4)
-#: The newest release every fact here was read from (flashinfer-python==0.7.2.post1 wheel).
-VERIFIED_UNTIL: Version = (0, 7, 2)
+#: The newest release every fact here was read from (flashinfer-python==0.7.4 wheel).
+VERIFIED_UNTIL: Version = (0, 7, 4)
+#: 0.7.4 has no ``MoeAlltoAll`` (its wheel has no flashinfer/comm/trtllm_moe_alltoall.py; flashinfer.comm
+#: exports neither it nor ``moe_a2a_*``): the same TRT-LLM kernels ship as ``flashinfer.moe_ep``'s
+#: ``NVLinkOneSidedAlltoAll`` (see "flashinfer.moe_ep" below). The adapter drives that from EP_SINCE on and
+#: ``MoeAlltoAll`` before it.
+EP_SINCE: Version = (0, 7, 4)
+_EP = "flashinfer-python==0.7.4 flashinfer/moe_ep/backends/split/comm/nvlink_one_sided/communication.py"
 
 
 def parse_version(text: str) -> Version | None:
@@ -73,9 +79,10 @@ TOP_K_VALUES_RULES: tuple[tuple[Version, frozenset[int]], ...] = (
     ((0, 6, 0), frozenset({1, 2, 4, 8})),
     ((0, 6, 8), frozenset({1, 2, 4, 6, 8, 10, 16, 22})),
     ((0, 6, 16), frozenset({1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22})),
+    ((0, 7, 4), frozenset({1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 22})),  # EP_TOP_K_VALUES
 )
-#: kMaxPayloads: 8 until v0.6.7, 4 in v0.6.8-v0.6.13 (b9372aa), 6 from v0.6.14 (19f1a41).
-MAX_PAYLOADS_RULES: tuple[tuple[Version, int], ...] = (((0, 6, 0), 8), ((0, 6, 8), 4), ((0, 6, 14), 6))
+#: kMaxPayloads: 8 until v0.6.7, 4 in v0.6.8-v0.6.13 (b9372aa), 6 from v0.6.14 (19f1a41), 4 in 0.7.4.
+MAX_PAYLOADS_RULES: tuple[tuple[Version, int], ...] = (((0, 6, 0), 8), ((0, 6, 8), 4), ((0, 6, 14), 6), ((0, 7, 4), 4))
 #: kMaxRanks: every version (TLLM_CHECK in the launchers until v0.6.15, TVM_FFI_ICHECK in
 #: moeA2ADispatchOp/moeA2ACombineOp from v0.6.16 = 8da13a2).
 MAX_RANKS = 64
@@ -318,6 +325,12 @@ MNNVL_RECORD_SINCE: Version = (0, 6, 15)
 #: some have it cached (an earlier allocation over another group) and some not issue different
 #: collectives: the AND-reduce's allgather meets a peer's handle exchange.
 MNNVL_FABRIC_AGREEMENT_SINCE: Version = (0, 6, 16)
+#: 0.7.4 drops that process-wide decision: every allocation chooses its handle type collectively
+#: (flashinfer-python==0.7.4 flashinfer/comm/mnnvl.py ``choose_mnnvl_handle_type``: an allgather of
+#: (hostname, why not FABRIC, NVML cluster UUID); FABRIC on one host when every GPU supports it, else POSIX
+#: fds; across hosts FABRIC in one NVLink domain or a RuntimeError naming each rank) and gathers every rank's
+#: allocation error before any rank imports (``_create_and_import_handles``: all ranks raise together).
+MNNVL_HANDLE_PER_ALLOCATION_SINCE: Version = EP_SINCE
 MNNVL_FABRIC_ATTR = "_fabric_supported"
 #: ``mnnvl_fabric_decision``'s values: the class-level decision (None / False / True) as an int
 #: every rank can gather; ``MNNVL_FABRIC_ABSENT`` where the FlashInfer has no decision (< v0.6.16).
@@ -439,14 +452,14 @@ SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
         _rule((0, 6, 16), (0, 7, 1), "MoeAlltoAll.__init__",
               _INIT_A + ", eplb_stats_num_experts=0, enable_rank_mask=False)",
               f"flashinfer-ai/flashinfer@8da13a2 {_A2A} MoeAlltoAll.__init__"),
-        _rule((0, 7, 1), None, "MoeAlltoAll.__init__",
+        _rule((0, 7, 1), EP_SINCE, "MoeAlltoAll.__init__",
               _INIT_A + ", eplb_stats_num_experts=0, enable_rank_mask=False, *, backend='trtllm')",
               f"flashinfer-python==0.7.2.post1 {_A2A} MoeAlltoAll.__init__"),
     ),
     "MoeAlltoAll.dispatch": (
         _rule((0, 6, 0), (0, 6, 16), "MoeAlltoAll.dispatch", _DISPATCH_A + ")",
               f"flashinfer-ai/flashinfer@4230a48 {_A2A} MoeAlltoAll.dispatch"),
-        _rule((0, 6, 16), None, "MoeAlltoAll.dispatch", _DISPATCH_A + ", eplb_local_stats=None, active_rank_mask=None)",
+        _rule((0, 6, 16), EP_SINCE, "MoeAlltoAll.dispatch", _DISPATCH_A + ", eplb_local_stats=None, active_rank_mask=None)",
               f"flashinfer-ai/flashinfer@8da13a2 {_A2A} MoeAlltoAll.dispatch"),
     ),
     "MoeAlltoAll.combine": (
@@ -454,7 +467,7 @@ SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
               f"flashinfer-ai/flashinfer@4230a48 {_A2A} MoeAlltoAll.combine"),
         _rule((0, 6, 14), (0, 6, 16), "MoeAlltoAll.combine", _COMBINE_A + _COMBINE_Q + ")",
               f"flashinfer-ai/flashinfer@19f1a41 {_A2A} MoeAlltoAll.combine"),
-        _rule((0, 6, 16), None, "MoeAlltoAll.combine",
+        _rule((0, 6, 16), EP_SINCE, "MoeAlltoAll.combine",
               _COMBINE_A + _COMBINE_Q + ", output=None, *, use_low_precision=False, active_rank_mask=None)",
               f"flashinfer-ai/flashinfer@8da13a2 {_A2A} MoeAlltoAll.combine"),
     ),
@@ -463,7 +476,7 @@ SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
               f"flashinfer-ai/flashinfer@4230a48 {_A2A} moe_a2a_get_workspace_size_per_rank"),
         _rule((0, 6, 16), (0, 7, 1), "moe_a2a_get_workspace_size_per_rank", _WS_A + ", eplb_stats_num_experts=0)",
               f"flashinfer-ai/flashinfer@8da13a2 {_A2A} moe_a2a_get_workspace_size_per_rank"),
-        _rule((0, 7, 1), None, "moe_a2a_get_workspace_size_per_rank",
+        _rule((0, 7, 1), EP_SINCE, "moe_a2a_get_workspace_size_per_rank",
               _WS_A + ", eplb_stats_num_experts=0, *, backend='trtllm')",
               f"flashinfer-python==0.7.2.post1 {_A2A} moe_a2a_get_workspace_size_per_rank"),
     ),
@@ -491,9 +504,14 @@ SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
         _rule((0, 6, 11), (0, 7, 1), "fp4_quantize",
               _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='cuda')",
               "flashinfer-ai/flashinfer@98f48f8 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
-        _rule((0, 7, 1), None, "fp4_quantize",
+        _rule((0, 7, 1), EP_SINCE, "fp4_quantize",
               _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='cuda', nvfp4_4over6=_UNSET)",
               "flashinfer-python==0.7.2.post1 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
+        # backend="auto": the same CUDA kernel unless batch_invariant=True (fp4_quantization.py:1137).
+        _rule(EP_SINCE, None, "fp4_quantize",
+              _FP4_A + ", is_global_scale_inversed=False, enable_pdl=None, backend='auto', nvfp4_4over6=_UNSET, *, "
+              "batch_invariant=False)",
+              "flashinfer-python==0.7.4 flashinfer/quantization/fp4_quantization.py fp4_quantize"),
     ),
     "CuteDslMoEWrapper.__init__": (
         _rule((0, 6, 4), (0, 6, 7), "CuteDslMoEWrapper.__init__", _CUTE_A.format(mnt=4096) + ")",
@@ -508,16 +526,61 @@ SIGNATURES: dict[str, tuple[SignatureRule, ...]] = {
         _rule((0, 6, 16), (0, 6, 18), "CuteDslMoEWrapper.__init__",
               _CUTE_A.format(mnt=None) + _SWIGLU + ", use_fused_finalize=True)",
               f"flashinfer-ai/flashinfer@8da13a2 {_CUTE} CuteDslMoEWrapper.__init__"),
-        _rule((0, 6, 18), None, "CuteDslMoEWrapper.__init__",
+        _rule((0, 6, 18), EP_SINCE, "CuteDslMoEWrapper.__init__",
               _CUTE_A.format(mnt=None) + _SWIGLU + ", situ_beta=None, situ_linear_beta=None, use_fused_finalize=True, "
               "quant_mode='w4a4')",
               f"flashinfer-python==0.7.2.post1 {_CUTE} CuteDslMoEWrapper.__init__ (also fb28d72, 0.6.18)"),
+        _rule(EP_SINCE, None, "CuteDslMoEWrapper.__init__",
+              _CUTE_A.format(mnt=None) + _SWIGLU + ", situ_beta=None, situ_linear_beta=None, use_fused_finalize=True, "
+              "quant_mode='w4a4', clamped_relu2_limit=None, swap_ab=False)",
+              f"flashinfer-python==0.7.4 {_CUTE} CuteDslMoEWrapper.__init__"),
     ),
     "CuteDslMoEWrapper.run": (
         _rule((0, 6, 4), (0, 6, 16), "CuteDslMoEWrapper.run", _RUN_A + ")",
               f"flashinfer-ai/flashinfer@f1e6fdc {_CUTE} CuteDslMoEWrapper.run"),
-        _rule((0, 6, 16), None, "CuteDslMoEWrapper.run", _RUN_A + ", *, per_token_scale=None)",
+        _rule((0, 6, 16), EP_SINCE, "CuteDslMoEWrapper.run", _RUN_A + ", *, per_token_scale=None)",
               f"flashinfer-ai/flashinfer@8da13a2 {_CUTE} CuteDslMoEWrapper.run"),
+        _rule(EP_SINCE, None, "CuteDslMoEWrapper.run", _RUN_A + ", *, per_token_scale=None, nvfp4_4over6=_UNSET)",
+              f"flashinfer-python==0.7.4 {_CUTE} CuteDslMoEWrapper.run"),
+    ),
+    # flashinfer.moe_ep (EP_SINCE on): the one-sided NVLink all-to-all.
+    "create_communication": (
+        _rule(EP_SINCE, None, "create_communication", "(bootstrap, params, backend, **options)",
+              "flashinfer-python==0.7.4 flashinfer/moe_ep/core/comm/communication.py create_communication"),
+    ),
+    "BootstrapConfig": (  # a frozen dataclass: its generated __init__
+        _rule(EP_SINCE, None, "BootstrapConfig",
+              "(self, world_size, rank, stream=0, auto_bootstrap=True, nccl_comm=None, process_group=None, "
+              "tcp_store=None, *, device=None)",
+              "flashinfer-python==0.7.4 flashinfer/moe_ep/config.py BootstrapConfig"),
+    ),
+    "MoEEpCommParams": (
+        _rule(EP_SINCE, None, "MoEEpCommParams",
+              "(self, num_experts, top_k, max_tokens_per_rank, hidden_size, dtype=None, dispatch_format=None, "
+              "invalid_expert_id=-1)",
+              "flashinfer-python==0.7.4 flashinfer/moe_ep/core/comm/communication.py MoEEpCommParams"),
+    ),
+    "NVLinkOneSidedConfig": (
+        _rule(EP_SINCE, None, "NVLinkOneSidedConfig",
+              "(self, backend_name='nvlink_one_sided', extra_payload_bytes_per_token=0, eplb_stats_num_experts=0, "
+              "enable_rank_mask=False, use_low_precision_combine=False, comm_backend=None, cft=None, "
+              "cft_max_tokens_for_dispatch=128, cft_max_tokens_for_combine=128, lamport=None, "
+              "lamport_max_tokens=None, timeout_sec=300, enable_pdl=None)",
+              "flashinfer-python==0.7.4 flashinfer/moe_ep/backends/split/comm/nvlink_one_sided/config.py"),
+    ),
+    "NVLinkOneSidedAlltoAll.__init__": (
+        _rule(EP_SINCE, None, "NVLinkOneSidedAlltoAll.__init__", "(self, bootstrap, params, config=None)",
+              f"{_EP} NVLinkOneSidedAlltoAll.__init__"),
+    ),
+    "NVLinkOneSidedAlltoAll.dispatch": (
+        _rule(EP_SINCE, None, "NVLinkOneSidedAlltoAll.dispatch",
+              "(self, hidden_states, topk_ids, topk_weights=None, *, hidden_states_scale=None, "
+              "runtime_max_tokens_per_rank=None, eplb_local_stats=None, active_rank_mask=None)",
+              f"{_EP} NVLinkOneSidedAlltoAll.dispatch"),
+    ),
+    "NVLinkOneSidedAlltoAll.combine": (
+        _rule(EP_SINCE, None, "NVLinkOneSidedAlltoAll.combine", "(self, expert_output, *, output=None, "
+              "active_rank_mask=None)", f"{_EP} NVLinkOneSidedAlltoAll.combine"),
     ),
 }
 
@@ -704,6 +767,7 @@ class A2AProfile:
     fp32_combine: bool
     mnnvl_records: bool
     bcast_global_root: bool
+    one_sided: bool  # flashinfer.moe_ep's NVLinkOneSidedAlltoAll (EP_SINCE on) instead of MoeAlltoAll
     max_ranks: int = MAX_RANKS
 
 
@@ -727,6 +791,8 @@ def profile(version: Version) -> A2AProfile:
         fp32_combine=version >= COMBINE_FP32_SINCE,
         mnnvl_records=version >= MNNVL_RECORD_SINCE,
         bcast_global_root=version >= TORCHDIST_BCAST_GLOBAL_ROOT_SINCE,
+        one_sided=version >= EP_SINCE,
+        max_ranks=EP_MAX_RANKS if version >= EP_SINCE else MAX_RANKS,
     )
 
 
@@ -757,6 +823,118 @@ def is_environment_refusal(exc: BaseException) -> bool:
     return False
 
 
+# -- flashinfer.moe_ep's one-sided NVLink all-to-all (0.7.4+) -------------------------------------
+
+#: ``create_communication(bootstrap, params, backend=NVLinkOneSidedConfig(...))`` returns an
+#: ``NVLinkOneSidedAlltoAll`` (flashinfer/moe_ep/core/comm/communication.py; ``MoEEpLayer(...,
+#: backend=SplitConfig(comm=NVLinkOneSidedConfig()))`` wraps the same object with its own inner kernel).
+#: Its contract (communication.py module docstring): ``dispatch`` returns ``ep_size * T`` receive rows, each
+#: token at most once per rank with its full top-k routing as GLOBAL ids, rows without a token all
+#: ``invalid_expert_id``; the expert computation weights and reduces over the rank's local experts, one
+#: output row per received row; ``combine`` sums a token's per-rank rows on its source rank.
+#: The kernels send a pick only for ``0 <= id < num_experts`` (moeAlltoAllKernels.cu:303 ``valid_expert``):
+#: -1 goes nowhere, so the kernel's top-k is padded with -1 (weights 0) and -1 needs no replacement.
+#: Top-k values the kernels are built for (``_SUPPORTED_TOP_K``: ValueError otherwise; SWITCH_TOP_K).
+EP_TOP_K_VALUES = frozenset({1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18, 22})
+#: kMaxRanks (moeAlltoAllKernels.h:31), read as ``layout_constants().MAX_RANKS`` (ValueError past it).
+EP_MAX_RANKS = 256
+#: Every source payload (and combine's input) must start 16-byte aligned (moeA2ADispatchOp, moeA2ACombineOp:
+#: "payload must be 16-byte aligned"); each receive plane starts on kCachelineAlignment (128) itself.
+EP_PAYLOAD_ALIGNMENT = 16
+#: kWorkspaceAlignment (moeAlltoAllMeta.h:123): each capacity of the layout is padded to it.
+EP_WORKSPACE_ALIGNMENT = 256
+#: kMaxPayloads (moeAlltoAllKernels.h:30); the layout reserves one alignment per payload.
+EP_MAX_PAYLOADS = 4
+#: The dispatch format ``MoEEpCommParams.dispatch_format`` names (flashinfer.fused_moe.api.QuantFormat) for
+#: each wire dtype the backend sends, the bytes it reserves per token being ours: BF16 rows (None),
+#: DeepSeekFp8 = H + 4·ceil(H/128) (FP8 with fp32 scales per 128), NVFP4 = H/2 + H/16
+#: (core/comm/communication.py ``_DISPATCH_BYTES_PER_TOKEN``).
+EP_DISPATCH_FORMATS = {"bf16": None, "fp8": "DeepSeekFp8", "nvfp4": "NVFP4"}
+
+
+def ep_bytes_per_token(dtype: str, hidden: int) -> int:
+    """``MoEEpCommParams.dispatch_bytes_per_token`` for the dispatch format of ``dtype`` (a wire dtype's value)."""
+    return {"bf16": 2 * hidden, "fp8": hidden + 4 * -(-hidden // 128),
+            "nvfp4": -(-hidden // 2) + -(-hidden // 16)}[dtype]
+#: ``NVLinkOneSidedAlltoAll._WORKSPACES``: class-level, keyed by (ep_rank, ep_size, the layout): instances
+#: with one layout share ONE workspace and must run their rounds one after another (nvlink_common.py
+#: ``check_round_owner`` raises otherwise). ``_round`` is None between a combine and the next dispatch.
+EP_ROUND_ATTR = "_round"
+#: The metainfo fields, in order (moeAlltoAllMeta.h MoeA2AMetaInfoIndex, NUM_METAINFO_FIELDS 33).
+EP_METAINFO_NAMES = (
+    "FLAG_VAL_OFFSET", "LOCAL_TOKEN_COUNTER_OFFSET", "SEND_COUNTERS_OFFSET", "RECV_COUNTERS_OFFSET",
+    "DISPATCH_COMPLETION_FLAGS_OFFSET", "DISPATCH_COUNTED_WRITE_COUNTERS_OFFSET", "DISPATCH_COUNTER_BASELINE_OFFSET",
+    "TOPK_TARGET_RANKS_OFFSET", "TOPK_TARGET_INDICES_OFFSET", "EPLB_GATHERED_STATS_OFFSET", "DISPATCH_PAYLOAD_OFFSET",
+    "DISPATCH_PAYLOAD_SIZE", "COMBINE_COMPLETION_FLAGS_OFFSET", "COMBINE_COUNTED_WRITE_COUNTERS_OFFSET",
+    "COMBINE_COUNTER_BASELINE_OFFSET", "COMBINE_INPUT_OFFSET", "COMBINE_INPUT_SIZE", "COMBINE_RECV_OFFSET",
+    "COMBINE_RECV_SIZE", "MAX_NUM_TOKENS", "TOP_K", "EP_SIZE", "EPLB_STATS_NUM_EXPERTS", "CFT_ENABLED",
+    "WORKSPACE_SIZE", "LAMPORT_MAX_NUM_TOKENS", "LAMPORT_PAYLOAD_FORMAT", "LAMPORT_HIDDEN_SIZE",
+    "LAMPORT_STATE_OFFSET", "LAMPORT_LANDING_OFFSET", "LAMPORT_COMBINE_LANDING_OFFSET", "LAMPORT_RECV_OFFSET",
+    "LAMPORT_RECV_SIZE")
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def ep_dispatch_bytes(tokens: int, bytes_per_token: int, top_k: int, extra_per_token: int = 0) -> int:
+    """The dispatch capacity ``NVLinkOneSidedAlltoAll.__init__`` asks the layout for (``tokens = R·T``)."""
+    return tokens * (bytes_per_token + 2 * top_k * 4 + extra_per_token) + EP_MAX_PAYLOADS * EP_WORKSPACE_ALIGNMENT
+
+
+def ep_workspace_layout(ep_size: int, max_tokens: int, top_k: int, dispatch_bytes: int, combine_input_bytes: int,
+                        eplb_stats_num_experts: int = 0) -> dict[str, int]:
+    """``calculateWorkspaceLayout`` (csrc/nvlink_one_sided_alltoall.cu:125-208) without CFT (no counted-write
+    regions: an SM90 GPU, or a driver before the 615 branch) and without Lamport regions: offsets and sizes."""
+    layout = dict.fromkeys(EP_METAINFO_NAMES, 0)
+    offset = 0
+
+    def reserve(name: str, nbytes: int, alignment: int = 4) -> None:
+        nonlocal offset
+        offset = _align(offset, alignment)
+        layout[name] = offset
+        offset += nbytes
+
+    counts = ep_size * 4
+    reserve("FLAG_VAL_OFFSET", 4)
+    reserve("LOCAL_TOKEN_COUNTER_OFFSET", 4)
+    reserve("SEND_COUNTERS_OFFSET", counts)
+    reserve("RECV_COUNTERS_OFFSET", 2 * counts)  # two rounds' worth (round_parity)
+    reserve("DISPATCH_COMPLETION_FLAGS_OFFSET", counts, CACHELINE)
+    reserve("TOPK_TARGET_RANKS_OFFSET", max_tokens * top_k * 4, CACHELINE)
+    reserve("TOPK_TARGET_INDICES_OFFSET", max_tokens * top_k * 4, CACHELINE)
+    reserve("EPLB_GATHERED_STATS_OFFSET", ep_size * eplb_stats_num_experts * 4, CACHELINE)
+    reserve("DISPATCH_PAYLOAD_OFFSET", _align(dispatch_bytes, EP_WORKSPACE_ALIGNMENT), EP_WORKSPACE_ALIGNMENT)
+    layout["DISPATCH_PAYLOAD_SIZE"] = _align(dispatch_bytes, EP_WORKSPACE_ALIGNMENT)
+    reserve("COMBINE_COMPLETION_FLAGS_OFFSET", counts, CACHELINE)
+    reserve("COMBINE_INPUT_OFFSET", _align(combine_input_bytes, EP_WORKSPACE_ALIGNMENT), EP_WORKSPACE_ALIGNMENT)
+    layout["COMBINE_INPUT_SIZE"] = _align(combine_input_bytes, EP_WORKSPACE_ALIGNMENT)
+    layout.update(MAX_NUM_TOKENS=max_tokens, TOP_K=top_k, EP_SIZE=ep_size,
+                  EPLB_STATS_NUM_EXPERTS=eplb_stats_num_experts, WORKSPACE_SIZE=offset)
+    return layout
+
+
+def ep_distinct_extra(slot: int, ep_size: int, max_tokens: int) -> int:
+    """``extra_payload_bytes_per_token`` of a dispatcher's workspace ``slot``: slot × the least whole bytes
+    per token whose ``R·T`` rows add a full kWorkspaceAlignment, so every slot's layout (the workspace
+    cache key) differs from the others' after padding."""
+    return slot * -(-EP_WORKSPACE_ALIGNMENT // (ep_size * max_tokens))
+
+
+EP_WORKSPACES_ATTR = "_WORKSPACES"
+
+
+def ep_cached_layouts(cls: Any, ep_rank: int, ep_size: int) -> list[dict[str, int]]:
+    """The layouts of the workspaces ``NVLinkOneSidedAlltoAll._WORKSPACES`` holds for (ep_rank, ep_size)."""
+    return [dict(zip(EP_METAINFO_NAMES, key[2])) for key in getattr(cls, EP_WORKSPACES_ATTR, {})
+            if tuple(key[:2]) == (ep_rank, ep_size) and len(key[2]) == len(EP_METAINFO_NAMES)]
+
+
+def ep_round_open(instance: Any) -> bool:
+    """Whether an ``NVLinkOneSidedAlltoAll`` has a dispatch awaiting its combine (its ``_round``)."""
+    return getattr(instance, EP_ROUND_ATTR, None) is not None
+
+
 # -- detect() ---------------------------------------------------------------------------------------
 
 #: Where each entry point lives (first that resolves). ``flashinfer.CuteDslMoEWrapper`` is only
@@ -772,7 +950,20 @@ PATHS: dict[str, tuple[str, ...]] = {
     "MnnvlMemory": ("comm.mnnvl.MnnvlMemory",),
     "moe_a2a_get_workspace_size_per_rank": ("comm.moe_a2a_get_workspace_size_per_rank",
                                             "comm.trtllm_moe_alltoall.moe_a2a_get_workspace_size_per_rank"),
+    "create_communication": ("moe_ep.create_communication",),
+    "BootstrapConfig": ("moe_ep.BootstrapConfig",),
+    "MoEEpCommParams": ("moe_ep.MoEEpCommParams",),
+    "NVLinkOneSidedConfig": ("moe_ep.NVLinkOneSidedConfig",),
+    "NVLinkOneSidedAlltoAll": ("moe_ep.NVLinkOneSidedAlltoAll",),
+    "QuantFormat": ("fused_moe.api.QuantFormat",),
+    "get_nvlink_one_sided_alltoall_module": (
+        "moe_ep.backends.split.comm.nvlink_one_sided.kernels.get_nvlink_one_sided_alltoall_module",),
 }
+#: The names each all-to-all generation has: looked for only in its versions (a missing one is a reason).
+_A2A_ONLY = ("MoeAlltoAll", "Mapping", "moe_a2a_get_workspace_size_per_rank")
+_EP_ONLY = ("create_communication", "BootstrapConfig", "MoEEpCommParams", "NVLinkOneSidedConfig", "QuantFormat",
+            "NVLinkOneSidedAlltoAll",
+            "get_nvlink_one_sided_alltoall_module")
 
 
 @dataclass(frozen=True)
@@ -786,6 +977,13 @@ class FlashInferAPI:
     MnnvlConfig: Any
     MnnvlMemory: Any
     moe_a2a_get_workspace_size_per_rank: Any
+    create_communication: Any = None
+    BootstrapConfig: Any = None
+    MoEEpCommParams: Any = None
+    NVLinkOneSidedConfig: Any = None
+    QuantFormat: Any = None
+    get_nvlink_one_sided_alltoall_module: Any = None
+    NVLinkOneSidedAlltoAll: Any = None
 
 
 @dataclass(frozen=True)
@@ -812,6 +1010,10 @@ class VendorInfo:
         v = self.version
         if v is not None and v < A2A_SINCE:
             return f"{self.describe()}; MoeAlltoAll needs FlashInfer >= {_text(A2A_SINCE)}"
+        if self.a2a_profile().one_sided:
+            missing = [n for n in _EP_ONLY if getattr(self.api, n) is None]
+            return f"{self.describe()}; flashinfer.moe_ep lacks {', '.join(missing)} ({'; '.join(self.notes)})" \
+                if missing else None
         if self.api.MoeAlltoAll is None:
             return f"{self.describe()}; MoeAlltoAll is not importable ({'; '.join(self.notes) or 'not found'})"
         if self.api.MnnvlConfig is None:
@@ -832,8 +1034,8 @@ class VendorInfo:
         if self.api is None:
             return f"{self.module_name} is not usable ({self.error})"
         what = f"fake of FlashInfer {self.version_text}" if self.fake else f"FlashInfer {self.version_text}"
-        parts = [n for n, ok in (("CuTe-DSL MoE", self.api.CuteDslMoEWrapper), ("MoE all-to-all", self.api.MoeAlltoAll))
-                 if ok is not None]
+        a2a = self.api.create_communication or self.api.MoeAlltoAll
+        parts = [n for n, ok in (("CuTe-DSL MoE", self.api.CuteDslMoEWrapper), ("MoE all-to-all", a2a)) if ok is not None]
         text = f"{what}: {', '.join(parts) or 'neither CuTe-DSL MoE nor MoE all-to-all'}"
         if self.version is not None and self.version[:3] > VERIFIED_UNTIL:
             text += f" (newer than {_text(VERIFIED_UNTIL)}, the last version checked)"
@@ -876,10 +1078,12 @@ def detect(module_name: str = REAL) -> VendorInfo:
     except Exception as exc:  # a missing or broken vendor library is a reason, not a crash
         return VendorInfo(module_name, None, "", f"{type(exc).__name__}: {exc}", module_name != REAL)
     fake = bool(getattr(module, EMULATION_MARKER, False))
+    version_text = str(getattr(module, "__version__", ""))
+    one_sided = (parse_version(version_text) or VERIFIED_UNTIL) >= EP_SINCE
+    skip = _A2A_ONLY if one_sided else _EP_ONLY
     notes: list[str] = []
-    found = {name: _find(module, paths, notes) for name, paths in PATHS.items()}
-    return VendorInfo(module_name, FlashInferAPI(**found), str(getattr(module, "__version__", "")), None, fake,
-                      tuple(notes))
+    found = {name: None if name in skip else _find(module, paths, notes) for name, paths in PATHS.items()}
+    return VendorInfo(module_name, FlashInferAPI(**found), version_text, None, fake, tuple(notes))
 
 
 def workspace_size_per_rank(info: VendorInfo, ep_size: int, max_num_tokens: int, dispatch_bytes_per_token: int,
@@ -897,6 +1101,23 @@ def workspace_size_per_rank(info: VendorInfo, ep_size: int, max_num_tokens: int,
     version = info.version or VERIFIED_UNTIL
     return ported_workspace_size_per_rank(ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token,
                                           version), f"ported formula (kMaxTopK {max_top_k(version)})"
+
+
+def ep_workspace_bytes(info: VendorInfo, ep_size: int, max_tokens: int, top_k: int, dispatch_bytes: int,
+                       combine_bytes: int, *, planning: bool) -> tuple[int, str]:
+    """Bytes of one ``NVLinkOneSidedAlltoAll`` workspace without CFT and Lamport regions, and where the number
+    came from: the compiled module's ``moe_a2a_get_workspace_layout`` when it can run (as for
+    ``workspace_size_per_rank``), else the port (``ep_workspace_layout``). CFT (compute capability 10+, a 615+
+    driver) adds counted-write regions and a combine inbox, the Lamport transport (10.x) its landing rows."""
+    loader = info.api.get_nvlink_one_sided_alltoall_module if info.api else None
+    if loader is not None and (info.fake or torch.cuda.is_available() or not planning):
+        metainfo = torch.zeros(len(EP_METAINFO_NAMES), dtype=torch.int64)
+        loader().moe_a2a_get_workspace_layout(ep_size, max_tokens, top_k, dispatch_bytes, combine_bytes, 0, 0, False,
+                                              metainfo)
+        return int(metainfo[EP_METAINFO_NAMES.index("WORKSPACE_SIZE")]), \
+            f"{info.module_name}'s moe_a2a_get_workspace_layout"
+    layout = ep_workspace_layout(ep_size, max_tokens, top_k, dispatch_bytes, combine_bytes)
+    return layout["WORKSPACE_SIZE"], "ported calculateWorkspaceLayout (no CFT, no Lamport)"
 
 
 def sm100_reason() -> str | None:
@@ -918,4 +1139,5 @@ __all__ = [
     "mnnvl_reservation",
     "one_block_per_token", "parse_version", "ported_workspace_size_per_rank", "profile", "retire_mnnvl_range",
     "sanitize_block_size", "signature", "sm100_reason", "workspace_size_per_rank",
+    "ep_bytes_per_token", "ep_cached_layouts", "ep_dispatch_bytes", "ep_distinct_extra", "ep_round_open", "ep_workspace_bytes", "ep_workspace_layout",
 ]

@@ -17,6 +17,8 @@
   respect plane alignment, fp4_quantize(nvfp4_4over6=).
 - ``flashinfer_0_7_2``  0.7.2: as 0.7.1, and MoeAlltoAll deprecated (a DeprecationWarning at each
   construction).
+- ``flashinfer_0_7_4``  0.7.4: no MoeAlltoAll; ``flashinfer.moe_ep``'s NVLinkOneSidedAlltoAll (``one_sided``: its
+  Python layer and compiled module, the fence path), the CuTe-DSL and fp4_quantize keywords of 0.7.4.
 
 Each is one ``release.export(globals(), version, ...)`` call over the shared pieces: ``kernels`` (the JIT module
 ``get_moe_alltoall_module()`` returns: the C++ checks, the workspace layout at calculateOffsets'

@@ -39,6 +39,8 @@ import moe_dispatch as md
 from moe_dispatch.backend import NVFP4Codec, WireFormat, e2m1_unpack, swizzled_shape, unswizzle_128x4
 from moe_dispatch_flashinfer_cutedsl import vendor
 
+from .nvfp4 import UNSET
+
 DEFAULT_SWIGLU_ALPHA = vendor.DEFAULT_SWIGLU_ALPHA
 DEFAULT_SWIGLU_BETA = vendor.DEFAULT_SWIGLU_BETA
 DEFAULT_SWIGLU_LIMIT = vendor.DEFAULT_SWIGLU_LIMIT
@@ -264,5 +266,29 @@ class Wrapper_0_6_18(Wrapper_0_6_16):  # noqa: N801 - 0.6.18+: SiTU, quant_mode,
             raise TypeError("quant_mode='w4a4' requires packed uint8 input")
 
 
+class Wrapper_0_7_4(Wrapper_0_6_18):  # noqa: N801 - 0.7.4: clamped_relu2_limit, swap_ab, run(nvfp4_4over6=)
+    def __init__(self, num_experts, top_k, hidden_size, intermediate_size, use_cuda_graph=False,
+                 max_num_tokens=None, num_local_experts=None, local_expert_offset=0, tile_size=128, sf_vec_size=16,
+                 output_dtype=torch.bfloat16, device="cuda", enable_pdl=True,
+                 activation_type=ActivationType.Swiglu.value, swiglu_alpha=DEFAULT_SWIGLU_ALPHA,
+                 swiglu_beta=DEFAULT_SWIGLU_BETA, swiglu_limit=DEFAULT_SWIGLU_LIMIT, situ_beta=None,
+                 situ_linear_beta=None, use_fused_finalize=True, quant_mode="w4a4", clamped_relu2_limit=None,
+                 swap_ab=False) -> None:
+        if clamped_relu2_limit is not None or swap_ab:
+            raise NotImplementedError("fake CuteDslMoEWrapper: clamped_relu2_limit and swap_ab are not emulated")
+        super().__init__(num_experts, top_k, hidden_size, intermediate_size, use_cuda_graph, max_num_tokens,
+                         num_local_experts, local_expert_offset, tile_size, sf_vec_size, output_dtype, device,
+                         enable_pdl, activation_type, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
+                         situ_linear_beta, use_fused_finalize, quant_mode)
+
+    def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
+            fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None,
+            nvfp4_4over6=UNSET) -> torch.Tensor:
+        if nvfp4_4over6 is not UNSET:
+            raise NotImplementedError("fake CuteDslMoEWrapper: nvfp4_4over6 is not emulated")
+        return super().run(x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
+                           fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic, per_token_scale=per_token_scale)
+
+
 __all__ = ["ActivationType", "CuteDslBase", "Wrapper_0_6_14", "Wrapper_0_6_15", "Wrapper_0_6_16", "Wrapper_0_6_18",
-           "Wrapper_0_6_4", "Wrapper_0_6_7"]
+           "Wrapper_0_6_4", "Wrapper_0_6_7", "Wrapper_0_7_4"]

@@ -335,6 +335,7 @@ class _AllocationRecord:
     rank_stride: int
     address_offset: int
     mapped: bool = True
+    handle_type: Any = None  # 0.7.4: the type this allocation chose (FABRIC or POSIX fd)
 
 
 def _tuple_record(comm: Any, comm_size: int, comm_rank: int, aligned_size: int, mem_handles: list[Any],
@@ -380,6 +381,31 @@ def _exchange_handles(comm: Any, comm_rank: int, fabric: bool, version: vendor.V
     return [1000] * len(paths)  # the received fds (the fake maps no real memory with them)
 
 
+def _allocate_handles(comm: Any, aligned: int) -> tuple[bool, list[Any]]:
+    """0.7.4's ``allocate_mnnvl_handles``: the handle type chosen over ``comm`` (``choose_mnnvl_handle_type``),
+    every rank's allocation error gathered before any import (all ranks raise together), the handles
+    exchanged (FABRIC: an allgather; POSIX: the socket paths of ``exchange_fds``)."""
+    status = comm.allgather((socket.gethostname(), None if DRIVER.fabric else "no FABRIC handle support",
+                             b"fake-domain" if DRIVER.fabric else b""))
+    if len({host for host, _, _ in status}) > 1 and not all(reason is None for _, reason, _ in status):
+        raise RuntimeError("[MNNVL] memory shared across hosts needs FABRIC handles within one NVLink domain")
+    fabric = all(reason is None for _, reason, _ in status)
+    try:
+        DRIVER.create(aligned)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    errors = list(comm.allgather(error))
+    if any(errors):
+        failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        raise RuntimeError(f"[MNNVL] allocating memory shared through {'FABRIC' if fabric else 'POSIX file descriptor'} "
+                           f"handles failed:\n{failed}")
+    if fabric:
+        return True, list(comm.allgather(DRIVER.export(True)))
+    comm.allgather(os.path.join(tempfile.gettempdir(), f"cuda_fd_xchg_{os.getpid()}", "fd.sock"))
+    return False, [DRIVER.export(False)] * comm.Get_size()
+
+
 def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int, version: vendor.Version) -> tuple[int, int]:
     """``MnnvlMemory.open_mnnvl_memory`` with CPU memory: FlashInfer's comm logic and collectives
     (the size allgather, the FABRIC decision from v0.6.16, the handle exchange), its class-level
@@ -390,7 +416,7 @@ def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int, version
     sizes = comm.allgather(size)
     assert len(sizes) == comm_size
     assert all(x == size for x in sizes), "Not all rank allocating same size."
-    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+    if vendor.MNNVL_FABRIC_AGREEMENT_SINCE <= version < vendor.MNNVL_HANDLE_PER_ALLOCATION_SINCE:
         cls._resolve_fabric_support(comm, DEVICE)
     granularity = cls.allocation_granularity or GRANULARITY
     aligned = -(-size // granularity) * granularity
@@ -402,9 +428,12 @@ def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int, version
         cls.current_mem_offset = 0
     assert cls.current_mem_offset + aligned <= cls.current_rank_stride
     # _create_and_map_handles: a failure from here on leaves the range reserved, with no record.
-    DRIVER.create(aligned)
-    fabric = _uses_fabric(cls, version)
-    handles = _exchange_handles(comm, comm_rank, fabric, version)
+    if version >= vendor.MNNVL_HANDLE_PER_ALLOCATION_SINCE:
+        fabric, handles = _allocate_handles(comm, aligned)
+    else:
+        DRIVER.create(aligned)
+        fabric = _uses_fabric(cls, version)
+        handles = _exchange_handles(comm, comm_rank, fabric, version)
     start, stride, offset = cls.current_start_address, cls.current_rank_stride, cls.current_mem_offset
     for i, handle in enumerate(handles):  # cuMemMap of every rank's handle at its place in the range
         if i != comm_rank:
@@ -416,7 +445,9 @@ def _open(cls: Any, record: Callable[..., Any], mapping: Any, size: int, version
     ptr = start + offset
     cls.allocated_map[ptr] = record(comm=comm, comm_size=comm_size, comm_rank=comm_rank, aligned_size=aligned,
                                     mem_handles=[None] * comm_size, start_address=start, rank_stride=stride,
-                                    address_offset=offset, **({"mapping": mapping} if record is _tuple_record else {}))
+                                    address_offset=offset, **({"mapping": mapping} if record is _tuple_record else {}),
+                                    **({"handle_type": "FABRIC" if fabric else "POSIX_FD"}
+                                       if version >= vendor.MNNVL_HANDLE_PER_ALLOCATION_SINCE else {}))
     cls.address_refcnt[start] = cls.address_refcnt.get(start, 0) + 1
     cls.current_mem_offset += aligned
     _SEGMENTS[ptr] = seg
@@ -533,7 +564,7 @@ def memory_class(version: vendor.Version) -> type[MnnvlMemoryBase]:
     for ``version``."""
     records = vendor.profile(version).mnnvl_records
     bases: tuple[type, ...] = (MnnvlMemoryBase,)
-    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+    if vendor.MNNVL_FABRIC_AGREEMENT_SINCE <= version < vendor.MNNVL_HANDLE_PER_ALLOCATION_SINCE:
         bases += (FabricAgreement,)
     return type("MnnvlMemory", bases, {
         "__module__": __name__, "allocated_map": {}, "address_refcnt": {}, "_VERSION": version,
@@ -568,7 +599,9 @@ def patch_real_mnnvl(real: Any, record_cls: Any, version: vendor.Version) -> Cal
     with its cached ``_fabric_supported``, whose probe of the device becomes ``DRIVER.fabric``; the
     reservation state is its own class attributes, kept as FlashInfer keeps them); returns the undo."""
     names = ["initialize", "open_mnnvl_memory", "close_mnnvl_memory", "as_torch_strided_tensor"]
-    if version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
+    if version >= vendor.MNNVL_HANDLE_PER_ALLOCATION_SINCE:
+        names.append("uses_fabric_handles")  # choose_mnnvl_handle_type's precheck: the driver's attribute
+    elif version >= vendor.MNNVL_FABRIC_AGREEMENT_SINCE:
         names.append("_probe_fabric_supported")
     saved = {name: real.__dict__[name] for name in names}
 
@@ -590,6 +623,9 @@ def patch_real_mnnvl(real: Any, record_cls: Any, version: vendor.Version) -> Cal
     real.as_torch_strided_tensor = as_torch_strided_tensor
     if "_probe_fabric_supported" in saved:
         real._probe_fabric_supported = staticmethod(FabricAgreement._probe_fabric_supported)
+    if "uses_fabric_handles" in saved:  # the same allgather as choose_mnnvl_handle_type
+        real.uses_fabric_handles = staticmethod(
+            lambda comm, dev_id: all(fabric for fabric in comm.allgather(bool(DRIVER.fabric))))
 
     def undo() -> None:
         for name, value in saved.items():

@@ -102,7 +102,16 @@ def quantize(version: vendor.Version, input: torch.Tensor, global_scale: torch.T
 
 def fp4_quantize_for(version: vendor.Version) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``fp4_quantize`` with the signature of ``version`` (``vendor.SIGNATURES``)."""
-    if version >= vendor.NVFP4_4OVER6_ARG_SINCE:
+    if version >= vendor.EP_SINCE:  # backend "auto": the CUDA kernel unless batch_invariant
+        def fp4_quantize(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True,
+                         is_sf_8x4_layout=False, is_global_scale_inversed=False, enable_pdl=None, backend="auto",
+                         nvfp4_4over6=_UNSET, *, batch_invariant=False):  # noqa: A002
+            if batch_invariant:
+                raise NotImplementedError("fake fp4_quantize: batch_invariant=True is not emulated")
+            return quantize(version, input, global_scale, sf_vec_size, sf_use_ue8m0, is_sf_swizzled_layout,
+                            is_sf_8x4_layout, is_global_scale_inversed, "cuda" if backend == "auto" else backend,
+                            nvfp4_4over6)
+    elif version >= vendor.NVFP4_4OVER6_ARG_SINCE:
         def fp4_quantize(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True,
                          is_sf_8x4_layout=False, is_global_scale_inversed=False, enable_pdl=None, backend="cuda",
                          nvfp4_4over6=_UNSET):  # noqa: A002
