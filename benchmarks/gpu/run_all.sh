@@ -5,13 +5,15 @@
 #
 # STEPs (default all, in this order): core kit profile hbm dgprobe deepep deepgemm bench. The vendor steps build the
 # vendors first, in the background while the core steps run: NCCL then DeepEP 2.x (V1 only if that fails) for deepep,
-# DeepGEMM for dgprobe. dgprobe runs benchmarks/gpu/dg_probe.py's stages 0-4, each in a fresh process (where
-# DeepGEMM's first GEMM dies); deepep runs the vendor check without DeepGEMM (so that its crash cannot hide the DeepEP
-# rows), deepgemm the same check with it; bench comes last. build only builds and installs them and copies the wheels
-# to OUT_DIR; gdb (not in the default) runs the vendor check under cuda-gdb with DeepGEMM's JIT log on, for the
-# native stack of a crash in the vendor's code (2026-11-23: a segfault in DeepGEMM's contiguous GEMM); engines (not in
-# the default either) runs the engine adapters through sglang's and vLLM's GPU expert paths. A second call
-# while the machine is still warm keeps the wheels and the NCCL build of the first.
+# DeepGEMM for dgprobe. dgprobe runs benchmarks/gpu/dg_probe.py's stages 0-5 (where DeepGEMM's first GEMM dies) in
+# fresh processes: with NVCC and with NVRTC (DG_JIT_USE_NVRTC=1), each with an empty kernel cache and again warm;
+# deepep runs the vendor check without DeepGEMM (so that its crash cannot hide the DeepEP rows), deepgemm the same
+# check with it; bench comes last. build only builds and installs them and copies the wheels to OUT_DIR; gdb (not in
+# the default) runs the dg_probe stage that died (dgprobe's "first death", else stage 2: the runner's first call) under
+# cuda-gdb (gdb where there is none) with DeepGEMM's JIT log on, for the native stack of a crash in the vendor's code
+# (2026-11-23: a segfault in DeepGEMM's contiguous GEMM); engines (not in the default either) runs the engine adapters
+# through sglang's and vLLM's GPU expert paths. CUDA_HOME is set explicitly (below) for the builds and DeepGEMM's JIT.
+# A second call while the machine is still warm keeps the wheels and the NCCL build of the first.
 #
 # VENDOR_SRC (default .hw-src) holds source trees of deepseek-ai/DeepEP (2.x, and DeepEP-v1: the last
 # V1-only commit), deepseek-ai/DeepGEMM with their submodules' headers, and NVIDIA/nccl 2.30.7, made
@@ -55,6 +57,18 @@ step() {  # step NAME LOG COMMAND...: run under what is left, log the status
     ./plugins/cuda_deepep/testing ./plugins/flashinfer_cutedsl ./plugins/flashinfer_cutedsl/testing
 } >"$out/setup.log" 2>&1
 export PYTHONPATH=$site PYTHONUNBUFFERED=1
+# DeepGEMM's JIT takes its CUDA root from CUDA_HOME, else from `which nvcc`'s grandparent (deepseek-ai/DeepGEMM@54e2261
+# deep_gemm/__init__.py:104-125; vendor.py DG_CUDA_HOME_VARIABLES): /usr/local for a wrapper or link in /usr/local/bin,
+# where NVRTC finds no include/ (csrc/jit/compiler.hpp:266). So it is set here: the real nvcc's root (links resolved),
+# else /usr/local/cuda, the first with bin/nvcc and include/cuda.h (vendor.dg_cuda_home, which dg_probe.py uses).
+if [[ -z ${CUDA_HOME:-} ]]; then
+  nvcc_real=$(readlink -f "$(command -v nvcc)" 2>/dev/null)
+  for root in "$(dirname "$(dirname "${nvcc_real:-/nonexistent/bin/nvcc}")")" /usr/local/cuda; do
+    if [[ -x $root/bin/nvcc && -e $root/include/cuda.h ]]; then export CUDA_HOME=$root; break; fi
+  done
+fi
+echo "CUDA_HOME=${CUDA_HOME:-unset} (nvcc: $(command -v nvcc) -> $(readlink -f "$(command -v nvcc)" 2>/dev/null))" \
+  >>"$out/setup.log"
 
 # The vendor builds, niced, beside the checks that do not need them. The critical path is NCCL then DeepEP 2.x;
 # DeepEP V1 builds only if 2.x does not (2.x carries V1's Buffer as deep_ep.Buffer anyway). A wheel already built on
@@ -162,20 +176,23 @@ fi
 ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v))
 print("nccl loaded", v.value, sorted({l.split()[-1] for l in open("/proc/self/maps") if "libnccl" in l}))'
 } >>"$out/setup.log" 2>&1
-# DeepGEMM stage by stage, each in its own process, line-buffered so a crash keeps the JIT's log (exit 139: SIGSEGV);
-# --foreground: the step's own timeout reaches the stage's python too.
-step dgprobe "$out/deepep.txt" env PYTHONPATH="$dg_site:$site" bash -c 'for s in 0 1 2 3 4; do
-  DG_JIT_DEBUG=1 stdbuf -oL -eL timeout --foreground 150 python3 -X faulthandler benchmarks/gpu/dg_probe.py $s \
-    --tests "$1/DeepGEMM/tests"
-  echo "== stage $s: exit $?"; done' dgprobe "$src"
+# DeepGEMM stage by stage, four times, each in its own process (NVCC and NVRTC, a cold then a warm kernel cache),
+# line-buffered with DeepGEMM's JIT log so a crash keeps it (exit -11: SIGSEGV); "== first death: stage N" names where.
+step dgprobe "$out/deepep.txt" env PYTHONPATH="$dg_site:$site" python3 benchmarks/gpu/dg_probe.py 5 --variants \
+  --timeout 150 --tests "$src/DeepGEMM/tests"
 # DeepEP (V1 and 2.x), without DeepGEMM; then the whole check again with it (its runner on the real library).
 step deepep "$out/deepep.txt" env ${nccl_env[@]+"${nccl_env[@]}"} python3 -X faulthandler \
   plugins/cuda_deepep/scripts/hardware_check.py
 step deepgemm "$out/deepep.txt" env ${nccl_env[@]+"${nccl_env[@]}"} PYTHONPATH="$dg_site:$site" python3 -X faulthandler \
   plugins/cuda_deepep/scripts/hardware_check.py
+# The dg_probe stage that died first (with the compiler it died with) under the debugger, else stage 2.
 debugger=$(command -v cuda-gdb || command -v gdb || echo gdb-not-found)
-step gdb "$out/gdb.txt" env ${nccl_env[@]+"${nccl_env[@]}"} PYTHONPATH="$dg_site:$site" DG_JIT_DEBUG=1 stdbuf -oL -eL \
-  "$debugger" -q -batch -ex run -ex bt --args python3 -X faulthandler plugins/cuda_deepep/scripts/hardware_check.py
+death=$(grep -m1 '^== first death: stage' "$out/deepep.txt" 2>/dev/null)
+died=$(sed -nE 's/^== first death: stage ([0-9]+).*/\1/p' <<<"$death")
+nvrtc=0; [[ $death == *nvrtc* ]] && nvrtc=1
+step gdb "$out/gdb.txt" env PYTHONPATH="$dg_site:$site" DG_JIT_DEBUG=1 DG_JIT_USE_NVRTC=$nvrtc stdbuf -oL -eL \
+  "$debugger" -q -batch -ex run -ex bt --args python3 -X faulthandler benchmarks/gpu/dg_probe.py "${died:-2}" \
+  --tests "$src/DeepGEMM/tests"
 # 3. the bench tables at one rank, last: the vendor steps are what the builds were for.
 step engines "$out/engines.txt" python3 benchmarks/gpu/engine_adapters.py  # sglang, vLLM where the image has them
 step bench "$out/bench.txt" torchrun --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29518 \

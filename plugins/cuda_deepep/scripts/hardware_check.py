@@ -5,14 +5,16 @@
 
 Checks (``moe_dispatch_cuda_deepep_testing.hardware``, in ``plugins/cuda_deepep/testing``): the recorded
 signatures against the real callables; DeepEP's size functions (``get_low_latency_rdma_size_hint``, each tuned
-``Config``'s NVL/RDMA hints) and DeepGEMM's layout functions against the ports; the ``deep_gemm`` runner on the
-real DeepGEMM against its fake (FP8 and BF16, PACKED and MASKED, the masked capacity a multiple of every BLOCK_M
-the installed DeepGEMM may pick);
+``Config``'s NVL/RDMA hints) and DeepGEMM's layout functions against the ports; whether DeepGEMM keeps the SM90
+scales as the runner lays them out (no transpose kernel); the ``deep_gemm`` runner on the real DeepGEMM against its
+fake (FP8 and BF16, PACKED and MASKED, the masked capacity a multiple of every BLOCK_M the installed DeepGEMM may
+pick);
 DeepEP's V1 Buffer at one rank in low-latency mode (NVSHMEM, the process's one Buffer shared by both rounds,
 closed after them) against the fake; in normal mode the adapter's refusal. Last, in subprocesses (each may end its
 process: ``std::terminate`` from DeepEP's destructor, NVSHMEM started twice, V2 beside V1): DeepEP's own
-normal-mode dispatch on one rank, two LL Buffers in one process, and the V2 ``ElasticBuffer`` on a group of one;
-their exit status and output are recorded. The records compared (signatures, tuned tables) are the installed
+normal-mode dispatch on one rank, two LL Buffers in one process, the V2 ``ElasticBuffer`` on a group of one, and
+``cuda_deepep_v2`` in normal mode dispatching 0 tokens (compared with the same probe on the fake); their exit status
+and output are recorded. The records compared (signatures, tuned tables) are the installed
 release's. Prints a table; exit status 1 on any mismatch.
 
 This is the one-GPU vendor check. ``run_on_gpu.py`` is the multi-GPU agreement and timing run

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import moe_dispatch as md
 import moe_dispatch.backend as mdb
 import moe_dispatch.planning as mdp
-from moe_dispatch.backend import dequantize_rows, make_codec, pack_ue8m0, pow2_ceil
+from moe_dispatch.backend import dequantize_rows, make_codec, pack_ue8m0, pow2_ceil, row_experts
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.backend import DeepEPBackend
 from moe_dispatch_cuda_deepep.deep_gemm import (
@@ -326,6 +326,46 @@ def test_the_fake_scale_formats_per_architecture():
         emu100.m_grouped_fp8_gemm_nt_contiguous((q.data, q.scale), (b, pow2_sb), d_int, ids, disable_ue8m0_cast=True)
 
 
+def test_sm90_activation_scales_reach_deep_gemm_laid_out():
+    """On SM90 the runner hands DeepGEMM both GEMMs' fp32 activation scales MN-major and TMA-aligned (torch ops,
+    ``vendor.dg_mn_major``), in every layout: DeepGEMM's transform keeps them (deepseek-ai/DeepGEMM@54e2261
+    csrc/apis/layout.hpp:41-42, csrc/jit_kernels/impls/smxx_layout.hpp:123-125) and JIT-compiles no ``transpose_fp32``
+    kernel, which was the first kernel of the first call that segfaulted on the H100. The fake records each scale
+    tensor it had to lay out, and takes both layouts with the same result."""
+    from moe_dispatch import DispatchOutput
+    from moe_dispatch.backend import align_rows
+
+    a, sa, b, sb = _fp8_operands(128)  # the fake's record: row-major (its JIT kernel), non-contiguous (torch), laid out
+    ids = torch.zeros(128, dtype=torch.int32)
+    outs = []
+    emu.sf_transforms.clear()
+    for scale in (sa, torch.cat([sa, sa], 1)[:, :2], vendor.dg_mn_major(emu, sa)):
+        outs.append(torch.empty(128, 128, dtype=torch.bfloat16))
+        emu.m_grouped_fp8_gemm_nt_contiguous((a, scale), (b, sb), outs[-1], ids)
+    assert emu.sf_transforms == ["transpose_fp32", "copy_"] and all(torch.equal(outs[0], o) for o in outs)
+    laid = vendor.dg_mn_major(emu, sa)
+    assert laid.stride() == (1, 128) and torch.equal(laid, sa) and emu.get_mn_major_tma_aligned_tensor(laid) is laid
+
+    layer_weights = _weights()
+    for mode, options, counts, aligned in (("normal", {}, PACKED_COUNTS, False), ("normal", {}, [0, 130, 0, 5], True),
+                                           ("normal", {"psum_layout": False}, [0, 130, 0, 5], True),
+                                           ("low_latency", {}, MASKED_COUNTS, False)):
+        experts = DeepGemmExperts("block_fp8", mode, SM90, **options)
+        layer = experts.process_weights(layer_weights)
+        x, scale = _rows("block_fp8", (E, CAPACITY) if mode == "low_latency" else (sum(counts),))
+        group_list, alignment = torch.tensor(counts), 1
+        if aligned:
+            none = torch.zeros(0, 1, dtype=torch.int64)
+            out = align_rows(DispatchOutput(x, scale, none, none.float(), group_list, 1, md.Layout.PACKED,
+                                            md.DispatchDtype.FP8, None), experts.expert_alignment)
+            x, scale, alignment = out.hidden_states, out.hidden_states_scale, experts.expert_alignment
+        emu.sf_transforms.clear()
+        y = experts.apply_without_routing_weights(layer, x, scale, 1, group_list, torch.bfloat16,
+                                                  expert_alignment=alignment)
+        assert emu.sf_transforms == [], (mode, options, aligned, emu.sf_transforms)
+        assert bool(torch.isfinite(y[row_experts(group_list, alignment, y.shape[0]) >= 0] if aligned else y).all())
+
+
 def test_detect_reads_the_api_generation():
     v2 = detect(SM90)
     assert (v2.generation, v2.has_bf16, v2.error) == ("v2", True, None) and "v2" in v2.describe()
@@ -579,6 +619,23 @@ def test_the_vendors_layout_functions_are_used_when_installed():
     packed = vendor.dg_packed_ue8m0_mn_major(fake, sf)
     assert packed.dtype == torch.int32 and packed.stride(-1) == 132 and packed.stride(-2) == 1
     assert torch.equal(packed, vendor.dg_packed_ue8m0_mn_major(None, sf))
+
+
+def test_the_cuda_home_handed_to_deep_gemm_is_the_real_nvccs(tmp_path):
+    """DeepGEMM takes ``which nvcc``'s grandparent without ``CUDA_HOME`` (deep_gemm/__init__.py:104-125): for an nvcc
+    linked into a bin/ of its own that is no CUDA root. ``vendor.dg_cuda_home`` resolves the link, and never returns a
+    root without bin/nvcc and include/cuda.h (a wrapper script's)."""
+    root = tmp_path / "cuda-13.0"
+    for name in ("bin/nvcc", "include/cuda.h"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    (tmp_path / "local" / "bin").mkdir(parents=True)
+    link, wrapper = tmp_path / "local" / "bin" / "nvcc", tmp_path / "wrapper" / "bin" / "nvcc"
+    link.symlink_to(root / "bin" / "nvcc")
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f"#!/bin/sh\nexec {root}/bin/nvcc \"$@\"\n")
+    assert vendor.dg_cuda_home(str(link)) == str(root)
+    assert vendor.dg_cuda_home(str(wrapper)) != str(tmp_path / "wrapper")
 
 
 def test_power_of_two_scales_by_bits():

@@ -40,7 +40,8 @@ def test_the_script_runs_on_the_fakes(moe_rank_pools):
     for needed in ("signature Buffer.low_latency_dispatch", "LL rdma hint T=128 H=7168 E=256", "block_fp8 PACKED",
                    "bf16 MASKED", "LL fp8 one rank: combine", "normal one rank: DeepEP's dispatch (subprocess)",
                    "two LL Buffers in one process (subprocess)",
-                   "V2 cuda_deepep_v2 vs torch, one rank"):
+                   "V2 cuda_deepep_v2 vs torch, one rank", "V2 normal one rank, 0 tokens (subprocess)",
+                   "scales [130, 2] as laid out: kept, no transpose", "scales [4, 130, 2] as laid out"):
         assert needed in text, needed
     assert "Unsupported ranks" in text and "MISMATCH" not in text
 
@@ -59,6 +60,51 @@ def test_the_elastic_buffer_probe_runs_in_a_subprocess():
     Buffer, where an abort would lose the whole table."""
     assert hardware.PROBE_ELASTIC in hardware.probe_names()
     assert "ElasticBuffer" not in inspect.getsource(hardware.deep_ep_rows)
+
+
+def test_a_v2_rank_with_zero_tokens_is_probed_in_a_subprocess_against_the_fake():
+    """Item 5 of issue 35: ``cuda_deepep_v2`` in normal mode at one rank with 0 tokens (sglang pads empty batches;
+    DeepEP's own tests never send any). The fake gives empty outputs of the right shapes and dtypes, zero counts, and
+    16 tokens after them agree with torch; the row compares DeepEP's steps with those, and fails when DeepEP's host wait
+    gives up, the process dies, or a shape differs."""
+    assert hardware.PROBE_V2_ZERO_TOKENS in hardware.probe_names()
+    probe = hardware.run_probe(hardware.PROBE_V2_ZERO_TOKENS, fake=True)
+    lines = probe.output.splitlines()
+    assert probe.exit_code == 0, probe.output
+    assert lines[:2] == [
+        "bf16 0 tokens: rows [0, 2048] bfloat16, scales None, counts [0, 0, 0, 0], combined [0, 2048] bfloat16",
+        ("fp8 0 tokens: rows [0, 2048] float8_e4m3fn, scales [0, 16] float32, counts [0, 0, 0, 0], combined [0, 2048] "
+         "bfloat16")]
+    assert lines[2].startswith("then 16 tokens bf16 agree rel "), lines
+    assert hardware.zero_tokens_row(probe, probe).ok
+    waited = hardware.ProbeResult(probe.name, 0, f"{lines[0]}\nRuntimeError: EPException: Dispatch CPU wait")
+    died = hardware.ProbeResult(probe.name, -11, "\n".join(lines[:2]))
+    hung = hardware.ProbeResult(probe.name, -1, f"timed out after {hardware.PROBE_TIMEOUT_S} s (a hang)")
+    shaped = hardware.ProbeResult(probe.name, 0, probe.output.replace("combined [0, 2048]", "combined [1, 2048]", 1))
+    rows = {name: hardware.zero_tokens_row(bad, probe) for name, bad in
+            (("waited", waited), ("died", died), ("hung", hung), ("shaped", shaped))}
+    assert not any(row.ok for row in rows.values()), rows
+    assert rows["waited"].real.startswith("0 after 1 steps: RuntimeError") and rows["died"].real.startswith("-11")
+    assert "combined [1, 2048]" in rows["shaped"].real
+
+
+def test_the_runner_hands_deep_gemm_its_sm90_scales_laid_out(monkeypatch):
+    """Item 8 of issue 35: on SM90 DeepGEMM's ``get_mn_major_tma_aligned_tensor`` keeps the scales as the runner lays
+    them out (no copy, no transpose kernel); the row fails for row-major scales (the runner before, which left the
+    layout to DeepGEMM). ``first_only`` is dg_probe's stage: the runner's first call alone."""
+    import torch
+
+    setup = hardware.Setup(EMULATOR, DEEP_GEMM_EMULATOR, torch.device("cpu"), None, None, True, gemm_hidden=256)
+    rows = hardware.scale_layout_rows(setup)
+    assert [r.check for r in rows] == ["scales [130, 2] as laid out: kept, no transpose",
+                                       "scales [4, 130, 2] as laid out: kept, no transpose"]
+    assert all(r.ok for r in rows) and rows[0].real == "kept True, strides (1, 132)", rows
+    first = hardware.deep_gemm_rows(setup, first_only=True)
+    assert [r.check for r in first] == ["block_fp8 PACKED real vs fake (relative error)"] and first[0].ok
+    monkeypatch.setattr(vendor, "dg_mn_major", lambda module, sf: sf)
+    assert not any(r.ok for r in hardware.scale_layout_rows(setup))
+    sm100 = hardware.Setup(EMULATOR, DEEP_GEMM_EMULATOR_SM100, torch.device("cpu"), None, None, True, gemm_hidden=256)
+    assert [r.real for r in hardware.scale_layout_rows(sm100)] == ["not this DeepGEMM or GPU"]
 
 
 # -- the rows follow the release installed --------------------------------------------------------------------

@@ -37,8 +37,10 @@ scale ``max(amax, 1e-10)/448`` (sglang ``per_token_group_quant_fp8`` /
 ``silu_and_mul_masked_post_quant_fwd``), rounded up to powers of two for a UE8M0 layer, packed
 four per int32 when the dispatched scales came packed (DeepGEMM's SM100 format).
 
-Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 scales only (in any layout:
-DeepGEMM lays them out itself); SM100 takes packed UE8M0 (four exponent bytes per int32, MN-major with a
+Scale formats follow the GPU (``vendor.device_capability``): SM90 takes fp32 scales only, which the runner hands over
+MN-major and TMA-aligned, laid out with torch ops (``vendor.dg_mn_major``), so that DeepGEMM's own transform returns them
+as they are and JIT-compiles no transpose kernel (its first kernel otherwise, compiled at the first call); SM100 takes
+packed UE8M0 (four exponent bytes per int32, MN-major with a
 TMA-aligned stride, which the runner lays out with DeepGEMM's ``get_tma_aligned_size`` and packs with its
 ``get_mn_major_tma_aligned_packed_ue8m0_tensor`` when installed, the ports in ``vendor`` otherwise). fp32 scales
 handed to the runner on SM100 (they must be powers of two: a typed error otherwise; the rows past each expert's count
@@ -465,7 +467,19 @@ class DeepGemmExperts:
         if self.weights == "bf16":
             return act.to(torch.bfloat16), None
         q, scale = quantize_per_token_group(act, layer.ue8m0)
-        return q, vendor.dg_packed_ue8m0_mn_major(self.info.module, scale) if packed else scale
+        module = self.info.module
+        return q, vendor.dg_packed_ue8m0_mn_major(module, scale) if packed else vendor.dg_mn_major(module, scale)
+
+    def _scales(self, scale: torch.Tensor | None, packed: bool, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, bool]:
+        """The activation scales laid out as DeepGEMM's kernels read them, so that it transforms none: MN-major and
+        TMA-aligned, packed UE8M0 (SM100) or fp32 (SM90: ``vendor.dg_mn_major``, torch ops); fp32 on SM100 packed
+        first (``_pack_fp32``, ``valid`` its rows). Returns them and whether they are packed."""
+        if scale is None:
+            return None, packed
+        if not packed and self.arch == vendor.DG_ARCH_SM100:
+            return self._pack_fp32(scale, valid), True
+        return vendor.dg_mn_major(self.info.module, scale), packed
 
     def _contiguous(self, layer: DeepGemmLayer, x: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor,
                     packed: bool) -> torch.Tensor:
@@ -500,10 +514,7 @@ class DeepGemmExperts:
         if scale is not None:
             a_scale = torch.zeros(total, scale.shape[-1], dtype=scale.dtype, device=device)
             a_scale[dest] = scale
-            if packed:  # SM100 checks packed UE8M0 for MN-major TMA-aligned strides (fp32: DeepGEMM lays it out)
-                a_scale = vendor.dg_mn_major(self.info.module, a_scale)
-            elif self.arch == vendor.DG_ARCH_SM100:
-                a_scale, packed = self._pack_fp32(a_scale), True
+            a_scale, packed = self._scales(a_scale, packed)
         h1 = torch.empty(total, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(True, a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, m_indices)
         act, act_scale = self._between(layer, h1, (m_indices >= 0).unsqueeze(1), packed)
@@ -535,10 +546,7 @@ class DeepGemmExperts:
         psum = self.psum_layout
         # PSUM: each expert's end row (DeepEP V2's psum_num_recv_tokens_per_expert); else each row's expert, -1 padding
         groups = (group_starts(counts, alignment) + counts if psum else expert).to(torch.int32).contiguous()
-        if packed:
-            scale = vendor.dg_mn_major(self.info.module, scale)
-        elif scale is not None and self.arch == vendor.DG_ARCH_SM100:  # padding rows (a worst case's tail: garbage)
-            scale, packed = self._pack_fp32(scale, (expert >= 0).unsqueeze(1)), True
+        scale, packed = self._scales(scale, packed, (expert >= 0).unsqueeze(1))  # padding rows: a worst case's garbage
         h1 = torch.empty(rows, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(True, x, scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, groups, psum=psum)
         act, act_scale = self._between(layer, h1, (expert >= 0).unsqueeze(1), packed)
@@ -564,10 +572,7 @@ class DeepGemmExperts:
                 allowed=f"capacity (DeepEP LL: num_ranks · num_max_dispatch_tokens_per_rank) a multiple of {multiple}")
         masked_m = counts.to(device=device, dtype=torch.int32).contiguous()
         valid = (torch.arange(capacity, device=device).unsqueeze(0) < masked_m.unsqueeze(1)).unsqueeze(2)
-        if packed:
-            scale = vendor.dg_mn_major(self.info.module, scale)
-        elif scale is not None and self.arch == vendor.DG_ARCH_SM100:
-            scale, packed = self._pack_fp32(scale, valid), True
+        scale, packed = self._scales(scale, packed, valid)
         expected_m = int(layer.expected_m or capacity)  # a hint; reading the counts would sync the host
         h1 = torch.empty(experts, capacity, 2 * layer.intermediate_size, dtype=torch.bfloat16, device=device)
         self._gemm(False, x, scale, layer.w13_weight, layer.w13_weight_scale_inv, h1, masked_m, expected_m)

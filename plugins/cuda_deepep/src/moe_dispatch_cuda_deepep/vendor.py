@@ -3,7 +3,8 @@
 Each fact carries its source as ``owner/repo@commit path [symbol]`` (read from the local mirrors of
 deepseek-ai/DeepEP and deepseek-ai/DeepGEMM). Sizes and layouts the vendor computes itself are called
 through the installed module (``dispatch_config``, ``nvl_buffer_size_hint``, ``low_latency_rdma_size_hint``,
-``mk_alignment``, ``dg_tma_aligned_size``, ``dg_mn_major``, ``dg_packed_ue8m0_mn_major``); the ported formulas
+``mk_alignment``, ``dg_tma_aligned_size``, ``dg_packed_ue8m0_mn_major``; ``dg_mn_major`` lays scales out with torch
+ops, so that DeepGEMM compiles no transpose kernel); the ported formulas
 here are the fallback for planning without DeepEP/DeepGEMM and are tested equal to the vendor's published
 numbers. Recorded signatures are ``moe_dispatch.backend.VendorSignature``s.
 
@@ -1008,6 +1009,14 @@ DG_POW2_ASSERT_VERSION = (2, 6, 1)
 #: (deepseek-ai/DeepGEMM@54e2261 csrc/apis/layout.hpp); before (@0f5f266, @7f2a703, @88965b0; @9da4a23
 #: csrc/python_api.cpp) ``m.def`` with no ``py::arg``: one positional argument.
 DG_PACKED_UE8M0_PY_ARGS_VERSION = (2, 6, 1)
+#: DeepGEMM's JIT takes the CUDA root from ``CUDA_HOME`` or ``CUDA_PATH``, else from the grandparent of ``which nvcc``,
+#: else /usr/local/cuda, once, at import (deepseek-ai/DeepGEMM@54e2261 deep_gemm/__init__.py:104-125 ``_find_cuda_home``,
+#: ``_C.init``); it runs ``<root>/bin/nvcc`` and ``<root>/bin/cuobjdump`` (csrc/jit/compiler.hpp:35, 196), and NVRTC
+#: includes ``<root>/include`` (:266). An nvcc that is a link or wrapper in /usr/local/bin makes that root /usr/local.
+DG_CUDA_HOME_VARIABLES = ("CUDA_HOME", "CUDA_PATH")
+#: NVRTC instead of NVCC (csrc/jit/compiler.hpp:354-360), the kernel cache (``$HOME/.deep_gemm`` by default, :49-51) and
+#: the JIT's log (:58, 154, 223): DeepGEMM's environment, read when its compiler is first made (a ``LazyInit``, :354).
+DG_JIT_USE_NVRTC, DG_JIT_CACHE_DIR, DG_JIT_DEBUG = "DG_JIT_USE_NVRTC", "DG_JIT_CACHE_DIR", "DG_JIT_DEBUG"
 #: ``deep_gemm.__version__`` exists from 2.1.1 (93b3c28); 2.0.0 and 2.1.0 (594953a) have none.
 DG_FIRST_VERSION_ATTRIBUTE = (2, 1, 1)
 #: Compute-capability majors with grouped GEMMs: 9 (SM90: fp32 scales) and 10 (SM100: packed UE8M0).
@@ -1036,19 +1045,25 @@ def ported_mn_major(t: torch.Tensor, aligned: int) -> torch.Tensor:
 
 
 def is_mn_major_tma_aligned(module: Any, sf: torch.Tensor) -> bool:
-    """``check_sf_layout(..., tma_stride_check=true)`` holds: MN-major, the MN stride TMA-aligned, groups dense."""
+    """MN-major, the MN stride TMA-aligned, groups dense: the layout ``get_mn_major_tma_aligned_tensor`` returns as it
+    is (deepseek-ai/DeepGEMM@54e2261 csrc/jit_kernels/impls/smxx_layout.hpp:123-125; the same test in every 2.x, @9da4a23
+    :101, @0f5f266 :117; v1's ``get_col_major_tma_aligned_tensor``, @0c88cd0 deep_gemm/jit_kernels/utils.py:94-103), which
+    also passes ``check_sf_layout(..., tma_stride_check=true)`` (@54e2261 csrc/utils/layout.hpp:101-106, SM100's check
+    of packed scales)."""
     mn, k = sf.shape[-2], sf.shape[-1]
     aligned = dg_tma_aligned_size(module, mn, sf.element_size())
     dense = sf.dim() == 2 or sf.stride(-3) == aligned * k
-    return dense and (sf.stride(-2) == 1 or mn == 1) and sf.stride(-1) == aligned
+    return dense and sf.stride(-2) == 1 and sf.stride(-1) == aligned
 
 
 def dg_mn_major(module: Any, sf: torch.Tensor) -> torch.Tensor:
-    """``sf`` MN-major and TMA-aligned. fp32: the installed DeepGEMM's ``get_mn_major_tma_aligned_tensor``; other
-    dtypes (packed UE8M0 int32, which that function refuses) and planning: the port with DeepGEMM's aligned size."""
-    fn = getattr(module, DG_MN_MAJOR_TMA_ALIGNED, None) if module is not None else None
-    if fn is not None and sf.dtype == torch.float32:
-        return fn(sf)
+    """``sf`` (fp32, or packed UE8M0 int32) MN-major and TMA-aligned, laid out with torch ops (the port, with DeepGEMM's
+    aligned size) unless it already is. SM90's transform of fp32 activation scales then returns them as they are
+    (deepseek-ai/DeepGEMM@54e2261 csrc/apis/layout.hpp:41-42 → ``is_mn_major_tma_aligned``); given them row-major it
+    JIT-compiles and launches its ``transpose_fp32`` kernel (csrc/jit_kernels/impls/smxx_layout.hpp:135-150; a torch
+    ``copy_`` for a non-contiguous tensor, :131-134), the first kernel of the runner's first call when that call
+    segfaulted on the H100 (docs/evidence/vendor-notes/deepgemm-segfault-hypotheses.md). DeepGEMM's own
+    ``get_mn_major_tma_aligned_tensor`` is that same code, so it is not called here."""
     if is_mn_major_tma_aligned(module, sf):
         return sf
     return ported_mn_major(sf, dg_tma_aligned_size(module, sf.shape[-2], sf.element_size()))
@@ -1064,6 +1079,24 @@ def ported_packed_ue8m0_mn_major(sf: torch.Tensor, module: Any = None) -> torch.
     padded[..., :k] = exps
     words = padded.view(torch.int32)
     return ported_mn_major(words, dg_tma_aligned_size(module, sf.shape[-2], 4))
+
+
+def dg_cuda_home(nvcc: str | None = None) -> str | None:
+    """The CUDA root to hand DeepGEMM explicitly (``DG_CUDA_HOME_VARIABLES``): that of the real ``nvcc`` (links
+    resolved; ``nvcc``: its path, default the one on ``PATH``), else torch's ``CUDA_HOME``, else /usr/local/cuda, the
+    first holding ``bin/nvcc`` and ``include/cuda.h``; None when none does."""
+    import os
+    import shutil
+
+    found = nvcc or shutil.which("nvcc")
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(found)))] if found else []
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME as torch_home
+    except Exception:  # noqa: BLE001 - torch without its extension helpers: the other candidates
+        torch_home = None
+    candidates += [c for c in (torch_home, "/usr/local/cuda") if c]
+    return next((c for c in candidates if os.path.isfile(os.path.join(c, "bin", "nvcc"))
+                 and os.path.isfile(os.path.join(c, "include", "cuda.h"))), None)
 
 
 def dg_packed_ue8m0_mn_major(module: Any, sf: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ same code runs in the tests.
 Every check returns ``Row``s: what was compared, the two sides, and whether they agree. A vendor refusal
 (DeepEP's normal mode on one rank) is recorded with its exact message. Probes that can end the process on a GPU
 (a one-rank normal-mode Buffer throws from its noexcept destructor: ``std::terminate``; a second NVSHMEM Buffer in
-one process; the V2 ``ElasticBuffer`` beside NVSHMEM) run last, each in a subprocess (``python -m
+one process; the V2 ``ElasticBuffer`` beside NVSHMEM; a V2 normal-mode dispatch of 0 tokens, whose host wait could
+time out) run last, each in a subprocess (``python -m
 moe_dispatch_cuda_deepep_testing.hardware <probe>``), after the adapter's Buffers were closed, and their exit status and
 output are recorded: they can fail, the table is still printed. The records compared are the installed release's
 (``vendor.deep_ep_signatures``: several where the release string cannot tell the builds apart, any one may match;
@@ -20,6 +21,7 @@ import ast
 import importlib
 import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -262,7 +264,40 @@ def _fake_deep_gemm_for(real: Any) -> Any:
     return fakes.emulate(capability, info.version)
 
 
-def deep_gemm_rows(setup: Setup) -> list[Row]:
+def scale_layout_rows(setup: Setup) -> list[Row]:
+    """Whether DeepGEMM takes the runner's SM90 activation scales as they are: ``get_mn_major_tma_aligned_tensor``, which
+    SM90's scale transform calls (deepseek-ai/DeepGEMM@54e2261 csrc/apis/layout.hpp:41-42), given ``vendor.dg_mn_major``'s
+    layout returns the same memory (csrc/jit_kernels/impls/smxx_layout.hpp:123-125: no copy, no ``transpose_fp32``
+    kernel) for the contiguous GEMM's ``[rows, H/128]`` and the masked GEMM's ``[E, rows, H/128]``, rows 130 (a
+    TMA-aligned stride of 132); real against the fake. SM100 (packed UE8M0: the GEMM itself checks the layout) and v1
+    (no such function) get one row saying so."""
+    real_module = importlib.import_module(setup.deep_gemm)
+    fn = getattr(real_module, vendor.DG_MN_MAJOR_TMA_ALIGNED, None)
+    arch = vendor.device_capability(real_module)
+    if fn is None or (arch is not None and arch[0] != vendor.DG_ARCH_SM90):
+        return [Row("DeepGEMM", "SM90 scales as the runner lays them out", "not this DeepGEMM or GPU",
+                    "SM90 DeepGEMM 2.x", True)]
+    fake = _fake_deep_gemm_for(real_module)
+    fake.sf_transforms.clear()
+    rows = []
+    for shape in ((130, setup.gemm_hidden // vendor.DG_BLOCK), (4, 130, setup.gemm_hidden // vendor.DG_BLOCK)):
+        sf = torch.rand(*shape, generator=torch.Generator().manual_seed(2))
+        seen = []
+        for module, device in ((real_module, setup.device), (fake, torch.device("cpu"))):
+            laid = vendor.dg_mn_major(module, sf.to(device))
+            kept = getattr(module, vendor.DG_MN_MAJOR_TMA_ALIGNED)(laid)
+            same = kept.data_ptr() == laid.data_ptr() and kept.stride() == laid.stride()
+            seen.append((same and torch.equal(kept.cpu(), sf), laid.stride()))
+        (real_kept, real_strides), (fake_kept, fake_strides) = seen
+        rows.append(Row("DeepGEMM", f"scales {list(shape)} as laid out: kept, no transpose",
+                        f"kept {real_kept}, strides {real_strides}", f"kept {fake_kept}, strides {fake_strides}",
+                        real_kept and fake_kept and real_strides == fake_strides and not fake.sf_transforms))
+    return rows
+
+
+def deep_gemm_rows(setup: Setup, first_only: bool = False) -> list[Row]:
+    """The runner on the real DeepGEMM against its fake, case by case; ``first_only``: its first call alone (block-FP8
+    PACKED, counts [5, 0, 130, 1]: the call that segfaulted on the H100), for ``benchmarks/gpu/dg_probe.py``."""
     real_module = importlib.import_module(setup.deep_gemm)
     fake_module = _fake_deep_gemm_for(real_module)
     info = vendor.detect_deep_gemm(real_module)
@@ -286,6 +321,8 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
                  ("MASKED", "low_latency", counts_masked, {}, False)]
         if kind == "block_fp8" and (vendor.device_capability(real_module) or (9, 0))[0] >= 10:
             cases.append(("ALIGNED fp32 scales", "normal", [0, 130, 0, 5], {}, True))
+        if first_only:
+            cases = cases[:1]
         for layout, mode, counts, options, fp32_scales in cases:
             label = f"{kind} {layout}"
             aligned_case = layout.startswith("ALIGNED")
@@ -321,6 +358,8 @@ def deep_gemm_rows(setup: Setup) -> list[Row]:
             err = relative_error(got[valid], want[valid])
             tol = 2e-2 if kind == "block_fp8" else 1e-2
             rows.append(Row("DeepGEMM", f"{label} real vs fake (relative error)", f"{err:.2e}", f"< {tol}", err < tol))
+        if first_only:
+            break
     return rows
 
 
@@ -399,7 +438,11 @@ def deep_ep_rows(setup: Setup) -> list[Row]:
 PROBE_NORMAL_ONE_RANK = "normal-one-rank"
 PROBE_TWO_LL_BUFFERS = "two-ll-buffers"
 PROBE_ELASTIC = "elastic-buffer"
+PROBE_V2_ZERO_TOKENS = "v2-zero-tokens"
 PROBE_TIMEOUT_S = 300
+#: The zero-token probe's host wait for the counts (its dispatchers' ``timeout_s``, DeepEP's ``num_cpu_timeout_secs``):
+#: a wait that never ends becomes DeepEP's "Dispatch CPU wait" error, well inside ``PROBE_TIMEOUT_S``.
+ZERO_TOKENS_WAIT_S = 60
 
 
 @dataclass(frozen=True)
@@ -485,6 +528,49 @@ def _elastic_buffer(module: Any, group: Any, device: torch.device) -> str:
     return "cuda_deepep_v2 at one rank: " + "; ".join(parts)
 
 
+def _described(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def _v2_zero_tokens(module: Any, group: Any, device: torch.device) -> str:
+    """A normal-mode rank with 0 tokens on DeepEP V2 (``cuda_deepep_v2`` at one rank): dispatch + combine of an empty
+    batch, BF16 then FP8, then 16 tokens against the ``torch`` backend. sglang pads empty batches because DeepEP's host
+    wait for the counts can time out; DeepEP's own tests never send 0 tokens (deepseek-ai/DeepEP@dd758ca
+    tests/elastic/test_ep.py:62, ``max(1, ...)``). Its source passes them as they are: no host assert on the token count
+    but ``num_tokens <= num_max_tokens_per_rank`` (csrc/elastic/buffer.hpp:751-756), grids of ``num_sms`` blocks
+    (csrc/kernels/elastic/dispatch.hpp:226, 336, combine.hpp:174, 282), token loops that run no iteration
+    (deep_ep/include/deep_ep/impls/dispatch.cuh:95, 280), zero counts written for the host (:224-229, encoded ready:
+    common/math.cuh:26-33) and read by its wait (buffer.hpp:1017-1064); the adapter passes them too (elastic.py). Each
+    step is printed as it ends (a hang or a crash keeps the steps before it); ``zero_tokens_row`` compares them with the
+    fake's."""
+    from moe_dispatch_cuda_deepep.elastic import DeepEPV2Backend
+
+    from .selfcheck import agree_with_torch, layer_spec
+
+    if not vendor.has_elastic_buffer(module):
+        return "no ElasticBuffer in this DeepEP"
+    backend = DeepEPV2Backend(module.__name__)
+    try:
+        for dtype in ("bf16", "fp8"):
+            spec = layer_spec(1, "normal", dtype, hidden=2048, experts_per_rank=4, top_k=4, tokens=16)
+            d = md.create_dispatcher(backend, spec, env={}, timeout_s=ZERO_TOKENS_WAIT_S)
+            x = torch.zeros(0, spec.hidden_size, dtype=torch.bfloat16, device=device)
+            ids = torch.zeros(0, spec.top_k, dtype=torch.int64, device=device)
+            out = d.dispatch(x, ids, torch.zeros(0, spec.top_k, device=device))
+            y = d.combine(torch.zeros(out.hidden_states.shape, dtype=torch.bfloat16, device=device), out)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"{dtype} 0 tokens: rows {_described(out.hidden_states)}, scales {_described(out.hidden_states_scale)}"
+                  f", counts {out.expert_counts().tolist()}, combined {_described(y)}", flush=True)
+        r = agree_with_torch(0, 1, "normal", "bf16", module.__name__, hidden=2048, experts_per_rank=4, top_k=4,
+                             tokens=16, iterations=1, backend=backend)
+        verdict = "agree" if r["relative_difference"] < 1e-2 else "DIFFER"
+        print(f"then 16 tokens bf16 {verdict} rel {r['relative_difference']:.1e}", flush=True)
+    finally:
+        backend.close()
+    return "done"
+
+
 def _normal_one_rank(module: Any, group: Any, device: torch.device) -> str:
     """DeepEP's own answer to normal mode on one rank; the Buffer's destructor then runs on exit."""
     cfg = module.Config(vendor.DEFAULT_NUM_SMS, 6, 256, 6, 128)
@@ -505,6 +591,7 @@ _PROBES: dict[str, Callable[[Any, Any, torch.device], str]] = {
     PROBE_NORMAL_ONE_RANK: _normal_one_rank,
     PROBE_TWO_LL_BUFFERS: _two_low_latency_buffers,
     PROBE_ELASTIC: _elastic_buffer,
+    PROBE_V2_ZERO_TOKENS: _v2_zero_tokens,
 }
 
 
@@ -523,9 +610,37 @@ def run_probe(name: str, fake: bool, timeout_s: float = PROBE_TIMEOUT_S) -> Prob
     return ProbeResult(name, done.returncode, (done.stdout + done.stderr).strip())
 
 
+def _zero_token_steps(result: ProbeResult) -> list[str]:
+    """The zero-token probe's steps, without the relative difference (it varies with the hardware)."""
+    return [re.sub(r" rel \S+$", "", line) for line in result.output.splitlines()
+            if line.startswith(("bf16 0 tokens", "fp8 0 tokens", "then 16 tokens"))]
+
+
+def zero_tokens_row(real: ProbeResult, fake: ProbeResult) -> Row:
+    """The zero-token probe on DeepEP against the same probe on the fake: the empty outputs' shapes, dtypes and counts,
+    and the 16 tokens after them agreeing with torch, in a process that ended normally (or no ElasticBuffer). Shows
+    the first step that differs from the fake's, else where the process stopped, else the steps."""
+    steps, want = _zero_token_steps(real), _zero_token_steps(fake)
+    ok = real.exit_code == 0 and ("no ElasticBuffer" in real.output or (
+        len(steps) == 3 and steps == want and steps[-1].endswith(" agree")))
+    last = real.output.strip().splitlines()[-1] if real.output.strip() else ""
+    shown, expected = f"{real.exit_code}: " + (" | ".join(steps) or last), "the fake's steps; agree"
+    differ = next(((a, b) for a, b in zip(steps, want) if a != b), None)
+    if differ is not None:  # its first field that differs ("rows [0, 2048] bfloat16", "counts [...]", ...)
+        name, fields = differ[0].split(":")[0], [re.split(r", (?=[a-z])", step) for step in differ]
+        shown, expected = next(((a, b) for a, b in zip(*fields) if a != b), differ)
+        shown = shown if shown.startswith(name) else f"{name}: {shown}"
+    elif not ok and (real.exit_code != 0 or len(steps) < len(want)):  # "Dispatch CPU wait", a crash, a hang
+        shown, expected = f"{real.exit_code} after {len(steps)} steps: {last}", (want + ["exit 0"])[len(steps)]
+    return Row("DeepEP", "V2 normal one rank, 0 tokens (subprocess)", _text(shown, 60), _text(expected), ok)
+
+
 def probe_rows(fake: bool) -> list[Row]:
-    """The subprocess probes, started together (they are independent) and recorded."""
+    """The subprocess probes, started together (they are independent) and recorded; on the hardware the zero-token
+    probe runs on the fake too (on CPU), to compare with."""
     commands = {name: [sys.executable, "-m", __name__, name] + (["--fake"] if fake else []) for name in _PROBES}
+    if not fake:
+        commands[f"{PROBE_V2_ZERO_TOKENS} --fake"] = [sys.executable, "-m", __name__, PROBE_V2_ZERO_TOKENS, "--fake"]
     running = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for name, cmd in commands.items()}
     results = {}
@@ -552,6 +667,8 @@ def probe_rows(fake: bool) -> list[Row]:
                                         or (elastic.output.count(" agree ") == 6 and "DIFFER" not in elastic.output
                                             and "capture failed" not in elastic.output
                                             and elastic.output.count(" padding rows zero ") == 3))),
+        zero_tokens_row(results[PROBE_V2_ZERO_TOKENS],
+                        results.get(f"{PROBE_V2_ZERO_TOKENS} --fake", results[PROBE_V2_ZERO_TOKENS])),
     ]
 
 
@@ -611,6 +728,7 @@ def run_checks(setup: Setup, emit: Callable[[list[Row]], None] = lambda rows: No
                                                          "signature")))
     add(_section("sizes", lambda: size_rows(deep_ep, deep_gemm.module, setup.device)))
     if deep_gemm.module is not None:
+        add(_section("DeepGEMM", lambda: scale_layout_rows(setup)))
         add(_section("DeepGEMM", lambda: deep_gemm_rows(setup)))
     else:
         add([Row("DeepGEMM", "import", _text(deep_gemm.describe()), "installed", False)])
@@ -627,9 +745,9 @@ def fake_setup(hidden: int = 2048, tokens: int = 16, gemm_hidden: int = 2048) ->
                  gemm_hidden)
 
 
-__all__ = ["PROBE_ELASTIC", "PROBE_NORMAL_ONE_RANK", "PROBE_TWO_LL_BUFFERS", "ProbeResult", "Row", "Setup",
-           "fake_setup", "probe_names", "probe_rows", "pybind_params", "run_checks", "run_probe", "signature_records",
-           "signature_rows"]
+__all__ = ["PROBE_ELASTIC", "PROBE_NORMAL_ONE_RANK", "PROBE_TWO_LL_BUFFERS", "PROBE_V2_ZERO_TOKENS", "ProbeResult", "Row",
+           "Setup", "fake_setup", "probe_names", "probe_rows", "pybind_params", "run_checks", "run_probe",
+           "scale_layout_rows", "signature_records", "signature_rows", "zero_tokens_row"]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ The calls are pybind functions (``csrc/apis/gemm.hpp``): the recorded keyword na
   BF16, D bf16, ``grouped_layout``/``masked_m`` contiguous int32, ``expected_m > 0``;
 - scale factors (``csrc/apis/layout.hpp`` ``transform_sf_pair_into_required_layout``): the default recipe
   from their dtypes (SM90: both fp32, else assert; SM100: fp32 128×128 or int32 per-row SFB); SM90 takes
-  fp32 SFA in any layout and fp32 SFB contiguous (or contiguous transposed); SM100 casts fp32 scales to
+  fp32 SFA in any layout (``get_mn_major_tma_aligned_tensor``: as it is when MN-major and TMA-aligned, else a copy,
+  by its JIT ``transpose_fp32`` kernel for a contiguous tensor: each copy recorded in ``sf_transforms``) and fp32 SFB
+  contiguous (or contiguous transposed); SM100 casts fp32 scales to
   UE8M0 (``get_mn_major_tma_aligned_packed_ue8m0_tensor``) unless ``disable_ue8m0_cast`` — its CUDA kernels pack
   ``v0 >> 23 | v1 >> 15 | v2 >> 7 | v3 << 1``, exact for powers of two, garbage exponents otherwise before 2.6.1
   and a device assert from it; its PyTorch fallback keeps ``bits >> 23``; PR #112's 2.0.0 builds assert
@@ -60,7 +62,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -93,6 +95,9 @@ class _Device:
     #: A 2.0.0 build from PR #112 (9da4a23) before f85ec64: the strictest of its layout-cast variants (asserts, no
     #: PyTorch fallback: 9da4a23 .. 6bc75b5~1 and d9c363f .. 7b6b556~1).
     before_f85ec64: bool = False
+    #: Each fp32 scale tensor ``get_mn_major_tma_aligned_tensor`` had to lay out (the module's ``sf_transforms``):
+    #: ``"transpose_fp32"`` (its JIT kernel, compiled at the first such call) or ``"copy_"`` (torch's).
+    sf_transforms: list[str] = field(default_factory=list)
 
     @property
     def strict_pow2(self) -> bool:
@@ -233,7 +238,9 @@ def _scales(device: _Device, sfa: torch.Tensor, sfb: torch.Tensor, m: int, n: in
         if sf.dtype == torch.float32 and (device.arch == vendor.DG_ARCH_SM90 or disable_ue8m0_cast):
             if gran_mn == 128:
                 _check_sm90_sfb(sf, groups)
-            values.append((sf.float(), "float", gran_mn))  # SFA: get_mn_major_tma_aligned_tensor (any layout)
+            else:  # SFA: get_mn_major_tma_aligned_tensor (csrc/apis/layout.hpp:41-42), any layout
+                sf = _mn_major_fp32(device, sf)
+            values.append((sf.float(), "float", gran_mn))
         elif sf.dtype == torch.float32 and device.arch == vendor.DG_ARCH_SM100:
             dg_assert(not disable_ue8m0_cast, "not disable_ue8m0_cast", _LAYOUT)
             rows = sf if gran_mn == 1 else _gemm.rows_from_blocks(sf, mn)
@@ -576,7 +583,7 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__, na
     def get_mn_major_tma_aligned_tensor(arg0):  # noqa: ANN001, ANN202
         check_args(vendor.DG_MN_MAJOR_TMA_ALIGNED, "(arg0: torch.Tensor) -> torch.Tensor", (arg0,), "t")
         check_context()
-        return _mn_major_fp32(arg0)
+        return _mn_major_fp32(device, arg0)
 
     def get_mn_major_tma_aligned_packed_ue8m0_tensor(sf, psum_layout=None):  # noqa: ANN001, ANN202
         check_args(vendor.DG_MN_MAJOR_PACKED_UE8M0, "(sf: torch.Tensor, psum_layout: Optional[torch.Tensor] = None)",
@@ -621,6 +628,7 @@ def emulate(capability: tuple[int, int] = (9, 0), version: str = __version__, na
                       _versioned(get_mn_major_tma_aligned_tensor, vendor.DG_MN_MAJOR_TMA_ALIGNED_SIG)),
                      (vendor.DG_MN_MAJOR_PACKED_UE8M0, packed)):
         setattr(module, attr, fn)
+    module.sf_transforms = device.sf_transforms  # type: ignore[attr-defined]  # the fake's record, not DeepGEMM's
     # The device's stream capture is the one DeepEP's fake records (fakes.deep_ep.CUDAGraph): one emulated GPU.
     setattr(module, vendor.EMULATED_STREAM_CAPTURING_ATTRIBUTE, emulated_stream_capturing)
     return module
@@ -642,9 +650,10 @@ def _mn_major_layout(values: torch.Tensor) -> torch.Tensor:
     return out.squeeze(0) if values.dim() == 2 else out
 
 
-def _mn_major_fp32(sf: torch.Tensor) -> torch.Tensor:
-    """``get_mn_major_tma_aligned_tensor`` (csrc/jit_kernels/impls/smxx_layout.hpp): fp32 only; returned as it is
-    when already so laid out."""
+def _mn_major_fp32(device: _Device, sf: torch.Tensor) -> torch.Tensor:
+    """``get_mn_major_tma_aligned_tensor`` (csrc/jit_kernels/impls/smxx_layout.hpp:120-153): fp32 only; returned as it
+    is when already so laid out (:123-125), else copied, recorded in ``device.sf_transforms``: by torch's ``copy_`` when
+    not contiguous (:131-134), by its ``transpose_fp32`` JIT kernel otherwise (:135-150)."""
     dg_assert(sf.dim() in (2, 3), "dim == 2 or dim == 3", "csrc/jit_kernels/impls/smxx_layout.hpp")
     dg_assert(sf.dtype == torch.float32, "sf.scalar_type() == torch::kFloat", "csrc/jit_kernels/impls/smxx_layout.hpp")
     batched = sf.unsqueeze(0) if sf.dim() == 2 else sf
@@ -652,6 +661,7 @@ def _mn_major_fp32(sf: torch.Tensor) -> torch.Tensor:
     aligned = _aligned(mn, 4)
     if (batched.stride(0) == aligned * k or sf.dim() == 2) and batched.stride(1) == 1 and batched.stride(2) == aligned:
         return sf
+    device.sf_transforms.append("transpose_fp32" if batched.is_contiguous() else "copy_")
     return _mn_major_layout(sf)
 
 
@@ -700,3 +710,4 @@ set_mk_alignment_for_contiguous_layout = getattr(_SM90, vendor.DG_SET_MK_ALIGNME
 get_tma_aligned_size = getattr(_SM90, vendor.DG_TMA_ALIGNED_SIZE)
 get_mn_major_tma_aligned_tensor = getattr(_SM90, vendor.DG_MN_MAJOR_TMA_ALIGNED)
 get_mn_major_tma_aligned_packed_ue8m0_tensor = getattr(_SM90, vendor.DG_MN_MAJOR_PACKED_UE8M0)
+sf_transforms = _SM90.sf_transforms

@@ -22,4 +22,5 @@ set_mk_alignment_for_contiguous_layout = getattr(_SM100, vendor.DG_SET_MK_ALIGNM
 get_tma_aligned_size = getattr(_SM100, vendor.DG_TMA_ALIGNED_SIZE)
 get_mn_major_tma_aligned_tensor = getattr(_SM100, vendor.DG_MN_MAJOR_TMA_ALIGNED)
 get_mn_major_tma_aligned_packed_ue8m0_tensor = getattr(_SM100, vendor.DG_MN_MAJOR_PACKED_UE8M0)
+sf_transforms = _SM100.sf_transforms
 emulated_stream_capturing = getattr(_SM100, vendor.EMULATED_STREAM_CAPTURING_ATTRIBUTE)
