@@ -3,6 +3,8 @@ low-latency INT8 dispatch/combine as the unfused path, W8A8 only."""
 
 from __future__ import annotations
 
+import importlib
+from functools import partial
 from typing import Any, Mapping
 
 import torch
@@ -39,11 +41,21 @@ def capabilities(emulated: bool) -> mdb.Capabilities:
     )
 
 
-def _nz_cast(t: torch.Tensor) -> torch.Tensor:
-    """FRACTAL_NZ (format 29), the one weight step that needs the NPU."""
-    import torch_npu
-
-    return torch_npu.npu_format_cast(t, v.ACL_FORMAT_FRACTAL_NZ)
+def nz_cast(torch_npu: Any, t: torch.Tensor) -> torch.Tensor:
+    """FRACTAL_NZ (format 29), the one weight step that needs the NPU: refused for weights elsewhere (torch_npu's
+    cast has no CPU kernel) and where torch_npu gave ND instead (``vendor.ALLOW_INTERNAL_FORMAT`` off), which the
+    fused ops would refuse (mode 1) or read as NZ (mode 2)."""
+    if t.device.type != "npu" and torch_npu.__name__ == v.TORCH_NPU:
+        raise md.InvalidSpecError("FuseEP lays out the weights on the NPU (npu_format_cast has no CPU kernel)",
+                                  parameter="weights", value=f"on {t.device}", allowed="tensors on the NPU")
+    out = torch_npu.npu_format_cast(t, v.ACL_FORMAT_FRACTAL_NZ)
+    got = torch_npu.get_npu_format(out)
+    if got != v.ACL_FORMAT_FRACTAL_NZ:
+        raise md.InvalidSpecError(
+            f"torch_npu gave the weights ACL format {got}, not FRACTAL_NZ ({v.ACL_FORMAT_FRACTAL_NZ}): FuseEP's fused "
+            "ops read them as NZ", parameter=v.ALLOW_INTERNAL_FORMAT, value=False,
+            allowed="True, set before process_weights (as sglang's init_npu_backend and the vendor's tests do)")
+    return out
 
 
 def fill_minus_one(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, rows: torch.Tensor | None
@@ -73,8 +85,12 @@ class FuseEPDispatcher(AscendDeepEPDispatcher):
     nz_cast: Any = None
 
     def process_weights(self, weights: Any) -> FuseEPWeights:
-        """The fused op's layout of this rank's W8A8 experts for this dispatcher's fuse mode."""
-        return process_fuseep_weights(weights, self.fuse_mode, self.nz_cast)
+        """The fused op's layout of this rank's W8A8 experts for this dispatcher's fuse mode; in mode 2 with the
+        per-call workspace it needs at the capacity (``FuseEPWeights.workspace_bytes``)."""
+        spec = self.spec
+        return process_fuseep_weights(weights, self.fuse_mode, self.nz_cast, max_output_size=self.max_output_size,
+                                      tokens=spec.num_max_dispatch_tokens_per_rank, top_k=spec.top_k,
+                                      world_size=spec.num_experts // self.local_experts)
 
     def fused_forward(self, layer: Any, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor:
@@ -106,8 +122,9 @@ class FuseEPDispatcher(AscendDeepEPDispatcher):
 class FuseEPBackend(AscendDeepEPBackend):
     """Options (``create_dispatcher(options=...)``): ``fuse_mode`` 1 (fused_deep_moe, the default)
     or 2 (dispatch_ffn_combine), an explicit option, never an environment variable; with mode 2,
-    ``max_output_size``: the rows one rank may receive, which the op sizes its workspace by
-    (default ``T·R·k``, the vendor's; at least ``T·R·min(k, E_local)``, what can arrive)."""
+    ``max_output_size``: the rows one rank may receive, which the op sizes its per-call workspace by
+    (about ``max_output_size·(8 + 5I + 3H)`` bytes; default and least ``T·R·min(k, E_local)``, what can arrive;
+    the vendor's tests pass ``T·R·k``)."""
 
     name = "ascend_fuseep"
     engine_sizing = "as ascend_deepep (sglang's FuseEP path also fixes params_bytes = 2)."
@@ -158,23 +175,85 @@ class FuseEPBackend(AscendDeepEPBackend):
             return fuse_mode, None
         T = spec.num_max_dispatch_tokens_per_rank
         least = v.mode2_min_output_rows(T, world_size, spec.local_experts(world_size), spec.top_k)
-        rows = v.mode2_max_output_rows(T, world_size, spec.top_k) if raw is None else raw
-        if not isinstance(rows, int) or isinstance(rows, bool) or rows < least:
-            raise md.InvalidSpecError("fuse mode 2 sizes its workspace by the rows one rank receives",
+        rows = least if raw is None else raw
+        if not isinstance(rows, int) or isinstance(rows, bool) or not least <= rows < v.MODE2_ATTR_LIMIT:
+            raise md.InvalidSpecError("fuse mode 2 sizes its workspace by the rows one rank receives (an int32 attribute)",
                                       parameter="max_output_size", value=raw,
-                                      allowed=f"an int >= {least} (T·R·min(k, E_local))")
+                                      allowed=f"an int in {least}..{v.MODE2_ATTR_LIMIT - 1} (from T·R·min(k, E_local))")
         return fuse_mode, rows
+
+    def _check_fused_op(self, spec: md.DispatchSpec, world_size: int, fuse_mode: int) -> None:
+        """What the fused op's tiling refuses at the first call, refused here: mode 1 takes at most half the
+        device's vector cores of local experts; mode 2 on a build before ``vendor.MODE2_DEEPEP_WINDOW_SINCE``
+        sees HCCL_BUFFSIZE only."""
+        if fuse_mode == v.FUSED_DEEP_MOE:
+            cores = self._vector_cores()
+            local = spec.local_experts(world_size)
+            if local > cores // v.MODE1_AIV_PER_LOCAL_EXPERT:
+                raise md.InvalidSpecError(
+                    f"fused_deep_moe (fuse mode 1) runs two vector cores per local expert; this device has {cores}",
+                    parameter="num_experts", value=spec.num_experts,
+                    allowed=f"at most {cores // v.MODE1_AIV_PER_LOCAL_EXPERT * world_size} over {world_size} ranks, "
+                            "or fuse_mode=2")
+            return
+        env, reads_deepep = self._env(), self.vendor().has_quant_mode
+        name, window = v.mode2_window_mb(env, reads_deepep)
+        need = v.window_mb(v.dispatch_ffn_combine_window_bytes(spec.num_max_dispatch_tokens_per_rank, spec.top_k,
+                                                               spec.hidden_size))
+        if window < need:
+            why = "" if reads_deepep else (f" (this DeepEP-Ascend, before {v.KN}@{v.MODE2_DEEPEP_WINDOW_SINCE}, reads "
+                                           f"only {v.HCCL_BUFFSIZE} in fuse mode 2)")
+            raise md.InvalidSpecError(f"fuse mode 2's tiling sees a {window} MB window{why}", parameter=name,
+                                      value=env.get(name), allowed=f">= {need} (MB)")
+
+    def _vector_cores(self) -> int:
+        """The device's vector cores as torch_npu reports them (``vendor.A3_VECTOR_CORES`` where it cannot)."""
+        module = self._torch_npu()
+        try:
+            return int(module.npu.get_device_limit(module.npu.current_device())[v.VECTOR_CORE_KEY])
+        except Exception:  # noqa: BLE001 - no device or an older torch_npu: Atlas A3's count
+            return v.A3_VECTOR_CORES
+
+    def _torch_npu(self) -> Any:
+        """torch_npu (a stand-in's module by name), or None where it is not importable."""
+        try:
+            return importlib.import_module(self.torch_npu_module)
+        except ImportError:
+            return None
+
+    def env_requirements(self, spec: md.DispatchSpec, world_size: int) -> tuple[mdb.EnvRequirement, ...]:
+        """ascend_deepep's, and on a build whose fuse mode 2 reads HCCL_BUFFSIZE only, HCCL_BUFFSIZE for it when
+        DEEPEP_HCCL_BUFFSIZE stands in for the others."""
+        base = super().env_requirements(spec, world_size)
+        if self.vendor().has_quant_mode or self._env().get(v.DEEPEP_HCCL_BUFFSIZE) is None:
+            return base
+        need = v.window_mb(v.dispatch_ffn_combine_window_bytes(spec.num_max_dispatch_tokens_per_rank, spec.top_k,
+                                                               spec.hidden_size))
+        return (*base, mdb.EnvRequirement(v.HCCL_BUFFSIZE, need, "MB", v.DEFAULT_HCCL_BUFFSIZE_MB,
+                                          f"fuse mode 2's window on this DeepEP-Ascend (before "
+                                          f"{v.KN}@{v.MODE2_DEEPEP_WINDOW_SINCE}: it reads HCCL_BUFFSIZE only)"))
 
     def create(self, ctx: mdb.DispatchContext) -> FuseEPDispatcher:
         fuse_mode, max_output = self.check_options(ctx.spec, ctx.options, ctx.world_size)
-        soc = self.soc()
-        if soc not in (None, *v.FUSED_OPS_SOCS):
+        soc, module = self.soc(), self._torch_npu()
+        if soc not in (None, *v.FUSED_OPS_SOCS) or (soc is None and module is not None):
+            chip = soc and f"an Atlas {soc}" or _chip_name(module)
             raise md.BackendUnavailableError(
-                f"FuseEP's fused ops exist on Atlas A3 only; this is an Atlas {soc} (DeepEP-Ascend's A2 build, "
-                "csrc/deepep/ops2, has no FusedDeepMoe / DispatchFFNCombine)", parameter="backend", value=soc,
+                f"FuseEP's fused ops are built for Atlas A3 only (op definitions AddConfig(\"ascend910_93\")); this is "
+                f"{chip} (an A2 build, csrc/deepep/ops2, has neither op; A5's fused_deep_moe takes MX weights)",
+                parameter="backend", value=soc or chip,
                 allowed="Atlas A3; on A2 use ascend_deepep with the npu_w8a8 runner")
+        self._check_fused_op(ctx.spec, ctx.world_size, fuse_mode)
         base = super().create(ctx)
         d = FuseEPDispatcher(ctx, base.buffer, base.has_quant_mode, base.ll_quant_mode)
         d.fuse_mode, d.max_output_size = fuse_mode, max_output
-        d.nz_cast = None if self.vendor().emulated else _nz_cast
+        d.nz_cast = None if self.vendor().emulated else partial(nz_cast, module)
         return d
+
+
+def _chip_name(torch_npu: Any) -> str:
+    """What torch_npu calls the chip, for a message."""
+    try:
+        return f"{torch_npu.npu.get_device_name()} (SoC code {torch_npu.npu.get_soc_version()})"
+    except Exception:  # noqa: BLE001 - no device
+        return "a chip torch_npu cannot name"

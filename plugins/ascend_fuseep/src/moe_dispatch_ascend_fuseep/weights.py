@@ -41,6 +41,8 @@ class FuseEPWeights:
     gmm2_weight: torch.Tensor
     gmm2_weight_scale: torch.Tensor
     fuse_mode: int
+    #: Fuse mode 2: the workspace the op allocates at each call at the dispatcher's capacity (None: not known).
+    workspace_bytes: int | None = None
 
 
 def check_fuse_mode(fuse_mode: object) -> int:
@@ -82,11 +84,15 @@ def scale_from_int64(bits: torch.Tensor) -> torch.Tensor:
 
 
 def process_fuseep_weights(weights: md.ExpertWeights | FuseEPWeights, fuse_mode: int = 1,
-                           nz_cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> FuseEPWeights:
+                           nz_cast: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+                           max_output_size: int | None = None, tokens: int | None = None, top_k: int | None = None,
+                           world_size: int | None = None) -> FuseEPWeights:
     """A rank's W8A8 experts (int8 ``w13`` ``[E, 2I, H]`` gate-then-up, ``w2`` ``[E, H, I]``,
     per-output-channel fp32 scales) → ``FuseEPWeights`` for ``fuse_mode``. Idempotent: weights
     already processed for the same mode come back as they are. Any other scheme is a typed
-    error naming it and the backends that take it; never a wrong layout handed to the op."""
+    error naming it and the backends that take it; never a wrong layout handed to the op. With mode 2's
+    ``max_output_size`` (and the dispatcher's ``tokens``, ``top_k``, ``world_size``): its 32-bit workspace sizes
+    checked and the per-call workspace reported."""
     fuse_mode = check_fuse_mode(fuse_mode)
     if isinstance(weights, FuseEPWeights):
         if weights.fuse_mode != fuse_mode:
@@ -105,6 +111,20 @@ def process_fuseep_weights(weights: md.ExpertWeights | FuseEPWeights, fuse_mode:
         raise md.InvalidSpecError("fused_deep_moe (fuse mode 1) takes gmm1 N = 2 x intermediate in 1024..6144",
                                   parameter="intermediate_size", value=i,
                                   allowed=f"{v.MIN_GMM1_HIDDEN // 2}..{v.MAX_GMM1_HIDDEN // 2}")
+    h, local = weights.w2_weight.shape[1], weights.w2_weight.shape[0]
+    workspace = None
+    if fuse_mode == 2:
+        if i % v.MODE2_INTERMEDIATE_MULTIPLE:
+            raise md.InvalidSpecError("fuse mode 2's FRACTAL_NZ w2ᵀ [E, I, H] takes I in whole 16-row blocks",
+                                      parameter="intermediate_size", value=i,
+                                      allowed=f"a multiple of {v.MODE2_INTERMEDIATE_MULTIPLE}")
+        if max_output_size is not None and max_output_size * max(2 * i, h) >= v.MODE2_PRODUCT_LIMIT:
+            raise md.InvalidSpecError(
+                "fuse mode 2 sizes its workspace regions as 32-bit products of max_output_size and 2I or H: they "
+                "would wrap", parameter="max_output_size", value=max_output_size,
+                allowed=f"< {v.MODE2_PRODUCT_LIMIT // max(2 * i, h)} at I={i}, H={h} (fewer tokens per rank or ranks)")
+        if None not in (max_output_size, tokens, top_k, world_size):
+            workspace = v.mode2_workspace_bytes(tokens, top_k, world_size, local, h, i, max_output_size)
     cast = nz_cast or (lambda t: t)
     w13_t = weights.w13_weight.transpose(1, 2)  # [E, H, 2I]
     assert weights.w13_weight_scale is not None and weights.w2_weight_scale is not None
@@ -113,7 +133,7 @@ def process_fuseep_weights(weights: md.ExpertWeights | FuseEPWeights, fuse_mode:
         return FuseEPWeights(cast(interleave_gate_up(w13_t).contiguous()), interleave_gate_up(s13).contiguous(),
                              cast(weights.w2_weight.contiguous()), s2.contiguous(), 1)
     return FuseEPWeights(cast(w13_t.contiguous()), scale_to_int64(s13), cast(weights.w2_weight.transpose(1, 2).contiguous()),
-                         scale_to_int64(s2), 2)
+                         scale_to_int64(s2), 2, workspace)
 
 
 __all__ = ["CHUNK", "FUSE_MODES", "FuseEPWeights", "check_fuse_mode", "deinterleave_gate_up", "interleave_gate_up",

@@ -96,8 +96,26 @@ DEVICE_NAME = "Ascend910_9391"
 _NAMES = {220: "Ascend910B1", 221: "Ascend910B2", 222: "Ascend910B2C", 223: "Ascend910B3", 224: "Ascend910B4",
           225: "Ascend910B4-1", 250: "Ascend910_9391", 251: "Ascend910_9392", 252: "Ascend910_9381",
           253: "Ascend910_9382", 254: "Ascend910_9372", 255: "Ascend910_9362", 256: "Ascend910_9363"}
-#: ``torch_npu.npu``: the part of it the plugins read.
-npu = types.SimpleNamespace(get_soc_version=lambda: SOC_VERSION, get_device_name=lambda device_name=None: DEVICE_NAME)
+#: ``torch_npu.npu.get_device_limit(device)``'s vector cores (torch-npu 2.13.0 torch_npu/npu/npu_config.py:244-258;
+#: 48 on Atlas A3: 24 AI cores of two vector units each).
+VECTOR_CORES = 48
+#: ``torch_npu.npu``: the part of it the plugins read. ``config.allow_internal_format`` is False by default on Atlas
+#: A3 (op-plugin's torch_npu-npu-config-allow_internal_format.md): ``npu_format_cast`` then gives ND.
+npu = types.SimpleNamespace(get_soc_version=lambda: SOC_VERSION, get_device_name=lambda device_name=None: DEVICE_NAME,
+                            get_device_limit=lambda device: {"cube_core_num": VECTOR_CORES // 2,
+                                                             "vector_core_num": VECTOR_CORES},
+                            current_device=lambda: 0, config=types.SimpleNamespace(allow_internal_format=False))
+
+
+@contextmanager
+def vector_cores(count: int) -> Iterator[None]:
+    """Stand for a device with ``count`` vector cores inside the block."""
+    global VECTOR_CORES
+    old, VECTOR_CORES = VECTOR_CORES, count
+    try:
+        yield
+    finally:
+        VECTOR_CORES = old
 
 
 @contextmanager
@@ -543,12 +561,21 @@ def npu_swiglu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def npu_format_cast(input: torch.Tensor, acl_format: int, *, customize_dtype: int | None = None,
                     input_dtype: int | None = None) -> torch.Tensor:
-    """The storage format is invisible on CPU: the same values back, for ND (2) or FRACTAL_NZ (29)."""
+    """The same values back, for ND (2) or FRACTAL_NZ (29), in the format torch_npu gives: FRACTAL_NZ only while
+    ``npu.config.allow_internal_format`` is True, else ND ("tensor will be created with base format"), as
+    ``get_npu_format`` then tells."""
     _not_emulated(customize_dtype=(customize_dtype, None), input_dtype=(input_dtype, None))
     assert isinstance(input, torch.Tensor) and isinstance(acl_format, int), "npu_format_cast(Tensor input, int acl_format)"
     if acl_format not in (v.ACL_FORMAT_ND, v.ACL_FORMAT_FRACTAL_NZ):
         raise NotImplementedError(f"(fake) ACL format {acl_format} is not emulated")
-    return input.clone()
+    out = input.clone()
+    out._npu_format = acl_format if npu.config.allow_internal_format else v.ACL_FORMAT_ND  # type: ignore[attr-defined]
+    return out
+
+
+def get_npu_format(input: torch.Tensor) -> int:
+    """The ACL format ``npu_format_cast`` gave ``input`` (ND for any other tensor)."""
+    return getattr(input, "_npu_format", v.ACL_FORMAT_ND)
 
 
 def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
@@ -574,6 +601,9 @@ def pack_golden(values: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "DEVICE_NAME",
+    "VECTOR_CORES",
+    "get_npu_format",
+    "vector_cores",
     "SOC_VERSION",
     "group_hccl_config",
     "hccl_config_of",

@@ -8,7 +8,8 @@ wrapper (``python/deep_ep/deep_ep/buffer.py`` ``fused_deep_moe``: ``topk_idx.int
 ``max_output_size > 0``; ``EP_HOST_ASSERT`` → RuntimeError), and the ops' tiling
 (``fused_deep_moe_tiling.cpp``: batch 1..256, H 512..7168, gmm1 N 1024..6144, top-k <= 12,
 E <= 512 and E % R, weight and scale shapes, the HCCL window; ``dispatch_ffn_combine_tiling.cpp``:
-its window). Numerics from the op's documentation: per-token INT8, dispatch, GMM1 (exact int32)
+its window; mode 1's ``moeExpertNumPerRank <= aivNum/2``, aivNum the fake torch_npu's
+``npu.get_device_limit(0)["vector_core_num"]``). Numerics from the op's documentation: per-token INT8, dispatch, GMM1 (exact int32)
 dequantized by weight and token scales, SwiGLU (silu on gate), per-token requant, GMM2,
 dequant, combine weighted by ``topk_weights``. The weight layouts are read here from the vendor
 facts (mode 1: gmm1's N in gate/up tiles of ``vendor.GMM1_TILE_N``; mode 2: int64 scale bits).
@@ -33,12 +34,14 @@ of computing a clean answer the device may not give; an empty batch in mode 2 ra
 
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 
 from moe_dispatch_ascend_deepep_testing.fakes import deep_ep as base
+from moe_dispatch_ascend_deepep_testing.fakes import torch_npu as fake_torch_npu
 from moe_dispatch_ascend_deepep_testing.fakes.deep_ep import (
     A2, Config, EventOverlap, FuseMode, VendorCall, _ep_assert, _op_check, quant_low_latency,
 )
@@ -73,6 +76,8 @@ def quant_mode2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Buffer(base.Buffer):
+    #: Mode 2's tiling reads DEEPEP_HCCL_BUFFSIZE when set (from KN@f7455efe; vendor.mode2_window_mb).
+    MODE2_READS_DEEPEP = True
     def fused_deep_moe(
         self,
         x: torch.Tensor,
@@ -124,6 +129,9 @@ class Buffer(base.Buffer):
         _op_check(0 < num_experts <= v.MAX_EXPERTS and num_experts % R == 0, op,
                   "moeExpertNum must be in (0, 512] and divisible by epRankSize")
         local = num_experts // R
+        cores = fake_torch_npu.npu.get_device_limit(0)[v.VECTOR_CORE_KEY]
+        _op_check(local <= cores // v.MODE1_AIV_PER_LOCAL_EXPERT, op,
+                  f"moeExpertNumPerRank must <= (aivNum/2), got {local} with aivNum {cores}")
         two_i = w1.shape[-1]
         _op_check(w1.dim() == 3 and w1.shape[0] == local and w1.shape[1] == h, op,
                   "gmm1Weight Dim0 must be expert number in current rank")
@@ -153,7 +161,8 @@ class Buffer(base.Buffer):
             raise RuntimeError("(fake) aclnnDispatchFFNCombine with an empty batch is not documented")
         local = num_experts // R
         need = v.dispatch_ffn_combine_window_bytes(n, k, h)
-        _op_check(need <= base._window_mb() * v.MIB, op, f"HCCL_BUFFSIZE is too SMALL, expected {need // v.MIB + 1}MB")
+        _, window = v.mode2_window_mb(os.environ, self.MODE2_READS_DEEPEP)
+        _op_check(need <= window * v.MIB, op, f"HCCL_BUFFSIZE is too SMALL, expected {need // v.MIB + 1}MB")
         _op_check(s1.dtype == torch.int64 and s2.dtype == torch.int64, op, "scales are int64 (fp32 bit patterns)")
         _op_check(w1.shape[0] == local and w1.shape[1] == h and w2.shape[0] == local and w2.shape[2] == h, op,
                   "weights must be [E_l, H, 2I] and [E_l, I, H]")
