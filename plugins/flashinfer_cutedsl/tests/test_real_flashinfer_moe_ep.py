@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("flashinfer.moe_ep", reason="flashinfer-python >= 0.7.4 is not installed (.ci/vendor installs it)")
+flashinfer = pytest.importorskip("flashinfer", reason="flashinfer-python is not installed (.ci/vendor installs it)")
 
 import moe_dispatch as md  # noqa: E402
 import moe_dispatch.backend as mdb  # noqa: E402
@@ -31,6 +31,9 @@ from moe_dispatch_testing import random_routing, relative_error  # noqa: E402
 from moe_dispatch_testing.signatures import compare, differences, signature_from_source  # noqa: E402
 
 pytestmark = pytest.mark.vendor_code
+if (vendor.parse_version(flashinfer.__version__) or vendor.VERIFIED_UNTIL) < vendor.EP_SINCE:
+    pytest.skip(f"FlashInfer {flashinfer.__version__} keeps MoeAlltoAll, which the adapter drives there "
+                "(test_real_flashinfer.py); .ci/vendor installs 0.7.4 next", allow_module_level=True)
 ROOT = Path(importlib.util.find_spec("flashinfer").submodule_search_locations[0])
 COMMUNICATION = ROOT / "data" / "csrc" / "nv_internal" / "tensorrt_llm" / "kernels" / "moe" / "communication"
 
