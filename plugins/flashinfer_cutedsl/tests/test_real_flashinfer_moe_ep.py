@@ -70,7 +70,8 @@ def run_layer(rank: int, world: int, top_k: int, drop: float, experts: int, dtyp
             "class": type(instances[0]) is real.moe_ep.NVLinkOneSidedAlltoAll,
             "laid_out": [int(inst.metainfo[field]) for inst in instances],
             "ported": [ported(inst.config.extra_payload_bytes_per_token) for inst in instances],
-            "planned": planned.dispatch_bytes + planned.combine_bytes, "slot_0": ported(0)}
+            "planned": planned.dispatch_bytes + planned.combine_bytes,
+            "slot_0": ported(vendor.ep_distinct_extra(0, world, 16))}
 
 
 @pytest.mark.parametrize("top_k,drop,experts,dtype", [(2, 0.0, 8, "bf16"), (1, 0.5, 2, "bf16"), (5, 0.5, 16, "bf16"),
@@ -144,7 +145,7 @@ def run_raw_share(rank: int, world: int) -> tuple[bool, bool]:
         return ep.create_communication(ep.BootstrapConfig(world_size=world, rank=rank), params,
                                        ep.NVLinkOneSidedConfig(comm_backend=GroupCommBackend(),
                                                                extra_payload_bytes_per_token=extra))
-    a, b, c = make(0), make(0), make(vendor.ep_distinct_extra(1, world, 4))
+    a, b, c = make(0), make(0), make(vendor.ep_distinct_extra(0, world, 4))  # a dispatcher's first slot
     return a.workspace is b.workspace, c.workspace is not a.workspace
 
 

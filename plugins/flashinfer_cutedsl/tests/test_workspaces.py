@@ -169,11 +169,14 @@ def test_one_sided_workspace_follows_calculate_workspace_layout():
     assert (layout["TOPK_TARGET_RANKS_OFFSET"], layout["TOPK_TARGET_INDICES_OFFSET"]) == (256, 4352)
     assert (layout["DISPATCH_PAYLOAD_OFFSET"], layout["DISPATCH_PAYLOAD_SIZE"]) == (8448, 14_746_624)
     assert (layout["COMBINE_INPUT_OFFSET"], layout["WORKSPACE_SIZE"]) == (14_755_328, 29_435_392)
+    # The dispatcher's first workspace asks for 1 extra byte per token (1024 rows fill a 256-byte alignment), so that
+    # no FlashInfer user's default instance shares it: 1024 more bytes before the combine region.
     spec = md.DispatchSpec(7168, 256, 8, num_max_dispatch_tokens_per_rank=128, output_dtype="bf16")
     size = FlashInferA2ABackend(EMULATOR).buffer_size(spec, 8)
-    assert (size.dispatch_bytes, size.combine_bytes) == (14_755_328, 1024 * 14336)
+    assert vendor.ep_distinct_extra(0, 8, 128) == 1
+    assert (size.dispatch_bytes, size.combine_bytes) == (14_755_328 + 1024, 1024 * 14336)
     fp8 = FlashInferA2ABackend(EMULATOR).buffer_size(spec.with_dtype(md.DispatchDtype.FP8), 8)
-    assert fp8.dispatch_bytes == 8448 + vendor.ep_dispatch_bytes(1024, 7168 + 4 * 56, 8) + 256  # DeepSeekFp8 rows
+    assert fp8.dispatch_bytes == 8448 + vendor.ep_dispatch_bytes(1024, 7168 + 4 * 56, 8, 1) + 256  # DeepSeekFp8 rows
 
 
 @pytest.mark.parametrize("fake_module", [FAKE_0_6_13, FAKE_0_7_2])
@@ -234,3 +237,57 @@ def _three_in_flight(rank: int, world: int) -> str | None:
 def test_a_third_dispatch_in_flight_names_the_option(moe_rank_pools):
     errors = moe_rank_pools.get(1).map(_three_in_flight)
     assert errors == ["in_flight"]
+
+
+# -- 0.7.4: NVLinkOneSidedAlltoAll's workspaces, shared per layout ------------------------------------------------
+
+
+def run_default_instance_after(rank: int, world: int) -> tuple[bool, int]:
+    mod = fake(EMULATOR)
+    spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4)
+    d = md.create_dispatcher(FlashInferA2ABackend(EMULATOR), spec, env={})
+    ep = mod.moe_ep
+    default = ep.create_communication(ep.BootstrapConfig(world_size=world, rank=rank),
+                                      ep.MoEEpCommParams(num_experts=E, top_k=2, max_tokens_per_rank=4, hidden_size=H),
+                                      ep.NVLinkOneSidedConfig(comm_backend=LocalCommBackend() if world == 1 else
+                                                              mod.comm.mnnvl.TorchDistBackend()))
+    mine = {inst.workspace.data_ptr() for inst in d._impl.instances}  # noqa: SLF001
+    return default.workspace.data_ptr() in mine, len(mine)
+
+
+def test_no_default_flashinfer_instance_shares_a_dispatchers_workspace(moe_rank_pools):
+    """FlashInfer 0.7.4 shares a workspace per layout: a default instance (extra bytes 0, what vLLM and sglang build)
+    of the dispatcher's shape made later gets its own (every slot asks for extra bytes)."""
+    for shared, count in moe_rank_pools.get(2).map(run_default_instance_after):
+        assert not shared and count == 2
+
+
+def test_the_first_free_slot_is_past_every_held_one_however_far():
+    from moe_dispatch_flashinfer_cutedsl.backend import _first_free_ep_slot
+
+    backend = FlashInferA2ABackend(EMULATOR)
+    spec = md.DispatchSpec(H, E, 2, num_max_dispatch_tokens_per_rank=4, output_dtype="bf16")
+
+    def layout_of(j: int) -> dict:
+        return backend._ep_layout(spec, 2, j)  # noqa: SLF001
+
+    class Held:
+        _WORKSPACES = {(0, 2, tuple(layout_of(j)[n] for n in vendor.EP_METAINFO_NAMES)): {} for j in (0, 40)}
+
+    assert _first_free_ep_slot(Held, 0, 2, layout_of) == 41
+    assert _first_free_ep_slot(Held, 1, 2, layout_of) == 0  # another rank's workspaces
+
+
+def test_a_top_k_padded_past_the_experts_and_a_gpu_without_nvlink_are_refused_before_flashinfer(monkeypatch):
+    with pytest.raises(md.InvalidSpecError) as info:  # top-5 runs as top-6: MoEEpCommParams' ValueError
+        FlashInferA2ABackend(EMULATOR).check_spec(md.DispatchSpec(H, 5, 5), 1)
+    assert info.value.parameter == "top_k"
+    FlashInferA2ABackend(EMULATOR).check_spec(md.DispatchSpec(H, 6, 5), 1)
+    import dataclasses
+
+    backend = FlashInferA2ABackend(EMULATOR)
+    monkeypatch.setattr(fake(EMULATOR).moe_ep.NVLinkOneSidedAlltoAll, "is_platform_supported", classmethod(
+        lambda cls: False))
+    backend._info = dataclasses.replace(backend.vendor(), fake=False)  # noqa: SLF001 - as the real one on CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "NVLink" in backend.probe()

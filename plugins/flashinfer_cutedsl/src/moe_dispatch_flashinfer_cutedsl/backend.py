@@ -146,6 +146,9 @@ class FlashInferA2ABackend(mdb.Backend):
         reason = info.a2a_reason()
         if reason is None and not info.fake and not torch.cuda.is_available():
             return "no CUDA device"
+        if reason is None and info.a2a_profile().one_sided and not info.api.NVLinkOneSidedAlltoAll.is_platform_supported():
+            return ("FlashInfer's NVLink one-sided all-to-all is not supported on this GPU (no P2P-capable NVLink, or "
+                    "not all of its NVLinks up: moe_ep nvlink_common.py nvlink_platform_supported)")
         return reason
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
@@ -154,10 +157,17 @@ class FlashInferA2ABackend(mdb.Backend):
         if world_size > profile.max_ranks:
             raise md.InvalidSpecError(f"FlashInfer's all-to-all supports at most {profile.max_ranks} ranks (kMaxRanks)",
                                       parameter="world_size", value=world_size, allowed=f"1..{profile.max_ranks}")
-        if vendor.kernel_top_k(spec.top_k, profile.version) is None:
+        kernel_k = vendor.kernel_top_k(spec.top_k, profile.version)
+        if kernel_k is None:
             raise md.InvalidSpecError(
                 f"FlashInfer {'.'.join(map(str, profile.version))}'s all-to-all kernels take top-k up to "
                 f"{profile.max_top_k}", parameter="top_k", value=spec.top_k, allowed=f"1..{profile.max_top_k}")
+        if profile.one_sided and kernel_k > spec.num_experts:  # MoEEpCommParams: top_k <= num_experts
+            raise md.InvalidSpecError(
+                f"FlashInfer's one-sided kernels are built for top-k {sorted(profile.top_k_values)}: top-{spec.top_k} "
+                f"runs as top-{kernel_k}, more than the {spec.num_experts} experts", parameter="top_k",
+                value=spec.top_k, allowed=f"one of {sorted(k for k in profile.top_k_values if k <= spec.num_experts)} "
+                                          f"(or at least {kernel_k} experts)")
         _check_threading_policy(profile.version)
 
     def workspace_bytes(self, spec: md.DispatchSpec, world_size: int, *, planning: bool) -> tuple[int, str]:
@@ -288,8 +298,17 @@ def _one_sided_instances(api: Any, ctx: mdb.DispatchContext, kernel_k: int, slot
                                  dispatch_format=None if fmt is None else getattr(api.QuantFormat, fmt))
     bootstrap = api.BootstrapConfig(world_size=R, rank=ctx.rank)
     comm = comm_backend_for(ctx.comm)
-    return [api.create_communication(bootstrap, params, api.NVLinkOneSidedConfig(
-        extra_payload_bytes_per_token=vendor.ep_distinct_extra(j, R, T), comm_backend=comm)) for j in slots]
+    instances: list[Any] = []
+    try:
+        for j in slots:
+            instances.append(api.create_communication(bootstrap, params, api.NVLinkOneSidedConfig(
+                extra_payload_bytes_per_token=vendor.ep_distinct_extra(j, R, T), comm_backend=comm,
+                **vendor.EP_TRANSPORTS)))
+    except BaseException:
+        for instance in instances:  # their workspaces back to FlashInfer (no collective without CFT)
+            instance.destroy()
+        raise
+    return instances
 
 
 def _check_threading_policy(version: vendor.Version) -> None:
@@ -349,8 +368,12 @@ def _first_free_ep_slot(cls: type, rank: int, world: int, layout_of: Callable[[i
     ``NVLinkOneSidedAlltoAll._WORKSPACES`` holds."""
     fields = ("MAX_NUM_TOKENS", "TOP_K", "COMBINE_INPUT_SIZE", "DISPATCH_PAYLOAD_SIZE", "EPLB_STATS_NUM_EXPERTS")
     held = {tuple(lay[f] for f in fields) for lay in vendor.ep_cached_layouts(cls, rank, world)}
-    used = [j for j in range(FIRST_SLOT, FIRST_SLOT + 4 * len(held) + 8)
-            if tuple(layout_of(j)[f] for f in fields) in held]
+    largest = max((key[3] for key in held), default=-1)  # slots grow the dispatch capacity: none past this is held
+    used, j = [], FIRST_SLOT
+    while (layout := layout_of(j))["DISPATCH_PAYLOAD_SIZE"] <= largest:
+        if tuple(layout[f] for f in fields) in held:
+            used.append(j)
+        j += 1
     return max([FIRST_SLOT - 1, *used]) + 1
 
 

@@ -809,7 +809,9 @@ def profile(version: Version) -> A2AProfile:
 ENVIRONMENT_REFUSALS: tuple[str, ...] = (
     "pidfd_open(", "pidfd_getfd(", "[MnnvlMemory] POSIX fd exchange", "CUDA_ERROR_NOT_SUPPORTED",
     "Ninja build failed", "Could not find nvcc", "nvcc not found", "MissingJITCacheError",
-    "FlashInfer requires GPUs with sm75")
+    "FlashInfer requires GPUs with sm75",
+    # 0.7.4: flashinfer/comm/mnnvl.py allocate_mnnvl_handles / choose_mnnvl_handle_type; moe_ep nvlink_common.py:83-89.
+    "[MNNVL] allocating memory shared through", "[MNNVL] memory shared across hosts", "NVLink backends are not supported")
 
 
 def is_environment_refusal(exc: BaseException) -> bool:
@@ -915,10 +917,19 @@ def ep_workspace_layout(ep_size: int, max_tokens: int, top_k: int, dispatch_byte
 
 
 def ep_distinct_extra(slot: int, ep_size: int, max_tokens: int) -> int:
-    """``extra_payload_bytes_per_token`` of a dispatcher's workspace ``slot``: slot × the least whole bytes
-    per token whose ``R·T`` rows add a full kWorkspaceAlignment, so every slot's layout (the workspace
-    cache key) differs from the others' after padding."""
-    return slot * -(-EP_WORKSPACE_ALIGNMENT // (ep_size * max_tokens))
+    """``extra_payload_bytes_per_token`` of a dispatcher's workspace ``slot`` (from 0): (slot + 1) × the least whole
+    bytes per token whose ``R·T`` rows add a full kWorkspaceAlignment, so every slot's layout (the workspace cache
+    key) differs after padding from the others' and from that of an instance FlashInfer's users build with the
+    default 0 (vLLM's, sglang's, FlashInfer's own tests)."""
+    return (slot + 1) * -(-EP_WORKSPACE_ALIGNMENT // (ep_size * max_tokens))
+
+
+#: ``NVLinkOneSidedConfig(cft=False, lamport=False)``: the fence transport only. CFT counted writes (compute capability
+#: 10+, a 615+ driver) and the Lamport transport (10.x) each add workspace regions FlashInfer sizes itself (the CFT
+#: combine inbox R·T·2H in every workspace though one per process binds CFT; the Lamport landing rows) and place rows
+#: otherwise; neither has run on hardware here nor is in the fakes, so the adapter asks for neither and plans the
+#: workspace it allocates. (communication.py ``_cft_unsupported_reason``, ``_lamport_unsupported_reason``, the layout.)
+EP_TRANSPORTS = {"cft": False, "lamport": False}
 
 
 EP_WORKSPACES_ATTR = "_WORKSPACES"

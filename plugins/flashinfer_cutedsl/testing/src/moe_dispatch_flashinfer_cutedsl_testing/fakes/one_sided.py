@@ -387,6 +387,11 @@ class NVLinkOneSidedAlltoAll:
     _MNNVL: ClassVar[Any]
     _WORKSPACES: ClassVar[dict[tuple, dict[str, Any]]]
 
+    @classmethod
+    def is_platform_supported(cls) -> bool:
+        """nvlink_platform_supported: the fake's GPUs have P2P NVLinks, all up."""
+        return True
+
     def __init__(self, bootstrap: BootstrapConfig, params: MoEEpCommParams,
                  config: Optional[NVLinkOneSidedConfig] = None) -> None:
         self.config = config = NVLinkOneSidedConfig() if config is None else config
