@@ -14,6 +14,7 @@ from moe_dispatch.cli import main as cli_main
 from moe_dispatch_cuda_deepep import vendor
 from moe_dispatch_cuda_deepep.elastic import NAME, DeepEPV2Backend, _num_sms_option
 from moe_dispatch_cuda_deepep_testing import EMULATOR, EMULATOR_V1_TOPK9, EMULATOR_V2_0
+from moe_dispatch_cuda_deepep_testing.support import outcome_of
 
 # -- sizes -------------------------------------------------------------------------------------------------------
 
@@ -286,10 +287,13 @@ def test_past_one_nvlink_domain_and_in_deterministic_mode_it_refuses_at_creation
 
 
 def test_a_bad_num_sms_option_is_refused_before_any_buffer():
-    for bad in (3, -2, "8", True):
+    for bad in (-2, "8", True, vendor.H100_NUM_SMS + 1):
         with pytest.raises(md.InvalidSpecError) as err:
-            _num_sms_option({"num_sms": bad})
+            _num_sms_option({"num_sms": bad}, vendor.H100_NUM_SMS)
         assert err.value.parameter == "options.num_sms"
+    # odd counts launch with a cluster of 1 (dispatch.hpp:226); no device (planning): no upper bound
+    assert _num_sms_option({"num_sms": 3}, vendor.H100_NUM_SMS) == 3
+    assert _num_sms_option({"num_sms": 200}, None) == 200
 
 
 
@@ -475,3 +479,261 @@ def test_low_latency_makes_no_host_sync_around_deepep(moe_rank_pools):
     for synced, ops, host_reads in moe_rank_pools.get(2).map(_adapter_ops_in_low_latency):
         assert synced == [False]
         assert ops and not host_reads, host_reads
+
+
+# -- the independent audit of 2026-12-02 (VENDOR.md) -------------------------------------------------------------
+
+
+def _fake():  # type: ignore[no-untyped-def]
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep
+
+    return deep_ep
+
+
+def _outcome(fn):  # type: ignore[no-untyped-def]
+    try:
+        fn()
+        return "made"
+    except md.MoEDispatchError as exc:
+        return type(exc).__name__, exc.parameter
+
+
+def _replacement_while_read(rank, world):  # type: ignore[no-untyped-def]
+    """A larger layer after the group's buffer may still be read: captured calls, a dispatch awaiting its combine, a
+    started call awaiting wait(); each refused while it holds, allowed once it is gone (or within a reservation)."""
+    import warnings
+
+    fake = _fake()
+    x, ids, w = _routing(rank, 8, 8, 2)
+    x = x.repeat(1, 2)
+    bigger, biggest = _spec(num_max_dispatch_tokens_per_rank=1024), _spec(num_max_dispatch_tokens_per_rank=4096)
+    out = {}
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    small = md.create_dispatcher(backend, _spec(mode="low_latency"), env={})
+    shared = backend._buffers._by_group[id(torch.distributed.group.WORLD)]
+    pending = small.dispatch(x, ids, w)  # not combined yet
+    out["awaiting combine"] = _outcome(lambda: md.create_dispatcher(backend, bigger, env={}))
+    small.combine(pending.hidden_states, pending)
+    started = small.dispatch_start(x, ids, w)
+    out["started"] = _outcome(lambda: md.create_dispatcher(backend, bigger, env={}))
+    del started  # dropped unwaited: its objects go with it
+    out["after both"] = _outcome(lambda: md.create_dispatcher(backend, bigger, env={}))
+    grown = shared.buffer
+    layer = md.create_dispatcher(backend, _spec(mode="low_latency", num_max_dispatch_tokens_per_rank=1024), env={})
+    first = layer.dispatch(x, ids, w)
+    layer.combine(first.hidden_states, first)  # warm-up, eagerly
+    with fake.CUDAGraph().capture():
+        o = layer.dispatch(x, ids, w)
+        layer.combine(o.hidden_states, o)
+    out["after capture"] = _outcome(lambda: md.create_dispatcher(backend, biggest, env={}))
+    out["same buffer"] = shared.buffer is grown and not grown._destroyed
+    out["smaller"] = _outcome(lambda: md.create_dispatcher(backend, _spec(), env={}))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        backend.close()
+    out["close warns"] = any("CUDA graphs captured" in str(m.message) for m in seen)
+    # A reservation on the first layer: later, larger layers fit, captured or not.
+    reserving = DeepEPV2Backend(vendor_module=EMULATOR)
+    want = vendor.ported_elastic_buffer_sizes(world, 4096, 512, 2, allow_hybrid_mode=False).total
+    first = md.create_dispatcher(reserving, _spec(mode="low_latency"), env={}, options={"buffer_bytes": want - 1})
+    with fake.CUDAGraph().capture():
+        o = first.dispatch(x, ids, w)
+        first.combine(o.hidden_states, o)
+    out["reserved"] = _outcome(lambda: md.create_dispatcher(reserving, biggest, env={}))
+    out["reserved bytes"] = reserving._buffers._by_group[id(torch.distributed.group.WORLD)].buffer.num_bytes == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reserving.close()
+    return out
+
+
+def test_a_larger_layer_never_destroys_a_buffer_that_may_still_be_read(moe_rank_pools):
+    """Audit finding 1 (CRASH): replacing the group's ElasticBuffer destroys it, which deregisters its NCCL window and
+    frees its memory (csrc/elastic/buffer.hpp:152-166; nccl.cu:155-163). After a capture (a replay reads that window),
+    with a dispatch awaiting its combine or a started call its wait(), a larger layer is a CapacityError naming the
+    reservation, as V1's Buffer refuses; ``options["buffer_bytes"]`` on the first layer sizes it for every layer."""
+    refused = ("CapacityError", "options.buffer_bytes")
+    for out in moe_rank_pools.get(2).map(_replacement_while_read):
+        assert out["awaiting combine"] == refused and out["started"] == refused and out["after both"] == "made"
+        assert out["after capture"] == refused and out["same buffer"] and out["smaller"] == "made"
+        assert out["close warns"]
+        assert out["reserved"] == "made" and out["reserved bytes"]
+
+
+def test_a_bad_buffer_bytes_option_is_refused():
+    from moe_dispatch_cuda_deepep.elastic import _buffer_bytes_option
+
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(md.InvalidSpecError) as err:
+            _buffer_bytes_option({"buffer_bytes": bad})
+        assert err.value.parameter == "options.buffer_bytes"
+    assert _buffer_bytes_option({"buffer_bytes": 1}) == vendor.V2_BUFFER_ALIGNMENT  # the constructor's 2 MiB rule
+    assert _buffer_bytes_option({}) == 0
+
+
+def _num_sms_at_creation(rank, world):  # type: ignore[no-untyped-def]
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    past = _outcome(lambda: md.create_dispatcher(backend, _spec(), env={},
+                                                 options={"num_sms": vendor.H100_NUM_SMS + 2}))
+    odd = md.create_dispatcher(backend, _spec(), env={}, options={"num_sms": 3})
+    error = _round_trip(odd, rank)
+    backend.close()
+    return past, error
+
+
+def test_num_sms_is_bounded_by_the_device_at_creation_and_may_be_odd(moe_rank_pools):
+    """Audit finding 2: DeepEP asserts ``num_sms <= get_num_sms()`` at the first dispatch (buffer.hpp:979), so a
+    count past the device's is refused at creation; an odd one launches with a cluster of 1 (dispatch.hpp:226)."""
+    for past, error in moe_rank_pools.get(2).map(_num_sms_at_creation):
+        assert past == ("InvalidSpecError", "options.num_sms")
+        assert error < 1e-2
+
+
+def _pcie_elastic(rank, world):  # type: ignore[no-untyped-def]
+    fake = _fake()
+    saved, fake.EMULATED_DEVICE_NAME = fake.EMULATED_DEVICE_NAME, "NVIDIA A100-PCIE-40GB"
+    try:
+        return outcome_of(lambda: _fake_buffer() and "made")[:1]
+    finally:
+        fake.EMULATED_DEVICE_NAME = saved
+
+
+def test_v2_refuses_more_than_two_ranks_on_pcie_gpus(moe_rank_pools):
+    """Audit finding 3: ``ElasticBuffer.__init__`` runs ``check_nvlink_connections`` (deep_ep/buffers/elastic.py:320),
+    an AssertionError past 2 ranks on a "PCIE" GPU: the fake asserts it, ``check_spec`` refuses it (V1's rule)."""
+    assert moe_rank_pools.get(4).map(_pcie_elastic) == [("AssertionError",)] * 4
+    fake = _fake()
+    saved, fake.EMULATED_DEVICE_NAME = fake.EMULATED_DEVICE_NAME, "NVIDIA A100-PCIE-40GB"
+    try:
+        with pytest.raises(md.InvalidSpecError) as err:
+            DeepEPV2Backend(vendor_module=EMULATOR).check_spec(_spec(), 4)
+        assert err.value.parameter == "world_size"
+        DeepEPV2Backend(vendor_module=EMULATOR).check_spec(_spec(), 2)
+    finally:
+        fake.EMULATED_DEVICE_NAME = saved
+
+
+def test_the_runners_alignment_is_checked_at_creation():
+    """Audit finding 4: the DeepGEMM runner takes aligned PACKED rows only at a multiple of its mk alignment (128
+    without DeepGEMM installed: ``DeepGemmExperts._aligned``); both backends refuse another at ``check_spec``."""
+    from moe_dispatch_cuda_deepep.backend import DeepEPBackend
+
+    for backend, mode in ((DeepEPV2Backend(vendor_module=EMULATOR), "normal"),
+                          (DeepEPV2Backend(vendor_module=EMULATOR), "low_latency"),
+                          (DeepEPBackend(EMULATOR), "normal")):
+        spec = _spec(mode=mode, num_experts=16, top_k=8, hidden_size=2048, runner="deep_gemm", expert_alignment=64)
+        with pytest.raises(md.InvalidSpecError) as err:
+            backend.check_spec(spec, 2)
+        assert err.value.parameter == "expert_alignment" and "128" in err.value.allowed
+        for fine in ({"expert_alignment": 128}, {"expert_alignment": 1}, {"expert_alignment": 64, "runner": None}):
+            backend.check_spec(_spec(mode=mode, num_experts=16, top_k=8, hidden_size=2048,
+                                     **{"runner": "deep_gemm", **fine}), 2)
+
+
+def test_the_probe_names_a_gpu_deepep_2_does_not_target():
+    """Audit finding 5: DeepEP 2.x targets SM90 and SM100 (README.md:64; device_runtime.hpp:49-57)."""
+    fake = _fake()
+    saved = fake.EMULATED_DEVICE_CAPABILITY
+    try:
+        fake.EMULATED_DEVICE_CAPABILITY = (8, 0)
+        why = DeepEPV2Backend(vendor_module=EMULATOR).probe()
+        assert why is not None and "8.0" in why and "SM90" in why
+        fake.EMULATED_DEVICE_CAPABILITY = (10, 0)
+        assert DeepEPV2Backend(vendor_module=EMULATOR).probe() is None
+    finally:
+        fake.EMULATED_DEVICE_CAPABILITY = saved
+
+
+def _gin_disabled(rank, world, domain):  # type: ignore[no-untyped-def]
+    import os
+
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
+
+    deep_ep_elastic.EMULATED_NVLINK_DOMAIN = domain
+    os.environ[vendor.EP_DISABLE_GIN] = "1"
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    try:
+        return _outcome(lambda: _round_trip(md.create_dispatcher(backend, _spec(), env={}), rank))
+    finally:
+        del os.environ[vendor.EP_DISABLE_GIN]
+        deep_ep_elastic.EMULATED_NVLINK_DOMAIN = deep_ep_elastic.NVLINK_DOMAIN
+        backend.close()
+
+
+def test_ep_disable_gin_over_several_nvlink_domains_is_refused(moe_rank_pools):
+    """Audit finding 6: with EP_DISABLE_GIN the device communicator has no GIN contexts (nccl.cu:86-97), which the
+    direct kernels need across NVLink domains (the fake traps at the first dispatch): refused at creation, from
+    DeepEP's own ``get_physical_domain_size``; within one domain it runs."""
+    pool = moe_rank_pools.get(4)
+    assert pool.map(_gin_disabled, 2) == [("InvalidSpecError", vendor.EP_DISABLE_GIN)] * 4
+    assert pool.map(_gin_disabled, 8) == ["made"] * 4
+
+
+def _cpu_only_group(rank, world):  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    import moe_dispatch.backend as mdb
+
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    d = md.create_dispatcher(backend, _spec(), env={})
+    cpu_only = torch.distributed.new_group(list(range(world)), backend="cpu:gloo")
+    ctx = dataclasses.replace(d._impl.ctx, device=torch.device("cuda"), comm=mdb.Comm(cpu_only))
+    try:
+        backend.create(ctx)
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - the type is what the test compares
+        refused = type(exc).__name__, getattr(exc, "parameter", None)
+    backend.close()
+    return refused
+
+
+def _device_backends(rank, world):  # type: ignore[no-untyped-def]
+    cpu_only = torch.distributed.new_group(list(range(world)), backend="cpu:gloo")
+    return (vendor.group_backend_problem(cpu_only, torch.device("cuda")),
+            vendor.group_backend_problem(torch.distributed.group.WORLD, torch.device("cuda")))  # gloo: cpu and cuda
+
+
+def test_a_group_without_a_backend_for_the_device_is_refused_typed(moe_rank_pools):
+    """Audit finding 7: DeepEP takes ``group._get_backend(torch.device('cuda'))`` (deep_ep/utils/comm.py:61), and the
+    adapter's first collective runs on the device: a group with no backend for it (``backend="cpu:gloo"``) is a
+    typed error before either, not torch's RuntimeError. A plain gloo group has a CUDA backend (DeepEP then makes
+    its own NCCL communicator, comm.py:66-75): taken."""
+    pool = moe_rank_pools.get(2)
+    assert pool.map(_cpu_only_group) == [("InvalidSpecError", "group")] * 2
+    for problem, both in pool.map(_device_backends):
+        assert problem is not None and "No backend type associated with device type cuda" in problem
+        assert both is None
+
+
+def _written_by_the_constructor(rank, world):  # type: ignore[no-untyped-def]
+    import os
+
+    from moe_dispatch_cuda_deepep_testing.fakes import deep_ep_elastic
+
+    seen = []
+    real_init = deep_ep_elastic.ElasticBuffer.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        real_init(self, *args, **kwargs)
+        seen.append(os.environ.get(vendor.NCCL_SYM_REUSE_SYSMEM_HANDLES))
+
+    os.environ[vendor.NCCL_GIN_CROSS_NIC] = "0"
+    deep_ep_elastic.ElasticBuffer.__init__ = init
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    try:
+        md.create_dispatcher(backend, _spec(), env={})
+        after = os.environ.get(vendor.NCCL_SYM_REUSE_SYSMEM_HANDLES, "unset")
+    finally:
+        deep_ep_elastic.ElasticBuffer.__init__ = real_init
+        del os.environ[vendor.NCCL_GIN_CROSS_NIC]
+        os.environ.pop(vendor.NCCL_SYM_REUSE_SYSMEM_HANDLES, None)
+        backend.close()
+    return seen, after
+
+
+def test_what_the_elastic_constructor_writes_is_put_back(moe_rank_pools):
+    """Audit finding 8: with NCCL_GIN_CROSS_NIC=0 the constructor sets NCCL_SYM_REUSE_SYSMEM_HANDLES=1
+    (deep_ep/buffers/elastic.py:279-282); the adapter restores it afterwards, as it does V1's NVSHMEM writes."""
+    for seen, after in moe_rank_pools.get(2).map(_written_by_the_constructor):
+        assert seen == ["1"] and after == "unset"
+    assert vendor.NCCL_SYM_REUSE_SYSMEM_HANDLES in vendor.V2_WRITTEN

@@ -132,6 +132,19 @@ def test_normal_mode_hidden_limits(moe_rank_pools):
     assert all(e and "unspecified launch failure" in e for e in errors), errors
 
 
+def test_ue8m0_scale_words_are_counted_as_sent(monkeypatch):
+    """Audit finding 9: UE8M0 scales travel four exponents per int32 word, ceil(H/512) words per token as
+    ``pack_ue8m0`` sends them (H % 512 may be nonzero: the hidden multiple is 128); the TMA staging limit counts them
+    so, not ``H // 512``."""
+    seen = []
+    real = vendor.normal_hidden_problems
+    monkeypatch.setattr(vendor, "normal_hidden_problems", lambda *a: seen.append(a[2]) or real(*a))
+    spec = md.DispatchSpec(640, 16, 2, output_dtype="fp8", quant=md.QuantHints(fp8_ue8m0_scales=True))
+    DeepEPBackend(EMULATOR)._check_hidden(spec, 2)
+    DeepEPBackend(EMULATOR)._check_hidden(md.DispatchSpec(640, 16, 2, output_dtype="fp8"), 2)
+    assert seen == [2, 5]  # ceil(640/512) packed words; 640/128 fp32 scales
+
+
 def test_internode_normal_qps_cover_the_configs_sms():
     """Internode dispatch device-asserts ``num_rc_per_pe == num_channels or >= num_sms``: the Buffer a normal layer past
     8 ranks asks for has QPs per peer that cover its configs' SMs, and the fake's internode checks assert the rule."""

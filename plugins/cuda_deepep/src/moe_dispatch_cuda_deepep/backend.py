@@ -73,6 +73,33 @@ def _invalid(message: str, parameter: str, value: Any, allowed: str) -> md.Inval
     return md.InvalidSpecError(message, parameter=parameter, value=value, allowed=allowed)
 
 
+def installed_deep_gemm() -> tuple[vendor.DeepGemmInfo | None, int | None]:
+    """The DeepGEMM installed here and the compute-capability major its kernels run on (None, None when it is not
+    installed or does not import: planning, or a host without it)."""
+    if importlib.util.find_spec(vendor.DEEP_GEMM) is None:
+        return None, None
+    info = vendor.detect_deep_gemm(vendor.DEEP_GEMM)
+    if info.module is None:
+        return None, None
+    return info, (vendor.device_capability(info.module) or (None,))[0]
+
+
+def check_runner_alignment(spec: md.DispatchSpec, backend: str) -> None:
+    """``runner="deep_gemm"`` with expert-aligned PACKED rows: the runner hands them to DeepGEMM's contiguous GEMM
+    as they are, which takes each expert's rows at a multiple of its BLOCK_M, the mk alignment
+    (``get_mk_alignment_for_contiguous_layout()``, read live; DeepGEMM@54e2261 heuristics/sm90.hpp:31-33,
+    sm100.hpp:32-40; ``DeepGemmExperts._aligned``): any other alignment is refused here, at creation, not at the
+    first forward. 1 (dense rows, which the runner pads itself) is always taken."""
+    if spec.runner != vendor.DEEP_GEMM or spec.expert_alignment <= 1:
+        return
+    info, _ = installed_deep_gemm()
+    mk = vendor.mk_alignment(info.module) if info is not None else vendor.DG_DEFAULT_MK_ALIGNMENT
+    if spec.expert_alignment % mk:
+        raise _invalid(f"backend {backend!r} with runner 'deep_gemm': DeepGEMM's contiguous GEMM takes each expert's "
+                       f"rows at a multiple of its mk alignment ({mk}, BLOCK_M)", "expert_alignment",
+                       spec.expert_alignment, f"1, or a multiple of {mk} (DeepGemmExperts(...).expert_alignment)")
+
+
 @dataclass(frozen=True)
 class LayerConfigs:
     """Normal mode's two configs as the dispatcher hands them to DeepEP (vendor ``Config``s; ``ConfigFields`` when
@@ -162,8 +189,9 @@ class DeepEPBackend(mdb.Backend):
                            f"'{vendor.PCIE_ASSERT_MESSAGE}', check_nvlink_connections)", "world_size", world_size,
                            f"1..{vendor.PCIE_MAX_RANKS} on this GPU")
         if spec.mode is LL:
-            self._check_low_latency(spec, world_size)
+            self._check_low_latency(spec, world_size)  # MASKED rows: no expert alignment
             return
+        check_runner_alignment(spec, self.name)
         local = spec.local_experts(world_size)
         internode = world_size > vendor.NUM_MAX_NVL_PEERS
         most = (vendor.NORMAL_INTERNODE_MAX_NVL_EXPERTS // vendor.NUM_MAX_NVL_PEERS if internode
@@ -206,11 +234,7 @@ class DeepEPBackend(mdb.Backend):
         """What the installed DeepGEMM's masked GEMM needs of the capacity R·T (every version's rule when DeepGEMM
         is not installed here, e.g. planning)."""
         if self._masked_multiple is None:
-            info, arch = None, None
-            if importlib.util.find_spec(vendor.DEEP_GEMM) is not None:
-                info = vendor.detect_deep_gemm(vendor.DEEP_GEMM)
-                arch = None if info.module is None else (vendor.device_capability(info.module) or (None,))[0]
-                info = info if info.module is not None else None
+            info, arch = installed_deep_gemm()
             mk = vendor.mk_alignment(info.module) if info is not None else vendor.DG_DEFAULT_MK_ALIGNMENT
             self._masked_multiple = vendor.dg_masked_capacity_multiple(info, arch, mk)
         return self._masked_multiple
@@ -267,7 +291,8 @@ class DeepEPBackend(mdb.Backend):
         """The normal kernels' TMA staging of a token (device asserts): a typed error at planning and creation."""
         fp8 = spec.output_dtype is F8
         ue8m0 = fp8 and spec.quant.fp8_ue8m0_scales
-        scales = 0 if not fp8 else spec.hidden_size // (512 if ue8m0 else 128)
+        # UE8M0: four exponents per int32 word, ceil(H/128/4) words as pack_ue8m0 sends them (H % 512 may be nonzero)
+        scales = 0 if not fp8 else -(-spec.hidden_size // (512 if ue8m0 else 128))
         problems = vendor.normal_hidden_problems(spec.hidden_size, 1 if fp8 else 2, scales, spec.top_k, world_size)
         if problems:
             raise _invalid(f"DeepEP's normal-mode kernels device-assert {problems[0]}", "hidden_size",

@@ -43,14 +43,23 @@ event, so the starts run the calls to their end instead (``Pending.overlapped`` 
 than the start's waits for that one and records what it hands out there (``moe_dispatch.backend.hand_over``).
 
 One ``ElasticBuffer`` per process group serves every layer (``ElasticBuffers``); a layer that needs more than the
-current one replaces it (a collective, at creation, in the same order on every rank). ``close()`` destroys them.
+current one replaces it (a collective, at creation, in the same order on every rank), unless the old one may still be
+read: ``destroy()`` deregisters its NCCL window and frees its symmetric memory (csrc/elastic/buffer.hpp:152-166;
+csrc/kernels/backend/nccl.cu:155-163), so after a dispatch or combine was captured in a CUDA graph on the group, or
+while a dispatch waits for its combine or a started call for its ``wait()``, a larger layer is a ``CapacityError``:
+create the largest layer first, or reserve with ``options["buffer_bytes"]`` (as ``cuda_deepep``'s V1 Buffer takes
+it) on the first. ``close()`` destroys them (and warns if graphs captured calls on them).
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import importlib
 import math
 import os
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,10 +76,12 @@ from moe_dispatch.backend import (
     keep_on_current,
     kept_routing,
     pack_ue8m0,
+    restored_environ,
     start_mark,
 )
 
 from . import vendor
+from .backend import check_runner_alignment
 
 B, F8, I8, F4 = md.DispatchDtype.BF16, md.DispatchDtype.FP8, md.DispatchDtype.INT8, md.DispatchDtype.NVFP4
 N, L = md.Mode.NORMAL, md.Mode.LOW_LATENCY
@@ -132,10 +143,13 @@ class ElasticBuffers:
         if shared is None:
             shared = self._by_group[id(group)] = Shared()
         if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
+            shared.check_replaceable(num_bytes)
             shared.buffer.destroy()
-        shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(  # never the hybrid kernels (vendor.V2_ALLOW_HYBRID_MODE)
-            group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)), explicitly_destroy=True,
-            **{vendor.V2_ALLOW_HYBRID_MODE: False})
+            shared.buffer = None
+        with restored_environ(names=vendor.V2_WRITTEN):  # what the constructor writes (elastic.py:279-298)
+            shared.buffer = getattr(module, vendor.ELASTIC_BUFFER)(  # never the hybrid kernels (V2_ALLOW_HYBRID_MODE)
+                group, num_bytes=num_bytes, num_cpu_timeout_secs=max(1, math.ceil(timeout_s)),
+                explicitly_destroy=True, **{vendor.V2_ALLOW_HYBRID_MODE: False})
         return shared
 
     def close(self) -> None:
@@ -143,6 +157,10 @@ class ElasticBuffers:
         no timeout of ours: every rank must get here)."""
         for shared in self._by_group.values():
             if shared.buffer is not None:
+                if shared.captured:
+                    warnings.warn("CUDA graphs captured DeepEP V2 calls on an ElasticBuffer close() now destroys (its "
+                                  "NCCL window is deregistered and its memory freed): replaying them runs kernels on "
+                                  "freed memory; drop them first", RuntimeWarning, stacklevel=3)
                 shared.buffer.destroy()
                 shared.buffer = None
         self._by_group.clear()
@@ -150,12 +168,37 @@ class ElasticBuffers:
 
 @dataclass(eq=False)
 class Shared:
-    """One group's buffer, as every layer's dispatcher sees it (replaced in place when it grows)."""
+    """One group's buffer, as every layer's dispatcher sees it (replaced in place when it grows), and what may still
+    read it: graphs captured on it, dispatches awaiting their combine, started calls awaiting their ``wait()``."""
 
     buffer: Any = None
+    #: A dispatch or combine ran under CUDA-graph capture on this buffer: a replay reads its window, whenever it runs.
+    captured: bool = False
+    #: Dispatch handles not yet combined and started calls not yet waited (dropped ones leave with their objects).
+    outstanding: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+    def check_replaceable(self, num_bytes: int) -> None:
+        """Typed refusal to destroy a buffer that may still be read (``destroy()`` frees its NCCL window). The same on
+        every rank: they capture, dispatch and combine the same calls in the same order (a collection first, so that
+        an output dropped in a reference cycle counts as dropped everywhere)."""
+        if len(self.outstanding):
+            gc.collect()
+        pending = len(self.outstanding)
+        if not (self.captured or pending):
+            return
+        why = ("CUDA graphs captured DeepEP V2 calls on it (their replays would run on the freed window)"
+               if self.captured else f"{pending} dispatch(es) await their combine or started call(s) their wait() "
+                                     "on it")
+        held = self.buffer.num_bytes
+        raise md.CapacityError(
+            f"the group's DeepEP ElasticBuffer holds {held:,} B and this layer needs {num_bytes:,} B; replacing it "
+            f"would destroy it (its NCCL window deregistered, its memory freed: csrc/elastic/buffer.hpp:152-166) while "
+            f"{why}. Create the largest layer first, or give the first layer options={{'buffer_bytes': ...}} (e.g. "
+            f"moe_dispatch.planning.plan_buffers('{NAME}', every_layers_spec, world_size).total_bytes)",
+            parameter="options.buffer_bytes", value=num_bytes, allowed=f"<= {held} on this group's buffer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # by identity: ``Shared.outstanding`` holds them
 class ElasticHandle:
     """What combine needs of one dispatch: DeepEP's handle and each received row's routing weight."""
 
@@ -189,6 +232,11 @@ class DeepEPV2Backend(mdb.Backend):
             return why
         if self.vendor_module == vendor.REAL and not torch.cuda.is_available():
             return "no CUDA device"
+        capability = vendor.device_capability(module)
+        if capability is not None and capability[0] not in vendor.V2_ARCH_MAJORS:
+            return (f"DeepEP 2.x targets SM90 and SM100 (README.md:64; its JIT builds sm_90a / sm_100a: "
+                    f"csrc/jit/device_runtime.hpp:49-57); this GPU is compute capability "
+                    f"{capability[0]}.{capability[1]}")
         return None
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
@@ -198,6 +246,13 @@ class DeepEPV2Backend(mdb.Backend):
                 "node's NVLink domain at most; past 8 ranks no run here has checked them", parameter="world_size",
                 value=world_size, allowed=f"1..{vendor.V2_DIRECT_MAX_RANKS}")
         super().check_spec(spec, world_size)
+        name = vendor.device_name(_module(self.vendor_module)[0])
+        if vendor.pcie_pairs_only(name) and world_size > vendor.PCIE_MAX_RANKS:  # the V1 Buffer's rule, the same call
+            raise md.InvalidSpecError(
+                f"DeepEP's ElasticBuffer asserts at most 2 ranks on PCIe GPUs ({name}: '{vendor.PCIE_ASSERT_MESSAGE}', "
+                "check_nvlink_connections, deep_ep/buffers/elastic.py:320)", parameter="world_size",
+                value=world_size, allowed=f"1..{vendor.PCIE_MAX_RANKS} on this GPU")
+        check_runner_alignment(spec, self.name)
         local = spec.num_experts // world_size
         for ok, parameter, value, allowed in (
             (spec.num_experts <= vendor.V2_MAX_EXPERTS, "num_experts", spec.num_experts,
@@ -225,9 +280,27 @@ class DeepEPV2Backend(mdb.Backend):
         creates lazily, and a DeepEP call before the group's first collective caches a null one and crashes
         (DeepEP #726). ``create`` calls DeepEP only after a collective."""
         spec = ctx.spec
-        return {"elastic num_bytes": vendor.ported_elastic_buffer_sizes(
+        num_sms, reserve = self._check_options(ctx)
+        return {"elastic num_bytes": max(vendor.ported_elastic_buffer_sizes(
             ctx.world_size, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size, spec.top_k, ctx.dtype is F8,
-            allow_hybrid_mode=False).total}
+            allow_hybrid_mode=False).total, reserve), "num_sms": num_sms}
+
+    def _check_options(self, ctx: mdb.DispatchContext) -> tuple[int, int]:
+        """``options`` and the group, checked before any collective or DeepEP call (typed errors): the SM count, the
+        reserved bytes, and a group that has a backend for the device (DeepEP takes it, deep_ep/utils/comm.py:61)."""
+        module, _ = _module(self.vendor_module)
+        num_sms = _num_sms_option(ctx.options, vendor.device_num_sms(module))
+        reserve = _buffer_bytes_option(ctx.options)
+        group = ctx.comm.process_group
+        problem = None if group is None else vendor.group_backend_problem(group, ctx.device)
+        if problem is not None:
+            raise md.InvalidSpecError(
+                f"DeepEP's ElasticBuffer takes the group's {ctx.device.type} backend for its NCCL communicator "
+                f"(deep_ep/utils/comm.py:61): {problem}", parameter="group",
+                value=torch.distributed.get_backend(group),
+                allowed=f"a group with a {ctx.device.type} backend (NCCL: init_process_group('nccl') or "
+                        "'cpu:gloo,cuda:nccl')")
+        return num_sms, reserve
 
     def create(self, ctx: mdb.DispatchContext) -> "ElasticDispatcher":
         module, why = _module(self.vendor_module)
@@ -238,13 +311,15 @@ class DeepEPV2Backend(mdb.Backend):
                                       parameter="group", value=None,
                                       allowed="an initialized torch.distributed group (NCCL on a GPU)")
         self._check_torch_flags()
-        num_sms = _num_sms_option(ctx.options)
+        num_sms, reserve = self._check_options(ctx)
         # A collective on the group's own device first: PyTorch creates an NCCL communicator at its first collective,
         # and DeepEP must not see it before (DeepEP #726: a null ncclComm_t, then a segfault in ncclTeamWorld).
         torch.distributed.all_reduce(torch.zeros(1, device=ctx.device), group=group)
+        self._check_gin_domains(module, group, ctx.world_size)
         spec = ctx.spec
-        num_bytes = vendor.elastic_buffer_size_hint(module, group, spec.num_max_dispatch_tokens_per_rank,
-                                                    spec.hidden_size, spec.top_k, ctx.dtype is F8)
+        hint = vendor.elastic_buffer_size_hint(module, group, spec.num_max_dispatch_tokens_per_rank, spec.hidden_size,
+                                               spec.top_k, ctx.dtype is F8)
+        num_bytes = max(hint, reserve)
         try:
             shared = self._buffers.open(module, group, num_bytes, ctx.comm.timeout_s)
         except RuntimeError as exc:
@@ -256,7 +331,28 @@ class DeepEPV2Backend(mdb.Backend):
                 f"NVLink domain set {vendor.EP_DISABLE_GIN}=1 before creating it (DeepEP #629/#630)",
                 parameter=vendor.EP_DISABLE_GIN, value=None,
                 allowed="1 on one NVLink-only node, or a network with full-connectivity GIN") from exc
-        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), num_sms)
+        return ElasticDispatcher(ctx, shared, vendor.topk_idx_dtype(module), num_sms,
+                                 functools.partial(vendor.stream_capturing, module))
+
+    @staticmethod
+    def _check_gin_domains(module: Any, group: Any, world_size: int) -> None:
+        """``EP_DISABLE_GIN`` set on a group over several NVLink domains: the constructor then makes a device
+        communicator without GIN contexts (csrc/kernels/backend/nccl.cu:86-97), and the direct kernels have no way
+        to the ranks outside the domain. Refused before any buffer, with DeepEP's own domain size (after the
+        collective above: it wraps the group's NCCL communicator)."""
+        if world_size <= 1 or not vendor.gin_disabled(os.environ):
+            return
+        domain = getattr(module, vendor.V2_PHYSICAL_DOMAIN_SIZE, None)
+        if domain is None:
+            return
+        _, nvl = domain(group)
+        if nvl < world_size:
+            raise md.InvalidSpecError(
+                f"{vendor.EP_DISABLE_GIN} is set, so DeepEP's ElasticBuffer makes no NCCL GIN contexts "
+                f"(csrc/kernels/backend/nccl.cu:86-97), and this group spans {world_size // nvl} NVLink domains of "
+                f"{nvl} ranks: its direct kernels need GIN to reach the other domains", parameter=vendor.EP_DISABLE_GIN,
+                value=os.environ.get(vendor.EP_DISABLE_GIN),
+                allowed=f"unset or 0 on a group over several NVLink domains (1 only within one: {nvl} ranks here)")
 
     @staticmethod
     def _check_torch_flags() -> None:
@@ -274,14 +370,32 @@ class DeepEPV2Backend(mdb.Backend):
         self._buffers.close()
 
 
-def _num_sms_option(options: Any) -> int:
-    """``options["num_sms"]``: a non-negative int (0: DeepEP's pick), even as DeepEP's kernels want it; checked
-    before any buffer is made (the agreement compares the options across ranks)."""
+def _num_sms_option(options: Any, device_sms: int | None) -> int:
+    """``options["num_sms"]``: an int from 0 (DeepEP's pick) to the device's SM count (``device_sms``; unbounded
+    without a device), odd or even (``vendor.V2_NUM_SMS_ASSERT``); checked before any buffer is made (the agreement
+    compares the options across ranks)."""
     value = options.get("num_sms", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 2:
-        raise md.InvalidSpecError("DeepEP V2 takes an even SM count, or 0 for its own pick", parameter="options.num_sms",
-                                  value=value, allowed="0, or an even int up to the device's SM count")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (device_sms is not None
+                                                                               and value > device_sms):
+        most = device_sms if device_sms is not None else "the GPU's SM count"
+        raise md.InvalidSpecError(f"DeepEP V2 asserts {vendor.V2_NUM_SMS_ASSERT} at every dispatch "
+                                  "(csrc/elastic/buffer.hpp:979); 0 is its own pick", parameter="options.num_sms",
+                                  value=value, allowed=f"an int in 0..{most}")
     return value
+
+
+def _buffer_bytes_option(options: Any) -> int:
+    """``options["buffer_bytes"]``: the bytes the group's ElasticBuffer reserves when this layer creates it (or
+    replaces it), beyond this layer's own hint (e.g. ``moe_dispatch.planning.plan_buffers(...).total_bytes`` over every
+    layer); rounded up to DeepEP's 2 MiB alignment (csrc/elastic/buffer.hpp:98). 0 when not given."""
+    value = options.get("buffer_bytes")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise md.InvalidSpecError("the bytes to reserve in the group's DeepEP ElasticBuffer",
+                                  parameter="options.buffer_bytes", value=value,
+                                  allowed="a non-negative int (moe_dispatch.planning.plan_buffers(...).total_bytes)")
+    return -(-value // vendor.V2_BUFFER_ALIGNMENT) * vendor.V2_BUFFER_ALIGNMENT
 
 
 @dataclass
@@ -296,6 +410,8 @@ class ElasticDispatcher:
     #: (deepseek-ai/DeepEP@b306af0 deep_ep/buffers/elastic.py:732-733; @dd758ca :926-930, combine reusing the
     #: handle's at :1085-1088): 0 never reaches the kernels' ``num_sms > 0`` assert (csrc/elastic/buffer.hpp:728).
     num_sms: int = 0
+    #: ``torch.cuda.is_current_stream_capturing()`` on the vendor's device (``vendor.stream_capturing``).
+    capturing: Callable[[], bool] = lambda: False
     spec: md.DispatchSpec = field(init=False)
 
     def __post_init__(self) -> None:
@@ -340,12 +456,17 @@ class ElasticDispatcher:
         # buffer the engine reuses is never DeepEP's input; hidden_states still is, until wait(): the contract's rule).
         ids, weights = kept_routing(ids, topk_ids), kept_routing(weights, topk_weights)
         alignment = spec.expert_alignment
-        recv, _, recv_w, handle, event = self._buffer().dispatch(
+        buffer = self._buffer()
+        if self.capturing():
+            self.shared.captured = True  # before the call: a capture that fails after it still holds its kernels
+        recv, _, recv_w, handle, event = buffer.dispatch(
             x, topk_idx=ids, topk_weights=weights, num_experts=spec.num_experts,
             num_max_tokens_per_rank=spec.num_max_dispatch_tokens_per_rank, expert_alignment=alignment,
             num_sms=self.num_sms, do_cpu_sync=spec.mode is N, do_expand=True, do_zero_padding=alignment > 1,
             async_with_compute_stream=split)
         mark = start_mark(ids) if started else None  # after DeepEP's call: a whole one ends with a wait for its stream
+        ours = ElasticHandle(handle, recv_w)
+        self.shared.outstanding.add(ours)  # until its combine (or until it is dropped)
 
         def finish() -> DispatchOutput:
             rows, scale = recv if fp8 else (recv, None)
@@ -355,8 +476,8 @@ class ElasticDispatcher:
             hand_over(mark, (rows, scale, recv_w, ids, weights, unaligned))
             return DispatchOutput(rows, scale, ids, weights,
                                   group_list_from_counts(unaligned.to(torch.int64), spec.group_list_type, alignment),
-                                  spec.group_list_type, md.Layout.PACKED, ctx.dtype, ElasticHandle(handle, recv_w),
-                                  None, expert_alignment=alignment)
+                                  spec.group_list_type, md.Layout.PACKED, ctx.dtype, ours, None,
+                                  expert_alignment=alignment)
         return finish
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
@@ -381,15 +502,27 @@ class ElasticDispatcher:
         # dispatch DeepEP ran whole recorded them nowhere else.
         keep_on_current((h.weights, *(v for v in vars(h.vendor_handle).values() if isinstance(v, torch.Tensor))))
         weighted = (expert_output.float() * h.weights.unsqueeze(1)).to(torch.bfloat16).contiguous()
-        combined, _, event = self._buffer().combine(weighted, h.vendor_handle, async_with_compute_stream=split)
+        buffer = self._buffer()
+        if self.capturing():
+            self.shared.captured = True
+        combined, _, event = buffer.combine(weighted, h.vendor_handle, async_with_compute_stream=split)
         mark = start_mark(weighted) if started else None
+        self.shared.outstanding.discard(h)
+        in_flight = _InFlight()
+        if split:
+            self.shared.outstanding.add(in_flight)
 
         def finish() -> torch.Tensor:
             if split:
                 event.current_stream_wait()
+            self.shared.outstanding.discard(in_flight)
             hand_over(mark, (combined,))
             return combined
         return finish
+
+
+class _InFlight:
+    """A started combine not yet waited (held by its ``Pending``: dropped with it)."""
 
 
 def _splits() -> bool:

@@ -1503,6 +1503,15 @@ V2_INSTALL_HINT = ("DeepEP 2.x builds from source (https://github.com/deepseek-a
 #: (DeepEP #629/#630; README.md:343).
 V2_GIN_UNAVAILABLE = "NCCL GIN is unavailable"
 EP_DISABLE_GIN = "EP_DISABLE_GIN"
+#: ``deep_ep.get_physical_domain_size(group)`` -> ``(num_rdma_ranks, num_nvlink_ranks)``: NCCL's world and LSA (NVLink)
+#: teams of the group's communicator, no device communicator needed (deep_ep/utils/envs.py:116-127,
+#: csrc/kernels/backend/nccl.cu:49-54; exported by deep_ep/__init__.py:92, 2.1.0 on). It wraps the group's NCCL
+#: communicator as the size hint does: only after the group's first collective (DeepEP #726).
+V2_PHYSICAL_DOMAIN_SIZE = "get_physical_domain_size"
+#: DeepEP's GPU targets: "Hopper (SM90) GPUs" (README.md:64); its JIT compiles for ``sm_{major}{minor}a``, and for
+#: major 10 ``sm_100a``/``sm_100f`` (csrc/jit/device_runtime.hpp:49-57, csrc/jit/compiler.hpp:215-219). Older GPUs
+#: have no ``sm_XXa`` target: the first call's build fails. Other majors are not targets DeepEP names.
+V2_ARCH_MAJORS = frozenset({9, 10})
 #: One NVLink (NCCL LSA) domain, 8 GPUs on the H100/H200 nodes: the most ranks the adapter takes. Past a domain DeepEP
 #: switches to its hybrid kernels unless told not to (``V2_ALLOW_HYBRID_MODE``: nccl.cu:116-125); nothing here has run
 #: the direct kernels on more than a node's ranks.
@@ -1541,14 +1550,50 @@ def elastic_dispatch_lacks_zero_padding(module: Any) -> bool:
 EP_AVOID_RECORD_STREAM = "EP_AVOID_RECORD_STREAM"
 
 
-def avoids_record_stream(environ: Any) -> bool:
-    """Whether DeepEP's V2 calls skip ``record_stream`` under ``environ`` (``os.environ``, read at each call as
-    DeepEP does). A value ``sscanf("%d")`` cannot read leaves DeepEP's int undefined: taken as set."""
-    value = environ.get(EP_AVOID_RECORD_STREAM)
+def _env_int_set(environ: Any, name: str) -> bool:
+    """``get_env<int>(name, 0) != 0`` (csrc/utils/system.hpp:19-35: ``std::getenv`` + ``sscanf("%d")``). A value
+    ``sscanf`` cannot read leaves DeepEP's int undefined: taken as set."""
+    value = environ.get(name)
     if value is None:
         return False
     digits = re.match(r"\s*[+-]?\d+", value, flags=re.ASCII)
     return digits is None or int(digits.group()) != 0
+
+
+def avoids_record_stream(environ: Any) -> bool:
+    """Whether DeepEP's V2 calls skip ``record_stream`` under ``environ`` (``os.environ``, read at each call as
+    DeepEP does)."""
+    return _env_int_set(environ, EP_AVOID_RECORD_STREAM)
+
+
+def gin_disabled(environ: Any) -> bool:
+    """Whether the ElasticBuffer constructor skips NCCL GIN under ``environ`` (``get_env("EP_DISABLE_GIN", 0) == 0``
+    asks for it, csrc/kernels/backend/nccl.cu:86): its device communicator then has no GIN contexts, which the direct
+    kernels need to reach ranks outside the NVLink domain (nccl.cu:86-97)."""
+    return _env_int_set(environ, EP_DISABLE_GIN)
+
+
+#: ``num_sms``: ``EP_HOST_ASSERT(num_sms <= jit::device_runtime->get_num_sms())`` at each dispatch
+#: (csrc/elastic/buffer.hpp:979; ``get_num_sms`` is ``multiProcessorCount``, csrc/jit/device_runtime.hpp:40-41); any
+#: count is launched, odd ones with a cluster of 1 (``2 - (num_sms % 2)``, csrc/kernels/elastic/dispatch.hpp:226,
+#: combine.hpp:174). Combine reuses the dispatch's (``handle.num_sms``, deep_ep/buffers/elastic.py:1086).
+V2_NUM_SMS_ASSERT = "num_sms <= jit::device_runtime->get_num_sms()"
+
+
+def group_backend_problem(group: Any, device: torch.device) -> str | None:
+    """Why the group cannot carry DeepEP V2's communicator on ``device`` (None: it can). DeepEP takes
+    ``group._get_backend(torch.device('cuda'))`` (deep_ep/utils/comm.py:61) and reuses its NCCL communicator
+    (``_comm_ptr``, :62-64), or, for a backend without one (gloo), makes its own over ``all_gather_object``
+    (:66-75); a group with no backend for the device type (``backend="cpu:gloo"``) raises torch's untyped
+    "No backend type associated with device type" there, and in the adapter's first collective."""
+    get = getattr(group, "_get_backend", None)
+    if get is None:
+        return None
+    try:
+        get(torch.device(device.type))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def _a32(n: int) -> int:
@@ -1638,6 +1683,14 @@ EP_SUPPRESS_NCCL_CHECK = "EP_SUPPRESS_NCCL_CHECK"
 EP_REUSE_NCCL_COMM = "EP_REUSE_NCCL_COMM"
 NCCL_GIN_CROSS_NIC = "NCCL_GIN_CROSS_NIC"
 EP_OVERRIDE_RDMA_SL = "EP_OVERRIDE_RDMA_SL"
+#: What the ElasticBuffer constructor writes into ``os.environ``: ``NCCL_SYM_REUSE_SYSMEM_HANDLES`` ('1', with
+#: ``setdefault``) when ``NCCL_GIN_CROSS_NIC`` is '0' (deep_ep/buffers/elastic.py:279-282), read by NCCL when it maps
+#: CPU-backed window segments; ``NCCL_WIN_STRIDE`` only with ``num_cpu_bytes > 0`` (:285-298), which the adapter never
+#: passes. ``elastic.ElasticBuffers`` puts both back after the constructor (``restored_environ``), as ``buffers`` does
+#: ``NVSHMEM_WRITTEN``: the adapter's buffers have no CPU segments, so neither changes what they do.
+NCCL_SYM_REUSE_SYSMEM_HANDLES = "NCCL_SYM_REUSE_SYSMEM_HANDLES"
+NCCL_WIN_STRIDE = "NCCL_WIN_STRIDE"
+V2_WRITTEN = (NCCL_SYM_REUSE_SYSMEM_HANDLES, NCCL_WIN_STRIDE)
 #: The variables another plugin may not set (``Backend.vendor_environment``): those DeepEP reads and that change what
 #: V1 (NVSHMEM's, written by the Buffer from its arguments) or V2 does. Not listed: ``EP_NUM_TOPK_IDX_BITS`` and
 #: ``EP_JIT_CACHE_DIR``, which ``import deep_ep`` itself sets to its build's values when unset

@@ -91,6 +91,9 @@ EMULATED_DEVICE_SMS = vendor.H100_NUM_SMS
 #: ``torch.cuda.get_device_name()`` of the emulated GPU (an SXM H100; set an A100-PCIE name to see DeepEP's
 #: ``check_nvlink_connections`` refuse more than two ranks).
 EMULATED_DEVICE_NAME = "NVIDIA H100 80GB HBM3"
+#: ``torch.cuda.get_device_capability()`` of the emulated GPU (``vendor.EMULATED_CAPABILITY_ATTRIBUTE``): DeepEP 2.x's
+#: JIT builds ``sm_90a`` on it (csrc/jit/device_runtime.hpp:49-57); set (8, 0) to see the V2 probe refuse an A100.
+EMULATED_DEVICE_CAPABILITY = (9, 0)
 #: The fakes emulate one process's NVSHMEM (``NVSHMEM`` below), shared by every fake DeepEP module.
 EMULATED_NVSHMEM = "moe_dispatch_cuda_deepep_testing.fakes (emulated process)"
 
@@ -1493,7 +1496,7 @@ __all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "Even
 def __getattr__(name: str) -> Any:
     """V2's ``ElasticBuffer`` and ``EPHandle`` (``deep_ep_elastic``), exported as DeepEP 2.x does; loaded on first use
     (that module builds on this one)."""
-    if name in ("ElasticBuffer", "EPHandle"):
+    if name in ("ElasticBuffer", "EPHandle", "get_physical_domain_size"):
         from . import deep_ep_elastic
 
         return getattr(deep_ep_elastic, name)

@@ -27,12 +27,19 @@ As strict as the vendor where the adapter could go wrong:
 - rows within an expert, and received tokens within a source rank, arrive in an order the vendor does not fix
   (``atomicAdd`` slots, dispatch.cuh:344-345, dispatch_copy_epilogue.cuh:120-121): the fake shuffles them per call;
 - padding rows of the expanded layout are garbage (NaN here) unless ``do_zero_padding``;
-- combine applies no weights: it sums what it is given (combine.cuh; refs.py:177-243), in the vendor's order.
+- combine applies no weights: it sums what it is given (combine.cuh; refs.py:177-243), in the vendor's order;
+- the constructor runs ``check_nvlink_connections`` (an AssertionError past 2 ranks on a "PCIE" ``deep_ep``
+  ``EMULATED_DEVICE_NAME``, elastic.py:320) and writes ``NCCL_SYM_REUSE_SYSMEM_HANDLES`` as DeepEP does
+  (elastic.py:279-282); ``num_sms`` is bounded by ``deep_ep.EMULATED_DEVICE_SMS`` (buffer.hpp:979);
+- ``get_physical_domain_size(group)`` gives the emulated NVLink domain (``EMULATED_NVLINK_DOMAIN``); with
+  ``EP_DISABLE_GIN`` set on a group over several domains the device communicator has no GIN contexts
+  (nccl.cu:86-97), and the first dispatch traps (undefined on a GPU).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -54,8 +61,6 @@ _BUFFER_HPP = "csrc/elastic/buffer.hpp"
 _LAYOUT_CUH = "deep_ep/include/deep_ep/common/layout.cuh"
 _COMPILER_HPP = "csrc/jit/compiler.hpp"
 _COPY_EPILOGUE = "deep_ep/include/deep_ep/impls/dispatch_copy_epilogue.cuh"
-#: The emulated GPU's SM count (an H100), the upper bound of ``num_sms`` (buffer.hpp:979).
-DEVICE_SMS = vendor.H100_NUM_SMS
 #: The emulated node's NVLink (NCCL LSA) domain: the direct kernels' reach.
 NVLINK_DOMAIN = vendor.V2_DIRECT_MAX_RANKS
 #: The NCCL LSA (NVLink) team the emulated machine gives a group: ranks in domains of this many (2 nodes x 4 GPUs: 4).
@@ -63,6 +68,31 @@ EMULATED_NVLINK_DOMAIN = NVLINK_DOMAIN
 #: Whether the emulated network offers NCCL GIN; False emulates an NVLink-only node (DeepEP #629).
 EMULATED_NETWORK_HAS_GIN = True
 _NCCL_CU = "csrc/kernels/backend/nccl.cu"
+
+
+def _v1() -> Any:
+    """``fakes.deep_ep``: its emulated GPU (name, SM count) is this fake's too."""
+    return sys.modules[f"{__package__}.deep_ep"]
+
+
+def _device_sms() -> int:
+    """The emulated GPU's SM count, the upper bound of ``num_sms`` (buffer.hpp:979): ``deep_ep``'s
+    ``EMULATED_DEVICE_SMS``, read at each call, so that a test changes both fakes' GPU at once."""
+    return int(_v1().EMULATED_DEVICE_SMS)
+
+
+def _nvl_ranks(num_ranks: int) -> int:
+    """NCCL's LSA (NVLink) team of a group of ``num_ranks`` on the emulated machine (nccl.cu:49-54)."""
+    return min(EMULATED_NVLINK_DOMAIN, NVLINK_DOMAIN, num_ranks)
+
+
+def get_physical_domain_size(group: Any) -> tuple[int, int]:
+    """``deep_ep.get_physical_domain_size(group)`` (deep_ep/utils/envs.py:116-127; nccl.cu:49-54):
+    ``(num_rdma_ranks, num_nvlink_ranks)`` of the group's communicator."""
+    check_context()
+    nvl = _nvl_ranks(group.size())
+    ep_assert(group.size() % nvl == 0, "num_ranks % num_nvl_ranks == 0", _NCCL_CU)
+    return group.size() // nvl, nvl
 
 
 def _jit_failure(what: str) -> RuntimeError:
@@ -100,8 +130,14 @@ class ElasticBuffer:
                                       f"most {NVLINK_DOMAIN} ranks): past a domain with allow_hybrid_mode DeepEP runs "
                                       "its hybrid kernels (csrc/kernels/backend/nccl.cu:118-124), not emulated")
         self.group = group
+        if os.environ.get(vendor.NCCL_GIN_CROSS_NIC) == "0":  # elastic.py:279-282
+            os.environ.setdefault(vendor.NCCL_SYM_REUSE_SYSMEM_HANDLES, "1")
+        # check_nvlink_connections(group) (elastic.py:320; deep_ep/utils/envs.py:145-156)
+        if vendor.pcie_pairs_only(_v1().EMULATED_DEVICE_NAME):
+            assert self.num_ranks <= vendor.PCIE_MAX_RANKS, vendor.PCIE_ASSERT_MESSAGE
         # ncclDevCommCreate with GIN requirements when num_ranks > 1 and EP_DISABLE_GIN is 0 (nccl.cu:86-99).
-        if self.num_ranks > 1 and os.environ.get(vendor.EP_DISABLE_GIN, "0") == "0" and not EMULATED_NETWORK_HAS_GIN:
+        self._gin = self.num_ranks > 1 and not vendor.gin_disabled(os.environ)
+        if self._gin and not EMULATED_NETWORK_HAS_GIN:
             ep_assert(False, f"{vendor.V2_GIN_UNAVAILABLE}. This is usually due to a network configuration issue, such "
                              "as `allow_hybrid_mode=0` (disable direct RDMA kernels) in multi-plane network.", _NCCL_CU)
         if num_bytes is None:  # _C.calculate_elastic_buffer_size (elastic.py:304-309; buffer.hpp:657)
@@ -116,6 +152,8 @@ class ElasticBuffer:
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.allow_hybrid_mode, self.allow_multiple_reduction = allow_hybrid_mode, allow_multiple_reduction
         self.num_allocated_qps = num_allocated_qps or 17  # non-hybrid default (elastic.py:328-335)
+        self.num_nvlink_ranks = _nvl_ranks(self.num_ranks)  # get_physical_domain_size() (elastic.py:362)
+        self.num_rdma_ranks = self.num_ranks // self.num_nvlink_ranks
         self.explicitly_destroy = explicitly_destroy
         self._comm = Comm(group)
         self._calls = 0
@@ -165,7 +203,7 @@ class ElasticBuffer:
         R = self.num_ranks
         n_max = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
         align = 1 if expert_alignment is None else expert_alignment
-        num_sms = num_sms or DEVICE_SMS
+        num_sms = num_sms or _device_sms()
         ep_assert(num_sms > 0, "num_sms > 0", _BUFFER_HPP)
         ep_assert(not do_zero_padding or do_expand, "not do_zero_padding or do_expand", _BUFFER_HPP)
         ep_assert(x.dim() == 2, "t.dim() == 2", "csrc/elastic/utils.hpp")
@@ -202,7 +240,7 @@ class ElasticBuffer:
                   and local <= vendor.V2_MAX_EXPERTS_PER_RANK,
                   "num_experts % num_ranks == 0 and num_ranks <= kNumMaxRanks and num_experts <= kNumMaxExperts and "
                   "num_experts_per_rank <= kNumMaxExpertsPerRank", _LAYOUT_CUH)
-        ep_assert(num_sms <= DEVICE_SMS, "num_sms <= jit::device_runtime->get_num_sms()", _BUFFER_HPP)
+        ep_assert(num_sms <= _device_sms(), vendor.V2_NUM_SMS_ASSERT, _BUFFER_HPP)
         if K > vendor.V2_MAX_TOPK:
             raise _jit_failure(f"kNumTopk <= {vendor.V2_MAX_TOPK} (deep_ep/include/deep_ep/impls/dispatch.cuh:93)")
         if align < 1:
@@ -210,6 +248,11 @@ class ElasticBuffer:
         ids = topk_idx.long()
         device_assert(bool(((ids >= -1) & (ids < num_experts)).all()), "expert id in [-1, num_experts)",
                       "dispatch.cuh")
+        if not self._gin and self.num_nvlink_ranks < R:
+            # The direct kernels reach the other NVLink domains through GIN contexts the device communicator was made
+            # without (EP_DISABLE_GIN, nccl.cu:86-97): undefined on a GPU, a trap here.
+            raise lose_context("dispatch: GIN calls on a device communicator without GIN contexts (EP_DISABLE_GIN "
+                               "on a group over several NVLink domains)")
         self._calls += 1
         x_out, out_ids, out_w, handle, _ = self._exchange(x, sf, ids, topk_weights, num_experts, n_max, align, num_sms,
                                                           do_expand, do_zero_padding,
