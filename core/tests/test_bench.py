@@ -150,3 +150,19 @@ def test_the_combine_reduction_benchmark_checks_its_bits_and_runs():
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()[1:]] == ["7", "300"]
+
+
+def test_the_ops_column_counts_what_moves_data():
+    """``moe-dispatch bench --profile``'s ops: index_select (whose output allocation is not a launch) and the copy
+    inside ``.to`` count; views and allocations do not."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_dispatch_testing.bench.worker import launches
+
+    x, index = torch.randn(8, 4), torch.tensor([0, 2])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        x.view(4, 8).t()
+        x.index_select(0, index).to(torch.bfloat16)
+        torch.empty(3)
+    assert launches(prof.events()) == 2

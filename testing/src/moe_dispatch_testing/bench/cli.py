@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cases: the grid; overhead: the core API's per-call cost; overlap: two micro-batches "
                         "overlapped in split phase against sequential (world size 2 unless --world-size); all: every one")
     p.add_argument("--profile", action="store_true",
-                   help="also print torch.profiler's op table (rank 0) for each case: the cost of each stage")
+                   help="also print torch.profiler's op table (rank 0) for each case: the cost of each stage; and "
+                        "an ops column: kernel-launching ATen ops per dispatch + combine")
     p.add_argument("--json", action="store_true", help="print JSON (schema 1) instead of tables")
     p.add_argument("--plot", metavar="PATH", default=None, help="write latency curves to this PNG (needs matplotlib)")
 
@@ -91,14 +92,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and results:
         report.plot(results, args.plot)
     if args.json:
-        for table in profiles:
-            print(table, file=sys.stderr)
+        for profile in profiles:
+            print(profile.table, file=sys.stderr)
         print(report.to_json(results, overhead, overlap, {"warmup": settings.warmup, "iterations": settings.iterations,
                                                  "seed": settings.seed, "check_inputs": settings.check_inputs,
                                                  "baseline": baseline}))
         return 0
     if results:
-        print(report.format_table(results))
+        print(report.format_table(results, {p.case: p.ops for p in profiles}))
     if overlap:
         if results:
             print()
@@ -107,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
         if results or overlap:
             print()
         print(report.format_overhead(overhead))
-    for table in profiles:
-        print(f"\n{table}")
+    for profile in profiles:
+        print(f"\n{profile.table}")
     if args.plot and results:
         print(f"\nplot written to {args.plot}")
     return 0

@@ -24,10 +24,12 @@ def _mb(value: float) -> str:
     return f"{value / 1e6:.2f}"
 
 
-def format_table(results: list[CaseResult]) -> str:
+def format_table(results: list[CaseResult], ops: dict | None = None) -> str:  # type: ignore[type-arg]
+    """The grid; with ``ops`` (case → ops per dispatch + combine, ``--profile``) an ``ops`` column."""
+    ops = ops or {}
     head = (f"{'backend':<10} {'dtype':<6} {'mode':<11} {'R':>2} {'T/rank':>6} {'H':>5} "
             f"{'disp ms':>8} {'p90':>8} {'comb ms':>8} {'p90':>8} {'disp MB':>8} {'comb MB':>8} "
-            f"{'check B':>7} {'wire':>5} {'GB/s':>6} {'floor x':>7} {'vs ag':>6}")
+            f"{'check B':>7} {'wire':>5} {'GB/s':>6} {'floor x':>7} {'vs ag':>6}" + (f" {'ops':>5}" if ops else ""))
     lines = [head, "-" * len(head)]
     for r in results:
         c = r.case
@@ -37,12 +39,14 @@ def format_table(results: list[CaseResult]) -> str:
             f"{c.hidden:>5} {_ms(r.dispatch_ms):>8} {_ms(r.dispatch_p90_ms):>8} {_ms(r.combine_ms):>8} "
             f"{_ms(r.combine_p90_ms):>8} {_mb(r.dispatch_bytes):>8} {_mb(r.combine_bytes):>8} "
             f"{r.check_bytes:>7.0f} {r.wire_ratio:>5.2f} {r.gb_per_s:>6.2f} {r.floor_ratio:>7.2f} {ag:>6}"
+            + (f" {ops[c]:>5.0f}" if c in ops else (" " * 6 if ops else ""))
         )
     lines.append(
         "ms: median (p90) over iterations of the slowest rank; MB: sent per rank; check B: the call "
         "check's bytes per rank per dispatch+combine; wire: payload bytes / "
         "WireFormat rows; floor x: (dispatch+combine) / bare all_to_all_single of the same bytes; "
-        "vs ag: / the allgather backend"
+        "vs ag: / the allgather backend" + ("; ops: kernel-launching ATen ops per dispatch+combine on rank 0 "
+                                             "(torch.profiler: leaf ops, views and allocations left out)" if ops else "")
     )
     return "\n".join(lines)
 

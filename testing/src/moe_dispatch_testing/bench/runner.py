@@ -9,7 +9,7 @@ from typing import Callable, TextIO
 
 from .cases import BenchCase, BenchSettings
 from .results import CaseResult, summarize_case, with_baselines
-from .worker import measure_case, profile_case
+from .worker import CaseProfile, measure_case, profile_case
 
 Progress = Callable[[int, int, BenchCase, "CaseResult | None"], None]
 
@@ -66,8 +66,8 @@ def run_bench(
     return with_baselines(results, baseline) if baseline else results
 
 
-def profile_cases(cases: list[BenchCase], settings: BenchSettings = BenchSettings()) -> list[str]:
-    """Rank 0's profiler table for each case."""
+def profile_cases(cases: list[BenchCase], settings: BenchSettings = BenchSettings()) -> list[CaseProfile]:
+    """Rank 0's profiler table and ops per dispatch + combine for each case."""
     from moe_dispatch_testing.local import RankPool
 
     tables = []

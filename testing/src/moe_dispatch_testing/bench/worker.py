@@ -154,12 +154,43 @@ def capacity_pairs(case: BenchCase) -> int:
     return case.tokens_per_rank * case.world_size if case.mode is Mode.LOW_LATENCY else 0
 
 
-__all__ = ["RankSamples", "capacity_pairs", "case_inputs", "case_spec", "measure_case"]
+__all__ = ["CaseProfile", "RankSamples", "capacity_pairs", "case_inputs", "case_spec", "launches", "measure_case"]
 
 
-def profile_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings, rows: int = 12) -> str:
+#: ATen ops that launch no kernel: views, shape and allocation (a leaf of these moves no data).
+_NO_KERNEL = frozenset({
+    "aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::reshape", "aten::_reshape_alias",
+    "aten::unsqueeze", "aten::squeeze", "aten::narrow", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
+    "aten::alias", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_strided", "aten::empty_like",
+    "aten::resize_", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::flatten",
+    "aten::unflatten", "aten::view_as", "aten::expand_as", "aten::set_", "aten::result_type", "aten::is_nonzero",
+    "aten::_unsafe_view", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::new_empty",
+})
+
+
+def launches(events: Any) -> int:
+    """What would be kernel launches on an accelerator among ``torch.profiler`` events: the innermost ATen ops (and
+    c10d collectives) that move or compute data, i.e. those with no such op below them; views, shapes and
+    allocations (``_NO_KERNEL``) move none."""
+    def moves(event: Any) -> bool:
+        return event.name.startswith("c10d::") or (event.name.startswith("aten::") and event.name not in _NO_KERNEL)
+
+    def below(event: Any) -> bool:
+        return any(moves(child) or below(child) for child in event.cpu_children)
+
+    return sum(1 for event in events if moves(event) and not below(event))
+
+
+@dataclass(frozen=True)
+class CaseProfile:
+    case: BenchCase
+    table: str  # torch.profiler's op table on rank 0
+    ops: float  # ``launches`` per dispatch + combine on rank 0
+
+
+def profile_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings, rows: int = 12) -> CaseProfile:
     """torch.profiler's table of ops (self CPU time) over a few dispatch + combine iterations
-    on this rank: where the time goes, stage by stage (``moe-dispatch bench --profile``)."""
+    on this rank: where the time goes, stage by stage, and the ops per call (``moe-dispatch bench --profile``)."""
     from torch.profiler import ProfilerActivity, profile
 
     dispatcher, x, ids, weights = _setup(rank, case, settings)
@@ -173,4 +204,5 @@ def profile_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
         for _ in range(iterations):
             dispatcher.combine(expert_rows, dispatcher.dispatch(x, ids, weights))
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return f"rank {rank}, {iterations} iterations of dispatch + combine, {case.label}:\n{table}"
+    return CaseProfile(case, f"rank {rank}, {iterations} iterations of dispatch + combine, {case.label}:\n{table}",
+                       launches(prof.events()) / iterations)
