@@ -36,11 +36,11 @@ def test_a_case_that_cannot_split_its_experts_is_refused_before_any_rank_starts(
 
 
 def test_bench_json_counts_exactly_the_wire_format_bytes(capsys):
-    """2 ranks, every dtype and both modes, with the allgather baseline: the payload per
+    """2 ranks, every dtype and both modes, with the allgather baseline (``--full``): the payload per
     rank is exactly WireFormat × (pairs | tokens × ranks | capacity × ranks), times are
     positive and p90 >= median, the floor and baseline ratios are there."""
-    code = main(["bench", "--world-size", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "--top-k", "3",
-                 "--iters", "3", "--warmup", "1", "--only", "cases", "--json"])
+    code = main(["bench", "--full", "--world-size", "2", "--tokens", "8", "--hidden", "256", "--experts", "8",
+                 "--top-k", "3", "--iters", "3", "--warmup", "1", "--only", "cases", "--json"])
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == 1
@@ -166,3 +166,12 @@ def test_the_ops_column_counts_what_moves_data():
         x.index_select(0, index).to(torch.bfloat16)
         torch.empty(3)
     assert launches(prof.events()) == 2
+
+
+def test_the_defaults_are_the_quick_sweep(capsys):
+    """Without ``--full``: BF16 and FP8, no baseline, 8 iterations after 2 (the tokens given here)."""
+    assert main(["bench", "--world-size", "2", "--tokens", "8", "--hidden", "256", "--experts", "8", "--top-k", "3",
+                 "--only", "cases", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {(c["case"]["backend"], c["case"]["dtype"]) for c in doc["cases"]} == {("torch", "bf16"), ("torch", "fp8")}
+    assert doc["settings"]["iterations"] == 8 and doc["settings"]["warmup"] == 2 and doc["settings"]["baseline"] is None

@@ -17,21 +17,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``moe-dispatch bench``'s options. Method: docs/performance.md."""
     p.add_argument("--backend", action="append", help="backend to measure (repeatable; default torch)")
     p.add_argument("--dtype", action="append", type=flags.dtype,
-                   help="wire dtype (repeatable; default every dtype the backend accepts)")
+                   help="wire dtype (repeatable; default bf16 and fp8, with --full every dtype the backend accepts)")
     p.add_argument("--mode", action="append", type=flags.mode, help=f"{flags.MODES} (repeatable; default both)")
     p.add_argument("--world-size", type=flags.positive_int, action="append", help="local ranks (repeatable; default 4)")
     p.add_argument("--tokens", type=flags.positive_int, action="append",
-                   help="tokens per rank (repeatable; default 128 and 512)")
+                   help="tokens per rank (repeatable; default 128, with --full 128 and 512)")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS),
                    help="model shape (repeatable; default deepseek-v3); --hidden/--experts/--top-k override its "
                         "fields, all three without --preset are a custom shape")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the preset's)")
     p.add_argument("--experts", type=int, default=None, help="number of experts (default: the preset's)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per case")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per case (default 8, with --full 20)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 2, with --full 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and routing (default 0)")
-    p.add_argument("--baseline", default="allgather", help="backend to compare with, or 'none'")
+    p.add_argument("--baseline", default=None,
+                   help="backend to compare with, or 'none' (default none, with --full allgather)")
+    p.add_argument("--full", action="store_true",
+                   help="the full sweep (every dtype, 128 and 512 tokens, 20 iterations, against allgather: minutes); "
+                        "the defaults answer in about a minute on two cores")
     p.add_argument("--check-inputs", action="store_true", help="time dispatch with the value checks on")
     p.add_argument("--only", choices=["all", "cases", "overhead", "overlap"], default="all",
                    help="cases: the grid; overhead: the core API's per-call cost; overlap: two micro-batches "
@@ -59,8 +63,11 @@ def run(args: argparse.Namespace) -> int:
         report.require_matplotlib(args.plot)  # before any rank starts, not after every case ran
     backends = args.backend or ["torch"]
     modes = [Mode.parse(m) for m in args.mode] if args.mode else list(Mode)
-    wanted = [DispatchDtype.parse(d) for d in args.dtype] if args.dtype else list(DispatchDtype)
-    settings = BenchSettings(warmup=args.warmup, iterations=args.iters, seed=args.seed,
+    quick = [DispatchDtype.BF16, DispatchDtype.FP8]
+    wanted = [DispatchDtype.parse(d) for d in args.dtype] if args.dtype else list(DispatchDtype) if args.full else quick
+    tokens = args.tokens or ([128, 512] if args.full else [128])
+    settings = BenchSettings(warmup=_default(args.warmup, 3 if args.full else 2),
+                             iterations=_default(args.iters, 20 if args.full else 8), seed=args.seed,
                              check_inputs=args.check_inputs)
     cases = []
     if args.only in ("all", "cases"):
@@ -68,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
             caps = host.get_backend(backend).capabilities
             for mode in modes:
                 dtypes = [d for d in wanted if d in caps.dtypes.get(mode, ())]
-                cases += expand_cases([backend], dtypes, [mode], args.world_size or [4],
-                                      args.tokens or [128, 512], _shapes(args))
+                cases += expand_cases([backend], dtypes, [mode], args.world_size or [4], tokens, _shapes(args))
     cases.sort(key=lambda c: c.world_size)  # one pool per world size
     overlap_cases = []
     if args.only in ("all", "overlap"):
@@ -77,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
             caps = host.get_backend(backend).capabilities
             for mode in modes:
                 dtypes = [d for d in wanted if d in caps.dtypes.get(mode, ())][:1]  # one dtype: the schedule is the point
-                overlap_cases += expand_cases([backend], dtypes, [mode], args.world_size or [2],
-                                              args.tokens or [128, 512], _shapes(args))
-    baseline = None if args.baseline == "none" else args.baseline
+                overlap_cases += expand_cases([backend], dtypes, [mode], args.world_size or [2], tokens,
+                                              _shapes(args))
+    chosen = _default(args.baseline, "allgather" if args.full else "none")
+    baseline = None if chosen == "none" else chosen
     if baseline:
         host.get_backend(baseline)  # a typo fails before any rank starts
     _check_cases([*cases, *overlap_cases, *([c.with_backend(baseline) for c in cases] if baseline else [])], host)
@@ -112,7 +119,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{profile.table}")
     if args.plot and results:
         print(f"\nplot written to {args.plot}")
+    if not args.full:
+        print("\nquick defaults; the full sweep (every dtype, 128 and 512 tokens, 20 iterations, against allgather): "
+              "moe-dispatch bench --full")
     return 0
+
+
+def _default(value, default):  # type: ignore[no-untyped-def]
+    return default if value is None else value
 
 
 def _check_cases(cases: list, host) -> None:  # type: ignore[no-untyped-def, type-arg]

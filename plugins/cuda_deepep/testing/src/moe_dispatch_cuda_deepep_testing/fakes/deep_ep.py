@@ -1496,7 +1496,7 @@ __all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "Even
 def __getattr__(name: str) -> Any:
     """V2's ``ElasticBuffer`` and ``EPHandle`` (``deep_ep_elastic``), exported as DeepEP 2.x does; loaded on first use
     (that module builds on this one)."""
-    if name in ("ElasticBuffer", "EPHandle", "get_physical_domain_size"):
+    if name in ("ElasticBuffer", "EPHandle", vendor.V2_PHYSICAL_DOMAIN_SIZE):
         from . import deep_ep_elastic
 
         return getattr(deep_ep_elastic, name)
