@@ -737,3 +737,22 @@ def test_what_the_elastic_constructor_writes_is_put_back(moe_rank_pools):
     for seen, after in moe_rank_pools.get(2).map(_written_by_the_constructor):
         assert seen == ["1"] and after == "unset"
     assert vendor.NCCL_SYM_REUSE_SYSMEM_HANDLES in vendor.V2_WRITTEN
+
+
+def _replacement_refused_on_one_rank(rank: int, world: int) -> object:
+    x, ids, w = _routing(rank, 8, 8, 2)
+    x = x.repeat(1, 2)
+    backend = DeepEPV2Backend(vendor_module=EMULATOR)
+    small = md.create_dispatcher(backend, _spec(mode="low_latency"), env={})
+    kept = small.dispatch(x, ids, w)
+    if rank == 1:
+        del kept  # dropped on rank 1 only: only rank 0 would refuse to destroy the buffer
+    outcome = _outcome(lambda: md.create_dispatcher(backend, _spec(num_max_dispatch_tokens_per_rank=1024), env={}))
+    backend.close()
+    return outcome
+
+
+def test_ranks_refuse_a_buffer_replacement_together(moe_rank_pools):
+    """The refusal is max-reduced over the group before DeepEP's collective destroy(): a rank that may still read the
+    buffer does not leave the others waiting in its barrier (a second audit's finding)."""
+    assert moe_rank_pools.get(2).map(_replacement_refused_on_one_rank) == [("CapacityError", "options.buffer_bytes")] * 2

@@ -131,7 +131,7 @@ class ElasticBuffers:
     def __init__(self) -> None:
         self._by_group: dict[int, Shared] = {}
 
-    def open(self, module: Any, group: Any, num_bytes: int, timeout_s: float) -> "Shared":
+    def open(self, module: Any, group: Any, num_bytes: int, timeout_s: float, device: torch.device) -> "Shared":
         """The group's buffer, made (or replaced by a larger one) when ``num_bytes`` exceeds it. DeepEP's host wait
         for the counts gives up after ``num_cpu_timeout_secs`` ("Dispatch CPU wait", buffer.hpp:1063): the creating
         dispatcher's ``timeout_s``, so a peer that never dispatches ends in an error, not a hang, in normal mode.
@@ -143,7 +143,17 @@ class ElasticBuffers:
         if shared is None:
             shared = self._by_group[id(group)] = Shared()
         if shared.buffer is not None:  # every rank replaces it at the same creation: the plans are agreed
-            shared.check_replaceable(num_bytes)
+            # ... and refuses together: a dispatch output alive on some ranks only must not let the others into
+            # destroy()'s barrier (one flag, max-reduced over the group).
+            why = shared.replace_refusal(num_bytes)
+            flag = torch.tensor([0 if why is None else 1], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            if int(flag.item()):
+                raise md.CapacityError(
+                    why or "another rank's DeepEP ElasticBuffer of this group may still be read (a dispatch awaiting "
+                    "its combine, a started call, or a captured graph there), so no rank replaces it",
+                    parameter="options.buffer_bytes", value=num_bytes,
+                    allowed=f"<= {shared.buffer.num_bytes} on this group's buffer")
             shared.buffer.destroy()
             shared.buffer = None
         with restored_environ(names=vendor.V2_WRITTEN):  # what the constructor writes (elastic.py:279-298)
@@ -177,25 +187,22 @@ class Shared:
     #: Dispatch handles not yet combined and started calls not yet waited (dropped ones leave with their objects).
     outstanding: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
-    def check_replaceable(self, num_bytes: int) -> None:
-        """Typed refusal to destroy a buffer that may still be read (``destroy()`` frees its NCCL window). The same on
-        every rank: they capture, dispatch and combine the same calls in the same order (a collection first, so that
-        an output dropped in a reference cycle counts as dropped everywhere)."""
+    def replace_refusal(self, num_bytes: int) -> str | None:
+        """Why this rank must not destroy its buffer (``destroy()`` frees its NCCL window) for one of ``num_bytes``,
+        None when it may (a collection first, so that an output dropped in a reference cycle counts as dropped)."""
         if len(self.outstanding):
             gc.collect()
         pending = len(self.outstanding)
         if not (self.captured or pending):
-            return
+            return None
         why = ("CUDA graphs captured DeepEP V2 calls on it (their replays would run on the freed window)"
                if self.captured else f"{pending} dispatch(es) await their combine or started call(s) their wait() "
                                      "on it")
         held = self.buffer.num_bytes
-        raise md.CapacityError(
-            f"the group's DeepEP ElasticBuffer holds {held:,} B and this layer needs {num_bytes:,} B; replacing it "
-            f"would destroy it (its NCCL window deregistered, its memory freed: csrc/elastic/buffer.hpp:152-166) while "
-            f"{why}. Create the largest layer first, or give the first layer options={{'buffer_bytes': ...}} (e.g. "
-            f"moe_dispatch.planning.plan_buffers('{NAME}', every_layers_spec, world_size).total_bytes)",
-            parameter="options.buffer_bytes", value=num_bytes, allowed=f"<= {held} on this group's buffer")
+        return (f"the group's DeepEP ElasticBuffer holds {held:,} B and this layer needs {num_bytes:,} B; replacing it "
+                f"would destroy it (its NCCL window deregistered, its memory freed: csrc/elastic/buffer.hpp:152-166) "
+                f"while {why}. Create the largest layer first, or give the first layer options={{'buffer_bytes': ...}} "
+                f"(e.g. moe_dispatch.planning.plan_buffers('{NAME}', every_layers_spec, world_size).total_bytes)")
 
 
 @dataclass(frozen=True, eq=False)  # by identity: ``Shared.outstanding`` holds them
@@ -292,13 +299,15 @@ class DeepEPV2Backend(mdb.Backend):
         num_sms = _num_sms_option(ctx.options, vendor.device_num_sms(module))
         reserve = _buffer_bytes_option(ctx.options)
         group = ctx.comm.process_group
-        problem = None if group is None else vendor.group_backend_problem(group, ctx.device)
+        # DeepEP asks the group for its CUDA backend whatever the dispatcher's device (comm.py:61); the fake, CPU's.
+        device = ctx.device if self.vendor_module != vendor.REAL else torch.device(vendor.V2_COMM_DEVICE)
+        problem = None if group is None else vendor.group_backend_problem(group, device)
         if problem is not None:
             raise md.InvalidSpecError(
-                f"DeepEP's ElasticBuffer takes the group's {ctx.device.type} backend for its NCCL communicator "
+                f"DeepEP's ElasticBuffer takes the group's {device.type} backend for its NCCL communicator "
                 f"(deep_ep/utils/comm.py:61): {problem}", parameter="group",
                 value=torch.distributed.get_backend(group),
-                allowed=f"a group with a {ctx.device.type} backend (NCCL: init_process_group('nccl') or "
+                allowed=f"a group with a {device.type} backend (NCCL: init_process_group('nccl') or "
                         "'cpu:gloo,cuda:nccl')")
         return num_sms, reserve
 
@@ -321,7 +330,7 @@ class DeepEPV2Backend(mdb.Backend):
                                                spec.top_k, ctx.dtype is F8)
         num_bytes = max(hint, reserve)
         try:
-            shared = self._buffers.open(module, group, num_bytes, ctx.comm.timeout_s)
+            shared = self._buffers.open(module, group, num_bytes, ctx.comm.timeout_s, ctx.device)
         except RuntimeError as exc:
             if vendor.V2_GIN_UNAVAILABLE not in str(exc):
                 raise

@@ -1580,6 +1580,10 @@ def gin_disabled(environ: Any) -> bool:
 V2_NUM_SMS_ASSERT = "num_sms <= jit::device_runtime->get_num_sms()"
 
 
+#: The device type whose backend DeepEP V2 takes from the group (deep_ep/utils/comm.py:61 ``torch.device('cuda')``).
+V2_COMM_DEVICE = "cuda"
+
+
 def group_backend_problem(group: Any, device: torch.device) -> str | None:
     """Why the group cannot carry DeepEP V2's communicator on ``device`` (None: it can). DeepEP takes
     ``group._get_backend(torch.device('cuda'))`` (deep_ep/utils/comm.py:61) and reuses its NCCL communicator

@@ -7,7 +7,7 @@ each slot asks for its own layout with a few extra dispatch bytes per token (``v
 the slots are the first past every layout of this shape the ranks' caches hold (``_first_free_ep_slot``,
 compared on the fields no transport changes). The size is FlashInfer's ``moe_a2a_get_workspace_layout`` where its
 module runs, else the port (``vendor.ep_workspace_layout``); CFT counted writes and the Lamport transport
-(compute capability 10) add regions FlashInfer sizes itself. The MNNVL address-range refusals below apply to
+(compute capability 10), which add regions of their own, are asked off (``vendor.EP_TRANSPORTS``). The MNNVL address-range refusals below apply to
 both; 0.7.4 chooses the handle type per allocation, so it has no process-wide FABRIC decision to agree on.
 
 Workspaces. ``MoeAlltoAll`` caches its MNNVL workspace at class level, keyed by (workspace size,
@@ -146,9 +146,6 @@ class FlashInferA2ABackend(mdb.Backend):
         reason = info.a2a_reason()
         if reason is None and not info.fake and not torch.cuda.is_available():
             return "no CUDA device"
-        if reason is None and info.a2a_profile().one_sided and not info.api.NVLinkOneSidedAlltoAll.is_platform_supported():
-            return ("FlashInfer's NVLink one-sided all-to-all is not supported on this GPU (no P2P-capable NVLink, or "
-                    "not all of its NVLinks up: moe_ep nvlink_common.py nvlink_platform_supported)")
         return reason
 
     def check_spec(self, spec: md.DispatchSpec, world_size: int) -> None:
@@ -237,6 +234,12 @@ class FlashInferA2ABackend(mdb.Backend):
                 allowed=f"{self.in_flight}, or FlashInferA2ABackend(in_flight={in_flight})")
         info = self.vendor()
         assert info.api is not None  # probe
+        if info.a2a_profile().one_sided and not info.api.NVLinkOneSidedAlltoAll.is_platform_supported():
+            # here, on the rank's own thread and device (probe may run elsewhere, on device 0): before any collective
+            raise md.BackendUnavailableError(
+                "FlashInfer's NVLink one-sided all-to-all is not supported on this rank's GPU (no P2P-capable NVLink, "
+                "or not all of its NVLinks up: moe_ep nvlink_common.py nvlink_platform_supported)",
+                parameter="backend", value=self.name, allowed="GPUs whose NVLinks are all up")
         base = self._workspace(ctx)
         _check_reservation(info.api.MnnvlMemory, ctx.world_size, base)
         return {"FlashInfer": f"{info.module_name} {info.version_text}", "in_flight": self.in_flight,
@@ -290,7 +293,7 @@ class FlashInferA2ABackend(mdb.Backend):
 
 def _one_sided_instances(api: Any, ctx: mdb.DispatchContext, kernel_k: int, slots: list[int]) -> list[Any]:
     """An ``NVLinkOneSidedAlltoAll`` per slot, each on a workspace of its own (the slot's extra bytes per
-    token), handle exchange over the dispatcher's group; transports (CFT, Lamport) as FlashInfer picks them."""
+    token), handle exchange over the dispatcher's group, the fence transport only (``vendor.EP_TRANSPORTS``)."""
     spec, R, T = ctx.spec, ctx.world_size, ctx.spec.num_max_dispatch_tokens_per_rank
     fmt = vendor.EP_DISPATCH_FORMATS[spec.wire_format().dtype.value]
     params = api.MoEEpCommParams(num_experts=spec.num_experts, top_k=kernel_k, max_tokens_per_rank=T,
@@ -367,7 +370,9 @@ def _first_free_ep_slot(cls: type, rank: int, world: int, layout_of: Callable[[i
     that do not depend on the transports FlashInfer adds regions for) this rank's
     ``NVLinkOneSidedAlltoAll._WORKSPACES`` holds."""
     fields = ("MAX_NUM_TOKENS", "TOP_K", "COMBINE_INPUT_SIZE", "DISPATCH_PAYLOAD_SIZE", "EPLB_STATS_NUM_EXPERTS")
-    held = {tuple(lay[f] for f in fields) for lay in vendor.ep_cached_layouts(cls, rank, world)}
+    shape = {f: layout_of(FIRST_SLOT)[f] for f in fields if f != "DISPATCH_PAYLOAD_SIZE"}
+    held = {tuple(lay[f] for f in fields) for lay in vendor.ep_cached_layouts(cls, rank, world)
+            if all(lay[f] == v for f, v in shape.items())}  # this shape's only: its slots differ in capacity alone
     largest = max((key[3] for key in held), default=-1)  # slots grow the dispatch capacity: none past this is held
     used, j = [], FIRST_SLOT
     while (layout := layout_of(j))["DISPATCH_PAYLOAD_SIZE"] <= largest:
