@@ -3,6 +3,7 @@ call; docs/evidence/vendor-notes/deepgemm-segfault-hypotheses.md), stage by stag
 
     DG_JIT_DEBUG=1 stdbuf -oL -eL python3 -X faulthandler benchmarks/gpu/dg_probe.py STAGE [--tests DIR]
     python3 benchmarks/gpu/dg_probe.py STAGE --variants     # the same in fresh processes: NVCC, NVRTC; cold, warm
+    python3 benchmarks/gpu/dg_probe.py 5 --variants --fake  # the plumbing on CPU, the fake DeepGEMM in its place
 
 0. the environment (``CUDA_HOME`` set explicitly: ``vendor.dg_cuda_home``, the real nvcc's root) and the installed
    package (its include/ headers, the extension's linked libraries);
@@ -38,7 +39,7 @@ def say(text: str) -> None:
     print(f"== {text}", flush=True)
 
 
-def variants(stage: int, tests: str, timeout_s: int) -> int:
+def variants(stage: int, tests: str, timeout_s: int, fake: bool) -> int:
     """Stages 0..``stage`` in fresh processes: NVCC and NVRTC, each cold (an emptied cache) then warm."""
     from moe_dispatch_cuda_deepep import vendor
 
@@ -52,7 +53,7 @@ def variants(stage: int, tests: str, timeout_s: int) -> int:
             say(f"run {compiler} {cache_state}: {vendor.DG_JIT_USE_NVRTC}={env[vendor.DG_JIT_USE_NVRTC]} "
                 f"{vendor.DG_JIT_CACHE_DIR}={cache}")
             command = ["stdbuf", "-oL", "-eL", sys.executable, "-X", "faulthandler", __file__, str(stage),
-                       "--tests", tests]
+                       "--tests", tests, *(["--fake"] if fake else [])]
             try:
                 done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       timeout=timeout_s, check=False)
@@ -77,12 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tests", default=".hw-src/DeepGEMM/tests", help="DeepGEMM's tests/ folder (stage 4)")
     p.add_argument("--variants", action="store_true", help="in fresh processes: NVCC, NVRTC; cold, warm cache")
     p.add_argument("--timeout", type=int, default=150, help="seconds per process with --variants")
+    p.add_argument("--fake", action="store_true", help="the fake DeepGEMM on CPU (the script's plumbing, no GPU)")
     args = p.parse_args(argv)
     if args.variants:
-        return variants(args.stage, args.tests, args.timeout)
+        return variants(args.stage, args.tests, args.timeout, args.fake)
+    import importlib
+
     import torch
 
     from moe_dispatch_cuda_deepep import vendor
+    from moe_dispatch_cuda_deepep_testing import DEEP_GEMM_EMULATOR, hardware
 
     # DeepGEMM reads its CUDA root once, at import (deep_gemm/__init__.py:104-125): set it before, explicitly.
     given = next((os.environ[name] for name in vendor.DG_CUDA_HOME_VARIABLES if os.environ.get(name)), None)
@@ -94,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{nvcc and os.path.realpath(nvcc)} "
         + " ".join(f"{name}={os.environ.get(name)}" for name in (vendor.DG_JIT_USE_NVRTC, vendor.DG_JIT_CACHE_DIR))
         + f" stack={resource.getrlimit(resource.RLIMIT_STACK)} torch={torch.__version__}")
-    import deep_gemm
+    deep_gemm = importlib.import_module(DEEP_GEMM_EMULATOR if args.fake else vendor.DEEP_GEMM)
+    device = torch.device("cpu" if args.fake else "cuda")
+    if args.fake:
+        from moe_dispatch_testing.local import one_rank_group
 
+        one_rank_group("gloo")
+    setup = hardware.fake_setup() if args.fake else hardware.Setup("deep_ep", "deep_gemm", device, None, None, False)
     root = os.path.dirname(deep_gemm.__file__)
     headers = sum(len(files) for _, _, files in os.walk(os.path.join(root, "include")))
     say(f"0 deep_gemm {getattr(deep_gemm, '__version__', '?')} at {root}: {headers} headers ok")
@@ -104,22 +114,23 @@ def main(argv: list[str] | None = None) -> int:
             print(subprocess.run(["ldd", os.path.join(root, name)], capture_output=True, text=True, check=False).stdout,
                   flush=True)
     if args.stage >= 1:
-        say(f"1 device runtime: {deep_gemm.get_num_sms()} SMs ok")
+        sms = "the fake has no device runtime" if args.fake else f"{deep_gemm.get_num_sms()} SMs"
+        say(f"1 device runtime: {sms} ok")
     if args.stage >= 2:
-        from moe_dispatch_cuda_deepep_testing import hardware
-
-        setup = hardware.Setup("deep_ep", "deep_gemm", torch.device("cuda"), None, None, False)
         rows = hardware.deep_gemm_rows(setup, first_only=True) + hardware.scale_layout_rows(setup)
         for row in rows:
             print(row.line(), flush=True)
         say(f"2 the runner's first call, scales laid out by the runner: {sum(r.ok for r in rows)} of {len(rows)} "
             "rows agree ok")
     if args.stage >= 3:
-        sf = torch.rand(512, 16, device="cuda")
+        sf = torch.rand(512, 16, device=device)
         laid = getattr(deep_gemm, vendor.DG_MN_MAJOR_TMA_ALIGNED)(sf)
-        torch.cuda.synchronize()
+        if not args.fake:
+            torch.cuda.synchronize()
         say(f"3 DeepGEMM's transpose JIT: strides {laid.stride()}, equal {torch.equal(laid, sf)} ok")
-    if args.stage >= 4:
+    if args.stage >= 4 and args.fake:
+        say("4 DeepGEMM's own contiguous GEMM: its tests need the real DeepGEMM on a GPU, not run on the fake ok")
+    elif args.stage >= 4:
         sys.path.insert(0, args.tests)
         from generators import MajorTypeAB, generate_m_grouped_contiguous  # DeepGEMM's tests/generators.py
 

@@ -51,3 +51,13 @@ def test_the_one_command_gpu_runner_parses_and_knows_its_steps():
     text = script.read_text()
     for name in ("core", "kit", "profile", "hbm", "bench", "dgprobe", "deepep", "deepgemm", "gdb"):
         assert f"step {name} " in text, name
+
+
+def test_the_deepgemm_probe_runs_its_variants_on_the_fake():
+    """benchmarks/gpu/dg_probe.py's plumbing on CPU (the fake DeepGEMM in its place): four fresh processes (NVCC and
+    NVRTC, a cold and a warm cache), each through the runner's first call, none named as the first death."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "dg_probe.py"), "2", "--fake", "--variants",
+                           "--timeout", "120"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(": exit 0") == 4 and "first death" not in done.stdout, done.stdout
+    assert done.stdout.count("== 2 the runner's first call") == 4, done.stdout
