@@ -2,7 +2,7 @@
 
 Baseline: every expert row cast to fp32 and weighted in 4 MiB chunks, added with ``index_add_``
 into a zeroed fp32 ``[tokens, H]`` tensor, then cast to BF16 (what ``reference/exchange.py`` did
-before issue 16). Measured: ``_sum_terms``, which adds each cache-sized block of tokens into an
+before issue 16). Measured: ``sum_terms``, which adds each cache-sized block of tokens into an
 accumulator that stays in cache and writes each token's BF16 sum once. Both must give the same
 bits (checked before timing). Alternating runs; medians. Run::
 
@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from moe_dispatch._reference.exchange import _CPU_CHUNK_BYTES, _sum_terms, _token_major
+from moe_dispatch._reference.sums import CPU_CHUNK_BYTES, sum_terms, token_major
 from moe_dispatch._reference.slots import Slot
 
 
 def baseline(y: torch.Tensor, row_token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:
     out = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
-    step = max(1, _CPU_CHUNK_BYTES // (4 * y.shape[1]))
+    step = max(1, CPU_CHUNK_BYTES // (4 * y.shape[1]))
     for start in range(0, y.shape[0], step):
         part = slice(start, min(y.shape[0], start + step))
         chunk = y[part].to(torch.float32, copy=True).mul_(weight[part].unsqueeze(1))
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         row_token = torch.randint(0, tokens, (rows,), generator=g)
         weight = torch.rand(rows, generator=g)
         start = time.perf_counter()
-        terms = _token_major(row_token, tokens, args.hidden, _CPU_CHUNK_BYTES, weight)
+        terms = token_major(row_token, tokens, args.hidden, CPU_CHUNK_BYTES, weight)
         table = time.perf_counter() - start
         out, slot = torch.empty(tokens, args.hidden, dtype=torch.bfloat16), Slot(0)
-        _sum_terms(out, y, terms, slot)
+        sum_terms(out, y, terms, slot)
         if not torch.equal(out.view(torch.int16), baseline(y, row_token, weight, tokens).view(torch.int16)):
             raise SystemExit("the one-pass reduction gave other bits than the baseline")
         base, one = [], []
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline(y, row_token, weight, tokens)
             base.append(time.perf_counter() - t)
             t = time.perf_counter()
-            _sum_terms(out, y, terms, slot)
+            sum_terms(out, y, terms, slot)
             one.append(time.perf_counter() - t)
         b, o = statistics.median(base) * 1e3, statistics.median(one) * 1e3
         print(f"{tokens:>7} {rows:>7} {b:>12.1f} {o:>12.1f} {o / b:>6.2f} {table * 1e3:>9.1f}")

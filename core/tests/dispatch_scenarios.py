@@ -57,6 +57,7 @@ def conservation(rank: int, world: int, p: dict) -> dict:
     x, ids, w, starts = global_inputs(p, world)
     spec = spec_for(p, x)
     d = md.create_dispatcher(p.get("backend", "torch"), spec, env={})
+    d.backend_dispatcher.host_paths = not p.get("static", False)  # static: the accelerator's low-latency path
     mine = slice(starts[rank], starts[rank] + p["tokens"][rank])
     out = d.dispatch(x[mine], ids[mine], w[mine])
     if out.layout is md.Layout.PACKED:

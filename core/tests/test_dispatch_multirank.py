@@ -30,6 +30,7 @@ def cases(draw):
         "drop": draw(st.sampled_from([0.0, 0.3, 1.0])),
         "skew": draw(st.sampled_from([0.0, 0.5, 1.0])),
         "group_list_type": draw(st.sampled_from([0, 1])),
+        "static": draw(st.booleans()),
     }
 
 
@@ -68,8 +69,9 @@ def test_payload_bytes_equal_wire_format_times_pairs(moe_rank_pools, dtype, worl
 def test_backends_and_modes_agree_bit_for_bit(moe_rank_pools):
     p = {"seed": 11, "tokens": [7, 3, 0, 8], "hidden": 128, "experts": 16, "top_k": 4, "dtype": "fp8"}
     outs = [
-        [r["result"] for r in moe_rank_pools.get(4).map(conservation, {**p, "mode": mode, "backend": backend})]
-        for mode in ("normal", "low_latency")
+        [r["result"] for r in moe_rank_pools.get(4).map(conservation, {**p, "mode": mode, "backend": backend,
+                                                                          "static": static})]
+        for mode, static in (("normal", False), ("low_latency", False), ("low_latency", True))
         for backend in ("torch", "allgather")
     ]
     for other in outs[1:]:

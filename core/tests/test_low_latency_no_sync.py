@@ -27,6 +27,7 @@ def test_low_latency_dispatch_and_combine_never_read_data_on_the_host(backend, d
     spec = md.DispatchSpec(H, E, k, num_max_dispatch_tokens_per_rank=C, mode="low_latency", output_dtype=dtype,
                            quant=quant)
     d = md.create_dispatcher(backend, spec, env={}, check_inputs=False)  # the value checks do sync, by design
+    d.backend_dispatcher.host_paths = False  # the accelerator's path (on host memory, the counts are read)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     ids, w = random_routing(T, E, k, generator=g, drop_prob=0.2)
     y = None
@@ -37,6 +38,28 @@ def test_low_latency_dispatch_and_combine_never_read_data_on_the_host(backend, d
     assert seen.ops, "no aten op was recorded: the mode did not see the calls"
     synced = seen.host_reads()
     assert not synced, f"low-latency {backend}/{dtype} reads data on the host: {synced}"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
+def test_on_host_memory_only_the_entries_that_exist_are_expanded_to_the_same_bits(dtype):
+    """On CPU, low-latency mode reads the counts and expands only the entries that exist (``host_paths``): the
+    rows, scales, counts, padding and combine bits of the static path, over several calls through one slot."""
+    T, H, E, k, C = 7, 256, 8, 3, 8
+    quant = md.QuantHints(input_global_scale=nvfp4_global_scale(6.0)) if dtype == "nvfp4" else md.QuantHints()
+    spec = md.DispatchSpec(H, E, k, num_max_dispatch_tokens_per_rank=C, mode="low_latency", output_dtype=dtype,
+                           quant=quant)
+    static, compact = (md.create_dispatcher("torch", spec, env={}) for _ in range(2))
+    static.backend_dispatcher.host_paths = False
+    for seed, tokens in enumerate([T, 2, 0, T]):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+        ids, w = random_routing(tokens, E, k, generator=g, drop_prob=0.3)
+        a, b = static.dispatch(x, ids, w), compact.dispatch(x, ids, w)
+        for name in ("hidden_states", "hidden_states_scale", "group_list"):
+            ta, tb = getattr(a, name), getattr(b, name)
+            assert (ta is None) == (tb is None) and (ta is None or torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))), name
+        y = torch.randn(a.hidden_states.shape[:-1] + (H,), generator=g).to(torch.bfloat16)
+        assert torch.equal(static.combine(y, a), compact.combine(y, b)), seed
 
 
 def test_normal_mode_is_seen_to_sync_so_the_detector_works():

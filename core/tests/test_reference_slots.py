@@ -16,9 +16,11 @@ from moe_dispatch_testing.routing import random_routing
 H, E, K, T = 256, 8, 2, 16
 
 
-def _dispatcher(mode: str) -> md.Dispatcher:
-    return md.create_dispatcher("torch", md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode,
-                                                         output_dtype="fp8"), env={})
+def _dispatcher(mode: str, compact: bool = True) -> md.Dispatcher:
+    d = md.create_dispatcher("torch", md.DispatchSpec(H, E, K, num_max_dispatch_tokens_per_rank=T, mode=mode,
+                                                      output_dtype="fp8"), env={})
+    d.backend_dispatcher.host_paths = compact  # False: the static path of accelerators
+    return d
 
 
 def _inputs(seed: int):
@@ -69,10 +71,11 @@ def test_a_lease_ended_late_does_not_free_a_later_dispatchs_slot():
     assert not second.slot.free
 
 
-def test_masked_padding_reads_zero_after_a_fuller_call_in_the_same_slot():
+@pytest.mark.parametrize("compact", [True, False])
+def test_masked_padding_reads_zero_after_a_fuller_call_in_the_same_slot(compact):
     """Low-latency dispatch re-zeroes only the rows its slot's previous call wrote: after a full batch, a batch of
     three tokens with other experts must still show zero everywhere past each expert's count."""
-    d = _dispatcher("low_latency")
+    d = _dispatcher("low_latency", compact)
     _round(d, 0)  # every slot of the buffer written by a full batch
     x, ids, w = _inputs(1)
     out = d.dispatch(x[:3], ids[:3], w[:3])
@@ -87,7 +90,7 @@ def test_the_rows_to_zero_again_stay_at_one_address_while_the_batch_keeps_its_si
     """A CUDA graph replays the index tensor it captured: the slot keeps its own copy of the rows a call wrote,
     updated in place while the batch size stays (not the caller's tensor, freed after the warm-up), and the padding
     still reads zero after each call of that size with another routing."""
-    d = _dispatcher("low_latency")
+    d = _dispatcher("low_latency", compact=False)
     pool: SlotPool = d.backend_dispatcher.slots
     kept = set()
     for seed in range(4):
@@ -96,8 +99,14 @@ def test_the_rows_to_zero_again_stay_at_one_address_while_the_batch_keeps_its_si
         rows, counts = out.hidden_states.view(torch.uint8), out.expert_counts().tolist()
         assert all(int(rows[e, n:].count_nonzero()) == 0 for e, n in enumerate(counts)), seed
         d.combine(torch.ones(out.hidden_states.shape, dtype=torch.bfloat16), out)
-        kept |= {written.data_ptr() for slot in pool.slots for written, _ in slot.written.values()}
-    assert len(kept) == len([1 for slot in pool.slots for _ in slot.written])  # one address per slot and buffer
+        kept |= {w.data_ptr() for w in _rows_written(pool)}
+    assert len(kept) == len(_rows_written(pool))  # one address per slot and buffer
+
+
+def _rows_written(pool: SlotPool) -> list[torch.Tensor]:
+    """The rows each slot's buffers last wrote on the static path (a slot planned at creation on host memory
+    recorded its counts instead)."""
+    return [w for slot in pool.slots for w, _ in slot.written.values() if isinstance(w, torch.Tensor)]
 
 
 def test_low_latency_plans_in_flight_slots_at_creation_and_calls_use_them():

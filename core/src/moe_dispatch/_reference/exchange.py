@@ -22,25 +22,12 @@ from .._output import DispatchOutput, group_list_from_counts, rows_by_expert
 from .._pending import Pending
 from .._wire import Layout, Mode
 from .slots import Lease, Slot, SlotPool
+from .sums import TokenTerms, chunk_bytes, even_blocks, sum_terms, token_major
 
 if TYPE_CHECKING:
     from .receiver import Receiver
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class TokenTerms:
-    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (times ``weight[e]``; nothing
-    where ``valid[e]`` is False) into token ``token[e]``. Entries are token-major, in the fixed order within a token;
-    ``blocks`` are ``(t0, t1, e0, e1)``: tokens ``t0..t1`` own entries ``e0..e1``, each block cache-sized. Low-latency
-    mode's blocks follow from the spec alone (every slot has k entries): its combine reads nothing on the host."""
-
-    rows: torch.Tensor  # [entries] int64
-    token: torch.Tensor  # [entries] int64
-    weight: torch.Tensor | None  # [entries] fp32
-    valid: torch.Tensor | None  # [entries] bool
-    blocks: tuple[tuple[int, int, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +64,9 @@ class ReferenceDispatcher:
         self.payload_width = ctx.codec.wire.bytes_per_token
         self.sections = (("payload", self.payload_width), ("metadata", 8 * spec.top_k))  # k int32 ids, k fp32 weights
         self.low_latency, self.token_major = spec.mode is Mode.LOW_LATENCY, spec.layout is Layout.TOKEN_MAJOR
+        #: On host memory, the paths tuned for it: low-latency mode reads the counts and expands only the entries that
+        #: exist (compact.py). False: an accelerator's paths on any device (the core's tests check them on CPU).
+        self.host_paths = True
         #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
         self.slots = SlotPool()
         #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
@@ -168,11 +158,12 @@ class ReferenceDispatcher:
             raise CommunicationError(f"a started call failed on this rank while receiving ({type(exc).__name__}: "
                                      f"{exc}); the process group must be rebuilt") from exc
 
-    def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One wire row per token: the payload, then its global top-k ids (int32) and fp32 weights. Built once per
-        token; a pair's row is then a single gather."""
+    def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """One wire row per token (in ``out`` when given): the payload, then its global top-k ids (int32) and fp32
+        weights. Built once per token; a pair's row is then a single gather."""
         meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], dim=1)
-        return self.codec.encode(x, meta)
+        return self.codec.encode(x, meta, out)
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
         """Views into received wire rows: payload, global ids, weights."""
@@ -213,7 +204,7 @@ class ReferenceDispatcher:
         # Expand to rows per (token, local expert), grouped by expert, token order within.
         local = gids.to(torch.int64) - self.rank * El
         local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
-        returns = _token_major(pair_token, T, self.hidden, _chunk_bytes(recv.device))
+        returns = token_major(pair_token, T, self.hidden, chunk_bytes(recv.device))
         if self.token_major:  # the received rows as they are, made contiguous
             counts = torch.bincount(local[local >= 0], minlength=El)
             hidden = slot.take("rows", q.data.shape, q.data.dtype, q.data.device).copy_(q.data)
@@ -231,7 +222,7 @@ class ReferenceDispatcher:
         handle = NormalHandle(
             owner=self, pair_token=pair_token, send_counts=send_counts, recv_counts=recv_counts, num_tokens=T,
             num_received=recv.shape[0], lease=lease,
-            terms=_token_major(row_token, recv.shape[0], self.hidden, _chunk_bytes(recv.device),
+            terms=token_major(row_token, recv.shape[0], self.hidden, chunk_bytes(recv.device),
                                rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
             returns=returns)
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
@@ -243,9 +234,8 @@ class ReferenceDispatcher:
         R, k, C, T = self.world, self.top_k, self.capacity, x.shape[0]
         lease = self.slots.acquire()
         slot = lease.slot
-        rows = self._token_rows(x, topk_ids, topk_weights)
-        send = slot.take("send", (C, rows.shape[1]), rows.dtype, rows.device)
-        send[:T] = rows
+        send = slot.take("send", (C, self.payload_width + 8 * k), torch.uint8, x.device)
+        self._token_rows(x, topk_ids, topk_weights, out=send[:T])
         if T < C:  # empty slots route nowhere: zero payload, ids -1 (all bits set)
             send[T:] = 0
             send[T:, self.payload_width : self.payload_width + 4 * k] = 255
@@ -256,31 +246,21 @@ class ReferenceDispatcher:
 
     def _finish_masked(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> DispatchOutput:
-        R, El, k, C, slot = self.world, self.local_experts, self.top_k, self.capacity, lease.slot
-        device = topk_ids.device
+        R, El, C, slot = self.world, self.local_experts, self.capacity, lease.slot
         q, gids, gweights = self._split_rows(transfer.wait())
-        local = gids.reshape(-1).to(torch.int64) - self.rank * El
-        key = torch.where((local >= 0) & (local < El), local, El)
-        counts_ext = torch.zeros(El + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-        order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
-        sorted_key = key[order]
-        start = torch.cumsum(counts_ext, 0) - counts_ext
-        position = torch.arange(key.numel(), device=device) - start[sorted_key]
-        entry_valid = sorted_key < El
-        rows_per_expert = R * C
-        trash = El * rows_per_expert
-        entry_row = torch.where(entry_valid, sorted_key * rows_per_expert + position, trash)
-        entry_slot = torch.div(order, k, rounding_mode="floor")
-
-        hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, rows_per_expert, slot, "rows")
-        scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, rows_per_expert,
-                                                           slot, "row_scales")
-        row_of_entry = torch.zeros(key.numel(), dtype=torch.int64, device=device)
-        row_of_entry[order] = torch.where(entry_valid, entry_row, 0)
-        handle = MaskedHandle(owner=self, num_tokens=topk_ids.shape[0], lease=lease, terms=_slots_by_expert(
-            key.view(R * C, k), El, row_of_entry.view(R * C, k), gweights.to(torch.float32), self.hidden))
+        local = gids.to(torch.int64) - self.rank * El  # [R·C, k]
+        if self.host_paths and topk_ids.is_cpu:
+            from .compact import masked_rows  # reads the counts: host memory only
+            hidden, scale, counts, terms = masked_rows(q, local, El, gweights, self.hidden, slot)
+        else:
+            entry_slot, entry_row, counts, terms = _static_entries(local, El, gweights, self.hidden)
+            trash = El * R * C  # the row that entries for experts elsewhere write (static shapes), cut off
+            hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, R * C, slot, "rows")
+            scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, R * C,
+                                                               slot, "row_scales")
+        handle = MaskedHandle(owner=self, num_tokens=topk_ids.shape[0], lease=lease, terms=terms)
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
-                              group_list_from_counts(counts_ext[:El], self.group_list_type), self.group_list_type,
+                              group_list_from_counts(counts, self.group_list_type), self.group_list_type,
                               Layout.MASKED, self.dtype, handle, self.global_scale)
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
@@ -302,7 +282,7 @@ class ReferenceDispatcher:
         """Combine's second half: each token's rows from the ranks, added in rank order."""
         back = transfer.wait()
         out = torch.empty(handle.num_tokens, self.hidden, dtype=torch.bfloat16, device=device)
-        _sum_terms(out, from_bytes(back, torch.bfloat16), returns, handle.lease.slot)
+        sum_terms(out, from_bytes(back, torch.bfloat16), returns, handle.lease.slot)
         # The slot's buffers may now serve a later dispatch. A combine that raised keeps them (a retry at world size
         # 1 needs them); its handle gives them back when it is collected.
         handle.lease.release()
@@ -314,7 +294,7 @@ class ReferenceDispatcher:
             send = y.contiguous()
         else:
             send = slot.take("partial_bf16", (h.num_received, H), torch.bfloat16, y.device)
-            _sum_terms(send, y, h.terms, slot)
+            sum_terms(send, y, h.terms, slot)
         transfer = comm.all_to_all_start(as_bytes(send), h.recv_counts, h.send_counts, (("combine", 2 * H),),
                                          out=None if self.world == 1 else
                                          slot.take("back", (sum(h.send_counts), 2 * H), torch.uint8, y.device))
@@ -324,7 +304,7 @@ class ReferenceDispatcher:
     def _start_combine_masked(self, y: torch.Tensor, h: MaskedHandle, comm: Comm) -> Callable[[], torch.Tensor]:
         R, C, H, T, slot = self.world, self.capacity, self.hidden, h.num_tokens, h.lease.slot
         send = slot.take("partial_bf16", (R * C, H), torch.bfloat16, y.device)
-        _sum_terms(send, y.reshape(-1, H), h.terms, slot)
+        sum_terms(send, y.reshape(-1, H), h.terms, slot)
         transfer = comm.all_to_all_start(as_bytes(send), None, None, (("combine", 2 * H),),
                                          out=None if R == 1 else
                                          slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
@@ -332,18 +312,27 @@ class ReferenceDispatcher:
         # Token c's partials come back from every rank at rows r·C + c, added in rank order.
         rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
         token = torch.arange(T, device=y.device).repeat_interleave(R)
-        returns = TokenTerms(rows, token, None, None, _even_blocks(T, R, H, _chunk_bytes(y.device)))
+        returns = TokenTerms(rows, token, None, None, even_blocks(T, R, H, chunk_bytes(y.device)))
         return functools.partial(self._returned, h, transfer, returns, y.device)
 
 
-def _token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk: int,
-                 weight: torch.Tensor | None = None) -> TokenTerms:
-    """The rows in token-major order, keeping their order within a token (rows come expert-major to the experts, and
-    pairs rank-major from the sender). One host read (the per-token counts), in normal mode only."""
-    order = torch.sort(token_of_row, stable=True).indices
-    counts = torch.bincount(token_of_row, minlength=num_tokens).tolist()
-    return TokenTerms(order, token_of_row[order], None if weight is None else weight[order], None,
-                      _blocks(counts, hidden, chunk))
+def _static_entries(local: torch.Tensor, experts: int, weights: torch.Tensor,
+                    hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TokenTerms]:
+    """What ``compact.masked_rows`` writes, with static shapes and no host read: every (slot, k) entry's slot and
+    MASKED row, those for an expert elsewhere aimed at the trash row ``experts·S`` and marked invalid in the terms."""
+    slots, k = local.shape
+    key = torch.where((local >= 0) & (local < experts), local, experts).reshape(-1)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+    order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
+    sorted_key = key[order]
+    position = torch.arange(key.numel(), device=key.device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
+    trash = experts * slots
+    entry_row = torch.where(sorted_key < experts, sorted_key * slots + position, trash)
+    row_of_entry = torch.zeros_like(key)
+    row_of_entry[order] = torch.where(sorted_key < experts, entry_row, 0)
+    return (torch.div(order, k, rounding_mode="floor"), entry_row, counts[:experts],
+            _slots_by_expert(key.view(slots, k), experts, row_of_entry.view(slots, k), weights.to(torch.float32),
+                             hidden))
 
 
 def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor, weight: torch.Tensor,
@@ -355,63 +344,7 @@ def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor
     token = torch.arange(slots, device=key.device).repeat_interleave(k)
     return TokenTerms(row_of_entry.gather(1, by_expert).reshape(-1), token, weight.gather(1, by_expert).reshape(-1),
                       (key.gather(1, by_expert) < experts).reshape(-1),
-                      _even_blocks(slots, k, hidden, _chunk_bytes(key.device)))
-
-
-@functools.lru_cache(maxsize=64)
-def _even_blocks(tokens: int, per_token: int, hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
-    return _blocks([per_token] * tokens, hidden, chunk)
-
-
-def _blocks(counts: list[int], hidden: int, chunk: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Consecutive tokens grouped while their accumulator and their entries' fp32 rows stay within ``chunk`` bytes
-    each (at least one token per block)."""
-    row = 4 * max(hidden, 1)
-    blocks, t0, e0, tokens, entries = [], 0, 0, 0, 0
-    for t, n in enumerate(counts):
-        if tokens and ((tokens + 1) * row > chunk or (entries + n) * row > chunk):
-            blocks.append((t0, t, e0, e0 + entries))
-            t0, e0, tokens, entries = t, e0 + entries, 0, 0
-        tokens, entries = tokens + 1, entries + n
-    if tokens:
-        blocks.append((t0, t0 + tokens, e0, e0 + entries))
-    return tuple(blocks)
-
-
-#: On the CPU, fp32 temporaries of this size come from the allocator's heap and stay in cache; one the size of all
-#: rows would be fresh pages (page faults) on every call.
-_CPU_CHUNK_BYTES = 4 << 20
-#: On an accelerator a block costs a handful of kernel launches and there is no cache to fit: blocks only bound the
-#: temporaries (on an H100, 4 MiB blocks made combine 29-38 ms of launches: docs/evidence/hardware-runs.md).
-_DEVICE_CHUNK_BYTES = 256 << 20
-
-
-def _chunk_bytes(device: torch.device) -> int:
-    return _CPU_CHUNK_BYTES if device.type == "cpu" else _DEVICE_CHUNK_BYTES
-
-
-def _sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slot) -> None:
-    """``out[t] = bf16(0 + fp32(src[r1])·w1 + fp32(src[r2])·w2 + ...)`` over token t's entries in their order, a
-    cache-sized block of tokens at a time: the block's fp32 accumulator stays in cache and each token's BF16 sum is
-    written once. The same fp32 operations in the same order as ``index_add_`` of every row into a zeroed fp32
-    tensor, cast: the same bits."""
-    H = out.shape[1]
-    most_tokens = max((t1 - t0 for t0, t1, _, _ in terms.blocks), default=0)
-    most_entries = max((e1 - e0 for _, _, e0, e1 in terms.blocks), default=0)
-    acc_buf = slot.take("sum", (most_tokens, H), torch.float32, out.device)
-    term_buf = slot.take("term", (most_entries, H), torch.float32, out.device)
-    gathered = slot.take("gathered", (most_entries, H), src.dtype, out.device)
-    for t0, t1, e0, e1 in terms.blocks:
-        acc = acc_buf[: t1 - t0].zero_()
-        if e1 > e0:
-            term = term_buf[: e1 - e0]
-            term.copy_(torch.index_select(src, 0, terms.rows[e0:e1], out=gathered[: e1 - e0]))
-            if terms.weight is not None:
-                term.mul_(terms.weight[e0:e1].unsqueeze(1))
-            if terms.valid is not None:  # MASKED padding rows may hold anything, NaN included
-                term.masked_fill_(~terms.valid[e0:e1].unsqueeze(1), 0.0)
-            acc.index_add_(0, terms.token[e0:e1] - t0, term)
-        out[t0:t1].copy_(acc)
+                      even_blocks(slots, k, hidden, chunk_bytes(key.device)))
 
 
 def _select_rows(src: torch.Tensor, index: torch.Tensor, take,  # type: ignore[no-untyped-def]

@@ -27,8 +27,9 @@ class Slot:
     holder: int = 0
     holds: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Per buffer of ``scattered``: the rows the last call wrote, and the layout it had.
-    written: dict[str, tuple[torch.Tensor, tuple]] = field(default_factory=dict)
+    #: Per buffer: what the last call wrote (``scattered``: its rows; compact.py: each expert's count), and the
+    #: layout it had.
+    written: dict[str, tuple[object, tuple]] = field(default_factory=dict)
 
     @property
     def free(self) -> bool:
