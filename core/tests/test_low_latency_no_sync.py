@@ -57,7 +57,8 @@ def test_on_host_memory_only_the_entries_that_exist_are_expanded_to_the_same_bit
         a, b = static.dispatch(x, ids, w), compact.dispatch(x, ids, w)
         for name in ("hidden_states", "hidden_states_scale", "group_list"):
             ta, tb = getattr(a, name), getattr(b, name)
-            assert (ta is None) == (tb is None) and (ta is None or torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))), name
+            assert (ta is None) == (tb is None), name
+            assert ta is None or torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
         y = torch.randn(a.hidden_states.shape[:-1] + (H,), generator=g).to(torch.bfloat16)
         assert torch.equal(static.combine(y, a), compact.combine(y, b)), seed
 

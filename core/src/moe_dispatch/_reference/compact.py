@@ -41,19 +41,15 @@ def _prefixes(src: torch.Tensor, source: torch.Tensor, counts: list[int], slots:
     raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_select(out=)
     tail, experts = raw.shape[1:], len(counts)
     shape = (experts * slots + 1, *tail)
-    before, layout = slot.buffers.get(name), ("prefixes", shape, raw.dtype)
-    flat = slot.take(name, shape, raw.dtype, raw.device)
-    previous = slot.written.get(name)
-    if before is not slot.buffers[name] or previous is None or previous[1] != layout:
-        flat.zero_()  # new memory, or written otherwise last time
-        previous = ([0] * experts, layout)
+    layout = ("prefixes", shape, raw.dtype)
+    flat, last = slot.rewritten(name, shape, raw.dtype, raw.device, layout)
     buf = flat[:-1].view(experts, slots, *tail)
     start = 0
-    for e, (n, last) in enumerate(zip(counts, previous[0])):
+    for e, (n, was) in enumerate(zip(counts, last or [0] * experts)):
         if n:
             torch.index_select(raw, 0, source[start : start + n], out=buf[e, :n])
-        if last > n:
-            buf[e, n:last].zero_()
+        if was > n:
+            buf[e, n:was].zero_()
         start += n
     slot.written[name] = (counts, layout)
     return buf.view(src.dtype)

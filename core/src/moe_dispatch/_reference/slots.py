@@ -27,8 +27,7 @@ class Slot:
     holder: int = 0
     holds: int = 0
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Per buffer: what the last call wrote (``scattered``: its rows; compact.py: each expert's count), and the
-    #: layout it had.
+    #: Per buffer: what its last call wrote (its rows, or compact.py's counts per expert), in which layout.
     written: dict[str, tuple[object, tuple]] = field(default_factory=dict)
 
     @property
@@ -55,23 +54,27 @@ class Slot:
 
     def scattered(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                   rows: torch.Tensor) -> torch.Tensor:
-        """A ``shape`` buffer that is zero except where this call will write next (``rows`` of dim 0): only the rows
-        the previous call through ``name`` wrote are zeroed again (MASKED padding must read as zero, never as an
-        earlier call's data). The rows are kept in the slot's own copy, updated in place while their count stays:
-        a CUDA graph captures its address, so each replay zeroes what the replay before wrote (not a freed tensor
-        of the warm-up's)."""
-        raw = self.buffers.get(name)
-        previous = self.written.get(name)
-        buf = self.take(name, shape, dtype, device)
-        if raw is not self.buffers[name] or previous is None or previous[1] != (shape, dtype):
-            buf.zero_()  # new memory, or laid out otherwise last time: every row
-        else:
-            buf.index_fill_(0, previous[0], 0)
-            if previous[0].shape == rows.shape:
-                previous[0].copy_(rows)
+        """A ``shape`` buffer, zero but where this call writes next (``rows`` of dim 0): only the rows the previous
+        call wrote are zeroed again (MASKED padding reads zero, never an earlier call's data). The rows are kept in the
+        slot's own copy, updated in place while their count stays: a CUDA graph replays the address it captured."""
+        buf, last = self.rewritten(name, shape, dtype, device, (shape, dtype))
+        if last is not None:
+            buf.index_fill_(0, last, 0)
+            if last.shape == rows.shape:
+                last.copy_(rows)
                 return buf
         self.written[name] = (rows.clone(), (shape, dtype))
         return buf
+
+    def rewritten(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  layout: tuple) -> tuple[torch.Tensor, object | None]:
+        """The ``shape`` buffer ``name``, and what the last call through it recorded in ``written`` if it wrote this
+        memory in ``layout``; else None, with every byte zeroed (new memory, or laid out otherwise last time)."""
+        before, previous = self.buffers.get(name), self.written.get(name)
+        buf = self.take(name, shape, dtype, device)
+        if before is self.buffers[name] and previous is not None and previous[1] == layout:
+            return buf, previous[0]
+        return buf.zero_(), None
 
 
 @dataclass(eq=False)

@@ -26,7 +26,6 @@ class TokenTerms:
     blocks: tuple[tuple[int, int, int, int], ...]
 
 
-
 def token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk: int,
                 weight: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> TokenTerms:
     """Entries in token-major order, keeping their order within a token (rows come expert-major to the experts, and
