@@ -175,3 +175,15 @@ def test_the_defaults_are_the_quick_sweep(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert {(c["case"]["backend"], c["case"]["dtype"]) for c in doc["cases"]} == {("torch", "bf16"), ("torch", "fp8")}
     assert doc["settings"]["iterations"] == 8 and doc["settings"]["warmup"] == 2 and doc["settings"]["baseline"] is None
+
+
+@pytest.mark.parametrize("mode", [Mode.NORMAL, Mode.LOW_LATENCY])
+def test_a_dispatch_and_combine_launch_at_most_30_ops(mode):
+    """The accelerator's paths of the ``torch`` backend (``--profile``'s ops: 4 ranks, BF16, DeepSeek-V3's routing
+    on a small hidden size; counted on CPU, where each leaf op is what an accelerator launches) stay within 30 ops
+    per dispatch + combine: the count is deterministic, a launch added anywhere shows here."""
+    from moe_dispatch_testing.bench.runner import profile_cases
+
+    case = BenchCase("torch", DispatchDtype.BF16, mode, 4, 32, 256, 256, 8)
+    (profiled,) = profile_cases([case], BenchSettings(warmup=1, iterations=2))
+    assert profiled.ops <= 30, profiled.table

@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "policy": ("_resolution", "_checks", "_experts", "_alignment"),
     # where backends and runners come from (the built-ins registered like any plugin)
     "registry": ("_loading", "_registry", "_listing", "_reference", "_reference.builtin", "_reference.exchange",
-                 "_reference.receiver", "_reference.slots", "_reference.sums", "_reference.compact"),
+                 "_reference.receiver", "_reference.slots", "_reference.sums", "_reference.compact", "_reference.static"),
     # what an engine calls, and the toolbox a plugin imports
     "runtime": ("_dispatcher", "_shared_group", "_create", "planning", "backend", ""),
     # the command line: loaded by the console script only

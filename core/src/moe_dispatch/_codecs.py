@@ -20,7 +20,7 @@ little-endian; one byte for UE8M0).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -72,19 +72,18 @@ class Codec:
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...] | None:
         return None
 
-    def encode(self, x: torch.Tensor, trailer: torch.Tensor | None = None,
+    def encode(self, x: torch.Tensor, trailer: Sequence[torch.Tensor] = (),
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8, followed by ``trailer``'s bytes
-        when given (routing metadata: one copy instead of two), in ``out`` when given."""
+        """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8, followed by ``trailer``'s uint8
+        tensors (routing metadata: one copy instead of two), in ``out`` when given."""
         return self.to_bytes(self.quantize(x), trailer, out)
 
-    def to_bytes(self, q: Quantized, trailer: torch.Tensor | None = None,
+    def to_bytes(self, q: Quantized, trailer: Sequence[torch.Tensor] = (),
                  out: torch.Tensor | None = None) -> torch.Tensor:
         parts = [as_bytes(q.data)]
         if q.scale is not None:
             parts.append(self._scale_to_bytes(q.scale))
-        if trailer is not None:
-            parts.append(trailer)
+        parts.extend(trailer)
         if out is not None:
             return torch.cat(parts, dim=-1, out=out)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -18,10 +18,10 @@ from .._codecs import as_bytes, from_bytes
 from .._contract import DispatchContext
 from .._distributed.comm import Comm, Transfer
 from .._errors import CommunicationError
-from .._output import DispatchOutput, group_list_from_counts, rows_by_expert
+from .._output import DispatchOutput, group_list_from_counts
 from .._pending import Pending
 from .._wire import Layout, Mode
-from .slots import Lease, Slot, SlotPool
+from .slots import Lease, SlotPool
 from .sums import TokenTerms, chunk_bytes, even_blocks, sum_terms, token_major
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class ReferenceDispatcher:
         #: On host memory, the paths tuned for it: low-latency mode reads the counts and expands only the entries that
         #: exist (compact.py). False: an accelerator's paths on any device (the core's tests check them on CPU).
         self.host_paths = True
+        self._constants: dict[str, object] = {}
         #: Send, receive, expanded-row and accumulator buffers, reused call after call (slots.py).
         self.slots = SlotPool()
         #: A started call's failure on the receiver thread (receiver.py): later calls refuse to start.
@@ -162,33 +163,45 @@ class ReferenceDispatcher:
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """One wire row per token (in ``out`` when given): the payload, then its global top-k ids (int32) and fp32
         weights. Built once per token; a pair's row is then a single gather."""
-        meta = torch.cat([as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], dim=1)
-        return self.codec.encode(x, meta, out)
+        return self.codec.encode(x, [as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], out)
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
-        """Views into received wire rows: payload, global ids, weights."""
-        pw, k = self.payload_width, self.top_k
-        return (self.codec.from_bytes(rows[:, :pw]), from_bytes(rows[:, pw : pw + 4 * k], torch.int32),
-                from_bytes(rows[:, pw + 4 * k :], torch.float32))
+        """Views into received wire rows: payload, each entry's local expert (``>= local_experts``: one elsewhere, or
+        none), weights."""
+        pw, k, El = self.payload_width, self.top_k, self.local_experts
+        gids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
+        # -1 and the ids of other ranks' experts all land at or above El (E + 1 > every id's distance from this rank's);
+        # the first expert's id as a 1-element int64 tensor makes the difference int64 (an index) in the same launch
+        first = self._constant(f"first expert {rows.device}", lambda: torch.tensor([self.rank * El], device=rows.device))
+        local = torch.remainder(gids - first, self.world * El + 1)
+        return self.codec.from_bytes(rows[:, :pw]), local, from_bytes(rows[:, pw + 4 * k :], torch.float32)
+
+    def _constant(self, name: str, make: Callable[[], T]) -> T:
+        """A tensor that follows from the spec alone, made once (no launch per call)."""
+        made = self._constants.get(name)
+        if made is None:
+            made = self._constants[name] = make()
+        return made  # type: ignore[return-value]
 
     def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       comm: Comm) -> Callable[[], DispatchOutput]:
         R, El, T = self.world, self.local_experts, x.shape[0]
         if self.send_to_all_ranks:
             in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
-        else:
-            ids = topk_ids.to(torch.int64)
-            dest = torch.where(ids >= 0, torch.div(ids, El, rounding_mode="floor"), R)  # R marks "no expert"
-            in_rank = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device).scatter_(1, dest, True)[:, :R]
-        pair_token = in_rank.t().reshape(-1).nonzero().squeeze(1) % max(T, 1)  # by rank, then token
-        send_counts_t = in_rank.sum(dim=0)
+        else:  # floor division keeps -1 (no expert) below every rank
+            ranks = self._constant(f"ranks {x.device}", lambda: torch.arange(R, device=x.device))
+            in_rank = (torch.div(topk_ids, El, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
+        pairs = in_rank.t().nonzero()  # (rank, token), by rank, then token
+        pair_token = pairs[:, 1]
+        ends = self._constant(f"rank ends {x.device}", lambda: torch.arange(1, R + 1, device=x.device))
+        ends_t = torch.searchsorted(pairs[:, 0], ends).tolist()  # the host sync
+        send_counts = [end - start for start, end in zip([0, *ends_t], ends_t)]
         lease = self.slots.acquire()
         slot = lease.slot
         rows = self._token_rows(x, topk_ids, topk_weights)
         send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), rows.shape[1]),
                                                                          rows.dtype, rows.device))
-        recv_counts = comm.exchange_counts(send_counts_t).tolist()  # the host sync
-        send_counts = send_counts_t.tolist()
+        recv_counts = comm.exchange_counts(send_counts).tolist()
         transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
                                          out=None if self.world == 1 else
                                          slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype, send.device))
@@ -200,30 +213,34 @@ class ReferenceDispatcher:
                        pair_token: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> DispatchOutput:
         El, k, slot, T = self.local_experts, self.top_k, lease.slot, topk_ids.shape[0]
         recv = transfer.wait()
-        q, gids, rweights = self._split_rows(recv)
-        # Expand to rows per (token, local expert), grouped by expert, token order within.
-        local = gids.to(torch.int64) - self.rank * El
-        local = torch.where((gids >= 0) & (local >= 0) & (local < El), local, -1)
-        returns = token_major(pair_token, T, self.hidden, chunk_bytes(recv.device))
+        q, local, rweights = self._split_rows(recv)
+        chunk = chunk_bytes(recv.device, self.host_paths)
+        returns = token_major(pair_token, T, self.hidden, chunk)
         if self.token_major:  # the received rows as they are, made contiguous
-            counts = torch.bincount(local[local >= 0], minlength=El)
+            counts = torch.bincount(local.reshape(-1), minlength=self.world * El + 1)[:El]
             hidden = slot.take("rows", q.data.shape, q.data.dtype, q.data.device).copy_(q.data)
             scale = None if q.scale is None else slot.take("row_scales", q.scale.shape, q.scale.dtype,
                                                            q.scale.device).copy_(q.scale)
             handle = NormalHandle(self, pair_token, send_counts, recv_counts, T, recv.shape[0], None, returns, lease)
+            local = torch.where(local < El, local, -1).to(torch.int64)
             return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                                   group_list_from_counts(counts, self.group_list_type), self.group_list_type,
                                   Layout.TOKEN_MAJOR, self.dtype, handle, self.global_scale,
                                   row_topk_ids=local, row_topk_weights=torch.where(local >= 0, rweights, 0.0))
-        row_slot, counts = rows_by_expert(local, El)
+        # Rows per (token, local expert), grouped by expert, token order within: a stable sort puts every entry for
+        # an expert elsewhere last; the experts' ends give the counts (and the row count: a host read).
+        by_expert = torch.sort(local.reshape(-1), stable=True)
+        bounds = self._constant(f"bounds {recv.device}", lambda: torch.arange(El + 1, device=recv.device))
+        ends = torch.searchsorted(by_expert.values, bounds)
+        row_slot = by_expert.indices[: int(ends[El])]
+        counts = ends.diff()
         row_token = torch.div(row_slot, k, rounding_mode="floor")
         hidden = _select_rows(q.data, row_token, slot.take, "rows")
         scale = None if q.scale is None else _select_rows(q.scale, row_token, slot.take, "row_scales")
         handle = NormalHandle(
             owner=self, pair_token=pair_token, send_counts=send_counts, recv_counts=recv_counts, num_tokens=T,
             num_received=recv.shape[0], lease=lease,
-            terms=token_major(row_token, recv.shape[0], self.hidden, chunk_bytes(recv.device),
-                               rweights.reshape(-1).index_select(0, row_slot).to(torch.float32)),
+            terms=token_major(row_token, recv.shape[0], self.hidden, chunk, torch.take(rweights, row_slot)),
             returns=returns)
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                               group_list_from_counts(counts, self.group_list_type), self.group_list_type, Layout.PACKED,
@@ -246,22 +263,30 @@ class ReferenceDispatcher:
 
     def _finish_masked(self, transfer: Transfer, lease: Lease, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> DispatchOutput:
-        R, El, C, slot = self.world, self.local_experts, self.capacity, lease.slot
-        q, gids, gweights = self._split_rows(transfer.wait())
-        local = gids.to(torch.int64) - self.rank * El  # [R·C, k]
+        El, slot = self.local_experts, lease.slot
+        q, local, gweights = self._split_rows(transfer.wait())  # local: [R·C, k]
         if self.host_paths and topk_ids.is_cpu:
             from .compact import masked_rows  # reads the counts: host memory only
             hidden, scale, counts, terms = masked_rows(q, local, El, gweights, self.hidden, slot)
         else:
-            entry_slot, entry_row, counts, terms = _static_entries(local, El, gweights, self.hidden)
-            trash = El * R * C  # the row that entries for experts elsewhere write (static shapes), cut off
-            hidden = _scatter_rows(q.data, entry_slot, entry_row, trash, El, R * C, slot, "rows")
-            scale = None if q.scale is None else _scatter_rows(q.scale, entry_slot, entry_row, trash, El, R * C,
-                                                               slot, "row_scales")
+            from .static import masked_rows as static_rows  # static shapes, no host read: an accelerator's
+            hidden, scale, counts, terms = static_rows(q, local, El, gweights, self.hidden, slot, self._constant)
         handle = MaskedHandle(owner=self, num_tokens=topk_ids.shape[0], lease=lease, terms=terms)
         return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                               group_list_from_counts(counts, self.group_list_type), self.group_list_type,
                               Layout.MASKED, self.dtype, handle, self.global_scale)
+
+    def _masked_returns(self, T: int, device: torch.device) -> TokenTerms:
+        """Low-latency combine's second half: token c's partials come back from every rank at rows r·C + c, added in
+        rank order (as they come back when one block holds them; token-major in blocks otherwise)."""
+        R, C, H = self.world, self.capacity, self.hidden
+        chunk = chunk_bytes(device, self.host_paths)
+        token = torch.arange(T, device=device)
+        if max(T, R * T) * 4 * H <= chunk:
+            return TokenTerms(None if T == C else (token + C * torch.arange(R, device=device).unsqueeze(1)).reshape(-1),
+                              token.repeat(R), None, None, ((0, T, 0, R * T),))
+        rows = (token.unsqueeze(1) + torch.arange(R, device=device) * C).reshape(-1)
+        return TokenTerms(rows, token.repeat_interleave(R), None, None, even_blocks(T, R, H, chunk))
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         return self._start_combine(expert_output, dispatch_output, self.comm)()
@@ -309,42 +334,8 @@ class ReferenceDispatcher:
                                          out=None if R == 1 else
                                          slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
         self.slots.keep_until_done(h.lease, transfer)
-        # Token c's partials come back from every rank at rows r·C + c, added in rank order.
-        rows = (torch.arange(T, device=y.device).unsqueeze(1) + torch.arange(R, device=y.device) * C).reshape(-1)
-        token = torch.arange(T, device=y.device).repeat_interleave(R)
-        returns = TokenTerms(rows, token, None, None, even_blocks(T, R, H, chunk_bytes(y.device)))
+        returns = self._constant(f"returns {T} {y.device} {self.host_paths}", lambda: self._masked_returns(T, y.device))
         return functools.partial(self._returned, h, transfer, returns, y.device)
-
-
-def _static_entries(local: torch.Tensor, experts: int, weights: torch.Tensor,
-                    hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TokenTerms]:
-    """What ``compact.masked_rows`` writes, with static shapes and no host read: every (slot, k) entry's slot and
-    MASKED row, those for an expert elsewhere aimed at the trash row ``experts·S`` and marked invalid in the terms."""
-    slots, k = local.shape
-    key = torch.where((local >= 0) & (local < experts), local, experts).reshape(-1)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
-    order = torch.sort(key, stable=True).indices  # expert-major, (slot, k) order within
-    sorted_key = key[order]
-    position = torch.arange(key.numel(), device=key.device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
-    trash = experts * slots
-    entry_row = torch.where(sorted_key < experts, sorted_key * slots + position, trash)
-    row_of_entry = torch.zeros_like(key)
-    row_of_entry[order] = torch.where(sorted_key < experts, entry_row, 0)
-    return (torch.div(order, k, rounding_mode="floor"), entry_row, counts[:experts],
-            _slots_by_expert(key.view(slots, k), experts, row_of_entry.view(slots, k), weights.to(torch.float32),
-                             hidden))
-
-
-def _slots_by_expert(key: torch.Tensor, experts: int, row_of_entry: torch.Tensor, weight: torch.Tensor,
-                     hidden: int) -> TokenTerms:
-    """Low-latency: each gathered slot's k entries (``key``: local expert, ``experts`` for none) sorted by local
-    expert within the slot; entries for no local expert stay, marked invalid."""
-    slots, k = key.shape
-    by_expert = torch.sort(key, dim=1, stable=True).indices
-    token = torch.arange(slots, device=key.device).repeat_interleave(k)
-    return TokenTerms(row_of_entry.gather(1, by_expert).reshape(-1), token, weight.gather(1, by_expert).reshape(-1),
-                      (key.gather(1, by_expert) < experts).reshape(-1),
-                      even_blocks(slots, k, hidden, chunk_bytes(key.device)))
 
 
 def _select_rows(src: torch.Tensor, index: torch.Tensor, take,  # type: ignore[no-untyped-def]
@@ -352,14 +343,3 @@ def _select_rows(src: torch.Tensor, index: torch.Tensor, take,  # type: ignore[n
     raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_select(out=)
     out = take(name, (index.numel(), *raw.shape[1:]), raw.dtype, raw.device)
     return torch.index_select(raw, 0, index, out=out).view(src.dtype)
-
-
-def _scatter_rows(src: torch.Tensor, src_index: torch.Tensor, dest_row: torch.Tensor, trash: int, experts: int,
-                  rows_per_expert: int, slot: Slot, name: str) -> torch.Tensor:
-    """Rows ``src[src_index]`` written at ``dest_row`` of a ``[experts, rows_per_expert, ...]`` slot buffer ``name``
-    that is zero elsewhere (``Slot.scattered``); entries of other ranks all land on one extra trash row, cut off."""
-    raw = src.view(torch.uint8) if src.element_size() == 1 else src  # float8 has no index_copy_
-    tail = raw.shape[1:]
-    buf = slot.scattered(name, (trash + 1, *tail), raw.dtype, raw.device, dest_row)
-    buf.index_copy_(0, dest_row, raw.index_select(0, src_index))
-    return buf[:trash].view(src.dtype).view(experts, rows_per_expert, *tail)

@@ -13,24 +13,27 @@ from .slots import Slot
 
 @dataclass(frozen=True, slots=True)
 class TokenTerms:
-    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (times ``weight[e]``; nothing
-    where ``valid[e]`` is False) into token ``token[e]``. Entries are token-major, in the fixed order within a token;
-    ``blocks`` are ``(t0, t1, e0, e1)``: tokens ``t0..t1`` own entries ``e0..e1``, each block cache-sized. Low-latency
-    mode's blocks on an accelerator follow from the spec alone (every slot has k entries): its combine reads nothing
-    on the host."""
+    """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (``src[e]`` when ``rows`` is
+    None; times ``weight[e]``; nothing where ``padding[e]``) into token ``token[e]``. Within a token, entries come in
+    the fixed order; ``blocks`` are ``(t0, t1, e0, e1)``: tokens ``t0..t1`` own entries ``e0..e1``, each block
+    cache-sized. Low-latency mode's blocks on an accelerator follow from the spec alone (every slot has k entries):
+    its combine reads nothing on the host."""
 
-    rows: torch.Tensor  # [entries] int64
+    rows: torch.Tensor | None  # [entries] int64
     token: torch.Tensor  # [entries] int64
     weight: torch.Tensor | None  # [entries] fp32
-    valid: torch.Tensor | None  # [entries] bool
+    padding: torch.Tensor | None  # [entries] bool: MASKED padding, whose rows may hold anything (NaN included)
     blocks: tuple[tuple[int, int, int, int], ...]
 
 
 def token_major(token_of_row: torch.Tensor, num_tokens: int, hidden: int, chunk: int,
                 weight: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> TokenTerms:
-    """Entries in token-major order, keeping their order within a token (rows come expert-major to the experts, and
-    pairs rank-major from the sender); entry i is row ``rows[i]`` (default ``i``) of what combine adds. One host read
-    (the per-token counts): normal mode, and low-latency mode on host memory (compact.py)."""
+    """Entries grouped by token in blocks of ``chunk`` bytes, keeping their order within a token (rows come
+    expert-major to the experts, and pairs rank-major from the sender); entry i is row ``rows[i]`` (default ``i``)
+    of what combine adds. In one block they stay as they are (``index_add_`` adds each token's entries in their
+    order: the same sums); in several, sorted by token, which takes one host read (the per-token counts)."""
+    if max(num_tokens, token_of_row.numel()) * 4 * max(hidden, 1) <= chunk:
+        return TokenTerms(rows, token_of_row, weight, None, ((0, num_tokens, 0, token_of_row.numel()),))
     order = torch.sort(token_of_row, stable=True).indices
     counts = torch.bincount(token_of_row, minlength=num_tokens).tolist()
     return TokenTerms(order if rows is None else rows[order], token_of_row[order],
@@ -65,8 +68,8 @@ CPU_CHUNK_BYTES = 4 << 20
 DEVICE_CHUNK_BYTES = 256 << 20
 
 
-def chunk_bytes(device: torch.device) -> int:
-    return CPU_CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
+def chunk_bytes(device: torch.device, host_paths: bool = True) -> int:
+    return CPU_CHUNK_BYTES if host_paths and device.type == "cpu" else DEVICE_CHUNK_BYTES
 
 
 def sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slot) -> None:
@@ -79,15 +82,20 @@ def sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slo
     most_entries = max((e1 - e0 for _, _, e0, e1 in terms.blocks), default=0)
     acc_buf = slot.take("sum", (most_tokens, H), torch.float32, out.device)
     term_buf = slot.take("term", (most_entries, H), torch.float32, out.device)
-    gathered = slot.take("gathered", (most_entries, H), src.dtype, out.device)
     for t0, t1, e0, e1 in terms.blocks:
         acc = acc_buf[: t1 - t0].zero_()
         if e1 > e0:
             term = term_buf[: e1 - e0]
-            term.copy_(torch.index_select(src, 0, terms.rows[e0:e1], out=gathered[: e1 - e0]))
-            if terms.weight is not None:
-                term.mul_(terms.weight[e0:e1].unsqueeze(1))
-            if terms.valid is not None:  # MASKED padding rows may hold anything, NaN included
-                term.masked_fill_(~terms.valid[e0:e1].unsqueeze(1), 0.0)
-            acc.index_add_(0, terms.token[e0:e1] - t0, term)
+            rows = src[e0:e1] if terms.rows is None else torch.index_select(
+                src, 0, terms.rows[e0:e1], out=slot.take("gathered", (most_entries, H), src.dtype, out.device)[: e1 - e0])
+            weight = None if terms.weight is None else terms.weight[e0:e1].unsqueeze(1)
+            if weight is not None and len(terms.blocks) == 1:  # one launch; bf16·fp32 is computed in fp32
+                torch.mul(rows, weight, out=term)
+            else:  # the host's blocks: a copy, then the product in place (the mixed product is slower on CPU)
+                term.copy_(rows)
+                if weight is not None:
+                    term.mul_(weight)
+            if terms.padding is not None:
+                term.masked_fill_(terms.padding[e0:e1].unsqueeze(1), 0.0)
+            acc.index_add_(0, terms.token[e0:e1] if t0 == 0 else terms.token[e0:e1] - t0, term)
         out[t0:t1].copy_(acc)

@@ -157,28 +157,36 @@ def capacity_pairs(case: BenchCase) -> int:
 __all__ = ["CaseProfile", "RankSamples", "capacity_pairs", "case_inputs", "case_spec", "launches", "measure_case"]
 
 
-#: ATen ops that launch no kernel: views, shape and allocation (a leaf of these moves no data).
+#: ATen ops that launch no kernel: views, shape and allocation (a leaf of these moves no data), and the host-side
+#: no-ops: a Python number wrapped as a CPU scalar, and conj/neg resolution of a tensor that has neither bit.
 _NO_KERNEL = frozenset({
-    "aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::reshape", "aten::_reshape_alias",
-    "aten::unsqueeze", "aten::squeeze", "aten::narrow", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
-    "aten::alias", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_strided", "aten::empty_like",
-    "aten::resize_", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::flatten",
-    "aten::unflatten", "aten::view_as", "aten::expand_as", "aten::set_", "aten::result_type", "aten::is_nonzero",
-    "aten::_unsafe_view", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy", "aten::new_empty",
+    "aten::view", "aten::as_strided", "aten::as_strided_", "aten::slice", "aten::select", "aten::reshape",
+    "aten::_reshape_alias", "aten::unsqueeze", "aten::squeeze", "aten::narrow", "aten::t", "aten::transpose",
+    "aten::permute", "aten::expand", "aten::alias", "aten::detach", "aten::detach_", "aten::lift_fresh",
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resize_", "aten::unbind", "aten::split",
+    "aten::split_with_sizes", "aten::chunk", "aten::flatten", "aten::unflatten", "aten::view_as", "aten::expand_as",
+    "aten::set_", "aten::result_type", "aten::is_nonzero", "aten::_unsafe_view", "aten::contiguous", "aten::clone",
+    "aten::to", "aten::_to_copy", "aten::new_empty", "aten::scalar_tensor", "aten::resolve_conj", "aten::resolve_neg",
 })
 
 
-def launches(events: Any) -> int:
+def launches(events: Any, within: str | None = None) -> int:
     """What would be kernel launches on an accelerator among ``torch.profiler`` events: the innermost ATen ops (and
     c10d collectives) that move or compute data, i.e. those with no such op below them; views, shapes and
-    allocations (``_NO_KERNEL``) move none."""
+    allocations (``_NO_KERNEL``) move none. ``within``: only those under the ``record_function`` of that name (the
+    calling thread's: not the copies gloo's own threads make, which the bare collective pays too)."""
     def moves(event: Any) -> bool:
         return event.name.startswith("c10d::") or (event.name.startswith("aten::") and event.name not in _NO_KERNEL)
 
     def below(event: Any) -> bool:
         return any(moves(child) or below(child) for child in event.cpu_children)
 
-    return sum(1 for event in events if moves(event) and not below(event))
+    def inside(event: Any) -> bool:
+        while event is not None and event.name != within:
+            event = event.cpu_parent
+        return within is None or event is not None
+
+    return sum(1 for event in events if moves(event) and not below(event) and inside(event))
 
 
 @dataclass(frozen=True)
@@ -188,21 +196,34 @@ class CaseProfile:
     ops: float  # ``launches`` per dispatch + combine on rank 0
 
 
+_CALLS = "moe-dispatch bench: dispatch + combine"
+
+
 def profile_case(rank: int, world_size: int, case: BenchCase, settings: BenchSettings, rows: int = 12) -> CaseProfile:
-    """torch.profiler's table of ops (self CPU time) over a few dispatch + combine iterations
-    on this rank: where the time goes, stage by stage, and the ops per call (``moe-dispatch bench --profile``)."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler's table of ops (self CPU time) over a few dispatch + combine iterations on this rank: where the
+    time goes, stage by stage; and the ops per call of the paths an accelerator runs (``moe-dispatch bench
+    --profile``): on host memory the reference backends take paths of their own (``host_paths``: low-latency
+    mode's compact expansion, cache-sized blocks) and gloo checks every call against the peers' (NCCL only the
+    calls that read counts anyway), so the count is taken with those set as on an accelerator."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     dispatcher, x, ids, weights = _setup(rank, case, settings)
-    out = dispatcher.dispatch(x, ids, weights)
-    expert_rows = _expert_rows(out, case, settings.device)
-    dispatcher.combine(expert_rows, out)
-    del out
-    dispatcher.comm.barrier("bench barrier")
     iterations = max(1, min(settings.iterations, 5))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(iterations):
-            dispatcher.combine(expert_rows, dispatcher.dispatch(x, ids, weights))
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+    def profiled():  # type: ignore[no-untyped-def]
+        out = dispatcher.dispatch(x, ids, weights)  # warm: buffers made, constants cached
+        expert_rows = _expert_rows(out, case, settings.device)
+        dispatcher.combine(expert_rows, out)
+        del out
+        dispatcher.comm.barrier("bench barrier")
+        with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(_CALLS):
+            for _ in range(iterations):
+                dispatcher.combine(expert_rows, dispatcher.dispatch(x, ids, weights))
+        return prof
+
+    table = profiled().key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    if hasattr(dispatcher.backend_dispatcher, "host_paths"):
+        dispatcher.backend_dispatcher.host_paths = False
+    dispatcher.comm.checks_calls_everywhere = False  # on every rank alike
     return CaseProfile(case, f"rank {rank}, {iterations} iterations of dispatch + combine, {case.label}:\n{table}",
-                       launches(prof.events()) / iterations)
+                       launches(profiled().events(), _CALLS) / iterations)
