@@ -160,19 +160,23 @@ class ReferenceDispatcher:
                                      f"{exc}); the process group must be rebuilt") from exc
 
     def _token_rows(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """One wire row per token (in ``out`` when given): the payload, then its global top-k ids (int32) and fp32
-        weights. Built once per token; a pair's row is then a single gather."""
-        return self.codec.encode(x, [as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], out)
+                    out: torch.Tensor) -> torch.Tensor:
+        """One wire row per token, in ``out``: the payload, then its global top-k ids (int32) and fp32 weights. On host
+        memory a quantizing codec takes 1 MiB of fp32 at a time: whole fresh temporaries page-fault on every call."""
+        meta, T = [as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], x.shape[0]
+        host = self.host_paths and x.is_cpu and self.codec.wire.scale_bytes
+        step = ((1 << 20) // (4 * self.hidden) or 1) if host else T
+        for a in range(0, T, step or 1):
+            self.codec.encode(x[a : a + step], [m[a : a + step] for m in meta], out[a : a + step])
+        return out
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
         """Views into received wire rows: payload, each entry's local expert (``>= local_experts``: one elsewhere, or
         none), weights."""
         pw, k, El = self.payload_width, self.top_k, self.local_experts
         gids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
-        # -1 and the ids of other ranks' experts all land at or above El (E + 1 > every id's distance from this rank's);
-        # the first expert's id as a 1-element int64 tensor makes the difference int64 (an index) in the same launch
-        first = self._constant(f"first expert {rows.device}", lambda: torch.tensor([self.rank * El], device=rows.device))
+        # -1 and other ranks' experts land at or above El (E + 1 > any id's distance); an int64 `first` makes int64 ids
+        first = self._constant(f"first {rows.device}", lambda: torch.tensor([self.rank * El], device=rows.device))
         local = torch.remainder(gids - first, self.world * El + 1)
         return self.codec.from_bytes(rows[:, :pw]), local, from_bytes(rows[:, pw + 4 * k :], torch.float32)
 
@@ -193,14 +197,14 @@ class ReferenceDispatcher:
             in_rank = (torch.div(topk_ids, El, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
         pairs = in_rank.t().nonzero()  # (rank, token), by rank, then token
         pair_token = pairs[:, 1]
-        ends = self._constant(f"rank ends {x.device}", lambda: torch.arange(1, R + 1, device=x.device))
-        ends_t = torch.searchsorted(pairs[:, 0], ends).tolist()  # the host sync
-        send_counts = [end - start for start, end in zip([0, *ends_t], ends_t)]
+        ends = torch.searchsorted(pairs[:, 0], self._constant(f"rank ends {x.device}", lambda: torch.arange(
+            1, R + 1, device=x.device))).tolist()  # the host sync
+        send_counts = [end - start for start, end in zip([0, *ends], ends)]
         lease = self.slots.acquire()
-        slot = lease.slot
-        rows = self._token_rows(x, topk_ids, topk_weights)
-        send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), rows.shape[1]),
-                                                                         rows.dtype, rows.device))
+        slot, width = lease.slot, self.payload_width + 8 * self.top_k
+        rows = self._token_rows(x, topk_ids, topk_weights, slot.take("token_rows", (T, width), torch.uint8, x.device))
+        send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), width), rows.dtype,
+                                                                         rows.device))
         recv_counts = comm.exchange_counts(send_counts).tolist()
         transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
                                          out=None if self.world == 1 else
@@ -280,13 +284,11 @@ class ReferenceDispatcher:
         """Low-latency combine's second half: token c's partials come back from every rank at rows r·C + c, added in
         rank order (as they come back when one block holds them; token-major in blocks otherwise)."""
         R, C, H = self.world, self.capacity, self.hidden
-        chunk = chunk_bytes(device, self.host_paths)
-        token = torch.arange(T, device=device)
+        chunk, token = chunk_bytes(device, self.host_paths), torch.arange(T, device=device)
+        rows = token + C * torch.arange(R, device=device).unsqueeze(1)  # [R, T]: r·C + c
         if max(T, R * T) * 4 * H <= chunk:
-            return TokenTerms(None if T == C else (token + C * torch.arange(R, device=device).unsqueeze(1)).reshape(-1),
-                              token.repeat(R), None, None, ((0, T, 0, R * T),))
-        rows = (token.unsqueeze(1) + torch.arange(R, device=device) * C).reshape(-1)
-        return TokenTerms(rows, token.repeat_interleave(R), None, None, even_blocks(T, R, H, chunk))
+            return TokenTerms(None if T == C else rows.reshape(-1), token.repeat(R), None, None, ((0, T, 0, R * T),))
+        return TokenTerms(rows.t().reshape(-1), token.repeat_interleave(R), None, None, even_blocks(T, R, H, chunk))
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         return self._start_combine(expert_output, dispatch_output, self.comm)()

@@ -15,7 +15,8 @@ from .sums import TokenTerms, chunk_bytes, even_blocks
 
 
 def masked_rows(q: Quantized, local: torch.Tensor, experts: int, weights: torch.Tensor, hidden: int, slot: Slot,
-                constant: Callable) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, TokenTerms]:  # type: ignore[type-arg]
+                constant: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                                  TokenTerms]:
     """``compact.masked_rows`` with static shapes: from the gathered slots' local experts ``[S, k]`` (``>= experts``:
     one elsewhere), the MASKED rows and scales, the per-expert counts and combine's terms (each slot's entries in
     ascending expert order; the trash row's marked as padding). ``constant``: the dispatcher's, for what follows from

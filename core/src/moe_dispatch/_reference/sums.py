@@ -15,9 +15,7 @@ from .slots import Slot
 class TokenTerms:
     """What combine adds for each token, in the fixed order: entry e adds ``src[rows[e]]`` (``src[e]`` when ``rows`` is
     None; times ``weight[e]``; nothing where ``padding[e]``) into token ``token[e]``. Within a token, entries come in
-    the fixed order; ``blocks`` are ``(t0, t1, e0, e1)``: tokens ``t0..t1`` own entries ``e0..e1``, each block
-    cache-sized. Low-latency mode's blocks on an accelerator follow from the spec alone (every slot has k entries):
-    its combine reads nothing on the host."""
+    the fixed order; ``blocks`` are ``(t0, t1, e0, e1)``: tokens ``t0..t1`` own entries ``e0..e1``, each cache-sized."""
 
     rows: torch.Tensor | None  # [entries] int64
     token: torch.Tensor  # [entries] int64
@@ -86,8 +84,8 @@ def sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slo
         acc = acc_buf[: t1 - t0].zero_()
         if e1 > e0:
             term = term_buf[: e1 - e0]
-            rows = src[e0:e1] if terms.rows is None else torch.index_select(
-                src, 0, terms.rows[e0:e1], out=slot.take("gathered", (most_entries, H), src.dtype, out.device)[: e1 - e0])
+            rows = src[e0:e1] if terms.rows is None else torch.index_select(src, 0, terms.rows[e0:e1], out=slot.take(
+                "gathered", (most_entries, H), src.dtype, out.device)[: e1 - e0])
             weight = None if terms.weight is None else terms.weight[e0:e1].unsqueeze(1)
             if weight is not None and len(terms.blocks) == 1:  # one launch; bf16·fp32 is computed in fp32
                 torch.mul(rows, weight, out=term)
