@@ -17,11 +17,11 @@ from .sums import TokenTerms, chunk_bytes, token_major
 
 def masked_rows(q: Quantized, local: torch.Tensor, experts: int, weights: torch.Tensor, hidden: int,
                 slot: Slot) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, TokenTerms]:
-    """From the gathered slots' rows ``q`` and local expert ids ``[S, k]`` (``>= experts``: an expert elsewhere):
+    """From the gathered slots' rows ``q`` and local expert ids ``[S, k]`` (outside ``0..experts-1``: elsewhere):
     the MASKED rows and scales ``[experts, S, ...]`` (each expert's rows in slot order, zero past its count), the
     per-expert counts, and combine's terms (each slot's entries in ascending expert order)."""
     slots, k = local.shape
-    own = torch.where(local < experts, local, -1)
+    own = torch.where(local < experts, local, -1)  # negative: elsewhere too
     flat, counts = rows_by_expert(own, experts)
     source = torch.div(flat, k, rounding_mode="floor")  # the gathered slot of each row, expert-major
     per_expert = counts.tolist()

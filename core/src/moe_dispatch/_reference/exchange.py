@@ -171,14 +171,12 @@ class ReferenceDispatcher:
         return out
 
     def _split_rows(self, rows: torch.Tensor):  # type: ignore[no-untyped-def]
-        """Views into received wire rows: payload, each entry's local expert (``>= local_experts``: one elsewhere, or
-        none), weights."""
+        """Views into received wire rows: payload, each entry's local expert (outside ``0..local_experts-1``: one
+        elsewhere, or none), weights."""
         pw, k, El = self.payload_width, self.top_k, self.local_experts
         gids = from_bytes(rows[:, pw : pw + 4 * k], torch.int32)
-        # -1 and other ranks' experts land at or above El (E + 1 > any id's distance); an int64 `first` makes int64 ids
         first = self._constant(f"first {rows.device}", lambda: torch.tensor([self.rank * El], device=rows.device))
-        local = torch.remainder(gids - first, self.world * El + 1)
-        return self.codec.from_bytes(rows[:, :pw]), local, from_bytes(rows[:, pw + 4 * k :], torch.float32)
+        return self.codec.from_bytes(rows[:, :pw]), gids - first, from_bytes(rows[:, pw + 4 * k :], torch.float32)
 
     def _constant(self, name: str, make: Callable[[], T]) -> T:
         """A tensor that follows from the spec alone, made once (no launch per call)."""
@@ -191,14 +189,14 @@ class ReferenceDispatcher:
                       comm: Comm) -> Callable[[], DispatchOutput]:
         R, El, T = self.world, self.local_experts, x.shape[0]
         if self.send_to_all_ranks:
-            in_rank = torch.ones(T, R, dtype=torch.bool, device=x.device)
-        else:  # floor division keeps -1 (no expert) below every rank
-            ranks = self._constant(f"ranks {x.device}", lambda: torch.arange(R, device=x.device))
-            in_rank = (torch.div(topk_ids, El, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
-        pairs = in_rank.t().nonzero()  # (rank, token), by rank, then token
-        pair_token = pairs[:, 1]
-        ends = torch.searchsorted(pairs[:, 0], self._constant(f"rank ends {x.device}", lambda: torch.arange(
-            1, R + 1, device=x.device))).tolist()  # the host sync
+            in_rank = torch.ones(R, T, dtype=torch.bool, device=x.device)
+        else:  # [R, T]; floor division keeps -1 (no expert) below every rank
+            ranks = self._constant(f"ranks {x.device}", lambda: torch.arange(R, device=x.device).view(R, 1, 1))
+            in_rank = (torch.div(topk_ids, El, rounding_mode="floor") == ranks).any(2)
+        pairs = in_rank.view(-1).nonzero().squeeze(1)  # r·T + t: by rank, then token
+        pair_token = pairs % max(T, 1)
+        ends = torch.searchsorted(pairs, self._constant(f"rank ends {T} {x.device}", lambda: torch.arange(
+            1, R + 1, device=x.device) * T)).tolist()  # the host sync
         send_counts = [end - start for start, end in zip([0, *ends], ends)]
         lease = self.slots.acquire()
         slot, width = lease.slot, self.payload_width + 8 * self.top_k
@@ -221,23 +219,23 @@ class ReferenceDispatcher:
         chunk = chunk_bytes(recv.device, self.host_paths)
         returns = token_major(pair_token, T, self.hidden, chunk)
         if self.token_major:  # the received rows as they are, made contiguous
-            counts = torch.bincount(local.reshape(-1), minlength=self.world * El + 1)[:El]
+            local = torch.where((local >= 0) & (local < El), local, -1)
+            counts = torch.bincount(local[local >= 0], minlength=El)
             hidden = slot.take("rows", q.data.shape, q.data.dtype, q.data.device).copy_(q.data)
             scale = None if q.scale is None else slot.take("row_scales", q.scale.shape, q.scale.dtype,
                                                            q.scale.device).copy_(q.scale)
             handle = NormalHandle(self, pair_token, send_counts, recv_counts, T, recv.shape[0], None, returns, lease)
-            local = torch.where(local < El, local, -1).to(torch.int64)
             return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                                   group_list_from_counts(counts, self.group_list_type), self.group_list_type,
                                   Layout.TOKEN_MAJOR, self.dtype, handle, self.global_scale,
                                   row_topk_ids=local, row_topk_weights=torch.where(local >= 0, rweights, 0.0))
-        # Rows per (token, local expert), grouped by expert, token order within: a stable sort puts every entry for
-        # an expert elsewhere last; the experts' ends give the counts (and the row count: a host read).
+        # Rows per (token, local expert), grouped by expert, token order within: a stable sort puts the entries for
+        # experts elsewhere before and after; the experts' ends give the counts and the rows (a host read).
         by_expert = torch.sort(local.reshape(-1), stable=True)
         bounds = self._constant(f"bounds {recv.device}", lambda: torch.arange(El + 1, device=recv.device))
-        ends = torch.searchsorted(by_expert.values, bounds)
-        row_slot = by_expert.indices[: int(ends[El])]
-        counts = ends.diff()
+        ends_t = torch.searchsorted(by_expert.values, bounds)
+        ends, counts = ends_t.tolist(), ends_t.diff()
+        row_slot = by_expert.indices[ends[0] : ends[El]]
         row_token = torch.div(row_slot, k, rounding_mode="floor")
         hidden = _select_rows(q.data, row_token, slot.take, "rows")
         scale = None if q.scale is None else _select_rows(q.scale, row_token, slot.take, "row_scales")
