@@ -18,9 +18,9 @@ def masked_rows(q: Quantized, local: torch.Tensor, experts: int, weights: torch.
                 constant: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
                                                                   TokenTerms]:
     """``compact.masked_rows`` with static shapes: from the gathered slots' local experts ``[S, k]`` (outside
-    ``0..experts-1``: one elsewhere), the MASKED rows and scales, the per-expert counts and combine's terms (each slot's entries in
-    ascending expert order; the trash row's marked as padding). ``constant``: the dispatcher's, for what follows from
-    the spec alone."""
+    ``0..experts-1``: one elsewhere), the MASKED rows and scales, the per-expert counts and combine's terms (each
+    slot's entries in ascending expert order; the trash row's marked as padding). ``constant``: the dispatcher's,
+    for what follows from the spec alone."""
     (S, k), El, dev = local.shape, experts, local.device
     key = local.clamp(-1, El).remainder(El + 1).reshape(-1, 1)  # an expert elsewhere, or none: El
     # Expert e's i-th entry (in (slot, k) order) goes to row e·S + i: an inclusive running count per expert plus a
