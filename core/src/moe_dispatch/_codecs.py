@@ -72,11 +72,11 @@ class Codec:
     def scale_shape(self, lead: tuple[int, ...]) -> tuple[int, ...] | None:
         return None
 
-    def encode(self, x: torch.Tensor, trailer: Sequence[torch.Tensor] = (),
+    def encode(self, x: torch.Tensor, trailer: torch.Tensor | Sequence[torch.Tensor] = (),
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize and lay out as wire rows ``[..., bytes_per_token]`` of uint8, followed by ``trailer``'s uint8
-        tensors (routing metadata: one copy instead of two), in ``out`` when given."""
-        return self.to_bytes(self.quantize(x), trailer, out)
+        tensor or tensors (routing metadata: one copy instead of two), in ``out`` when given."""
+        return self.to_bytes(self.quantize(x), (trailer,) if isinstance(trailer, torch.Tensor) else trailer, out)
 
     def to_bytes(self, q: Quantized, trailer: Sequence[torch.Tensor] = (),
                  out: torch.Tensor | None = None) -> torch.Tensor:

@@ -200,6 +200,7 @@ class Dispatcher:
             self._checks.combine(expert_output, dispatch_output)
         except BaseException:
             self._check_combine(expert_output, dispatch_output)
+            raise
         try:
             if self._numbered:
                 self._comm.begin("combine", dispatch_output.call)

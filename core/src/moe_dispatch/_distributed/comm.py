@@ -343,15 +343,15 @@ class Comm:
             from .watch import CallId
             self.watch.refused(operation, error, CallId(self.watch.epoch, phase, number))
 
-    def exchange_counts(self, counts: torch.Tensor | list[int]) -> torch.Tensor:
-        """int64 ``[world]``: how many rows this rank sends to each rank (a list: counts the host holds already) → how
-        many it gets. Carries the call check when one is due (``begin``): the same 32 bytes per peer."""
+    def exchange_counts(self, counts: torch.Tensor | list[int], device: torch.device | None = None) -> torch.Tensor:
+        """int64 ``[world]``: how many rows this rank sends to each rank (a list: held on the host, sent from
+        ``device``) → how many it gets. Carries the call check when one is due (``begin``): 32 bytes per peer."""
         if self._call is None:
             if isinstance(counts, list):
-                counts = torch.tensor(counts, device=self.device)
+                counts = torch.tensor(counts, device=device or self.device)
             raw = as_bytes(counts.to(torch.int64).unsqueeze(1))  # one 8-byte row per rank
             return from_bytes(self.all_to_all(raw, None, None, [("metadata", 8)]), torch.int64).squeeze(1)
-        return self._watch.check_call(self, counts)  # type: ignore[union-attr]
+        return self._watch.check_call(self, counts, device)  # type: ignore[union-attr]
 
     def _record(self, name: str, send: torch.Tensor, send_counts: list[int] | None, recv_counts: list[int] | None,
                 sections: Sequence[Section]) -> None:

@@ -161,7 +161,8 @@ class Watch:
         self.tag = int(uid[:15], 16) if uid else 0
         self.prefix = f"moe_dispatch/{uid}" if uid else None
 
-    def check_call(self, comm: Any, counts: torch.Tensor | list[int] | None) -> torch.Tensor:  # comm: the Comm that began it
+    def check_call(self, comm: Any, counts: torch.Tensor | list[int] | None,
+                   device: torch.device | None = None) -> torch.Tensor:  # comm: the Comm that began it
         """The call check ``comm.begin`` left for this call's first collective: one all-to-all of (count, dispatcher,
         attempt, number) per peer; every rank compares every rank's call with its own and raises ``CallOrderError`` on
         any difference, so all raise together. The attempt word holds the phase and the calls the rank refused before: a
@@ -174,7 +175,7 @@ class Watch:
         rows = torch.tensor([[n, tag, attempt, call.number] for n in on_host], dtype=torch.int64)
         if isinstance(counts, torch.Tensor):
             rows[:, 0] = counts.to(rows.device)
-        device = counts.device if isinstance(counts, torch.Tensor) else comm.device or torch.device("cpu")
+        device = counts.device if isinstance(counts, torch.Tensor) else device or comm.device or torch.device("cpu")
         if device.type != "cpu":
             device = torch.device(device.type, getattr(torch, device.type).current_device())
         sections = [("check", 8 * _CALL_ROW)] if counts is None else [("metadata", 8), ("check", 8 * (_CALL_ROW - 1))]

@@ -179,10 +179,12 @@ class ReferenceDispatcher:
         return self.codec.from_bytes(rows[:, :pw]), gids - first, from_bytes(rows[:, pw + 4 * k :], torch.float32)
 
     def _constant(self, name: str, make: Callable[[], T]) -> T:
-        """A tensor that follows from the spec alone, made once (no launch per call)."""
+        """Tensors that follow from the spec alone, made once; not kept from a CUDA-graph capture (no values yet)."""
         made = self._constants.get(name)
         if made is None:
-            made = self._constants[name] = make()
+            made = make()
+            if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+                self._constants[name] = made
         return made  # type: ignore[return-value]
 
     def _start_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -195,15 +197,15 @@ class ReferenceDispatcher:
             in_rank = (torch.div(topk_ids, El, rounding_mode="floor") == ranks).any(2)
         pairs = in_rank.view(-1).nonzero().squeeze(1)  # r·T + t: by rank, then token
         pair_token = pairs % max(T, 1)
-        ends = torch.searchsorted(pairs, self._constant(f"rank ends {T} {x.device}", lambda: torch.arange(
-            1, R + 1, device=x.device) * T)).tolist()  # the host sync
+        ends = torch.searchsorted(pairs, self._constant(f"rank ends {x.device}", lambda: torch.arange(
+            1, R + 1, device=x.device)) * T).tolist()  # the host sync
         send_counts = [end - start for start, end in zip([0, *ends], ends)]
         lease = self.slots.acquire()
         slot, width = lease.slot, self.payload_width + 8 * self.top_k
         rows = self._token_rows(x, topk_ids, topk_weights, slot.take("token_rows", (T, width), torch.uint8, x.device))
         send = torch.index_select(rows, 0, pair_token, out=slot.take("send", (pair_token.numel(), width), rows.dtype,
                                                                          rows.device))
-        recv_counts = comm.exchange_counts(send_counts).tolist()
+        recv_counts = comm.exchange_counts(send_counts, x.device).tolist()
         transfer = comm.all_to_all_start(send, send_counts, recv_counts, self.sections,
                                          out=None if self.world == 1 else
                                          slot.take("recv", (sum(recv_counts), send.shape[1]), send.dtype, send.device))
@@ -280,13 +282,13 @@ class ReferenceDispatcher:
 
     def _masked_returns(self, T: int, device: torch.device) -> TokenTerms:
         """Low-latency combine's second half: token c's partials come back from every rank at rows r·C + c, added in
-        rank order (as they come back when one block holds them; token-major in blocks otherwise)."""
-        R, C, H = self.world, self.capacity, self.hidden
-        chunk, token = chunk_bytes(device, self.host_paths), torch.arange(T, device=device)
-        rows = token + C * torch.arange(R, device=device).unsqueeze(1)  # [R, T]: r·C + c
-        if max(T, R * T) * 4 * H <= chunk:
-            return TokenTerms(None if T == C else rows.reshape(-1), token.repeat(R), None, None, ((0, T, 0, R * T),))
-        return TokenTerms(rows.t().reshape(-1), token.repeat_interleave(R), None, None, even_blocks(T, R, H, chunk))
+        rank order; token-major, so that the first T tokens' entries are a prefix of the capacity's."""
+        R, C = self.world, self.capacity
+        rows, token = self._constant(f"returns {device}", lambda: (
+            (torch.arange(C, device=device).unsqueeze(1) + C * torch.arange(R, device=device)).reshape(-1),
+            torch.arange(C, device=device).repeat_interleave(R)))
+        return TokenTerms(rows[: R * T], token[: R * T], None, None,
+                          even_blocks(T, R, self.hidden, chunk_bytes(device, self.host_paths)))
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         return self._start_combine(expert_output, dispatch_output, self.comm)()
@@ -334,8 +336,7 @@ class ReferenceDispatcher:
                                          out=None if R == 1 else
                                          slot.take("back", (R * C, 2 * H), torch.uint8, y.device))
         self.slots.keep_until_done(h.lease, transfer)
-        returns = self._constant(f"returns {T} {y.device} {self.host_paths}", lambda: self._masked_returns(T, y.device))
-        return functools.partial(self._returned, h, transfer, returns, y.device)
+        return functools.partial(self._returned, h, transfer, self._masked_returns(T, y.device), y.device)
 
 
 def _select_rows(src: torch.Tensor, index: torch.Tensor, take,  # type: ignore[no-untyped-def]

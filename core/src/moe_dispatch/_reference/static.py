@@ -29,7 +29,7 @@ def masked_rows(q: Quantized, local: torch.Tensor, experts: int, weights: torch.
     base = constant(f"bases {dev}", lambda: torch.cat([torch.arange(El, device=dev) * S - 1,
                                                        torch.tensor([El * S], device=dev)]))
     entry_slot = constant(f"entry slot {dev}", lambda: torch.arange(S, device=dev).repeat_interleave(k))
-    seen = torch.cumsum(key == ids, 0)
+    seen = torch.cumsum(key == ids, 0, out=slot.take("seen", (S * k, El + 1), torch.int64, dev))  # counts: a view
     entry_row = (seen + base).gather(1, key).squeeze(1)
     # MASKED rows ascend with the expert (e·S + i, i < S) and the trash row is last: a slot's rows in ascending order
     # are its entries in expert order.
