@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overlapped in split phase against sequential (world size 2 unless --world-size); all: every one")
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's op table (rank 0) for each case: the cost of each stage; and "
-                        "an ops column: kernel-launching ATen ops per dispatch + combine")
+                        "an ops column: kernel-launching ATen ops per dispatch + combine on the paths an "
+                        "accelerator runs")
     p.add_argument("--json", action="store_true", help="print JSON (schema 1) instead of tables")
     p.add_argument("--plot", metavar="PATH", default=None, help="write latency curves to this PNG (needs matplotlib)")
 

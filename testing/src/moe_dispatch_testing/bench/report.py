@@ -45,8 +45,9 @@ def format_table(results: list[CaseResult], ops: dict | None = None) -> str:  # 
         "ms: median (p90) over iterations of the slowest rank; MB: sent per rank; check B: the call "
         "check's bytes per rank per dispatch+combine; wire: payload bytes / "
         "WireFormat rows; floor x: (dispatch+combine) / bare all_to_all_single of the same bytes; "
-        "vs ag: / the allgather backend" + ("; ops: kernel-launching ATen ops per dispatch+combine on rank 0 "
-                                             "(torch.profiler: leaf ops, views and allocations left out)" if ops else "")
+        "vs ag: / the allgather backend" + ("; ops: kernel-launching ATen ops per dispatch+combine on rank 0, on "
+                                             "the paths an accelerator runs (torch.profiler: leaf ops, views and "
+                                             "allocations left out)" if ops else "")
     )
     return "\n".join(lines)
 
