@@ -165,8 +165,8 @@ class ReferenceDispatcher:
         memory a quantizing codec takes 1 MiB of fp32 at a time: whole fresh temporaries page-fault on every call."""
         meta, T = [as_bytes(ids.to(torch.int32)), as_bytes(weights.to(torch.float32))], x.shape[0]
         host = self.host_paths and x.is_cpu and self.codec.wire.scale_bytes
-        step = ((1 << 20) // (4 * self.hidden) or 1) if host else T
-        for a in range(0, T, step or 1):
+        step = ((1 << 20) // (4 * self.hidden) or 1) if host else max(T, 1)
+        for a in range(0, T, step):
             self.codec.encode(x[a : a + step], [m[a : a + step] for m in meta], out[a : a + step])
         return out
 
@@ -221,8 +221,8 @@ class ReferenceDispatcher:
         chunk = chunk_bytes(recv.device, self.host_paths)
         returns = token_major(pair_token, T, self.hidden, chunk)
         if self.token_major:  # the received rows as they are, made contiguous
-            local = torch.where((local >= 0) & (local < El), local, -1)
-            counts = torch.bincount(local[local >= 0], minlength=El)
+            mine = (local >= 0) & (local < El)
+            local, counts = torch.where(mine, local, -1), torch.bincount(local[mine], minlength=El)
             hidden = slot.take("rows", q.data.shape, q.data.dtype, q.data.device).copy_(q.data)
             scale = None if q.scale is None else slot.take("row_scales", q.scale.shape, q.scale.dtype,
                                                            q.scale.device).copy_(q.scale)
@@ -230,7 +230,7 @@ class ReferenceDispatcher:
             return DispatchOutput(hidden, scale, topk_ids, topk_weights,
                                   group_list_from_counts(counts, self.group_list_type), self.group_list_type,
                                   Layout.TOKEN_MAJOR, self.dtype, handle, self.global_scale,
-                                  row_topk_ids=local, row_topk_weights=torch.where(local >= 0, rweights, 0.0))
+                                  row_topk_ids=local, row_topk_weights=torch.where(mine, rweights, 0.0))
         # Rows per (token, local expert), grouped by expert, token order within: a stable sort puts the entries for
         # experts elsewhere before and after; the experts' ends give the counts and the rows (a host read).
         by_expert = torch.sort(local.reshape(-1), stable=True)

@@ -80,12 +80,12 @@ def sum_terms(out: torch.Tensor, src: torch.Tensor, terms: TokenTerms, slot: Slo
     most_entries = max((e1 - e0 for _, _, e0, e1 in terms.blocks), default=0)
     acc_buf = slot.take("sum", (most_tokens, H), torch.float32, out.device)
     term_buf = slot.take("term", (most_entries, H), torch.float32, out.device)
+    picks = None if terms.rows is None else slot.take("gathered", (most_entries, H), src.dtype, out.device)
     for t0, t1, e0, e1 in terms.blocks:
         acc = acc_buf[: t1 - t0].zero_()
         if e1 > e0:
             term = term_buf[: e1 - e0]
-            rows = src[e0:e1] if terms.rows is None else torch.index_select(src, 0, terms.rows[e0:e1], out=slot.take(
-                "gathered", (most_entries, H), src.dtype, out.device)[: e1 - e0])
+            rows = src[e0:e1] if picks is None else torch.index_select(src, 0, terms.rows[e0:e1], out=picks[: e1 - e0])
             weight = None if terms.weight is None else terms.weight[e0:e1].unsqueeze(1)
             if weight is not None and len(terms.blocks) == 1:  # one launch; bf16·fp32 is computed in fp32
                 torch.mul(rows, weight, out=term)
