@@ -18,12 +18,14 @@ import time
 import torch
 
 from moe_dispatch._reference.sums import CPU_CHUNK_BYTES, sum_terms, token_major
+
+BASELINE_CHUNK_BYTES = 4 << 20
 from moe_dispatch._reference.slots import Slot
 
 
 def baseline(y: torch.Tensor, row_token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:
     out = torch.zeros(tokens, y.shape[1], dtype=torch.float32)
-    step = max(1, CPU_CHUNK_BYTES // (4 * y.shape[1]))
+    step = max(1, BASELINE_CHUNK_BYTES // (4 * y.shape[1]))
     for start in range(0, y.shape[0], step):
         part = slice(start, min(y.shape[0], start + step))
         chunk = y[part].to(torch.float32, copy=True).mul_(weight[part].unsqueeze(1))

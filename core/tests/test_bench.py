@@ -50,7 +50,7 @@ def test_bench_json_counts_exactly_the_wire_format_bytes(capsys):
     for c in cases:
         assert c["wire_ratio"] == 1.0, c
         assert 0 < c["dispatch_ms"] <= c["dispatch_p90_ms"] and 0 < c["combine_ms"] <= c["combine_p90_ms"]
-        assert c["floor_ms"] > 0 and c["floor_ratio"] > 0 and c["iterations"] == 3
+        assert c["floor_ms"] > 0 and c["floor_ratio"] > 0 and c["core_ratio"] > 0 and c["iterations"] == 3
         wire = WireFormat(DispatchDtype.parse(c["case"]["dtype"]), 256).bytes_per_token
         if c["case"]["mode"] == "low_latency" or c["case"]["backend"] == "allgather":
             assert c["payload_bytes"] == 8 * 2 * wire  # capacity (or every token) to both ranks

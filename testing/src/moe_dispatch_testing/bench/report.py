@@ -29,7 +29,8 @@ def format_table(results: list[CaseResult], ops: dict | None = None) -> str:  # 
     ops = ops or {}
     head = (f"{'backend':<10} {'dtype':<6} {'mode':<11} {'R':>2} {'T/rank':>6} {'H':>5} "
             f"{'disp ms':>8} {'p90':>8} {'comb ms':>8} {'p90':>8} {'disp MB':>8} {'comb MB':>8} "
-            f"{'check B':>7} {'wire':>5} {'GB/s':>6} {'floor x':>7} {'vs ag':>6}" + (f" {'ops':>5}" if ops else ""))
+            f"{'check B':>7} {'wire':>5} {'GB/s':>6} {'floor x':>7} {'core x':>6} {'vs ag':>6}"
+            + (f" {'ops':>5}" if ops else ""))
     lines = [head, "-" * len(head)]
     for r in results:
         c = r.case
@@ -38,13 +39,15 @@ def format_table(results: list[CaseResult], ops: dict | None = None) -> str:  # 
             f"{c.backend:<10} {c.dtype.value:<6} {c.mode.value:<11} {c.world_size:>2} {c.tokens_per_rank:>6} "
             f"{c.hidden:>5} {_ms(r.dispatch_ms):>8} {_ms(r.dispatch_p90_ms):>8} {_ms(r.combine_ms):>8} "
             f"{_ms(r.combine_p90_ms):>8} {_mb(r.dispatch_bytes):>8} {_mb(r.combine_bytes):>8} "
-            f"{r.check_bytes:>7.0f} {r.wire_ratio:>5.2f} {r.gb_per_s:>6.2f} {r.floor_ratio:>7.2f} {ag:>6}"
+            f"{r.check_bytes:>7.0f} {r.wire_ratio:>5.2f} {r.gb_per_s:>6.2f} {r.floor_ratio:>7.2f} "
+            f"{r.core_ratio:>6.2f} {ag:>6}"
             + (f" {ops[c]:>5.0f}" if c in ops else (" " * 6 if ops else ""))
         )
     lines.append(
         "ms: median (p90) over iterations of the slowest rank; MB: sent per rank; check B: the call "
         "check's bytes per rank per dispatch+combine; wire: payload bytes / "
-        "WireFormat rows; floor x: (dispatch+combine) / bare all_to_all_single of the same bytes; "
+        "WireFormat rows; floor x: (dispatch+combine) / bare all_to_all_single of the same bytes; core x: the "
+        "ranks' CPU time (all threads) / the floor's, which floor x follows where ranks share cores; "
         "vs ag: / the allgather backend" + ("; ops: kernel-launching ATen ops per dispatch+combine on rank 0, on "
                                              "the paths an accelerator runs (torch.profiler: leaf ops, views and "
                                              "allocations left out)" if ops else "")

@@ -43,6 +43,9 @@ class CaseResult:
     wire_ratio: float
     #: dispatch + combine over the bare all-to-alls of the same bytes (median of per-iteration ratios).
     floor_ratio: float
+    #: the ranks' CPU time in dispatch + combine over theirs in the floor (median of per-iteration ratios): where
+    #: the ranks share the cores with the transport (gloo on a CPU), the wall-time ratio follows it.
+    core_ratio: float
     iterations: int
     vs_allgather: float | None = None
 
@@ -83,6 +86,9 @@ def summarize_case(case: BenchCase, samples: list[RankSamples]) -> CaseResult:
     floor = [a + b for a, b in zip(_slowest([s.floor_dispatch_s for s in samples]),
                                    _slowest([s.floor_combine_s for s in samples]))]
     ratios = [(d + c) / f for d, c, f in zip(dispatch, combine, floor) if f > 0]
+    cpu = [sum(column) for column in zip(*[s.cpu_s for s in samples])]
+    floor_cpu = [sum(column) for column in zip(*[s.floor_cpu_s for s in samples])]
+    core = [a / b for a, b in zip(cpu, floor_cpu) if b > 0]
     n = len(samples)
     sent = sum(s.dispatch_traffic.payload_bytes for s in samples)
     expected = sum(expected_payload_bytes(case, s) for s in samples)
@@ -99,6 +105,7 @@ def summarize_case(case: BenchCase, samples: list[RankSamples]) -> CaseResult:
         check_bytes=sum(s.dispatch_traffic.check_bytes + s.combine_traffic.check_bytes for s in samples) / n,
         wire_ratio=sent / expected if expected else float("nan"),
         floor_ratio=statistics.median(ratios) if ratios else float("nan"),
+        core_ratio=statistics.median(core) if core else float("nan"),
         iterations=len(dispatch),
     )
 

@@ -35,6 +35,9 @@ class RankSamples:
     combine_s: list[float] = field(default_factory=list)
     floor_dispatch_s: list[float] = field(default_factory=list)
     floor_combine_s: list[float] = field(default_factory=list)
+    #: This process's CPU time (every thread: gloo's copies too) per dispatch + combine, and per floor.
+    cpu_s: list[float] = field(default_factory=list)
+    floor_cpu_s: list[float] = field(default_factory=list)
     dispatch_traffic: Traffic = field(default_factory=Traffic)
     combine_traffic: Traffic = field(default_factory=Traffic)
     #: (token, destination rank) pairs of this rank's routing: what a sparse dispatch must send.
@@ -76,16 +79,20 @@ class _Floor:
             dist.all_to_all_single(recv, send, recv_splits, send_splits)
 
 
-def _timed(fn, samples: list[float], comm: Comm, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def _timed(fn, samples: list[float], comm: Comm, device: str = "cpu",  # type: ignore[no-untyped-def]
+           cpu: list[float] | None = None):
+    """``fn``'s wall time into ``samples`` after a barrier; its process CPU time added to ``cpu[-1]`` if given."""
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
     comm.barrier("bench barrier")  # watched: a rank that failed is named, not waited for
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     value = fn()
     if cuda:  # kernels are asynchronous: time until they finish
         torch.cuda.synchronize()
     samples.append(time.perf_counter() - start)
+    if cpu is not None:
+        cpu[-1] += time.process_time() - start_cpu
     return value
 
 
@@ -136,11 +143,13 @@ def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
     try:
         for i in range(settings.warmup + settings.iterations):
             into = samples if i >= settings.warmup else scratch
-            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev)
-            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev)
+            into.cpu_s.append(0.0)
+            into.floor_cpu_s.append(0.0)
+            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev, into.cpu_s)
+            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev, into.cpu_s)
             out = None  # free the rows before the floor runs
-            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev)
-            _timed(floor_combine.run, into.floor_combine_s, comm, dev)
+            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev, into.floor_cpu_s)
+            _timed(floor_combine.run, into.floor_combine_s, comm, dev, into.floor_cpu_s)
     except MoEDispatchError:
         raise  # the dispatcher told the other ranks already
     except BaseException as exc:
