@@ -18,9 +18,9 @@ import time
 import torch
 
 from moe_dispatch._reference.sums import CPU_CHUNK_BYTES, sum_terms, token_major
-
-BASELINE_CHUNK_BYTES = 4 << 20
 from moe_dispatch._reference.slots import Slot
+
+BASELINE_CHUNK_BYTES = 4 << 20  # the baseline's chunks (the docstring)
 
 
 def baseline(y: torch.Tensor, row_token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:

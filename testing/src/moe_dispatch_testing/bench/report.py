@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 
@@ -18,6 +19,10 @@ BENCH_JSON_SCHEMA = 1
 
 def _ms(value: float) -> str:
     return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def _ratio(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
 
 
 def _mb(value: float) -> str:
@@ -40,7 +45,7 @@ def format_table(results: list[CaseResult], ops: dict | None = None) -> str:  # 
             f"{c.hidden:>5} {_ms(r.dispatch_ms):>8} {_ms(r.dispatch_p90_ms):>8} {_ms(r.combine_ms):>8} "
             f"{_ms(r.combine_p90_ms):>8} {_mb(r.dispatch_bytes):>8} {_mb(r.combine_bytes):>8} "
             f"{r.check_bytes:>7.0f} {r.wire_ratio:>5.2f} {r.gb_per_s:>6.2f} {r.floor_ratio:>7.2f} "
-            f"{r.core_ratio:>6.2f} {ag:>6}"
+            f"{_ratio(r.core_ratio):>6} {ag:>6}"
             + (f" {ops[c]:>5.0f}" if c in ops else (" " * 6 if ops else ""))
         )
     lines.append(

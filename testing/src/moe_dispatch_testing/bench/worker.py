@@ -35,7 +35,7 @@ class RankSamples:
     combine_s: list[float] = field(default_factory=list)
     floor_dispatch_s: list[float] = field(default_factory=list)
     floor_combine_s: list[float] = field(default_factory=list)
-    #: This process's CPU time (every thread: gloo's copies too) per dispatch + combine, and per floor.
+    #: This process's CPU time (every thread: gloo's copies too) per dispatch + combine, and per floor (CPU ranks).
     cpu_s: list[float] = field(default_factory=list)
     floor_cpu_s: list[float] = field(default_factory=list)
     dispatch_traffic: Traffic = field(default_factory=Traffic)
@@ -143,13 +143,16 @@ def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
     try:
         for i in range(settings.warmup + settings.iterations):
             into = samples if i >= settings.warmup else scratch
-            into.cpu_s.append(0.0)
-            into.floor_cpu_s.append(0.0)
-            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev, into.cpu_s)
-            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev, into.cpu_s)
+            # CPU time on host memory only: on a GPU it would count the syncs' spinning and NCCL's threads.
+            cpu, floor_cpu = (into.cpu_s, into.floor_cpu_s) if dev == "cpu" else (None, None)
+            for times in (cpu, floor_cpu):
+                if times is not None:
+                    times.append(0.0)
+            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev, cpu)
+            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev, cpu)
             out = None  # free the rows before the floor runs
-            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev, into.floor_cpu_s)
-            _timed(floor_combine.run, into.floor_combine_s, comm, dev, into.floor_cpu_s)
+            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev, floor_cpu)
+            _timed(floor_combine.run, into.floor_combine_s, comm, dev, floor_cpu)
     except MoEDispatchError:
         raise  # the dispatcher told the other ranks already
     except BaseException as exc:
