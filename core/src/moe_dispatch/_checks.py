@@ -94,7 +94,8 @@ def _dispatch_rules(device: torch.device | None) -> list[Rule]:
     ]
 
 
-def _combine_rules(rows_are_hidden: bool) -> list[Rule]:
+def _combine_rules(rows_are_hidden: bool, device: torch.device | None) -> list[Rule]:
+    cpu = device is not None and device.type == "cpu"  # a CPU group's rows are on the CPU: is_cpu, as for dispatch
     # Rows [..., H] for every dtype but packed ones (NVFP4: [..., H/2]): then one shape comparison.
     shape = ("y.shape == (rows := out.hidden_states).shape" if rows_are_hidden else
              "(ys := y.shape)[-1] == H and ys[:-1] == (rows := out.hidden_states).shape[:-1]")
@@ -108,9 +109,8 @@ def _combine_rules(rows_are_hidden: bool) -> list[Rule]:
         Rule("expert_output", shape, "wrong shape: one row per dispatched row",
              "{[*out.hidden_states.shape[:-1], H]}", "y"),
         Rule("expert_output", "y.dtype is BF16", "wrong dtype (combine sends BF16)", "torch.bfloat16", "y"),
-        Rule("expert_output", "y.device == rows.device", "is not on the device of the dispatch output",
-             "{out.hidden_states.device}", "y"),
-        # Its buffers may already hold a later dispatch's rows.
+        Rule("expert_output", "y.is_cpu" if cpu else "y.device == rows.device",
+             "is not on the device of the dispatch output", "{out.hidden_states.device}", "y"),
         Rule("dispatch_output", "not out.combined", "dispatch #{out.call} was already combined (or its combine "
              "started); its buffers may now hold a later dispatch's rows (an output is valid until its combine)",
              "an output not yet combined", "f'dispatch #{out.call}'"),
@@ -137,7 +137,7 @@ class InputChecks:
         self._dispatch = Rules("x, ids, w", _dispatch_rules(device), constants)
         rows_are_hidden = (spec.output_dtype is not None
                            and wire_dtype(spec.output_dtype).row_columns(spec.hidden_size) == spec.hidden_size)
-        self._combine = Rules("y, out", _combine_rules(rows_are_hidden), constants)
+        self._combine = Rules("y, out", _combine_rules(rows_are_hidden, device), constants)
         self._dispatch_ok, self._combine_ok = self._dispatch.all, self._combine.all
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
