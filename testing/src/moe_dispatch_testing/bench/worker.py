@@ -79,9 +79,8 @@ class _Floor:
             dist.all_to_all_single(recv, send, recv_splits, send_splits)
 
 
-def _timed(fn, samples: list[float], comm: Comm, device: str = "cpu",  # type: ignore[no-untyped-def]
-           cpu: list[float] | None = None):
-    """``fn``'s wall time into ``samples`` after a barrier; its process CPU time added to ``cpu[-1]`` if given."""
+def _timed(fn, samples: list[float], cpu: list[float], comm: Comm, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    """``fn``'s wall time into ``samples``, after a barrier, and its process CPU time into ``cpu``."""
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -91,8 +90,7 @@ def _timed(fn, samples: list[float], comm: Comm, device: str = "cpu",  # type: i
     if cuda:  # kernels are asynchronous: time until they finish
         torch.cuda.synchronize()
     samples.append(time.perf_counter() - start)
-    if cpu is not None:
-        cpu[-1] += time.process_time() - start_cpu
+    cpu.append(time.process_time() - start_cpu)
     return value
 
 
@@ -143,16 +141,16 @@ def measure_case(rank: int, world_size: int, case: BenchCase, settings: BenchSet
     try:
         for i in range(settings.warmup + settings.iterations):
             into = samples if i >= settings.warmup else scratch
-            # CPU time on host memory only: on a GPU it would count the syncs' spinning and NCCL's threads.
-            cpu, floor_cpu = (into.cpu_s, into.floor_cpu_s) if dev == "cpu" else (None, None)
-            for times in (cpu, floor_cpu):
-                if times is not None:
-                    times.append(0.0)
-            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, comm, dev, cpu)
-            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, comm, dev, cpu)
+            cpu: list[float] = []
+            floor_cpu: list[float] = []
+            out = _timed(partial(dispatcher.dispatch, x, ids, weights), into.dispatch_s, cpu, comm, dev)
+            _timed(partial(dispatcher.combine, expert_rows, out), into.combine_s, cpu, comm, dev)
             out = None  # free the rows before the floor runs
-            _timed(floor_dispatch.run, into.floor_dispatch_s, comm, dev, floor_cpu)
-            _timed(floor_combine.run, into.floor_combine_s, comm, dev, floor_cpu)
+            _timed(floor_dispatch.run, into.floor_dispatch_s, floor_cpu, comm, dev)
+            _timed(floor_combine.run, into.floor_combine_s, floor_cpu, comm, dev)
+            if dev == "cpu":  # on a GPU, process time would count the syncs' spinning and NCCL's threads
+                into.cpu_s.append(sum(cpu))
+                into.floor_cpu_s.append(sum(floor_cpu))
     except MoEDispatchError:
         raise  # the dispatcher told the other ranks already
     except BaseException as exc:
